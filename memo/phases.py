@@ -1,0 +1,168 @@
+"""Phases: labelled spans of one training iteration.
+
+A phase is one of ``embed.fwd``, ``layer.fwd[i]``, ``head.fwd``, ``head.bwd``,
+``layer.bwd[i]``, ``embed.bwd`` and ``optimizer``. The profiler tags every
+allocation with the phase it happened in, the planned allocator selects
+offsets by (phase, request index), and the runtime knows which layer it is
+moving. All of them learn the current phase from one :class:`PhaseTracker`.
+
+NOTE [Phase boundaries]
+Forward phases open in a module's forward pre-hook and close in its forward
+hook. Backward phases open in the module's full backward *pre*-hook, which
+fires once the gradient of the module's output is ready, i.e. just before the
+module's own backward work, and stay open until the next backward phase opens
+(or the iteration ends). Work the autograd engine does between two modules
+(e.g. accumulating a residual gradient) is therefore attributed to the module
+whose backward is about to run, which is the module that consumes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from memo.errors import MemoError
+
+__all__ = [
+    "PHASE_KINDS",
+    "PhaseTracker",
+    "layer_phase",
+    "parse_phase",
+    "phase_kind",
+]
+
+#: Every phase kind, in the order they happen in one iteration.
+PHASE_KINDS = ("embed.fwd", "layer.fwd", "head.fwd", "head.bwd", "layer.bwd", "embed.bwd", "optimizer")
+
+_PHASE_RE = re.compile(r"^(embed\.fwd|head\.fwd|head\.bwd|embed\.bwd|optimizer|layer\.(?:fwd|bwd)\[(\d+)\])$")
+
+PhaseListener = Callable[[str | None], None]
+
+
+def layer_phase(direction: str, index: int) -> str:
+    """``layer_phase("fwd", 3) -> "layer.fwd[3]"``."""
+    if direction not in ("fwd", "bwd"):
+        raise ValueError(f"memo.phases: direction must be 'fwd' or 'bwd', got {direction!r}")
+    return f"layer.{direction}[{index}]"
+
+
+def parse_phase(name: str) -> tuple[str, int | None]:
+    """Split a phase name into its kind and layer index: ``"layer.bwd[2]" -> ("layer.bwd", 2)``."""
+    match = _PHASE_RE.match(name)
+    if match is None:
+        raise MemoError(
+            f"memo.phases: {name!r} is not a phase name; expected one of embed.fwd, layer.fwd[i], "
+            "head.fwd, head.bwd, layer.bwd[i], embed.bwd, optimizer"
+        )
+    if match.group(2) is None:
+        return name, None
+    return name.split("[", 1)[0], int(match.group(2))
+
+
+def phase_kind(name: str) -> str:
+    """``"layer.fwd[7]" -> "layer.fwd"``; non-layer phases are their own kind."""
+    return parse_phase(name)[0]
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class PhaseTracker:
+    """Knows the current phase of a training iteration and tells listeners when it changes.
+
+    Args:
+        embedding: module whose forward is ``embed.fwd`` (token ids -> hidden states).
+        layers: the transformer layers, in order; layer ``i`` is ``layer.fwd[i]``/``layer.bwd[i]``.
+        head: module whose forward is ``head.fwd`` (hidden states -> scalar loss).
+        listeners: callables ``f(phase_or_None)`` called on every change.
+
+    Use ``tracker.iteration()`` around forward + backward so the last backward
+    phase closes when backward returns, and ``tracker.phase("optimizer")``
+    around the optimizer step. ``tracker.remove()`` detaches every hook.
+    """
+
+    def __init__(
+        self,
+        embedding: nn.Module,
+        layers: Sequence[nn.Module],
+        head: nn.Module,
+        listeners: Sequence[PhaseListener] = (),
+    ) -> None:
+        self._listeners: list[PhaseListener] = list(listeners)
+        self._current: str | None = None
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._hook("embed", None, embedding)
+        for i, layer in enumerate(layers):
+            self._hook("layer", i, layer)
+        self._hook("head", None, head)
+
+    @property
+    def current(self) -> str | None:
+        """The phase now open, or ``None`` outside every phase."""
+        return self._current
+
+    def add_listener(self, listener: PhaseListener) -> None:
+        self._listeners.append(listener)
+
+    def remove_listener(self, listener: PhaseListener) -> None:
+        self._listeners.remove(listener)
+
+    def set(self, phase: str | None) -> None:
+        """Open ``phase`` (closing the current one), or close the current one with ``None``."""
+        if phase is not None:
+            parse_phase(phase)
+        if phase == self._current:
+            return
+        self._current = phase
+        for listener in self._listeners:
+            listener(phase)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Open ``name`` for the body of the ``with``; restore the previous phase afterwards."""
+        previous = self._current
+        self.set(name)
+        try:
+            yield
+        finally:
+            self.set(previous)
+
+    @contextlib.contextmanager
+    def iteration(self) -> Iterator[None]:
+        """Wrap one forward + backward; closes whatever backward phase is open when it ends."""
+        self.set(None)
+        try:
+            yield
+        finally:
+            self.set(None)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _hook(self, part: str, index: int | None, module: nn.Module) -> None:
+        fwd = f"{part}.fwd" if index is None else layer_phase("fwd", index)
+        bwd = f"{part}.bwd" if index is None else layer_phase("bwd", index)
+
+        # A forward that runs inside backward is a recomputation (checkpointing, memo's
+        # token-wise recompute): it belongs to the backward phase already open.
+        def open_fwd(_module: nn.Module, _args: object) -> None:
+            if not _in_backward():
+                self.set(fwd)
+
+        def close_fwd(_module: nn.Module, _args: object, _out: object) -> None:
+            if not _in_backward():
+                self.set(None)
+
+        def open_bwd(_module: nn.Module, _grad_out: object) -> None:
+            self.set(bwd)
+
+        self._handles.append(module.register_forward_pre_hook(open_fwd))
+        self._handles.append(module.register_forward_hook(close_fwd))
+        self._handles.append(module.register_full_backward_pre_hook(open_bwd))

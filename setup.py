@@ -1,0 +1,175 @@
+"""Build script for memo.
+
+Builds two native pieces:
+
+* ``memo._C`` -- a torch C++ extension (pybind11, ninja) holding the
+  backend-neutral core (plan lookup, arena, fallback allocator, trace logging,
+  rounding buffers) and the CPU backend. Always built.
+* ``memo/_lib/libmemo_cuda.so`` -- the CUDA backend as a standalone shared
+  library compiled with plain ``nvcc``. It needs no torch headers (the
+  functions ``torch.cuda.memory.CUDAPluggableAllocator`` loads are plain C),
+  so it also builds against a CPU-only torch; CI uses that to check that the
+  CUDA sources compile and link. Built whenever ``nvcc`` is found.
+
+Switches (one prefix, ``MEMO_``):
+
+* ``MEMO_BUILD_CUDA=auto|0|1`` -- ``auto`` (default) builds the CUDA backend
+  when nvcc is found; ``1`` makes a missing nvcc an error; ``0`` skips it.
+* ``MEMO_CUDA_ARCHS="90;80"`` -- compute capabilities for nvcc (default 80;90).
+* ``MAX_JOBS`` -- ninja parallelism (torch's own variable); by default capped
+  by memory (about 2 GiB per job) and printed.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+from setuptools import find_packages, setup
+from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+VERSION = "0.1.0"
+
+
+def _log(msg: str) -> None:
+    print(f"[memo setup] {msg}", file=sys.stderr)
+
+
+def _find_nvcc() -> str | None:
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if cuda_home and os.path.exists(os.path.join(cuda_home, "bin", "nvcc")):
+        return os.path.join(cuda_home, "bin", "nvcc")
+    return shutil.which("nvcc")
+
+
+def _nvcc_version(nvcc: str) -> str:
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+    match = re.search(r"release (\d+\.\d+)", out)
+    return match.group(1) if match else "unknown"
+
+
+def _cap_jobs() -> None:
+    if "MAX_JOBS" in os.environ:
+        _log(f"MAX_JOBS={os.environ['MAX_JOBS']} (from environment)")
+        return
+    try:
+        mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        mem_gib = 8.0
+    jobs = max(1, min(os.cpu_count() or 1, int(mem_gib // 2)))
+    os.environ["MAX_JOBS"] = str(jobs)
+    _log(f"MAX_JOBS={jobs} (capped by {mem_gib:.0f} GiB memory; set MAX_JOBS to override)")
+
+
+def _cuda_plan() -> tuple[str | None, str]:
+    """Decide whether to build the CUDA backend; return (nvcc path or None, version)."""
+    mode = os.environ.get("MEMO_BUILD_CUDA", "auto").lower()
+    if mode not in ("auto", "0", "1"):
+        raise SystemExit(f"memo setup: MEMO_BUILD_CUDA must be auto, 0 or 1, got {mode!r}")
+    if mode == "0":
+        _log("CUDA backend: skipped (MEMO_BUILD_CUDA=0)")
+        return None, "none"
+    nvcc = _find_nvcc()
+    if nvcc is None:
+        if mode == "1":
+            raise SystemExit("memo setup: MEMO_BUILD_CUDA=1 but nvcc was not found; set CUDA_HOME")
+        _log("CUDA backend: skipped (nvcc not found)")
+        return None, "none"
+    version = _nvcc_version(nvcc)
+    _log(f"CUDA backend: building with {nvcc} (CUDA {version})")
+    return nvcc, version
+
+
+NVCC, CUDA_VERSION = _cuda_plan()
+
+
+class BuildWithCuda(BuildExtension):
+    """torch's BuildExtension, plus the standalone CUDA backend library."""
+
+    def run(self) -> None:
+        super().run()
+        if NVCC is not None:
+            self._build_cuda_library()
+
+    def _build_cuda_library(self) -> None:
+        sources = sorted(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))
+        if not sources:
+            return
+        archs = os.environ.get("MEMO_CUDA_ARCHS", "80;90").replace(",", ";").split(";")
+        gencode = []
+        for arch in filter(None, (a.strip() for a in archs)):
+            gencode += ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
+        # The library must share the CUDA runtime of the torch process that loads it
+        # (streams and events are per runtime), hence -cudart shared.
+        out_dirs = [os.path.join(ROOT, "memo", "_lib")]
+        if not self.inplace:
+            out_dirs.append(os.path.join(self.build_lib, "memo", "_lib"))
+        for out_dir in out_dirs:
+            os.makedirs(out_dir, exist_ok=True)
+            target = os.path.join(out_dir, "libmemo_cuda.so")
+            cmd = [NVCC, "-O2", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-cudart", "shared",
+                   f"-I{os.path.join(ROOT, 'csrc')}", *gencode, *sources, "-o", target]
+            _log("nvcc: " + " ".join(cmd))
+            subprocess.run(cmd, check=True)
+
+
+def _extension() -> CppExtension:
+    # Every C++ source under csrc/ except the CUDA backend, which is its own library.
+    sources = sorted(
+        p for p in glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True)
+        if not p.startswith(os.path.join("csrc", "cuda"))
+    )
+    defines = [("MEMO_VERSION", f'"{VERSION}"'), ("MEMO_CUDA_VERSION", f'"{CUDA_VERSION}"')]
+    if NVCC is not None:
+        defines.append(("MEMO_WITH_CUDA_BACKEND", "1"))
+    return CppExtension(
+        name="memo._C",
+        sources=sources,
+        include_dirs=[os.path.join(ROOT, "csrc")],
+        define_macros=defines,
+        extra_compile_args=["-O2", "-std=c++17"],
+    )
+
+
+_cap_jobs()
+
+packages = find_packages(include=["memo", "memo.*"])
+packages += ["memo.planner"] + [
+    "memo.planner." + p for p in find_packages(where="planner")
+]
+
+setup(
+    name="memo",
+    version=VERSION,
+    description="Train transformers on million-token sequences: token-wise offload/recompute "
+    "and a planned, fragmentation-free activation allocator.",
+    long_description=open(os.path.join(ROOT, "README.md"), encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=packages,
+    package_dir={"memo": "memo", "memo.planner": "planner"},
+    package_data={"memo": ["_lib/*.so"]},
+    ext_modules=[_extension()],
+    cmdclass={"build_ext": BuildWithCuda.with_options(use_ninja=True)},
+    install_requires=[
+        "torch>=2.4",
+        "numpy>=1.24",
+        # 3.x bundles the CBC binary on Python 3.11; on 3.12+ pulp 4.x needs
+        # `pulp[cbc]` or highspy (see README, "Solvers").
+        "pulp>=2.8",
+        "tqdm>=4.60",  # progress bars on profiling, planning and training
+        "matplotlib>=3.6",  # `memo plot` and loss curves
+    ],
+    extras_require={
+        "megatron": ["megatron-core>=0.16"],
+        "highs": ["highspy>=1.7"],
+        "test": ["pytest>=7", "hypothesis>=6", "ruff>=0.5"],
+    },
+    entry_points={"console_scripts": ["memo=memo.cli.main:main"]},
+    zip_safe=False,
+)
