@@ -1,0 +1,5 @@
+import sys
+
+from memo.cli.main import main
+
+sys.exit(main())
