@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 install:
 	@if [ -n "$(TORCH_SPEC)" ]; then $(PIP) install -q "$(TORCH_SPEC)"; fi
 	$(PIP) install -q "setuptools>=64" wheel ninja pybind11 numpy "pulp>=2.8,<4" tqdm matplotlib \
-		pytest hypothesis ruff
+		pytest hypothesis ruff "megatron-core==0.16.1"
 	$(PIP) install -q --no-build-isolation --no-deps -e .
 	$(PYTHON) -c "import memo, memo._C; print('memo installed:', memo._C.build_info())"
 
