@@ -1,0 +1,47 @@
+"""memo.profiler: record one iteration's allocation trace and measure what the alpha LP needs.
+
+- :func:`record_trace` / :func:`record`: the dispatch recorder around one forward + backward
+  (:mod:`memo.profiler.recorder`), giving a ``memo.trace`` dict (docs/formats.md).
+- :func:`profile`: the whole flow of ``memo profile``: trace, S_* sizes, T_layer / B / host
+  memory, alpha, wrapped second pass, plan (:mod:`memo.profiler.profile`).
+See docs/profiling.md.
+"""
+
+from memo.profiler.measure import (
+    GPU_PEAK_TFLOPS,
+    Quantity,
+    estimate_layer_ms,
+    layer_flops,
+    measure_bandwidth,
+    time_layer_forward,
+)
+from memo.profiler.profile import DTYPES, ProfileResult, build_profile_model, profile, runtime_wrap
+from memo.profiler.record import Recording, model_parts, record, record_trace
+from memo.profiler.recorder import RECORDER_NAME, Allocation, DispatchRecorder
+from memo.profiler.stats import LayerStats, layer_stats, summarise_layers
+from memo.profiler.units import parse_count
+
+__all__ = [
+    "DTYPES",
+    "GPU_PEAK_TFLOPS",
+    "RECORDER_NAME",
+    "Allocation",
+    "DispatchRecorder",
+    "LayerStats",
+    "ProfileResult",
+    "Quantity",
+    "Recording",
+    "build_profile_model",
+    "estimate_layer_ms",
+    "layer_flops",
+    "layer_stats",
+    "measure_bandwidth",
+    "model_parts",
+    "parse_count",
+    "profile",
+    "record",
+    "record_trace",
+    "runtime_wrap",
+    "summarise_layers",
+    "time_layer_forward",
+]

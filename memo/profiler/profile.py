@@ -1,0 +1,358 @@
+"""The profile flow: trace the plain model, solve alpha, trace the wrapped model, plan.
+
+NOTE [Two-pass profiling]
+The plan used at run time must describe what runs. Memo's runtime wraps every
+layer for a given alpha (``memo.runtime.wrap``), which changes the layer's
+allocations: skeletal tensors move to rounding buffers, the recomputed part is
+not kept, and so on. So:
+
+1. pass 1 records the plain model and measures S_input, S_attn, S_others;
+2. alpha is solved from those sizes and the machine numbers;
+3. pass 2 records the model wrapped with that alpha, and the plan is made
+   from pass 2's trace.
+
+Pass 2 needs ``memo.runtime.wrap``. ``wrap_pass=None`` runs it when the
+runtime provides ``wrap`` and otherwise plans from pass 1 (and says so in
+``ProfileResult.notes``); ``True`` requires it; ``False`` skips it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from memo.errors import MemoError
+from memo.phases import PhaseTracker
+from memo.profiler.measure import (
+    Quantity,
+    estimate_layer_ms,
+    machine_memory_bytes,
+    measure_bandwidth,
+    time_layer_forward,
+)
+from memo.profiler.record import Recording, model_parts, record
+from memo.profiler.stats import LayerStats, summarise_layers
+
+__all__ = ["DTYPES", "ProfileResult", "build_profile_model", "profile", "runtime_wrap"]
+
+GB = 10**9
+
+#: dtype names accepted by :func:`profile` and ``memo profile --dtype``.
+DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+}
+
+
+@dataclass
+class ProfileResult:
+    """What :func:`profile` found.
+
+    Attributes:
+        trace: the trace the plan was made from (pass 2 when it ran, else pass 1), a ``memo.trace`` dict.
+        layer_stats: pass 1's per-layer sizes (the alpha LP's S_input, S_attn, S_others).
+        plain_trace: pass 1's trace (the unwrapped model).
+        quantities: ``bandwidth_gbps``, ``layer_ms``, ``host_memory_bytes`` and where each came from.
+        alpha: the planner's AlphaSolution (None when ``solve=False``).
+        plan: the planner's Plan (None when ``plan=False``).
+        wrapped: whether ``trace`` comes from the wrapped model (pass 2).
+        timings: seconds spent per stage.
+        notes: what a user should know (assumed values, a skipped pass).
+    """
+
+    trace: dict[str, Any]
+    layer_stats: list[LayerStats]
+    plain_trace: dict[str, Any]
+    quantities: dict[str, Quantity] = field(default_factory=dict)
+    alpha: Any = None
+    plan: Any = None
+    wrapped: bool = False
+    timings: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def _dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise MemoError(f"memo.profiler: unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}") from None
+
+
+def build_profile_model(name: str, seq_len: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """Build a registered reference model able to run ``seq_len`` tokens on ``device``."""
+    from memo.models import build_model, get_config
+
+    config = get_config(name)
+    # GPT's learned position table bounds the length (NOTE [GPT position table] in memo.models.model).
+    kw = {"max_seq_len": max(seq_len, 1)} if config.arch == "gpt" else {}
+    return build_model(config, device=device, dtype=dtype, **kw)
+
+
+def runtime_wrap() -> Callable[..., Any] | None:
+    """``memo.runtime.wrap`` when the runtime provides it, else None."""
+    try:
+        runtime = importlib.import_module("memo.runtime")
+    except ImportError:
+        return None
+    return getattr(runtime, "wrap", None)
+
+
+def _inputs(
+    model: nn.Module, seq_len: int, micro_batch: int, device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    config = getattr(model, "config", None)
+    vocab = int(getattr(config, "vocab_size", 2))
+    if device.type == "meta":
+        ids = torch.zeros(micro_batch, seq_len, dtype=torch.long, device=device)
+        return ids, ids
+    ids = torch.randint(0, vocab, (micro_batch, seq_len), device=device)
+    labels = torch.randint(0, vocab, (micro_batch, seq_len), device=device)
+    return ids, labels
+
+
+@contextlib.contextmanager
+def _progress(enabled: bool, total: int, desc: str) -> Iterator[Callable[[str | None], None] | None]:
+    """A tqdm bar that advances on every phase change (a PhaseTracker listener)."""
+    if not enabled:
+        yield None
+        return
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc=desc, unit="phase", file=sys.stderr, leave=False)
+
+    def on_phase(phase: str | None) -> None:
+        if phase is not None:
+            bar.set_postfix_str(phase, refresh=False)
+            bar.update(1)
+
+    try:
+        yield on_phase
+    finally:
+        bar.close()
+
+
+def _record(
+    model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, progress: bool, desc: str, meta: dict[str, Any]
+) -> Recording:
+    embedding, layers, head = model_parts(model)
+    tracker = PhaseTracker(embedding, layers, head)
+    try:
+        with _progress(progress, 2 * len(layers) + 4, desc) as listener:
+            if listener is not None:
+                tracker.add_listener(listener)
+            return record(model, ids, labels, tracker=tracker, meta=meta)
+    finally:
+        tracker.remove()
+
+
+def _layer_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.layers[0].parameters())
+
+
+def _machine(
+    model: nn.Module,
+    device: torch.device,
+    ids: torch.Tensor,
+    seq_len: int,
+    micro_batch: int,
+    bandwidth_gbps: float | None,
+    layer_ms: float | None,
+    gpu: str | None,
+    efficiency: float,
+    host_mem_gb: float | None,
+) -> dict[str, Quantity]:
+    """B, T_layer and the node's host memory: given, measured on CUDA, or estimated."""
+    q: dict[str, Quantity] = {}
+    if bandwidth_gbps is not None:
+        if not bandwidth_gbps > 0:
+            raise MemoError(f"memo.profiler: bandwidth must be > 0 GB/s, got {bandwidth_gbps}")
+        q["bandwidth_gbps"] = Quantity(float(bandwidth_gbps), "given")
+    elif device.type == "cuda":
+        q["bandwidth_gbps"] = measure_bandwidth(device)
+    else:
+        raise MemoError(
+            f"memo.profiler: the host<->device bandwidth cannot be measured on {device.type}; pass "
+            "--bandwidth-gbps (e.g. 25 for PCIe 4.0 x16, 50 for PCIe 5.0 x16; `memo env` measures it "
+            "on a GPU)"
+        )
+    if layer_ms is not None:
+        if not layer_ms > 0:
+            raise MemoError(f"memo.profiler: layer time must be > 0 ms, got {layer_ms}")
+        q["layer_ms"] = Quantity(float(layer_ms), "given")
+    elif gpu is not None:
+        config = model.config
+        q["layer_ms"] = estimate_layer_ms(
+            _layer_params(model), config.hidden, seq_len, micro_batch, gpu, efficiency
+        )
+    elif device.type == "cuda":
+        with torch.no_grad():
+            x = model.embedding(ids)
+        q["layer_ms"] = time_layer_forward(model.layers[0], x)
+        del x
+    else:
+        raise MemoError(
+            f"memo.profiler: a layer's forward time cannot be measured on {device.type}; pass --layer-ms, "
+            "or --gpu (h100, a100, ...) with --efficiency to estimate it from FLOPs"
+        )
+    if host_mem_gb is not None:
+        if not host_mem_gb > 0:
+            raise MemoError(f"memo.profiler: host memory must be > 0 GB, got {host_mem_gb}")
+        q["host_memory_bytes"] = Quantity(float(host_mem_gb) * GB, "given")
+    else:
+        q["host_memory_bytes"] = Quantity(float(machine_memory_bytes()), "measured", "this machine's RAM")
+    return q
+
+
+def profile(
+    model: str | nn.Module,
+    seq_len: int,
+    micro_batch: int = 1,
+    dtype: str | torch.dtype = "bfloat16",
+    device: str | torch.device = "meta",
+    *,
+    bandwidth_gbps: float | None = None,
+    layer_ms: float | None = None,
+    gpu: str | None = None,
+    efficiency: float = 0.5,
+    host_mem_gb: float | None = None,
+    gpus_per_node: int = 1,
+    host_safety: float = 0.8,
+    wrap_pass: bool | None = None,
+    solve: bool = True,
+    plan: bool = True,
+    time_limit: float = 30.0,
+    solver: str | None = None,
+    progress: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> ProfileResult:
+    """Profile one training iteration and plan it (NOTE [Two-pass profiling]).
+
+    Args:
+        model: a registered config name (built on ``device`` in ``dtype``) or a model with
+            ``.embedding``, ``.layers``, ``.head`` already on ``device``.
+        seq_len, micro_batch: tokens per sequence and sequences per micro-batch.
+        dtype, device: for a model built by name. ``"meta"`` allocates nothing.
+        bandwidth_gbps: host<->device GB/s (10^9 B/s); measured on CUDA when None.
+        layer_ms: forward ms of one layer; measured on CUDA, or estimated from ``gpu``
+            and ``efficiency`` when None.
+        host_mem_gb: host memory of the node in GB (default: this machine's).
+        gpus_per_node, host_safety: how the node's memory is shared (planner's
+            ``host_memory_per_process``).
+        wrap_pass: run pass 2 on the wrapped model (None: when ``memo.runtime.wrap`` exists).
+        solve, plan: stop after pass 1 (``solve=False``) or after alpha (``plan=False``).
+        time_limit, solver: passed to the planner's ``make_plan``.
+        progress: show a progress bar per recorded pass on stderr.
+        log: called with one line per stage (e.g. ``print``).
+    """
+    say = log or (lambda _line: None)
+    if not isinstance(seq_len, int) or seq_len < 1:
+        raise MemoError(f"memo.profiler: seq_len must be a positive integer, got {seq_len!r}")
+    if not isinstance(micro_batch, int) or micro_batch < 1:
+        raise MemoError(f"memo.profiler: micro_batch must be a positive integer, got {micro_batch!r}")
+    timings: dict[str, float] = {}
+    notes: list[str] = []
+    t0 = time.perf_counter()
+    if isinstance(model, str):
+        dev = torch.device(device)
+        net = build_profile_model(model, seq_len, _dtype(dtype), dev)
+        name = model
+    else:
+        net = model
+        param = next(net.parameters(), None)
+        dev = param.device if param is not None else torch.device(device)
+        name = str(getattr(getattr(net, "config", None), "name", type(net).__name__))
+    timings["build"] = time.perf_counter() - t0
+    ids, labels = _inputs(net, seq_len, micro_batch, dev)
+    meta = {"model": name}
+
+    t0 = time.perf_counter()
+    plain = _record(net, ids, labels, progress, "pass 1 (plain model)", meta)
+    timings["pass1"] = time.perf_counter() - t0
+    stats = plain.layer_stats
+    n_events = len(plain.trace["events"])
+    say(f"pass 1: {n_events:,} events, {plain.recorder.ops:,} ops in {timings['pass1']:.1f} s")
+    result = ProfileResult(
+        trace=plain.trace, layer_stats=stats, plain_trace=plain.trace, timings=timings, notes=notes
+    )
+    if not solve:
+        return result
+
+    t0 = time.perf_counter()
+    q = _machine(net, dev, ids, seq_len, micro_batch, bandwidth_gbps, layer_ms, gpu, efficiency, host_mem_gb)
+    timings["measure"] = time.perf_counter() - t0
+    result.quantities = q
+    if q["layer_ms"].source == "measured":
+        for s in stats:
+            s.forward_ms = q["layer_ms"].value if s.index == 0 else None
+        plain.trace["layers"] = summarise_layers(stats)
+    else:
+        plain.trace["layers"]["layer_fwd_ms"] = q["layer_ms"].value
+
+    from memo.planner import host_memory_per_process, solve_alpha
+
+    host = host_memory_per_process(int(q["host_memory_bytes"].value), gpus_per_node, host_safety)
+    summary = plain.trace["layers"]
+    t0 = time.perf_counter()
+    result.alpha = solve_alpha(
+        summary["S_input"],
+        summary["S_attn"],
+        summary["S_others"],
+        q["bandwidth_gbps"].value * GB,
+        q["layer_ms"].value / 1e3,
+        len(stats),
+        host,
+    )
+    timings["alpha"] = time.perf_counter() - t0
+    say(f"alpha = {result.alpha.alpha:.4f} (binding: {result.alpha.binding})")
+
+    wrap = runtime_wrap()
+    if wrap_pass is True and wrap is None:
+        raise MemoError(
+            "memo.profiler: pass 2 (the model wrapped with alpha) was asked for, but memo.runtime has no "
+            "wrap(); install a memo with the runtime, or profile without the wrapped pass"
+        )
+    if wrap_pass is None and wrap is None:
+        notes.append(
+            "pass 2 skipped: memo.runtime.wrap is not available, the plan comes from the plain model"
+        )
+    if wrap is not None and wrap_pass is not False:
+        t0 = time.perf_counter()
+        wrapped_model = wrap(net, alpha=result.alpha.alpha)
+        if wrapped_model is None:
+            wrapped_model = net
+        second = _record(
+            wrapped_model, ids, labels, progress, f"pass 2 (alpha={result.alpha.alpha:.3f})", meta
+        )
+        second.trace["layers"] = plain.trace["layers"]
+        result.trace = second.trace
+        result.wrapped = True
+        timings["pass2"] = time.perf_counter() - t0
+        say(f"pass 2: {len(second.trace['events']):,} events in {timings['pass2']:.1f} s")
+    result.trace["meta"]["alpha"] = float(result.alpha.alpha)
+    if not plan:
+        return result
+
+    from memo.planner import Trace, make_plan
+
+    t0 = time.perf_counter()
+    kwargs: dict[str, Any] = {"alpha_solution": result.alpha, "time_limit": time_limit}
+    if solver is not None:
+        kwargs["solver"] = solver
+    result.plan = make_plan(Trace.from_dict(result.trace), **kwargs)
+    timings["plan"] = time.perf_counter() - t0
+    say(f"plan made in {timings['plan']:.1f} s")
+    return result

@@ -1,0 +1,194 @@
+"""Record one training iteration's allocation trace with the dispatch recorder.
+
+:func:`record_trace` runs ``loss = model(ids, labels); loss.backward()`` once
+under a :class:`~memo.profiler.recorder.DispatchRecorder` and returns the trace
+as a ``memo.trace`` version 1 dict (docs/formats.md), with per-layer
+statistics in ``"layers"`` (see :mod:`memo.profiler.stats`).
+
+The model must have memo's reference-model anatomy: ``model.embedding``,
+``model.layers`` (a sequence of layers taking ``[s, b, h]`` as first
+argument), ``model.head`` and ``model(ids, labels) -> loss``. A layer's
+attention is recognised by its ``core_attention`` submodule (optional: without
+it S_attn is 0 and everything skeletal counts as S_others).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from memo.errors import MemoError
+from memo.phases import PhaseTracker
+from memo.profiler.recorder import RECORDER_NAME, DispatchRecorder
+from memo.profiler.stats import LayerStats, layer_stats, summarise_layers
+
+__all__ = ["Recording", "record", "record_trace", "model_parts"]
+
+
+@dataclass
+class Recording:
+    """Everything one recorded iteration produced.
+
+    Attributes:
+        trace: the ``memo.trace`` dict (events end with ``{"op": "end"}``).
+        layer_stats: per-layer S_input / S_attn / S_others and breakdowns.
+        recorder: the recorder, with its :class:`~memo.profiler.recorder.Allocation` records.
+        seconds: wall time of forward + backward under the recorder.
+    """
+
+    trace: dict[str, Any]
+    layer_stats: list[LayerStats]
+    recorder: DispatchRecorder = field(repr=False)
+    seconds: float = 0.0
+
+
+def model_parts(model: nn.Module) -> tuple[nn.Module, list[nn.Module], nn.Module]:
+    """``(embedding, layers, head)`` of a memo reference model, or a MemoError saying what is missing."""
+    missing = [name for name in ("embedding", "layers", "head") if not hasattr(model, name)]
+    if missing:
+        raise MemoError(
+            f"memo.profiler: {type(model).__name__} has no {', '.join(missing)}; the profiler needs a model "
+            "with .embedding, .layers and .head (memo.models.build_model builds one)"
+        )
+    return model.embedding, list(model.layers), model.head
+
+
+def _model_meta(model: nn.Module, ids: torch.Tensor) -> dict[str, Any]:
+    config = getattr(model, "config", None)
+    meta: dict[str, Any] = {
+        "model": str(getattr(config, "name", None) or type(model).__name__),
+        "seq_len": int(ids.shape[1]),
+        "micro_batch": int(ids.shape[0]),
+        "device": ids.device.type,
+        "recorder": RECORDER_NAME,
+        "n_layers": len(model.layers),
+    }
+    param = next(model.parameters(), None)
+    if param is not None:
+        meta["dtype"] = str(param.dtype).removeprefix("torch.")
+    if config is not None:
+        try:
+            from memo.models import fingerprint
+        except ImportError:
+            fingerprint = None
+        if fingerprint is not None:
+            meta["fingerprint"] = str(fingerprint(config))
+    return meta
+
+
+def record(
+    model: nn.Module,
+    ids: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    tracker: PhaseTracker | None = None,
+    meta: dict[str, Any] | None = None,
+) -> Recording:
+    """Run one forward + backward of ``model`` under the recorder and return the :class:`Recording`.
+
+    Args:
+        ids, labels: ``[b, s]`` token ids and targets, on the model's device.
+        tracker: a PhaseTracker already attached to the model (one is made and removed otherwise).
+        meta: entries that override the trace's ``meta`` (e.g. the config name).
+
+    Parameter gradients are set to ``None`` first (as ``zero_grad()`` does) so
+    the gradient allocations are part of the trace; they carry
+    ``"param_grad": true`` because they are not activations.
+    """
+    embedding, layers, head = model_parts(model)
+    if ids.dim() != 2:
+        raise MemoError(f"memo.profiler: ids must be [b, s], got shape {tuple(ids.shape)}")
+    own_tracker = tracker is None
+    if tracker is None:
+        tracker = PhaseTracker(embedding, layers, head)
+    rec = DispatchRecorder(lambda: tracker.current)
+    tracker.add_listener(rec.on_phase)
+    inputs: dict[int, int] = {}
+    outputs: dict[int, int] = {}
+    handles = _attach_hooks(rec, layers, inputs, outputs)
+    params = list(model.parameters())
+    for p in params:
+        p.grad = None
+    try:
+        with tracker.iteration(), rec, warnings.catch_warnings():
+            # Token ids never require grad, so torch warns that the embedding's full backward
+            # hook (the tracker's embed.bwd) fires on output gradients; that is the intent.
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            loss = model(ids, labels)
+            loss.backward()
+        # Storages that die from here on outlived the iteration: they get no free event.
+        rec.close()
+    finally:
+        for h in handles:
+            h.remove()
+        tracker.remove_listener(rec.on_phase)
+        if own_tracker:
+            tracker.remove()
+    _tag_param_grads(rec, params)
+    events = rec.events
+    events.append({"op": "end"})
+    stats = layer_stats(rec, len(layers), inputs, outputs)
+    trace: dict[str, Any] = {
+        "version": 1,
+        "kind": "memo.trace",
+        "meta": {**_model_meta(model, ids), **(meta or {})},
+        "layers": summarise_layers(stats),
+        "events": events,
+    }
+    return Recording(trace=trace, layer_stats=stats, recorder=rec, seconds=rec.seconds)
+
+
+def record_trace(
+    model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, *, tracker: PhaseTracker | None = None
+) -> dict[str, Any]:
+    """One iteration's allocation trace of ``model`` as a ``memo.trace`` dict (see :func:`record`)."""
+    return record(model, ids, labels, tracker=tracker).trace
+
+
+def _attach_hooks(
+    rec: DispatchRecorder, layers: list[nn.Module], inputs: dict[int, int], outputs: dict[int, int]
+) -> list[torch.utils.hooks.RemovableHandle]:
+    """Hooks that note each layer's input size, its output storage and its core-attention span.
+
+    Forwards that run inside backward are recomputations and are ignored, like
+    the PhaseTracker does (NOTE [Phase boundaries] in memo/phases.py).
+    """
+    handles = []
+    for i, layer in enumerate(layers):
+
+        def pre(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], i: int = i) -> None:
+            x = args[0] if args else next(iter(kwargs.values()), None)
+            if isinstance(x, torch.Tensor) and torch._C._current_graph_task_id() == -1:
+                inputs[i] = x.numel() * x.element_size()
+
+        def post(_m: nn.Module, _args: object, out: object, i: int = i) -> None:
+            y = out[0] if isinstance(out, (tuple, list)) else out
+            if isinstance(y, torch.Tensor) and torch._C._current_graph_task_id() == -1:
+                alloc = rec.storage_record(y)
+                if alloc is not None:
+                    alloc.tags.add("layer_output")
+                    outputs[i] = alloc.id
+
+        handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(layer.register_forward_hook(post))
+        core = getattr(layer, "core_attention", None)
+        if isinstance(core, nn.Module):
+            handles.append(core.register_forward_pre_hook(lambda _m, _a: rec.enter_attn()))
+            handles.append(core.register_forward_hook(lambda _m, _a, _o: rec.exit_attn()))
+    return handles
+
+
+def _tag_param_grads(rec: DispatchRecorder, params: list[nn.Parameter]) -> None:
+    """Flag the allocations that became parameter gradients: they are not activations."""
+    by_id = {ev["id"]: ev for ev in rec.events if ev["op"] == "malloc"}
+    for p in params:
+        if p.grad is None:
+            continue
+        alloc = rec.storage_record(p.grad)
+        if alloc is not None:
+            alloc.tags.add("param_grad")
+            by_id[alloc.id]["param_grad"] = True
