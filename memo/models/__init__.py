@@ -1,0 +1,52 @@
+"""Reference transformer models (GPT, Llama) with the pre / core / post layer anatomy.
+
+See :mod:`memo.models.model` for the structure memo's profiler and runtime rely on.
+"""
+
+from memo.models.attention import attention, attention_backend, attention_backward, attention_forward
+from memo.models.config import ModelConfig, fingerprint, get_config, list_configs, register_config
+from memo.models.layers import CoreAttention, GPTLayer, LlamaLayer, TransformerLayer, apply_rotary
+from memo.models.loss import DEFAULT_CHUNK_BYTES, IGNORE_INDEX, chunked_lm_loss, default_chunk_tokens
+from memo.models.model import (
+    DEFAULT_MAX_SEQ_LEN,
+    RECOMPUTE_MODES,
+    GPTEmbedding,
+    GPTModel,
+    LlamaEmbedding,
+    LlamaModel,
+    LMHead,
+    TransformerModel,
+    build_model,
+    num_parameters,
+)
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "DEFAULT_MAX_SEQ_LEN",
+    "IGNORE_INDEX",
+    "RECOMPUTE_MODES",
+    "CoreAttention",
+    "GPTEmbedding",
+    "GPTLayer",
+    "GPTModel",
+    "LMHead",
+    "LlamaEmbedding",
+    "LlamaLayer",
+    "LlamaModel",
+    "ModelConfig",
+    "TransformerLayer",
+    "TransformerModel",
+    "apply_rotary",
+    "attention",
+    "attention_backend",
+    "attention_backward",
+    "attention_forward",
+    "build_model",
+    "chunked_lm_loss",
+    "default_chunk_tokens",
+    "fingerprint",
+    "get_config",
+    "list_configs",
+    "num_parameters",
+    "register_config",
+]

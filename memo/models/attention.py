@@ -1,0 +1,258 @@
+"""Causal attention for the reference models: one module, three entry points.
+
+Shapes are sequence-first like the rest of memo: ``q: [s, b, n, d]``,
+``k, v: [s, b, n_kv, d]`` with ``n % n_kv == 0`` (grouped-query attention when
+``n_kv < n``), output ``o: [s, b, n, d]`` and log-sum-exp ``lse: [b, n, s]``
+(float32; float64 for float64 inputs on CPU).
+
+- :func:`attention` is differentiable. It is an ``autograd.Function`` built on
+  the two explicit halves below, so what autograd keeps for backward is exactly
+  ``q, k, v, o, lse`` (see NOTE [Attention saved tensors]).
+- :func:`attention_forward` returns ``(o, lse)`` without recording a graph.
+- :func:`attention_backward` turns ``grad_o`` into ``(dq, dk, dv)`` from the
+  saved tensors; memo's runtime calls the halves directly.
+
+Backends, chosen per call from the tensors' device:
+
+- CUDA with flash-attn >= 2.7 installed: ``flash_attn``'s forward/backward
+  kernels (imported lazily; they handle grouped-query attention natively).
+- CUDA otherwise: ``aten._scaled_dot_product_flash_attention`` and its
+  ``_backward``.
+- CPU and meta: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its
+  ``_backward``. Both have meta kernels in torch 2.13, so shapes and dtypes on
+  the meta device come from the same ops as on CPU; no meta-only fallback is
+  needed.
+
+NOTE [Attention saved tensors]
+Memo moves or recomputes every tensor a layer saves for backward except the
+attention output, and its memory accounting assumes the attention saves
+exactly q, k, v (at their own, un-expanded head count), o and lse. The aten
+ops want k and v with as many heads as q, so grouped-query inputs are expanded
+inside forward and backward and the expanded copies are freed right away;
+they are transient, never saved.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from memo.errors import MemoError
+
+__all__ = ["attention", "attention_backward", "attention_forward", "attention_backend"]
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise MemoError(
+            "memo.models.attention: q, k, v must be [s, b, n, d]; got shapes "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
+        raise MemoError(
+            "memo.models.attention: k and v must be [s, b, n_kv, d] matching q's s, b and d; got "
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if q.shape[2] % k.shape[2] != 0:
+        raise MemoError(
+            f"memo.models.attention: q has {q.shape[2]} heads, k/v have {k.shape[2]}; the query head "
+            "count must be a multiple of the key/value head count (grouped-query attention)"
+        )
+
+
+@functools.cache
+def _flash_attn_module() -> object | None:
+    """flash-attn's interface module if a version with the 2.7 kernel signatures is installed."""
+    try:
+        import flash_attn
+        from flash_attn import flash_attn_interface
+    except ImportError:
+        return None
+    major_minor = tuple(int(p) for p in flash_attn.__version__.split(".")[:2] if p.isdigit())
+    # The private _flash_attn_forward/_backward signatures changed in 2.7 (split window sizes,
+    # softcap); older releases use the aten kernels instead of guessing their signatures.
+    if major_minor < (2, 7):
+        return None
+    return flash_attn_interface
+
+
+def attention_backend(device: torch.device | str) -> str:
+    """Which kernels serve tensors on ``device``: ``"flash_attn"``, ``"aten_cuda"`` or ``"aten_cpu"``."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return "flash_attn" if _flash_attn_module() is not None else "aten_cuda"
+    if device.type in ("cpu", "meta"):
+        return "aten_cpu"
+    raise MemoError(
+        f"memo.models.attention: no attention kernel for device type {device.type!r}; use cpu, cuda or meta"
+    )
+
+
+def _expand_heads(t: torch.Tensor, n_heads: int) -> torch.Tensor:
+    # Query head j uses key/value head j // group (Megatron and Llama order).
+    group = n_heads // t.shape[2]
+    return t if group == 1 else t.repeat_interleave(group, dim=2)
+
+
+def _reduce_heads(grad: torch.Tensor, n_kv: int) -> torch.Tensor:
+    s, b, n, d = grad.shape
+    return grad if n == n_kv else grad.view(s, b, n_kv, n // n_kv, d).sum(dim=3)
+
+
+def _bnsd(t: torch.Tensor) -> torch.Tensor:
+    """[s, b, n, d] -> [b, n, s, d] as a view (the aten kernels take any strides)."""
+    return t.permute(1, 2, 0, 3)
+
+
+def _sbnd(t: torch.Tensor) -> torch.Tensor:
+    """[b, n, s, d] -> contiguous [s, b, n, d] (the layout the output projection reads)."""
+    return t.permute(2, 0, 1, 3).contiguous()
+
+
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention forward without autograd.
+
+    Args:
+        q: ``[s, b, n, d]``.
+        k, v: ``[s, b, n_kv, d]``, ``n % n_kv == 0``.
+
+    Returns:
+        ``o: [s, b, n, d]`` (contiguous, dtype of q) and ``lse: [b, n, s]`` (float32; float64 for
+        float64 inputs), the log-sum-exp of each query's scaled scores, which
+        :func:`attention_backward` needs.
+    """
+    _check(q, k, v)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    with torch.no_grad():
+        backend = attention_backend(q.device)
+        if backend == "flash_attn":
+            fa = _flash_attn_module()
+            # flash-attn is batch-first [b, s, n, d] and handles n_kv < n itself.
+            out, lse, _, _ = fa._flash_attn_forward(  # type: ignore[attr-defined]
+                q.transpose(0, 1),
+                k.transpose(0, 1),
+                v.transpose(0, 1),
+                0.0,
+                scale,
+                True,
+                -1,
+                -1,
+                0.0,
+                None,
+                False,
+            )
+            return out.transpose(0, 1).contiguous(), lse
+        n = q.shape[2]
+        kx, vx = _expand_heads(k, n), _expand_heads(v, n)
+        if backend == "aten_cuda":
+            result = torch.ops.aten._scaled_dot_product_flash_attention(
+                _bnsd(q), _bnsd(kx), _bnsd(vx), 0.0, True, False, scale=scale
+            )
+            out, lse = result[0], result[1]
+        else:
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                _bnsd(q), _bnsd(kx), _bnsd(vx), 0.0, True, scale=scale
+            )
+        del kx, vx
+        return _sbnd(out), lse
+
+
+def attention_backward(
+    grad_o: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of causal attention from the tensors :func:`attention_forward` produced.
+
+    Args:
+        grad_o: ``[s, b, n, d]``, gradient of the output.
+        q, k, v: the forward inputs (``k, v`` at their own head count ``n_kv``).
+        o, lse: the forward outputs.
+
+    Returns:
+        ``dq: [s, b, n, d]``, ``dk, dv: [s, b, n_kv, d]`` (grouped heads summed back).
+    """
+    _check(q, k, v)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    n, n_kv = q.shape[2], k.shape[2]
+    with torch.no_grad():
+        backend = attention_backend(q.device)
+        if backend == "flash_attn":
+            fa = _flash_attn_module()
+            bq, bk, bv = (t.transpose(0, 1).contiguous() for t in (q, k, v))
+            dq, dk, dv = torch.empty_like(bq), torch.empty_like(bk), torch.empty_like(bv)
+            fa._flash_attn_backward(  # type: ignore[attr-defined]
+                grad_o.transpose(0, 1).contiguous(),
+                bq,
+                bk,
+                bv,
+                o.transpose(0, 1).contiguous(),
+                lse,
+                dq,
+                dk,
+                dv,
+                0.0,
+                scale,
+                True,
+                -1,
+                -1,
+                0.0,
+                None,
+                False,
+                None,
+            )
+            return dq.transpose(0, 1), dk.transpose(0, 1), dv.transpose(0, 1)
+        kx, vx = _expand_heads(k, n), _expand_heads(v, n)
+        if backend == "aten_cuda":
+            empty = torch.empty(0, device=q.device)
+            seed = torch.empty(0, dtype=torch.int64, device=q.device)
+            s = q.shape[0]
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+                _bnsd(grad_o),
+                _bnsd(q),
+                _bnsd(kx),
+                _bnsd(vx),
+                _bnsd(o),
+                lse,
+                empty,
+                empty,
+                s,
+                s,
+                0.0,
+                True,
+                seed,
+                seed,
+                scale=scale,
+            )
+        else:
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                _bnsd(grad_o), _bnsd(q), _bnsd(kx), _bnsd(vx), _bnsd(o), lse, 0.0, True, scale=scale
+            )
+        del kx, vx
+        return _sbnd(dq), _reduce_heads(_sbnd(dk), n_kv), _reduce_heads(_sbnd(dv), n_kv)
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        o, lse = attention_forward(q, k, v)
+        ctx.save_for_backward(q, k, v, o, lse)
+        return o
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad_o: torch.Tensor):
+        q, k, v, o, lse = ctx.saved_tensors
+        return attention_backward(grad_o.contiguous(), q, k, v, o, lse)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Differentiable causal attention. ``q: [s, b, n, d]``, ``k, v: [s, b, n_kv, d]`` -> ``[s, b, n, d]``.
+
+    Saves exactly ``q, k, v, o, lse`` for backward (NOTE [Attention saved tensors]).
+    """
+    return _Attention.apply(q, k, v)

@@ -1,0 +1,189 @@
+"""Model configurations for the reference GPT and Llama models, and their registry."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+
+from memo.errors import MemoError
+
+__all__ = ["ModelConfig", "fingerprint", "get_config", "list_configs", "register_config"]
+
+_ARCHS = ("gpt", "llama")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a reference transformer. Frozen: configs are shared through the registry.
+
+    GPT (Megatron's reference GPT): pre-LayerNorm, learned absolute positions, fused QKV
+    with bias, GELU MLP, word embedding tied to the LM head. Llama: RMSNorm, rotary
+    positions, grouped-query attention, SwiGLU MLP, no biases, untied LM head.
+    """
+
+    name: str
+    """Registry name, e.g. ``"gpt-7b"``; not part of :func:`fingerprint`."""
+    arch: str
+    """``"gpt"`` or ``"llama"``."""
+    n_layers: int
+    """Number of transformer layers."""
+    hidden: int
+    """Hidden size h."""
+    n_heads: int
+    """Query heads; ``hidden`` must divide evenly into them."""
+    n_kv_heads: int | None = None
+    """Key/value heads (grouped-query attention). ``None`` means ``n_heads``; GPT requires ``n_heads``."""
+    ffn_hidden: int | None = None
+    """MLP inner size. ``None`` means 4h for GPT, and for Llama the SwiGLU rule
+    ``2/3 · 4h`` rounded up to a multiple of 256."""
+    vocab_size: int = 50257
+    """Vocabulary size (GPT-2's 50257 for the paper's GPT models)."""
+    norm_eps: float = 1e-5
+    """Epsilon of LayerNorm (GPT) / RMSNorm (Llama)."""
+    rope_theta: float | None = None
+    """Rotary base for Llama (``None`` means 10000); must stay ``None`` for GPT, which has no rotary."""
+
+    def __post_init__(self) -> None:
+        where = f"memo.models: config {self.name!r}"
+        if self.arch not in _ARCHS:
+            raise MemoError(f"{where}: arch must be one of {_ARCHS}, got {self.arch!r}")
+        for field in ("n_layers", "hidden", "n_heads", "vocab_size"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 1:
+                raise MemoError(f"{where}: {field} must be a positive int, got {value!r}")
+        if self.hidden % self.n_heads != 0:
+            raise MemoError(
+                f"{where}: hidden={self.hidden} is not divisible by n_heads={self.n_heads}; "
+                "the head dimension is hidden / n_heads"
+            )
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        if not isinstance(self.n_kv_heads, int) or self.n_kv_heads < 1:
+            raise MemoError(f"{where}: n_kv_heads must be a positive int, got {self.n_kv_heads!r}")
+        if self.arch == "gpt" and self.n_kv_heads != self.n_heads:
+            raise MemoError(
+                f"{where}: GPT uses multi-head attention, so n_kv_heads must equal n_heads={self.n_heads} "
+                f"(got {self.n_kv_heads}); use arch='llama' for grouped-query attention"
+            )
+        if self.n_heads % self.n_kv_heads != 0:
+            raise MemoError(
+                f"{where}: n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads} "
+                "(each key/value head serves a whole group of query heads)"
+            )
+        if self.ffn_hidden is None:
+            if self.arch == "gpt":
+                ffn = 4 * self.hidden
+            else:
+                ffn = -(-(2 * 4 * self.hidden // 3) // 256) * 256
+            object.__setattr__(self, "ffn_hidden", ffn)
+        if not isinstance(self.ffn_hidden, int) or self.ffn_hidden < 1:
+            raise MemoError(f"{where}: ffn_hidden must be a positive int, got {self.ffn_hidden!r}")
+        if not self.norm_eps > 0:
+            raise MemoError(f"{where}: norm_eps must be > 0, got {self.norm_eps!r}")
+        if self.arch == "gpt" and self.rope_theta is not None:
+            raise MemoError(
+                f"{where}: rope_theta={self.rope_theta} given for a GPT config; GPT uses learned "
+                "absolute positions, leave rope_theta unset (or use arch='llama')"
+            )
+        if self.arch == "llama":
+            if self.rope_theta is None:
+                object.__setattr__(self, "rope_theta", 10000.0)
+            if not self.rope_theta > 0:
+                raise MemoError(f"{where}: rope_theta must be > 0, got {self.rope_theta!r}")
+            if self.head_dim % 2 != 0:
+                raise MemoError(f"{where}: rotary needs an even head_dim, got {self.head_dim}")
+
+    @property
+    def head_dim(self) -> int:
+        """Per-head size ``hidden // n_heads``."""
+        return self.hidden // self.n_heads
+
+    @property
+    def tied_embeddings(self) -> bool:
+        """GPT ties the LM head to the word embedding (Megatron's default); Llama does not."""
+        return self.arch == "gpt"
+
+
+def fingerprint(config: ModelConfig) -> str:
+    """Stable 16-hex-digit hash of the architecture (every field but ``name``).
+
+    Plans and traces store it so that loading one made for another model is detected. It is
+    the sha256 of the fields as sorted JSON, so it does not change between Python runs.
+    """
+    fields = {k: v for k, v in dataclasses.asdict(config).items() if k != "name"}
+    blob = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+_REGISTRY: dict[str, ModelConfig] = {}
+
+
+def register_config(config: ModelConfig) -> ModelConfig:
+    """Add ``config`` to the registry under ``config.name`` (an existing name is an error)."""
+    if config.name in _REGISTRY:
+        raise MemoError(f"memo.models: a config named {config.name!r} is already registered")
+    _REGISTRY[config.name] = config
+    return config
+
+
+def get_config(name: str) -> ModelConfig:
+    """The registered config called ``name``; unknown names raise an error listing the valid ones."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise MemoError(
+            f"memo.models: unknown model {name!r}; valid names: {', '.join(list_configs())}"
+        ) from None
+
+
+def list_configs() -> list[str]:
+    """Registered config names, in registration order."""
+    return list(_REGISTRY)
+
+
+# The paper's GPT models (Zhao et al. 2024, Table 2) and the usual GPT-3 family sizes.
+for _name, _layers, _hidden, _heads in (
+    ("gpt-125m", 12, 768, 12),
+    ("gpt-350m", 24, 1024, 16),
+    ("gpt-1.3b", 24, 2048, 16),
+    ("gpt-2.7b", 32, 2560, 32),
+    ("gpt-7b", 32, 4096, 32),
+    ("gpt-13b", 40, 5120, 40),
+    ("gpt-30b", 48, 7168, 56),
+    ("gpt-65b", 80, 8192, 64),
+):
+    register_config(ModelConfig(name=_name, arch="gpt", n_layers=_layers, hidden=_hidden, n_heads=_heads))
+
+# Test-sized models. Their vocabulary is 512 rather than 50257 so that the LM head does not
+# dominate CPU test time; 512 >= 256 still lets examples train on raw bytes.
+register_config(ModelConfig(name="tiny", arch="gpt", n_layers=2, hidden=64, n_heads=4, vocab_size=512))
+register_config(
+    ModelConfig(
+        name="llama-tiny",
+        arch="llama",
+        n_layers=2,
+        hidden=64,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_hidden=176,
+        vocab_size=512,
+        norm_eps=1e-5,
+        rope_theta=10000.0,
+    )
+)
+register_config(
+    ModelConfig(
+        name="llama-3-8b",
+        arch="llama",
+        n_layers=32,
+        hidden=4096,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_hidden=14336,
+        vocab_size=128256,
+        norm_eps=1e-5,
+        rope_theta=500000.0,
+    )
+)

@@ -1,0 +1,155 @@
+"""Chunked LM head + cross-entropy that never holds the full ``[s·b, V]`` logits.
+
+With V = 50257 and a 1M-token sequence the full fp32 logits would be 200 GB;
+even at 32K tokens they are 6.6 GB plus as much again for their gradient. The
+function below walks over token chunks: forward keeps only each token's
+log-sum-exp, backward recomputes one chunk's logits at a time and turns them
+into that chunk's gradient in place.
+
+NOTE [Chunked loss saved tensors]
+Saved for backward: the normed hidden states ``x``, the head weight, the labels
+and a float32 log-sum-exp per token (4 bytes per token, negligible next to x).
+Peak extra memory in either direction is one chunk of logits (plus, for
+16-bit weights, a float32 accumulator for the weight gradient so that
+thousands of per-chunk additions do not round away in bf16).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from memo.errors import MemoError
+
+__all__ = ["DEFAULT_CHUNK_BYTES", "IGNORE_INDEX", "chunked_lm_loss", "default_chunk_tokens"]
+
+#: Labels equal to this are left out of the loss and its mean (same as ``F.cross_entropy``).
+IGNORE_INDEX = -100
+
+#: Target size of one chunk's float32 logits: 128 MiB is 667 tokens at V = 50257. Noise
+#: next to the activations of long sequences, yet few enough chunks (~1600 for 1M tokens)
+#: that the per-chunk matmuls stay efficient and a meta-device profile of the head at 1M
+#: tokens takes seconds (each chunk is a handful of kernel launches).
+DEFAULT_CHUNK_BYTES = 128 * 1024 * 1024
+
+
+def default_chunk_tokens(vocab_size: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+    """Tokens per chunk so that one chunk's float32 logits take about ``chunk_bytes``."""
+    return max(1, chunk_bytes // (4 * vocab_size))
+
+
+def _chunk_logits(x_chunk: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    # The matmul runs in the input dtype (tensor cores for bf16); softmax statistics in fp32.
+    return (x_chunk @ weight.t()).float()
+
+
+class _ChunkedLMLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        chunk_tokens: int,
+        ignore_index: int,
+    ) -> torch.Tensor:
+        s, b, h = x.shape
+        n_tokens = s * b
+        flat_x = x.reshape(n_tokens, h)
+        # x is [s, b, h] flattened token-major as t = i*b + j, so labels go [b, s] -> [s, b] too.
+        flat_labels = labels.t().reshape(n_tokens)
+        valid = flat_labels != ignore_index
+        safe_labels = torch.where(valid, flat_labels, torch.zeros_like(flat_labels))
+        lse = torch.empty(n_tokens, dtype=torch.float32, device=x.device)
+        total = torch.zeros((), dtype=torch.float32, device=x.device)
+        for start in range(0, n_tokens, chunk_tokens):
+            end = min(start + chunk_tokens, n_tokens)
+            logits = _chunk_logits(flat_x[start:end], weight)
+            chunk_lse = torch.logsumexp(logits, dim=-1)
+            target = logits.gather(1, safe_labels[start:end, None]).squeeze(1)
+            lse[start:end] = chunk_lse
+            total += ((chunk_lse - target) * valid[start:end]).sum()
+            del logits
+        n_valid = valid.sum()
+        ctx.save_for_backward(x, weight, flat_labels, lse, n_valid)
+        ctx.chunk_tokens = chunk_tokens
+        ctx.ignore_index = ignore_index
+        # Mean over non-ignored tokens; 0/0 = nan when every label is ignored, like F.cross_entropy.
+        return (total / n_valid).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad_loss: torch.Tensor):
+        x, weight, flat_labels, lse, n_valid = ctx.saved_tensors
+        s, b, h = x.shape
+        n_tokens = s * b
+        flat_x = x.reshape(n_tokens, h)
+        valid = flat_labels != ctx.ignore_index
+        safe_labels = torch.where(valid, flat_labels, torch.zeros_like(flat_labels))
+        scale = grad_loss.float() / n_valid
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_x = torch.empty_like(flat_x) if need_x else None
+        acc_dtype = torch.float32 if weight.dtype in (torch.float16, torch.bfloat16) else weight.dtype
+        grad_w = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_w else None
+        for start in range(0, n_tokens, ctx.chunk_tokens):
+            end = min(start + ctx.chunk_tokens, n_tokens)
+            x_chunk = flat_x[start:end]
+            # d loss / d logits = (softmax - onehot(target)) * scale, zero for ignored tokens.
+            grad_logits = _chunk_logits(x_chunk, weight)
+            grad_logits.sub_(lse[start:end, None]).exp_()
+            grad_logits.scatter_add_(
+                1, safe_labels[start:end, None], torch.full((end - start, 1), -1.0, device=x.device)
+            )
+            grad_logits.mul_((scale * valid[start:end])[:, None])
+            grad_logits = grad_logits.to(x.dtype)
+            if grad_x is not None:
+                torch.matmul(grad_logits, weight, out=grad_x[start:end])
+            if grad_w is not None:
+                grad_w.addmm_(grad_logits.t().to(acc_dtype), x_chunk.to(acc_dtype))
+            del grad_logits
+        return (
+            grad_x.view(s, b, h) if grad_x is not None else None,
+            grad_w.to(weight.dtype) if grad_w is not None else None,
+            None,
+            None,
+            None,
+        )
+
+
+def chunked_lm_loss(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_tokens: int | None = None,
+    ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor:
+    """Mean cross-entropy of ``x @ weight.T`` against ``labels``, computed chunk by chunk.
+
+    Args:
+        x: ``[s, b, h]`` hidden states after the final norm.
+        weight: ``[V, h]`` output (LM head) weight.
+        labels: ``[b, s]`` target ids (int64); ``ignore_index`` entries are left out.
+        chunk_tokens: tokens per chunk; default :func:`default_chunk_tokens` of V.
+        ignore_index: label value excluded from the loss and from the mean's denominator.
+
+    Returns:
+        Scalar loss in x's dtype, equal to ``F.cross_entropy(logits, labels)`` on the full
+        logits. Saves only x, weight, labels and a float32 log-sum-exp per token
+        (NOTE [Chunked loss saved tensors]).
+    """
+    if x.dim() != 3 or weight.dim() != 2 or x.shape[2] != weight.shape[1]:
+        raise MemoError(
+            f"memo.models.loss: expected x [s, b, h] and weight [V, h]; got x {tuple(x.shape)}, "
+            f"weight {tuple(weight.shape)}"
+        )
+    s, b, _ = x.shape
+    if labels.shape != (b, s):
+        raise MemoError(
+            f"memo.models.loss: labels must be [b, s] = [{b}, {s}] for x of shape {tuple(x.shape)}; "
+            f"got {tuple(labels.shape)}"
+        )
+    if labels.dtype != torch.long:
+        raise MemoError(f"memo.models.loss: labels must be int64 (torch.long), got {labels.dtype}")
+    if chunk_tokens is None:
+        chunk_tokens = default_chunk_tokens(weight.shape[0])
+    if chunk_tokens < 1:
+        raise MemoError(f"memo.models.loss: chunk_tokens must be >= 1, got {chunk_tokens}")
+    return _ChunkedLMLoss.apply(x, weight, labels, int(chunk_tokens), int(ignore_index))

@@ -1,0 +1,280 @@
+"""Reference GPT and Llama models (Megatron-style, sequence-first) and ``build_model``.
+
+Structure that memo's profiler and runtime rely on (names are part of the interface):
+
+- ``model.embedding``: ids ``[b, s]`` (int64) -> hidden ``[s, b, h]``.
+- ``model.layers``: ``nn.ModuleList`` of layers with the pre / core / post anatomy
+  (NOTE [Layer anatomy] in :mod:`memo.models.layers`).
+- ``model.head``: ``(x [s, b, h], labels [b, s]) -> scalar loss``: final norm, LM head and
+  cross-entropy, chunked over tokens (:func:`memo.models.loss.chunked_lm_loss`).
+- ``model.forward(ids, labels)``: embedding -> layers -> head, as plain loops so that
+  :class:`memo.phases.PhaseTracker` hooks on those three parts see every phase.
+- ``model.recompute``: ``"none"`` or ``"full"`` (each layer under non-reentrant
+  ``torch.utils.checkpoint``).
+
+NOTE [GPT position table]
+GPT learns absolute position embeddings, one row per position, so the table bounds
+the sequence length. It is sized at build time by ``max_seq_len`` (default
+:data:`DEFAULT_MAX_SEQ_LEN` = 4096): a 1M-token table for h = 4096 is 4.3 G parameters,
+which nobody should get by accident. Longer sequences need
+``build_model(..., max_seq_len=N)``; on the meta device that costs nothing, so profiling
+gpt-7b at 1M tokens is ``build_model("gpt-7b", device="meta", max_seq_len=2**20)``.
+A sequence longer than the table raises a MemoError saying so. Llama has no table.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+from memo.errors import MemoError
+from memo.models.config import ModelConfig, get_config
+from memo.models.layers import GPTLayer, LlamaLayer, output_projection_std
+from memo.models.loss import chunked_lm_loss
+
+__all__ = [
+    "DEFAULT_MAX_SEQ_LEN",
+    "RECOMPUTE_MODES",
+    "GPTEmbedding",
+    "GPTModel",
+    "LMHead",
+    "LlamaEmbedding",
+    "LlamaModel",
+    "TransformerModel",
+    "build_model",
+    "num_parameters",
+]
+
+#: Default GPT position-table size (NOTE [GPT position table]).
+DEFAULT_MAX_SEQ_LEN = 4096
+
+#: Values of ``model.recompute``.
+RECOMPUTE_MODES = ("none", "full")
+
+_INIT_STD = 0.02
+
+
+def _check_ids(ids: torch.Tensor, labels: torch.Tensor | None = None) -> None:
+    if ids.dim() != 2 or ids.dtype != torch.long:
+        raise MemoError(
+            f"memo.models: input ids must be an int64 tensor [b, s]; got dtype {ids.dtype}, "
+            f"shape {tuple(ids.shape)}"
+        )
+    if labels is not None and labels.shape != ids.shape:
+        raise MemoError(
+            f"memo.models: labels must have the shape of the ids [b, s] = {tuple(ids.shape)}; "
+            f"got {tuple(labels.shape)}"
+        )
+
+
+class LlamaEmbedding(nn.Module):
+    """Word embedding only (positions enter through rotary): ids ``[b, s]`` -> ``[s, b, h]``."""
+
+    def __init__(
+        self, config: ModelConfig, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> None:
+        super().__init__()
+        self.word = nn.Embedding(config.vocab_size, config.hidden, device=device, dtype=dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        _check_ids(ids)
+        # Index with the transposed ids so the result is sequence-first without a copy of h-wide rows.
+        return self.word(ids.t())
+
+
+class GPTEmbedding(nn.Module):
+    """Word + learned absolute position embeddings: ids ``[b, s]`` -> ``[s, b, h]``.
+
+    The position table has ``max_seq_len`` rows (NOTE [GPT position table]).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        max_seq_len: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.max_seq_len = max_seq_len
+        self.word = nn.Embedding(config.vocab_size, config.hidden, device=device, dtype=dtype)
+        self.position = nn.Embedding(max_seq_len, config.hidden, device=device, dtype=dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        _check_ids(ids)
+        s = ids.shape[1]
+        if s > self.max_seq_len:
+            raise MemoError(
+                f"memo.models: sequence of {s} tokens is longer than the GPT position table "
+                f"(max_seq_len={self.max_seq_len}); build the model with "
+                f"build_model(..., max_seq_len={s}) or more"
+            )
+        return self.word(ids.t()) + self.position.weight[:s].unsqueeze(1)
+
+
+class LMHead(nn.Module):
+    """Final norm + LM head + mean cross-entropy: ``(x [s, b, h], labels [b, s]) -> loss``.
+
+    Args:
+        norm: the final norm module.
+        weight: ``[V, h]`` output weight; pass the word embedding's weight to tie them.
+        chunk_tokens: tokens per loss chunk; ``None`` picks :func:`memo.models.loss.default_chunk_tokens`.
+    """
+
+    def __init__(self, norm: nn.Module, weight: nn.Parameter, chunk_tokens: int | None = None) -> None:
+        super().__init__()
+        self.norm = norm
+        self.weight = weight
+        self.chunk_tokens = chunk_tokens
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return chunked_lm_loss(self.norm(x), self.weight, labels, self.chunk_tokens)
+
+
+class TransformerModel(nn.Module):
+    """embedding -> layers -> head. Subclasses build the three parts."""
+
+    embedding: nn.Module
+    layers: nn.ModuleList
+    head: LMHead
+
+    def __init__(self, config: ModelConfig, recompute: str = "none") -> None:
+        super().__init__()
+        self.config = config
+        self.recompute = recompute
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """``ids, labels: [b, s]`` (int64; labels already shifted by the caller) -> mean loss."""
+        if self.recompute not in RECOMPUTE_MODES:
+            raise MemoError(
+                f"memo.models: model.recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}"
+            )
+        _check_ids(ids, labels)
+        x = self.embedding(ids)
+        full = self.recompute == "full" and torch.is_grad_enabled()
+        for layer in self.layers:
+            x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False) if full else layer(x)
+        return self.head(x, labels)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Megatron's init: N(0, 0.02) weights, residual-stream outputs scaled by 1/sqrt(2n), zero biases."""
+        out_std = output_projection_std(self.config)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                std = out_std if name.rsplit(".", 1)[-1] in ("proj", "fc2", "down") else _INIT_STD
+                module.weight.normal_(0.0, std)
+                if module.bias is not None:
+                    module.bias.zero_()
+            elif isinstance(module, nn.Embedding):
+                module.weight.normal_(0.0, _INIT_STD)
+            elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+                module.reset_parameters()
+        if not self.config.tied_embeddings:
+            self.head.weight.normal_(0.0, _INIT_STD)
+
+
+class GPTModel(TransformerModel):
+    """Megatron reference GPT: learned positions, LayerNorm, GELU, LM head tied to the word embedding."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        max_seq_len: int = DEFAULT_MAX_SEQ_LEN,
+        recompute: str = "none",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(config, recompute)
+        self.embedding = GPTEmbedding(config, max_seq_len, device=device, dtype=dtype)
+        self.layers = nn.ModuleList(
+            GPTLayer(config, device=device, dtype=dtype) for _ in range(config.n_layers)
+        )
+        norm = nn.LayerNorm(config.hidden, eps=config.norm_eps, device=device, dtype=dtype)
+        self.head = LMHead(norm, self.embedding.word.weight)
+
+
+class LlamaModel(TransformerModel):
+    """Llama: RMSNorm, rotary, grouped-query attention, SwiGLU, untied LM head."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        recompute: str = "none",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(config, recompute)
+        self.embedding = LlamaEmbedding(config, device=device, dtype=dtype)
+        self.layers = nn.ModuleList(
+            LlamaLayer(config, device=device, dtype=dtype) for _ in range(config.n_layers)
+        )
+        norm = nn.RMSNorm(config.hidden, eps=config.norm_eps, device=device, dtype=dtype)
+        weight = nn.Parameter(torch.empty(config.vocab_size, config.hidden, device=device, dtype=dtype))
+        self.head = LMHead(norm, weight)
+
+
+def build_model(
+    config_or_name: ModelConfig | str,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    recompute: str = "none",
+    max_seq_len: int | None = None,
+) -> TransformerModel:
+    """Build a reference model from a config or a registered name.
+
+    Args:
+        config_or_name: a :class:`ModelConfig` or a name from :func:`memo.models.list_configs`.
+        device: where parameters live; ``"meta"`` allocates nothing (any size, any length).
+        dtype: parameter dtype (default: torch's default dtype).
+        recompute: ``"none"`` or ``"full"`` (sets ``model.recompute``).
+        max_seq_len: GPT only: rows of the learned position table (default
+            :data:`DEFAULT_MAX_SEQ_LEN`; NOTE [GPT position table]). Llama needs none.
+
+    Returns:
+        :class:`GPTModel` or :class:`LlamaModel`, initialised like Megatron (unless on meta).
+    """
+    config = get_config(config_or_name) if isinstance(config_or_name, str) else config_or_name
+    if not isinstance(config, ModelConfig):
+        raise MemoError(f"memo.models: expected a ModelConfig or a config name, got {type(config_or_name)}")
+    if recompute not in RECOMPUTE_MODES:
+        raise MemoError(f"memo.models: recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+    if config.arch == "gpt":
+        seq = DEFAULT_MAX_SEQ_LEN if max_seq_len is None else max_seq_len
+        if not isinstance(seq, int) or seq < 1:
+            raise MemoError(f"memo.models: max_seq_len must be a positive int, got {max_seq_len!r}")
+        model: TransformerModel = GPTModel(
+            config, max_seq_len=seq, recompute=recompute, device=device, dtype=dtype
+        )
+    else:
+        if max_seq_len is not None:
+            raise MemoError(
+                f"memo.models: max_seq_len={max_seq_len} given for {config.name!r}, a Llama model; "
+                "rotary positions have no table to size, so leave it unset"
+            )
+        model = LlamaModel(config, recompute=recompute, device=device, dtype=dtype)
+    if torch.device(device if device is not None else "cpu").type != "meta":
+        model.reset_parameters()
+    return model
+
+
+def num_parameters(config: ModelConfig | str, max_seq_len: int | None = None) -> int:
+    """Parameter count of :func:`build_model`'s model, computed from the config alone.
+
+    A tied LM head is counted once. For GPT the position table's ``max_seq_len * h``
+    is included (default :data:`DEFAULT_MAX_SEQ_LEN` rows, as ``build_model`` does).
+    """
+    c = get_config(config) if isinstance(config, str) else config
+    h, f, d = c.hidden, c.ffn_hidden, c.head_dim
+    qkv_out = (c.n_heads + 2 * c.n_kv_heads) * d
+    attn_out = c.n_heads * d
+    if c.arch == "gpt":
+        layer = 2 * h + (h * qkv_out + qkv_out) + (attn_out * h + h) + 2 * h + (h * f + f) + (f * h + h)
+        seq = DEFAULT_MAX_SEQ_LEN if max_seq_len is None else max_seq_len
+        return c.n_layers * layer + c.vocab_size * h + seq * h + 2 * h
+    layer = h + h * qkv_out + attn_out * h + h + h * 2 * f + f * h
+    return c.n_layers * layer + c.vocab_size * h + h + c.vocab_size * h

@@ -1,0 +1,259 @@
+"""Reference models: layer anatomy, token-wise pre/post, chunked loss, recompute, attention, configs."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from memo.errors import MemoError
+from memo.models import (
+    IGNORE_INDEX,
+    ModelConfig,
+    attention,
+    attention_backward,
+    attention_forward,
+    build_model,
+    chunked_lm_loss,
+    fingerprint,
+    get_config,
+    list_configs,
+    num_parameters,
+)
+
+ARCHS = ["tiny", "llama-tiny"]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    s, _, n, d = q.shape
+    group = n // k.shape[2]
+    k, v = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
+    scores = torch.einsum("sbnd,tbnd->bnst", q, k) / math.sqrt(d)
+    mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+    probs = scores.masked_fill(mask, float("-inf")).softmax(-1)
+    return torch.einsum("bnst,tbnd->sbnd", probs, v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n_kv", [4, 2, 1])
+def test_attention_matches_naive_softmax(dtype: torch.dtype, n_kv: int) -> None:
+    s, b, n, d = 29, 2, 4, 8
+    q = torch.randn(s, b, n, d, dtype=dtype, requires_grad=True)
+    k = torch.randn(s, b, n_kv, d, dtype=dtype, requires_grad=True)
+    v = torch.randn(s, b, n_kv, d, dtype=dtype, requires_grad=True)
+    out = attention(q, k, v)
+    ref = _naive_attention(q, k, v)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = torch.autograd.grad(ref, (q, k, v), grad)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    assert out.shape == (s, b, n, d) and out.is_contiguous()
+    assert _rel(out, ref) < tol
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape
+        assert _rel(g, w) < tol
+
+
+@pytest.mark.parametrize("n_kv", [4, 2])
+def test_attention_backward_matches_autograd(n_kv: int) -> None:
+    q = torch.randn(17, 3, 4, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(17, 3, n_kv, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(17, 3, n_kv, 8, dtype=torch.float64, requires_grad=True)
+    o, lse = attention_forward(q, k, v)
+    assert lse.shape == (3, 4, 17) and lse.dtype == torch.float64  # float32 for 16/32-bit inputs
+    grad_o = torch.randn_like(o)
+    manual = attention_backward(grad_o, q, k, v, o, lse)
+    auto = torch.autograd.grad(attention(q, k, v), (q, k, v), grad_o)
+    for m, a in zip(manual, auto, strict=True):
+        torch.testing.assert_close(m, a, rtol=1e-12, atol=1e-12)
+
+
+def test_attention_saves_exactly_q_k_v_o_lse() -> None:
+    q = torch.randn(9, 1, 4, 8, requires_grad=True)
+    k = torch.randn(9, 1, 2, 8, requires_grad=True)
+    v = torch.randn(9, 1, 2, 8, requires_grad=True)
+    saved: list[torch.Size] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+        attention(q, k, v)
+    assert saved == [q.shape, k.shape, v.shape, q.shape, torch.Size([1, 4, 9])]
+
+
+def test_attention_rejects_bad_head_counts() -> None:
+    with pytest.raises(MemoError, match="multiple of the key/value head count"):
+        attention(torch.randn(4, 1, 4, 8), torch.randn(4, 1, 3, 8), torch.randn(4, 1, 3, 8))
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_layer_forward_is_post_core_pre(name: str) -> None:
+    model = build_model(name)
+    layer = model.layers[0]
+    x = torch.randn(23, 2, model.config.hidden)
+    q, k, v = layer.pre(x)
+    c = model.config
+    assert q.shape == (23, 2, c.n_heads, c.head_dim)
+    assert k.shape == v.shape == (23, 2, c.n_kv_heads, c.head_dim)
+    o = layer.core(q, k, v)
+    assert o.shape == (23, 2, c.n_heads * c.head_dim)
+    assert torch.equal(layer(x), layer.post(o, x))
+    assert sum(p.numel() for p in layer.core_attention.parameters()) == 0
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_pre_and_post_are_token_wise(name: str) -> None:
+    model = build_model(name, dtype=torch.float64)
+    layer = model.layers[1]
+    s, a = 31, 11
+    x = torch.randn(s, 2, model.config.hidden, dtype=torch.float64)
+    full = layer.pre(x)
+    part = layer.pre(x[a:], offset=a)
+    for f, p in zip(full, part, strict=True):
+        torch.testing.assert_close(p, f[a:], rtol=1e-12, atol=1e-12)
+    o = layer.core(*full)
+    torch.testing.assert_close(layer.post(o[a:], x[a:]), layer.post(o, x)[a:], rtol=1e-12, atol=1e-12)
+
+
+def test_rotary_offset_matters_for_llama() -> None:
+    layer = build_model("llama-tiny").layers[0]
+    x = torch.randn(8, 1, 64)
+    q0, _, _ = layer.pre(x)
+    q5, _, _ = layer.pre(x, offset=5)
+    assert not torch.allclose(q0, q5)
+
+
+@pytest.mark.parametrize("chunk", [7, 64, 1000])
+def test_chunked_loss_matches_cross_entropy(chunk: int) -> None:
+    s, b, h, vocab = 37, 3, 16, 101  # s·b = 111: chunks of 7 and 64 do not divide it
+    x = torch.randn(s, b, h, requires_grad=True)
+    w = torch.randn(vocab, h, requires_grad=True)
+    labels = torch.randint(0, vocab, (b, s))
+    labels[0, :5] = IGNORE_INDEX
+    labels[2, -3:] = IGNORE_INDEX
+    loss = chunked_lm_loss(x, w, labels, chunk)
+    got = torch.autograd.grad(loss, (x, w))
+    logits = (x @ w.t()).transpose(0, 1).reshape(-1, vocab)
+    ref = F.cross_entropy(logits, labels.reshape(-1), ignore_index=IGNORE_INDEX)
+    want = torch.autograd.grad(ref, (x, w))
+    assert abs(loss.item() - ref.item()) / ref.item() < 1e-5
+    for g, r in zip(got, want, strict=True):
+        assert _rel(g, r) < 1e-5
+
+
+def test_chunked_loss_saves_no_logits() -> None:
+    x = torch.randn(64, 2, 16, requires_grad=True)
+    w = torch.randn(500, 16, requires_grad=True)
+    saved: list[int] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        chunked_lm_loss(x, w, torch.randint(0, 500, (2, 64)), 16)
+    assert max(saved) <= w.numel()  # x, weight, labels, per-token lse and a scalar; no [s·b, V]
+
+
+def test_chunked_loss_input_errors() -> None:
+    with pytest.raises(MemoError, match="labels must be"):
+        chunked_lm_loss(torch.randn(4, 2, 8), torch.randn(10, 8), torch.zeros(4, 2, dtype=torch.long))
+    with pytest.raises(MemoError, match="chunk_tokens"):
+        chunked_lm_loss(torch.randn(4, 2, 8), torch.randn(10, 8), torch.zeros(2, 4, dtype=torch.long), 0)
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_full_recompute_gives_same_grads(name: str) -> None:
+    model = build_model(name)
+    ids = torch.randint(0, model.config.vocab_size, (2, 40))
+    labels = torch.roll(ids, -1, dims=1)
+    loss = model(ids, labels)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    model.recompute = "full"
+    loss_r = model(ids, labels)
+    grads_r = torch.autograd.grad(loss_r, list(model.parameters()))
+    assert abs(loss.item() - loss_r.item()) / loss.item() < 1e-5
+    for g, r in zip(grads_r, grads, strict=True):
+        assert _rel(g, r) < 1e-5
+
+
+def test_model_structure_and_loss() -> None:
+    model = build_model("tiny", recompute="full")
+    assert model.recompute == "full"
+    ids = torch.randint(0, 512, (2, 16))
+    x = model.embedding(ids)
+    assert x.shape == (16, 2, 64)
+    assert len(model.layers) == 2
+    loss = model(ids, torch.randint(0, 512, (2, 16)))
+    assert loss.dim() == 0 and abs(loss.item() - math.log(512)) < 0.5  # near-uniform at init
+    # GPT ties the LM head to the word embedding; Llama does not.
+    assert model.head.weight is model.embedding.word.weight
+    llama = build_model("llama-tiny")
+    assert llama.head.weight is not llama.embedding.word.weight
+
+
+@pytest.mark.parametrize("name", list_configs())
+def test_num_parameters_matches_built_model(name: str) -> None:
+    model = build_model(name, device="meta")
+    assert sum(p.numel() for p in model.parameters()) == num_parameters(get_config(name))
+
+
+def test_num_parameters_known_sizes() -> None:
+    assert num_parameters("llama-3-8b") == 8_030_261_248
+    assert 6.6e9 < num_parameters("gpt-7b") < 6.8e9
+    model = build_model("gpt-125m", device="meta", max_seq_len=2048)
+    assert sum(p.numel() for p in model.parameters()) == num_parameters("gpt-125m", max_seq_len=2048)
+
+
+def test_meta_gpt_7b_forward_backward_long_sequence() -> None:
+    start = time.monotonic()
+    s = 131072
+    model = build_model("gpt-7b", device="meta", dtype=torch.bfloat16, max_seq_len=s)
+    ids = torch.zeros(1, s, dtype=torch.long, device="meta")
+    loss = model(ids, ids)
+    assert loss.device.type == "meta" and loss.shape == ()
+    loss.backward()
+    assert model.layers[0].qkv.weight.grad.shape == (3 * 4096, 4096)
+    assert time.monotonic() - start < 30
+
+
+def test_meta_llama_3_8b_forward() -> None:
+    model = build_model("llama-3-8b", device="meta", dtype=torch.bfloat16)
+    ids = torch.zeros(1, 8192, dtype=torch.long, device="meta")
+    assert model(ids, ids).device.type == "meta"
+
+
+def test_gpt_sequence_longer_than_position_table() -> None:
+    model = build_model("tiny", max_seq_len=16)
+    ids = torch.zeros(1, 17, dtype=torch.long)
+    with pytest.raises(MemoError, match=r"max_seq_len=17"):
+        model(ids, ids)
+
+
+def test_config_errors() -> None:
+    with pytest.raises(MemoError, match="valid names: .*gpt-7b"):
+        get_config("gpt-8b")
+    with pytest.raises(MemoError, match="not divisible by n_heads"):
+        ModelConfig(name="x", arch="gpt", n_layers=1, hidden=65, n_heads=4)
+    with pytest.raises(MemoError, match="n_kv_heads must equal n_heads"):
+        ModelConfig(name="x", arch="gpt", n_layers=1, hidden=64, n_heads=4, n_kv_heads=2)
+    with pytest.raises(MemoError, match="multiple of n_kv_heads"):
+        ModelConfig(name="x", arch="llama", n_layers=1, hidden=64, n_heads=4, n_kv_heads=3)
+    with pytest.raises(MemoError, match="arch must be one of"):
+        ModelConfig(name="x", arch="bert", n_layers=1, hidden=64, n_heads=4)
+    with pytest.raises(MemoError, match="rope_theta"):
+        ModelConfig(name="x", arch="gpt", n_layers=1, hidden=64, n_heads=4, rope_theta=1e4)
+    with pytest.raises(MemoError, match="recompute must be one of"):
+        build_model("tiny", recompute="selective")
+    with pytest.raises(MemoError, match="max_seq_len"):
+        build_model("llama-tiny", max_seq_len=128)
+
+
+def test_config_defaults_and_fingerprint() -> None:
+    c = ModelConfig(name="a", arch="llama", n_layers=2, hidden=4096, n_heads=32)
+    assert c.n_kv_heads == 32 and c.ffn_hidden == 11008 and c.rope_theta == 10000.0
+    assert get_config("gpt-7b").ffn_hidden == 4 * 4096 and get_config("gpt-30b").head_dim == 128
+    gpt7 = get_config("gpt-7b")
+    assert fingerprint(gpt7) == fingerprint(dataclasses.replace(gpt7, name="renamed"))
+    assert fingerprint(gpt7) != fingerprint(get_config("gpt-13b"))
+    assert len(fingerprint(c)) == 16
