@@ -1,0 +1,251 @@
+"""``memo profile``: record one iteration, solve alpha, write the memory plan.
+
+Example (no GPU, no memory: the meta device)::
+
+    memo profile --model gpt-7b --seq-len 1M --device meta --bandwidth-gbps 32 \\
+        --layer-ms 9000 --host-mem-gb 2048 --gpus-per-node 8 -o plan.json
+
+On CUDA the bandwidth and the layer time are measured unless given. The
+output says which numbers were measured, given or estimated. See
+docs/profiling.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+import torch
+
+from memo.errors import MemoError
+
+__all__ = ["add_parser", "run"]
+
+GiB = 2**30
+
+
+def _seq_len(text: str) -> int:
+    from memo.profiler import parse_count
+
+    try:
+        return parse_count(text, "--seq-len")
+    except MemoError as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix("memo: ")) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = _positive_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
+    return value
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "profile",
+        help="record one iteration's allocation trace, solve alpha and write the memory plan",
+        description="Record one training iteration (forward, loss, backward), measure S_input, S_attn, "
+        "S_others per layer, solve alpha, trace the wrapped model and write the memory plan. "
+        "--device meta profiles any length in seconds without allocating memory.",
+    )
+    p.add_argument("--model", required=True, help="registered config name, e.g. gpt-7b, llama-3-8b, tiny")
+    p.add_argument(
+        "--seq-len", required=True, type=_seq_len, help="tokens per sequence: 4096, 128K, 1M (K=1024)"
+    )
+    p.add_argument(
+        "--micro-batch", type=_positive_int, default=1, help="sequences per micro-batch (default 1)"
+    )
+    p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float16 or float32")
+    p.add_argument(
+        "--device",
+        choices=("meta", "cpu", "cuda"),
+        default=None,
+        help="default: cuda when present, else meta",
+    )
+    p.add_argument("-o", "--output", required=True, help="where to write the plan (JSON)")
+    p.add_argument("--trace-out", help="also write the trace the plan was made from (JSON)")
+    p.add_argument(
+        "--recorder",
+        choices=("dispatch", "allocator"),
+        default="dispatch",
+        help="dispatch: every storage torch creates (any device, meta included); allocator: the real "
+        "allocations through memo.allocator.logging (cpu/cuda)",
+    )
+    m = p.add_argument_group("machine (measured on CUDA when not given)")
+    m.add_argument("--bandwidth-gbps", type=_positive_float, help="host<->device copy bandwidth B in GB/s")
+    m.add_argument("--layer-ms", type=_positive_float, help="forward time of one layer T_layer in ms")
+    m.add_argument("--gpu", help="estimate T_layer from FLOPs on this GPU: " + ", ".join(_gpus()))
+    m.add_argument("--efficiency", type=_fraction, default=0.5, help="share of the GPU peak for --gpu (0.5)")
+    m.add_argument(
+        "--host-mem-gb", type=_positive_float, help="host memory of the node in GB (default: this one's)"
+    )
+    m.add_argument(
+        "--gpus-per-node", type=_positive_int, default=None, help="processes sharing the host memory"
+    )
+    m.add_argument(
+        "--host-safety", type=_fraction, default=0.8, help="share of host memory memo may pin (0.8)"
+    )
+    s = p.add_argument_group("planning")
+    s.add_argument(
+        "--time-limit", type=_positive_float, default=30.0, help="MIP time limit per level, seconds"
+    )
+    s.add_argument("--solver", default=None, help="MIP solver for the planner (default: the planner's)")
+    wrap = s.add_mutually_exclusive_group()
+    wrap.add_argument(
+        "--wrap-pass",
+        dest="wrap_pass",
+        action="store_true",
+        default=None,
+        help="require pass 2 (wrapped model)",
+    )
+    wrap.add_argument(
+        "--no-wrap-pass", dest="wrap_pass", action="store_false", help="plan from the plain model's trace"
+    )
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+    return p
+
+
+def _gpus() -> list[str]:
+    from memo.profiler import GPU_PEAK_TFLOPS
+
+    return list(GPU_PEAK_TFLOPS)
+
+
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "meta"
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:,.3f} GiB"
+
+
+def _report(result: Any, seq_len: int, micro_batch: int, hidden: int, dtype: torch.dtype) -> list[str]:
+    stats = result.layer_stats[0]
+    lines = []
+    elems = torch.empty((), dtype=dtype).element_size()
+    lines.append(
+        f"per layer (layer 0): S_input {_gib(stats.s_input)}, S_attn {_gib(stats.s_attn)}, "
+        f"S_others {_gib(stats.s_others)} ({stats.n_skeletal} skeletal, {stats.n_transient} transient "
+        "allocations)"
+    )
+    bsh = micro_batch * seq_len * hidden * elems
+    lines.append(f"  = {stats.total / bsh:.4f} x b*s*h elements (the paper counts 16 for GPT)")
+    for key, unit in (("bandwidth_gbps", "GB/s"), ("layer_ms", "ms"), ("host_memory_bytes", "B")):
+        if key in result.quantities:
+            lines.append(f"{key}: {result.quantities[key].describe(unit)}")
+    return lines
+
+
+def _record_with_allocator(args: argparse.Namespace) -> None:
+    """Refuse the allocator recorder where it cannot work, with the reason."""
+    if args.device == "meta":
+        raise MemoError(
+            "memo profile: --recorder allocator records real allocations, which the meta device never "
+            "makes; use --recorder dispatch on meta, or --device cpu/cuda"
+        )
+    try:
+        from memo.allocator import logging as _logging  # noqa: F401
+    except ImportError:
+        raise MemoError(
+            "memo profile: --recorder allocator needs memo.allocator.logging, which this memo does not have; "
+            "use --recorder dispatch"
+        ) from None
+    raise MemoError(
+        "memo profile: --recorder allocator is not wired into the profile flow of this memo yet; use "
+        "--recorder dispatch (it records the same trace format)"
+    )
+
+
+def _planner_io() -> tuple[Any, Any, Any]:
+    """``save_plan``, ``save_trace``, ``Trace`` from memo.planner, or a MemoError naming what is missing."""
+    import memo.planner as planner
+
+    missing = [
+        n for n in ("save_plan", "save_trace", "Trace", "make_plan", "solve_alpha") if not hasattr(planner, n)
+    ]
+    if missing:
+        raise MemoError(
+            f"memo profile: memo.planner lacks {', '.join(missing)}; this memo's planner is incomplete, "
+            "reinstall memo"
+        )
+    return planner.save_plan, planner.save_trace, planner.Trace
+
+
+def run(args: argparse.Namespace) -> int:
+    from memo.profiler import DTYPES, profile
+
+    if args.dtype not in DTYPES:
+        raise MemoError(f"memo profile: unknown --dtype {args.dtype!r}; use one of {', '.join(DTYPES)}")
+    from memo.models import get_config
+
+    config = get_config(args.model)  # unknown names fail here with the list of valid ones
+    if args.device is None:
+        args.device = _default_device()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise MemoError("memo profile: --device cuda given but torch sees no CUDA device; use --device meta")
+    if args.recorder == "allocator":
+        _record_with_allocator(args)
+    if args.gpus_per_node is None:
+        args.gpus_per_node = torch.cuda.device_count() if args.device == "cuda" else 1
+    save_plan, save_trace, trace_cls = _planner_io()
+    dtype = DTYPES[args.dtype]
+    start = time.perf_counter()
+    print(
+        f"memo profile: {args.model}, seq_len {args.seq_len:,}, micro-batch {args.micro_batch}, "
+        f"{args.dtype} on {args.device}",
+        file=sys.stderr,
+    )
+    result = profile(
+        args.model,
+        args.seq_len,
+        args.micro_batch,
+        dtype,
+        args.device,
+        bandwidth_gbps=args.bandwidth_gbps,
+        layer_ms=args.layer_ms,
+        gpu=args.gpu,
+        efficiency=args.efficiency,
+        host_mem_gb=args.host_mem_gb,
+        gpus_per_node=args.gpus_per_node,
+        host_safety=args.host_safety,
+        wrap_pass=args.wrap_pass,
+        time_limit=args.time_limit,
+        solver=args.solver,
+        progress=not args.quiet and sys.stderr.isatty(),
+        log=lambda line: print(f"  {line}", file=sys.stderr),
+    )
+    for line in _report(result, args.seq_len, args.micro_batch, config.hidden, dtype):
+        print(line)
+    if args.gpus_per_node:
+        print(f"gpus_per_node: {args.gpus_per_node}, host safety {args.host_safety:g}")
+    for note in result.notes:
+        print(f"note: {note}")
+    if args.trace_out:
+        save_trace(trace_cls.from_dict(result.trace), args.trace_out)
+        print(f"trace: {args.trace_out} ({len(result.trace['events']):,} events)")
+    save_plan(result.plan, args.output)
+    print(f"plan: {args.output} (alpha {result.alpha.alpha:.4f}); total {time.perf_counter() - start:.1f} s")
+    return 0
