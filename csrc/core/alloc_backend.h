@@ -1,0 +1,50 @@
+// Raw memory source under memo's allocators, and the allocator's error type.
+//
+// The core (fallback caching allocator, planned arena, statistics, trace log)
+// is backend-neutral C++17: it never includes torch or CUDA headers. A backend
+// (host memory in csrc/cpu, cudaMalloc in csrc/cuda) only hands out and takes
+// back large raw regions, and fills memory for poisoning.
+#pragma once
+
+#include <cstddef>
+#include <stdexcept>
+#include <string>
+
+namespace memo::core {
+
+// Thrown for every user-facing allocator failure: bad tables, memory that
+// cannot be had. The message carries the numbers; pybind and the backends
+// turn it into a Python exception with the same text.
+class AllocatorError : public std::runtime_error {
+ public:
+  explicit AllocatorError(const std::string& what) : std::runtime_error(what) {}
+};
+
+// Like AllocatorError, but specifically "no memory": arena or fallback limit
+// reached, or the backend refused a segment.
+class OutOfMemory : public AllocatorError {
+ public:
+  explicit OutOfMemory(const std::string& what) : AllocatorError(what) {}
+};
+
+class RawBackend {
+ public:
+  virtual ~RawBackend() = default;
+  // Returns nullptr when the memory cannot be had. The result is aligned to
+  // at least kSegmentAlignment.
+  virtual void* raw_alloc(std::size_t bytes) = 0;
+  virtual void raw_free(void* ptr, std::size_t bytes) = 0;
+  // Fills [ptr, ptr + bytes) with `byte` (poisoning of freed planned memory).
+  virtual void fill(void* ptr, std::size_t bytes, unsigned char byte) = 0;
+  virtual const char* name() const = 0;
+};
+
+// Every block the allocators hand out is aligned to this (c10's default CPU
+// alignment is 64, CUDA's caching allocator uses 512): planned offsets are
+// multiples of it and segment/arena bases are aligned to at least it.
+constexpr std::size_t kBlockAlignment = 512;
+constexpr std::size_t kSegmentAlignment = 4096;
+
+inline std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
+
+}  // namespace memo::core

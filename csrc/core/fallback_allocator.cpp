@@ -1,0 +1,178 @@
+// See NOTE [Fallback caching allocator] in fallback_allocator.h.
+#include "core/fallback_allocator.h"
+
+#include <algorithm>
+#include <sstream>
+
+namespace memo::core {
+
+namespace {
+std::string mib(std::size_t bytes) {
+  std::ostringstream os;
+  os << bytes << " B (" << static_cast<double>(bytes) / (1 << 20) << " MiB)";
+  return os.str();
+}
+}  // namespace
+
+FallbackAllocator::FallbackAllocator(RawBackend* backend, std::size_t min_segment, std::size_t limit)
+    : backend_(backend), min_segment_(0), limit_(limit) {
+  set_min_segment(min_segment);
+}
+
+FallbackAllocator::~FallbackAllocator() {
+  // Live blocks at destruction would dangle; the owner never destroys a
+  // FallbackAllocator with live blocks (process-lifetime objects), so only
+  // whole segments are returned here.
+  for (Segment* seg : segments_) {
+    Block* b = seg->first;
+    while (b != nullptr) {
+      Block* next = b->next;
+      delete b;
+      b = next;
+    }
+    backend_->raw_free(seg->base, seg->size);
+    delete seg;
+  }
+}
+
+void FallbackAllocator::set_min_segment(std::size_t bytes) {
+  min_segment_ = round_up(std::max<std::size_t>(bytes, kBlockAlignment), kBlockAlignment);
+}
+
+std::size_t FallbackAllocator::block_size(const void* ptr) const {
+  auto it = live_.find(const_cast<void*>(ptr));
+  return it == live_.end() ? 0 : it->second->size;
+}
+
+void FallbackAllocator::throw_oom(std::size_t bytes, std::size_t segment_bytes, const std::string& where,
+                                  const char* why) const {
+  std::ostringstream os;
+  os << "memo allocator: fallback pool (" << backend_->name() << ") cannot serve a request of " << mib(bytes)
+     << " in " << (where.empty() ? std::string("no phase") : "phase " + where) << ": " << why
+     << ". It needs a new segment of " << mib(segment_bytes) << "; reserved " << mib(stats_.reserved_bytes)
+     << ", allocated " << mib(stats_.allocated_bytes) << ", limit "
+     << (limit_ == 0 ? std::string("none") : mib(limit_))
+     << ". Raise the fallback limit, or re-profile so that the plan covers these requests.";
+  throw OutOfMemory(os.str());
+}
+
+FallbackAllocator::Block* FallbackAllocator::new_segment(std::size_t bytes, const std::string& where) {
+  std::size_t seg_bytes = bytes <= min_segment_ ? min_segment_ : round_up(bytes, kSegmentGranularity);
+  if (limit_ != 0 && stats_.reserved_bytes + seg_bytes > limit_) {
+    empty_cache();
+    if (stats_.reserved_bytes + seg_bytes > limit_) {
+      // A smaller segment that just fits the request may still be within the limit.
+      std::size_t exact = round_up(bytes, kBlockAlignment);
+      if (stats_.reserved_bytes + exact > limit_) throw_oom(bytes, seg_bytes, where, "the fallback limit is reached");
+      seg_bytes = exact;
+    }
+  }
+  void* base = backend_->raw_alloc(seg_bytes);
+  if (base == nullptr) {
+    empty_cache();
+    base = backend_->raw_alloc(seg_bytes);
+    if (base == nullptr) throw_oom(bytes, seg_bytes, where, "the backend has no memory left");
+  }
+  auto* seg = new Segment{static_cast<char*>(base), seg_bytes, nullptr};
+  auto* block = new Block{seg->base, seg_bytes, false, nullptr, nullptr, seg};
+  seg->first = block;
+  segments_.push_back(seg);
+  stats_.reserved_bytes += seg_bytes;
+  stats_.peak_reserved_bytes = std::max(stats_.peak_reserved_bytes, stats_.reserved_bytes);
+  stats_.segment_allocs += 1;
+  return block;
+}
+
+void* FallbackAllocator::allocate(std::size_t bytes, const std::string& where) {
+  const std::size_t size = round_up(std::max<std::size_t>(bytes, 1), kBlockAlignment);
+  Block probe{nullptr, size, false, nullptr, nullptr, nullptr};
+  auto it = free_.lower_bound(&probe);  // best fit: smallest free block >= size, lowest address
+  Block* block;
+  if (it != free_.end()) {
+    block = *it;
+    free_.erase(it);
+  } else {
+    block = new_segment(size, where);
+  }
+  if (block->size - size >= kBlockAlignment) {
+    auto* rest = new Block{block->ptr + size, block->size - size, false, block, block->next, block->segment};
+    if (block->next != nullptr) block->next->prev = rest;
+    block->next = rest;
+    block->size = size;
+    free_.insert(rest);
+  }
+  block->allocated = true;
+  live_.emplace(block->ptr, block);
+  stats_.allocated_bytes += block->size;
+  stats_.peak_allocated_bytes = std::max(stats_.peak_allocated_bytes, stats_.allocated_bytes);
+  stats_.num_allocs += 1;
+  return block->ptr;
+}
+
+bool FallbackAllocator::free(void* ptr) {
+  auto it = live_.find(ptr);
+  if (it == live_.end()) return false;
+  Block* block = it->second;
+  live_.erase(it);
+  block->allocated = false;
+  stats_.allocated_bytes -= block->size;
+  stats_.num_frees += 1;
+  if (Block* next = block->next; next != nullptr && !next->allocated) {
+    free_.erase(next);
+    block->size += next->size;
+    block->next = next->next;
+    if (next->next != nullptr) next->next->prev = block;
+    delete next;
+  }
+  if (Block* prev = block->prev; prev != nullptr && !prev->allocated) {
+    free_.erase(prev);
+    prev->size += block->size;
+    prev->next = block->next;
+    if (block->next != nullptr) block->next->prev = prev;
+    delete block;
+    block = prev;
+  }
+  free_.insert(block);
+  return true;
+}
+
+void FallbackAllocator::release_segment(Segment* seg) {
+  Block* b = seg->first;  // a wholly free segment is exactly one free block
+  free_.erase(b);
+  delete b;
+  backend_->raw_free(seg->base, seg->size);
+  stats_.reserved_bytes -= seg->size;
+  stats_.segment_releases += 1;
+  delete seg;
+}
+
+std::size_t FallbackAllocator::empty_cache() {
+  std::size_t released = 0;
+  std::vector<Segment*> kept;
+  for (Segment* seg : segments_) {
+    if (!seg->first->allocated && seg->first->next == nullptr) {
+      released += seg->size;
+      release_segment(seg);
+    } else {
+      kept.push_back(seg);
+    }
+  }
+  segments_.swap(kept);
+  return released;
+}
+
+FallbackStats FallbackAllocator::stats() const {
+  FallbackStats s = stats_;
+  s.live_blocks = live_.size();
+  s.free_blocks = free_.size();
+  s.largest_free_block = free_.empty() ? 0 : (*free_.rbegin())->size;
+  s.segments = segments_.size();
+  return s;
+}
+
+void FallbackAllocator::reset_peaks() {
+  stats_.peak_allocated_bytes = stats_.allocated_bytes;
+  stats_.peak_reserved_bytes = stats_.reserved_bytes;
+}
+
+}  // namespace memo::core

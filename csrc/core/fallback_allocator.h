@@ -1,0 +1,112 @@
+// The fallback caching allocator: serves every request the plan does not
+// cover (outside planned phases, or deviating from the plan).
+//
+// NOTE [Fallback caching allocator]
+// A real caching allocator, not one backend allocation per request:
+// * memory comes from the backend in segments of at least `min_segment`
+//   bytes (large requests get a segment of their own size, rounded up to
+//   kSegmentGranularity);
+// * requests are rounded up to kBlockAlignment and served best-fit from a
+//   free list ordered by (size, address): the smallest free block that fits;
+// * a block larger than the request by at least kBlockAlignment is split,
+//   the remainder stays free;
+// * a freed block is coalesced with free neighbours in the same segment;
+// * segments go back to the backend only on empty_cache() (or when a new
+//   segment would pass the limit: then free segments are released first),
+//   never on a plain free, so steady-state training makes no backend calls.
+// reserved = bytes held from the backend; allocated = bytes in live blocks
+// (rounded sizes); reserved - allocated is the cached/fragmented part.
+// Not thread-safe by itself: the owner (PlannedAllocator) holds the lock.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <set>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "core/alloc_backend.h"
+
+namespace memo::core {
+
+struct FallbackStats {
+  std::size_t allocated_bytes = 0;
+  std::size_t reserved_bytes = 0;
+  std::size_t peak_allocated_bytes = 0;
+  std::size_t peak_reserved_bytes = 0;
+  std::size_t live_blocks = 0;
+  std::size_t free_blocks = 0;
+  std::size_t largest_free_block = 0;
+  std::uint64_t num_allocs = 0;
+  std::uint64_t num_frees = 0;
+  std::uint64_t segment_allocs = 0;
+  std::uint64_t segment_releases = 0;
+  std::size_t segments = 0;
+};
+
+class FallbackAllocator {
+ public:
+  static constexpr std::size_t kSegmentGranularity = 2u << 20;  // 2 MiB
+
+  // limit: most bytes this allocator may reserve from the backend (0 = no limit).
+  FallbackAllocator(RawBackend* backend, std::size_t min_segment, std::size_t limit);
+  ~FallbackAllocator();
+  FallbackAllocator(const FallbackAllocator&) = delete;
+  FallbackAllocator& operator=(const FallbackAllocator&) = delete;
+
+  // Throws OutOfMemory (with the numbers) when the request cannot be served.
+  // `where` names the phase for the message.
+  void* allocate(std::size_t bytes, const std::string& where);
+  // Returns false when `ptr` is not a live block of this allocator.
+  bool free(void* ptr);
+  bool owns(const void* ptr) const { return live_.count(const_cast<void*>(ptr)) != 0; }
+  // Size the block was rounded to, 0 when not live here.
+  std::size_t block_size(const void* ptr) const;
+  // Releases every segment that is entirely free; returns bytes released.
+  std::size_t empty_cache();
+
+  void set_limit(std::size_t limit) { limit_ = limit; }
+  std::size_t limit() const { return limit_; }
+  void set_min_segment(std::size_t bytes);
+  FallbackStats stats() const;
+  void reset_peaks();
+
+ private:
+  struct Segment;
+  struct Block {
+    char* ptr;
+    std::size_t size;
+    bool allocated;
+    Block* prev;  // address neighbours inside the segment
+    Block* next;
+    Segment* segment;
+  };
+  struct Segment {
+    char* base;
+    std::size_t size;
+    Block* first;
+  };
+  struct BySizeThenAddr {
+    bool operator()(const Block* a, const Block* b) const {
+      return a->size != b->size ? a->size < b->size : a->ptr < b->ptr;
+    }
+  };
+
+  Block* new_segment(std::size_t bytes, const std::string& where);
+  void release_segment(Segment* seg);
+  [[noreturn]] void throw_oom(std::size_t bytes, std::size_t segment_bytes, const std::string& where,
+                              const char* why) const;
+
+  RawBackend* backend_;
+  std::size_t min_segment_;
+  std::size_t limit_;
+  std::set<Block*, BySizeThenAddr> free_;
+  std::unordered_map<void*, Block*> live_;
+  std::vector<Segment*> segments_;
+  FallbackStats stats_;
+};
+
+}  // namespace memo::core

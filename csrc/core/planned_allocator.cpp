@@ -1,0 +1,348 @@
+// See NOTE [Plan replay by request order], [Deviation policy] and
+// [Arena lifetime] in planned_allocator.h.
+#include "core/planned_allocator.h"
+
+#include <algorithm>
+#include <sstream>
+#include <utility>
+
+namespace memo::core {
+
+namespace {
+constexpr unsigned char kPoisonByte = 0xFF;  // all-ones bytes: NaN in fp32/fp16/bf16
+}  // namespace
+
+PlannedAllocator::PlannedAllocator(RawBackend* backend, std::size_t min_segment, std::size_t fallback_limit)
+    : backend_(backend), fallback_(backend, min_segment, fallback_limit) {}
+
+PlannedAllocator::~PlannedAllocator() {
+  if (arena_ != nullptr) release_arena(arena_);
+  for (Arena* a : retired_) release_arena(a);
+}
+
+void PlannedAllocator::release_arena(Arena* arena) {
+  if (arena->base != nullptr) backend_->raw_free(arena->base, arena->bytes);
+  stats_.arena_releases += 1;
+  delete arena;
+}
+
+void PlannedAllocator::retire_current_arena() {
+  if (arena_ == nullptr) return;
+  if (arena_->live == 0) {
+    release_arena(arena_);
+  } else {
+    arena_->retired = true;
+    retired_.push_back(arena_);
+  }
+  arena_ = nullptr;
+}
+
+void PlannedAllocator::load_plan(PhaseTables tables, std::size_t peak) {
+  for (const auto& [name, table] : tables) {
+    if (name.empty()) throw AllocatorError("memo allocator: a phase table has an empty phase name");
+    for (std::size_t k = 0; k < table.size(); ++k) {
+      const PlanSlot& slot = table[k];
+      auto where = [&] {
+        std::ostringstream os;
+        os << "memo allocator: bad plan table entry " << name << "[" << k << "] (size " << slot.size
+           << ", offset " << slot.offset << "): ";
+        return os.str();
+      };
+      if (slot.size == 0) throw AllocatorError(where() + "size must be positive");
+      if (slot.offset < -1) throw AllocatorError(where() + "offset must be >= 0, or None for unplanned");
+      if (slot.offset >= 0) {
+        auto off = static_cast<std::size_t>(slot.offset);
+        if (off % kBlockAlignment != 0) {
+          std::ostringstream os;
+          os << "offset must be a multiple of " << kBlockAlignment << " bytes";
+          throw AllocatorError(where() + os.str());
+        }
+        if (off + slot.size > peak) {
+          std::ostringstream os;
+          os << "offset + size = " << off + slot.size << " exceeds the plan's peak (arena) of " << peak
+             << " bytes";
+          throw AllocatorError(where() + os.str());
+        }
+      }
+    }
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  // Reserve before dropping the old plan, so a failure leaves the old one usable.
+  Arena* fresh = nullptr;
+  const std::size_t arena_bytes = round_up(peak, kSegmentAlignment);
+  const bool reuse = arena_ != nullptr && arena_->live == 0 && arena_->bytes == arena_bytes;
+  if (!reuse && arena_bytes > 0) {
+    void* base = backend_->raw_alloc(arena_bytes);
+    if (base == nullptr) {
+      fallback_.empty_cache();
+      base = backend_->raw_alloc(arena_bytes);
+    }
+    if (base == nullptr) {
+      std::ostringstream os;
+      os << "memo allocator: cannot reserve the arena of " << arena_bytes << " bytes ("
+         << static_cast<double>(arena_bytes) / (1 << 20) << " MiB) that the plan needs on " << backend_->name()
+         << "; the fallback pool holds " << fallback_.stats().reserved_bytes
+         << " bytes. Free memory, or plan for a shorter sequence.";
+      throw OutOfMemory(os.str());
+    }
+    fresh = new Arena;
+    fresh->base = static_cast<char*>(base);
+    fresh->bytes = arena_bytes;
+    stats_.arena_reservations += 1;
+  }
+  if (!reuse) {
+    retire_current_arena();
+    arena_ = fresh;
+  }
+  tables_ = std::move(tables);
+  has_plan_ = true;
+  peak_ = peak;
+  stats_.arena_high_water = 0;
+  auto it = tables_.find(phase_);
+  phase_table_ = it == tables_.end() ? nullptr : &it->second;
+  phase_index_ = 0;
+  phase_deviated_ = false;
+}
+
+void PlannedAllocator::unload_plan() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  retire_current_arena();
+  tables_.clear();
+  has_plan_ = false;
+  peak_ = 0;
+  phase_table_ = nullptr;
+  phase_index_ = 0;
+  phase_deviated_ = false;
+}
+
+bool PlannedAllocator::has_plan() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return has_plan_;
+}
+
+std::int32_t PlannedAllocator::phase_id(const std::string& name) {
+  if (name.empty()) return -1;
+  auto it = log_phase_ids_.find(name);
+  if (it != log_phase_ids_.end()) return it->second;
+  auto id = static_cast<std::int32_t>(log_phase_names_.size());
+  log_phase_names_.push_back(name);
+  log_phase_ids_.emplace(name, id);
+  return id;
+}
+
+void PlannedAllocator::set_phase(const std::string& name) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  phase_ = name;
+  auto it = name.empty() ? tables_.end() : tables_.find(name);
+  phase_table_ = it == tables_.end() ? nullptr : &it->second;
+  phase_index_ = 0;
+  phase_deviated_ = false;
+  if (logging_) current_phase_id_ = phase_id(name);
+}
+
+std::string PlannedAllocator::phase() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return phase_;
+}
+
+bool PlannedAllocator::overlaps_live(const Arena& arena, std::size_t begin, std::size_t end) const {
+  // Ranges are disjoint, so only the last range starting before `end` can overlap.
+  auto it = arena.live_ranges.lower_bound(end);
+  if (it == arena.live_ranges.begin()) return false;
+  --it;
+  return it->second > begin;
+}
+
+void PlannedAllocator::deviate(std::size_t expected, std::size_t actual, const char* reason) {
+  stats_.deviations += 1;
+  if (!stats_.has_deviation) {
+    stats_.has_deviation = true;
+    stats_.first_deviation = Deviation{phase_, static_cast<std::int64_t>(phase_index_), expected, actual, reason};
+  }
+}
+
+void* PlannedAllocator::fallback_locked(std::size_t bytes) {
+  void* p = fallback_.allocate(bytes, phase_);
+  stats_.fallback_requests += 1;
+  return p;
+}
+
+void* PlannedAllocator::allocate_locked(std::size_t bytes) {
+  stats_.requests += 1;
+  if (phase_table_ == nullptr || arena_ == nullptr) {
+    stats_.unplanned_requests += 1;
+    return fallback_locked(bytes);
+  }
+  const std::vector<PlanSlot>& table = *phase_table_;
+  void* p = nullptr;
+  if (phase_deviated_) {
+    deviate(phase_index_ < table.size() ? table[phase_index_].size : 0, bytes, "after an earlier deviation");
+  } else if (phase_index_ >= table.size()) {
+    phase_deviated_ = true;
+    deviate(0, bytes, "count");
+  } else if (table[phase_index_].offset < 0) {
+    stats_.unplanned_requests += 1;
+  } else if (table[phase_index_].size != bytes) {
+    phase_deviated_ = true;
+    deviate(table[phase_index_].size, bytes, "size");
+  } else {
+    const auto begin = static_cast<std::size_t>(table[phase_index_].offset);
+    const std::size_t end = begin + bytes;
+    if (overlaps_live(*arena_, begin, end)) {
+      stats_.slot_busy += 1;
+      deviate(bytes, bytes, "slot busy");
+    } else {
+      p = arena_->base + begin;
+      arena_->live_ranges.emplace(begin, end);
+      arena_->live += 1;
+      planned_live_.emplace(p, PlannedBlock{arena_, begin, bytes});
+      planned_bytes_ += bytes;
+      stats_.planned_hits += 1;
+      stats_.arena_high_water = std::max(stats_.arena_high_water, end);
+    }
+  }
+  phase_index_ += 1;
+  return p != nullptr ? p : fallback_locked(bytes);
+}
+
+void* PlannedAllocator::allocate(std::size_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  void* p = allocate_locked(bytes);
+  const std::size_t in_use = planned_bytes_ + fallback_.stats().allocated_bytes;
+  stats_.peak_bytes_in_use = std::max(stats_.peak_bytes_in_use, in_use);
+  if (logging_) {
+    const std::uint64_t id = next_id_++;
+    log_ids_[p] = id;
+    log_.push_back(TraceEvent{true, id, bytes, current_phase_id_});
+  }
+  return p;
+}
+
+void PlannedAllocator::free(void* ptr) noexcept {
+  if (ptr == nullptr) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  try {
+    if (logging_) {
+      auto it = log_ids_.find(ptr);
+      if (it != log_ids_.end()) {
+        log_.push_back(TraceEvent{false, it->second, 0, current_phase_id_});
+        log_ids_.erase(it);
+      }
+    }
+    auto it = planned_live_.find(ptr);
+    if (it != planned_live_.end()) {
+      PlannedBlock block = it->second;
+      planned_live_.erase(it);
+      planned_bytes_ -= block.size;
+      Arena* arena = block.arena;
+      arena->live_ranges.erase(block.offset);
+      arena->live -= 1;
+      stats_.frees += 1;
+      if (arena->retired) {
+        if (arena->live == 0) {
+          retired_.erase(std::find(retired_.begin(), retired_.end(), arena));
+          release_arena(arena);
+        }
+      } else if (poison_) {
+        backend_->fill(ptr, block.size, kPoisonByte);
+      }
+      return;
+    }
+    if (fallback_.free(ptr)) {
+      stats_.frees += 1;
+    } else {
+      stats_.invalid_frees += 1;
+    }
+  } catch (...) {
+    stats_.invalid_frees += 1;  // bookkeeping allocation failed; never throw from a deleter
+  }
+}
+
+bool PlannedAllocator::owns(const void* ptr) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return planned_live_.count(const_cast<void*>(ptr)) != 0 || fallback_.owns(ptr);
+}
+
+void PlannedAllocator::set_poison(bool on) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  poison_ = on;
+}
+
+void PlannedAllocator::set_fallback_limit(std::size_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  fallback_.set_limit(bytes);
+}
+
+void PlannedAllocator::set_min_segment(std::size_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  fallback_.set_min_segment(bytes);
+}
+
+std::size_t PlannedAllocator::empty_cache() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return fallback_.empty_cache();
+}
+
+void PlannedAllocator::start_logging() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  logging_ = true;
+  next_id_ = 0;
+  log_.clear();
+  log_ids_.clear();
+  log_phase_names_.clear();
+  log_phase_ids_.clear();
+  current_phase_id_ = phase_id(phase_);
+}
+
+bool PlannedAllocator::logging() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return logging_;
+}
+
+std::vector<TraceEvent> PlannedAllocator::stop_logging(std::vector<std::string>* phase_names) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  logging_ = false;
+  std::vector<TraceEvent> out;
+  out.swap(log_);
+  if (phase_names != nullptr) *phase_names = log_phase_names_;
+  log_ids_.clear();
+  log_phase_names_.clear();
+  log_phase_ids_.clear();
+  current_phase_id_ = -1;
+  return out;
+}
+
+AllocatorStats PlannedAllocator::stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  AllocatorStats s = stats_;
+  s.fallback = fallback_.stats();
+  s.bytes_in_use = planned_bytes_ + s.fallback.allocated_bytes;
+  s.arena_bytes = arena_ == nullptr ? 0 : arena_->bytes;
+  s.arena_in_use = 0;
+  if (arena_ != nullptr)
+    for (const auto& [begin, end] : arena_->live_ranges) s.arena_in_use += end - begin;
+  s.retired_arenas = retired_.size();
+  return s;
+}
+
+void PlannedAllocator::reset_stats() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const std::uint64_t reservations = stats_.arena_reservations;
+  const std::uint64_t releases = stats_.arena_releases;
+  stats_ = AllocatorStats{};
+  stats_.arena_reservations = reservations;
+  stats_.arena_releases = releases;
+  stats_.peak_bytes_in_use = planned_bytes_ + fallback_.stats().allocated_bytes;
+  deviation_reported_ = false;
+  fallback_.reset_peaks();
+}
+
+bool PlannedAllocator::take_deviation_report(Deviation* out) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!stats_.has_deviation || deviation_reported_) return false;
+  deviation_reported_ = true;
+  if (out != nullptr) *out = stats_.first_deviation;
+  return true;
+}
+
+}  // namespace memo::core

@@ -1,0 +1,187 @@
+// The planned allocator: one arena reserved at the plan's peak, planned
+// offsets selected by (phase, request index), a fallback caching allocator
+// for everything else, statistics and trace logging. Backend-neutral C++17.
+//
+// NOTE [Plan replay by request order]
+// The device allocator sees only sizes (CUDAPluggableAllocator passes size,
+// device and stream; c10::Allocator passes size), never tensor identity. So a
+// plan is a table per phase instance ("layer.fwd[3]") listing, for the k-th
+// request of that phase, its size and its arena offset (or none: fallback).
+// Python sets the phase on every phase change; each set starts the request
+// index at 0. A request is served from the arena when its size equals the
+// table's and its byte range does not overlap a live arena allocation.
+//
+// NOTE [Deviation policy]
+// * Size mismatch, or more requests than the table has: the phase instance
+//   is out of sync; this request and the rest of the instance go to the
+//   fallback. The next phase starts in sync again.
+// * The slot's byte range still overlaps a live arena allocation (a tensor
+//   kept alive longer than in the profiled run): this one request goes to the
+//   fallback (the order is still in sync, so later requests keep the plan).
+//   The check is a range check against every live arena allocation, not just
+//   the slot's own id: two phases' slots that share bytes are both protected.
+// Each such request counts as a deviation; the first one is kept (phase,
+// index, expected and actual size, reason) and reported once.
+//
+// NOTE [Arena lifetime]
+// Loading another plan or leaving the planned context must not pull memory
+// from under live tensors (gradients made in backward outlive the context).
+// An arena with live allocations is retired: it stays reserved, its frees
+// are still recognised by address, and it goes back to the backend when its
+// last allocation is freed.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "core/alloc_backend.h"
+#include "core/fallback_allocator.h"
+
+namespace memo::core {
+
+struct PlanSlot {
+  std::size_t size = 0;
+  std::int64_t offset = -1;  // -1: not planned, use the fallback
+};
+
+using PhaseTables = std::unordered_map<std::string, std::vector<PlanSlot>>;
+
+struct Deviation {
+  std::string phase;
+  std::int64_t index = -1;
+  std::size_t expected = 0;  // 0 when the table has no entry at that index
+  std::size_t actual = 0;
+  std::string reason;  // "size", "count", "slot busy"
+};
+
+struct AllocatorStats {
+  std::uint64_t requests = 0;            // every malloc
+  std::uint64_t planned_hits = 0;        // served from the arena
+  std::uint64_t fallback_requests = 0;   // served from the fallback (all reasons)
+  std::uint64_t unplanned_requests = 0;  // outside planned phases, or slot without offset
+  std::uint64_t deviations = 0;          // fallback because the run left the plan
+  std::uint64_t slot_busy = 0;           // of which: planned bytes still owned by a live tensor
+  std::uint64_t frees = 0;
+  std::uint64_t invalid_frees = 0;  // pointers neither the arena nor the fallback knows
+  bool has_deviation = false;
+  Deviation first_deviation;
+  std::size_t bytes_in_use = 0;  // arena bytes of live planned blocks + fallback allocated bytes
+  std::size_t peak_bytes_in_use = 0;
+  std::size_t arena_bytes = 0;  // reserved arena of the loaded plan
+  std::size_t arena_in_use = 0;
+  std::size_t arena_high_water = 0;  // max(offset + size) handed out since the plan was loaded
+  std::uint64_t arena_reservations = 0;
+  std::uint64_t arena_releases = 0;
+  std::size_t retired_arenas = 0;
+  FallbackStats fallback;
+};
+
+struct TraceEvent {
+  bool is_malloc = true;
+  std::uint64_t id = 0;
+  std::size_t size = 0;
+  std::int32_t phase = -1;  // index into the phase name list, -1 outside phases
+};
+
+class PlannedAllocator {
+ public:
+  static constexpr std::size_t kDefaultMinSegment = 2u << 20;
+
+  explicit PlannedAllocator(RawBackend* backend, std::size_t min_segment = kDefaultMinSegment,
+                            std::size_t fallback_limit = 0);
+  ~PlannedAllocator();
+  PlannedAllocator(const PlannedAllocator&) = delete;
+  PlannedAllocator& operator=(const PlannedAllocator&) = delete;
+
+  // Validates the tables (AllocatorError naming the bad entry) and reserves
+  // the arena (OutOfMemory with the numbers). Replaces any loaded plan.
+  void load_plan(PhaseTables tables, std::size_t peak);
+  void unload_plan();
+  bool has_plan() const;
+
+  // Opens phase `name` (request index 0); an empty name means "no phase".
+  void set_phase(const std::string& name);
+  std::string phase() const;
+
+  void* allocate(std::size_t bytes);
+  // Never throws: it runs from deleters. Unknown pointers are counted.
+  void free(void* ptr) noexcept;
+  // Whether `ptr` is a live block of this allocator.
+  bool owns(const void* ptr) const;
+
+  void set_poison(bool on);
+  void set_fallback_limit(std::size_t bytes);
+  void set_min_segment(std::size_t bytes);
+  std::size_t empty_cache();
+
+  void start_logging();
+  bool logging() const;
+  // Stops logging and returns the events and the phase names they index.
+  std::vector<TraceEvent> stop_logging(std::vector<std::string>* phase_names);
+
+  AllocatorStats stats() const;
+  // Zeroes the counters and peaks (not the live byte counts).
+  void reset_stats();
+  // The first deviation, once: true (and fills `out`) only on the first call
+  // after it happened. Used to warn exactly once.
+  bool take_deviation_report(Deviation* out);
+
+ private:
+  struct Arena {
+    char* base = nullptr;
+    std::size_t bytes = 0;
+    std::size_t live = 0;
+    bool retired = false;
+    std::map<std::size_t, std::size_t> live_ranges;  // offset -> end
+  };
+  struct PlannedBlock {
+    Arena* arena;
+    std::size_t offset;
+    std::size_t size;
+  };
+
+  void* allocate_locked(std::size_t bytes);
+  void* fallback_locked(std::size_t bytes);
+  bool overlaps_live(const Arena& arena, std::size_t begin, std::size_t end) const;
+  void deviate(std::size_t expected, std::size_t actual, const char* reason);
+  void retire_current_arena();
+  void release_arena(Arena* arena);
+  std::int32_t phase_id(const std::string& name);
+
+  mutable std::mutex mutex_;
+  RawBackend* backend_;
+  FallbackAllocator fallback_;
+
+  PhaseTables tables_;
+  bool has_plan_ = false;
+  std::size_t peak_ = 0;
+  Arena* arena_ = nullptr;
+  std::vector<Arena*> retired_;
+  std::unordered_map<void*, PlannedBlock> planned_live_;
+  std::size_t planned_bytes_ = 0;
+
+  std::string phase_;
+  const std::vector<PlanSlot>* phase_table_ = nullptr;
+  std::size_t phase_index_ = 0;
+  bool phase_deviated_ = false;
+
+  bool poison_ = false;
+  bool deviation_reported_ = false;
+  AllocatorStats stats_;
+
+  bool logging_ = false;
+  std::uint64_t next_id_ = 0;
+  std::unordered_map<void*, std::uint64_t> log_ids_;
+  std::vector<TraceEvent> log_;
+  std::vector<std::string> log_phase_names_;
+  std::unordered_map<std::string, std::int32_t> log_phase_ids_;
+  std::int32_t current_phase_id_ = -1;
+};
+
+}  // namespace memo::core

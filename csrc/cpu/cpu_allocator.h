@@ -1,0 +1,18 @@
+// The CPU backend: PyTorch's CPU tensor allocations go through memo's
+// planned allocator while it is installed.
+#pragma once
+
+#include "core/planned_allocator.h"
+
+namespace memo::cpu {
+
+// The planned allocator behind PyTorch's CPU allocations (process lifetime).
+core::PlannedAllocator& cpu_planned_allocator();
+
+// Makes memo's allocator c10's CPU allocator; AllocatorError when already installed.
+void install_cpu_allocator();
+// Restores the allocator that install replaced; AllocatorError when not installed.
+void uninstall_cpu_allocator();
+bool cpu_allocator_installed();
+
+}  // namespace memo::cpu

@@ -1,0 +1,213 @@
+// pybind11 glue for the planned allocator: validates Python inputs and
+// converts stats and traces. Only pybind11 headers (not torch/extension.h),
+// to keep this translation unit cheap to compile.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/planned_allocator.h"
+#include "cpu/cpu_allocator.h"
+#include "cpu/host_backend.h"
+#include "python/registry.h"
+
+namespace py = pybind11;
+
+namespace memo::python {
+
+namespace {
+
+using core::PlannedAllocator;
+
+core::PhaseTables tables_from_python(const py::dict& tables) {
+  core::PhaseTables out;
+  for (auto item : tables) {
+    if (!py::isinstance<py::str>(item.first))
+      throw core::AllocatorError("memo allocator: phase table keys must be phase names (str), got " +
+                                 std::string(py::str(py::type::of(item.first))));
+    auto name = item.first.cast<std::string>();
+    std::vector<core::PlanSlot> slots;
+    for (auto entry : py::iter(item.second)) {
+      auto pair = py::reinterpret_borrow<py::object>(entry);
+      py::sequence seq;
+      try {
+        seq = pair.cast<py::sequence>();
+      } catch (const py::cast_error&) {
+        throw core::AllocatorError("memo allocator: table " + name +
+                                   " must list (size, offset-or-None) pairs, got " + std::string(py::repr(pair)));
+      }
+      if (py::len(seq) != 2)
+        throw core::AllocatorError("memo allocator: table " + name +
+                                   " must list (size, offset-or-None) pairs, got " + std::string(py::repr(pair)));
+      core::PlanSlot slot;
+      py::object size = seq[0], offset = seq[1];
+      if (!py::isinstance<py::int_>(size) || size.cast<long long>() <= 0)
+        throw core::AllocatorError("memo allocator: table " + name + " entry " + std::to_string(slots.size()) +
+                                   ": size must be a positive int, got " + std::string(py::repr(size)));
+      slot.size = size.cast<std::size_t>();
+      if (offset.is_none()) {
+        slot.offset = -1;
+      } else if (py::isinstance<py::int_>(offset) && offset.cast<long long>() >= 0) {
+        slot.offset = offset.cast<std::int64_t>();
+      } else {
+        throw core::AllocatorError("memo allocator: table " + name + " entry " + std::to_string(slots.size()) +
+                                   ": offset must be an int >= 0 or None, got " + std::string(py::repr(offset)));
+      }
+      slots.push_back(slot);
+    }
+    out.emplace(std::move(name), std::move(slots));
+  }
+  return out;
+}
+
+py::dict fallback_dict(const core::FallbackStats& f) {
+  py::dict d;
+  d["allocated_bytes"] = f.allocated_bytes;
+  d["reserved_bytes"] = f.reserved_bytes;
+  d["peak_allocated_bytes"] = f.peak_allocated_bytes;
+  d["peak_reserved_bytes"] = f.peak_reserved_bytes;
+  d["live_blocks"] = f.live_blocks;
+  d["free_blocks"] = f.free_blocks;
+  d["largest_free_block"] = f.largest_free_block;
+  d["num_allocs"] = f.num_allocs;
+  d["num_frees"] = f.num_frees;
+  d["segment_allocs"] = f.segment_allocs;
+  d["segment_releases"] = f.segment_releases;
+  d["segments"] = f.segments;
+  return d;
+}
+
+py::object deviation_obj(const core::Deviation& dev) {
+  py::dict d;
+  d["phase"] = dev.phase;
+  d["index"] = dev.index;
+  d["expected"] = dev.expected;
+  d["actual"] = dev.actual;
+  d["reason"] = dev.reason;
+  return std::move(d);
+}
+
+py::dict stats_dict(const core::AllocatorStats& s) {
+  py::dict d;
+  d["requests"] = s.requests;
+  d["planned_hits"] = s.planned_hits;
+  d["fallback_requests"] = s.fallback_requests;
+  d["unplanned_requests"] = s.unplanned_requests;
+  d["deviations"] = s.deviations;
+  d["slot_busy"] = s.slot_busy;
+  d["frees"] = s.frees;
+  d["invalid_frees"] = s.invalid_frees;
+  d["first_deviation"] = s.has_deviation ? deviation_obj(s.first_deviation) : py::none();
+  d["bytes_in_use"] = s.bytes_in_use;
+  d["peak_bytes_in_use"] = s.peak_bytes_in_use;
+  d["arena_bytes"] = s.arena_bytes;
+  d["arena_in_use"] = s.arena_in_use;
+  d["arena_high_water"] = s.arena_high_water;
+  d["arena_reservations"] = s.arena_reservations;
+  d["arena_releases"] = s.arena_releases;
+  d["retired_arenas"] = s.retired_arenas;
+  d["fallback"] = fallback_dict(s.fallback);
+  d["segment_allocs"] = s.fallback.segment_allocs;
+  d["segment_releases"] = s.fallback.segment_releases;
+  return d;
+}
+
+// (events as (is_malloc, id, size, phase_index) tuples, phase names)
+py::tuple stop_logging(PlannedAllocator& a) {
+  std::vector<std::string> names;
+  std::vector<core::TraceEvent> events;
+  {
+    py::gil_scoped_release release;
+    events = a.stop_logging(&names);
+  }
+  py::list out;
+  for (const auto& e : events) out.append(py::make_tuple(e.is_malloc, e.id, e.size, e.phase));
+  return py::make_tuple(out, names);
+}
+
+void bind_allocator(py::module_& m) {
+  py::module_ sub = m.def_submodule("allocator", "memo's planned allocator (core + CPU backend)");
+  static py::exception<core::AllocatorError> error(sub, "AllocatorError", PyExc_RuntimeError);
+  static py::exception<core::OutOfMemory> oom(sub, "OutOfMemory", error.ptr());
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const core::OutOfMemory& e) {
+      PyErr_SetString(oom.ptr(), e.what());
+    } catch (const core::AllocatorError& e) {
+      PyErr_SetString(error.ptr(), e.what());
+    }
+  });
+
+  py::class_<PlannedAllocator>(sub, "PlannedAllocator",
+                               "Arena + fallback caching allocator. A standalone instance over host memory "
+                               "(PlannedAllocator(min_segment, fallback_limit)) is for tests; cpu_allocator() "
+                               "is the one behind PyTorch's CPU tensors while installed.")
+      .def(py::init([](std::size_t min_segment, std::size_t fallback_limit) {
+             return std::make_unique<PlannedAllocator>(&cpu::host_backend(), min_segment, fallback_limit);
+           }),
+           py::arg("min_segment") = PlannedAllocator::kDefaultMinSegment, py::arg("fallback_limit") = 0)
+      .def(
+          "load_plan",
+          [](PlannedAllocator& a, const py::dict& tables, long long peak) {
+            if (peak < 0) throw core::AllocatorError("memo allocator: plan peak must be >= 0, got " + std::to_string(peak));
+            a.load_plan(tables_from_python(tables), static_cast<std::size_t>(peak));
+          },
+          py::arg("tables"), py::arg("peak"))
+      .def("unload_plan", &PlannedAllocator::unload_plan)
+      .def("has_plan", &PlannedAllocator::has_plan)
+      .def(
+          "set_phase",
+          [](PlannedAllocator& a, const std::optional<std::string>& name) { a.set_phase(name.value_or("")); },
+          py::arg("name"))
+      .def("phase", [](const PlannedAllocator& a) -> py::object {
+        std::string p = a.phase();
+        if (p.empty()) return py::none();
+        return py::str(p);
+      })
+      .def(
+          "malloc",
+          [](PlannedAllocator& a, std::size_t n) {
+            if (n == 0) throw core::AllocatorError("memo allocator: malloc of 0 bytes");
+            return reinterpret_cast<std::uintptr_t>(a.allocate(n));
+          },
+          py::arg("size"))
+      .def(
+          "free", [](PlannedAllocator& a, std::uintptr_t p) { a.free(reinterpret_cast<void*>(p)); },
+          py::arg("ptr"))
+      .def(
+          "owns", [](const PlannedAllocator& a, std::uintptr_t p) { return a.owns(reinterpret_cast<void*>(p)); },
+          py::arg("ptr"))
+      .def("set_poison", &PlannedAllocator::set_poison, py::arg("on"))
+      .def("set_fallback_limit", &PlannedAllocator::set_fallback_limit, py::arg("bytes"))
+      .def("set_min_segment", &PlannedAllocator::set_min_segment, py::arg("bytes"))
+      .def("empty_cache", &PlannedAllocator::empty_cache)
+      .def("start_logging", &PlannedAllocator::start_logging)
+      .def("logging", &PlannedAllocator::logging)
+      .def("stop_logging", &stop_logging)
+      .def("stats", [](const PlannedAllocator& a) { return stats_dict(a.stats()); })
+      .def("reset_stats", &PlannedAllocator::reset_stats)
+      .def("take_deviation_report", [](PlannedAllocator& a) -> py::object {
+        core::Deviation dev;
+        if (!a.take_deviation_report(&dev)) return py::none();
+        return deviation_obj(dev);
+      });
+
+  sub.def(
+      "cpu_allocator", []() -> PlannedAllocator& { return cpu::cpu_planned_allocator(); },
+      py::return_value_policy::reference, "The planned allocator behind PyTorch's CPU tensors.");
+  sub.def("install_cpu", &cpu::install_cpu_allocator, "Route PyTorch's CPU allocations through memo.");
+  sub.def("uninstall_cpu", &cpu::uninstall_cpu_allocator, "Restore PyTorch's previous CPU allocator.");
+  sub.def("cpu_installed", &cpu::cpu_allocator_installed);
+  sub.attr("BLOCK_ALIGNMENT") = core::kBlockAlignment;
+}
+
+}  // namespace
+
+}  // namespace memo::python
+
+MEMO_REGISTER_BINDINGS(allocator, memo::python::bind_allocator)
