@@ -1,0 +1,404 @@
+"""Reusable pieces of a training run: data sources, one step, metrics, the loop, the report.
+
+``examples/train_gpt.py`` is a thin shell around :func:`add_train_arguments`,
+:func:`train_config_from_args` and :func:`train`; a ``memo train`` command can reuse
+the same three.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import resource
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from memo.errors import MemoError
+from memo.models import (
+    DEFAULT_MAX_SEQ_LEN,
+    RECOMPUTE_MODES,
+    build_model,
+    fingerprint,
+    get_config,
+    list_configs,
+)
+from memo.models.model import TransformerModel
+from memo.utils.flops import detect_peak_flops, flops_per_sample, mfu
+
+__all__ = [
+    "DTYPES",
+    "REPORT_VERSION",
+    "ByteFileTokens",
+    "StepMetrics",
+    "SyntheticTokens",
+    "TrainConfig",
+    "TrainResult",
+    "add_train_arguments",
+    "peak_memory",
+    "reset_peak_memory",
+    "train",
+    "train_config_from_args",
+    "train_step",
+    "write_report",
+]
+
+#: Version of the ``--report`` JSON written by :func:`write_report`.
+REPORT_VERSION = 1
+
+#: ``--dtype`` choices.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class SyntheticTokens:
+    """Learnable synthetic data: a fixed random cycle of distinct tokens, read at random offsets.
+
+    Every token is followed by the same token everywhere in the data, so the loss can fall
+    from ln(V) towards zero within a few steps (a bigram the embeddings pick up quickly);
+    random offsets keep batches from being identical.
+
+    Yields ``(ids, labels)``, both ``[micro_batch, seq_len]`` int64, labels = ids shifted by one.
+    """
+
+    def __init__(self, vocab_size: int, seq_len: int, micro_batch: int, seed: int, period: int = 64) -> None:
+        self.seq_len, self.micro_batch = seq_len, micro_batch
+        self.generator = torch.Generator().manual_seed(seed)
+        self.period = min(period, vocab_size)
+        self.cycle = torch.randperm(vocab_size, generator=self.generator)[: self.period]
+
+    def __iter__(self) -> Iterator[Batch]:
+        index = torch.arange(self.seq_len + 1)
+        while True:
+            starts = torch.randint(0, self.period, (self.micro_batch, 1), generator=self.generator)
+            tokens = self.cycle[(starts + index) % self.period]
+            yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+class ByteFileTokens:
+    """The bytes of a local file as token ids (0..255), read as random windows of ``seq_len + 1``.
+
+    Yields ``(ids, labels)`` like :class:`SyntheticTokens`.
+    """
+
+    def __init__(self, path: str | Path, vocab_size: int, seq_len: int, micro_batch: int, seed: int) -> None:
+        if vocab_size < 256:
+            raise MemoError(
+                f"memo.train: --data uses bytes as token ids, which needs vocab_size >= 256; the model "
+                f"has {vocab_size}. Pick a model with a larger vocabulary"
+            )
+        data = Path(path).read_bytes()
+        if len(data) < seq_len + 1:
+            raise MemoError(
+                f"memo.train: {path} has {len(data)} bytes, fewer than seq_len + 1 = {seq_len + 1}; "
+                "use a larger file or a shorter --seq-len"
+            )
+        self.tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+        self.seq_len, self.micro_batch = seq_len, micro_batch
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __iter__(self) -> Iterator[Batch]:
+        index = torch.arange(self.seq_len + 1)
+        last_start = self.tokens.numel() - self.seq_len - 1
+        while True:
+            starts = torch.randint(0, last_start + 1, (self.micro_batch, 1), generator=self.generator)
+            tokens = self.tokens[starts + index]
+            yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak-memory window (CUDA only; CPU peak RSS cannot be reset)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory(device: torch.device) -> tuple[int | None, str]:
+    """Peak memory so far and what the number is.
+
+    CUDA: ``torch.cuda.max_memory_allocated`` (tensor bytes since the last reset).
+    CPU: the process's peak resident set size from ``getrusage`` (everything the process
+    ever touched: Python, torch's libraries, tensors; never reset), Linux and macOS only.
+    """
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "cuda_max_memory_allocated"
+    if device.type == "cpu":
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        # ru_maxrss is KiB on Linux and bytes on macOS.
+        return (rss if sys.platform == "darwin" else rss * 1024), "process_peak_rss"
+    return None, "unavailable"
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor, labels: torch.Tensor
+) -> torch.Tensor:
+    """One forward + backward + optimizer step; returns the (detached) loss."""
+    optimizer.zero_grad(set_to_none=True)
+    loss = model(ids, labels)
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+@dataclass
+class TrainConfig:
+    """What to train and how; the fields mirror the command-line flags."""
+
+    model: str = "tiny"
+    """Registered model name (see ``memo.models.list_configs()``)."""
+    seq_len: int = 256
+    """Tokens per sequence."""
+    micro_batch: int = 1
+    """Sequences per step."""
+    steps: int = 10
+    """Optimizer steps."""
+    device: str = "cpu"
+    """``cpu`` or ``cuda[:i]``."""
+    dtype: str = "float32"
+    """Parameter, activation and optimizer-state dtype (no float32 master copy)."""
+    recompute: str = "none"
+    """``none`` or ``full`` activation recomputation."""
+    lr: float = 1e-3
+    """AdamW learning rate (constant)."""
+    seed: int = 0
+    """Seed for initialisation and data."""
+    peak_tflops: float | None = None
+    """Peak TFLOPS for MFU; ``None`` looks the GPU up (unknown on CPU)."""
+    data: str | None = None
+    """Text file whose bytes are the tokens; ``None`` means synthetic tokens."""
+
+    def __post_init__(self) -> None:
+        if self.model not in list_configs():
+            get_config(self.model)  # raises the error listing valid names
+        for name in ("seq_len", "micro_batch", "steps"):
+            if getattr(self, name) < 1:
+                raise MemoError(
+                    f"memo.train: --{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
+                )
+        if self.dtype not in DTYPES:
+            raise MemoError(f"memo.train: --dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise MemoError(
+                f"memo.train: --recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}"
+            )
+        if not self.lr > 0:
+            raise MemoError(f"memo.train: --lr must be > 0, got {self.lr}")
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise MemoError(f"memo.train: --peak-tflops must be > 0, got {self.peak_tflops}")
+
+
+@dataclass
+class StepMetrics:
+    """What one step measured."""
+
+    step: int
+    loss: float
+    step_time_s: float
+    tgs: float
+    """Tokens per second per device (one device here)."""
+    mfu: float | None
+    """Model FLOPs utilisation, ``None`` when the peak is unknown."""
+    peak_memory_bytes: int | None
+
+
+@dataclass
+class TrainResult:
+    """A finished run: its config, per-step metrics and the constants they were computed from."""
+
+    config: TrainConfig
+    steps: list[StepMetrics] = field(default_factory=list)
+    num_parameters: int = 0
+    flops_per_sample: float = 0.0
+    peak_flops: float | None = None
+    peak_memory_kind: str = "unavailable"
+    model_fingerprint: str = ""
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the training flags (the fields of :class:`TrainConfig`) to ``parser``."""
+    d = TrainConfig()
+    parser.add_argument("--model", default=d.model, help=f"model name: {', '.join(list_configs())}")
+    parser.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
+    parser.add_argument("--micro-batch", type=int, default=d.micro_batch, help="sequences per step")
+    parser.add_argument("--steps", type=int, default=d.steps, help="optimizer steps to run")
+    parser.add_argument("--device", default=d.device, help="cpu or cuda[:i]")
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=d.dtype,
+        help="dtype of parameters, activations and AdamW state (no float32 master weights)",
+    )
+    parser.add_argument(
+        "--recompute",
+        choices=RECOMPUTE_MODES,
+        default=d.recompute,
+        help="'full' recomputes each layer in backward (torch.utils.checkpoint) to save memory",
+    )
+    parser.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate (constant)")
+    parser.add_argument("--seed", type=int, default=d.seed, help="seed for initialisation and data")
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="device peak TFLOPS for MFU; default: looked up for known GPUs, MFU 'n/a' otherwise",
+    )
+    parser.add_argument(
+        "--data",
+        default=None,
+        metavar="FILE",
+        help="train on the bytes of FILE (token id = byte; model vocab must be >= 256) instead of "
+        "synthetic tokens (a fixed random cycle whose loss falls quickly)",
+    )
+
+
+def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """Build a :class:`TrainConfig` from flags added by :func:`add_train_arguments`."""
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    return TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def _fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "n/a"
+    return f"{n / 2**20:.1f} MiB"
+
+
+def train(
+    config: TrainConfig,
+    *,
+    log: Callable[[str], None] | None = None,
+    progress: bool = True,
+    model_hook: Callable[[TransformerModel], None] | None = None,
+) -> TrainResult:
+    """Train ``config.model`` for ``config.steps`` steps with AdamW and measure every step.
+
+    Args:
+        config: the run.
+        log: where per-step lines go (default: ``tqdm.write`` so they do not break the bar).
+        progress: show a tqdm progress bar (on stderr).
+        model_hook: called with the model before the first step (a place to wrap it with memo).
+    """
+    from tqdm import tqdm
+
+    device = torch.device(config.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise MemoError(f"memo.train: --device {config.device} asked for CUDA, but torch sees no CUDA device")
+    dtype = DTYPES[config.dtype]
+    torch.manual_seed(config.seed)
+    model_config = get_config(config.model)
+    max_seq_len = max(config.seq_len, DEFAULT_MAX_SEQ_LEN) if model_config.arch == "gpt" else None
+    model = build_model(
+        model_config, device=device, dtype=dtype, recompute=config.recompute, max_seq_len=max_seq_len
+    )
+    if model_hook is not None:
+        model_hook(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    if config.data is not None:
+        source: SyntheticTokens | ByteFileTokens = ByteFileTokens(
+            config.data, model_config.vocab_size, config.seq_len, config.micro_batch, config.seed
+        )
+    else:
+        source = SyntheticTokens(model_config.vocab_size, config.seq_len, config.micro_batch, config.seed)
+    per_sample = flops_per_sample(model_config, config.seq_len)
+    peak = detect_peak_flops(device, dtype, None if config.peak_tflops is None else config.peak_tflops * 1e12)
+    result = TrainResult(
+        config=config,
+        num_parameters=sum(p.numel() for p in model.parameters()),
+        flops_per_sample=per_sample,
+        peak_flops=peak,
+        model_fingerprint=fingerprint(model_config),
+    )
+    emit = log if log is not None else tqdm.write
+    emit(
+        f"memo.train: {config.model} ({result.num_parameters / 1e6:.2f}M params), seq {config.seq_len} x "
+        f"batch {config.micro_batch}, {config.dtype} on {device}, recompute={config.recompute}, "
+        f"peak {'n/a' if peak is None else f'{peak / 1e12:.0f} TFLOPS'}"
+    )
+    reset_peak_memory(device)
+    batches = iter(source)
+    bar = tqdm(range(1, config.steps + 1), desc="train", unit="step", disable=not progress, file=sys.stderr)
+    for step in bar:
+        ids, labels = (t.to(device, non_blocking=True) for t in next(batches))
+        _synchronize(device)
+        start = time.perf_counter()
+        loss = train_step(model, optimizer, ids, labels).float().item()  # .item() waits for the step
+        _synchronize(device)
+        seconds = time.perf_counter() - start
+        if not math.isfinite(loss):
+            raise MemoError(
+                f"memo.train: loss became {loss} at step {step}; lower --lr or use --dtype float32/bfloat16"
+            )
+        mem, result.peak_memory_kind = peak_memory(device)
+        metrics = StepMetrics(
+            step=step,
+            loss=loss,
+            step_time_s=seconds,
+            tgs=config.micro_batch * config.seq_len / seconds,
+            mfu=mfu(per_sample, config.micro_batch, seconds, peak),
+            peak_memory_bytes=mem,
+        )
+        result.steps.append(metrics)
+        bar.set_postfix(loss=f"{loss:.3f}")
+        mfu_text = "n/a" if metrics.mfu is None else f"{100 * metrics.mfu:.1f}%"
+        emit(
+            f"step {step:>4}  loss {loss:.4f}  time {seconds * 1e3:.0f} ms  tgs {metrics.tgs:,.0f} tok/s  "
+            f"mfu {mfu_text}  peak mem {_fmt_bytes(mem)} ({result.peak_memory_kind})"
+        )
+    bar.close()
+    return result
+
+
+def write_report(result: TrainResult, path: str | Path) -> dict:
+    """Write the versioned JSON report of ``result`` to ``path`` and return it as a dict."""
+    steps = result.steps
+    timed = steps[1:] if len(steps) > 1 else steps  # step 1 includes one-time warm-up work
+    mfus = [s.mfu for s in timed if s.mfu is not None]
+    report = {
+        "version": REPORT_VERSION,
+        "model": result.config.model,
+        "model_fingerprint": result.model_fingerprint,
+        "seq_len": result.config.seq_len,
+        "micro_batch": result.config.micro_batch,
+        "device": result.config.device,
+        "dtype": result.config.dtype,
+        "recompute": result.config.recompute,
+        "lr": result.config.lr,
+        "seed": result.config.seed,
+        "data": result.config.data if result.config.data is not None else "synthetic",
+        "num_parameters": result.num_parameters,
+        "flops_per_sample": result.flops_per_sample,
+        "peak_flops": result.peak_flops,
+        "peak_memory_kind": result.peak_memory_kind,
+        "steps": [
+            {
+                "step": s.step,
+                "loss": s.loss,
+                "step_time_s": s.step_time_s,
+                "tgs": s.tgs,
+                "mfu": s.mfu,
+                "peak_memory_bytes": s.peak_memory_bytes,
+            }
+            for s in steps
+        ],
+        "summary": {
+            "first_loss": steps[0].loss if steps else None,
+            "last_loss": steps[-1].loss if steps else None,
+            "mean_step_time_s": sum(s.step_time_s for s in timed) / len(timed) if timed else None,
+            "mean_tgs": sum(s.tgs for s in timed) / len(timed) if timed else None,
+            "mean_mfu": sum(mfus) / len(mfus) if mfus else None,
+            "peak_memory_bytes": max((s.peak_memory_bytes or 0) for s in steps) if steps else None,
+        },
+    }
+    Path(path).write_text(json.dumps(report, indent=2) + "\n")
+    return report
