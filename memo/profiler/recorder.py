@@ -174,7 +174,12 @@ class DispatchRecorder(TorchDispatchMode):
             alloc.tags.add("attn")
         self.allocations[rid] = alloc
         self._live[key] = (rid, weakref.ref(storage, self._make_free(key, rid)))
-        self.events.append({"op": "malloc", "id": rid, "size": size, "phase": phase})
+        event: dict[str, Any] = {"op": "malloc", "id": rid, "size": size}
+        if phase is not None:
+            # Unphased mallocs (e.g. the loss gradient seed autograd makes before the head's
+            # backward opens) carry no phase key: the planner plans them individually.
+            event["phase"] = phase
+        self.events.append(event)
 
     def _make_free(self, key: int, rid: int) -> Callable[[weakref.ref], None]:
         def on_free(_ref: weakref.ref) -> None:
