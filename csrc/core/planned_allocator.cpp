@@ -266,6 +266,8 @@ bool PlannedAllocator::owns(const void* ptr) const {
 void PlannedAllocator::set_poison(bool on) {
   std::lock_guard<std::mutex> lock(mutex_);
   poison_ = on;
+  // Poison the idle arena too, so reads of never-written planned memory show up.
+  if (on && arena_ != nullptr && arena_->live == 0) backend_->fill(arena_->base, arena_->bytes, kPoisonByte);
 }
 
 void PlannedAllocator::set_fallback_limit(std::size_t bytes) {

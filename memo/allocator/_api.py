@@ -1,0 +1,205 @@
+"""Public functions of :mod:`memo.allocator`: planned replay, trace logging, stats.
+
+NOTE [Allocator state is process-wide]
+PyTorch has one allocator per device type per process (c10's CPU allocator,
+the CUDA allocator chosen by ``change_current_allocator``), so the native
+allocators behind them are process-lifetime objects and this module keeps a
+small registry of them (one per device type) instead of a manager object.
+Contexts do not nest on one device (a second ``planned``/``logging`` on the
+same device raises), and every context restores what it changed in
+``finally``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from memo.allocator._backends import Backend, backend_for, loaded_backends
+from memo.allocator._tables import PhaseTables, normalize_plan
+from memo.errors import MemoError
+
+__all__ = [
+    "PlanDeviationWarning",
+    "empty_cache",
+    "logging",
+    "planned",
+    "set_phase",
+    "stats",
+]
+
+TRACE_VERSION = 1
+TRACE_KIND = "memo.trace"
+
+
+class PlanDeviationWarning(UserWarning):
+    """The running job left the plan; the rest was served by the fallback allocator."""
+
+
+_lock = threading.Lock()
+_active: dict[str, str] = {}  # device type -> "planned" | "logging"
+
+
+def _claim(backend: Backend, what: str) -> None:
+    with _lock:
+        if backend.device_type in _active:
+            raise MemoError(
+                f"memo.allocator: a {_active[backend.device_type]!r} context is already active on "
+                f"{backend.device_type}; {what} contexts do not nest"
+            )
+        _active[backend.device_type] = what
+
+
+def _release(backend: Backend) -> None:
+    with _lock:
+        _active.pop(backend.device_type, None)
+
+
+def _warn_deviation(backend: Backend) -> None:
+    dev = backend.take_deviation_report()
+    if dev is None:
+        return
+    expected = "no request" if dev["expected"] == 0 else f"{dev['expected']} bytes"
+    warnings.warn(
+        f"memo.allocator: the run left the plan on {backend.device_type}: phase {dev['phase']!r} request "
+        f"{dev['index']} asked for {dev['actual']} bytes, the plan has {expected} ({dev['reason']}). "
+        "This and later deviating requests are served by the fallback allocator (results stay correct; "
+        "see memo.allocator.stats()['deviations']). Re-run `memo profile` for this configuration.",
+        PlanDeviationWarning,
+        stacklevel=3,
+    )
+
+
+def set_phase(name: str | None) -> None:
+    """Tell the allocators which phase is open (``None``: none). Add it to a tracker with
+    ``tracker.add_listener(memo.allocator.set_phase)``; each call restarts the request index."""
+    for backend in loaded_backends():
+        backend.set_phase(name)
+        if _active.get(backend.device_type) == "planned":
+            _warn_deviation(backend)
+
+
+@contextlib.contextmanager
+def planned(
+    plan_or_tables: Any,
+    *,
+    peak: int | None = None,
+    poison: bool = False,
+    device: str | torch.device = "cpu",
+    fallback_limit: int | None = None,
+) -> Iterator[None]:
+    """Serve allocations of ``device`` from the plan while the ``with`` body runs.
+
+    Args:
+        plan_or_tables: a ``memo.planner.Plan`` (``phase_tables()`` and ``peak``), a dict
+            ``{"tables": ..., "peak": ...}``, or a dict ``phase -> [(size, offset or None), ...]``
+            together with ``peak=``.
+        peak: arena bytes, when ``plan_or_tables`` is a plain dict of tables.
+        poison: fill freed planned memory (and the idle arena) with 0xFF bytes (NaN in floating
+            point), so a reuse bug shows up as wrong results.
+        device: ``"cpu"`` (c10's CPU allocator is swapped for the body) or ``"cuda"`` (the CUDA
+            allocator must have been installed with :func:`memo.allocator.install_cuda`, or is
+            installed here when CUDA is not initialised yet).
+        fallback_limit: most bytes the fallback allocator may reserve (``None``: no limit); beyond
+            it an allocation fails with an out-of-memory error that gives the numbers.
+
+    Phases come from :func:`set_phase`. Statistics are reset on entry; read them with
+    :func:`stats` inside or after the body. The first deviation from the plan is reported once
+    as a :class:`PlanDeviationWarning`.
+    """
+    tables: PhaseTables
+    tables, arena = normalize_plan(plan_or_tables, peak)
+    if fallback_limit is not None and (not isinstance(fallback_limit, int) or fallback_limit < 0):
+        raise MemoError(f"memo.allocator: fallback_limit must be an int >= 0 or None, got {fallback_limit!r}")
+    backend = backend_for(device)
+    _claim(backend, "planned")
+    try:
+        backend.reset_stats()
+        backend.load_plan(tables, arena)
+        try:
+            backend.set_fallback_limit(fallback_limit or 0)
+            backend.set_poison(poison)
+            backend.set_phase(None)
+            backend.activate()
+            try:
+                yield
+            finally:
+                backend.deactivate()
+                backend.set_phase(None)
+                _warn_deviation(backend)
+        finally:
+            backend.set_poison(False)
+            backend.set_fallback_limit(0)
+            backend.unload_plan()
+    finally:
+        _release(backend)
+
+
+@contextlib.contextmanager
+def logging(
+    *, device: str | torch.device = "cpu", meta: dict[str, Any] | None = None
+) -> Iterator[dict[str, Any]]:
+    """Record every allocation and free of ``device`` with its phase; yields the trace dict,
+    filled when the ``with`` ends::
+
+        {"version": 1, "kind": "memo.trace", "meta": {"recorder": "allocator", "device": "cpu"},
+         "events": [{"op": "malloc", "id": 7, "size": 4096, "phase": "layer.fwd[0]"},
+                    {"op": "free", "id": 7}, ..., {"op": "end"}]}
+
+    ``phase`` is omitted for allocations outside phases. Allocations made before the ``with``
+    and freed inside it are not recorded; ones made inside and not freed live until ``end``.
+    Requests are served by the fallback caching allocator.
+    """
+    backend = backend_for(device)
+    _claim(backend, "logging")
+    trace: dict[str, Any] = {
+        "version": TRACE_VERSION,
+        "kind": TRACE_KIND,
+        "meta": {"recorder": "allocator", "device": backend.device_type, **(meta or {})},
+        "events": [],
+    }
+    try:
+        backend.start_logging()
+        try:
+            backend.activate()
+            try:
+                yield trace
+            finally:
+                backend.deactivate()
+        finally:
+            raw, names = backend.stop_logging()
+        events = trace["events"]
+        for is_malloc, ident, size, phase in raw:
+            if is_malloc:
+                event: dict[str, Any] = {"op": "malloc", "id": ident, "size": size}
+                if phase >= 0:
+                    event["phase"] = names[phase]
+                events.append(event)
+            else:
+                events.append({"op": "free", "id": ident})
+        events.append({"op": "end"})
+    finally:
+        _release(backend)
+
+
+def stats(device: str | torch.device = "cpu") -> dict[str, Any]:
+    """Counters of the allocator behind ``device``.
+
+    Keys: ``requests``, ``planned_hits``, ``fallback_requests``, ``unplanned_requests``,
+    ``deviations`` (with ``slot_busy`` and ``first_deviation``: phase, index, expected, actual,
+    reason), ``frees``, ``invalid_frees``, ``bytes_in_use``, ``peak_bytes_in_use``, ``arena_bytes``,
+    ``arena_in_use``, ``arena_high_water``, ``arena_reservations``, ``arena_releases``,
+    ``segment_allocs``, ``segment_releases`` and ``fallback`` (allocated/reserved bytes and peaks,
+    blocks, segments).
+    """
+    return backend_for(device).stats()
+
+
+def empty_cache(device: str | torch.device = "cpu") -> int:
+    """Return the fallback allocator's wholly free segments to the device; returns bytes released."""
+    return backend_for(device).empty_cache()
