@@ -89,9 +89,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--recorder",
         choices=("dispatch", "allocator"),
-        default="dispatch",
-        help="dispatch: every storage torch creates (any device, meta included); allocator: the real "
-        "allocations through memo.allocator.logging (cpu/cuda)",
+        default=None,
+        help="trace to plan from. dispatch: every storage torch creates (any device, the default on "
+        "meta); allocator: the real requests through memo.allocator.logging (cpu/cuda, their default)",
     )
     m = p.add_argument_group("machine (measured on CUDA when not given)")
     m.add_argument("--bandwidth-gbps", type=_positive_float, help="host<->device copy bandwidth B in GB/s")
@@ -129,9 +129,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _gpus() -> list[str]:
-    from memo.profiler import GPU_PEAK_TFLOPS
+    from memo.profiler import gpu_names
 
-    return list(GPU_PEAK_TFLOPS)
+    return gpu_names()
 
 
 def _default_device() -> str:
@@ -157,26 +157,6 @@ def _report(result: Any, seq_len: int, micro_batch: int, hidden: int, dtype: tor
         if key in result.quantities:
             lines.append(f"{key}: {result.quantities[key].describe(unit)}")
     return lines
-
-
-def _record_with_allocator(args: argparse.Namespace) -> None:
-    """Refuse the allocator recorder where it cannot work, with the reason."""
-    if args.device == "meta":
-        raise MemoError(
-            "memo profile: --recorder allocator records real allocations, which the meta device never "
-            "makes; use --recorder dispatch on meta, or --device cpu/cuda"
-        )
-    try:
-        from memo.allocator import logging as _logging  # noqa: F401
-    except ImportError:
-        raise MemoError(
-            "memo profile: --recorder allocator needs memo.allocator.logging, which this memo does not have; "
-            "use --recorder dispatch"
-        ) from None
-    raise MemoError(
-        "memo profile: --recorder allocator is not wired into the profile flow of this memo yet; use "
-        "--recorder dispatch (it records the same trace format)"
-    )
 
 
 def _planner_io() -> tuple[Any, Any, Any]:
@@ -206,8 +186,10 @@ def run(args: argparse.Namespace) -> int:
         args.device = _default_device()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise MemoError("memo profile: --device cuda given but torch sees no CUDA device; use --device meta")
-    if args.recorder == "allocator":
-        _record_with_allocator(args)
+    if args.recorder is None:
+        # Plans are replayed by (phase, request index), so on a real device the trace should be the
+        # allocator's own requests (docs/profiling.md, "Which recorder"); meta has only dispatch.
+        args.recorder = "dispatch" if args.device == "meta" else "allocator"
     if args.gpus_per_node is None:
         args.gpus_per_node = torch.cuda.device_count() if args.device == "cuda" else 1
     save_plan, save_trace, trace_cls = _planner_io()
@@ -215,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     print(
         f"memo profile: {args.model}, seq_len {args.seq_len:,}, micro-batch {args.micro_batch}, "
-        f"{args.dtype} on {args.device}",
+        f"{args.dtype} on {args.device}, {args.recorder} recorder",
         file=sys.stderr,
     )
     result = profile(
@@ -231,6 +213,7 @@ def run(args: argparse.Namespace) -> int:
         host_mem_gb=args.host_mem_gb,
         gpus_per_node=args.gpus_per_node,
         host_safety=args.host_safety,
+        recorder=args.recorder,
         wrap_pass=args.wrap_pass,
         time_limit=args.time_limit,
         solver=args.solver,

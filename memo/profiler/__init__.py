@@ -8,10 +8,11 @@ See docs/profiling.md.
 """
 
 from memo.profiler.measure import (
-    GPU_PEAK_TFLOPS,
     Quantity,
     estimate_layer_ms,
-    layer_flops,
+    gpu_names,
+    gpu_peak_flops,
+    layer_forward_flops,
     measure_bandwidth,
     time_layer_forward,
 )
@@ -23,7 +24,6 @@ from memo.profiler.units import parse_count
 
 __all__ = [
     "DTYPES",
-    "GPU_PEAK_TFLOPS",
     "RECORDER_NAME",
     "Allocation",
     "DispatchRecorder",
@@ -33,7 +33,9 @@ __all__ = [
     "Recording",
     "build_profile_model",
     "estimate_layer_ms",
-    "layer_flops",
+    "gpu_names",
+    "gpu_peak_flops",
+    "layer_forward_flops",
     "layer_stats",
     "measure_bandwidth",
     "model_parts",

@@ -16,6 +16,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,27 +24,15 @@ from torch import nn
 from memo.errors import MemoError
 
 __all__ = [
-    "GPU_PEAK_TFLOPS",
     "Quantity",
     "estimate_layer_ms",
-    "layer_flops",
+    "gpu_names",
+    "gpu_peak_flops",
+    "layer_forward_flops",
     "machine_memory_bytes",
     "measure_bandwidth",
     "time_layer_forward",
 ]
-
-#: Dense peak tensor-core TFLOP/s for 16-bit inputs (bf16/fp16), from the vendors' data sheets
-#: (SXM parts, no sparsity). fp32 runs use TF32 peaks: half of these on A100/H100-class parts.
-GPU_PEAK_TFLOPS: dict[str, float] = {
-    "v100": 125.0,
-    "a100": 312.0,
-    "a800": 312.0,
-    "l40s": 362.0,
-    "h100": 989.0,
-    "h800": 989.0,
-    "h200": 989.0,
-    "b200": 2250.0,
-}
 
 
 @dataclass(frozen=True)
@@ -59,28 +48,48 @@ class Quantity:
         return f"{self.value:,.4g} {unit} [{self.source}{how}]"
 
 
-def layer_flops(n_params_layer: int, hidden: int, seq_len: int, micro_batch: int) -> float:
-    """Training FLOPs of one layer for one micro-batch: the per-layer share of the paper's
-    ``6·s·P + 6·n·h·s²``, i.e. ``6·b·s·P_layer + 6·b·h·s²`` (forward is a third of it)."""
-    return 6.0 * micro_batch * seq_len * n_params_layer + 6.0 * micro_batch * hidden * seq_len**2
+def gpu_names() -> list[str]:
+    """Names ``--gpu`` accepts: memo.utils.flops.GPU_PEAK_TFLOPS keys, lower-case, dashes for spaces."""
+    from memo.utils.flops import GPU_PEAK_TFLOPS
+
+    return [key.lower().replace(" ", "-") for key in GPU_PEAK_TFLOPS]
+
+
+def gpu_peak_flops(gpu: str, dtype: torch.dtype) -> float:
+    """Dense peak FLOP/s of ``gpu`` (e.g. ``"h100"``) for matmuls in ``dtype``."""
+    from memo.utils.flops import GPU_PEAK_TFLOPS
+
+    for key, table in GPU_PEAK_TFLOPS.items():
+        if key.lower().replace(" ", "-") == gpu.lower().replace(" ", "-") and dtype in table:
+            return table[dtype] * 1e12
+    raise MemoError(
+        f"memo.profiler: no peak for GPU {gpu!r} in {dtype}; known GPUs: {', '.join(gpu_names())}. "
+        "Pass --layer-ms to give T_layer directly."
+    )
+
+
+def layer_forward_flops(config: Any, seq_len: int, micro_batch: int) -> float:
+    """Forward FLOPs of one layer for one micro-batch.
+
+    The per-layer share of the paper's training FLOPs ``6·s·P + 6·n·h·s²``
+    (memo.utils.flops.flops_per_sample): divided by the n layers, times the
+    micro-batch, and a third of it for the forward (backward is twice the forward).
+    """
+    from memo.utils.flops import flops_per_sample
+
+    return flops_per_sample(config, seq_len) * micro_batch / config.n_layers / 3.0
 
 
 def estimate_layer_ms(
-    n_params_layer: int, hidden: int, seq_len: int, micro_batch: int, gpu: str, efficiency: float
+    config: Any, seq_len: int, micro_batch: int, gpu: str, dtype: torch.dtype, efficiency: float
 ) -> Quantity:
-    """Forward time of one layer from FLOPs: ``layer_flops / 3 / (peak · efficiency)``."""
-    key = gpu.lower()
-    if key not in GPU_PEAK_TFLOPS:
-        raise MemoError(
-            f"memo.profiler: unknown GPU {gpu!r} for the FLOP estimate; known: {', '.join(GPU_PEAK_TFLOPS)}. "
-            "Pass --layer-ms to give T_layer directly."
-        )
+    """T_layer from FLOPs: ``layer_forward_flops / (peak · efficiency)``, in ms."""
     if not 0 < efficiency <= 1:
         raise MemoError(f"memo.profiler: efficiency must be in (0, 1], got {efficiency}")
-    peak = GPU_PEAK_TFLOPS[key] * 1e12
-    fwd = layer_flops(n_params_layer, hidden, seq_len, micro_batch) / 3.0
+    peak = gpu_peak_flops(gpu, dtype)
+    fwd = layer_forward_flops(config, seq_len, micro_batch)
     ms = fwd / (peak * efficiency) * 1e3
-    how = f"{fwd:.3g} forward FLOPs on {key} at {GPU_PEAK_TFLOPS[key]:g} TFLOP/s x {efficiency:g}"
+    how = f"{fwd:.3g} forward FLOPs per layer on {gpu} at {peak / 1e12:g} TFLOP/s x {efficiency:g}"
     return Quantity(ms, "estimated", how)
 
 

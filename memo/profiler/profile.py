@@ -159,16 +159,13 @@ def _record(
         tracker.remove()
 
 
-def _layer_params(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.layers[0].parameters())
-
-
 def _machine(
     model: nn.Module,
     device: torch.device,
     ids: torch.Tensor,
     seq_len: int,
     micro_batch: int,
+    dtype: torch.dtype,
     bandwidth_gbps: float | None,
     layer_ms: float | None,
     gpu: str | None,
@@ -194,10 +191,7 @@ def _machine(
             raise MemoError(f"memo.profiler: layer time must be > 0 ms, got {layer_ms}")
         q["layer_ms"] = Quantity(float(layer_ms), "given")
     elif gpu is not None:
-        config = model.config
-        q["layer_ms"] = estimate_layer_ms(
-            _layer_params(model), config.hidden, seq_len, micro_batch, gpu, efficiency
-        )
+        q["layer_ms"] = estimate_layer_ms(model.config, seq_len, micro_batch, gpu, dtype, efficiency)
     elif device.type == "cuda":
         with torch.no_grad():
             x = model.embedding(ids)
@@ -217,6 +211,30 @@ def _machine(
     return q
 
 
+def _record_allocator(
+    model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, meta: dict[str, Any]
+) -> dict[str, Any]:
+    """One iteration traced by memo.allocator.logging: the real requests, in the allocator's order.
+
+    This is the trace to plan from when the plan is replayed by (phase, request index):
+    kernels allocate scratch the dispatch recorder cannot see (NOTE [Which recorder] in
+    docs/profiling.md).
+    """
+    from memo import allocator
+
+    embedding, layers, head = model_parts(model)
+    tracker = PhaseTracker(embedding, layers, head, listeners=[allocator.set_phase])
+    for p in model.parameters():
+        p.grad = None
+    try:
+        with allocator.logging(device=ids.device, meta=meta) as trace, tracker.iteration():
+            model(ids, labels).backward()
+    finally:
+        tracker.remove()
+        allocator.set_phase(None)
+    return trace
+
+
 def profile(
     model: str | nn.Module,
     seq_len: int,
@@ -231,6 +249,7 @@ def profile(
     host_mem_gb: float | None = None,
     gpus_per_node: int = 1,
     host_safety: float = 0.8,
+    recorder: str = "dispatch",
     wrap_pass: bool | None = None,
     solve: bool = True,
     plan: bool = True,
@@ -252,6 +271,9 @@ def profile(
         host_mem_gb: host memory of the node in GB (default: this machine's).
         gpus_per_node, host_safety: how the node's memory is shared (planner's
             ``host_memory_per_process``).
+        recorder: ``"dispatch"`` (every storage torch creates; any device) or ``"allocator"``
+            (memo.allocator.logging: the real requests; cpu/cuda) for the trace the plan is
+            made from. The S_* sizes always come from the dispatch recorder.
         wrap_pass: run pass 2 on the wrapped model (None: when ``memo.runtime.wrap`` exists).
         solve, plan: stop after pass 1 (``solve=False``) or after alpha (``plan=False``).
         time_limit, solver: passed to the planner's ``make_plan``.
@@ -263,18 +285,26 @@ def profile(
         raise MemoError(f"memo.profiler: seq_len must be a positive integer, got {seq_len!r}")
     if not isinstance(micro_batch, int) or micro_batch < 1:
         raise MemoError(f"memo.profiler: micro_batch must be a positive integer, got {micro_batch!r}")
+    if recorder not in ("dispatch", "allocator"):
+        raise MemoError(f"memo.profiler: recorder must be 'dispatch' or 'allocator', got {recorder!r}")
+    dt = _dtype(dtype)
     timings: dict[str, float] = {}
     notes: list[str] = []
     t0 = time.perf_counter()
     if isinstance(model, str):
         dev = torch.device(device)
-        net = build_profile_model(model, seq_len, _dtype(dtype), dev)
+        if recorder == "allocator":
+            _check_allocator_device(dev)
+        net = build_profile_model(model, seq_len, dt, dev)
         name = model
     else:
         net = model
         param = next(net.parameters(), None)
         dev = param.device if param is not None else torch.device(device)
+        dt = param.dtype if param is not None else dt
         name = str(getattr(getattr(net, "config", None), "name", type(net).__name__))
+        if recorder == "allocator":
+            _check_allocator_device(dev)
     timings["build"] = time.perf_counter() - t0
     ids, labels = _inputs(net, seq_len, micro_batch, dev)
     meta = {"model": name}
@@ -292,15 +322,15 @@ def profile(
         return result
 
     t0 = time.perf_counter()
-    q = _machine(net, dev, ids, seq_len, micro_batch, bandwidth_gbps, layer_ms, gpu, efficiency, host_mem_gb)
+    q = _machine(
+        net, dev, ids, seq_len, micro_batch, dt, bandwidth_gbps, layer_ms, gpu, efficiency, host_mem_gb
+    )
     timings["measure"] = time.perf_counter() - t0
     result.quantities = q
     if q["layer_ms"].source == "measured":
-        for s in stats:
-            s.forward_ms = q["layer_ms"].value if s.index == 0 else None
-        plain.trace["layers"] = summarise_layers(stats)
-    else:
-        plain.trace["layers"]["layer_fwd_ms"] = q["layer_ms"].value
+        stats[0].forward_ms = q["layer_ms"].value
+    plain.trace["layers"] = summarise_layers(stats)
+    plain.trace["layers"]["layer_fwd_ms"] = q["layer_ms"].value
 
     from memo.planner import host_memory_per_process, solve_alpha
 
@@ -319,29 +349,31 @@ def profile(
     timings["alpha"] = time.perf_counter() - t0
     say(f"alpha = {result.alpha.alpha:.4f} (binding: {result.alpha.binding})")
 
+    # Pass 2 (NOTE [Two-pass profiling]): the trace the plan is made from.
     wrap = runtime_wrap()
     if wrap_pass is True and wrap is None:
         raise MemoError(
             "memo.profiler: pass 2 (the model wrapped with alpha) was asked for, but memo.runtime has no "
             "wrap(); install a memo with the runtime, or profile without the wrapped pass"
         )
-    if wrap_pass is None and wrap is None:
-        notes.append(
-            "pass 2 skipped: memo.runtime.wrap is not available, the plan comes from the plain model"
-        )
+    target = net
     if wrap is not None and wrap_pass is not False:
-        t0 = time.perf_counter()
-        wrapped_model = wrap(net, alpha=result.alpha.alpha)
-        if wrapped_model is None:
-            wrapped_model = net
-        second = _record(
-            wrapped_model, ids, labels, progress, f"pass 2 (alpha={result.alpha.alpha:.3f})", meta
-        )
-        second.trace["layers"] = plain.trace["layers"]
-        result.trace = second.trace
+        wrapped = wrap(net, alpha=result.alpha.alpha)
+        target = net if wrapped is None else wrapped
         result.wrapped = True
+    elif wrap_pass is None:
+        notes.append("pass 2 ran on the plain model: memo.runtime.wrap is not available")
+    if result.wrapped or recorder == "allocator":
+        t0 = time.perf_counter()
+        desc = f"pass 2 (alpha={result.alpha.alpha:.3f})" if result.wrapped else "pass 2 (allocator)"
+        if recorder == "allocator":
+            trace = _record_allocator(target, ids, labels, {**plain.trace["meta"], "recorder": "allocator"})
+        else:
+            trace = _record(target, ids, labels, progress, desc, meta).trace
+        trace["layers"] = plain.trace["layers"]
+        result.trace = trace
         timings["pass2"] = time.perf_counter() - t0
-        say(f"pass 2: {len(second.trace['events']):,} events in {timings['pass2']:.1f} s")
+        say(f"pass 2: {len(trace['events']):,} events ({recorder} recorder) in {timings['pass2']:.1f} s")
     result.trace["meta"]["alpha"] = float(result.alpha.alpha)
     if not plan:
         return result
@@ -356,3 +388,18 @@ def profile(
     timings["plan"] = time.perf_counter() - t0
     say(f"plan made in {timings['plan']:.1f} s")
     return result
+
+
+def _check_allocator_device(device: torch.device) -> None:
+    """The allocator recorder sees real allocations: refuse meta, and install memo's CUDA allocator."""
+    if device.type == "meta":
+        raise MemoError(
+            "memo.profiler: the allocator recorder records real allocations, which the meta device never "
+            "makes; use recorder='dispatch' (--recorder dispatch) on meta, or a cpu/cuda device"
+        )
+    if device.type == "cuda":
+        from memo import allocator
+
+        # memo's CUDA allocator must be PyTorch's before the first CUDA tensor exists.
+        if not allocator.cuda_installed():
+            allocator.install_cuda()
