@@ -38,7 +38,7 @@ from memo.profiler.measure import (
     measure_bandwidth,
     time_layer_forward,
 )
-from memo.profiler.record import Recording, model_parts, record
+from memo.profiler.record import Recording, model_parts, quiet_backward_hook_warning, record
 from memo.profiler.stats import LayerStats, summarise_layers
 
 __all__ = ["DTYPES", "ProfileResult", "build_profile_model", "profile", "runtime_wrap"]
@@ -227,7 +227,11 @@ def _record_allocator(
     for p in model.parameters():
         p.grad = None
     try:
-        with allocator.logging(device=ids.device, meta=meta) as trace, tracker.iteration():
+        with (
+            allocator.logging(device=ids.device, meta=meta) as trace,
+            tracker.iteration(),
+            quiet_backward_hook_warning(),
+        ):
             model(ids, labels).backward()
     finally:
         tracker.remove()

@@ -14,7 +14,9 @@ it S_attn is 0 and everything skeletal counts as S_others).
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +28,7 @@ from memo.phases import PhaseTracker
 from memo.profiler.recorder import RECORDER_NAME, DispatchRecorder
 from memo.profiler.stats import LayerStats, layer_stats, summarise_layers
 
-__all__ = ["Recording", "record", "record_trace", "model_parts"]
+__all__ = ["Recording", "model_parts", "quiet_backward_hook_warning", "record", "record_trace"]
 
 
 @dataclass
@@ -44,6 +46,18 @@ class Recording:
     layer_stats: list[LayerStats]
     recorder: DispatchRecorder = field(repr=False)
     seconds: float = 0.0
+
+
+@contextlib.contextmanager
+def quiet_backward_hook_warning() -> Iterator[None]:
+    """Silence torch's warning that the embedding's full backward hook fires on output gradients.
+
+    Token ids never require grad, so the PhaseTracker's ``embed.bwd`` hook sees only the
+    gradient of the embedding's output; that is exactly what it wants.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        yield
 
 
 def model_parts(model: nn.Module) -> tuple[nn.Module, list[nn.Module], nn.Module]:
@@ -114,10 +128,7 @@ def record(
     for p in params:
         p.grad = None
     try:
-        with tracker.iteration(), rec, warnings.catch_warnings():
-            # Token ids never require grad, so torch warns that the embedding's full backward
-            # hook (the tracker's embed.bwd) fires on output gradients; that is the intent.
-            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        with tracker.iteration(), rec, quiet_backward_hook_warning():
             loss = model(ids, labels)
             loss.backward()
         # Storages that die from here on outlived the iteration: they get no free event.
