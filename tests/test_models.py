@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 import time
 
@@ -84,6 +85,21 @@ def test_attention_saves_exactly_q_k_v_o_lse() -> None:
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
         attention(q, k, v)
     assert saved == [q.shape, k.shape, v.shape, q.shape, torch.Size([1, 4, 9])]
+
+
+@pytest.mark.parametrize("n_kv", [8, 2])
+def test_cuda_kernel_calls_have_the_right_arguments_on_meta(n_kv: int) -> None:
+    # No GPU here: the aten CUDA flash kernels have meta implementations, so the argument
+    # plumbing of the CUDA path (layouts, the backward's extra arguments) is checked on meta.
+    # memo.models re-exports the function ``attention``, which shadows the submodule's name.
+    attention_module = importlib.import_module("memo.models.attention")
+
+    q = torch.empty(64, 2, 8, 16, device="meta", dtype=torch.bfloat16)
+    k = torch.empty(64, 2, n_kv, 16, device="meta", dtype=torch.bfloat16)
+    o, lse = attention_module._forward_kernels("aten_cuda", q, k, k)
+    assert o.shape == q.shape and o.is_contiguous() and lse.shape == (2, 8, 64)
+    dq, dk, dv = attention_module._backward_kernels("aten_cuda", o, q, k, k, o, lse)
+    assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
 
 
 def test_attention_rejects_bad_head_counts() -> None:

@@ -1,6 +1,11 @@
 """Reference transformer models (GPT, Llama) with the pre / core / post layer anatomy.
 
 See :mod:`memo.models.model` for the structure memo's profiler and runtime rely on.
+
+Note: the package re-exports the function ``attention``, so ``memo.models.attention`` as an
+attribute is that function; ``from memo.models.attention import attention_forward`` still
+reaches the submodule (imports go through ``sys.modules``), and so does
+``importlib.import_module("memo.models.attention")``.
 """
 
 from memo.models.attention import attention, attention_backend, attention_backward, attention_forward

@@ -124,39 +124,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tupl
         :func:`attention_backward` needs.
     """
     _check(q, k, v)
-    scale = 1.0 / math.sqrt(q.shape[-1])
     with torch.no_grad():
-        backend = attention_backend(q.device)
-        if backend == "flash_attn":
-            fa = _flash_attn_module()
-            # flash-attn is batch-first [b, s, n, d] and handles n_kv < n itself.
-            out, lse, _, _ = fa._flash_attn_forward(  # type: ignore[attr-defined]
-                q.transpose(0, 1),
-                k.transpose(0, 1),
-                v.transpose(0, 1),
-                0.0,
-                scale,
-                True,
-                -1,
-                -1,
-                0.0,
-                None,
-                False,
-            )
-            return out.transpose(0, 1).contiguous(), lse
-        n = q.shape[2]
-        kx, vx = _expand_heads(k, n), _expand_heads(v, n)
-        if backend == "aten_cuda":
-            result = torch.ops.aten._scaled_dot_product_flash_attention(
-                _bnsd(q), _bnsd(kx), _bnsd(vx), 0.0, True, False, scale=scale
-            )
-            out, lse = result[0], result[1]
-        else:
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                _bnsd(q), _bnsd(kx), _bnsd(vx), 0.0, True, scale=scale
-            )
-        del kx, vx
-        return _sbnd(out), lse
+        return _forward_kernels(attention_backend(q.device), q, k, v)
 
 
 def attention_backward(
@@ -175,66 +144,79 @@ def attention_backward(
         o, lse: the forward outputs.
 
     Returns:
-        ``dq: [s, b, n, d]``, ``dk, dv: [s, b, n_kv, d]`` (grouped heads summed back).
+        ``dq: [s, b, n, d]``, ``dk, dv: [s, b, n_kv, d]`` (grouped heads summed back), contiguous.
     """
     _check(q, k, v)
+    with torch.no_grad():
+        # The flash kernels need a unit stride in the last dimension; autograd may hand us
+        # an expanded or transposed gradient.
+        return _backward_kernels(attention_backend(q.device), grad_o.contiguous(), q, k, v, o, lse)
+
+
+def _forward_kernels(
+    backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    if backend == "flash_attn":
+        fa = _flash_attn_module()
+        # flash-attn is batch-first [b, s, n, d] and handles n_kv < n itself.
+        bq, bk, bv = (t.transpose(0, 1) for t in (q, k, v))
+        out, lse, _, _ = fa._flash_attn_forward(  # type: ignore[attr-defined]
+            bq, bk, bv, 0.0, scale, True, -1, -1, 0.0, None, False
+        )  # fmt: skip
+        return out.transpose(0, 1).contiguous(), lse
+    n = q.shape[2]
+    kx, vx = _expand_heads(k, n), _expand_heads(v, n)
+    if backend == "aten_cuda":
+        result = torch.ops.aten._scaled_dot_product_flash_attention(
+            _bnsd(q), _bnsd(kx), _bnsd(vx), 0.0, True, False, scale=scale
+        )
+        out, lse = result[0], result[1]
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            _bnsd(q), _bnsd(kx), _bnsd(vx), 0.0, True, scale=scale
+        )
+    del kx, vx
+    return _sbnd(out), lse
+
+
+def _backward_kernels(
+    backend: str,
+    grad_o: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     scale = 1.0 / math.sqrt(q.shape[-1])
     n, n_kv = q.shape[2], k.shape[2]
-    with torch.no_grad():
-        backend = attention_backend(q.device)
-        if backend == "flash_attn":
-            fa = _flash_attn_module()
-            bq, bk, bv = (t.transpose(0, 1).contiguous() for t in (q, k, v))
-            dq, dk, dv = torch.empty_like(bq), torch.empty_like(bk), torch.empty_like(bv)
-            fa._flash_attn_backward(  # type: ignore[attr-defined]
-                grad_o.transpose(0, 1).contiguous(),
-                bq,
-                bk,
-                bv,
-                o.transpose(0, 1).contiguous(),
-                lse,
-                dq,
-                dk,
-                dv,
-                0.0,
-                scale,
-                True,
-                -1,
-                -1,
-                0.0,
-                None,
-                False,
-                None,
-            )
-            return dq.transpose(0, 1), dk.transpose(0, 1), dv.transpose(0, 1)
-        kx, vx = _expand_heads(k, n), _expand_heads(v, n)
-        if backend == "aten_cuda":
-            empty = torch.empty(0, device=q.device)
-            seed = torch.empty(0, dtype=torch.int64, device=q.device)
-            s = q.shape[0]
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-                _bnsd(grad_o),
-                _bnsd(q),
-                _bnsd(kx),
-                _bnsd(vx),
-                _bnsd(o),
-                lse,
-                empty,
-                empty,
-                s,
-                s,
-                0.0,
-                True,
-                seed,
-                seed,
-                scale=scale,
-            )
-        else:
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                _bnsd(grad_o), _bnsd(q), _bnsd(kx), _bnsd(vx), _bnsd(o), lse, 0.0, True, scale=scale
-            )
-        del kx, vx
-        return _sbnd(dq), _reduce_heads(_sbnd(dk), n_kv), _reduce_heads(_sbnd(dv), n_kv)
+    if backend == "flash_attn":
+        fa = _flash_attn_module()
+        bq, bk, bv, bo, bg = (t.transpose(0, 1).contiguous() for t in (q, k, v, o, grad_o))
+        dq, dk, dv = torch.empty_like(bq), torch.empty_like(bk), torch.empty_like(bv)
+        fa._flash_attn_backward(  # type: ignore[attr-defined]
+            bg, bq, bk, bv, bo, lse, dq, dk, dv, 0.0, scale, True, -1, -1, 0.0, None, False, None
+        )  # fmt: skip
+        return tuple(t.transpose(0, 1).contiguous() for t in (dq, dk, dv))  # type: ignore[return-value]
+    kx, vx = _expand_heads(k, n), _expand_heads(v, n)
+    if backend == "aten_cuda":
+        # Without dropout the kernel reads neither the cumulative sequence lengths (dense
+        # batch) nor the philox seed/offset, so empty tensors stand in for them and nothing
+        # beyond q, k, v, o, lse has to be saved (NOTE [Attention saved tensors]).
+        empty = torch.empty(0, device=q.device)
+        seed = torch.empty(0, dtype=torch.int64, device=q.device)
+        s = q.shape[0]
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            _bnsd(grad_o), _bnsd(q), _bnsd(kx), _bnsd(vx), _bnsd(o), lse, empty, empty, s, s,
+            0.0, True, seed, seed, scale=scale,
+        )  # fmt: skip
+    else:
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            _bnsd(grad_o), _bnsd(q), _bnsd(kx), _bnsd(vx), _bnsd(o), lse, 0.0, True, scale=scale
+        )
+    del kx, vx
+    return _sbnd(dq), _reduce_heads(_sbnd(dk), n_kv), _reduce_heads(_sbnd(dv), n_kv)
 
 
 class _Attention(torch.autograd.Function):
@@ -247,7 +229,7 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad_o: torch.Tensor):
         q, k, v, o, lse = ctx.saved_tensors
-        return attention_backward(grad_o.contiguous(), q, k, v, o, lse)
+        return attention_backward(grad_o, q, k, v, o, lse)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
