@@ -34,6 +34,7 @@ from memo.phases import PhaseTracker
 from memo.profiler.measure import (
     Quantity,
     estimate_layer_ms,
+    gpu_peak_flops,
     machine_memory_bytes,
     measure_bandwidth,
     time_layer_forward,
@@ -157,6 +158,31 @@ def _record(
             return record(model, ids, labels, tracker=tracker, meta=meta)
     finally:
         tracker.remove()
+
+
+def _check_machine_args(
+    device: torch.device,
+    dtype: torch.dtype,
+    bandwidth_gbps: float | None,
+    layer_ms: float | None,
+    gpu: str | None,
+) -> None:
+    """Refuse missing machine numbers before the (possibly long) recording, not after it."""
+    if gpu is not None:
+        gpu_peak_flops(gpu, dtype)
+    if device.type == "cuda":
+        return
+    if bandwidth_gbps is None:
+        raise MemoError(
+            f"memo.profiler: the host<->device bandwidth cannot be measured on {device.type}; pass "
+            "--bandwidth-gbps (e.g. 25 for PCIe 4.0 x16, 50 for PCIe 5.0 x16; `memo env` measures it "
+            "on a GPU)"
+        )
+    if layer_ms is None and gpu is None:
+        raise MemoError(
+            f"memo.profiler: a layer's forward time cannot be measured on {device.type}; pass --layer-ms, "
+            "or --gpu (h100, a100, ...) with --efficiency to estimate it from FLOPs"
+        )
 
 
 def _machine(
@@ -310,6 +336,8 @@ def profile(
         if recorder == "allocator":
             _check_allocator_device(dev)
     timings["build"] = time.perf_counter() - t0
+    if solve:
+        _check_machine_args(dev, dt, bandwidth_gbps, layer_ms, gpu)
     ids, labels = _inputs(net, seq_len, micro_batch, dev)
     meta = {"model": name}
 
