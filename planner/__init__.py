@@ -1,1 +1,30 @@
-"""memo.planner: trace parsing, DSA planning (heuristic, MIP, bi-level), plan files, alpha LP."""
+"""memo.planner: trace parsing, DSA planning (heuristic, MIP, bi-level), plan files, alpha LP.
+
+Entry point: ``make_plan(trace, alpha_solution=None, time_limit=60, solver="cbc") -> Plan``.
+File formats: docs/formats.md.
+"""
+
+from .alpha import AlphaSolution, host_memory_per_process, solve_alpha
+from .core import lower_bound, make_plan, plan_bilevel, plan_heuristic, plan_mip
+from .plan import ALIGNMENT, Plan, load_plan, save_plan, validate_plan
+from .trace import Allocation, Trace, load_trace, save_trace
+
+__all__ = [
+    "ALIGNMENT",
+    "Allocation",
+    "AlphaSolution",
+    "Plan",
+    "Trace",
+    "host_memory_per_process",
+    "load_plan",
+    "load_trace",
+    "lower_bound",
+    "make_plan",
+    "plan_bilevel",
+    "plan_heuristic",
+    "plan_mip",
+    "save_plan",
+    "save_trace",
+    "solve_alpha",
+    "validate_plan",
+]

@@ -1,0 +1,146 @@
+"""The alpha LP: how much of each layer's "other" skeletal tensors to offload.
+
+    maximise   alpha
+    subject to (S_input + S_attn + alpha * S_others) / B <= T_layer         (bandwidth: copy hides)
+               (n_layers - 2) * (S_input + S_attn + alpha * S_others) <= M_CPU   (host memory)
+               0 <= alpha <= 1
+
+The input and attention output are always offloaded (attention is never
+recomputed), so alpha = 0 must fit in host memory: if it does not, training
+cannot run and :func:`solve_alpha` raises MemoError with the numbers. If even
+alpha = 0 does not hide under the layer's compute, alpha = 0 is returned with
+binding "bandwidth" and a warning: the copies then stall compute, which is
+slower but correct.
+
+``binding`` is the constraint that stops alpha from growing: "alpha<=1"
+(everything offloaded, nothing recomputed), "bandwidth" or "host_memory".
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from memo.errors import MemoError
+
+__all__ = ["AlphaSolution", "host_memory_per_process", "solve_alpha"]
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class AlphaSolution:
+    """Solution of the alpha LP.
+
+    Attributes:
+        alpha: fraction of tokens of the "other" skeletal tensors offloaded (the rest recomputed).
+        binding: "alpha<=1", "bandwidth" or "host_memory".
+        bytes_per_layer: S_input + S_attn + alpha * S_others (bytes copied per layer).
+        copy_seconds: bytes_per_layer / bandwidth.
+        layer_time: T_layer in seconds.
+        host_bytes: pinned host bytes needed: (n_layers - 2) * bytes_per_layer.
+        host_memory: M_CPU the LP was given.
+        copies_hidden: whether the copy of one layer fits in one layer's compute.
+    """
+
+    alpha: float
+    binding: str
+    bytes_per_layer: int
+    copy_seconds: float
+    layer_time: float
+    host_bytes: int
+    host_memory: int
+    copies_hidden: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _check(name: str, value: float, *, allow_zero: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise MemoError(f"memo.alpha: {name} must be a finite number, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise MemoError(f"memo.alpha: {name} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+    return float(value)
+
+
+def host_memory_per_process(node_bytes: int, gpus_per_node: int, safety: float = 0.8) -> int:
+    """Host memory one training process may pin: ``safety * node_bytes / gpus_per_node``."""
+    _check("node_bytes", node_bytes)
+    if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node <= 0:
+        raise MemoError(f"memo.alpha: gpus_per_node must be a positive integer, got {gpus_per_node!r}")
+    if not (0 < _check("safety", safety) <= 1):
+        raise MemoError(f"memo.alpha: safety must be in (0, 1], got {safety!r}")
+    return int(node_bytes * safety // gpus_per_node)
+
+
+def solve_alpha(s_input: float, s_attn: float, s_others: float, bandwidth: float, layer_time: float,
+                n_layers: int, host_memory: float) -> AlphaSolution:
+    """Largest alpha in [0, 1] whose offload hides under compute and fits in host memory.
+
+    Args:
+        s_input, s_attn, s_others: skeletal bytes per layer (layer input, attention output,
+            all other skeletal tensors).
+        bandwidth: host<->device bytes per second (B).
+        layer_time: forward seconds of one layer (T_layer).
+        n_layers: transformer layers; the last two go straight to backward and are not offloaded.
+        host_memory: bytes of pinned host memory this process may use (M_CPU).
+    """
+    import pulp
+
+    s_input = _check("s_input", s_input, allow_zero=True)
+    s_attn = _check("s_attn", s_attn, allow_zero=True)
+    s_others = _check("s_others", s_others, allow_zero=True)
+    bandwidth = _check("bandwidth", bandwidth)
+    layer_time = _check("layer_time", layer_time)
+    host_memory = _check("host_memory", host_memory, allow_zero=True)
+    if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers <= 0:
+        raise MemoError(f"memo.alpha: n_layers must be a positive integer, got {n_layers!r}")
+    kept = max(n_layers - 2, 0)
+    base = s_input + s_attn
+    if kept * base > host_memory:
+        raise MemoError(
+            f"memo.alpha: host memory too small even with alpha=0: {kept} offloaded layers x "
+            f"(S_input {s_input / GiB:.3f} GiB + S_attn {s_attn / GiB:.3f} GiB) = "
+            f"{kept * base / GiB:.3f} GiB > M_CPU {host_memory / GiB:.3f} GiB. Use more host memory, "
+            "more GPUs (shorter sequence per GPU) or a shorter sequence.")
+    hidden_at_zero = base / bandwidth <= layer_time
+    prob = pulp.LpProblem("memo_alpha", pulp.LpMaximize)
+    alpha = pulp.LpVariable("alpha", lowBound=0, upBound=1)
+    prob += alpha
+    # Scale bytes to GiB so the LP's coefficients stay near 1 (CBC tolerances are absolute).
+    if hidden_at_zero:
+        prob += (base + alpha * s_others) / GiB <= layer_time * bandwidth / GiB, "bandwidth"
+    if kept:
+        prob += kept * (base + alpha * s_others) / GiB <= host_memory / GiB, "host_memory"
+    prob.solve(pulp.PULP_CBC_CMD(msg=False))
+    if pulp.LpStatus[prob.status] != "Optimal":
+        raise MemoError(f"memo.alpha: the LP solver returned {pulp.LpStatus[prob.status]}; "
+                        "inputs: " + repr((s_input, s_attn, s_others, bandwidth, layer_time, n_layers,
+                                           host_memory)))
+    value = min(1.0, max(0.0, float(alpha.varValue or 0.0)))
+    # Snap solver noise (1e-9 relative) so alpha=1 and alpha=0 come out exact.
+    if value > 1 - 1e-9:
+        value = 1.0
+    if value < 1e-12:
+        value = 0.0
+    if not hidden_at_zero:
+        value = 0.0
+        binding = "bandwidth"
+        warnings.warn(
+            f"memo.alpha: even alpha=0 copies {base / GiB:.3f} GiB per layer, which takes "
+            f"{base / bandwidth * 1e3:.1f} ms at {bandwidth / GiB:.1f} GiB/s, longer than one layer's "
+            f"forward ({layer_time * 1e3:.1f} ms): offload will stall compute", stacklevel=2)
+    elif value >= 1.0:
+        binding = "alpha<=1"
+    else:
+        bw_limit = (layer_time * bandwidth - base) / s_others if s_others else math.inf
+        host_limit = (host_memory / kept - base) / s_others if kept and s_others else math.inf
+        binding = "bandwidth" if bw_limit <= host_limit else "host_memory"
+    per_layer = base + value * s_others
+    return AlphaSolution(alpha=value, binding=binding, bytes_per_layer=int(math.ceil(per_layer)),
+                         copy_seconds=per_layer / bandwidth, layer_time=layer_time,
+                         host_bytes=int(math.ceil(kept * per_layer)), host_memory=int(host_memory),
+                         copies_hidden=hidden_at_zero and per_layer / bandwidth <= layer_time * (1 + 1e-9))

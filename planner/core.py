@@ -1,0 +1,311 @@
+"""Planning a trace: flat (heuristic or MIP) and bi-level (layer blocks), and the one entry point.
+
+NOTE [Bi-level plan]
+Level 1 plans the *transient* allocations of one ``layer.fwd`` and one
+``layer.bwd`` pass as a DSA instance on their own event order; its peak is the
+height of a *layer block*. Level 2 plans the whole iteration where each layer
+pass is one block (alive from its first transient malloc to its last
+transient free), plus every other allocation (skeletal tensors, embedding,
+head, optimizer, unphased) as an individual item. Every layer pass whose
+signature (sizes, transient/skeletal, order of its own mallocs and frees)
+equals the most common one of its kind reuses the shared level-1 solution; a
+pass that differs is planned on its own (its own level-1 solve, its own block
+height, its offsets stored individually) with a warning naming the phase.
+A phase instance that appears in more than one run is planned as flat items.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+import warnings
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from memo.errors import MemoError
+from memo.phases import phase_kind
+
+from .dsa import DSAResult, Item, greedy, mip
+from .dsa import lower_bound as _units_lower_bound
+from .plan import ALIGNMENT, Plan, validate_plan
+from .trace import Allocation, Trace
+
+__all__ = ["lower_bound", "make_plan", "plan_bilevel", "plan_heuristic", "plan_mip"]
+
+LAYER_KINDS = ("layer.fwd", "layer.bwd")
+#: Above this many overlapping pairs a MIP does not fit a minute of CBC; the heuristic stands.
+MAX_MIP_PAIRS = 40_000
+
+
+def _as_trace(trace: Trace | Mapping[str, Any]) -> Trace:
+    if isinstance(trace, Trace):
+        return trace
+    return Trace.from_dict(trace)
+
+
+def _units(nbytes: int) -> int:
+    return -(-nbytes // ALIGNMENT)
+
+
+def lower_bound(trace: Trace | Mapping[str, Any]) -> int:
+    """Most bytes live at one instant of the trace: no plan can need a smaller arena."""
+    t = _as_trace(trace)
+    return _units_lower_bound([Item(a.size, a.start, a.end) for a in t.allocations])
+
+
+def _progress(total: int, desc: str, enabled: bool | None):
+    from tqdm import tqdm
+
+    if enabled is None:
+        enabled = sys.stderr.isatty()
+    return tqdm(total=total, desc=desc, disable=not enabled, leave=False, file=sys.stderr)
+
+
+def _solve(items: Sequence[Item], *, use_mip: bool, time_limit: float, solver: str, threads: int
+           ) -> DSAResult:
+    """Heuristic, then the MIP where it is worth it and fits; never worse than the heuristic."""
+    warm = greedy(items)
+    if not use_mip or warm.optimal:
+        return warm
+    from .dsa import overlapping_pairs
+
+    n_pairs = len(overlapping_pairs(items))
+    if n_pairs > MAX_MIP_PAIRS:
+        warm.status = f"heuristic (MIP skipped: {n_pairs} overlapping pairs > {MAX_MIP_PAIRS})"
+        warm.extra["fallback"] = True
+        return warm
+    result = mip(items, time_limit=time_limit, solver=solver, threads=threads, warm=warm)
+    result.seconds += warm.seconds
+    return result
+
+
+def _record(result: DSAResult, lb_units: int) -> dict[str, Any]:
+    gap = (result.peak - lb_units) / lb_units if lb_units else 0.0
+    return {"method": result.method, "status": result.status, "seconds": round(result.seconds, 3),
+            "gap_to_lower_bound": round(gap, 6), "optimal": bool(result.optimal),
+            "heuristic_fallback": bool(result.extra.get("fallback", False)), "items": None}
+
+
+def _finish(t: Trace, offsets: list[int | None], solver: dict[str, Any], **fields: Any) -> Plan:
+    top = max((o + a.size for a, o in zip(t.allocations, offsets, strict=True) if o is not None), default=0)
+    peak = _units(top) * ALIGNMENT
+    plan = Plan(meta=dict(t.meta), allocations=list(t.allocations), offsets=offsets, peak=peak,
+                lower_bound=lower_bound(t), no_reuse_bytes=sum(a.size for a in t.allocations),
+                solver=solver, end_time=t.end_time, **fields)
+    validate_plan(plan, t)
+    return plan
+
+
+def _flat(t: Trace, *, use_mip: bool, time_limit: float, solver: str, threads: int) -> Plan:
+    t0 = time.perf_counter()
+    items = [Item(_units(a.size), a.start, a.end) for a in t.allocations]
+    result = _solve(items, use_mip=use_mip, time_limit=time_limit, solver=solver, threads=threads)
+    info = _record(result, _units_lower_bound(items))
+    info.update(kind="flat", solver=solver if use_mip else None, items=len(items),
+                seconds=round(time.perf_counter() - t0, 3))
+    return _finish(t, [o * ALIGNMENT for o in result.offsets], {"kind": "flat", "total": info})
+
+
+def plan_heuristic(trace: Trace | Mapping[str, Any]) -> Plan:
+    """Flat greedy-by-size plan of every allocation (fast: thousands of allocations in seconds)."""
+    return _flat(_as_trace(trace), use_mip=False, time_limit=0.0, solver="cbc", threads=1)
+
+
+def plan_mip(trace: Trace | Mapping[str, Any], *, time_limit: float = 60.0, solver: str = "cbc",
+             threads: int = 2) -> Plan:
+    """Flat plan: heuristic warm start refined by the DSA MIP within ``time_limit`` seconds."""
+    return _flat(_as_trace(trace), use_mip=True, time_limit=time_limit, solver=solver, threads=threads)
+
+
+# ------------------------------------------------------------------------------- bi-level
+def _phase_events(t: Trace, allocs: list[Allocation]) -> tuple[tuple, list[Item]]:
+    """Signature of a layer pass and its level-1 items (transients on the pass's own event order)."""
+    events = []
+    for a in allocs:
+        events.append((a.start, 0, a))
+        if a.transient:
+            events.append((a.end, 1, a))
+    events.sort(key=lambda e: (e[0], e[1]))
+    rank_start: dict[int, int] = {}
+    rank_end: dict[int, int] = {}
+    signature = []
+    for r, (_, is_free, a) in enumerate(events):
+        if is_free:
+            rank_end[a.request] = r
+            signature.append(("f", a.request))
+        else:
+            rank_start[a.request] = r
+            signature.append(("m", a.size, a.transient))
+    items = [Item(_units(a.size), rank_start[a.request], rank_end[a.request]) if a.transient
+             else Item(0, 0, 0) for a in allocs]
+    return tuple(signature), items
+
+
+def _describe_difference(sig: tuple, ref: tuple) -> str:
+    for k, (mine, theirs) in enumerate(zip(sig, ref, strict=False)):
+        if mine != theirs:
+            return f"event {k} of the pass is {mine} where the others have {theirs}"
+    return f"the pass has {len(sig)} events where the others have {len(ref)}"
+
+
+def plan_bilevel(trace: Trace | Mapping[str, Any], *, time_limit: float = 60.0, solver: str = "cbc",
+                 threads: int = 2, use_mip: bool = True, progress: bool | None = None) -> Plan:
+    """Bi-level plan (see NOTE [Bi-level plan]); each solve gets at most ``time_limit`` seconds."""
+    t = _as_trace(trace)
+    t0 = time.perf_counter()
+    by_phase: dict[str, list[Allocation]] = {}
+    for a in t.allocations:
+        if a.phase is not None:
+            by_phase.setdefault(a.phase, []).append(a)
+    run_count = Counter(r.phase for r in t.runs if r.phase is not None)
+    notes: list[str] = []
+    layered: dict[str, list[str]] = {k: [] for k in LAYER_KINDS}
+    for phase in by_phase:
+        kind = phase_kind(phase)
+        if kind not in LAYER_KINDS:
+            continue
+        if run_count[phase] != 1:
+            notes.append(f"phase {phase} is interrupted by other phases ({run_count[phase]} runs); "
+                         "its allocations are planned individually")
+            continue
+        if any(a.transient for a in by_phase[phase]):
+            layered[kind].append(phase)
+    if not any(layered.values()):
+        plan = _flat(t, use_mip=use_mip, time_limit=time_limit, solver=solver, threads=threads)
+        plan.warnings.extend(notes)
+        return plan
+
+    signatures = {p: _phase_events(t, by_phase[p]) for ps in layered.values() for p in ps}
+    level1: dict[str, list[int | None]] = {}
+    level1_peak: dict[str, int] = {}
+    block_height: dict[str, int] = {}  # phase instance -> block height (units)
+    own_offsets: dict[str, list[int | None]] = {}  # phases planned on their own: relative offsets (units)
+    shared: dict[str, list[str]] = {}
+    stats: dict[str, Any] = {}
+    n_solves = sum(1 for ps in layered.values() if ps) + 1
+    bar = _progress(n_solves, "memo plan", progress)
+    for kind, phases in layered.items():
+        if not phases:
+            continue
+        counts = Counter(signatures[p][0] for p in phases)
+        ref_sig = counts.most_common(1)[0][0]
+        shared[kind] = [p for p in phases if signatures[p][0] == ref_sig]
+        for p in phases:
+            if signatures[p][0] != ref_sig:
+                msg = (f"memo.planner: phase {p} differs from the other {kind} passes "
+                       f"({_describe_difference(signatures[p][0], ref_sig)}); it is planned on its own")
+                warnings.warn(msg, stacklevel=2)
+                notes.append(msg)
+        groups = [(kind, shared[kind][0])] + [(p, p) for p in phases if signatures[p][0] != ref_sig]
+        for key, sample in groups:
+            allocs = by_phase[sample]
+            items = signatures[sample][1]
+            idx = [k for k, a in enumerate(allocs) if a.transient]
+            sub = [items[k] for k in idx]
+            bar.set_postfix_str(f"level 1 {key} ({len(sub)} tensors)")
+            result = _solve(sub, use_mip=use_mip, time_limit=time_limit, solver=solver, threads=threads)
+            rel: list[int | None] = [None] * len(allocs)
+            for k, off in zip(idx, result.offsets, strict=True):
+                rel[k] = off
+            info = _record(result, _units_lower_bound(sub))
+            info["items"] = len(sub)
+            stats[f"level1 {key}"] = info
+            if key == kind:
+                level1[kind] = [None if o is None else o * ALIGNMENT for o in rel]
+                level1_peak[kind] = result.peak * ALIGNMENT
+                for p in shared[kind]:
+                    block_height[p] = result.peak
+            else:
+                own_offsets[key] = rel
+                block_height[key] = result.peak
+        bar.update(1)
+
+    # Level 2: one block per layer pass, every other allocation on its own.
+    items2: list[Item] = []
+    owner: list[tuple[str, Any]] = []  # ("block", phase) or ("alloc", allocation index)
+    blocked = set(block_height)
+    for p in blocked:
+        trans = [a for a in by_phase[p] if a.transient]
+        items2.append(Item(block_height[p], min(a.start for a in trans), max(a.end for a in trans)))
+        owner.append(("block", p))
+    for a in t.allocations:
+        if a.phase in blocked and a.transient:
+            continue
+        items2.append(Item(_units(a.size), a.start, a.end))
+        owner.append(("alloc", a.index))
+    bar.set_postfix_str(f"level 2 ({len(items2)} items)")
+    result2 = _solve(items2, use_mip=use_mip, time_limit=time_limit, solver=solver, threads=threads)
+    info2 = _record(result2, _units_lower_bound(items2))
+    info2["items"] = len(items2)
+    stats["level2"] = info2
+    bar.update(1)
+    bar.close()
+
+    offsets: list[int | None] = [None] * len(t.allocations)
+    level2: dict[str, int] = {}
+    for (what, key), off in zip(owner, result2.offsets, strict=True):
+        if what == "alloc":
+            offsets[key] = off * ALIGNMENT
+            continue
+        if key in own_offsets:
+            rel = own_offsets[key]
+        else:
+            level2[key] = off * ALIGNMENT
+            rel = [None if o is None else o // ALIGNMENT for o in level1[phase_kind(key)]]
+        for a, r in zip(by_phase[key], rel, strict=True):
+            if r is not None:
+                offsets[a.index] = (off + r) * ALIGNMENT
+    fallback = any(s.get("heuristic_fallback") for s in stats.values())
+    solver_info = {
+        "kind": "bilevel",
+        "solver": solver if use_mip else None,
+        "seconds": round(time.perf_counter() - t0, 3),
+        "heuristic_fallback": fallback,
+        "shared_phases": {k: len(v) for k, v in shared.items()},
+        "own_phases": sorted(own_offsets),
+        "stages": stats,
+    }
+    return _finish(t, offsets, solver_info, level1=level1, level1_peak=level1_peak, level2=level2,
+                   warnings=notes)
+
+
+def make_plan(trace: Trace | Mapping[str, Any], alpha_solution: Any = None, *, time_limit: float = 60.0,
+              solver: str = "cbc", use_mip: bool = True, method: str = "auto", threads: int = 2,
+              host_bytes: int | None = None, progress: bool | None = None) -> Plan:
+    """Plan a trace (a Trace or its JSON dict): the one call `memo profile` and `memo plan` make.
+
+    Args:
+        trace: the iteration's allocation trace.
+        alpha_solution: an :class:`AlphaSolution` to record in the plan (alpha, binding
+            constraint, host bytes), or None.
+        time_limit: seconds per solve (level 1 forward, level 1 backward, level 2).
+        solver: "cbc" (bundled with PuLP) or "highs" (needs highspy).
+        use_mip: False keeps the greedy heuristic everywhere (fast, no solver).
+        method: "auto" (bi-level when the trace has layer phases, flat otherwise),
+            "bilevel", "flat" or "heuristic".
+        host_bytes: pinned host bytes the runtime needs (defaults to the alpha solution's).
+    """
+    if not (isinstance(time_limit, (int, float)) and math.isfinite(time_limit) and time_limit > 0):
+        raise MemoError(f"memo.planner: time_limit must be a positive number of seconds, got {time_limit!r}")
+    if solver not in ("cbc", "highs"):
+        raise MemoError(f"memo.planner: unknown solver {solver!r}; choose 'cbc' or 'highs'")
+    t = _as_trace(trace)
+    if method == "heuristic":
+        plan = plan_heuristic(t)
+    elif method == "flat":
+        plan = _flat(t, use_mip=use_mip, time_limit=time_limit, solver=solver, threads=threads)
+    elif method in ("auto", "bilevel"):
+        plan = plan_bilevel(t, time_limit=time_limit, solver=solver, threads=threads, use_mip=use_mip,
+                            progress=progress)
+    else:
+        raise MemoError(f"memo.planner: unknown method {method!r}; choose auto, bilevel, flat or heuristic")
+    if alpha_solution is not None:
+        plan.alpha = float(alpha_solution.alpha)
+        plan.alpha_binding = str(alpha_solution.binding)
+        plan.alpha_detail = alpha_solution.to_dict()
+        if host_bytes is None:
+            host_bytes = int(alpha_solution.host_bytes)
+    plan.host_bytes = host_bytes
+    return plan

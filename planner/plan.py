@@ -1,0 +1,304 @@
+"""Plan files: where every planned allocation of a trace lives in the arena.
+
+The layout is documented in docs/formats.md ("Plan"). A :class:`Plan` keeps a
+compact copy of the trace's lifetimes (``allocations``) so a plan file alone is
+enough to rebuild every offset, validate it (no two live allocations share a
+byte) and plot it. Every plan is validated when it is saved and when it is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from memo.errors import MemoError, PlanMismatchError
+from memo.phases import parse_phase, phase_kind
+
+from .dsa import Item, check_placement
+from .trace import Allocation, Trace
+
+__all__ = ["ALIGNMENT", "PLAN_KIND", "PLAN_VERSION", "Plan", "load_plan", "save_plan", "validate_plan"]
+
+PLAN_VERSION = 1
+PLAN_KIND = "memo.plan"
+#: Every planned offset is a multiple of this many bytes (the planner works in these units).
+ALIGNMENT = 512
+_MATCHED_FIELDS = ("fingerprint", "seq_len", "micro_batch", "dtype")
+# The unphased "phase" key in plan files (phase tables leave it out unless asked).
+UNPHASED = ""
+
+
+@dataclass
+class Plan:
+    """A memory plan for one trace.
+
+    Attributes:
+        meta: the trace's meta (model, fingerprint, seq_len, micro_batch, dtype, ...).
+        allocations: the trace's allocations (lifetimes, sizes, phases, request indices).
+        offsets: absolute arena offset (bytes) of each allocation, or None when unplanned.
+        peak: arena size in bytes (max offset + size, rounded up to ALIGNMENT).
+        lower_bound: most bytes live at one instant of the trace.
+        no_reuse_bytes: arena needed without any reuse (sum of all planned sizes).
+        level1: layer phase kind -> offsets relative to the layer block, by request index
+            (None for requests the block does not hold: skeletal tensors, planned in ``items``).
+        level1_peak: layer phase kind -> block height in bytes.
+        level2: phase instance -> block offset, for the layer phases that reuse ``level1``.
+        alpha, alpha_binding, alpha_detail: the alpha LP solution (None when not solved).
+        host_bytes: pinned host memory the runtime needs (None when unknown).
+        solver: how the plan was found (method, status, seconds, gap, heuristic_fallback, ...).
+        warnings: what the planner noticed (e.g. a layer phase that differs from the others).
+    """
+
+    meta: dict[str, Any]
+    allocations: list[Allocation]
+    offsets: list[int | None]
+    peak: int
+    lower_bound: int
+    no_reuse_bytes: int
+    level1: dict[str, list[int | None]] = field(default_factory=dict)
+    level1_peak: dict[str, int] = field(default_factory=dict)
+    level2: dict[str, int] = field(default_factory=dict)
+    alpha: float | None = None
+    alpha_binding: str | None = None
+    alpha_detail: dict[str, Any] | None = None
+    host_bytes: int | None = None
+    solver: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    end_time: int = 0
+
+    # ------------------------------------------------------------- contract
+    def phase_tables(self, include_unphased: bool = False) -> dict[str, list[tuple[int, int | None]]]:
+        """For every phase instance, ``[(size, absolute offset or None), ...]`` by request index.
+
+        This is what the planned allocator replays: the k-th request inside phase P gets
+        ``phase_tables()[P][k]``'s offset when its size matches, the fallback allocator
+        otherwise. Unphased allocations are planned (the peak accounts for them) but are
+        served by the fallback allocator, so they are listed only with
+        ``include_unphased=True``, under the key ``""``.
+        """
+        tables: dict[str, list[tuple[int, int | None]]] = {}
+        for a, off in zip(self.allocations, self.offsets, strict=True):
+            key = a.phase if a.phase is not None else UNPHASED
+            if a.phase is None and not include_unphased:
+                continue
+            tables.setdefault(key, []).append((a.size, off))
+        return tables
+
+    def addresses(self) -> dict[int, int]:
+        """Trace id -> absolute offset, for every planned allocation.
+
+        Raises MemoError when the trace reuses ids (then use :meth:`expanded`).
+        """
+        out: dict[int, int] = {}
+        seen: set[int] = set()
+        for a, off in zip(self.allocations, self.offsets, strict=True):
+            if a.id in seen:
+                raise MemoError(f"memo.plan: trace id {a.id} is used by more than one allocation; "
+                                "addresses by id are ambiguous, use Plan.expanded() instead")
+            seen.add(a.id)
+            if off is not None:
+                out[a.id] = off
+        return out
+
+    def expanded(self) -> dict[str, int | None]:
+        """Offsets keyed ``"<id>"`` for an id's first allocation and ``"<id>.<n>"`` for its n-th reuse."""
+        uses: dict[int, int] = {}
+        out: dict[str, int | None] = {}
+        for a, off in zip(self.allocations, self.offsets, strict=True):
+            n = uses.get(a.id, 0)
+            uses[a.id] = n + 1
+            out[str(a.id) if n == 0 else f"{a.id}.{n}"] = off
+        return out
+
+    def phase_peaks(self) -> dict[str, int]:
+        """Per phase instance: highest arena byte its allocations reach."""
+        peaks: dict[str, int] = {}
+        for a, off in zip(self.allocations, self.offsets, strict=True):
+            if off is None:
+                continue
+            key = a.phase if a.phase is not None else "(unphased)"
+            peaks[key] = max(peaks.get(key, 0), off + a.size)
+        return peaks
+
+    @property
+    def ratio(self) -> float:
+        return self.peak / self.lower_bound if self.lower_bound else 1.0
+
+    # -------------------------------------------------------- (de)serialise
+    def to_dict(self) -> dict[str, Any]:
+        phases = list(dict.fromkeys(a.phase for a in self.allocations if a.phase is not None))
+        phase_index = {p: i for i, p in enumerate(phases)}
+        items: dict[str, dict[str, int | None]] = {}
+        for a, off in zip(self.allocations, self.offsets, strict=True):
+            if a.phase in self.level2:
+                kind = phase_kind(a.phase)
+                table = self.level1[kind]
+                if a.request < len(table) and table[a.request] is not None:
+                    continue
+            key = a.phase if a.phase is not None else UNPHASED
+            items.setdefault(key, {})[str(a.request)] = off
+        return {
+            "version": PLAN_VERSION,
+            "kind": PLAN_KIND,
+            "meta": dict(self.meta),
+            "alignment": ALIGNMENT,
+            "alpha": self.alpha,
+            "alpha_binding": self.alpha_binding,
+            "alpha_detail": self.alpha_detail,
+            "host_bytes": self.host_bytes,
+            "peak": self.peak,
+            "lower_bound": self.lower_bound,
+            "no_reuse_bytes": self.no_reuse_bytes,
+            "solver": self.solver,
+            "warnings": list(self.warnings),
+            "level1": {k: list(v) for k, v in self.level1.items()},
+            "level1_peak": dict(self.level1_peak),
+            "level2": dict(self.level2),
+            "items": items,
+            "phases": phases,
+            "end_time": self.end_time,
+            # [phase index or -1, request index, size, start, end, trace id], in malloc order.
+            "allocations": [[phase_index.get(a.phase, -1), a.request, a.size, a.start, a.end, a.id]
+                            for a in self.allocations],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
+        """Rebuild a plan from its JSON object and validate it; raises MemoError on any defect."""
+        if not isinstance(data, Mapping):
+            raise MemoError("memo.plan: a plan file must hold a JSON object")
+        if data.get("kind", PLAN_KIND) != PLAN_KIND:
+            raise MemoError(f"memo.plan: expected kind {PLAN_KIND!r}, got {data.get('kind')!r} "
+                            "(is this a trace? plan it with `memo plan`)")
+        if data.get("version") != PLAN_VERSION:
+            raise MemoError(f"memo.plan: unknown plan version {data.get('version')!r}; this memo reads "
+                            f"version {PLAN_VERSION}. Re-run `memo profile` (or `memo plan`).")
+        if data.get("alignment", ALIGNMENT) != ALIGNMENT:
+            raise MemoError(f"memo.plan: plan alignment {data.get('alignment')} != {ALIGNMENT}")
+        try:
+            phases = list(data["phases"])
+            for p in phases:
+                parse_phase(p)
+            level1 = {str(k): [None if o is None else int(o) for o in v] for k, v in data["level1"].items()}
+            level2 = {str(k): int(v) for k, v in data["level2"].items()}
+            items = {str(k): {int(r): (None if o is None else int(o)) for r, o in v.items()}
+                     for k, v in data["items"].items()}
+            allocations = []
+            for index, row in enumerate(data["allocations"]):
+                pi, request, size, start, end, ident = (int(v) for v in row)
+                phase = phases[pi] if pi >= 0 else None
+                allocations.append(Allocation(index, ident, size, start, end, phase, request, False))
+            offsets: list[int | None] = []
+            for a in allocations:
+                key = a.phase if a.phase is not None else UNPHASED
+                off = None
+                if a.phase in level2:
+                    table = level1[phase_kind(a.phase)]
+                    if a.request < len(table) and table[a.request] is not None:
+                        off = level2[a.phase] + table[a.request]
+                if off is None:
+                    if a.request not in items.get(key, {}):
+                        raise MemoError(f"memo.plan: no offset for request {a.request} of phase "
+                                        f"{key or '(unphased)'!r}")
+                    off = items[key][a.request]
+                offsets.append(off)
+            plan = cls(
+                meta=dict(data.get("meta") or {}),
+                allocations=allocations,
+                offsets=offsets,
+                peak=int(data["peak"]),
+                lower_bound=int(data["lower_bound"]),
+                no_reuse_bytes=int(data["no_reuse_bytes"]),
+                level1=level1,
+                level1_peak={str(k): int(v) for k, v in data.get("level1_peak", {}).items()},
+                level2=level2,
+                alpha=None if data.get("alpha") is None else float(data["alpha"]),
+                alpha_binding=data.get("alpha_binding"),
+                alpha_detail=data.get("alpha_detail"),
+                host_bytes=None if data.get("host_bytes") is None else int(data["host_bytes"]),
+                solver=dict(data.get("solver") or {}),
+                warnings=list(data.get("warnings") or []),
+                end_time=int(data.get("end_time", 0)),
+            )
+        except MemoError:
+            raise
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as err:
+            raise MemoError(f"memo.plan: malformed plan file ({type(err).__name__}: {err}); "
+                            "re-run `memo profile` or `memo plan`") from None
+        validate_plan(plan)
+        return plan
+
+
+def validate_plan(plan: Plan, trace: Trace | None = None) -> None:
+    """Check a plan: offsets aligned, inside the arena, and no two live allocations share a byte.
+
+    With ``trace``, also check the plan was made for exactly these allocations.
+    Raises MemoError naming the first violation.
+    """
+    if trace is not None:
+        mine = [(a.size, a.start, a.end, a.phase, a.request) for a in plan.allocations]
+        theirs = [(a.size, a.start, a.end, a.phase, a.request) for a in trace.allocations]
+        if mine != theirs:
+            first = next((i for i, (m, t) in enumerate(zip(mine, theirs, strict=False)) if m != t),
+                         min(len(mine), len(theirs)))
+            raise PlanMismatchError(f"memo.plan: the plan does not match the trace (allocation {first} "
+                                    f"differs; plan has {len(mine)} allocations, trace {len(theirs)}); "
+                                    "re-run `memo plan` on this trace")
+    if len(plan.offsets) != len(plan.allocations):
+        raise MemoError(f"memo.plan: {len(plan.offsets)} offsets for {len(plan.allocations)} allocations")
+    if plan.peak % ALIGNMENT:
+        raise MemoError(f"memo.plan: arena size {plan.peak} is not a multiple of {ALIGNMENT}")
+    planned = [(a, off) for a, off in zip(plan.allocations, plan.offsets, strict=True) if off is not None]
+    for a, off in planned:
+        if off % ALIGNMENT:
+            raise MemoError(f"memo.plan: allocation {a.index} (id {a.id}, phase {a.phase}) has offset {off}, "
+                            f"not a multiple of {ALIGNMENT}")
+    problem = check_placement([Item(a.size, a.start, a.end) for a, _ in planned],
+                              [off for _, off in planned], plan.peak)
+    if problem is not None:
+        raise MemoError(f"memo.plan: invalid plan: {problem} (allocations indexed among planned ones)")
+    if planned and plan.lower_bound > plan.peak:
+        raise MemoError(f"memo.plan: peak {plan.peak} is below the lower bound {plan.lower_bound}")
+
+
+def save_plan(plan: Plan, path: str | os.PathLike[str]) -> None:
+    """Validate ``plan`` and write it as JSON."""
+    validate_plan(plan)
+    data = plan.to_dict()
+    allocations = data.pop("allocations")
+    head = json.dumps(data, indent=1)[:-2]
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(head + ',\n "allocations": [\n')
+        f.write(",\n".join(json.dumps(row) for row in allocations))
+        f.write("\n ]\n}\n")
+
+
+def load_plan(path: str | os.PathLike[str], *, fingerprint: str | None = None, seq_len: int | None = None,
+              micro_batch: int | None = None, dtype: str | None = None) -> Plan:
+    """Read, rebuild and validate a plan; check it was made for the caller's job.
+
+    Every keyword that is not None must equal the plan's meta value, otherwise
+    PlanMismatchError names the field and both values.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise MemoError(f"memo.plan: {os.fspath(path)!r} does not exist; make one with `memo profile`") \
+            from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise MemoError(f"memo.plan: {os.fspath(path)!r} is not valid JSON ({err})") from None
+    plan = Plan.from_dict(data)
+    expected = {"fingerprint": fingerprint, "seq_len": seq_len, "micro_batch": micro_batch, "dtype": dtype}
+    for name in _MATCHED_FIELDS:
+        want = expected[name]
+        if want is None:
+            continue
+        have = plan.meta.get(name)
+        if have != want:
+            raise PlanMismatchError(f"memo.plan: plan {os.fspath(path)!r} was made for {name}={have!r}, "
+                                    f"this run has {name}={want!r}; re-run `memo profile`")
+    return plan
