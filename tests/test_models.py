@@ -162,6 +162,34 @@ def test_chunked_loss_matches_cross_entropy(chunk: int) -> None:
         assert _rel(g, r) < 1e-5
 
 
+def test_chunked_loss_float64_and_bfloat16_precision() -> None:
+    s, b, h, vocab = 50, 2, 32, 300
+    x64 = torch.randn(s, b, h, dtype=torch.float64, requires_grad=True)
+    w64 = torch.randn(vocab, h, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, vocab, (b, s))
+
+    def full(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy((x @ w.t()).transpose(0, 1).reshape(-1, vocab), labels.reshape(-1))
+
+    ref = full(x64, w64)
+    ref_grads = torch.autograd.grad(ref, (x64, w64))
+    loss64 = chunked_lm_loss(x64, w64, labels, 33)
+    assert abs(loss64.item() - ref.item()) < 1e-12
+    for g, r in zip(torch.autograd.grad(loss64, (x64, w64)), ref_grads, strict=True):
+        assert _rel(g, r) < 1e-12
+    # bf16: no worse than twice plain PyTorch's bf16 error against the float64 result.
+    xb = x64.detach().bfloat16().requires_grad_()
+    wb = w64.detach().bfloat16().requires_grad_()
+    plain = full(xb, wb)
+    plain_grads = torch.autograd.grad(plain, (xb, wb))
+    chunked = chunked_lm_loss(xb, wb, labels, 33)
+    chunked_grads = torch.autograd.grad(chunked, (xb, wb))
+    assert chunked.dtype == torch.bfloat16
+    assert abs(chunked.double() - ref).item() <= 2 * abs(plain.double() - ref).item() + 1e-2
+    for c, p, r in zip(chunked_grads, plain_grads, ref_grads, strict=True):
+        assert _rel(c.double(), r) <= 2 * _rel(p.double(), r) + 1e-3
+
+
 def test_chunked_loss_saves_no_logits() -> None:
     x = torch.randn(64, 2, 16, requires_grad=True)
     w = torch.randn(500, 16, requires_grad=True)

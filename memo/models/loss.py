@@ -8,7 +8,8 @@ into that chunk's gradient in place.
 
 NOTE [Chunked loss saved tensors]
 Saved for backward: the normed hidden states ``x``, the head weight, the labels
-and a float32 log-sum-exp per token (4 bytes per token, negligible next to x).
+and a float32 log-sum-exp per token (4 bytes per token, negligible next to x;
+float64 for float64 inputs).
 Peak extra memory in either direction is one chunk of logits (plus, for
 16-bit weights, a float32 accumulator for the weight gradient so that
 thousands of per-chunk additions do not round away in bf16).
@@ -37,9 +38,15 @@ def default_chunk_tokens(vocab_size: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES
     return max(1, chunk_bytes // (4 * vocab_size))
 
 
+def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Softmax statistics in float32 for 16-bit inputs, in the input's own dtype otherwise."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _chunk_logits(x_chunk: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     # The matmul runs in the input dtype (tensor cores for bf16); softmax statistics in fp32.
-    return (x_chunk @ weight.t()).float()
+    logits = x_chunk @ weight.t()
+    return logits.to(_stats_dtype(logits.dtype))
 
 
 class _ChunkedLMLoss(torch.autograd.Function):
@@ -59,8 +66,9 @@ class _ChunkedLMLoss(torch.autograd.Function):
         flat_labels = labels.t().reshape(n_tokens)
         valid = flat_labels != ignore_index
         safe_labels = torch.where(valid, flat_labels, torch.zeros_like(flat_labels))
-        lse = torch.empty(n_tokens, dtype=torch.float32, device=x.device)
-        total = torch.zeros((), dtype=torch.float32, device=x.device)
+        stats = _stats_dtype(x.dtype)
+        lse = torch.empty(n_tokens, dtype=stats, device=x.device)
+        total = torch.zeros((), dtype=stats, device=x.device)
         for start in range(0, n_tokens, chunk_tokens):
             end = min(start + chunk_tokens, n_tokens)
             logits = _chunk_logits(flat_x[start:end], weight)
@@ -84,7 +92,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
         flat_x = x.reshape(n_tokens, h)
         valid = flat_labels != ctx.ignore_index
         safe_labels = torch.where(valid, flat_labels, torch.zeros_like(flat_labels))
-        scale = grad_loss.float() / n_valid
+        scale = grad_loss.to(lse.dtype) / n_valid
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_x = torch.empty_like(flat_x) if need_x else None
         acc_dtype = torch.float32 if weight.dtype in (torch.float16, torch.bfloat16) else weight.dtype
@@ -96,7 +104,9 @@ class _ChunkedLMLoss(torch.autograd.Function):
             grad_logits = _chunk_logits(x_chunk, weight)
             grad_logits.sub_(lse[start:end, None]).exp_()
             grad_logits.scatter_add_(
-                1, safe_labels[start:end, None], torch.full((end - start, 1), -1.0, device=x.device)
+                1,
+                safe_labels[start:end, None],
+                torch.full((end - start, 1), -1.0, dtype=grad_logits.dtype, device=x.device),
             )
             grad_logits.mul_((scale * valid[start:end])[:, None])
             grad_logits = grad_logits.to(x.dtype)
