@@ -1,0 +1,483 @@
+"""Rounding buffers: two device buffers, one host arena, and the protocol that moves layers between them.
+
+NOTE [Rounding buffer reuse]
+Layer i writes every tensor it offloads into device buffer ``i % 2`` during its
+forward, then the whole used prefix of that buffer is copied to layer i's region
+of the host arena on the *offload* stream while layer i+1 computes into the
+other buffer. Layer i+2 writes buffer ``i % 2`` again, so before its first write
+the compute stream waits for layer i's offload event. Backward mirrors this: when
+layer i+1's backward starts (the gradient of its output is ready), layer i's
+host region is copied back into buffer ``i % 2`` on the *prefetch* stream; the
+prefetch waits for layer i's offload (the host bytes must be complete) and for
+the compute stream to have released the buffer (layer i+2's backward read it);
+layer i's backward waits for the prefetch event before reading. Three streams:
+compute, offload, prefetch.
+
+NOTE [One protocol, two backends]
+The waits above live in :class:`RoundingBuffers` only. A :class:`CopyEngine`
+supplies the primitives: ``offload``/``prefetch`` (an asynchronous copy after
+some events, returning an event), ``wait`` (the compute side waits for an
+event) and ``compute_event``. :class:`CudaCopyEngine` maps them onto
+``torch.cuda.Stream``/``Event``; :class:`CpuCopyEngine` onto two C++ copy workers
+(``memo._C.rounding.CopyWorker``, NOTE [CPU copy worker] in
+csrc/runtime/copy_worker.h) whose copies are real, concurrent memcpy calls. So a
+wait missing from the protocol corrupts data on CPU as it would on a GPU, and the
+CPU tests see it as a wrong gradient.
+
+Each layer's slot goes through the checked lifecycle :class:`BufferState`:
+``IDLE -> OFFLOADING -> OFFLOADED -> PREFETCHING -> READY -> IDLE`` (a prefetch
+may also start straight from ``OFFLOADING``; it then waits on the offload event).
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from memo.errors import MemoError, internal_assert
+
+__all__ = [
+    "BufferState",
+    "CopyEngine",
+    "CpuCopyEngine",
+    "CudaCopyEngine",
+    "LayerSlot",
+    "RoundingBuffers",
+    "RuntimeStats",
+    "Slot",
+    "align_up",
+    "available_host_memory",
+    "debug_delay_from_env",
+    "make_engine",
+]
+
+
+class BufferState(enum.Enum):
+    """Where a layer's offloaded bytes are (NOTE [Rounding buffer reuse])."""
+
+    IDLE = "idle"
+    """Nothing held: before the layer's forward, after its backward."""
+    OFFLOADING = "offloading"
+    """Forward done; the device buffer is being copied to the host arena."""
+    OFFLOADED = "offloaded"
+    """The host arena holds the layer; its device buffer may be reused."""
+    PREFETCHING = "prefetching"
+    """Backward is near; the host region is being copied back into the device buffer."""
+    READY = "ready"
+    """The device buffer holds the layer again; its backward may read it."""
+
+
+_TRANSITIONS: dict[BufferState, frozenset[BufferState]] = {
+    BufferState.IDLE: frozenset({BufferState.OFFLOADING}),
+    BufferState.OFFLOADING: frozenset({BufferState.OFFLOADED, BufferState.PREFETCHING}),
+    BufferState.OFFLOADED: frozenset({BufferState.PREFETCHING}),
+    BufferState.PREFETCHING: frozenset({BufferState.READY}),
+    BufferState.READY: frozenset({BufferState.IDLE}),
+}
+
+#: Waits the test-only switch ``RoundingBuffers.debug_skip_waits`` may remove, to prove the tests catch it.
+SKIPPABLE_WAITS = frozenset({"offload", "prefetch"})
+
+
+def align_up(offset: int, alignment: int) -> int:
+    """Round ``offset`` up to a multiple of ``alignment``."""
+    return -(-offset // alignment) * alignment
+
+
+def available_host_memory() -> int | None:
+    """``MemAvailable`` from /proc/meminfo in bytes, or ``None`` where it cannot be read."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+@dataclass
+class RuntimeStats:
+    """Counters of one :class:`~memo.runtime.MemoRuntime` (cumulative; ``reset()`` zeroes them)."""
+
+    bytes_offloaded: int = 0
+    """Bytes copied device buffer -> host arena."""
+    bytes_prefetched: int = 0
+    """Bytes copied host arena -> device buffer."""
+    offloaded_tokens: int = 0
+    """Tokens whose non-input/attention skeletal tensors were offloaded (sum of a over layer passes)."""
+    recomputed_tokens: int = 0
+    """Tokens recomputed in backward (sum of s - a over layer passes)."""
+    copy_wait_ns: int = 0
+    """Time the compute thread spent blocked on copies (CPU backend; CUDA waits are on-device)."""
+    late_prefetches: int = 0
+    """Backward passes whose prefetch had not been started by the next layer's backward."""
+    layer_forwards: int = 0
+    layer_backwards: int = 0
+
+    def reset(self) -> None:
+        for name in self.__dataclass_fields__:
+            setattr(self, name, 0)
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+
+class CopyEngine:
+    """Copy primitives of one backend (NOTE [One protocol, two backends])."""
+
+    device: torch.device
+
+    def alloc_device_buffer(self, nbytes: int) -> torch.Tensor:
+        raise MemoError(f"memo.runtime: {type(self).__name__} cannot allocate device buffers")
+
+    def alloc_host_arena(self, nbytes: int) -> torch.Tensor:
+        raise MemoError(f"memo.runtime: {type(self).__name__} cannot allocate a host arena")
+
+    def offload(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
+        """Copy ``src`` (device) to ``dst`` (host) after the compute work issued so far; return an event."""
+        raise MemoError(f"memo.runtime: {type(self).__name__} cannot offload")
+
+    def prefetch(self, dst: torch.Tensor, src: torch.Tensor, after: list[Any]) -> Any:
+        """Copy ``src`` (host) to ``dst`` (device) once every event in ``after`` completed; return an event."""
+        raise MemoError(f"memo.runtime: {type(self).__name__} cannot prefetch")
+
+    def compute_event(self) -> Any:
+        """An event marking the compute work issued so far (``None`` where compute is synchronous)."""
+        return None
+
+    def wait(self, event: Any) -> int:
+        """Make compute wait for ``event``; returns nanoseconds the calling thread blocked."""
+        return 0
+
+    def synchronize(self) -> None:
+        """Block until every copy issued so far is done."""
+
+    def set_debug_delay_us(self, us: int) -> None:
+        """Inject a random delay of up to ``us`` microseconds before each copy (CPU backend only)."""
+
+
+class CpuCopyEngine(CopyEngine):
+    """CPU backend: two ``memo._C.rounding.CopyWorker`` threads stand in for the copy streams."""
+
+    def __init__(self, debug_delay_us: int = 0, seed: int = 0) -> None:
+        from memo import _C
+
+        self.device = torch.device("cpu")
+        self._rounding = _C.rounding
+        self.offload_worker = _C.rounding.CopyWorker("offload", debug_delay_us, seed)
+        self.prefetch_worker = _C.rounding.CopyWorker("prefetch", debug_delay_us, seed + 1)
+
+    def alloc_device_buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def alloc_host_arena(self, nbytes: int) -> torch.Tensor:
+        return self._rounding.host_arena(nbytes)
+
+    def offload(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
+        return (self.offload_worker, self.offload_worker.submit(dst, src))
+
+    def prefetch(self, dst: torch.Tensor, src: torch.Tensor, after: list[Any]) -> Any:
+        deps = [e for e in after if e is not None]
+        dep_worker, dep_ticket = None, 0
+        for worker, ticket in deps:
+            if worker is self.prefetch_worker:
+                continue  # FIFO on the same worker already orders it
+            internal_assert(dep_worker is None or dep_worker is worker,
+                            "CPU prefetch depends on tickets of two other workers")
+            dep_worker, dep_ticket = worker, max(dep_ticket, ticket)
+        return (self.prefetch_worker, self.prefetch_worker.submit(dst, src, dep_worker, dep_ticket))
+
+    def wait(self, event: Any) -> int:
+        if event is None:
+            return 0
+        worker, ticket = event
+        return int(worker.wait(ticket))
+
+    def synchronize(self) -> None:
+        self.offload_worker.synchronize()
+        self.prefetch_worker.synchronize()
+
+    def set_debug_delay_us(self, us: int) -> None:
+        self.offload_worker.max_delay_us = us
+        self.prefetch_worker.max_delay_us = us
+
+
+class CudaCopyEngine(CopyEngine):
+    """CUDA backend: an offload stream and a prefetch stream beside the compute (current) stream."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.offload_stream = torch.cuda.Stream(device=device)
+        self.prefetch_stream = torch.cuda.Stream(device=device)
+
+    def alloc_device_buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def alloc_host_arena(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def offload(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
+        self.offload_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.offload_stream):
+            dst.copy_(src, non_blocking=True)
+        return self.offload_stream.record_event()
+
+    def prefetch(self, dst: torch.Tensor, src: torch.Tensor, after: list[Any]) -> Any:
+        for event in after:
+            if event is not None:
+                self.prefetch_stream.wait_event(event)
+        with torch.cuda.stream(self.prefetch_stream):
+            dst.copy_(src, non_blocking=True)
+        return self.prefetch_stream.record_event()
+
+    def compute_event(self) -> Any:
+        return torch.cuda.current_stream(self.device).record_event()
+
+    def wait(self, event: Any) -> int:
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+        return 0
+
+    def synchronize(self) -> None:
+        self.offload_stream.synchronize()
+        self.prefetch_stream.synchronize()
+
+
+def make_engine(device: torch.device, debug_delay_us: int = 0, seed: int = 0) -> CopyEngine:
+    """The copy engine for ``device``: CUDA streams on ``cuda``, C++ copy workers on ``cpu``."""
+    if device.type == "cuda":
+        if debug_delay_us:
+            raise MemoError(
+                "memo.runtime: debug_copy_delay_us injects delays into the CPU copy worker; on CUDA use "
+                "torch.cuda._sleep in a test instead (or set it to 0)"
+            )
+        return CudaCopyEngine(device)
+    if device.type == "cpu":
+        return CpuCopyEngine(debug_delay_us, seed)
+    raise MemoError(
+        f"memo.runtime: rounding buffers support cpu and cuda devices, the layer runs on {device.type!r}"
+    )
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One tensor inside a layer's region: ``nbytes`` at byte ``offset``, viewed as ``dtype``/``shape``."""
+
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass
+class LayerSlot:
+    """Book-keeping of one offloaded layer (its state, events and used bytes)."""
+
+    index: int
+    state: BufferState = BufferState.IDLE
+    used: int = 0
+    offload_event: Any = None
+    prefetch_event: Any = None
+    slots: list[Slot] = field(default_factory=list)
+
+    def transition(self, new: BufferState) -> None:
+        if new not in _TRANSITIONS[self.state]:
+            hint = ""
+            if self.state is not BufferState.IDLE and new is BufferState.OFFLOADING:
+                hint = (
+                    "; the layer ran forward again before its backward. memo keeps one forward per "
+                    "backward (no gradient accumulation over several forwards before one backward); call "
+                    "runtime.reset() to drop an abandoned iteration"
+                )
+            raise MemoError(
+                f"memo.runtime: layer {self.index}'s rounding buffer cannot go from {self.state.value} to "
+                f"{new.value}{hint}"
+            )
+        self.state = new
+
+
+def _slot_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class RoundingBuffers:
+    """Two device buffers, a host arena with one region per offloaded layer, and the protocol.
+
+    Args:
+        engine: the backend's copy primitives.
+        n_layers: number of offloaded layers (all but the last two of the model).
+        layer_bytes: offloaded bytes of one layer (from a dry run or a plan).
+        stats: counters to update.
+
+    Raises:
+        MemoError: if the host arena cannot be had (with the numbers), before any training step.
+    """
+
+    def __init__(self, engine: CopyEngine, n_layers: int, layer_bytes: int, stats: RuntimeStats,
+                 host_memory_limit: int | None = None) -> None:
+        self.engine = engine
+        self.n_layers = n_layers
+        self.layer_bytes = layer_bytes
+        self.stats = stats
+        #: Test-only: names in SKIPPABLE_WAITS whose wait is skipped, to prove the tests catch a race.
+        self.debug_skip_waits: set[str] = set()
+        host_bytes = n_layers * layer_bytes
+        limit = host_memory_limit if host_memory_limit is not None else available_host_memory()
+        if limit is not None and host_bytes > limit:
+            raise MemoError(
+                f"memo.runtime: the host arena needs {host_bytes:,} bytes ({n_layers} offloaded layers x "
+                f"{layer_bytes:,} bytes) but only {limit:,} bytes of host memory are available; lower alpha "
+                "(or solve it with memo.planner.solve_alpha) or free host memory"
+            )
+        try:
+            self.host = engine.alloc_host_arena(host_bytes)
+            self.device_buffers = [engine.alloc_device_buffer(layer_bytes) for _ in range(2)]
+        except (RuntimeError, ValueError) as e:
+            raise MemoError(
+                f"memo.runtime: could not allocate the rounding buffers: host arena {host_bytes:,} bytes, two "
+                f"device buffers of {layer_bytes:,} bytes each on {engine.device} ({e})"
+            ) from e
+        self.layers = [LayerSlot(i) for i in range(n_layers)]
+        # Per device buffer: the layer whose forward wrote it last, and the compute event after the
+        # backward that read it last (NOTE [Rounding buffer reuse]).
+        self._writer: list[int | None] = [None, None]
+        self._released: list[Any] = [None, None]
+
+    @property
+    def host_bytes(self) -> int:
+        return self.n_layers * self.layer_bytes
+
+    def state(self, i: int) -> BufferState:
+        return self.layers[i].state
+
+    def _skip(self, name: str) -> bool:
+        return name in self.debug_skip_waits
+
+    def _wait(self, event: Any) -> None:
+        self.stats.copy_wait_ns += self.engine.wait(event)
+
+    def _buffer(self, i: int) -> torch.Tensor:
+        return self.device_buffers[i % 2]
+
+    # Forward ---------------------------------------------------------------------------------
+    def begin_forward(self, i: int) -> None:
+        """Layer i starts writing buffer ``i % 2``: wait until layer i-2's offload from it is done."""
+        layer = self.layers[i]
+        if layer.state is not BufferState.IDLE:
+            layer.transition(BufferState.OFFLOADING)  # raises with the explanation
+        k = i % 2
+        prev = self._writer[k]
+        if prev is not None and self.layers[prev].state is BufferState.OFFLOADING:
+            if not self._skip("offload"):
+                self._wait(self.layers[prev].offload_event)
+            self.layers[prev].transition(BufferState.OFFLOADED)
+        self._wait(self._released[k])
+        self._released[k] = None
+        self._writer[k] = i
+        layer.used = 0
+        layer.slots = []
+
+    def pack(self, i: int, t: torch.Tensor) -> int:
+        """Copy ``t`` into layer i's buffer (compute stream); returns the slot number."""
+        layer = self.layers[i]
+        internal_assert(layer.state is BufferState.IDLE and self._writer[i % 2] == i,
+                        f"pack into layer {i}'s buffer outside its forward")
+        nbytes = _slot_bytes(t)
+        offset = align_up(layer.used, t.element_size())
+        if offset + nbytes > self.layer_bytes:
+            raise MemoError(
+                f"memo.runtime: layer {i} offloads more than the {self.layer_bytes:,} bytes its rounding buffer "
+                f"was sized for (at {offset + nbytes:,}); the input shape, dtype or alpha changed since the "
+                "buffers were allocated. Wrap again (memo.unwrap, memo.wrap) for the new shape"
+            )
+        view = self._buffer(i)[offset:offset + nbytes].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        layer.used = offset + nbytes
+        layer.slots.append(Slot(offset, nbytes, t.dtype, tuple(t.shape)))
+        return len(layer.slots) - 1
+
+    def end_forward(self, i: int) -> None:
+        """Layer i's forward is done: start its offload (offload stream / worker)."""
+        layer = self.layers[i]
+        base = i * self.layer_bytes
+        layer.offload_event = self.engine.offload(self.host[base:base + layer.used],
+                                                  self._buffer(i)[:layer.used])
+        layer.transition(BufferState.OFFLOADING)
+        self.stats.bytes_offloaded += layer.used
+
+    # Backward --------------------------------------------------------------------------------
+    def prefetch(self, i: int) -> bool:
+        """Start copying layer i back into buffer ``i % 2``; returns False if it is not offloaded."""
+        layer = self.layers[i]
+        if layer.state not in (BufferState.OFFLOADING, BufferState.OFFLOADED):
+            return False
+        k = i % 2
+        after = [layer.offload_event, self._released[k]]
+        writer = self._writer[k]
+        if writer is not None and writer != i and self.layers[writer].state is BufferState.OFFLOADING:
+            # Another layer's offload still reads this buffer.
+            after.append(self.layers[writer].offload_event)
+            self.layers[writer].transition(BufferState.OFFLOADED)
+        self._released[k] = None
+        self._writer[k] = None
+        base = i * self.layer_bytes
+        layer.prefetch_event = self.engine.prefetch(self._buffer(i)[:layer.used],
+                                                    self.host[base:base + layer.used], after)
+        layer.transition(BufferState.PREFETCHING)
+        self.stats.bytes_prefetched += layer.used
+        return True
+
+    def begin_backward(self, i: int) -> None:
+        """Layer i's backward starts: make sure its prefetch was issued and wait for it."""
+        layer = self.layers[i]
+        if layer.state in (BufferState.OFFLOADING, BufferState.OFFLOADED):
+            self.stats.late_prefetches += 1
+            self.prefetch(i)
+        if layer.state is not BufferState.PREFETCHING:
+            raise MemoError(
+                f"memo.runtime: backward of layer {i} found its rounding buffer {layer.state.value}; each "
+                "forward of a wrapped layer must be followed by exactly one backward (retain_graph and "
+                "double backward are not supported)"
+            )
+        if not self._skip("prefetch"):
+            self._wait(layer.prefetch_event)
+        layer.transition(BufferState.READY)
+
+    def view(self, i: int, slot: int) -> torch.Tensor:
+        """Layer i's tensor number ``slot``, read from its device buffer (state READY)."""
+        layer = self.layers[i]
+        internal_assert(layer.state is BufferState.READY, f"read of layer {i}'s buffer in state {layer.state}")
+        s = layer.slots[slot]
+        return self._buffer(i)[s.offset:s.offset + s.nbytes].view(s.dtype).view(s.shape)
+
+    def end_backward(self, i: int) -> None:
+        """Layer i's backward is done with buffer ``i % 2``."""
+        self.layers[i].transition(BufferState.IDLE)
+        self._released[i % 2] = self.engine.compute_event()
+
+    def reset(self) -> None:
+        """Wait for every copy, then drop whatever state an abandoned iteration left."""
+        self.engine.synchronize()
+        for layer in self.layers:
+            layer.state = BufferState.IDLE
+            layer.offload_event = layer.prefetch_event = None
+        self._writer = [None, None]
+        self._released = [None, None]
+
+
+def debug_delay_from_env() -> int:
+    """``MEMO_DEBUG_COPY_DELAY_US`` as an int (0 when unset)."""
+    raw = os.environ.get("MEMO_DEBUG_COPY_DELAY_US", "0").strip() or "0"
+    try:
+        value = int(raw)
+    except ValueError:
+        raise MemoError(f"memo.runtime: MEMO_DEBUG_COPY_DELAY_US must be an integer (microseconds), got {raw!r}")
+    if value < 0:
+        raise MemoError(f"memo.runtime: MEMO_DEBUG_COPY_DELAY_US must be >= 0, got {value}")
+    return value
+

@@ -1,0 +1,434 @@
+"""Token-wise offload / recompute of one transformer layer, as one ``autograd.Function``.
+
+NOTE [Token-wise recompute]
+For a layer input ``x: [s, b, h]`` and ``a = floor(alpha * s)``:
+
+forward
+  1. ``x`` goes whole into the layer's rounding buffer (offloaded).
+  2. ``pre`` runs on tokens ``[0:a]`` with grad enabled, under
+     ``saved_tensors_hooks`` that copy every tensor it saves into the rounding
+     buffer (NOTE [What the pack hook keeps]); on ``[a:s]`` it runs under
+     ``no_grad`` with ``offset=a`` (RoPE positions), so nothing is saved.
+  3. Attention runs once on all tokens without autograd (``adapter.core_forward``);
+     ``o`` and its log-sum-exp go whole into the buffer, and ``q, k, v`` of
+     tokens ``[0:a]`` (the attention's own skeletal inputs) too.
+  4. ``post`` runs like ``pre``: ``[0:a]`` recorded with hooks, ``[a:s]`` without grad.
+  The sub-graphs of ``[0:a]`` are kept only as ``GradientEdge``s of their outputs,
+  never as tensors, so their outputs' memory is freed; their inputs are fed
+  through :class:`_Tap`, a parameter-free node that hands the gradient reaching
+  ``x[0:a]`` / ``o[0:a]`` to the layer's backward.
+
+backward (after the prefetch of the layer's buffer)
+  1. ``post`` is recomputed on ``[a:s]`` from the restored ``x`` and ``o``;
+     ``torch.autograd.backward`` runs both post sub-graphs: parameter gradients
+     accumulate as in any backward, and the gradient of ``o`` comes out.
+  2. ``pre`` is recomputed on ``[a:s]``; ``q, k, v`` are the restored ``[0:a]``
+     rows and the recomputed ``[a:s]`` rows; attention's backward runs from the
+     saved ``o`` and ``lse`` (attention itself is never recomputed).
+  3. ``torch.autograd.backward`` runs both pre sub-graphs; the gradient of ``x``
+     is the two taps' share (``[0:a]``) and the recomputed leaf's (``[a:s]``).
+alpha = 0 and alpha = 1 go through the same code; an empty token range just
+has no sub-graph. Random state (dropout) is replayed for the recomputed range.
+
+NOTE [What the pack hook keeps]
+The pack hook runs for every tensor an op of the ``[0:a]`` sub-graphs saves.
+- Parameters and buffers of the layer (weights, their transposed views, RoPE
+  tables held as buffers) are kept by reference: they are not activations and
+  live on the device anyway (torchtune skips parameters the same way).
+- Views of the layer input ``x`` or of the attention output ``o`` (e.g. the
+  LayerNorm input, the output projection's input) are recorded as
+  (shape, stride, offset) into the ``x`` / ``o`` copy already in the buffer, so
+  nothing is offloaded twice.
+- Everything else is copied into the rounding buffer; a tensor saved twice by
+  one layer pass is copied once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+from memo.errors import MemoError, internal_assert
+from memo.runtime.buffers import align_up
+
+if TYPE_CHECKING:
+    from memo.adapters.base import LayerAdapter
+    from memo.runtime.runtime import MemoRuntime
+
+__all__ = ["LayerCall", "offload_tokens"]
+
+
+def offload_tokens(alpha: float, s: int) -> int:
+    """``floor(alpha * s)``: the tokens whose skeletal tensors are offloaded (the rest are recomputed).
+
+    A tiny tolerance keeps e.g. ``0.29 * 100`` at 29 despite binary rounding.
+    """
+    return max(0, min(s, int(math.floor(alpha * s + 1e-9))))
+
+
+class _TapGrads:
+    """Gradients that reached the ``[0:a]`` inputs of a layer's sub-graphs (summed per name)."""
+
+    def __init__(self) -> None:
+        self.grads: dict[str, torch.Tensor] = {}
+
+    def add(self, name: str, grad: torch.Tensor) -> None:
+        prev = self.grads.get(name)
+        self.grads[name] = grad if prev is None else prev + grad
+
+    def pop(self, name: str) -> torch.Tensor | None:
+        return self.grads.pop(name, None)
+
+
+class _Tap(torch.autograd.Function):
+    """``t`` (no grad) -> a view of it inside a graph; its gradient goes to ``taps[name]``.
+
+    ``anchor`` is a zero-size tensor that requires grad, so the output gets a
+    ``grad_fn``; nothing big is held by the node (NOTE [Token-wise recompute]).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, taps: _TapGrads, name: str, anchor: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        ctx.taps, ctx.name = taps, name
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None]:
+        ctx.taps.add(ctx.name, grad)
+        return None, None, None, None
+
+
+class _CountingSink:
+    """Measures a layer's offloaded bytes with the same alignment as :class:`RoundingBuffers`."""
+
+    def __init__(self) -> None:
+        self.used = 0
+        self.count = 0
+
+    def pack(self, t: torch.Tensor) -> int:
+        self.used = align_up(self.used, t.element_size()) + t.numel() * t.element_size()
+        self.count += 1
+        return self.count - 1
+
+
+class _BufferSink:
+    """Packs into layer ``index``'s rounding buffer."""
+
+    def __init__(self, runtime: MemoRuntime, index: int) -> None:
+        self.buffers = runtime.buffers
+        self.index = index
+
+    def pack(self, t: torch.Tensor) -> int:
+        return self.buffers.pack(self.index, t)
+
+
+def _storage_ptr(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _view_into(t: torch.Tensor, base: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int] | None:
+    """(shape, stride, element offset) of ``t`` inside contiguous ``base``, or None if it is not inside it."""
+    if t.dtype != base.dtype or t.device != base.device or base.device.type == "meta":
+        return None
+    ptr = _storage_ptr(t)
+    if ptr is None or ptr != _storage_ptr(base):
+        return None
+    rel = t.storage_offset() - base.storage_offset()
+    if rel < 0 or any(st < 0 for st in t.stride()):
+        return None
+    extent = 0 if t.numel() == 0 else 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    if rel + extent > base.numel():
+        return None
+    return tuple(t.shape), tuple(t.stride()), rel
+
+
+class _Packer:
+    """The saved-tensor hooks of one layer pass (NOTE [What the pack hook keeps])."""
+
+    def __init__(self, sink: _CountingSink | _BufferSink, keep_storages: set[int], device: torch.device) -> None:
+        self.sink = sink
+        self.keep_storages = keep_storages
+        self.device = device
+        self.bases: dict[str, tuple[torch.Tensor, int]] = {}
+        self._seen: dict[int, tuple[torch.Tensor, tuple[Any, ...]]] = {}
+        self.resolve_slot: Any = None  # set for backward: slot -> tensor
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def pack(self, t: torch.Tensor) -> tuple[Any, ...]:
+        seen = self._seen.get(id(t))
+        if seen is not None and seen[0] is t:
+            return seen[1]
+        if isinstance(t, nn.Parameter) or t.device != self.device or _storage_ptr(t) in self.keep_storages:
+            return ("keep", t)
+        handle: tuple[Any, ...] | None = None
+        for name, (base, _slot) in self.bases.items():
+            where = _view_into(t, base)
+            if where is not None:
+                handle = ("view", name, *where)
+                break
+        if handle is None:
+            handle = ("slot", self.sink.pack(t))
+        # Holding t until the pass ends keeps its id from being reused by another tensor.
+        self._seen[id(t)] = (t, handle)
+        return handle
+
+    def end_pass(self) -> None:
+        self._seen.clear()
+        self.bases = {name: (torch.empty(0), slot) for name, (_t, slot) in self.bases.items()}
+
+    def unpack(self, handle: tuple[Any, ...]) -> torch.Tensor:
+        kind = handle[0]
+        if kind == "keep":
+            return handle[1]
+        internal_assert(self.resolve_slot is not None, "saved tensor unpacked outside the layer's backward")
+        if kind == "slot":
+            return self.resolve_slot(handle[1])
+        _, name, shape, stride, rel = handle
+        base = self.resolve_slot(self.bases[name][1])
+        return base.as_strided(shape, stride, base.storage_offset() + rel)
+
+
+@dataclass
+class _Record:
+    """What one forward of a wrapped layer leaves for its backward."""
+
+    a: int
+    s: int
+    ctx: Any
+    taps: _TapGrads
+    packer: _Packer
+    x_slot: int = -1
+    o_slot: int = -1
+    lse_slot: int = -1
+    qkv_slots: tuple[int, ...] = ()
+    pre_edges: list[tuple[int, GradientEdge]] = field(default_factory=list)
+    post_edge: GradientEdge | None = None
+    rng_pre: Any = None
+    rng_post: Any = None
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+@contextlib.contextmanager
+def _replay_rng(state: tuple[torch.Tensor, torch.Tensor | None] | None, device: torch.device) -> Iterator[None]:
+    if state is None:
+        yield
+        return
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], device)
+        yield
+
+
+def _join(first: torch.Tensor | None, rest: torch.Tensor | None) -> torch.Tensor:
+    """Concatenate the ``[0:a]`` and ``[a:s]`` parts along tokens (either may be absent)."""
+    if first is None:
+        internal_assert(rest is not None, "both token ranges empty")
+        return rest  # type: ignore[return-value]
+    if rest is None:
+        return first.detach()
+    return torch.cat([first.detach(), rest], dim=0)
+
+
+def _edge(t: torch.Tensor) -> GradientEdge:
+    return get_gradient_edge(t)
+
+
+class LayerCall:
+    """One wrapped layer: its adapter, its index, and the forward/backward of NOTE [Token-wise recompute]."""
+
+    def __init__(self, runtime: MemoRuntime, layer: nn.Module, adapter: LayerAdapter, index: int) -> None:
+        self.runtime = runtime
+        self.layer = layer
+        self.adapter = adapter
+        self.index = index
+
+    def _keep_storages(self) -> set[int]:
+        keep = set()
+        for t in list(self.layer.parameters()) + list(self.layer.buffers()):
+            ptr = _storage_ptr(t)
+            if ptr is not None:
+                keep.add(ptr)
+        return keep
+
+    def measure(self, x: torch.Tensor, ctx: Any) -> int:
+        """Dry run: the bytes one forward of this layer offloads for input ``x`` (nothing is kept)."""
+        sink = _CountingSink()
+        with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
+            self._forward(x.detach(), ctx, sink)
+        return sink.used
+
+    def forward(self, x: torch.Tensor, ctx: Any) -> tuple[torch.Tensor, _Record]:
+        """``x: [s, b, h]`` -> ``y: [s, b, h]`` and the record backward needs."""
+        rt = self.runtime
+        rt.buffers.begin_forward(self.index)
+        y, rec = self._forward(x, ctx, _BufferSink(rt, self.index))
+        rt.buffers.end_forward(self.index)
+        rt.stats.layer_forwards += 1
+        rt.stats.offloaded_tokens += rec.a
+        rt.stats.recomputed_tokens += rec.s - rec.a
+        return y, rec
+
+    def _forward(self, x: torch.Tensor, ctx: Any, sink: _CountingSink | _BufferSink) -> tuple[
+            torch.Tensor, _Record]:
+        rt, layer, adapter = self.runtime, self.layer, self.adapter
+        s = x.shape[0]
+        a = offload_tokens(rt.alpha, s)
+        xc = x.detach().contiguous()
+        packer = _Packer(sink, self._keep_storages(), xc.device)
+        rec = _Record(a=a, s=s, ctx=ctx, taps=_TapGrads(), packer=packer)
+        rec.x_slot = sink.pack(xc)
+        packer.bases["x"] = (xc, rec.x_slot)
+
+        q_a = k_a = v_a = x_a = None
+        if a > 0:
+            with torch.enable_grad():
+                x_a = _Tap.apply(rec.taps, "x", rt.anchor, xc[:a])
+                with packer.hooks():
+                    q_a, k_a, v_a = adapter.pre(layer, x_a, 0, ctx)
+        q_b = k_b = v_b = None
+        if a < s:
+            rec.rng_pre = _rng_state(xc.device)
+            with torch.no_grad():
+                q_b, k_b, v_b = adapter.pre(layer, xc[a:], a, ctx)
+        q, k, v = _join(q_a, q_b), _join(k_a, k_b), _join(v_a, v_b)
+        with torch.no_grad():
+            o, lse = adapter.core_forward(layer, q, k, v, ctx)
+        o = o.contiguous()
+        if a > 0:
+            rec.qkv_slots = tuple(sink.pack(t[:a]) for t in (q, k, v))
+        del q, k, v, q_b, k_b, v_b
+        rec.o_slot = sink.pack(o)
+        rec.lse_slot = sink.pack(lse)
+        packer.bases["o"] = (o, rec.o_slot)
+        del lse
+
+        y_a = y_b = None
+        if a > 0:
+            with torch.enable_grad():
+                o_a = _Tap.apply(rec.taps, "o", rt.anchor, o[:a])
+                with packer.hooks():
+                    y_a = adapter.post(layer, o_a, x_a, ctx)
+            rec.pre_edges = [(j, _edge(t)) for j, t in enumerate((q_a, k_a, v_a)) if t.requires_grad]
+            rec.post_edge = _edge(y_a)
+        if a < s:
+            rec.rng_post = _rng_state(xc.device)
+            with torch.no_grad():
+                y_b = adapter.post(layer, o[a:], xc[a:], ctx)
+        y = _join(y_a, y_b)
+        packer.end_pass()
+        return y, rec
+
+    def backward(self, rec: _Record, grad_y: torch.Tensor) -> torch.Tensor:
+        """``grad_y: [s, b, h]`` -> ``grad_x: [s, b, h]``; parameter gradients accumulate on the way."""
+        rt, layer, adapter, i = self.runtime, self.layer, self.adapter, self.index
+        buffers = rt.buffers
+        buffers.begin_backward(i)
+        rec.packer.resolve_slot = lambda slot: buffers.view(i, slot)
+        a, s, ctx = rec.a, rec.s, rec.ctx
+        grad_y = grad_y.contiguous()
+        x_dev = buffers.view(i, rec.x_slot)
+        o_dev = buffers.view(i, rec.o_slot)
+        lse = buffers.view(i, rec.lse_slot)
+        device = x_dev.device
+
+        # 1. post: recompute [a:s], backward of both sub-graphs -> grad of o.
+        roots: list[GradientEdge] = []
+        grads: list[torch.Tensor] = []
+        x_b = o_b = None
+        if a > 0:
+            roots.append(rec.post_edge)
+            grads.append(grad_y[:a])
+        if a < s:
+            x_b = x_dev[a:].detach().requires_grad_()
+            o_b = o_dev[a:].detach().requires_grad_()
+            with torch.enable_grad(), _replay_rng(rec.rng_post, device):
+                y_b = adapter.post(layer, o_b, x_b, ctx)
+            roots.append(_edge(y_b))
+            grads.append(grad_y[a:])
+            del y_b
+        torch.autograd.backward(roots, grads)
+        grad_o = self._grad_join(rec.taps.pop("o"), o_b, o_dev, a)
+        del o_b
+
+        # 2. pre on [a:s] recomputed; attention backward from the saved o and lse.
+        q_b = k_b = v_b = None
+        if a < s:
+            with torch.enable_grad(), _replay_rng(rec.rng_pre, device):
+                q_b, k_b, v_b = adapter.pre(layer, x_b, a, ctx)
+        saved = [buffers.view(i, slot) for slot in rec.qkv_slots] if a > 0 else [None, None, None]
+        q, k, v = (_join(sa, sb) for sa, sb in zip(saved, (q_b, k_b, v_b)))
+        dq, dk, dv = adapter.core_backward(layer, grad_o, q, k, v, o_dev, lse, ctx)
+        del q, k, v, grad_o
+
+        # 3. pre: backward of both sub-graphs -> grad of x.
+        roots, grads = [], []
+        full = (dq, dk, dv)
+        for j, edge in rec.pre_edges:
+            roots.append(edge)
+            grads.append(full[j][:a])
+        if a < s:
+            for t, g in zip((q_b, k_b, v_b), full):
+                if t.requires_grad:
+                    roots.append(_edge(t))
+                    grads.append(g[a:])
+        del q_b, k_b, v_b
+        if roots:
+            torch.autograd.backward(roots, grads)
+        grad_x = self._grad_join(rec.taps.pop("x"), x_b, x_dev, a)
+
+        rec.packer.resolve_slot = None
+        rec.post_edge = None
+        rec.pre_edges = []
+        buffers.end_backward(i)
+        rt.stats.layer_backwards += 1
+        return grad_x
+
+    @staticmethod
+    def _grad_join(tap: torch.Tensor | None, leaf: torch.Tensor | None, like: torch.Tensor, a: int) -> torch.Tensor:
+        first = tap
+        if a > 0 and first is None:
+            first = torch.zeros_like(like[:a])
+        rest = None
+        if leaf is not None:
+            rest = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+        return _join(first, rest)
+
+
+class MemoLayerFunction(torch.autograd.Function):
+    """``y = layer(x)`` with NOTE [Token-wise recompute]; ``anchor`` makes backward run even if x needs no grad."""
+
+    @staticmethod
+    def forward(ctx: Any, call: LayerCall, layer_ctx: Any, anchor: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        y, rec = call.forward(x, layer_ctx)
+        ctx.call, ctx.rec = call, rec
+        ctx.x_requires_grad = x.requires_grad
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[None, None, None, torch.Tensor | None]:
+        if ctx.rec is None:
+            raise MemoError(
+                "memo.runtime: a wrapped layer's backward ran twice; memo frees its saved state after one "
+                "backward (retain_graph=True over wrapped layers is not supported)"
+            )
+        rec, ctx.rec = ctx.rec, None
+        grad_x = ctx.call.backward(rec, grad_y)
+        return None, None, None, grad_x if ctx.x_requires_grad else None

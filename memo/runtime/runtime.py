@@ -1,0 +1,234 @@
+"""MemoRuntime: the manager object of one wrapped model (buffers, copy engine, stats).
+
+There is no module-level runtime state: :func:`memo.runtime.wrap` creates (or is
+given) a :class:`MemoRuntime` and every wrapped layer holds a reference to it.
+
+NOTE [Sizing the host arena]
+A layer's offloaded bytes depend on alpha, the sequence length, the micro-batch
+and the dtype. They are measured by a dry run of the first wrapped layer on the
+first real input (same code path as a training forward, with a byte counter in
+place of the buffer), then the two device buffers (one layer each) and the host
+arena (one region per offloaded layer; the last two layers are not offloaded)
+are allocated at once, before any layer offloads. Every later forward must
+offload the same number of bytes. With a plan, its ``host_bytes`` must equal
+what the dry run measured, else the plan belongs to another job.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from memo.errors import MemoError, PlanMismatchError
+from memo.runtime.buffers import (
+    CopyEngine,
+    RoundingBuffers,
+    RuntimeStats,
+    debug_delay_from_env,
+    make_engine,
+)
+from memo.runtime.layer import LayerCall, MemoLayerFunction, offload_tokens
+
+__all__ = ["MemoRuntime", "validate_alpha"]
+
+#: Layers at the end of the model that are never offloaded: their backward follows at once.
+NOT_OFFLOADED_TAIL = 2
+
+
+def validate_alpha(alpha: Any) -> float:
+    """Return ``alpha`` as a float in [0, 1], or raise a :class:`MemoError` saying what is wrong."""
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        raise MemoError(
+            f"memo.runtime: alpha must be a number in [0, 1] (the fraction of tokens whose skeletal tensors "
+            f"are offloaded rather than recomputed), got {alpha!r} of type {type(alpha).__name__}"
+        )
+    value = float(alpha)
+    if not math.isfinite(value) or value < 0.0 or value > 1.0:
+        raise MemoError(
+            f"memo.runtime: alpha must be in [0, 1] (0 = recompute all but input and attention output, "
+            f"1 = offload everything), got {alpha!r}; memo.planner.solve_alpha computes one for your machine"
+        )
+    return value
+
+
+def _plan_field(plan: Any, name: str) -> Any:
+    if plan is None:
+        return None
+    if isinstance(plan, Mapping):
+        return plan.get(name)
+    return getattr(plan, name, None)
+
+
+class MemoRuntime:
+    """Holds the rounding buffers, the copy engine and the statistics of one wrapped model.
+
+    Args:
+        alpha: fraction of each layer's tokens whose skeletal tensors (other than the
+            layer input and attention output, always offloaded) are offloaded; the rest
+            are recomputed in backward. In [0, 1].
+        plan: optional plan (an object or mapping with ``alpha`` and ``host_bytes``); its
+            ``host_bytes`` must equal the offloaded bytes the runtime measures.
+        debug_copy_delay_us: CPU backend: each copy waits a random 0..N microseconds
+            first, to force races into the open in tests. Default: ``MEMO_DEBUG_COPY_DELAY_US``.
+        host_memory_limit: bytes of host memory the arena may take (default: MemAvailable).
+        seed: seed of the debug delays.
+    """
+
+    def __init__(
+        self,
+        alpha: float | None = None,
+        *,
+        plan: Any = None,
+        debug_copy_delay_us: int | None = None,
+        host_memory_limit: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        plan_alpha = _plan_field(plan, "alpha")
+        if alpha is None and plan_alpha is None:
+            raise MemoError(
+                "memo.runtime: give alpha (a number in [0, 1]) or a plan that carries one; "
+                "`memo profile` or memo.planner.solve_alpha computes it"
+            )
+        if alpha is not None and plan_alpha is not None and abs(float(alpha) - float(plan_alpha)) > 1e-12:
+            raise PlanMismatchError(
+                f"memo.runtime: alpha={alpha} was given but the plan was made for alpha={plan_alpha}; "
+                "pass only the plan, or re-run `memo profile` for the new alpha"
+            )
+        self.alpha = validate_alpha(alpha if alpha is not None else plan_alpha)
+        self.plan = plan
+        self.debug_copy_delay_us = debug_delay_from_env() if debug_copy_delay_us is None else int(
+            debug_copy_delay_us)
+        if self.debug_copy_delay_us < 0:
+            raise MemoError(f"memo.runtime: debug_copy_delay_us must be >= 0, got {self.debug_copy_delay_us}")
+        self.host_memory_limit = host_memory_limit
+        self.seed = seed
+        self.stats = RuntimeStats()
+        self.engine: CopyEngine | None = None
+        self.buffers: RoundingBuffers | None = None
+        self.layer_bytes: int | None = None
+        self.calls: list[LayerCall] = []
+        #: Zero-size tensor that requires grad: the anchor of every memo autograd node.
+        self.anchor = torch.zeros(0, requires_grad=True)
+        self._input_key: tuple[Any, ...] | None = None
+        self._debug_skip_waits: set[str] = set()
+
+    # Layers ------------------------------------------------------------------------------------
+    @property
+    def n_layers(self) -> int:
+        return len(self.calls)
+
+    @property
+    def n_offloaded(self) -> int:
+        """Layers that offload (all but the last two)."""
+        return max(0, self.n_layers - NOT_OFFLOADED_TAIL)
+
+    def attach(self, layers: list[tuple[nn.Module, Any]]) -> list[LayerCall]:
+        """Register the model's layers (in forward order) with their adapters."""
+        if self.calls:
+            raise MemoError("memo.runtime: this MemoRuntime already serves a model; create one per model")
+        self.calls = [LayerCall(self, layer, adapter, i) for i, (layer, adapter) in enumerate(layers)]
+        return self.calls
+
+    # Sizing and allocation (NOTE [Sizing the host arena]) ---------------------------------------
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of the host arena (0 before the first forward allocated it)."""
+        return 0 if self.buffers is None else self.buffers.host_bytes
+
+    def prepare(self, call: LayerCall, x: torch.Tensor, ctx: Any) -> None:
+        """Allocate the buffers on the first forward; check later inputs match what they were sized for."""
+        key = (tuple(x.shape), x.dtype, x.device, offload_tokens(self.alpha, x.shape[0]))
+        if self.buffers is not None:
+            if key != self._input_key:
+                raise MemoError(
+                    f"memo.runtime: the rounding buffers were sized for layer inputs of shape "
+                    f"{list(self._input_key[0])} {self._input_key[1]} on {self._input_key[2]}, this forward "
+                    f"has {list(x.shape)} {x.dtype} on {x.device}; memo.unwrap and memo.wrap again for a new "
+                    "shape (the buffers are allocated once)"
+                )
+            return
+        layer_bytes = call.measure(x, ctx)
+        host_bytes = self.n_offloaded * layer_bytes
+        planned = _plan_field(self.plan, "host_bytes")
+        if planned is not None and int(planned) != host_bytes:
+            raise PlanMismatchError(
+                f"memo.runtime: the plan says host_bytes={int(planned):,} but this job offloads {host_bytes:,} "
+                f"({self.n_offloaded} layers x {layer_bytes:,} bytes at alpha={self.alpha}, input "
+                f"{list(x.shape)} {x.dtype}); the plan was made for another model, sequence length or dtype. "
+                "Re-run `memo profile`"
+            )
+        self.engine = make_engine(x.device, self.debug_copy_delay_us, self.seed)
+        self.buffers = RoundingBuffers(self.engine, self.n_offloaded, layer_bytes, self.stats,
+                                       self.host_memory_limit)
+        self.buffers.debug_skip_waits = self._debug_skip_waits
+        self.layer_bytes = layer_bytes
+        self._input_key = key
+
+    # Per-layer entry points ---------------------------------------------------------------------
+    def run_layer(self, call: LayerCall, x: torch.Tensor, ctx: Any) -> torch.Tensor:
+        """Forward of offloaded layer ``call.index`` through :class:`MemoLayerFunction`."""
+        self.prepare(call, x, ctx)
+        self.anchor = self.anchor if self.anchor.device == x.device else torch.zeros(
+            0, device=x.device, requires_grad=True)
+        return MemoLayerFunction.apply(call, ctx, self.anchor, x)
+
+    def prefetch_hook(self, index: int) -> None:
+        """Called when the gradient of layer ``index + 1``'s output is ready: prefetch layer ``index``."""
+        if self.buffers is not None and index < self.n_offloaded:
+            self.buffers.prefetch(index)
+
+    # Test and debug switches --------------------------------------------------------------------
+    def set_debug_copy_delay_us(self, us: int) -> None:
+        """Random delay of up to ``us`` microseconds before each copy (CPU backend)."""
+        self.debug_copy_delay_us = int(us)
+        if self.engine is not None:
+            self.engine.set_debug_delay_us(int(us))
+
+    def debug_skip_wait(self, name: str, skip: bool = True) -> None:
+        """Test-only: remove the ``"offload"`` or ``"prefetch"`` wait of the protocol, to prove tests catch it."""
+        from memo.runtime.buffers import SKIPPABLE_WAITS
+
+        if name not in SKIPPABLE_WAITS:
+            raise MemoError(f"memo.runtime: skippable waits are {sorted(SKIPPABLE_WAITS)}, got {name!r}")
+        if skip:
+            self._debug_skip_waits.add(name)
+        else:
+            self._debug_skip_waits.discard(name)
+
+    # Lifecycle ----------------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Block until every copy issued so far is done."""
+        if self.engine is not None:
+            self.engine.synchronize()
+
+    def reset(self) -> None:
+        """Drop an abandoned iteration (forward without backward): wait for copies, set every layer idle."""
+        if self.buffers is not None:
+            self.buffers.reset()
+
+    def close(self) -> None:
+        """Wait for copies and release the buffers (unwrap calls it)."""
+        self.synchronize()
+        self.buffers = None
+        self.engine = None
+        self._input_key = None
+
+    def describe(self) -> dict[str, Any]:
+        """A summary for logs: alpha, layers, bytes, stats."""
+        return {
+            "alpha": self.alpha,
+            "layers": self.n_layers,
+            "offloaded_layers": self.n_offloaded,
+            "layer_offload_bytes": self.layer_bytes,
+            "host_bytes": self.host_bytes,
+            "device": None if self.engine is None else str(self.engine.device),
+            "stats": self.stats.as_dict(),
+        }
+
+    def __repr__(self) -> str:
+        return (f"MemoRuntime(alpha={self.alpha}, layers={self.n_layers}, offloaded={self.n_offloaded}, "
+                f"host_bytes={self.host_bytes})")

@@ -1,0 +1,193 @@
+"""``memo.wrap`` / ``memo.unwrap``: switch a model's transformer layers to token-wise offload/recompute.
+
+NOTE [Wrapping in place]
+``wrap`` finds every module whose class has an adapter (NOTE [Layer adapters];
+the search does not descend into a found layer) and sets an instance attribute
+``forward`` on it. Nothing is added to or removed from the module tree, so the
+state dict (keys and values) is exactly the unwrapped model's and checkpoints
+load either way; module hooks (e.g. :class:`memo.phases.PhaseTracker`) keep
+firing because ``nn.Module.__call__`` still runs them around ``forward``.
+``unwrap`` deletes the attribute (or restores one the user had set).
+
+The wrapped forward runs the original one when grad is disabled (evaluation:
+no backward will come, so nothing is offloaded) and for the last two layers
+(their backward follows at once; offloading them would only add copies). Every
+layer also hooks its output's gradient to start the prefetch of the layer
+before it (NOTE [Rounding buffer reuse]).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from typing import Any
+
+import torch
+from torch import nn
+
+from memo.adapters.base import LayerAdapter, find_adapter, registered_adapters
+from memo.errors import MemoError
+from memo.runtime.layer import LayerCall
+from memo.runtime.runtime import MemoRuntime
+
+__all__ = ["find_layers", "is_wrapped", "runtime_of", "unwrap", "wrap"]
+
+_RUNTIME_ATTR = "_memo_runtime"
+_CALL_ATTR = "_memo_call"
+_SAVED_FORWARD_ATTR = "_memo_saved_forward"
+_NO_SAVED = object()
+
+
+def find_layers(model: nn.Module) -> list[tuple[nn.Module, LayerAdapter]]:
+    """The transformer layers of ``model`` in forward order, each with its adapter.
+
+    Raises:
+        MemoError: when no layer class with an adapter is found; names the most
+            likely layer class (the element type of a ``ModuleList``) and how to add one.
+    """
+    found: list[tuple[nn.Module, LayerAdapter]] = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            adapter = find_adapter(child)
+            if adapter is not None:
+                found.append((child, adapter))
+            else:
+                visit(child)
+
+    root_adapter = find_adapter(model)
+    if root_adapter is not None:
+        raise MemoError(
+            f"memo.wrap: {type(model).__name__} is itself a transformer layer; wrap the model that holds "
+            "the layers (memo offloads all but the last two layers of a model)"
+        )
+    visit(model)
+    if not found:
+        raise MemoError(_unsupported_message(model))
+    return found
+
+
+def _unsupported_message(model: nn.Module) -> str:
+    candidates: Counter[type] = Counter()
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            kinds = {type(m) for m in module}
+            if len(kinds) == 1:
+                candidates[kinds.pop()] += len(module)
+    known = ", ".join(sorted(f"{c.__module__}.{c.__qualname__}" for c in registered_adapters())) or "none"
+    if candidates:
+        cls = candidates.most_common(1)[0][0]
+        what = (f"its layers look like {cls.__module__}.{cls.__qualname__} (a ModuleList of them), which has "
+                "no memo adapter")
+    else:
+        what = "no transformer layer class with a memo adapter was found"
+        cls = None
+    name = cls.__qualname__ if cls is not None else "YourLayer"
+    return (
+        f"memo.wrap: cannot wrap {type(model).__name__}: {what}. Supported layer classes: {known}. To add one, "
+        f"map the layer onto pre/core/post: subclass memo.adapters.LayerAdapter (split_args, pre, post; see "
+        f"NOTE [Layer adapters]) and call memo.adapters.register_adapter({name}, YourAdapter()) before "
+        "memo.wrap"
+    )
+
+
+def _wrapped_forward(call: LayerCall, original: Any, *args: Any, **kwargs: Any) -> Any:
+    rt = call.runtime
+    if not torch.is_grad_enabled():
+        return original(*args, **kwargs)
+    if call.index < rt.n_offloaded:
+        x, ctx = call.adapter.split_args(call.layer, args, kwargs)
+        y = rt.run_layer(call, x, ctx)
+        out = call.adapter.pack_output(call.layer, y, ctx)
+    else:
+        out = original(*args, **kwargs)
+    if 0 < call.index <= rt.n_offloaded:
+        y_out = out if isinstance(out, torch.Tensor) else out[0]
+        if isinstance(y_out, torch.Tensor) and y_out.requires_grad:
+            hook = functools.partial(_prefetch_previous, rt, call.index - 1)
+            y_out.register_hook(hook)
+    return out
+
+
+def _prefetch_previous(rt: MemoRuntime, index: int, grad: torch.Tensor) -> None:
+    rt.prefetch_hook(index)
+
+
+def wrap(
+    model: nn.Module,
+    alpha: float | None = None,
+    plan: Any = None,
+    *,
+    runtime: MemoRuntime | None = None,
+    debug_copy_delay_us: int | None = None,
+    host_memory_limit: int | None = None,
+) -> nn.Module:
+    """Wrap ``model``'s transformer layers in place for token-wise offload/recompute; returns ``model``.
+
+    Args:
+        model: a model holding transformer layers (memo's GPT/Llama, a megatron-core
+            ``GPTModel``/``TransformerBlock``, or any model whose layer class has an adapter).
+            Layers take and return hidden states ``[s, b, h]``.
+        alpha: fraction in [0, 1] of each layer's tokens whose skeletal tensors are offloaded;
+            the rest are recomputed in backward. The layer input and attention output are
+            always offloaded; the last two layers are never offloaded.
+        plan: a plan carrying ``alpha`` and ``host_bytes`` (alpha may then be omitted).
+        runtime: a :class:`MemoRuntime` to use (else one is created from the arguments above).
+        debug_copy_delay_us: see :class:`MemoRuntime`.
+        host_memory_limit: see :class:`MemoRuntime`.
+
+    The runtime is available as :func:`runtime_of(model) <runtime_of>`. The state dict is
+    unchanged (NOTE [Wrapping in place]).
+    """
+    if not isinstance(model, nn.Module):
+        raise MemoError(f"memo.wrap: expected an nn.Module, got {type(model).__name__}")
+    if is_wrapped(model):
+        raise MemoError("memo.wrap: this model is already wrapped; call memo.unwrap(model) first")
+    if runtime is None:
+        runtime = MemoRuntime(alpha, plan=plan, debug_copy_delay_us=debug_copy_delay_us,
+                              host_memory_limit=host_memory_limit)
+    elif alpha is not None or plan is not None:
+        raise MemoError("memo.wrap: pass alpha/plan either to MemoRuntime or to wrap, not both")
+    layers = find_layers(model)
+    for layer, adapter in layers:
+        adapter.check(layer)
+        if _CALL_ATTR in layer.__dict__:
+            raise MemoError(f"memo.wrap: layer {type(layer).__name__} is already wrapped by another model")
+    calls = runtime.attach(layers)
+    for call in calls:
+        layer = call.layer
+        saved = layer.__dict__.get("forward", _NO_SAVED)
+        original = saved if saved is not _NO_SAVED else type(layer).forward.__get__(layer)
+        object.__setattr__(layer, _SAVED_FORWARD_ATTR, saved)
+        object.__setattr__(layer, _CALL_ATTR, call)
+        object.__setattr__(layer, "forward", functools.partial(_wrapped_forward, call, original))
+    object.__setattr__(model, _RUNTIME_ATTR, runtime)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """Restore the layers :func:`wrap` wrapped and release the runtime's buffers; returns ``model``."""
+    runtime = runtime_of(model)
+    for call in runtime.calls:
+        layer = call.layer
+        saved = layer.__dict__.pop(_SAVED_FORWARD_ATTR, _NO_SAVED)
+        layer.__dict__.pop("forward", None)
+        layer.__dict__.pop(_CALL_ATTR, None)
+        if saved is not _NO_SAVED:
+            object.__setattr__(layer, "forward", saved)
+    runtime.close()
+    model.__dict__.pop(_RUNTIME_ATTR, None)
+    return model
+
+
+def is_wrapped(model: nn.Module) -> bool:
+    """Whether :func:`wrap` wrapped ``model``."""
+    return _RUNTIME_ATTR in model.__dict__
+
+
+def runtime_of(model: nn.Module) -> MemoRuntime:
+    """The :class:`MemoRuntime` of a wrapped model."""
+    runtime = model.__dict__.get(_RUNTIME_ATTR)
+    if runtime is None:
+        raise MemoError(f"memo.runtime: {type(model).__name__} is not wrapped; call memo.wrap(model, alpha=...)")
+    return runtime
