@@ -57,7 +57,7 @@ class LayerAdapter:
 
     def pre(self, layer: nn.Module, x: torch.Tensor, offset: int, ctx: Any) -> tuple[
             torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``x: [t, b, h]`` (tokens ``offset .. offset+t-1``) -> ``q: [t, b, n, d]``, ``k, v: [t, b, n_kv, d]``."""
+        """``x: [t, b, h]`` (from token ``offset``) -> ``q: [t, b, n, d]``, ``k, v: [t, b, n_kv, d]``."""
         raise MemoError(f"memo.adapters: {type(self).__name__} does not define pre")
 
     def post(self, layer: nn.Module, o: torch.Tensor, x: torch.Tensor, ctx: Any) -> torch.Tensor:

@@ -143,7 +143,7 @@ class CopyEngine:
         raise MemoError(f"memo.runtime: {type(self).__name__} cannot offload")
 
     def prefetch(self, dst: torch.Tensor, src: torch.Tensor, after: list[Any]) -> Any:
-        """Copy ``src`` (host) to ``dst`` (device) once every event in ``after`` completed; return an event."""
+        """Copy ``src`` (host) to ``dst`` (device) once all events in ``after`` are done; return an event."""
         raise MemoError(f"memo.runtime: {type(self).__name__} cannot prefetch")
 
     def compute_event(self) -> Any:
@@ -339,7 +339,8 @@ class RoundingBuffers:
             self.device_buffers = [engine.alloc_device_buffer(layer_bytes) for _ in range(2)]
         except (RuntimeError, ValueError) as e:
             raise MemoError(
-                f"memo.runtime: could not allocate the rounding buffers: host arena {host_bytes:,} bytes, two "
+                f"memo.runtime: could not allocate the rounding buffers: host arena {host_bytes:,} bytes, "
+                f"two "
                 f"device buffers of {layer_bytes:,} bytes each on {engine.device} ({e})"
             ) from e
         self.layers = [LayerSlot(i) for i in range(n_layers)]
@@ -391,7 +392,8 @@ class RoundingBuffers:
         offset = align_up(layer.used, t.element_size())
         if offset + nbytes > self.layer_bytes:
             raise MemoError(
-                f"memo.runtime: layer {i} offloads more than the {self.layer_bytes:,} bytes its rounding buffer "
+                f"memo.runtime: layer {i} offloads more than the {self.layer_bytes:,} bytes its rounding "
+                f"buffer "
                 f"was sized for (at {offset + nbytes:,}); the input shape, dtype or alpha changed since the "
                 "buffers were allocated. Wrap again (memo.unwrap, memo.wrap) for the new shape"
             )
@@ -451,7 +453,8 @@ class RoundingBuffers:
     def view(self, i: int, slot: int) -> torch.Tensor:
         """Layer i's tensor number ``slot``, read from its device buffer (state READY)."""
         layer = self.layers[i]
-        internal_assert(layer.state is BufferState.READY, f"read of layer {i}'s buffer in state {layer.state}")
+        internal_assert(layer.state is BufferState.READY,
+                        f"read of layer {i}'s buffer in state {layer.state}")
         s = layer.slots[slot]
         return self._buffer(i)[s.offset:s.offset + s.nbytes].view(s.dtype).view(s.shape)
 
@@ -476,7 +479,9 @@ def debug_delay_from_env() -> int:
     try:
         value = int(raw)
     except ValueError:
-        raise MemoError(f"memo.runtime: MEMO_DEBUG_COPY_DELAY_US must be an integer (microseconds), got {raw!r}")
+        raise MemoError(
+            f"memo.runtime: MEMO_DEBUG_COPY_DELAY_US must be an integer (microseconds), got {raw!r}"
+        ) from None
     if value < 0:
         raise MemoError(f"memo.runtime: MEMO_DEBUG_COPY_DELAY_US must be >= 0, got {value}")
     return value

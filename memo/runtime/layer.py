@@ -146,7 +146,7 @@ def _view_into(t: torch.Tensor, base: torch.Tensor) -> tuple[tuple[int, ...], tu
     rel = t.storage_offset() - base.storage_offset()
     if rel < 0 or any(st < 0 for st in t.stride()):
         return None
-    extent = 0 if t.numel() == 0 else 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    extent = 0 if t.numel() == 0 else 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
     if rel + extent > base.numel():
         return None
     return tuple(t.shape), tuple(t.stride()), rel
@@ -155,7 +155,8 @@ def _view_into(t: torch.Tensor, base: torch.Tensor) -> tuple[tuple[int, ...], tu
 class _Packer:
     """The saved-tensor hooks of one layer pass (NOTE [What the pack hook keeps])."""
 
-    def __init__(self, sink: _CountingSink | _BufferSink, keep_storages: set[int], device: torch.device) -> None:
+    def __init__(self, sink: _CountingSink | _BufferSink, keep_storages: set[int],
+                 device: torch.device) -> None:
         self.sink = sink
         self.keep_storages = keep_storages
         self.device = device
@@ -225,7 +226,8 @@ def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]
 
 
 @contextlib.contextmanager
-def _replay_rng(state: tuple[torch.Tensor, torch.Tensor | None] | None, device: torch.device) -> Iterator[None]:
+def _replay_rng(state: tuple[torch.Tensor, torch.Tensor | None] | None,
+                device: torch.device) -> Iterator[None]:
     if state is None:
         yield
         return
@@ -374,7 +376,7 @@ class LayerCall:
             with torch.enable_grad(), _replay_rng(rec.rng_pre, device):
                 q_b, k_b, v_b = adapter.pre(layer, x_b, a, ctx)
         saved = [buffers.view(i, slot) for slot in rec.qkv_slots] if a > 0 else [None, None, None]
-        q, k, v = (_join(sa, sb) for sa, sb in zip(saved, (q_b, k_b, v_b)))
+        q, k, v = (_join(sa, sb) for sa, sb in zip(saved, (q_b, k_b, v_b), strict=True))
         dq, dk, dv = adapter.core_backward(layer, grad_o, q, k, v, o_dev, lse, ctx)
         del q, k, v, grad_o
 
@@ -385,7 +387,7 @@ class LayerCall:
             roots.append(edge)
             grads.append(full[j][:a])
         if a < s:
-            for t, g in zip((q_b, k_b, v_b), full):
+            for t, g in zip((q_b, k_b, v_b), full, strict=True):
                 if t.requires_grad:
                     roots.append(_edge(t))
                     grads.append(g[a:])
@@ -402,7 +404,8 @@ class LayerCall:
         return grad_x
 
     @staticmethod
-    def _grad_join(tap: torch.Tensor | None, leaf: torch.Tensor | None, like: torch.Tensor, a: int) -> torch.Tensor:
+    def _grad_join(tap: torch.Tensor | None, leaf: torch.Tensor | None, like: torch.Tensor,
+                   a: int) -> torch.Tensor:
         first = tap
         if a > 0 and first is None:
             first = torch.zeros_like(like[:a])
@@ -413,10 +416,11 @@ class LayerCall:
 
 
 class MemoLayerFunction(torch.autograd.Function):
-    """``y = layer(x)`` with NOTE [Token-wise recompute]; ``anchor`` makes backward run even if x needs no grad."""
+    """``y = layer(x)`` per NOTE [Token-wise recompute]; ``anchor`` ensures backward runs."""
 
     @staticmethod
-    def forward(ctx: Any, call: LayerCall, layer_ctx: Any, anchor: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, call: LayerCall, layer_ctx: Any, anchor: torch.Tensor,
+                x: torch.Tensor) -> torch.Tensor:
         y, rec = call.forward(x, layer_ctx)
         ctx.call, ctx.rec = call, rec
         ctx.x_requires_grad = x.requires_grad

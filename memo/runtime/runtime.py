@@ -156,7 +156,8 @@ class MemoRuntime:
         planned = _plan_field(self.plan, "host_bytes")
         if planned is not None and int(planned) != host_bytes:
             raise PlanMismatchError(
-                f"memo.runtime: the plan says host_bytes={int(planned):,} but this job offloads {host_bytes:,} "
+                f"memo.runtime: the plan says host_bytes={int(planned):,} but this job offloads "
+                f"{host_bytes:,} "
                 f"({self.n_offloaded} layers x {layer_bytes:,} bytes at alpha={self.alpha}, input "
                 f"{list(x.shape)} {x.dtype}); the plan was made for another model, sequence length or dtype. "
                 "Re-run `memo profile`"
@@ -189,7 +190,7 @@ class MemoRuntime:
             self.engine.set_debug_delay_us(int(us))
 
     def debug_skip_wait(self, name: str, skip: bool = True) -> None:
-        """Test-only: remove the ``"offload"`` or ``"prefetch"`` wait of the protocol, to prove tests catch it."""
+        """Test-only: drop the ``"offload"`` or ``"prefetch"`` wait of the protocol (tests must catch it)."""
         from memo.runtime.buffers import SKIPPABLE_WAITS
 
         if name not in SKIPPABLE_WAITS:

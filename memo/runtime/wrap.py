@@ -84,7 +84,8 @@ def _unsupported_message(model: nn.Module) -> str:
         cls = None
     name = cls.__qualname__ if cls is not None else "YourLayer"
     return (
-        f"memo.wrap: cannot wrap {type(model).__name__}: {what}. Supported layer classes: {known}. To add one, "
+        f"memo.wrap: cannot wrap {type(model).__name__}: {what}. Supported layer classes: {known}. "
+        "To add one, "
         f"map the layer onto pre/core/post: subclass memo.adapters.LayerAdapter (split_args, pre, post; see "
         f"NOTE [Layer adapters]) and call memo.adapters.register_adapter({name}, YourAdapter()) before "
         "memo.wrap"
@@ -189,5 +190,7 @@ def runtime_of(model: nn.Module) -> MemoRuntime:
     """The :class:`MemoRuntime` of a wrapped model."""
     runtime = model.__dict__.get(_RUNTIME_ATTR)
     if runtime is None:
-        raise MemoError(f"memo.runtime: {type(model).__name__} is not wrapped; call memo.wrap(model, alpha=...)")
+        raise MemoError(
+            f"memo.runtime: {type(model).__name__} is not wrapped; call memo.wrap(model, alpha=...)"
+        )
     return runtime
