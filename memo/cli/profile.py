@@ -138,24 +138,44 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "meta"
 
 
-def _gib(n: float) -> str:
-    return f"{n / GiB:,.3f} GiB"
+def _bytes(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:,.3f} {unit}"
+    return f"{int(n)} B"
 
 
 def _report(result: Any, seq_len: int, micro_batch: int, hidden: int, dtype: torch.dtype) -> list[str]:
+    """What a user reads: sizes per layer, machine numbers and their sources, alpha, plan."""
     stats = result.layer_stats[0]
-    lines = []
-    elems = torch.empty((), dtype=dtype).element_size()
-    lines.append(
-        f"per layer (layer 0): S_input {_gib(stats.s_input)}, S_attn {_gib(stats.s_attn)}, "
-        f"S_others {_gib(stats.s_others)} ({stats.n_skeletal} skeletal, {stats.n_transient} transient "
-        "allocations)"
-    )
-    bsh = micro_batch * seq_len * hidden * elems
-    lines.append(f"  = {stats.total / bsh:.4f} x b*s*h elements (the paper counts 16 for GPT)")
-    for key, unit in (("bandwidth_gbps", "GB/s"), ("layer_ms", "ms"), ("host_memory_bytes", "B")):
-        if key in result.quantities:
-            lines.append(f"{key}: {result.quantities[key].describe(unit)}")
+    bsh = micro_batch * seq_len * hidden * torch.empty((), dtype=dtype).element_size()
+    lines = [
+        f"per layer: S_input {_bytes(stats.s_input)}, S_attn {_bytes(stats.s_attn)}, "
+        f"S_others {_bytes(stats.s_others)}; {stats.n_skeletal} skeletal and {stats.n_transient} transient "
+        "allocations",
+        f"  S_input + S_attn + S_others = {stats.total / bsh:.4f} x b*s*h elements "
+        "(the paper counts 16 for its GPT; docs/profiling.md)",
+    ]
+    q = result.quantities
+    if q:
+        lines.append(f"B        {q['bandwidth_gbps'].describe('GB/s')}")
+        lines.append(f"T_layer  {q['layer_ms'].describe('ms')}")
+        host = q["host_memory_bytes"]
+        in_gb = type(host)(host.value / 1e9, host.source, host.how)
+        lines.append(f"host     {in_gb.describe('GB per node')}")
+    if result.alpha is not None:
+        a = result.alpha
+        lines.append(
+            f"alpha    {a.alpha:.4f} (binding: {a.binding}); {_bytes(a.bytes_per_layer)} copied per layer in "
+            f"{a.copy_seconds * 1e3:,.1f} ms; pinned host {_bytes(a.host_bytes)} of {_bytes(a.host_memory)}"
+        )
+    if result.plan is not None:
+        p = result.plan
+        lines.append(
+            f"plan     peak {_bytes(p.peak)}, lower bound {_bytes(p.lower_bound)} "
+            f"({p.peak / max(p.lower_bound, 1):.3f}x), trace from the "
+            f"{'wrapped' if result.wrapped else 'plain'} model"
+        )
     return lines
 
 
@@ -222,8 +242,7 @@ def run(args: argparse.Namespace) -> int:
     )
     for line in _report(result, args.seq_len, args.micro_batch, config.hidden, dtype):
         print(line)
-    if args.gpus_per_node:
-        print(f"gpus_per_node: {args.gpus_per_node}, host safety {args.host_safety:g}")
+    print(f"M_CPU    host memory x {args.host_safety:g} / {args.gpus_per_node} GPU(s) per node")
     for note in result.notes:
         print(f"note: {note}")
     if args.trace_out:

@@ -386,26 +386,31 @@ def profile(
     if wrap_pass is True and wrap is None:
         raise MemoError(
             "memo.profiler: pass 2 (the model wrapped with alpha) was asked for, but memo.runtime has no "
-            "wrap(); install a memo with the runtime, or profile without the wrapped pass"
+            "wrap(); install a memo with the runtime, or profile with wrap_pass=False (--no-wrap-pass)"
         )
-    target = net
+    second: dict[str, Any] | None = None
+    t0 = time.perf_counter()
     if wrap is not None and wrap_pass is not False:
-        wrapped = wrap(net, alpha=result.alpha.alpha)
-        target = net if wrapped is None else wrapped
-        result.wrapped = True
-    elif wrap_pass is None:
-        notes.append("pass 2 ran on the plain model: memo.runtime.wrap is not available")
-    if result.wrapped or recorder == "allocator":
-        t0 = time.perf_counter()
-        desc = f"pass 2 (alpha={result.alpha.alpha:.3f})" if result.wrapped else "pass 2 (allocator)"
-        if recorder == "allocator":
-            trace = _record_allocator(target, ids, labels, {**plain.trace["meta"], "recorder": "allocator"})
-        else:
-            trace = _record(target, ids, labels, progress, desc, meta).trace
-        trace["layers"] = plain.trace["layers"]
-        result.trace = trace
+        try:
+            second = _wrapped_pass(net, ids, labels, result.alpha.alpha, recorder, progress, meta, plain)
+            result.wrapped = True
+        except MemoError as err:
+            if wrap_pass:
+                raise
+            notes.append(
+                f"pass 2 could not run the wrapped model ({err}); the plan comes from the plain model"
+            )
+    elif wrap is None and wrap_pass is None:
+        notes.append("memo.runtime.wrap is not available; the plan comes from the plain model")
+    if second is None and recorder == "allocator":
+        second = _record_allocator(net, ids, labels, {**plain.trace["meta"], "recorder": "allocator"})
+    if second is not None:
+        second["layers"] = plain.trace["layers"]
+        result.trace = second
         timings["pass2"] = time.perf_counter() - t0
-        say(f"pass 2: {len(trace['events']):,} events ({recorder} recorder) in {timings['pass2']:.1f} s")
+        what = f"wrapped, alpha {result.alpha.alpha:.4f}" if result.wrapped else "plain model"
+        n_events = len(second["events"])
+        say(f"pass 2 ({what}, {recorder} recorder): {n_events:,} events in {timings['pass2']:.1f} s")
     result.trace["meta"]["alpha"] = float(result.alpha.alpha)
     if not plan:
         return result
@@ -413,13 +418,39 @@ def profile(
     from memo.planner import Trace, make_plan
 
     t0 = time.perf_counter()
-    kwargs: dict[str, Any] = {"alpha_solution": result.alpha, "time_limit": time_limit}
+    kwargs: dict[str, Any] = {"alpha_solution": result.alpha, "time_limit": time_limit, "progress": progress}
     if solver is not None:
         kwargs["solver"] = solver
     result.plan = make_plan(Trace.from_dict(result.trace), **kwargs)
     timings["plan"] = time.perf_counter() - t0
     say(f"plan made in {timings['plan']:.1f} s")
     return result
+
+
+def _wrapped_pass(
+    model: nn.Module,
+    ids: torch.Tensor,
+    labels: torch.Tensor,
+    alpha: float,
+    recorder: str,
+    progress: bool,
+    meta: dict[str, Any],
+    plain: Recording,
+) -> dict[str, Any]:
+    """Trace one iteration of ``model`` wrapped by memo's runtime with ``alpha``; unwrap afterwards.
+
+    The model is wrapped in place (NOTE [Wrapping in place] in memo/runtime/wrap.py) and
+    restored whatever happens, so a model the caller passed comes back as it was given.
+    """
+    from memo import runtime
+
+    runtime.wrap(model, alpha=alpha)
+    try:
+        if recorder == "allocator":
+            return _record_allocator(model, ids, labels, {**plain.trace["meta"], "recorder": "allocator"})
+        return _record(model, ids, labels, progress, f"pass 2 (alpha={alpha:.3f})", meta).trace
+    finally:
+        runtime.unwrap(model)
 
 
 def _check_allocator_device(device: torch.device) -> None:
