@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memo.phases import PhaseTracker, phase_kind
+from memo.profiler import profile as profile_api
 from memo.profiler import record, record_trace
 
 # ---------------------------------------------------------------------------- models
@@ -363,3 +364,52 @@ def test_profile_api_meta_sizes_exact() -> None:
     # gpt: 16 units of b·s·h plus the log-sum-exp (2n/h units) and LayerNorm statistics (8/h units).
     total = result.layer_stats[0].total / (b * s * h * 2)
     assert total == pytest.approx(16 + 2 * 16 / h + 8 / h)
+
+
+def _tiny4() -> nn.Module:
+    import dataclasses
+
+    from memo.models import build_model, get_config
+
+    # Four layers, so that memo's runtime offloads some (it never offloads the last two).
+    return build_model(
+        dataclasses.replace(get_config("tiny"), name="tiny-4", n_layers=4), dtype=torch.float32
+    )
+
+
+_CPU_MACHINE = {"bandwidth_gbps": 1.0, "layer_ms": 0.1, "host_mem_gb": 64.0, "time_limit": 5.0}
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+@pytest.mark.parametrize("recorder", ["dispatch", "allocator"])
+def test_two_pass_plans_from_the_wrapped_model(recorder: str) -> None:
+    from memo.planner import Trace, lower_bound, validate_plan
+
+    from memo.runtime import is_wrapped
+
+    model = _tiny4()
+    result = profile_api(model, 512, 1, device="cpu", recorder=recorder, wrap_pass=True, **_CPU_MACHINE)
+    assert result.wrapped and not is_wrapped(model), "pass 2 wraps, and unwraps afterwards"
+    assert result.trace["meta"]["alpha"] == result.alpha.alpha == result.plan.alpha
+    assert result.trace["meta"]["recorder"] == recorder
+    # Offloading moves skeletal tensors off the device: the wrapped iteration needs less.
+    plain, wrapped = Trace.from_dict(result.plain_trace), Trace.from_dict(result.trace)
+    assert lower_bound(wrapped) < lower_bound(plain)
+    validate_plan(result.plan, wrapped)
+    assert result.plan.lower_bound == lower_bound(wrapped)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+def test_wrap_pass_switch(monkeypatch) -> None:
+    import memo.profiler.flow as flow
+    from memo.errors import MemoError
+
+    monkeypatch.setattr(flow, "runtime_wrap", lambda: None)
+    result = profile_api(_tiny4(), 256, 1, device="cpu", plan=False, **_CPU_MACHINE)
+    assert not result.wrapped and result.trace is result.plain_trace
+    assert any("not available" in note for note in result.notes)
+    with pytest.raises(MemoError, match="wrap"):
+        profile_api(_tiny4(), 256, 1, device="cpu", plan=False, wrap_pass=True, **_CPU_MACHINE)
+    monkeypatch.undo()
+    result = profile_api(_tiny4(), 256, 1, device="cpu", plan=False, wrap_pass=False, **_CPU_MACHINE)
+    assert not result.wrapped and not result.notes

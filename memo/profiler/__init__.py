@@ -3,7 +3,7 @@
 - :func:`record_trace` / :func:`record`: the dispatch recorder around one forward + backward
   (:mod:`memo.profiler.recorder`), giving a ``memo.trace`` dict (docs/formats.md).
 - :func:`profile`: the whole flow of ``memo profile``: trace, S_* sizes, T_layer / B / host
-  memory, alpha, wrapped second pass, plan (:mod:`memo.profiler.profile`).
+  memory, alpha, wrapped second pass, plan (:mod:`memo.profiler.flow`).
 See docs/profiling.md.
 """
 
@@ -16,7 +16,7 @@ from memo.profiler.measure import (
     measure_bandwidth,
     time_layer_forward,
 )
-from memo.profiler.profile import DTYPES, ProfileResult, build_profile_model, profile, runtime_wrap
+from memo.profiler.flow import DTYPES, ProfileResult, build_profile_model, profile, runtime_wrap
 from memo.profiler.record import Recording, model_parts, record, record_trace
 from memo.profiler.recorder import RECORDER_NAME, Allocation, DispatchRecorder
 from memo.profiler.stats import LayerStats, layer_stats, summarise_layers
