@@ -7,6 +7,7 @@
 See docs/profiling.md.
 """
 
+from memo.profiler.flow import DTYPES, ProfileResult, build_profile_model, profile, runtime_wrap
 from memo.profiler.measure import (
     Quantity,
     estimate_layer_ms,
@@ -16,7 +17,6 @@ from memo.profiler.measure import (
     measure_bandwidth,
     time_layer_forward,
 )
-from memo.profiler.flow import DTYPES, ProfileResult, build_profile_model, profile, runtime_wrap
 from memo.profiler.record import Recording, model_parts, record, record_trace
 from memo.profiler.recorder import RECORDER_NAME, Allocation, DispatchRecorder
 from memo.profiler.stats import LayerStats, layer_stats, summarise_layers

@@ -82,6 +82,19 @@ def _fresh_returns(func: torch._ops.OpOverload) -> _FreshPositions:
     return tuple(ret.alias_info is None for ret in func._schema.returns)
 
 
+def _aliases_argument(storage: torch.UntypedStorage, args: tuple[Any, ...]) -> bool:
+    """Whether ``storage`` is the storage of a tensor among ``args`` (top level or in a list)."""
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            if arg.untyped_storage() is storage:
+                return True
+        elif isinstance(arg, (list, tuple)):
+            for item in arg:
+                if isinstance(item, torch.Tensor) and item.untyped_storage() is storage:
+                    return True
+    return False
+
+
 class DispatchRecorder(TorchDispatchMode):
     """Records mallocs and frees of storages while active.
 
@@ -140,27 +153,31 @@ class DispatchRecorder(TorchDispatchMode):
             return out
         if len(fresh) == 1:
             if isinstance(out, torch.Tensor):
-                self._record(out, func)
+                self._record(out, func, args)
             elif isinstance(out, (list, tuple)):  # Tensor[] return
                 for item in out:
                     if isinstance(item, torch.Tensor):
-                        self._record(item, func)
+                        self._record(item, func, args)
             return out
         for is_fresh, item in zip(fresh, out, strict=False):
             if not is_fresh:
                 continue
             if isinstance(item, torch.Tensor):
-                self._record(item, func)
+                self._record(item, func, args)
             elif isinstance(item, (list, tuple)):
                 for leaf in tree_flatten(item)[0]:
                     if isinstance(leaf, torch.Tensor):
-                        self._record(leaf, func)
+                        self._record(leaf, func, args)
         return out
 
-    def _record(self, tensor: torch.Tensor, func: torch._ops.OpOverload) -> None:
+    def _record(self, tensor: torch.Tensor, func: torch._ops.OpOverload, args: tuple[Any, ...]) -> None:
         storage = tensor.untyped_storage()
         key = id(storage)
         if key in self._live:
+            return
+        if _aliases_argument(storage, args):
+            # A few ops return an input's storage without saying so in their schema
+            # (aten._unsafe_view); when that input was made outside the recorder it is not ours.
             return
         size = storage.nbytes()
         if size == 0:
