@@ -27,7 +27,7 @@ from typing import Any
 from memo.errors import MemoError
 from memo.phases import phase_kind
 
-from .dsa import DSAResult, Item, greedy, mip
+from .dsa import DSAResult, Item, greedy, mip, mip_neighbourhoods
 from .dsa import lower_bound as _units_lower_bound
 from .plan import ALIGNMENT, Plan, validate_plan
 from .trace import Allocation, Trace
@@ -37,6 +37,9 @@ __all__ = ["lower_bound", "make_plan", "plan_bilevel", "plan_heuristic", "plan_m
 LAYER_KINDS = ("layer.fwd", "layer.bwd")
 #: Above this many overlapping pairs a MIP does not fit a minute of CBC; the heuristic stands.
 MAX_MIP_PAIRS = 40_000
+#: Up to this many items the whole DSA MIP is tried before the neighbourhood search
+#: (see NOTE [Why neighbourhoods] in dsa.py).
+MAX_FULL_MIP_ITEMS = 40
 
 
 def _as_trace(trace: Trace | Mapping[str, Any]) -> Trace:
@@ -76,8 +79,21 @@ def _solve(items: Sequence[Item], *, use_mip: bool, time_limit: float, solver: s
         warm.status = f"heuristic (MIP skipped: {n_pairs} overlapping pairs > {MAX_MIP_PAIRS})"
         warm.extra["fallback"] = True
         return warm
-    result = mip(items, time_limit=time_limit, solver=solver, threads=threads, warm=warm)
-    result.seconds += warm.seconds
+    t0 = time.perf_counter()
+    result = warm
+    if len(items) <= MAX_FULL_MIP_ITEMS:
+        # Small instances: the whole MIP, given half the time so the neighbourhood search can follow.
+        result = mip(items, time_limit=time_limit / 2, solver=solver, threads=threads, warm=warm)
+    left = time_limit - (time.perf_counter() - t0)
+    if not result.optimal and left > 1.0:
+        lns = mip_neighbourhoods(items, result, time_limit=left, solver=solver, threads=threads)
+        if lns.peak < result.peak:
+            result = lns
+        elif result is warm:
+            # Nothing better than the heuristic within the time limit: the heuristic plan stands, flagged.
+            result.status = "heuristic (MIP found nothing better within the time limit)"
+            result.extra["fallback"] = True
+    result.seconds = time.perf_counter() - t0 + warm.seconds
     return result
 
 

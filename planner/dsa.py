@@ -266,6 +266,106 @@ def mip(items: Sequence[Item], *, time_limit: float = 60.0, solver: str = "cbc",
                                              "solver_status": status})
 
 
+def _neighbourhood_mip(items: Sequence[Item], offsets: list[int], free: list[int],
+                       neighbours: list[list[int]], peak: int, solver: str, threads: int,
+                       time_limit: float) -> list[int] | None:
+    """Re-place the ``free`` items (all others fixed) to minimise their highest top; None if unsolved."""
+    import pulp
+
+    prob = pulp.LpProblem("dsa_window", pulp.LpMinimize)
+    top = pulp.LpVariable("top", lowBound=0, upBound=peak)
+    freeset = set(free)
+    x = {i: pulp.LpVariable(f"x{i}", lowBound=0, upBound=peak - items[i].size) for i in free}
+    prob += top
+    for i in free:
+        prob += x[i] + items[i].size <= top
+        for j in neighbours[i]:
+            if j in freeset:
+                if j < i:
+                    continue
+                z = pulp.LpVariable(f"z{i}_{j}", cat=pulp.LpBinary)
+                prob += x[i] + items[i].size <= x[j] + peak * (1 - z)
+                prob += x[j] + items[j].size <= x[i] + peak * z
+            else:
+                # A fixed neighbour is an obstacle: i ends below it or starts above it.
+                lo, hi = offsets[j], offsets[j] + items[j].size
+                if hi + items[i].size > peak:
+                    prob += x[i] + items[i].size <= lo
+                    continue
+                if lo < items[i].size:
+                    prob += x[i] >= hi
+                    continue
+                z = pulp.LpVariable(f"w{i}_{j}", cat=pulp.LpBinary)
+                prob += x[i] + items[i].size <= lo + peak * (1 - z)
+                prob += x[i] >= hi - peak * z
+    try:
+        prob.solve(_solver_cmd(solver, time_limit, threads, False))
+    except pulp.PulpSolverError:
+        return None
+    if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        return None
+    return [int(round(x[i].varValue)) for i in free]
+
+
+def mip_neighbourhoods(items: Sequence[Item], warm: DSAResult, *, time_limit: float = 60.0,
+                       solver: str = "cbc", threads: int = 2, window: int = 10, seed: int = 0) -> DSAResult:
+    """Large-neighbourhood search: repeatedly re-solve a small DSA MIP around the items at the peak.
+
+    NOTE [Why neighbourhoods]
+    The big-M DSA MIP has a weak LP relaxation: past a few dozen items CBC's
+    search is blind and rarely improves the warm start within minutes. Solving the
+    same MIP on ``window`` free items at a time, with every other item fixed as an
+    obstacle, is exact on the neighbourhood and fast (well under a second), and
+    repeated around whatever reaches the peak it removes the peak's items one by one.
+    """
+    import random
+
+    t0 = time.perf_counter()
+    rng = random.Random(seed)
+    lb = lower_bound(items)
+    n = len(items)
+    offsets = list(warm.offsets)
+    pairs = overlapping_pairs(items)
+    neighbours: list[list[int]] = [[] for _ in range(n)]
+    for i, j in pairs:
+        neighbours[i].append(j)
+        neighbours[j].append(i)
+    peak = max(o + it.size for o, it in zip(offsets, items, strict=True))
+    solves = improved = 0
+    while peak > lb and time.perf_counter() - t0 < time_limit - 0.5:
+        critical = [i for i in range(n) if offsets[i] + items[i].size == peak]
+        c = rng.choice(critical)
+        # The critical item, the neighbours sharing its top region first, then random neighbours.
+        cand = sorted(neighbours[c], key=lambda j: (-(offsets[j] + items[j].size), rng.random()))
+        k = max(2, window - rng.randint(0, window // 3))
+        free = [c] + cand[: k // 2]
+        rest = [j for j in neighbours[c] if j not in free]
+        rng.shuffle(rest)
+        free += rest[: k - len(free)]
+        old_top = max(offsets[i] + items[i].size for i in free)
+        budget = min(5.0, max(0.5, time_limit - (time.perf_counter() - t0) - 0.5))
+        new = _neighbourhood_mip(items, offsets, free, neighbours, peak, solver, threads, budget)
+        solves += 1
+        if new is None:
+            continue
+        trial = list(offsets)
+        for i, o in zip(free, new, strict=True):
+            trial[i] = o
+        new_top = max(trial[i] + items[i].size for i in free)
+        if new_top > old_top or check_placement(items, trial, peak) is not None:
+            continue
+        offsets = _compact(items, trial, pairs)
+        new_peak = max(o + it.size for o, it in zip(offsets, items, strict=True))
+        if new_peak < peak:
+            improved += 1
+        peak = new_peak
+    seconds = time.perf_counter() - t0
+    optimal = peak == lb
+    return DSAResult(offsets, peak, "mip-lns", seconds, status="optimal" if optimal else "time limit",
+                     optimal=optimal, extra={"fallback": False, "solves": solves, "improvements": improved,
+                                             "pairs": len(pairs)})
+
+
 def _solver_cmd(solver: str, time_limit: float, threads: int, msg: bool):
     import pulp
 

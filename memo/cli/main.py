@@ -17,7 +17,7 @@ from memo.errors import MemoError
 __all__ = ["COMMANDS", "build_parser", "main"]
 
 #: Subcommand modules under memo.cli, in the order `memo --help` lists them.
-COMMANDS = ("env", "profile")
+COMMANDS = ("env", "profile", "plan", "show", "plot")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,70 @@
+"""``memo plan``: plan a trace (bi-level DSA MIP with heuristic warm start) and write the plan.
+
+    memo plan trace.json -o plan.json [--time-limit S] [--solver cbc|highs] [--no-mip]
+    memo plan trace.json --expand -o addresses.json
+
+``--expand`` writes ``{"peak", "lower_bound", "addresses": {"<id>": offset}}`` for
+every allocation instead of the plan (an id reused after a free gets the keys
+``"<id>.1"``, ``"<id>.2"``, ... for its later allocations).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from memo.planner import Plan, load_trace, make_plan, save_plan
+
+__all__ = ["add_parser", "format_summary", "run"]
+
+MiB = 2**20
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("plan", help="plan a trace: offsets for every activation allocation",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("trace", help="trace JSON (memo.trace, version 1; see docs/formats.md)")
+    parser.add_argument("-o", "--output", required=True, help="where to write the plan (or the addresses)")
+    parser.add_argument("--time-limit", type=float, default=60.0,
+                        help="seconds per MIP solve (level 1 fwd, level 1 bwd, level 2); default 60")
+    parser.add_argument("--solver", choices=("cbc", "highs"), default="cbc",
+                        help="MIP solver: cbc (bundled with PuLP, default) or highs (needs highspy)")
+    parser.add_argument("--no-mip", action="store_true", help="greedy heuristic only (fast, no solver)")
+    parser.add_argument("--flat", action="store_true",
+                        help="plan every allocation individually (no layer blocks)")
+    parser.add_argument("--expand", action="store_true",
+                        help="write {peak, lower_bound, addresses: {id: offset}} instead of the plan")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def format_summary(plan: Plan) -> str:
+    """A few lines: peak, lower bound, ratio, no-reuse size, solver."""
+    s = plan.solver
+    lines = [
+        f"allocations   {len(plan.allocations)}",
+        f"peak          {plan.peak} B ({plan.peak / MiB:.2f} MiB)",
+        f"lower bound   {plan.lower_bound} B ({plan.lower_bound / MiB:.2f} MiB)",
+        f"ratio         {plan.ratio:.4f}",
+        f"no reuse      {plan.no_reuse_bytes} B ({plan.no_reuse_bytes / MiB:.2f} MiB)",
+        f"solver        {s.get('kind')} {s.get('solver') or 'heuristic only'}, {s.get('seconds', 0):.2f} s"
+        + (", heuristic fallback" if s.get("heuristic_fallback") else ""),
+    ]
+    lines += [f"warning       {w}" for w in plan.warnings]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    trace = load_trace(args.trace)
+    plan = make_plan(trace, time_limit=args.time_limit, solver=args.solver, use_mip=not args.no_mip,
+                     method="flat" if args.flat else "auto")
+    if args.expand:
+        out = {"peak": plan.peak, "lower_bound": plan.lower_bound, "addresses": plan.expanded()}
+        with open(args.output, "w", encoding="utf-8") as f:
+            json.dump(out, f, indent=1)
+            f.write("\n")
+    else:
+        save_plan(plan, args.output)
+    print(format_summary(plan))
+    print(f"wrote {args.output}")
+    return 0

@@ -1,0 +1,68 @@
+"""``memo plot plan.json -o plan.png``: the plan as a picture.
+
+Time (trace event index) on x, arena address on y, one rectangle per planned
+allocation, coloured by phase kind. Plans carry their allocations' lifetimes
+(see docs/formats.md), so no trace is needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from memo.phases import phase_kind
+from memo.planner import Plan, load_plan
+
+__all__ = ["add_parser", "plot_plan", "run"]
+
+MiB = 2**20
+_COLOURS = {"embed.fwd": "#1f77b4", "layer.fwd": "#2ca02c", "head.fwd": "#ff7f0e", "head.bwd": "#d62728",
+            "layer.bwd": "#9467bd", "embed.bwd": "#8c564b", "optimizer": "#e377c2", None: "#7f7f7f"}
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("plot", help="draw a plan: time x address", description=__doc__)
+    parser.add_argument("plan", help="plan JSON")
+    parser.add_argument("-o", "--output", required=True, help="image file (png, svg, pdf)")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def plot_plan(plan: Plan, path: str) -> int:
+    """Draw ``plan`` into ``path``; returns the number of rectangles drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.collections import PatchCollection
+    from matplotlib.patches import Patch, Rectangle
+
+    fig, ax = plt.subplots(figsize=(12, 6))
+    rects, colours = [], []
+    for a, off in zip(plan.allocations, plan.offsets, strict=True):
+        if off is None:
+            continue
+        kind = phase_kind(a.phase) if a.phase is not None else None
+        rects.append(Rectangle((a.start, off / MiB), a.end - a.start, a.size / MiB))
+        colours.append(_COLOURS[kind])
+    ax.add_collection(PatchCollection(rects, facecolors=colours, edgecolors="black", linewidths=0.2))
+    ax.set_xlim(0, max(plan.end_time, max((a.end for a in plan.allocations), default=1)))
+    ax.set_ylim(0, max(plan.peak, 1) / MiB * 1.02)
+    ax.axhline(plan.lower_bound / MiB, color="red", linestyle="--", linewidth=0.8)
+    ax.set_xlabel("time (trace event)")
+    ax.set_ylabel("address (MiB)")
+    ax.set_title(f"{plan.meta.get('model', 'plan')}: peak {plan.peak / MiB:.1f} MiB, "
+                 f"lower bound {plan.lower_bound / MiB:.1f} MiB (dashed)")
+    used = {c for c in colours}
+    ax.legend(handles=[Patch(color=c, label=k or "unphased") for k, c in _COLOURS.items() if c in used],
+              loc="upper right", fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return len(rects)
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = load_plan(args.plan)
+    n = plot_plan(plan, args.output)
+    print(f"wrote {args.output} ({n} allocations)")
+    return 0

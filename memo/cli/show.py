@@ -1,0 +1,61 @@
+"""``memo show plan.json``: a readable summary of a plan.
+
+Alpha and its binding constraint, peak, lower bound and their ratio, per-phase
+peaks, host bytes, and how the solver did.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from memo.planner import Plan, load_plan
+
+__all__ = ["add_parser", "format_plan", "run"]
+
+MiB = 2**20
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("show", help="summarise a plan file", description=__doc__)
+    parser.add_argument("plan", help="plan JSON written by `memo plan` or `memo profile`")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def _mib(n: int | None) -> str:
+    return "unknown" if n is None else f"{n} B ({n / MiB:.2f} MiB)"
+
+
+def format_plan(plan: Plan) -> str:
+    meta = plan.meta
+    out = [
+        "model         " + " ".join(f"{k}={meta[k]}" for k in ("model", "seq_len", "micro_batch", "dtype",
+                                                               "n_layers", "fingerprint") if k in meta),
+        "alpha         " + ("not solved" if plan.alpha is None else f"{plan.alpha:.4f}"
+                            + f" (binding: {plan.alpha_binding})"),
+        f"peak          {_mib(plan.peak)}",
+        f"lower bound   {_mib(plan.lower_bound)}",
+        f"ratio         {plan.ratio:.4f}",
+        f"no reuse      {_mib(plan.no_reuse_bytes)}",
+        f"host bytes    {_mib(plan.host_bytes)}",
+    ]
+    s = plan.solver
+    out.append(f"solver        {s.get('kind')} {s.get('solver') or 'heuristic only'}, "
+               f"{s.get('seconds', 0):.2f} s, heuristic fallback: {bool(s.get('heuristic_fallback'))}")
+    stages = s.get("stages") or ({"total": s["total"]} if "total" in s else {})
+    for name, st in stages.items():
+        out.append(f"  {name:<20} {st.get('method')}: {st.get('status')}, {st.get('seconds')} s, "
+                   f"gap to lower bound {100 * st.get('gap_to_lower_bound', 0):.2f}%, "
+                   f"items {st.get('items')}")
+    for kind, height in plan.level1_peak.items():
+        out.append(f"level 1       {kind}: block {_mib(height)}")
+    out.append("phase peaks (highest arena byte each phase's allocations reach):")
+    for phase, top in plan.phase_peaks().items():
+        out.append(f"  {phase:<20} {_mib(top)}")
+    out += [f"warning       {w}" for w in plan.warnings]
+    return "\n".join(out)
+
+
+def run(args: argparse.Namespace) -> int:
+    print(format_plan(load_plan(args.plan)))
+    return 0
