@@ -353,6 +353,15 @@ class RoundingBuffers:
     def host_bytes(self) -> int:
         return self.n_layers * self.layer_bytes
 
+    def __del__(self) -> None:
+        # Copies in flight read or write these buffers: let them finish before the memory goes.
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            try:
+                engine.synchronize()
+            except Exception:  # noqa: BLE001  (interpreter shutdown: nothing left to protect)
+                pass
+
     def state(self, i: int) -> BufferState:
         return self.layers[i].state
 

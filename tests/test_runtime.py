@@ -1,0 +1,246 @@
+"""memo.wrap against the unwrapped model: loss and every gradient, fp32 on CPU.
+
+The copy worker runs with random delays (``debug_copy_delay_us``) so that a
+missing wait in the rounding-buffer protocol shows up as a wrong gradient;
+``test_removed_wait_is_caught`` proves that it does.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import memo.runtime as mr
+from memo.adapters import AnatomyAdapter, register_adapter, unregister_adapter
+from memo.errors import MemoError, PlanMismatchError
+from memo.models import attention, build_model, get_config
+from memo.runtime import BufferState
+
+DELAY_US = 300  # random 0..300 us before every copy
+RTOL = 1e-5
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny shapes: one intra-op thread is fastest and immune to an oversubscribed machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _model(arch: str, n_layers: int = 5) -> nn.Module:
+    name = "tiny" if arch == "gpt" else "llama-tiny"
+    cfg = dataclasses.replace(get_config(name), n_layers=n_layers, name=f"{name}-{n_layers}")
+    return build_model(cfg, dtype=torch.float32)
+
+
+def _batch(model: nn.Module, b: int, s: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    v = model.config.vocab_size
+    return torch.randint(0, v, (b, s), generator=g), torch.randint(0, v, (b, s), generator=g)
+
+
+def _step(model: nn.Module, ids: torch.Tensor,
+          labels: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss = model(ids, labels)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _assert_same(loss, grads, ref_loss, ref_grads) -> None:
+    assert _rel_err(loss, ref_loss) < RTOL, (loss, ref_loss)
+    assert grads.keys() == ref_grads.keys()
+    worst = max((_rel_err(grads[n], ref_grads[n]), n) for n in ref_grads)
+    assert worst[0] < RTOL, f"gradient of {worst[1]} differs: relative error {worst[0]:.3g}"
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+@pytest.mark.parametrize("alpha", [0.0, 0.125, 0.25, 0.5, 1.0])
+def test_loss_and_grads_match_unwrapped(arch: str, alpha: float) -> None:
+    ref = _model(arch)
+    model = copy.deepcopy(ref)
+    mr.wrap(model, alpha=alpha, debug_copy_delay_us=DELAY_US)
+    rt = mr.runtime_of(model)
+    s, b = 13, 2  # alpha * 13 is never an integer for alpha in (0, 1)
+    for it in range(3):  # the same buffers serve consecutive iterations
+        ids, labels = _batch(ref, b, s, seed=it)
+        _assert_same(*_step(model, ids, labels), *_step(ref, ids, labels))
+        assert all(rt.buffers.state(i) is BufferState.IDLE for i in range(rt.n_offloaded))
+    a = mr.offload_tokens(alpha, s)
+    assert rt.n_offloaded == 3
+    assert rt.stats.offloaded_tokens == 3 * 3 * a
+    assert rt.stats.recomputed_tokens == 3 * 3 * (s - a)
+    assert rt.stats.bytes_offloaded == rt.stats.bytes_prefetched == 3 * rt.host_bytes
+    assert rt.stats.late_prefetches == 0
+
+
+@pytest.mark.parametrize("s", [1, 7, 16])
+def test_sequence_lengths(s: int) -> None:
+    ref = _model("llama")
+    model = mr.wrap(copy.deepcopy(ref), alpha=0.3, debug_copy_delay_us=DELAY_US)
+    ids, labels = _batch(ref, 3, s)
+    _assert_same(*_step(model, ids, labels), *_step(ref, ids, labels))
+
+
+@pytest.mark.parametrize("wait", ["offload", "prefetch"])
+def test_removed_wait_is_caught(wait: str) -> None:
+    """Without one wait of the protocol the copies race the compute thread and gradients go wrong."""
+    ref = _model("gpt", n_layers=6)
+    model = mr.wrap(copy.deepcopy(ref), alpha=0.5, debug_copy_delay_us=DELAY_US)
+    rt = mr.runtime_of(model)
+    ids, labels = _batch(ref, 2, 12)
+    ref_loss, ref_grads = _step(ref, ids, labels)
+    _assert_same(*_step(model, ids, labels), ref_loss, ref_grads)  # with the wait: right
+    rt.debug_skip_wait(wait)
+    rt.set_debug_copy_delay_us(200_000)  # copies now lag far behind a tiny layer's compute
+    wrong = False
+    for _ in range(2):
+        _loss, grads = _step(model, ids, labels)
+        wrong = wrong or any(_rel_err(grads[n], ref_grads[n]) > RTOL for n in ref_grads)
+        rt.synchronize()
+    assert wrong, f"skipping the {wait} wait went unnoticed"
+    rt.debug_skip_wait(wait, skip=False)
+    rt.set_debug_copy_delay_us(DELAY_US)
+    _assert_same(*_step(model, ids, labels), ref_loss, ref_grads)
+
+
+def test_state_dict_unchanged_and_unwrap_restores() -> None:
+    ref = _model("gpt")
+    model = copy.deepcopy(ref)
+    before = model.state_dict()
+    mr.wrap(model, alpha=0.5)
+    after = model.state_dict()
+    assert list(before) == list(after)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    model.load_state_dict(ref.state_dict())  # checkpoints load into the wrapped model
+    ids, labels = _batch(ref, 2, 9)
+    _assert_same(*_step(model, ids, labels), *_step(ref, ids, labels))
+    mr.unwrap(model)
+    assert not mr.is_wrapped(model)
+    assert all("forward" not in layer.__dict__ for layer in model.layers)
+    _assert_same(*_step(model, ids, labels), *_step(ref, ids, labels))
+    with pytest.raises(MemoError, match="not wrapped"):
+        mr.unwrap(model)
+
+
+def test_eval_without_grad_runs_plain_layers() -> None:
+    ref = _model("llama")
+    model = mr.wrap(copy.deepcopy(ref), alpha=0.5)
+    ids, labels = _batch(ref, 2, 8)
+    with torch.no_grad():
+        assert torch.equal(model(ids, labels), ref(ids, labels))
+    assert mr.runtime_of(model).buffers is None  # nothing was offloaded
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, float("nan"), "0.5", True, None])
+def test_alpha_is_validated(bad: object) -> None:
+    with pytest.raises(MemoError, match="alpha"):
+        mr.wrap(_model("gpt"), alpha=bad)
+
+
+def test_forward_twice_before_backward_is_refused_and_reset_recovers() -> None:
+    ref = _model("gpt")
+    model = mr.wrap(copy.deepcopy(ref), alpha=0.25)
+    ids, labels = _batch(ref, 2, 8)
+    model(ids, labels)
+    with pytest.raises(MemoError, match="forward again before its backward"):
+        model(ids, labels)
+    mr.runtime_of(model).reset()
+    _assert_same(*_step(model, ids, labels), *_step(ref, ids, labels))
+
+
+def test_input_shape_change_is_refused() -> None:
+    model = mr.wrap(_model("gpt"), alpha=0.25)
+    _step(model, *_batch(model, 2, 8))
+    with pytest.raises(MemoError, match="sized for layer inputs of shape"):
+        _step(model, *_batch(model, 2, 10))
+
+
+def test_plan_host_bytes_must_match() -> None:
+    ref = _model("gpt")
+    probe = mr.wrap(copy.deepcopy(ref), alpha=0.5)
+    ids, labels = _batch(ref, 2, 11)
+    _step(probe, ids, labels)
+    host = mr.runtime_of(probe).host_bytes
+    assert host == 3 * mr.runtime_of(probe).layer_bytes > 0
+    model = mr.wrap(copy.deepcopy(ref), plan={"alpha": 0.5, "host_bytes": host})
+    _assert_same(*_step(model, ids, labels), *_step(ref, ids, labels))
+    assert mr.runtime_of(model).host_bytes == host
+    wrong = mr.wrap(copy.deepcopy(ref), plan={"alpha": 0.5, "host_bytes": host + 8})
+    with pytest.raises(PlanMismatchError, match="host_bytes"):
+        _step(wrong, ids, labels)
+    with pytest.raises(PlanMismatchError, match="alpha"):
+        mr.wrap(copy.deepcopy(ref), alpha=0.25, plan={"alpha": 0.5})
+
+
+def test_host_memory_shortage_fails_before_any_offload() -> None:
+    model = mr.wrap(_model("gpt"), alpha=1.0, host_memory_limit=1000)
+    with pytest.raises(MemoError, match=r"host arena needs [\d,]+ bytes .* only 1,000 bytes"):
+        _step(model, *_batch(model, 2, 8))
+
+
+class ToyLayer(nn.Module):
+    """A layer of our own with the anatomy, unknown to memo until an adapter is registered."""
+
+    def __init__(self, h: int = 16, n: int = 2) -> None:
+        super().__init__()
+        self.n, self.d = n, h // n
+        self.norm = nn.LayerNorm(h)
+        self.qkv = nn.Linear(h, 3 * h)
+        self.proj = nn.Linear(h, h)
+        self.mlp = nn.Sequential(nn.Linear(h, 2 * h), nn.Tanh(), nn.Linear(2 * h, h))
+
+    def pre(self, x: torch.Tensor, offset: int = 0):
+        s, b, _ = x.shape
+        q, k, v = self.qkv(self.norm(x)).chunk(3, dim=-1)
+        return tuple(t.reshape(s, b, self.n, self.d) for t in (q, k, v))
+
+    def post(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        y = x + self.proj(o)
+        return y + self.mlp(y) * torch.sigmoid(y)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        o = attention(*self.pre(x))
+        return self.post(o.flatten(2), x)
+
+
+class ToyModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(ToyLayer() for _ in range(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+def test_unsupported_layer_names_the_class_then_adapter_registry_wraps_it() -> None:
+    ref = ToyModel()
+    with pytest.raises(MemoError, match=r"ToyLayer.*register_adapter\(ToyLayer"):
+        mr.wrap(copy.deepcopy(ref), alpha=0.5)
+    register_adapter(ToyLayer, AnatomyAdapter())
+    try:
+        model = mr.wrap(copy.deepcopy(ref), alpha=0.4, debug_copy_delay_us=DELAY_US)
+        x = torch.randn(11, 3, 16, requires_grad=True)
+        x_ref = x.detach().clone().requires_grad_()
+        for _ in range(2):
+            for m, inp in ((model, x), (ref, x_ref)):
+                m.zero_grad()
+                inp.grad = None
+                m(inp).backward()
+            assert _rel_err(x.grad, x_ref.grad) < RTOL
+            for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+                assert _rel_err(p.grad, q.grad) < RTOL, n
+    finally:
+        unregister_adapter(ToyLayer)
