@@ -322,10 +322,8 @@ def profile(
     notes: list[str] = []
     t0 = time.perf_counter()
     if isinstance(model, str):
+        net = None
         dev = torch.device(device)
-        if recorder == "allocator":
-            _check_allocator_device(dev)
-        net = build_profile_model(model, seq_len, dt, dev)
         name = model
     else:
         net = model
@@ -333,11 +331,14 @@ def profile(
         dev = param.device if param is not None else torch.device(device)
         dt = param.dtype if param is not None else dt
         name = str(getattr(getattr(net, "config", None), "name", type(net).__name__))
-        if recorder == "allocator":
-            _check_allocator_device(dev)
-    timings["build"] = time.perf_counter() - t0
+    # Refuse bad arguments before building or recording anything (a 1M-token pass takes a while).
     if solve:
         _check_machine_args(dev, dt, bandwidth_gbps, layer_ms, gpu)
+    if recorder == "allocator":
+        _check_allocator_device(dev)
+    if net is None:
+        net = build_profile_model(name, seq_len, dt, dev)
+    timings["build"] = time.perf_counter() - t0
     ids, labels = _inputs(net, seq_len, micro_batch, dev)
     meta = {"model": name}
 
