@@ -413,3 +413,18 @@ def test_wrap_pass_switch(monkeypatch) -> None:
     monkeypatch.undo()
     result = profile_api(_tiny4(), 256, 1, device="cpu", plan=False, wrap_pass=False, **_CPU_MACHINE)
     assert not result.wrapped and not result.notes
+
+
+def test_checkpointed_layers_keep_nothing_but_their_output() -> None:
+    """Under full recomputation a layer saves nothing in forward; the recomputation in backward
+    belongs to the backward phase (NOTE [Phase boundaries] in memo/phases.py)."""
+    from memo.models import build_model
+
+    model = build_model("tiny", dtype=torch.float32, recompute="full")
+    ids = _ids(512, 1, 256)
+    rec = record(model, ids, ids)
+    for stats in rec.layer_stats:
+        assert stats.s_attn == stats.s_others == 0
+        assert stats.output == stats.s_input == 256 * 64 * 4
+    recomputed = [a for a in rec.recorder.allocations.values() if a.op.startswith("_scaled_dot_product")]
+    assert {phase_kind(a.phase) for a in recomputed} == {"layer.fwd", "layer.bwd"}
