@@ -1,0 +1,201 @@
+"""megatron-core integration: a memo core attention, a GPT layer spec, and the TransformerLayer adapter.
+
+Two lines turn a megatron-core GPT into a memo one::
+
+    from memo.adapters.megatron import get_memo_gpt_layer_local_spec
+    model = GPTModel(config, transformer_layer_spec=get_memo_gpt_layer_local_spec(), ...)
+    memo.wrap(model, alpha=alpha)          # or plan=plan
+
+``get_memo_gpt_layer_local_spec(**kw)`` is megatron's ``get_gpt_layer_local_spec(**kw)``
+with the core attention swapped for :class:`MemoCoreAttention` (causal softmax
+attention that returns the log-sum-exp memo needs and runs on CPU and CUDA).
+The swap keeps every parameter and state-dict key: core attention has none.
+An existing spec can be converted in place with :func:`use_memo_core_attention`.
+
+NOTE [Megatron layer anatomy]
+``TransformerLayer.forward`` = ``_forward_attention`` then ``_forward_mlp``. For a
+GPT layer (no cross attention) memo splits it as
+- pre:  ``input_layernorm`` -> ``self_attention.get_query_key_value_tensors``
+  (QKV projection, optional q/k layernorm) -> rotary on ``q`` and ``k`` with the
+  ``rotary_pos_emb`` rows of the slice's absolute positions;
+- core: causal attention, scale ``1/sqrt(head_dim)``;
+- post: ``self_attention.linear_proj`` -> ``self_attn_bda`` (bias, dropout,
+  residual ``x``) -> ``_forward_mlp`` (pre-MLP norm, MLP, bias-dropout-add).
+Everything in pre and post is token-wise. Layers with cross attention, MoE,
+gated attention output, packed sequences, inference contexts, a non-causal mask
+or megatron's own recompute/offload switches are refused with a MemoError.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from memo.adapters.base import LayerAdapter, register_adapter
+from memo.errors import MemoError
+
+try:
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+except ImportError as e:  # pragma: no cover - exercised only without megatron-core
+    raise MemoError(
+        "memo.adapters.megatron: megatron-core is not installed (pip install megatron-core==0.16.1, or "
+        "pip install memo[megatron])"
+    ) from e
+
+__all__ = [
+    "MegatronLayerAdapter",
+    "MemoCoreAttention",
+    "get_memo_gpt_layer_local_spec",
+    "use_memo_core_attention",
+]
+
+
+class MemoCoreAttention(nn.Module):
+    """Causal attention for megatron-core specs: ``(q [s,b,np,hn], k, v [s,b,ng,hn]) -> [s, b, np*hn]``.
+
+    Takes the constructor and forward arguments of megatron's ``DotProductAttention``;
+    refuses what it does not implement (non-causal masks, attention bias, packed
+    sequences, a custom softmax scale, attention dropout) instead of ignoring it.
+    """
+
+    def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection: Any = None, **_ignored: Any) -> None:
+        super().__init__()
+        where = f"memo.adapters.megatron: MemoCoreAttention (layer {layer_number})"
+        if attn_mask_type != AttnMaskType.causal:
+            raise MemoError(f"{where}: only causal self-attention is supported, got {attn_mask_type}")
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout:
+            raise MemoError(f"{where}: attention_dropout={dropout}; memo's attention has no dropout, use 0")
+        scale = softmax_scale if softmax_scale is not None else getattr(config, "softmax_scale", None)
+        if scale is not None or getattr(config, "apply_query_key_layer_scaling", False):
+            raise MemoError(f"{where}: a custom softmax scale is not supported (memo uses 1/sqrt(head_dim))")
+        self.config = config
+        self.layer_number = layer_number
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any = None,
+                attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None,
+                **_ignored: Any) -> torch.Tensor:
+        if attention_bias is not None or packed_seq_params is not None:
+            raise MemoError("memo.adapters.megatron: MemoCoreAttention supports neither attention_bias nor "
+                            "packed sequences")
+        if attn_mask_type is not None and attn_mask_type != AttnMaskType.causal:
+            raise MemoError(f"memo.adapters.megatron: attention must be causal, not {attn_mask_type}")
+        from memo.models.attention import attention
+
+        o = attention(query, key, value)
+        s, b, n, d = o.shape
+        return o.view(s, b, n * d)
+
+
+def use_memo_core_attention(spec: ModuleSpec) -> ModuleSpec:
+    """Replace the core attention of a megatron-core layer spec by :class:`MemoCoreAttention` (in place)."""
+    try:
+        spec.submodules.self_attention.submodules.core_attention = MemoCoreAttention
+    except AttributeError as e:
+        raise MemoError(
+            "memo.adapters.megatron: the spec has no submodules.self_attention.submodules.core_attention "
+            "(MoE/MLA/hybrid specs are not supported)"
+        ) from e
+    return spec
+
+
+def get_memo_gpt_layer_local_spec(**kwargs: Any) -> ModuleSpec:
+    """megatron's ``get_gpt_layer_local_spec(**kwargs)`` with :class:`MemoCoreAttention` as core attention."""
+    return use_memo_core_attention(get_gpt_layer_local_spec(**kwargs))
+
+
+# Arguments of TransformerLayer._forward_attention (what TransformerLayer.forward takes).
+_SIGNATURE = inspect.signature(TransformerLayer._forward_attention)
+# Arguments memo honours; every other one must be None (or absent).
+_HONOURED = {"self", "hidden_states", "attention_mask", "rotary_pos_emb", "padding_mask"}
+
+
+class MegatronLayerAdapter(LayerAdapter):
+    """megatron-core ``TransformerLayer`` -> pre / core / post (NOTE [Megatron layer anatomy])."""
+
+    name = "megatron"
+
+    def check(self, layer: nn.Module) -> None:
+        where = f"memo.adapters.megatron: layer {getattr(layer, 'layer_number', '?')}"
+        cfg = layer.config
+        problems = []
+        if not isinstance(layer.cross_attention, IdentityOp) or not isinstance(
+                layer.pre_cross_attn_layernorm, IdentityOp):
+            problems.append("it has cross attention")
+        if getattr(layer, "is_moe_layer", False):
+            problems.append("it is a MoE layer")
+        if getattr(cfg, "attention_output_gate", False):
+            problems.append("attention_output_gate is on")
+        if getattr(cfg, "recompute_granularity", None) is not None:
+            problems.append(f"megatron's recompute_granularity={cfg.recompute_granularity!r} is on "
+                            "(memo does the recomputation)")
+        if getattr(cfg, "fine_grained_activation_offloading", False) or getattr(cfg, "cpu_offloading", False):
+            problems.append("megatron's activation offloading is on (memo does the offloading)")
+        if getattr(layer.self_attention, "attn_mask_type", AttnMaskType.causal) != AttnMaskType.causal:
+            problems.append(f"its attention mask type is {layer.self_attention.attn_mask_type}")
+        if not hasattr(layer.self_attention, "get_query_key_value_tensors"):
+            problems.append("its self attention has no get_query_key_value_tensors")
+        if problems:
+            raise MemoError(f"{where}: cannot be split into pre/core/post because " + "; ".join(problems))
+
+    def split_args(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[
+            torch.Tensor, Any]:
+        kwargs = dict(kwargs)
+        kwargs.pop("dynamic_inference_decode_only", None)
+        try:
+            bound = _SIGNATURE.bind(layer, *args, **kwargs)
+        except TypeError as e:
+            raise MemoError(f"memo.adapters.megatron: unexpected TransformerLayer arguments: {e}") from e
+        given = bound.arguments
+        for name, value in given.items():
+            if name not in _HONOURED and value is not None:
+                raise MemoError(
+                    f"memo.adapters.megatron: TransformerLayer argument {name!r} is not supported by memo's "
+                    "token-wise recompute (only hidden_states, attention_mask for a causal mask and "
+                    "rotary_pos_emb)"
+                )
+        rotary = given.get("rotary_pos_emb")
+        if isinstance(rotary, tuple):
+            q_pos, k_pos = rotary
+        else:
+            q_pos = k_pos = rotary
+        return given["hidden_states"], {"q_pos": q_pos, "k_pos": k_pos}
+
+    def pre(self, layer: nn.Module, x: torch.Tensor, offset: int, ctx: Any) -> tuple[
+            torch.Tensor, torch.Tensor, torch.Tensor]:
+        from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+
+        attn = layer.self_attention
+        qkv = attn.get_query_key_value_tensors(layer.input_layernorm(x))
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        t = x.shape[0]
+        kw = {"config": layer.config, "cp_group": getattr(getattr(attn, "pg_collection", None), "cp", None)}
+        # Rotary rows of the slice's absolute positions offset .. offset+t-1.
+        if ctx["q_pos"] is not None:
+            q = apply_rotary_pos_emb(q, ctx["q_pos"][offset:offset + t], **kw)
+        if ctx["k_pos"] is not None:
+            k = apply_rotary_pos_emb(k, ctx["k_pos"][offset:offset + t], **kw)
+        return q, k, v
+
+    def post(self, layer: nn.Module, o: torch.Tensor, x: torch.Tensor, ctx: Any) -> torch.Tensor:
+        out_with_bias = layer.self_attention.linear_proj(o)
+        # Megatron runs bias-dropout-add under torch.enable_grad (its exec handler); memo calls it
+        # directly so that the no-grad token range records nothing.
+        h = layer.self_attn_bda(layer.training, layer.config.bias_dropout_fusion)(
+            out_with_bias, x, layer.hidden_dropout)
+        return layer._forward_mlp(h)
+
+    def pack_output(self, layer: nn.Module, y: torch.Tensor, ctx: Any) -> Any:
+        return y, None  # (hidden_states, context); no cross attention, so no context
+
+
+register_adapter(TransformerLayer, MegatronLayerAdapter())

@@ -1,0 +1,155 @@
+"""memo on real megatron-core layers (CPU, gloo, world size 1), against the unwrapped layers.
+
+Skips when megatron-core is not importable (``pip install megatron-core==0.16.1``).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import warnings
+
+import pytest
+import torch
+
+import memo.runtime as mr
+from memo.errors import MemoError
+
+pytestmark = pytest.mark.megatron
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    try:
+        import megatron.core  # noqa: F401
+        from megatron.core import parallel_state
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.transformer.transformer_block import TransformerBlock
+        from megatron.core.transformer.transformer_config import TransformerConfig
+    except ImportError as e:  # pragma: no cover
+        pytest.skip(f"megatron-core is not importable ({e}); pip install megatron-core==0.16.1",
+                    allow_module_level=True)
+
+from memo.adapters.megatron import get_memo_gpt_layer_local_spec  # noqa: E402
+
+RTOL = 1e-5
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _megatron_world():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    created = not torch.distributed.is_initialized()
+    if created:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = str(_free_port())
+        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    yield
+    parallel_state.destroy_model_parallel()
+    if created:
+        torch.distributed.destroy_process_group()
+    torch.set_num_threads(threads)
+
+
+def _config(n_layers: int = 5, groups: int = 2) -> TransformerConfig:
+    return TransformerConfig(
+        num_layers=n_layers, hidden_size=32, num_attention_heads=4, num_query_groups=groups,
+        ffn_hidden_size=64, use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+        bias_dropout_fusion=False, params_dtype=torch.float32,
+    )
+
+
+def _twin(build, like: torch.nn.Module | None = None) -> torch.nn.Module:
+    """Megatron modules hold process groups and cannot be deep-copied: build again, load the weights."""
+    torch.manual_seed(0)
+    model = build()
+    if like is not None:
+        model.load_state_dict(like.state_dict())
+    return model
+
+
+def _rope(s: int, head_dim: int) -> torch.Tensor:
+    """Megatron's rotary table ``[s, 1, 1, head_dim]`` (its RotaryEmbedding module moves itself to CUDA)."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = torch.outer(torch.arange(s, dtype=torch.float32), inv_freq)
+    return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _compare(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> None:
+    assert grads.keys() == ref.keys() and ref
+    worst = max((_rel_err(grads[n], ref[n]), n) for n in ref)
+    assert worst[0] < RTOL, f"gradient of {worst[1]} differs: relative error {worst[0]:.3g}"
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.125, 0.25, 0.5, 1.0])
+def test_transformer_block_with_rope_and_gqa_matches_unwrapped(alpha: float) -> None:
+    ref = _twin(lambda: TransformerBlock(_config(), spec=get_memo_gpt_layer_local_spec()))
+    model = _twin(lambda: TransformerBlock(_config(), spec=get_memo_gpt_layer_local_spec()), ref)
+    mr.wrap(model, alpha=alpha, debug_copy_delay_us=300)
+    assert mr.runtime_of(model).n_layers == 5
+    s, b = 13, 2
+    for it in range(2):
+        g = torch.Generator().manual_seed(it)
+        x, w = torch.randn(s, b, 32, generator=g), torch.randn(s, b, 32, generator=g)
+        outs, grads = [], []
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)
+            inp = x.clone().requires_grad_()
+            y = m(hidden_states=inp, attention_mask=None, rotary_pos_emb=_rope(s, 8))
+            (y * w).sum().backward()  # O(1) gradients everywhere
+            outs.append((y.detach(), inp.grad))
+            grads.append(_grads(m))
+        assert _rel_err(outs[0][0], outs[1][0]) < RTOL
+        assert _rel_err(outs[0][1], outs[1][1]) < RTOL
+        _compare(*grads)
+
+
+def test_gpt_model_matches_unwrapped_and_keeps_state_dict() -> None:
+    def build() -> GPTModel:
+        return GPTModel(config=_config(), transformer_layer_spec=get_memo_gpt_layer_local_spec(),
+                        vocab_size=64, max_sequence_length=32, position_embedding_type="learned_absolute")
+
+    ref = _twin(build)
+    model = _twin(build, ref)
+    before = model.state_dict()
+    mr.wrap(model, alpha=0.3, debug_copy_delay_us=300)
+    after = model.state_dict()
+    assert list(before) == list(after) and all(torch.equal(before[k], after[k]) for k in before
+                                               if isinstance(before[k], torch.Tensor))
+    s, b = 11, 2
+    ids = torch.randint(0, 64, (b, s), generator=torch.Generator().manual_seed(3))
+    pos = torch.arange(s).unsqueeze(0).expand(b, s)
+    losses, grads = [], []
+    for m in (model, ref):
+        for _ in range(2):
+            m.zero_grad(set_to_none=True)
+            loss = m(ids, pos, None, labels=ids).float().mean()
+            loss.backward()
+        losses.append(loss.detach())
+        grads.append(_grads(m))
+    assert _rel_err(losses[0], losses[1]) < RTOL
+    _compare(*grads)
+    mr.unwrap(model)
+
+
+def test_unsupported_megatron_arguments_are_refused() -> None:
+    block = TransformerBlock(_config(n_layers=4), spec=get_memo_gpt_layer_local_spec())
+    mr.wrap(block, alpha=0.5)
+    layer = block.layers[0]
+    x = torch.randn(5, 1, 32, requires_grad=True)
+    with pytest.raises(MemoError, match="context"):
+        layer(x, attention_mask=None, context=torch.zeros(1))
