@@ -25,6 +25,8 @@ from typing import Any
 
 from memo.errors import MemoError
 
+from .dsa import quiet_pulp
+
 __all__ = ["AlphaSolution", "host_memory_per_process", "solve_alpha"]
 
 GiB = 2**30
@@ -76,6 +78,7 @@ def host_memory_per_process(node_bytes: int, gpus_per_node: int, safety: float =
     return int(node_bytes * safety // gpus_per_node)
 
 
+@quiet_pulp
 def solve_alpha(s_input: float, s_attn: float, s_others: float, bandwidth: float, layer_time: float,
                 n_layers: int, host_memory: float) -> AlphaSolution:
     """Largest alpha in [0, 1] whose offload hides under compute and fits in host memory.

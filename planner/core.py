@@ -37,6 +37,8 @@ __all__ = ["lower_bound", "make_plan", "plan_bilevel", "plan_heuristic", "plan_m
 LAYER_KINDS = ("layer.fwd", "layer.bwd")
 #: Above this many overlapping pairs a MIP does not fit a minute of CBC; the heuristic stands.
 MAX_MIP_PAIRS = 40_000
+#: A heuristic this close to the lower bound (relative) is kept without any MIP.
+GAP_TOLERANCE = 1e-3
 #: Up to this many items the whole DSA MIP is tried before the neighbourhood search
 #: (see NOTE [Why neighbourhoods] in dsa.py).
 MAX_FULL_MIP_ITEMS = 40
@@ -74,19 +76,18 @@ def _solve(items: Sequence[Item], *, use_mip: bool, time_limit: float, solver: s
         return warm
     from .dsa import overlapping_pairs
 
-    n_pairs = len(overlapping_pairs(items))
-    if n_pairs > MAX_MIP_PAIRS:
-        warm.status = f"heuristic (MIP skipped: {n_pairs} overlapping pairs > {MAX_MIP_PAIRS})"
-        warm.extra["fallback"] = True
+    lb = _units_lower_bound(items)
+    if warm.peak - lb <= GAP_TOLERANCE * lb:
         return warm
     t0 = time.perf_counter()
     result = warm
-    if len(items) <= MAX_FULL_MIP_ITEMS:
+    if len(items) <= MAX_FULL_MIP_ITEMS and len(overlapping_pairs(items)) <= MAX_MIP_PAIRS:
         # Small instances: the whole MIP, given half the time so the neighbourhood search can follow.
         result = mip(items, time_limit=time_limit / 2, solver=solver, threads=threads, warm=warm)
     left = time_limit - (time.perf_counter() - t0)
     if not result.optimal and left > 1.0:
-        lns = mip_neighbourhoods(items, result, time_limit=left, solver=solver, threads=threads)
+        lns = mip_neighbourhoods(items, result, time_limit=left, solver=solver, threads=threads,
+                                 gap_tolerance=GAP_TOLERANCE)
         if lns.peak < result.peak:
             result = lns
         elif result is warm:

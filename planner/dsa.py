@@ -23,14 +23,20 @@ the gap is 0 and CBC stops on its own, well before the time limit.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import ParamSpec, TypeVar
 
 import numpy as np
 
 from memo.errors import MemoError
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 __all__ = ["DSAResult", "Item", "check_placement", "greedy", "lower_bound", "mip", "overlapping_pairs"]
 
@@ -55,6 +61,18 @@ class DSAResult:
     status: str = "heuristic"
     optimal: bool = False
     extra: dict = field(default_factory=dict)
+
+
+def quiet_pulp(fn: Callable[P, R]) -> Callable[P, R]:
+    """Run ``fn`` without PuLP 3.x's notices about its 4.0 API (memo pins the 3.x API; README "Solvers")."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*PuLP 4", category=DeprecationWarning)
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def _arrays(items: Sequence[Item]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -203,6 +221,7 @@ def _compact(items: Sequence[Item], raw: Sequence[float], pairs: Sequence[tuple[
     return offsets
 
 
+@quiet_pulp
 def mip(items: Sequence[Item], *, time_limit: float = 60.0, solver: str = "cbc", threads: int = 2,
         warm: DSAResult | None = None, msg: bool = False) -> DSAResult:
     """Solve the DSA MIP (minimise peak) with PuLP; warm-started from ``warm`` (or the heuristic).
@@ -266,6 +285,7 @@ def mip(items: Sequence[Item], *, time_limit: float = 60.0, solver: str = "cbc",
                                              "solver_status": status})
 
 
+@quiet_pulp
 def _neighbourhood_mip(items: Sequence[Item], offsets: list[int], free: list[int],
                        neighbours: list[list[int]], peak: int, solver: str, threads: int,
                        time_limit: float) -> list[int] | None:
@@ -308,7 +328,8 @@ def _neighbourhood_mip(items: Sequence[Item], offsets: list[int], free: list[int
 
 
 def mip_neighbourhoods(items: Sequence[Item], warm: DSAResult, *, time_limit: float = 60.0,
-                       solver: str = "cbc", threads: int = 2, window: int = 10, seed: int = 0) -> DSAResult:
+                       solver: str = "cbc", threads: int = 2, window: int = 10, seed: int = 0,
+                       gap_tolerance: float = 0.0) -> DSAResult:
     """Large-neighbourhood search: repeatedly re-solve a small DSA MIP around the items at the peak.
 
     NOTE [Why neighbourhoods]
@@ -332,7 +353,7 @@ def mip_neighbourhoods(items: Sequence[Item], warm: DSAResult, *, time_limit: fl
         neighbours[j].append(i)
     peak = max(o + it.size for o, it in zip(offsets, items, strict=True))
     solves = improved = 0
-    while peak > lb and time.perf_counter() - t0 < time_limit - 0.5:
+    while peak - lb > gap_tolerance * lb and time.perf_counter() - t0 < time_limit - 0.5:
         critical = [i for i in range(n) if offsets[i] + items[i].size == peak]
         c = rng.choice(critical)
         # The critical item, the neighbours sharing its top region first, then random neighbours.

@@ -17,7 +17,7 @@ from typing import Any
 
 from .dsa import Item
 
-__all__ = ["guillotine_instance", "layered_trace"]
+__all__ = ["guillotine_instance", "items_to_trace", "layered_trace"]
 
 
 def guillotine_instance(n_items: int, *, time_span: int = 1000, height: int = 1000,
@@ -136,3 +136,26 @@ def layered_trace(n_layers: int = 4, *, hidden: int = 64, seq: int = 128, odd_la
                  "n_layers": n_layers}
     base_meta.update(meta or {})
     return {"version": 1, "kind": "memo.trace", "meta": base_meta, "events": events}
+
+
+def items_to_trace(items: list[Item], *, unit: int = 512, phase: str | None = None) -> dict[str, Any]:
+    """A flat trace whose allocations are ``items`` (sizes in ``unit`` bytes).
+
+    Events are ordered by time with frees before mallocs at the same instant, so two
+    allocations overlap in the trace exactly when their items overlap.
+    """
+    points = []
+    for k, it in enumerate(items):
+        points.append((it.start, 1, k))
+        points.append((it.end, 0, k))
+    points.sort()
+    events: list[dict[str, Any]] = []
+    for _, is_malloc, k in points:
+        if is_malloc:
+            ev: dict[str, Any] = {"op": "malloc", "id": k, "size": items[k].size * unit}
+            if phase is not None:
+                ev["phase"] = phase
+            events.append(ev)
+        else:
+            events.append({"op": "free", "id": k})
+    return {"version": 1, "events": events}
