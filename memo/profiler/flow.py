@@ -11,9 +11,14 @@ not kept, and so on. So:
 3. pass 2 records the model wrapped with that alpha, and the plan is made
    from pass 2's trace.
 
-Pass 2 needs ``memo.runtime.wrap``. ``wrap_pass=None`` runs it when the
-runtime provides ``wrap`` and otherwise plans from pass 1 (and says so in
-``ProfileResult.notes``); ``True`` requires it; ``False`` skips it.
+Pass 2 needs ``memo.runtime.wrap`` and a device the runtime can run on (its
+rounding buffers need cpu or cuda, so not meta). ``wrap_pass=True`` requires
+it (any failure is raised); ``False`` skips it; ``None`` (the default) tries
+it and, when the runtime is missing or refuses the model with a MemoError,
+plans from the plain model and says so in ``ProfileResult.notes``. The model
+is unwrapped after pass 2 either way. With ``recorder="allocator"`` pass 2
+always runs, on the plain model when it cannot wrap, because the planned
+trace must be the allocator's own requests. S_* always come from pass 1.
 """
 
 from __future__ import annotations
@@ -336,23 +341,33 @@ def profile(
         _check_machine_args(dev, dt, bandwidth_gbps, layer_ms, gpu)
     if recorder == "allocator":
         _check_allocator_device(dev)
-    if net is None:
-        net = build_profile_model(name, seq_len, dt, dev)
+    # NOTE [Sizes from meta]: a model given by name is sized on the meta device. The plain
+    # model at a long length fits no GPU (gpt-7b at 1M tokens keeps 4 TiB for backward), the
+    # sizes the dispatch recorder sees do not depend on the device, and meta costs seconds.
+    sized_on = dev if net is not None else torch.device("meta")
+    sizing = net if net is not None else build_profile_model(name, seq_len, dt, sized_on)
     timings["build"] = time.perf_counter() - t0
-    ids, labels = _inputs(net, seq_len, micro_batch, dev)
     meta = {"model": name}
 
     t0 = time.perf_counter()
-    plain = _record(net, ids, labels, progress, "pass 1 (plain model)", meta)
+    plain = _record(
+        sizing, *_inputs(sizing, seq_len, micro_batch, sized_on), progress, "pass 1 (plain model)", meta
+    )
     timings["pass1"] = time.perf_counter() - t0
     stats = plain.layer_stats
     n_events = len(plain.trace["events"])
-    say(f"pass 1: {n_events:,} events, {plain.recorder.ops:,} ops in {timings['pass1']:.1f} s")
+    ops = plain.recorder.ops
+    say(f"pass 1 ({sized_on.type}): {n_events:,} events, {ops:,} ops in {timings['pass1']:.1f} s")
     result = ProfileResult(
         trace=plain.trace, layer_stats=stats, plain_trace=plain.trace, timings=timings, notes=notes
     )
     if not solve:
         return result
+    if net is None:
+        t0 = time.perf_counter()
+        net = sizing if dev.type == "meta" else build_profile_model(name, seq_len, dt, dev)
+        timings["build"] += time.perf_counter() - t0
+    ids, labels = _inputs(net, seq_len, micro_batch, dev)
 
     t0 = time.perf_counter()
     q = _machine(
@@ -403,8 +418,13 @@ def profile(
             )
     elif wrap is None and wrap_pass is None:
         notes.append("memo.runtime.wrap is not available; the plan comes from the plain model")
-    if second is None and recorder == "allocator":
-        second = _record_allocator(net, ids, labels, {**plain.trace["meta"], "recorder": "allocator"})
+    if second is None and (recorder == "allocator" or sized_on != dev):
+        # The planned trace must come from the device that will run (and, for the allocator
+        # recorder, from the allocator's own requests), even when the model cannot be wrapped.
+        if recorder == "allocator":
+            second = _record_allocator(net, ids, labels, _target_meta(plain, dev, "allocator"))
+        else:
+            second = _record(net, ids, labels, progress, "pass 2 (plain model)", meta).trace
     if second is not None:
         second["layers"] = plain.trace["layers"]
         result.trace = second
@@ -448,10 +468,15 @@ def _wrapped_pass(
     runtime.wrap(model, alpha=alpha)
     try:
         if recorder == "allocator":
-            return _record_allocator(model, ids, labels, {**plain.trace["meta"], "recorder": "allocator"})
+            return _record_allocator(model, ids, labels, _target_meta(plain, ids.device, "allocator"))
         return _record(model, ids, labels, progress, f"pass 2 (alpha={alpha:.3f})", meta).trace
     finally:
         runtime.unwrap(model)
+
+
+def _target_meta(plain: Recording, device: torch.device, recorder: str) -> dict[str, Any]:
+    """Pass 1's trace meta, for a trace recorded on ``device`` by ``recorder``."""
+    return {**plain.trace["meta"], "device": device.type, "recorder": recorder}
 
 
 def _check_allocator_device(device: torch.device) -> None:
