@@ -102,7 +102,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--host-mem-gb", type=_positive_float, help="host memory of the node in GB (default: this one's)"
     )
     m.add_argument(
-        "--gpus-per-node", type=_positive_int, default=None, help="processes sharing the host memory"
+        "--gpus-per-node",
+        type=_positive_int,
+        default=None,
+        help="processes sharing the host memory (default: the CUDA devices here; 1 on cpu/meta)",
     )
     m.add_argument(
         "--host-safety", type=_fraction, default=0.8, help="share of host memory memo may pin (0.8)"
@@ -111,7 +114,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     s.add_argument(
         "--time-limit", type=_positive_float, default=30.0, help="MIP time limit per level, seconds"
     )
-    s.add_argument("--solver", default=None, help="MIP solver for the planner (default: the planner's)")
+    s.add_argument(
+        "--solver", choices=("cbc", "highs"), default=None, help="MIP solver for the planner (default: cbc)"
+    )
     wrap = s.add_mutually_exclusive_group()
     wrap.add_argument(
         "--wrap-pass",
