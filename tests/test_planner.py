@@ -42,7 +42,7 @@ def _random_events(rng: random.Random, n: int, phased: bool) -> list[dict]:
     return events
 
 
-@pytest.mark.filterwarnings("ignore:memo.planner: phase")
+@pytest.mark.filterwarnings("ignore:memo.planner. phase:UserWarning")
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), n=st.integers(1, 60), phased=st.booleans())
 def test_every_plan_is_valid_and_above_lower_bound(seed, n, phased):
