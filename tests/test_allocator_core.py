@@ -330,3 +330,23 @@ def test_plan_input_forms() -> None:
         ma.normalize_plan(t)
     with pytest.raises(MemoError, match="expected a memo.planner.Plan"):
         ma.normalize_plan([1, 2])
+
+
+def test_requests_from_other_threads_are_unplanned() -> None:
+    import threading
+
+    a = make()
+    a.load_plan(tables_two_layers(), 8192)
+    a.start_logging()
+    a.set_phase("layer.fwd[0]")
+    got: list[int] = []
+    worker = threading.Thread(target=lambda: got.append(a.malloc(4096)))
+    worker.start()
+    worker.join()
+    p = a.malloc(4096)  # the phase's own thread still gets request 0's slot
+    s = a.stats()
+    assert s["other_thread_requests"] == 1 and s["planned_hits"] == 1 and s["deviations"] == 0
+    events, _ = a.stop_logging()
+    assert events[0][3] == -1 and events[1][3] == 0  # the worker's request carries no phase
+    a.free(p)
+    a.free(got[0])

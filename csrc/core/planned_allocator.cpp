@@ -133,6 +133,7 @@ std::int32_t PlannedAllocator::phase_id(const std::string& name) {
 void PlannedAllocator::set_phase(const std::string& name) {
   std::lock_guard<std::mutex> lock(mutex_);
   phase_ = name;
+  phase_thread_ = std::this_thread::get_id();
   auto it = name.empty() ? tables_.end() : tables_.find(name);
   phase_table_ = it == tables_.end() ? nullptr : &it->second;
   phase_index_ = 0;
@@ -171,6 +172,11 @@ void* PlannedAllocator::allocate_locked(std::size_t bytes) {
   stats_.requests += 1;
   if (phase_table_ == nullptr || arena_ == nullptr) {
     stats_.unplanned_requests += 1;
+    return fallback_locked(bytes);
+  }
+  if (std::this_thread::get_id() != phase_thread_) {  // NOTE [Requests from other threads]
+    stats_.unplanned_requests += 1;
+    stats_.other_thread_requests += 1;
     return fallback_locked(bytes);
   }
   const std::vector<PlanSlot>& table = *phase_table_;
@@ -213,7 +219,8 @@ void* PlannedAllocator::allocate(std::size_t bytes) {
   if (logging_) {
     const std::uint64_t id = next_id_++;
     log_ids_[p] = id;
-    log_.push_back(TraceEvent{true, id, bytes, current_phase_id_});
+    const bool own = std::this_thread::get_id() == phase_thread_;
+    log_.push_back(TraceEvent{true, id, bytes, own ? current_phase_id_ : -1});
   }
   return p;
 }

@@ -23,6 +23,16 @@
 // Each such request counts as a deviation; the first one is kept (phase,
 // index, expected and actual size, reason) and reported once.
 //
+// NOTE [Requests from other threads]
+// Only requests made on the thread that opened the current phase follow the
+// plan (and carry the phase in a trace). Intra-op worker threads (OpenMP
+// reductions allocate per-thread scratch) race each other, so their order
+// and lifetimes differ from run to run; they are served by the fallback as
+// unplanned requests and logged without a phase, so the planner never plans
+// them. The phase is opened by hooks that run on the thread doing the work:
+// the Python thread in forward, the autograd engine's thread in backward
+// (the calling thread for CPU graphs, the device thread for CUDA graphs).
+//
 // NOTE [Arena lifetime]
 // Loading another plan or leaving the planned context must not pull memory
 // from under live tensors (gradients made in backward outlive the context).
@@ -37,6 +47,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -67,6 +78,7 @@ struct AllocatorStats {
   std::uint64_t unplanned_requests = 0;  // outside planned phases, or slot without offset
   std::uint64_t deviations = 0;          // fallback because the run left the plan
   std::uint64_t slot_busy = 0;           // of which: planned bytes still owned by a live tensor
+  std::uint64_t other_thread_requests = 0;  // of unplanned: not the phase's thread
   std::uint64_t frees = 0;
   std::uint64_t invalid_frees = 0;  // pointers neither the arena nor the fallback knows
   bool has_deviation = false;
@@ -167,6 +179,7 @@ class PlannedAllocator {
   std::size_t planned_bytes_ = 0;
 
   std::string phase_;
+  std::thread::id phase_thread_;
   const std::vector<PlanSlot>* phase_table_ = nullptr;
   std::size_t phase_index_ = 0;
   bool phase_deviated_ = false;

@@ -99,6 +99,7 @@ py::dict stats_dict(const core::AllocatorStats& s) {
   d["unplanned_requests"] = s.unplanned_requests;
   d["deviations"] = s.deviations;
   d["slot_busy"] = s.slot_busy;
+  d["other_thread_requests"] = s.other_thread_requests;
   d["frees"] = s.frees;
   d["invalid_frees"] = s.invalid_frees;
   d["first_deviation"] = s.has_deviation ? deviation_obj(s.first_deviation) : py::none();

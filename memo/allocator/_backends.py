@@ -132,7 +132,8 @@ class CpuBackend(Backend):
 # Order of the counters memo_cuda_stats writes (csrc/cuda/memo_cuda.cu, kStatFields).
 CUDA_STAT_FIELDS = (
     "requests", "planned_hits", "fallback_requests", "unplanned_requests", "deviations", "slot_busy",
-    "frees", "invalid_frees", "bytes_in_use", "peak_bytes_in_use", "arena_bytes", "arena_in_use",
+    "other_thread_requests", "frees", "invalid_frees",
+    "bytes_in_use", "peak_bytes_in_use", "arena_bytes", "arena_in_use",
     "arena_high_water", "arena_reservations", "arena_releases", "retired_arenas",
     "fallback.allocated_bytes", "fallback.reserved_bytes", "fallback.peak_allocated_bytes",
     "fallback.peak_reserved_bytes", "fallback.live_blocks", "fallback.free_blocks",
