@@ -300,8 +300,9 @@ def make_plan(trace: Trace | Mapping[str, Any], alpha_solution: Any = None, *, t
         time_limit: seconds per solve (level 1 forward, level 1 backward, level 2).
         solver: "cbc" (bundled with PuLP) or "highs" (needs highspy).
         use_mip: False keeps the greedy heuristic everywhere (fast, no solver).
-        method: "auto" (bi-level when the trace has layer phases, flat otherwise),
-            "bilevel", "flat" or "heuristic".
+        method: "auto" (bi-level when the trace has layer phases, flat otherwise; the flat
+            heuristic replaces the bi-level plan when it is smaller), "bilevel", "flat" or
+            "heuristic".
         host_bytes: pinned host bytes the runtime needs (defaults to the alpha solution's).
     """
     if not (isinstance(time_limit, (int, float)) and math.isfinite(time_limit) and time_limit > 0):
@@ -313,9 +314,23 @@ def make_plan(trace: Trace | Mapping[str, Any], alpha_solution: Any = None, *, t
         plan = plan_heuristic(t)
     elif method == "flat":
         plan = _flat(t, use_mip=use_mip, time_limit=time_limit, solver=solver, threads=threads)
-    elif method in ("auto", "bilevel"):
+    elif method == "bilevel":
         plan = plan_bilevel(t, time_limit=time_limit, solver=solver, threads=threads, use_mip=use_mip,
                             progress=progress)
+    elif method == "auto":
+        plan = plan_bilevel(t, time_limit=time_limit, solver=solver, threads=threads, use_mip=use_mip,
+                            progress=progress)
+        # Blocks cost a little where skeletal tensors grow inside a pass; the flat heuristic
+        # costs a second, so keep it when it is smaller (the allocator only needs phase tables).
+        if plan.solver.get("kind") == "bilevel":
+            flat = plan_heuristic(t)
+            if flat.peak < plan.peak:
+                flat.warnings.extend(plan.warnings)
+                flat.solver["replaced"] = {"kind": "bilevel", "peak": plan.peak, "seconds":
+                                           plan.solver.get("seconds"), "stages": plan.solver.get("stages")}
+                flat.solver["note"] = (f"flat heuristic peak {flat.peak} < bi-level peak {plan.peak}; "
+                                       "kept the flat plan")
+                plan = flat
     else:
         raise MemoError(f"memo.planner: unknown method {method!r}; choose auto, bilevel, flat or heuristic")
     if alpha_solution is not None:
