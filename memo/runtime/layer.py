@@ -130,8 +130,9 @@ class _BufferSink:
 
 
 def _storage_ptr(t: torch.Tensor) -> int | None:
+    """Identity of ``t``'s storage (the StorageImpl address: unlike data_ptr, distinct for empty storages)."""
     try:
-        return t.untyped_storage().data_ptr()
+        return t.untyped_storage()._cdata
     except (RuntimeError, NotImplementedError):
         return None
 
