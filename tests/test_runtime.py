@@ -244,3 +244,28 @@ def test_unsupported_layer_names_the_class_then_adapter_registry_wraps_it() -> N
                 assert _rel_err(p.grad, q.grad) < RTOL, n
     finally:
         unregister_adapter(ToyLayer)
+
+
+def test_offloaded_bytes_are_activations_only() -> None:
+    """alpha=0 offloads exactly x, o and lse (views of x/o saved by pre/post are not copied again);
+    what alpha=1 adds grows with the tokens and has no constant part (no weights are offloaded)."""
+    h, n, b = 64, 4, 2
+    sizes = {}
+    for s in (8, 16):
+        for alpha in (0.0, 1.0):
+            model = mr.wrap(_model("gpt"), alpha=alpha)
+            _step(model, *_batch(model, b, s))
+            sizes[s, alpha] = mr.runtime_of(model).layer_bytes
+    for s in (8, 16):
+        assert sizes[s, 0.0] == 4 * (s * b * h + s * b * h + b * n * s)
+    others = {s: sizes[s, 1.0] - sizes[s, 0.0] for s in (8, 16)}
+    assert others[16] == 2 * others[8] > 0
+
+
+def test_debug_delay_switch_from_environment(monkeypatch) -> None:
+    monkeypatch.setenv("MEMO_DEBUG_COPY_DELAY_US", "250")
+    assert mr.MemoRuntime(0.5).debug_copy_delay_us == 250
+    assert mr.MemoRuntime(0.5, debug_copy_delay_us=0).debug_copy_delay_us == 0
+    monkeypatch.setenv("MEMO_DEBUG_COPY_DELAY_US", "soon")
+    with pytest.raises(MemoError, match="MEMO_DEBUG_COPY_DELAY_US"):
+        mr.MemoRuntime(0.5)

@@ -133,7 +133,7 @@ def _storage_ptr(t: torch.Tensor) -> int | None:
     """Identity of ``t``'s storage (the StorageImpl address: unlike data_ptr, distinct for empty storages)."""
     try:
         return t.untyped_storage()._cdata
-    except (RuntimeError, NotImplementedError):
+    except RuntimeError:  # tensors without storage (e.g. some subclasses)
         return None
 
 
