@@ -37,6 +37,8 @@ class RawBackend {
   // Fills [ptr, ptr + bytes) with `byte` (poisoning of freed planned memory).
   virtual void fill(void* ptr, std::size_t bytes, unsigned char byte) = 0;
   virtual const char* name() const = 0;
+  // Why the last raw_alloc returned nullptr, when the backend knows (e.g. the CUDA error).
+  virtual std::string last_failure() const { return {}; }
 };
 
 // Every block the allocators hand out is aligned to this (c10's default CPU

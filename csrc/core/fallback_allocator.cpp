@@ -71,7 +71,11 @@ FallbackAllocator::Block* FallbackAllocator::new_segment(std::size_t bytes, cons
   if (base == nullptr) {
     empty_cache();
     base = backend_->raw_alloc(seg_bytes);
-    if (base == nullptr) throw_oom(bytes, seg_bytes, where, "the backend has no memory left");
+    if (base == nullptr) {
+      const std::string why = backend_->last_failure();
+      throw_oom(bytes, seg_bytes, where,
+                why.empty() ? "the backend has no memory left" : ("the backend refused: " + why).c_str());
+    }
   }
   auto* seg = new Segment{static_cast<char*>(base), seg_bytes, nullptr};
   auto* block = new Block{seg->base, seg_bytes, false, nullptr, nullptr, seg};

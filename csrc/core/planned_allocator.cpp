@@ -38,7 +38,9 @@ void PlannedAllocator::retire_current_arena() {
 }
 
 void PlannedAllocator::load_plan(PhaseTables tables, std::size_t peak) {
-  for (const auto& [name, table] : tables) {
+  for (const auto& entry : tables) {
+    const std::string& name = entry.first;
+    const std::vector<PlanSlot>& table = entry.second;
     if (name.empty()) throw AllocatorError("memo allocator: a phase table has an empty phase name");
     for (std::size_t k = 0; k < table.size(); ++k) {
       const PlanSlot& slot = table[k];
@@ -81,6 +83,7 @@ void PlannedAllocator::load_plan(PhaseTables tables, std::size_t peak) {
       std::ostringstream os;
       os << "memo allocator: cannot reserve the arena of " << arena_bytes << " bytes ("
          << static_cast<double>(arena_bytes) / (1 << 20) << " MiB) that the plan needs on " << backend_->name()
+         << (backend_->last_failure().empty() ? "" : " (" + backend_->last_failure() + ")")
          << "; the fallback pool holds " << fallback_.stats().reserved_bytes
          << " bytes. Free memory, or plan for a shorter sequence.";
       throw OutOfMemory(os.str());

@@ -1,0 +1,98 @@
+"""The CUDA backend library compiles, links and exports its C API (needs nvcc, not a GPU).
+
+Also drives the parts of the C API that touch no device (plan tables, phases,
+stats, logging state) through ctypes, and checks that an allocation without a
+usable device fails with the CUDA error in the message instead of crashing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+import memo.allocator as ma
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NVCC = shutil.which("nvcc")
+NM = shutil.which("nm")
+
+pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found: the CUDA backend is not built")
+
+EXPORTS = (
+    "memo_malloc", "memo_free", "memo_cuda_last_error", "memo_cuda_load_plan", "memo_cuda_unload_plan",
+    "memo_cuda_set_phase", "memo_cuda_set_poison", "memo_cuda_set_fallback_limit", "memo_cuda_empty_cache",
+    "memo_cuda_reset_stats", "memo_cuda_stats", "memo_cuda_deviation", "memo_cuda_start_logging",
+    "memo_cuda_stop_logging", "memo_cuda_read_log", "memo_cuda_log_phase_count", "memo_cuda_log_phase_name",
+)
+
+
+def exported(path: str) -> set[str]:
+    cmd = [NM or "nm", "-D", "--defined-only", path]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return {line.split()[-1] for line in out.stdout.splitlines() if line.strip()}
+
+
+@pytest.fixture(scope="module")
+def fresh_library(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Compile the current sources (one architecture, to keep it quick) exactly as setup.py does."""
+    out = str(tmp_path_factory.mktemp("cuda") / "libmemo_cuda.so")
+    sources = sorted(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))
+    cmd = [NVCC, "-O2", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-cudart", "shared",
+           f"-I{os.path.join(ROOT, 'csrc')}", "-gencode", "arch=compute_90,code=sm_90", *sources, "-o", out]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "warning" not in result.stderr.lower(), result.stderr
+    return out
+
+
+def test_installed_library_exists_and_exports() -> None:
+    path = ma.cuda_library_path()
+    assert os.path.exists(path), f"{path} missing: run `python setup.py build_ext --inplace`"
+    assert set(EXPORTS) <= exported(path)
+
+
+def test_current_sources_compile_and_link(fresh_library: str) -> None:
+    names = exported(fresh_library)
+    assert set(EXPORTS) <= names
+    # The core is compiled in, but only the C API is exported with C linkage.
+    assert not any(n.startswith("memo_") and n not in EXPORTS for n in names)
+
+
+def test_c_api_without_a_device(fresh_library: str) -> None:
+    try:
+        lib = ctypes.CDLL(fresh_library)
+    except OSError as exc:  # libcudart not on the loader path
+        pytest.skip(f"cannot load the CUDA library here: {exc}")
+    c = ctypes
+    lib.memo_cuda_last_error.restype = c.c_char_p
+    lib.memo_malloc.restype = c.c_void_p
+    lib.memo_malloc.argtypes = [c.c_ssize_t, c.c_int, c.c_void_p]
+    lib.memo_cuda_load_plan.argtypes = [c.c_int, c.c_int, c.POINTER(c.c_char_p), c.POINTER(c.c_int64),
+                                        c.POINTER(c.c_uint64), c.POINTER(c.c_int64), c.c_uint64]
+    lib.memo_cuda_set_phase.argtypes = [c.c_char_p]
+    lib.memo_cuda_stats.argtypes = [c.c_int, c.POINTER(c.c_uint64), c.c_int]
+
+    # A bad table is refused with the native message.
+    names = (c.c_char_p * 1)(b"layer.fwd[0]")
+    rc = lib.memo_cuda_load_plan(0, 1, names, (c.c_int64 * 1)(1), (c.c_uint64 * 1)(4096),
+                                 (c.c_int64 * 1)(100), 8192)
+    assert rc == -1 and b"multiple of 512" in lib.memo_cuda_last_error()
+    # An all-unplanned table needs no arena, so it loads without a device.
+    rc = lib.memo_cuda_load_plan(0, 1, names, (c.c_int64 * 1)(1), (c.c_uint64 * 1)(4096),
+                                 (c.c_int64 * 1)(-1), 0)
+    assert rc == 0
+    lib.memo_cuda_set_phase(b"layer.fwd[0]")
+    stats = (c.c_uint64 * 64)()
+    assert lib.memo_cuda_stats(0, stats, 64) == len(ma._backends.CUDA_STAT_FIELDS)
+    if not torch.cuda.is_available():
+        # No device: the fallback's cudaMalloc fails; memo_malloc reports it and returns NULL.
+        assert lib.memo_malloc(4096, 0, None) is None
+        msg = lib.memo_cuda_last_error().decode()
+        assert "fallback pool (cuda) cannot serve a request of 4096 B" in msg and "cudaMalloc" in msg
+    lib.memo_cuda_set_phase(None)
