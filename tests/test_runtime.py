@@ -269,3 +269,24 @@ def test_debug_delay_switch_from_environment(monkeypatch) -> None:
     monkeypatch.setenv("MEMO_DEBUG_COPY_DELAY_US", "soon")
     with pytest.raises(MemoError, match="MEMO_DEBUG_COPY_DELAY_US"):
         mr.MemoRuntime(0.5)
+
+
+def test_model_level_recompute_is_refused() -> None:
+    model = _model("gpt")
+    model.recompute = "full"
+    with pytest.raises(MemoError, match="recompute='full'"):
+        mr.wrap(model, alpha=0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("alpha", [0.0, 0.375, 1.0])
+def test_cuda_streams_match_unwrapped(alpha: float) -> None:
+    """The CUDA path: offload/prefetch streams and events (runs only with a GPU)."""
+    ref = _model("llama").cuda()
+    model = mr.wrap(copy.deepcopy(ref), alpha=alpha)
+    ids, labels = (t.cuda() for t in _batch(ref, 2, 37))
+    for _ in range(3):
+        torch.cuda._sleep(1_000_000)  # a busy compute stream: copies must really be ordered by events
+        _assert_same(*_step(model, ids, labels), *_step(ref, ids, labels))
+    rt = mr.runtime_of(model)
+    assert rt.host_bytes > 0 and rt.buffers.host.is_pinned()

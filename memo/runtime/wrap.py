@@ -144,6 +144,12 @@ def wrap(
         raise MemoError(f"memo.wrap: expected an nn.Module, got {type(model).__name__}")
     if is_wrapped(model):
         raise MemoError("memo.wrap: this model is already wrapped; call memo.unwrap(model) first")
+    recompute = getattr(model, "recompute", None)
+    if isinstance(recompute, str) and recompute != "none":
+        raise MemoError(
+            f"memo.wrap: the model has recompute={recompute!r}; memo does the recomputation itself "
+            "(token-wise), so set model.recompute = 'none' before wrapping"
+        )
     if runtime is None:
         runtime = MemoRuntime(alpha, plan=plan, debug_copy_delay_us=debug_copy_delay_us,
                               host_memory_limit=host_memory_limit)
