@@ -271,6 +271,22 @@ def test_debug_delay_switch_from_environment(monkeypatch) -> None:
         mr.MemoRuntime(0.5)
 
 
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_bf16_error_is_that_of_plain_bf16(arch: str) -> None:
+    """In bf16, memo's gradients are as close to the fp32 ones as plain bf16's (flash-attn's 2x rule)."""
+    ref32 = _model(arch)
+    plain = copy.deepcopy(ref32).to(torch.bfloat16)
+    model = mr.wrap(copy.deepcopy(plain), alpha=0.37, debug_copy_delay_us=DELAY_US)
+    ids, labels = _batch(ref32, 2, 19)
+    _, g32 = _step(ref32, ids, labels)
+
+    def error(m: nn.Module) -> float:
+        _, grads = _step(m, ids, labels)
+        return max(_rel_err(grads[n].float(), g32[n]) for n in g32)
+
+    assert error(model) <= 2 * error(plain) + 1e-3
+
+
 def test_model_level_recompute_is_refused() -> None:
     model = _model("gpt")
     model.recompute = "full"
