@@ -15,7 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run_script(body: str) -> str:
     code = textwrap.dedent(body)
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    cmd = [sys.executable, "-c", code]
+    result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
 

@@ -174,7 +174,11 @@ FallbackStats FallbackAllocator::stats() const {
   return s;
 }
 
-void FallbackAllocator::reset_peaks() {
+void FallbackAllocator::reset_stats() {
+  stats_.num_allocs = 0;
+  stats_.num_frees = 0;
+  stats_.segment_allocs = 0;
+  stats_.segment_releases = 0;
   stats_.peak_allocated_bytes = stats_.allocated_bytes;
   stats_.peak_reserved_bytes = stats_.reserved_bytes;
 }

@@ -72,7 +72,8 @@ class FallbackAllocator {
   std::size_t limit() const { return limit_; }
   void set_min_segment(std::size_t bytes);
   FallbackStats stats() const;
-  void reset_peaks();
+  // Zeroes the counters (allocs, frees, segment allocs/releases) and sets peaks to the current values.
+  void reset_stats();
 
  private:
   struct Segment;

@@ -346,7 +346,7 @@ void PlannedAllocator::reset_stats() {
   stats_.arena_releases = releases;
   stats_.peak_bytes_in_use = planned_bytes_ + fallback_.stats().allocated_bytes;
   deviation_reported_ = false;
-  fallback_.reset_peaks();
+  fallback_.reset_stats();
 }
 
 bool PlannedAllocator::take_deviation_report(Deviation* out) {

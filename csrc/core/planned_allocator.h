@@ -138,7 +138,7 @@ class PlannedAllocator {
   std::vector<TraceEvent> stop_logging(std::vector<std::string>* phase_names);
 
   AllocatorStats stats() const;
-  // Zeroes the counters and peaks (not the live byte counts).
+  // Zeroes the counters (the fallback's too) and sets peaks to the current values.
   void reset_stats();
   // The first deviation, once: true (and fills `out`) only on the first call
   // after it happened. Used to warn exactly once.
