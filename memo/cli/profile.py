@@ -19,47 +19,12 @@ from typing import Any
 
 import torch
 
+from memo.cli.args import add_machine_arguments, positive_float, positive_int, seq_len
 from memo.errors import MemoError
 
 __all__ = ["add_parser", "run"]
 
 GiB = 2**30
-
-
-def _seq_len(text: str) -> int:
-    from memo.profiler import parse_count
-
-    try:
-        return parse_count(text, "--seq-len")
-    except MemoError as err:
-        raise argparse.ArgumentTypeError(str(err).removeprefix("memo: ")) from None
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    value = _positive_float(text)
-    if value > 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
-    return value
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -72,10 +37,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--model", required=True, help="registered config name, e.g. gpt-7b, llama-3-8b, tiny")
     p.add_argument(
-        "--seq-len", required=True, type=_seq_len, help="tokens per sequence: 4096, 128K, 1M (K=1024)"
+        "--seq-len", required=True, type=seq_len, help="tokens per sequence: 4096, 128K, 1M (K=1024)"
     )
     p.add_argument(
-        "--micro-batch", type=_positive_int, default=1, help="sequences per micro-batch (default 1)"
+        "--micro-batch", type=positive_int, default=1, help="sequences per micro-batch (default 1)"
     )
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float16 or float32")
     p.add_argument(
@@ -93,26 +58,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="trace to plan from. dispatch: every storage torch creates (any device, the default on "
         "meta); allocator: the real requests through memo.allocator.logging (cpu/cuda, their default)",
     )
-    m = p.add_argument_group("machine (measured on CUDA when not given)")
-    m.add_argument("--bandwidth-gbps", type=_positive_float, help="host<->device copy bandwidth B in GB/s")
-    m.add_argument("--layer-ms", type=_positive_float, help="forward time of one layer T_layer in ms")
-    m.add_argument("--gpu", help="estimate T_layer from FLOPs on this GPU: " + ", ".join(_gpus()))
-    m.add_argument("--efficiency", type=_fraction, default=0.5, help="share of the GPU peak for --gpu (0.5)")
-    m.add_argument(
-        "--host-mem-gb", type=_positive_float, help="host memory of the node in GB (default: this one's)"
-    )
-    m.add_argument(
-        "--gpus-per-node",
-        type=_positive_int,
-        default=None,
-        help="processes sharing the host memory (default: the CUDA devices here; 1 on cpu/meta)",
-    )
-    m.add_argument(
-        "--host-safety", type=_fraction, default=0.8, help="share of host memory memo may pin (0.8)"
+    add_machine_arguments(
+        p, "processes sharing the host memory (default: the CUDA devices here; 1 on cpu/meta)"
     )
     s = p.add_argument_group("planning")
     s.add_argument(
-        "--time-limit", type=_positive_float, default=30.0, help="MIP time limit per level, seconds"
+        "--time-limit", type=positive_float, default=30.0, help="MIP time limit per level, seconds"
     )
     s.add_argument(
         "--solver", choices=("cbc", "highs"), default=None, help="MIP solver for the planner (default: cbc)"
@@ -131,12 +82,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
     return p
-
-
-def _gpus() -> list[str]:
-    from memo.profiler import gpu_names
-
-    return gpu_names()
 
 
 def _default_device() -> str:

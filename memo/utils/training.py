@@ -8,6 +8,7 @@ the same three.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -17,6 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -141,12 +143,21 @@ def _synchronize(device: torch.device) -> None:
 
 
 def train_step(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor, labels: torch.Tensor
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    ids: torch.Tensor,
+    labels: torch.Tensor,
+    iteration: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> torch.Tensor:
-    """One forward + backward + optimizer step; returns the (detached) loss."""
+    """One forward + backward + optimizer step; returns the (detached) loss.
+
+    ``iteration()`` wraps forward + backward only (a strategy's phase tracking): the
+    optimizer step is no layer's work and must not be attributed to the last backward phase.
+    """
     optimizer.zero_grad(set_to_none=True)
-    loss = model(ids, labels)
-    loss.backward()
+    with iteration():
+        loss = model(ids, labels)
+        loss.backward()
     optimizer.step()
     return loss.detach()
 
@@ -210,6 +221,8 @@ class StepMetrics:
     mfu: float | None
     """Model FLOPs utilisation, ``None`` when the peak is unknown."""
     peak_memory_bytes: int | None
+    extras: dict = field(default_factory=dict)
+    """What the strategy measured after this step (host bytes, allocator counters, ...)."""
 
 
 @dataclass
@@ -223,6 +236,8 @@ class TrainResult:
     peak_flops: float | None = None
     peak_memory_kind: str = "unavailable"
     model_fingerprint: str = ""
+    strategy: Any = None
+    """The :class:`memo.strategies.Strategy` the run used, if any."""
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -280,6 +295,7 @@ def train(
     log: Callable[[str], None] | None = None,
     progress: bool = True,
     model_hook: Callable[[TransformerModel], None] | None = None,
+    strategy: Any = None,
 ) -> TrainResult:
     """Train ``config.model`` for ``config.steps`` steps with AdamW and measure every step.
 
@@ -288,6 +304,9 @@ def train(
         log: where per-step lines go (default: ``tqdm.write`` so they do not break the bar).
         progress: show a tqdm progress bar (on stderr).
         model_hook: called with the model before the first step (a place to wrap it with memo).
+        strategy: a :class:`memo.strategies.Strategy`; it prepares the model (recompute,
+            wrapping, profiling and planning), wraps every step, and its measurements replace
+            the generic peak-memory number.
     """
     from tqdm import tqdm
 
@@ -303,13 +322,22 @@ def train(
     )
     if model_hook is not None:
         model_hook(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     if config.data is not None:
         source: SyntheticTokens | ByteFileTokens = ByteFileTokens(
             config.data, model_config.vocab_size, config.seq_len, config.micro_batch, config.seed
         )
     else:
         source = SyntheticTokens(model_config.vocab_size, config.seq_len, config.micro_batch, config.seed)
+    batches = iter(source)
+    first = tuple(t.to(device) for t in next(batches))
+    emit = log if log is not None else tqdm.write
+    iteration: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    if strategy is not None:
+        run = {"model": config.model, "seq_len": config.seq_len, "micro_batch": config.micro_batch,
+               "dtype": config.dtype}
+        strategy.prepare(model, first[0], first[1], run, log=emit)
+        iteration = strategy.step
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     per_sample = flops_per_sample(model_config, config.seq_len)
     peak = detect_peak_flops(device, dtype, None if config.peak_tflops is None else config.peak_tflops * 1e12)
     result = TrainResult(
@@ -318,28 +346,34 @@ def train(
         flops_per_sample=per_sample,
         peak_flops=peak,
         model_fingerprint=fingerprint(model_config),
+        strategy=strategy,
     )
-    emit = log if log is not None else tqdm.write
     emit(
         f"memo.train: {config.model} ({result.num_parameters / 1e6:.2f}M params), seq {config.seq_len} x "
         f"batch {config.micro_batch}, {config.dtype} on {device}, recompute={config.recompute}, "
         f"peak {'n/a' if peak is None else f'{peak / 1e12:.0f} TFLOPS'}"
     )
     reset_peak_memory(device)
-    batches = iter(source)
     bar = tqdm(range(1, config.steps + 1), desc="train", unit="step", disable=not progress, file=sys.stderr)
     for step in bar:
-        ids, labels = (t.to(device, non_blocking=True) for t in next(batches))
+        if first is not None:
+            (ids, labels), first = first, None
+        else:
+            ids, labels = (t.to(device, non_blocking=True) for t in next(batches))
         _synchronize(device)
         start = time.perf_counter()
-        loss = train_step(model, optimizer, ids, labels).float().item()  # .item() waits for the step
+        loss = train_step(model, optimizer, ids, labels, iteration).float().item()  # .item() waits
         _synchronize(device)
         seconds = time.perf_counter() - start
         if not math.isfinite(loss):
             raise MemoError(
                 f"memo.train: loss became {loss} at step {step}; lower --lr or use --dtype float32/bfloat16"
             )
-        mem, result.peak_memory_kind = peak_memory(device)
+        extras = strategy.step_stats() if strategy is not None else {}
+        if "peak_device_bytes" in extras:
+            mem, result.peak_memory_kind = extras["peak_device_bytes"], extras["peak_device_kind"]
+        else:
+            mem, result.peak_memory_kind = peak_memory(device)
         metrics = StepMetrics(
             step=step,
             loss=loss,
@@ -347,16 +381,29 @@ def train(
             tgs=config.micro_batch * config.seq_len / seconds,
             mfu=mfu(per_sample, config.micro_batch, seconds, peak),
             peak_memory_bytes=mem,
+            extras=extras,
         )
         result.steps.append(metrics)
         bar.set_postfix(loss=f"{loss:.3f}")
         mfu_text = "n/a" if metrics.mfu is None else f"{100 * metrics.mfu:.1f}%"
         emit(
             f"step {step:>4}  loss {loss:.4f}  time {seconds * 1e3:.0f} ms  tgs {metrics.tgs:,.0f} tok/s  "
-            f"mfu {mfu_text}  peak mem {_fmt_bytes(mem)} ({result.peak_memory_kind})"
+            f"mfu {mfu_text}  peak mem {_fmt_bytes(mem)} ({result.peak_memory_kind})" + _extras_text(extras)
         )
     bar.close()
+    if strategy is not None:
+        strategy.close()
     return result
+
+
+def _extras_text(extras: dict) -> str:
+    if not extras:
+        return ""
+    alloc = extras.get("allocator", {})
+    return (
+        f"  host pinned {_fmt_bytes(extras.get('host_pinned_bytes', 0))}"
+        f"  alloc planned/fallback {alloc.get('planned', 0)}/{alloc.get('fallback', 0)}"
+    )
 
 
 def write_report(result: TrainResult, path: str | Path) -> dict:

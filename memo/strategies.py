@@ -1,0 +1,328 @@
+"""Activation-memory strategies for a training run, measured the same way side by side.
+
+* ``none`` -- plain autograd: every activation stays on the device.
+* ``full-recompute`` -- each layer under ``torch.utils.checkpoint``: only layer inputs stay.
+* ``full-offload`` -- memo's wrapper with alpha = 1: every skeletal tensor goes to pinned
+  host memory, nothing is recomputed (the "full swap" baseline of the paper).
+* ``memo`` -- memo's wrapper with a solved (or given) alpha, plus the planned allocator.
+
+NOTE [Measuring device memory]
+Every strategy runs its steps inside one memo.allocator context on the model's device, so
+device bytes are measured by the same allocator for all of them: ``memo`` replays its plan,
+the others use an empty plan (everything through the fallback caching allocator). The peak
+reported is the allocator's peak of bytes in use during the steps (activations, gradients,
+optimizer state, temporaries and memo's two device rounding buffers) plus the parameters,
+which exist before the first step. On CUDA with PyTorch's own allocator (baselines), torch's
+``max_memory_allocated`` is the same quantity.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from memo.errors import MemoError, PlanMismatchError
+from memo.phases import PhaseTracker
+from memo.report import STRATEGIES
+
+__all__ = ["STRATEGIES", "Strategy", "StrategyOptions", "make_strategy"]
+
+
+@dataclass
+class StrategyOptions:
+    """How the activation memory of a run is handled (the ``memo train`` flags)."""
+
+    strategy: str = "memo"
+    """One of :data:`STRATEGIES`."""
+    alpha: float | str = "auto"
+    """``"auto"`` solves the alpha LP; a number in [0, 1] fixes it (``memo`` strategy only)."""
+    plan: str | None = None
+    """A plan file from ``memo profile``; checked against the run (model, seq_len, ...)."""
+    planned_allocator: bool = True
+    """Replay the plan with memo's allocator (``memo`` strategy); off keeps the fallback only."""
+    bandwidth_gbps: float | None = None
+    """Host<->device GB/s for alpha; measured on CUDA (and as memcpy rate on CPU) when None."""
+    layer_ms: float | None = None
+    """Forward ms of one layer for alpha; measured when None."""
+    host_mem_gb: float | None = None
+    """Host memory of the node in GB for alpha; this machine's when None."""
+    gpus_per_node: int = 1
+    """Processes sharing the node's host memory."""
+    host_safety: float = 0.8
+    """Fraction of a process's share of host memory it may pin."""
+    time_limit: float = 20.0
+    """Seconds per MIP solve when planning."""
+    debug_copy_delay_us: int | None = None
+    """CPU backend: random delay before each copy (tests)."""
+    notes: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise MemoError(
+                f"memo.train: --strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}"
+            )
+        if isinstance(self.alpha, str):
+            if self.alpha != "auto":
+                try:
+                    self.alpha = float(self.alpha)
+                except ValueError:
+                    raise MemoError(
+                        f"memo.train: --alpha must be 'auto' or a number in [0, 1], got {self.alpha!r}"
+                    ) from None
+        if not isinstance(self.alpha, str):
+            from memo.runtime import validate_alpha
+
+            try:
+                self.alpha = validate_alpha(self.alpha)
+            except MemoError as err:
+                raise MemoError(f"memo.train: --alpha {self.alpha}: {err}") from None
+        if self.strategy != "memo" and (self.alpha != "auto" or self.plan is not None):
+            raise MemoError(
+                f"memo.train: --alpha and --plan apply to --strategy memo only, not to {self.strategy!r}"
+            )
+        if self.plan is not None and self.alpha != "auto":
+            raise MemoError("memo.train: give --plan (which carries alpha) or --alpha, not both")
+        if self.gpus_per_node < 1:
+            raise MemoError(f"memo.train: --gpus-per-node must be >= 1, got {self.gpus_per_node}")
+        if not 0 < self.host_safety <= 1:
+            raise MemoError(f"memo.train: --host-safety must be in (0, 1], got {self.host_safety}")
+
+
+class Strategy:
+    """Prepares a model for one strategy, runs each step inside the right contexts, measures.
+
+    Use::
+
+        strategy = make_strategy(options)
+        strategy.prepare(model, ids, labels, run)   # before the optimizer is built
+        for ...:
+            with strategy.step():
+                loss = train_step(...)
+            strategy.step_stats()
+        strategy.close()
+    """
+
+    def __init__(self, options: StrategyOptions) -> None:
+        self.options = options
+        self.name = options.strategy
+        self.model: nn.Module | None = None
+        self.device = torch.device("cpu")
+        self.alpha: float | None = None
+        self.alpha_binding: str | None = None
+        self.plan: Any = None
+        self.tracker: PhaseTracker | None = None
+        self.param_bytes = 0
+        self._exit = contextlib.ExitStack()
+        self._allocator_on = False
+        self._peak = 0
+        self._counts = {"planned": 0, "fallback": 0}
+        self._step_started = 0.0
+
+    # Set-up -------------------------------------------------------------------------------------
+    def prepare(
+        self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, run: dict[str, Any],
+        log: Callable[[str], None] = print,
+    ) -> None:
+        """Make ``model`` use this strategy. ``run``: model name, seq_len, micro_batch, dtype."""
+        self.model = model
+        self.device = ids.device
+        self.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        if self.name == "full-recompute":
+            model.recompute = "full"
+        elif self.name == "full-offload":
+            self._wrap(1.0)
+        elif self.name == "memo":
+            self._prepare_memo(model, ids, labels, run, log)
+        self._start_meter()
+
+    def _wrap(self, alpha: float, plan: Any = None) -> None:
+        from memo import runtime
+
+        runtime.wrap(self.model, alpha=None if plan is not None else alpha, plan=plan,
+                     debug_copy_delay_us=self.options.debug_copy_delay_us)
+        self.alpha = alpha
+
+    def _prepare_memo(
+        self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, run: dict[str, Any],
+        log: Callable[[str], None],
+    ) -> None:
+        from memo import planner, profiler
+
+        opts = self.options
+        if opts.plan is not None:
+            plan = planner.load_plan(opts.plan)
+            _check_plan(plan, run)
+            self.plan = plan
+            self.alpha, self.alpha_binding = float(plan.alpha), getattr(plan, "alpha_binding", None)
+            log(f"memo: plan {opts.plan}: alpha {self.alpha:.4f}, arena {_mib(plan.peak)}")
+            self._wrap(self.alpha, plan)
+            return
+        machine = _machine_numbers(model, ids, opts)
+        result = profiler.profile(
+            model, run["seq_len"], run["micro_batch"], device=ids.device,
+            recorder="allocator", time_limit=opts.time_limit,
+            bandwidth_gbps=machine["bandwidth_gbps"], layer_ms=machine["layer_ms"],
+            host_mem_gb=opts.host_mem_gb, gpus_per_node=opts.gpus_per_node, host_safety=opts.host_safety,
+            plan=opts.planned_allocator, log=lambda line: log(f"memo profile: {line}"),
+        )
+        for note in result.notes:
+            log(f"memo profile: note: {note}")
+        solved = result.alpha
+        if opts.alpha == "auto":
+            self.alpha, self.alpha_binding = float(solved.alpha), str(solved.binding)
+            self.plan = result.plan
+        else:
+            # A fixed alpha changes what the layers allocate: plan the model wrapped with it.
+            self.alpha, self.alpha_binding = float(opts.alpha), "given"
+            if opts.planned_allocator:
+                self.plan = _plan_for_alpha(model, ids, labels, run, self.alpha, opts)
+        if self.plan is not None:
+            log(f"memo: alpha {self.alpha:.4f} ({self.alpha_binding}); plan arena {_mib(self.plan.peak)}, "
+                f"lower bound {_mib(self.plan.lower_bound)}")
+        self._wrap(self.alpha)
+
+    # Steps --------------------------------------------------------------------------------------
+    def _start_meter(self) -> None:
+        """Enter the allocator context all steps run in (NOTE [Measuring device memory])."""
+        from memo import allocator
+
+        if self.device.type == "cuda" and not allocator.cuda_installed():
+            # PyTorch's own CUDA allocator measures baselines; memo's cannot be installed this late.
+            if self.name == "memo" and self.plan is not None:
+                raise MemoError(
+                    "memo.train: memo's CUDA allocator must be installed before the first CUDA tensor; "
+                    "call memo.allocator.install_cuda() first (memo train does this for --strategy memo)"
+                )
+            return
+        table = self.plan if (self.plan is not None and self.options.planned_allocator) else {"tables": {},
+                                                                                              "peak": 0}
+        self._exit.enter_context(allocator.planned(table, device=self.device.type))
+        self.tracker = PhaseTracker(self.model.embedding, self.model.layers, self.model.head,
+                                    listeners=[allocator.set_phase])
+        self._allocator_on = True
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """Run one training step (forward, backward, optimizer) inside this strategy's contexts."""
+        if self.tracker is None:
+            yield
+            return
+        with self.tracker.iteration():
+            yield
+
+    def step_stats(self) -> dict[str, Any]:
+        """Counters after the last step: running device peak, host pinned bytes, allocator hits."""
+        from memo import allocator
+
+        out: dict[str, Any] = {"host_pinned_bytes": self.host_pinned_bytes()}
+        if self._allocator_on:
+            st = allocator.stats(self.device.type)
+            self._peak = max(self._peak, int(st["peak_bytes_in_use"]))
+            self._counts = {"planned": int(st["planned_hits"]),
+                            "fallback": int(st["fallback_requests"]) + int(st["unplanned_requests"])}
+            out["segment_allocs"] = int(st["segment_allocs"])
+            out["peak_device_bytes"] = self.param_bytes + self._peak
+            out["peak_device_kind"] = "memo_allocator_peak_in_use+params"
+        elif self.device.type == "cuda":
+            out["peak_device_bytes"] = int(torch.cuda.max_memory_allocated(self.device))
+            out["peak_device_kind"] = "cuda_max_memory_allocated"
+        else:
+            out["peak_device_bytes"], out["peak_device_kind"] = None, "unavailable"
+        out["allocator"] = dict(self._counts)
+        return out
+
+    def host_pinned_bytes(self) -> int:
+        from memo import runtime
+
+        if self.model is None or not runtime.is_wrapped(self.model):
+            return 0
+        return int(runtime.runtime_of(self.model).host_bytes)
+
+    def close(self) -> None:
+        """Leave the allocator context and unwrap the model."""
+        from memo import runtime
+
+        if self.tracker is not None:
+            self.tracker.remove()
+            self.tracker = None
+        self._exit.close()
+        self._allocator_on = False
+        if self.model is not None and runtime.is_wrapped(self.model):
+            runtime.unwrap(self.model)
+
+
+def make_strategy(options: StrategyOptions) -> Strategy:
+    return Strategy(options)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _check_plan(plan: Any, run: dict[str, Any]) -> None:
+    """A plan made for another job is refused with the field that differs."""
+    meta = getattr(plan, "meta", {}) or {}
+    for key in ("model", "seq_len", "micro_batch", "dtype"):
+        expected, actual = run.get(key), meta.get(key)
+        if actual is not None and expected is not None and str(actual) != str(expected):
+            raise PlanMismatchError(
+                f"memo.train: the plan was made for {key}={actual}, this run has {key}={expected}; "
+                "re-run `memo profile` for this run, or drop --plan"
+            )
+
+
+def _machine_numbers(model: nn.Module, ids: torch.Tensor, opts: StrategyOptions) -> dict[str, float]:
+    """B and T_layer for the alpha LP: given, or measured on this device.
+
+    On the CPU backend the "device" is host memory and the copy worker moves bytes with
+    memcpy, so B is the measured memcpy rate and T_layer the measured CPU layer time.
+    """
+    from memo.profiler import time_layer_forward
+
+    bandwidth = opts.bandwidth_gbps
+    if bandwidth is None:
+        bandwidth = _copy_bandwidth_gbps(ids.device)
+    layer_ms = opts.layer_ms
+    if layer_ms is None:
+        with torch.no_grad():
+            x = model.embedding(ids)
+        layer_ms = float(time_layer_forward(model.layers[0], x).value)
+    return {"bandwidth_gbps": bandwidth, "layer_ms": layer_ms}
+
+
+def _copy_bandwidth_gbps(device: torch.device) -> float:
+    if device.type == "cuda":
+        from memo.profiler import measure_bandwidth
+
+        return float(measure_bandwidth(device).value)
+    nbytes = 64 << 20
+    src = torch.empty(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best / 1e9
+
+
+def _plan_for_alpha(
+    model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, run: dict[str, Any], alpha: float,
+    opts: StrategyOptions,
+) -> Any:
+    """Trace the model wrapped with a given alpha through memo's logging allocator, and plan it."""
+    from memo import planner
+    from memo.profiler.flow import _wrapped_pass, record
+
+    plain = record(model, ids, labels)
+    trace = _wrapped_pass(model, ids, labels, alpha, "allocator", False, {"model": run["model"]}, plain)
+    for key in ("seq_len", "micro_batch", "dtype", "model"):
+        trace.setdefault("meta", {})[key] = run[key]
+    return planner.make_plan(planner.Trace.from_dict(trace), time_limit=opts.time_limit)
