@@ -1,8 +1,9 @@
 """The CUDA backend library compiles, links and exports its C API (needs nvcc, not a GPU).
 
 Also drives the parts of the C API that touch no device (plan tables, phases,
-stats, logging state) through ctypes, and checks that an allocation without a
-usable device fails with the CUDA error in the message instead of crashing.
+stats) through ctypes. (memo_malloc throws a C++ exception on failure, for
+libtorch to translate; ctypes cannot catch that, so it is exercised only by
+the GPU tests.)
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import shutil
 import subprocess
 
 import pytest
-import torch
 
 import memo.allocator as ma
 
@@ -90,9 +90,5 @@ def test_c_api_without_a_device(fresh_library: str) -> None:
     lib.memo_cuda_set_phase(b"layer.fwd[0]")
     stats = (c.c_uint64 * 64)()
     assert lib.memo_cuda_stats(0, stats, 64) == len(ma._backends.CUDA_STAT_FIELDS)
-    if not torch.cuda.is_available():
-        # No device: the fallback's cudaMalloc fails; memo_malloc reports it and returns NULL.
-        assert lib.memo_malloc(4096, 0, None) is None
-        msg = lib.memo_cuda_last_error().decode()
-        assert "fallback pool (cuda) cannot serve a request of 4096 B" in msg and "cudaMalloc" in msg
     lib.memo_cuda_set_phase(None)
+    assert lib.memo_cuda_unload_plan(0) == 0

@@ -21,10 +21,17 @@
 // thread that launches the work (NOTE [Requests from other threads]).
 //
 // NOTE [CUDA allocation failures]
-// memo_malloc cannot throw across the C boundary into PyTorch. On failure it
-// records the message (memo_cuda_last_error()), prints it to stderr once
-// per failure and returns nullptr, which PyTorch reports as an allocation
-// failure.
+// PyTorch's CUDAPluggableAllocator::malloc does not check the returned
+// pointer: a nullptr would become a tensor over address 0. So on failure
+// memo_malloc records the message (memo_cuda_last_error()) and lets the C++
+// exception (a std::runtime_error) propagate: the function has C linkage but
+// is C++, called from libtorch's C++, which turns it into a Python
+// RuntimeError carrying our message (RMM's pluggable allocator does the
+// same). Zero-byte requests return nullptr, as the caching allocator does.
+// Also: PyTorch's torch.cuda.memory_stats()/memory_allocated() and
+// record_stream() are not supported for pluggable allocators, and
+// torch.cuda.empty_cache() does not reach us: use memo.allocator.stats()
+// and memo.allocator.empty_cache("cuda").
 #include <cuda_runtime.h>
 
 #include <sys/types.h>
@@ -151,14 +158,13 @@ extern "C" {
 void* memo_malloc(ssize_t size, int device, cudaStream_t stream) {
   if (size <= 0) return nullptr;
   auto* s = state(device);
-  if (s == nullptr) return nullptr;
+  if (s == nullptr) throw memo::core::AllocatorError(memo::cuda::last_error);
   memo::cuda::current_stream = stream;
   try {
     return s->alloc.allocate(static_cast<std::size_t>(size));
   } catch (const std::exception& e) {  // NOTE [CUDA allocation failures]
     memo::cuda::last_error = e.what();
-    std::fprintf(stderr, "%s\n", e.what());
-    return nullptr;
+    throw;
   }
 }
 
