@@ -350,3 +350,38 @@ def test_requests_from_other_threads_are_unplanned() -> None:
     assert events[0][3] == -1 and events[1][3] == 0  # the worker's request carries no phase
     a.free(p)
     a.free(got[0])
+
+
+def test_concurrent_malloc_free_is_consistent() -> None:
+    import random
+    import threading
+
+    a = make(min_segment=256 * KIB)
+    a.load_plan(tables_two_layers(), 8192)
+    a.set_phase("layer.fwd[0]")
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        live: list[int] = []
+        try:
+            for _ in range(3000):
+                if live and rng.random() < 0.5:
+                    a.free(live.pop(rng.randrange(len(live))))
+                else:
+                    live.append(a.malloc(rng.choice((512, 4096, 70000, 300000))))
+            for p in live:
+                a.free(p)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    s = a.stats()
+    assert s["bytes_in_use"] == 0 and s["invalid_frees"] == 0 and s["fallback"]["live_blocks"] == 0
+    a.empty_cache()
+    assert a.stats()["fallback"]["reserved_bytes"] == 0

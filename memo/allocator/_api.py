@@ -119,6 +119,7 @@ def planned(
     backend = backend_for(device)
     _claim(backend, "planned")
     try:
+        backend.prepare()
         backend.reset_stats()
         backend.load_plan(tables, arena)
         try:
@@ -164,6 +165,7 @@ def logging(
         "events": [],
     }
     try:
+        backend.prepare()
         backend.start_logging()
         try:
             backend.activate()

@@ -61,6 +61,9 @@ class Backend(abc.ABC):
     def reset_stats(self) -> None: ...
     @abc.abstractmethod
     def take_deviation_report(self) -> dict[str, Any] | None: ...
+    def prepare(self) -> None:  # noqa: B027 - optional hook, nothing to do by default
+        """Called before a plan is loaded or logging starts (CUDA: install the allocator first)."""
+
     @abc.abstractmethod
     def activate(self) -> None: ...
     @abc.abstractmethod
@@ -306,6 +309,9 @@ class CudaBackend(Backend):
 
     def take_deviation_report(self) -> dict[str, Any] | None:
         return self._deviation(take=True)
+
+    def prepare(self) -> None:
+        install_cuda()  # before our first cudaMalloc, so the "too late" check sees torch's state only
 
     def activate(self) -> None:
         install_cuda()
