@@ -166,7 +166,7 @@ def test_input_shape_change_is_refused() -> None:
         _step(model, *_batch(model, 2, 10))
 
 
-def test_plan_host_bytes_must_match() -> None:
+def test_plan_host_bytes_must_hold_what_is_offloaded() -> None:
     ref = _model("gpt")
     probe = mr.wrap(copy.deepcopy(ref), alpha=0.5)
     ids, labels = _batch(ref, 2, 11)
@@ -176,7 +176,10 @@ def test_plan_host_bytes_must_match() -> None:
     model = mr.wrap(copy.deepcopy(ref), plan={"alpha": 0.5, "host_bytes": host})
     _assert_same(*_step(model, ids, labels), *_step(ref, ids, labels))
     assert mr.runtime_of(model).host_bytes == host
-    wrong = mr.wrap(copy.deepcopy(ref), plan={"alpha": 0.5, "host_bytes": host + 8})
+    roomy = mr.wrap(copy.deepcopy(ref), plan={"alpha": 0.5, "host_bytes": host + 8})
+    _step(roomy, ids, labels)
+    assert mr.runtime_of(roomy).arena_bytes == host + 8 and mr.runtime_of(roomy).host_bytes == host
+    wrong = mr.wrap(copy.deepcopy(ref), plan={"alpha": 0.5, "host_bytes": host - 8})
     with pytest.raises(PlanMismatchError, match="host_bytes"):
         _step(wrong, ids, labels)
     with pytest.raises(PlanMismatchError, match="alpha"):

@@ -313,25 +313,31 @@ class RoundingBuffers:
         n_layers: number of offloaded layers (all but the last two of the model).
         layer_bytes: offloaded bytes of one layer (from a dry run or a plan).
         stats: counters to update.
+        host_memory_limit: bytes the arena may take (default: MemAvailable).
+        arena_bytes: size of the host arena (default and minimum: ``n_layers * layer_bytes``;
+            a plan may reserve more).
 
     Raises:
         MemoError: if the host arena cannot be had (with the numbers), before any training step.
     """
 
     def __init__(self, engine: CopyEngine, n_layers: int, layer_bytes: int, stats: RuntimeStats,
-                 host_memory_limit: int | None = None) -> None:
+                 host_memory_limit: int | None = None, arena_bytes: int | None = None) -> None:
         self.engine = engine
         self.n_layers = n_layers
         self.layer_bytes = layer_bytes
         self.stats = stats
         #: Test-only: names in SKIPPABLE_WAITS whose wait is skipped, to prove the tests catch a race.
         self.debug_skip_waits: set[str] = set()
-        host_bytes = n_layers * layer_bytes
+        host_bytes = n_layers * layer_bytes if arena_bytes is None else arena_bytes
+        internal_assert(host_bytes >= n_layers * layer_bytes, "host arena smaller than the layers it holds")
+        self.arena_bytes = host_bytes
         limit = host_memory_limit if host_memory_limit is not None else available_host_memory()
         if limit is not None and host_bytes > limit:
             raise MemoError(
                 f"memo.runtime: the host arena needs {host_bytes:,} bytes ({n_layers} offloaded layers x "
-                f"{layer_bytes:,} bytes) but only {limit:,} bytes of host memory are available; lower alpha "
+                f"{layer_bytes:,} bytes, or what the plan reserves) but only {limit:,} bytes of host memory "
+                "are available; lower alpha "
                 "(or solve it with memo.planner.solve_alpha) or free host memory"
             )
         try:
@@ -340,8 +346,7 @@ class RoundingBuffers:
         except (RuntimeError, ValueError) as e:
             raise MemoError(
                 f"memo.runtime: could not allocate the rounding buffers: host arena {host_bytes:,} bytes, "
-                f"two "
-                f"device buffers of {layer_bytes:,} bytes each on {engine.device} ({e})"
+                f"two device buffers of {layer_bytes:,} bytes each on {engine.device} ({e})"
             ) from e
         self.layers = [LayerSlot(i) for i in range(n_layers)]
         # Per device buffer: the layer whose forward wrote it last, and the compute event after the
@@ -351,6 +356,7 @@ class RoundingBuffers:
 
     @property
     def host_bytes(self) -> int:
+        """Bytes of the host arena the offloaded layers use (``n_layers * layer_bytes``)."""
         return self.n_layers * self.layer_bytes
 
     def __del__(self) -> None:

@@ -39,8 +39,13 @@ The pack hook runs for every tensor an op of the ``[0:a]`` sub-graphs saves.
   LayerNorm input, the output projection's input) are recorded as
   (shape, stride, offset) into the ``x`` / ``o`` copy already in the buffer, so
   nothing is offloaded twice.
-- Everything else is copied into the rounding buffer; a tensor saved twice by
-  one layer pass is copied once.
+- Everything else is copied into the rounding buffer once per storage: the first
+  saved view of a storage copies the whole storage (when it is not much larger
+  than the view), and every saved view of it (a tensor saved by two ops, the 2-D
+  view a matmul saves of a 3-D activation, the two halves of a SwiGLU input) is
+  recorded as (shape, stride, offset) into that copy, the way torchtune tracks
+  views. The runtime's offloaded bytes thus count storages, like the profiler's
+  S_others.
 """
 
 from __future__ import annotations
@@ -156,39 +161,54 @@ def _view_into(t: torch.Tensor, base: torch.Tensor) -> tuple[tuple[int, ...], tu
 class _Packer:
     """The saved-tensor hooks of one layer pass (NOTE [What the pack hook keeps])."""
 
+    #: A storage is copied whole (so every view of it shares one copy) when it is at most this
+    #: many times larger than the saved view; otherwise only the view's elements are copied.
+    WHOLE_STORAGE_RATIO = 2
+
     def __init__(self, sink: _CountingSink | _BufferSink, keep_storages: set[int],
                  device: torch.device) -> None:
         self.sink = sink
         self.keep_storages = keep_storages
         self.device = device
-        self.bases: dict[str, tuple[torch.Tensor, int]] = {}
-        self._seen: dict[int, tuple[torch.Tensor, tuple[Any, ...]]] = {}
+        # storage identity -> (base tensor covering the copied bytes, its slot). The base
+        # keeps the storage alive during the pass, so its identity cannot be reused.
+        self.bases: dict[int, tuple[torch.Tensor, int]] = {}
         self.resolve_slot: Any = None  # set for backward: slot -> tensor
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
+    def add_base(self, t: torch.Tensor, slot: int) -> None:
+        """``t`` (contiguous) was packed into ``slot``: saved views of it refer to that copy."""
+        self.bases[_storage_ptr(t)] = (t, slot)
+
     def pack(self, t: torch.Tensor) -> tuple[Any, ...]:
-        seen = self._seen.get(id(t))
-        if seen is not None and seen[0] is t:
-            return seen[1]
-        if isinstance(t, nn.Parameter) or t.device != self.device or _storage_ptr(t) in self.keep_storages:
+        sid = _storage_ptr(t)
+        if isinstance(t, nn.Parameter) or t.device != self.device or sid is None or sid in self.keep_storages:
             return ("keep", t)
-        handle: tuple[Any, ...] | None = None
-        for name, (base, _slot) in self.bases.items():
-            where = _view_into(t, base)
-            if where is not None:
-                handle = ("view", name, *where)
-                break
-        if handle is None:
-            handle = ("slot", self.sink.pack(t))
-        # Holding t until the pass ends keeps its id from being reused by another tensor.
-        self._seen[id(t)] = (t, handle)
-        return handle
+        entry = self.bases.get(sid)
+        if entry is None:
+            whole = self._whole_storage(t)
+            if whole is None:
+                return ("slot", self.sink.pack(t))
+            entry = (whole, self.sink.pack(whole))
+            self.bases[sid] = entry
+        base, slot = entry
+        where = _view_into(t, base)
+        if where is None:  # another dtype, or outside the copied range
+            return ("slot", self.sink.pack(t))
+        return ("view", slot, *where)
+
+    def _whole_storage(self, t: torch.Tensor) -> torch.Tensor | None:
+        storage = t.untyped_storage()
+        itemsize = t.element_size()
+        nbytes = storage.nbytes()
+        if nbytes % itemsize or nbytes > self.WHOLE_STORAGE_RATIO * max(1, t.numel() * itemsize):
+            return None
+        return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, (nbytes // itemsize,), (1,))
 
     def end_pass(self) -> None:
-        self._seen.clear()
-        self.bases = {name: (torch.empty(0), slot) for name, (_t, slot) in self.bases.items()}
+        self.bases.clear()  # handles carry their slots; drop the references to x, o and the rest
 
     def unpack(self, handle: tuple[Any, ...]) -> torch.Tensor:
         kind = handle[0]
@@ -197,8 +217,8 @@ class _Packer:
         internal_assert(self.resolve_slot is not None, "saved tensor unpacked outside the layer's backward")
         if kind == "slot":
             return self.resolve_slot(handle[1])
-        _, name, shape, stride, rel = handle
-        base = self.resolve_slot(self.bases[name][1])
+        _, slot, shape, stride, rel = handle
+        base = self.resolve_slot(slot)
         return base.as_strided(shape, stride, base.storage_offset() + rel)
 
 
@@ -298,7 +318,7 @@ class LayerCall:
         packer = _Packer(sink, self._keep_storages(), xc.device)
         rec = _Record(a=a, s=s, ctx=ctx, taps=_TapGrads(), packer=packer)
         rec.x_slot = sink.pack(xc)
-        packer.bases["x"] = (xc, rec.x_slot)
+        packer.add_base(xc, rec.x_slot)
 
         q_a = k_a = v_a = x_a = None
         if a > 0:
@@ -320,7 +340,7 @@ class LayerCall:
         del q, k, v, q_b, k_b, v_b
         rec.o_slot = sink.pack(o)
         rec.lse_slot = sink.pack(lse)
-        packer.bases["o"] = (o, rec.o_slot)
+        packer.add_base(o, rec.o_slot)
         del lse
 
         y_a = y_b = None

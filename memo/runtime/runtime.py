@@ -70,8 +70,9 @@ class MemoRuntime:
         alpha: fraction of each layer's tokens whose skeletal tensors (other than the
             layer input and attention output, always offloaded) are offloaded; the rest
             are recomputed in backward. In [0, 1].
-        plan: optional plan (an object or mapping with ``alpha`` and ``host_bytes``); its
-            ``host_bytes`` must equal the offloaded bytes the runtime measures.
+        plan: optional plan (an object or mapping with ``alpha`` and ``host_bytes``); the host
+            arena is its ``host_bytes``, which must hold what the runtime measures
+            (NOTE [Sizing the host arena]).
         debug_copy_delay_us: CPU backend: each copy waits a random 0..N microseconds
             first, to force races into the open in tests. Default: ``MEMO_DEBUG_COPY_DELAY_US``.
         host_memory_limit: bytes of host memory the arena may take (default: MemAvailable).
@@ -136,8 +137,13 @@ class MemoRuntime:
     # Sizing and allocation (NOTE [Sizing the host arena]) ---------------------------------------
     @property
     def host_bytes(self) -> int:
-        """Bytes of the host arena (0 before the first forward allocated it)."""
+        """Host bytes the offloaded layers use (0 before the first forward allocated the buffers)."""
         return 0 if self.buffers is None else self.buffers.host_bytes
+
+    @property
+    def arena_bytes(self) -> int:
+        """Size of the host arena: ``host_bytes``, or the plan's ``host_bytes`` when a plan is given."""
+        return 0 if self.buffers is None else self.buffers.arena_bytes
 
     def prepare(self, call: LayerCall, x: torch.Tensor, ctx: Any) -> None:
         """Allocate the buffers on the first forward; check later inputs match what they were sized for."""
@@ -154,17 +160,17 @@ class MemoRuntime:
         layer_bytes = call.measure(x, ctx)
         host_bytes = self.n_offloaded * layer_bytes
         planned = _plan_field(self.plan, "host_bytes")
-        if planned is not None and int(planned) != host_bytes:
+        if planned is not None and int(planned) < host_bytes:
             raise PlanMismatchError(
-                f"memo.runtime: the plan says host_bytes={int(planned):,} but this job offloads "
-                f"{host_bytes:,} "
-                f"({self.n_offloaded} layers x {layer_bytes:,} bytes at alpha={self.alpha}, input "
-                f"{list(x.shape)} {x.dtype}); the plan was made for another model, sequence length or dtype. "
-                "Re-run `memo profile`"
+                f"memo.runtime: the plan reserves host_bytes={int(planned):,} but this job offloads "
+                f"{host_bytes:,} ({self.n_offloaded} layers x {layer_bytes:,} bytes at alpha={self.alpha}, "
+                f"input {list(x.shape)} {x.dtype}); the plan was made for another model, sequence length or "
+                "dtype. Re-run `memo profile`"
             )
         self.engine = make_engine(x.device, self.debug_copy_delay_us, self.seed)
         self.buffers = RoundingBuffers(self.engine, self.n_offloaded, layer_bytes, self.stats,
-                                       self.host_memory_limit)
+                                       self.host_memory_limit,
+                                       None if planned is None else int(planned))
         self.buffers.debug_skip_waits = self._debug_skip_waits
         self.layer_bytes = layer_bytes
         self._input_key = key
@@ -226,6 +232,7 @@ class MemoRuntime:
             "offloaded_layers": self.n_offloaded,
             "layer_offload_bytes": self.layer_bytes,
             "host_bytes": self.host_bytes,
+            "arena_bytes": self.arena_bytes,
             "device": None if self.engine is None else str(self.engine.device),
             "stats": self.stats.as_dict(),
         }
