@@ -8,8 +8,13 @@ process and prints a table:
 - ``full offload``: every saved tensor copied to host (``save_on_cpu``-style, alpha=1
   without recompute);
 - ``memo a=0``, ``memo a=0.5``, ``memo a=<solved>``: memo.wrap at those alphas; the
-  solved alpha comes from ``memo.planner.solve_alpha`` fed with this model's skeletal
-  sizes and a host-memory budget, rounded down to a token boundary.
+  solved alpha comes from ``memo.planner.solve_alpha`` fed with the skeletal sizes
+  memo's profiler measures and a host-memory budget, rounded down to a token
+  boundary (the runtime offloads floor(alpha * s) tokens).
+
+"planned host" is ``(n - 2) * (S_input + S_attn + alpha * S_others)`` with the
+profiler's sizes: the formula solve_alpha and the plan use for ``host_bytes``. The
+runtime's host bytes must equal it.
 
 "Device" here is torch's CPU allocator; "host" is memory outside it (memo's host
 arena, the full-offload copies). Device bytes are the peak of live storages
@@ -157,21 +162,17 @@ def _iteration(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor,
 
 
 def skeletal_sizes(model: nn.Module, b: int, s: int) -> tuple[int, int, int]:
-    """(S_input, S_attn, S_others): bytes per layer as memo's runtime offloads them (dry runs at alpha 0, 1).
+    """(S_input, S_attn, S_others) per layer as memo's profiler measures them (pass 1 of ``memo profile``).
 
-    S_attn covers the attention output and its log-sum-exp; S_others the skeletal
-    tensors of all s tokens, i.e. what alpha=1 offloads beyond alpha=0.
+    These are the sizes the alpha LP and a plan's ``host_bytes`` are computed from; the
+    runtime's own offloaded bytes must match them (checked in the table's last column).
     """
-    ids, labels = _batch(model, b, s)
-    sizes = {}
-    for alpha in (0.0, 1.0):
-        probe = mr.wrap(copy.deepcopy(model), alpha=alpha)
-        _run(probe, ids, labels)
-        sizes[alpha] = mr.runtime_of(probe).layer_bytes
-        mr.unwrap(probe)
-    h = model.config.hidden
-    s_input = s * b * h * 4
-    return s_input, sizes[0.0] - s_input, sizes[1.0] - sizes[0.0]
+    from memo.profiler import profile
+
+    result = profile(model, s, b, device="cpu", solve=False, plan=False, wrap_pass=False,
+                     bandwidth_gbps=1.0, layer_ms=1.0, host_mem_gb=1.0)
+    layers = result.plain_trace["layers"]
+    return int(layers["S_input"]), int(layers["S_attn"]), int(layers["S_others"])
 
 
 STRATEGIES = ("none", "full", "offload", "memo0", "memo0.5", "solved")
