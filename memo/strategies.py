@@ -121,7 +121,7 @@ class Strategy:
         self._exit = contextlib.ExitStack()
         self._allocator_on = False
         self._peak = 0
-        self._counts = {"planned": 0, "fallback": 0}
+        self._counts = {"planned": 0, "fallback": 0, "unplanned": 0}
         self._step_started = 0.0
 
     # Set-up -------------------------------------------------------------------------------------
@@ -224,8 +224,11 @@ class Strategy:
         if self._allocator_on:
             st = allocator.stats(self.device.type)
             self._peak = max(self._peak, int(st["peak_bytes_in_use"]))
+            # "fallback": requests the plan covered but could not serve (deviations, busy slots);
+            # "unplanned": requests outside planned phases (optimizer, data), fallback by design.
             self._counts = {"planned": int(st["planned_hits"]),
-                            "fallback": int(st["fallback_requests"]) + int(st["unplanned_requests"])}
+                            "fallback": int(st["fallback_requests"]) - int(st["unplanned_requests"]),
+                            "unplanned": int(st["unplanned_requests"])}
             out["segment_allocs"] = int(st["segment_allocs"])
             out["peak_device_bytes"] = self.param_bytes + self._peak
             out["peak_device_kind"] = "memo_allocator_peak_in_use+params"

@@ -45,6 +45,7 @@ __all__ = [
     "add_train_arguments",
     "peak_memory",
     "reset_peak_memory",
+    "summarize",
     "train",
     "train_config_from_args",
     "train_step",
@@ -402,15 +403,29 @@ def _extras_text(extras: dict) -> str:
     alloc = extras.get("allocator", {})
     return (
         f"  host pinned {_fmt_bytes(extras.get('host_pinned_bytes', 0))}"
-        f"  alloc planned/fallback {alloc.get('planned', 0)}/{alloc.get('fallback', 0)}"
+        f"  alloc planned/fallback/unplanned {alloc.get('planned', 0)}/{alloc.get('fallback', 0)}/"
+        f"{alloc.get('unplanned', 0)}"
     )
+
+
+def summarize(result: TrainResult) -> dict:
+    """First/last loss, peak memory and means over the steps after the first (warm-up)."""
+    steps = result.steps
+    timed = steps[1:] if len(steps) > 1 else steps  # step 1 includes one-time warm-up work
+    mfus = [s.mfu for s in timed if s.mfu is not None]
+    return {
+        "first_loss": steps[0].loss if steps else None,
+        "last_loss": steps[-1].loss if steps else None,
+        "mean_step_time_s": sum(s.step_time_s for s in timed) / len(timed) if timed else None,
+        "mean_tgs": sum(s.tgs for s in timed) / len(timed) if timed else None,
+        "mean_mfu": sum(mfus) / len(mfus) if mfus else None,
+        "peak_memory_bytes": max((s.peak_memory_bytes or 0) for s in steps) if steps else None,
+    }
 
 
 def write_report(result: TrainResult, path: str | Path) -> dict:
     """Write the versioned JSON report of ``result`` to ``path`` and return it as a dict."""
     steps = result.steps
-    timed = steps[1:] if len(steps) > 1 else steps  # step 1 includes one-time warm-up work
-    mfus = [s.mfu for s in timed if s.mfu is not None]
     report = {
         "version": REPORT_VERSION,
         "model": result.config.model,
@@ -438,14 +453,7 @@ def write_report(result: TrainResult, path: str | Path) -> dict:
             }
             for s in steps
         ],
-        "summary": {
-            "first_loss": steps[0].loss if steps else None,
-            "last_loss": steps[-1].loss if steps else None,
-            "mean_step_time_s": sum(s.step_time_s for s in timed) / len(timed) if timed else None,
-            "mean_tgs": sum(s.tgs for s in timed) / len(timed) if timed else None,
-            "mean_mfu": sum(mfus) / len(mfus) if mfus else None,
-            "peak_memory_bytes": max((s.peak_memory_bytes or 0) for s in steps) if steps else None,
-        },
+        "summary": summarize(result),
     }
     Path(path).write_text(json.dumps(report, indent=2) + "\n")
     return report

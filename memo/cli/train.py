@@ -1,0 +1,222 @@
+"""``memo train``: from nothing to a memo-trained model in one command.
+
+Profile (or load ``--plan``), solve alpha, plan, wrap the layers, install the planned
+allocator, train; per step print loss, step time, tokens per device per second (TGS),
+MFU, peak device memory, pinned host bytes and planned/fallback allocations.
+
+Examples::
+
+    memo train --model tiny --seq-len 1K --steps 20 --report memo.json
+    memo train --model tiny --seq-len 1K --steps 20 --strategy full-recompute --report base.json \\
+        --plot loss.png --compare memo.json
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from memo.cli.args import add_machine_arguments, positive_float, positive_int, seq_len
+from memo.errors import MemoError
+from memo.report import REPORT_KIND, REPORT_VERSION, STRATEGIES, load_report, save_report
+
+__all__ = ["add_parser", "build_report", "plot_losses", "run"]
+
+
+def build_report(result: Any) -> dict[str, Any]:
+    """The versioned ``memo.report`` dict of a finished run (schema in memo/report.py)."""
+    from memo.utils.training import summarize
+
+    cfg, strategy = result.config, result.strategy
+    last = result.steps[-1].extras if result.steps else {}
+    steps = [
+        {
+            "step": s.step,
+            "loss": s.loss,
+            "step_time_s": s.step_time_s,
+            "tgs": s.tgs,
+            "mfu": s.mfu,
+            "peak_device_bytes": s.peak_memory_bytes,
+            "host_pinned_bytes": s.extras.get("host_pinned_bytes", 0),
+            "allocator": s.extras.get("allocator", {"planned": 0, "fallback": 0}),
+        }
+        for s in result.steps
+    ]
+    peaks = [s.peak_memory_bytes for s in result.steps if s.peak_memory_bytes is not None]
+    plan = strategy.plan if strategy is not None else None
+    report = {
+        "version": REPORT_VERSION,
+        "kind": REPORT_KIND,
+        "model": cfg.model,
+        "model_fingerprint": result.model_fingerprint,
+        "seq_len": cfg.seq_len,
+        "micro_batch": cfg.micro_batch,
+        "device": cfg.device,
+        "dtype": cfg.dtype,
+        "lr": cfg.lr,
+        "seed": cfg.seed,
+        "data": cfg.data if cfg.data is not None else "synthetic",
+        "strategy": strategy.name if strategy is not None else "none",
+        "alpha": strategy.alpha if strategy is not None else None,
+        "alpha_binding": strategy.alpha_binding if strategy is not None else None,
+        "num_parameters": result.num_parameters,
+        "flops_per_sample": result.flops_per_sample,
+        "peak_flops": result.peak_flops,
+        "steps": steps,
+        "peak_device_bytes": max(peaks) if peaks else None,
+        "peak_device_kind": result.peak_memory_kind,
+        "host_pinned_bytes": int(last.get("host_pinned_bytes", 0)),
+        "allocator": dict(last.get("allocator", {"planned": 0, "fallback": 0})),
+        "segment_allocs": last.get("segment_allocs"),
+        "plan": None if plan is None else {"peak": plan.peak, "lower_bound": plan.lower_bound},
+    }
+    report["summary"] = summarize(result)
+    return report
+
+
+def plot_losses(reports: list[dict[str, Any]], path: str) -> None:
+    """Loss curves of several reports on one figure (the paper's Figure 12d)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    styles = ["-", "--", ":", "-."]
+    for i, rep in enumerate(reports):
+        label = rep["strategy"] if rep["alpha"] is None else f"{rep['strategy']} (alpha={rep['alpha']:.3g})"
+        xs = [s["step"] for s in rep["steps"]]
+        ys = [s["loss"] for s in rep["steps"]]
+        ax.plot(xs, ys, styles[i % len(styles)], linewidth=2.2 - 0.3 * (i % 4), label=label)
+    first = reports[0]
+    ax.set_title(f"{first['model']}, seq {first['seq_len']:,} x {first['micro_batch']}, {first['dtype']}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    from memo.strategies import StrategyOptions, make_strategy
+    from memo.utils.training import TrainConfig, train
+
+    compare = [load_report(p) for p in args.compare]  # refuse bad files before training
+    if args.compare and not args.plot:
+        raise MemoError("memo train: --compare adds curves to --plot; give --plot out.png as well")
+    options = StrategyOptions(
+        strategy=args.strategy,
+        alpha=args.alpha,
+        plan=args.plan,
+        planned_allocator=not args.no_planned_allocator,
+        bandwidth_gbps=args.bandwidth_gbps,
+        layer_ms=args.layer_ms,
+        host_mem_gb=args.host_mem_gb,
+        gpus_per_node=args.gpus_per_node or 1,
+        host_safety=args.host_safety,
+        time_limit=args.time_limit,
+    )
+    config = TrainConfig(
+        model=args.model,
+        seq_len=args.seq_len,
+        micro_batch=args.micro_batch,
+        steps=args.steps,
+        device=args.device,
+        dtype=args.dtype,
+        lr=args.lr,
+        seed=args.seed,
+        peak_tflops=args.peak_tflops,
+        data=args.data,
+    )
+    if config.device.startswith("cuda") and args.strategy == "memo" and options.planned_allocator:
+        from memo import allocator
+
+        # memo's CUDA allocator must be PyTorch's before the first CUDA tensor exists.
+        if not allocator.cuda_installed():
+            allocator.install_cuda()
+    result = train(config, progress=not args.no_progress, strategy=make_strategy(options))
+    report = build_report(result)
+    s = report["summary"]
+    print(
+        f"memo train: {report['strategy']}"
+        + ("" if report["alpha"] is None else f" alpha={report['alpha']:.4f}")
+        + f": loss {s['first_loss']:.4f} -> {s['last_loss']:.4f}, "
+        f"peak device {_mib(report['peak_device_bytes'])}, host pinned {_mib(report['host_pinned_bytes'])}, "
+        f"allocations planned/fallback/unplanned {report['allocator']['planned']}/"
+        f"{report['allocator']['fallback']}/{report['allocator'].get('unplanned', 0)}"
+    )
+    if args.report:
+        save_report(report, args.report)
+        print(f"report written to {args.report}")
+    if args.plot:
+        plot_losses([report, *compare], args.plot)
+        print(f"loss curves written to {args.plot}")
+    return 0
+
+
+def _mib(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / 2**20:.1f} MiB"
+
+
+def _alpha(text: str) -> str:
+    if text == "auto":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or a number in [0, 1], got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(
+            f"must be in [0, 1] (the fraction of tokens offloaded instead of recomputed), got {text!r}"
+        )
+    return text
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from memo.models import list_configs
+    from memo.utils.training import DTYPES, TrainConfig
+
+    d = TrainConfig()
+    p = subparsers.add_parser(
+        "train",
+        help="profile, plan and train a model with memo (or a baseline strategy)",
+        description="Train a reference model with one activation-memory strategy: profile one "
+        "iteration (or load --plan), solve alpha, plan the activation addresses, wrap the layers, "
+        "install the planned allocator and train, printing per-step loss, step time, TGS, MFU, "
+        "peak device memory, pinned host bytes and planned/fallback allocations.",
+        epilog="Strategies: none (plain autograd); full-recompute (torch.utils.checkpoint per layer); "
+        "full-offload (memo with alpha=1: every skeletal tensor to host, nothing recomputed); "
+        "memo (token-wise offload/recompute with the solved alpha and the planned allocator).",
+    )
+    p.add_argument("--model", default=d.model, help=f"model name: {', '.join(list_configs())}")
+    p.add_argument("--seq-len", type=seq_len, default=d.seq_len, help="tokens per sequence: 4096, 128K, 1M")
+    p.add_argument("--micro-batch", type=positive_int, default=d.micro_batch, help="sequences per step")
+    p.add_argument("--steps", type=positive_int, default=d.steps, help="optimizer steps")
+    p.add_argument("--device", default=d.device, help="cpu or cuda[:i]")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype, help="parameter/activation dtype")
+    p.add_argument("--lr", type=positive_float, default=d.lr, help="AdamW learning rate")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed for initialisation and data")
+    p.add_argument(
+        "--peak-tflops", type=positive_float, help="device peak TFLOPS for MFU (default: known GPUs)"
+    )
+    p.add_argument("--data", metavar="FILE", help="train on the bytes of FILE instead of synthetic tokens")
+    p.add_argument("--strategy", choices=STRATEGIES, default="memo", help="activation-memory strategy")
+    p.add_argument(
+        "--alpha", type=_alpha, default="auto",
+        help="'auto' solves the alpha LP from measured (or given) machine numbers; or a number in [0, 1]",
+    )
+    p.add_argument("--plan", metavar="PLAN.json", help="use a plan from `memo profile` instead of profiling")
+    p.add_argument(
+        "--no-planned-allocator", action="store_true",
+        help="memo strategy without the planned allocator (wrapper only; all allocations via the fallback)",
+    )
+    p.add_argument("--time-limit", type=positive_float, default=20.0, help="MIP time limit per level (s)")
+    p.add_argument("--report", metavar="OUT.json", help="write the versioned JSON report")
+    p.add_argument("--plot", metavar="OUT.png", help="draw the loss curve(s) of this run (and --compare)")
+    p.add_argument("--compare", nargs="*", default=[], metavar="REPORT.json", help="more reports to plot")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_machine_arguments(p, "processes sharing the host memory (default 1)")
+    p.set_defaults(func=run)
+    return p
