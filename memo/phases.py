@@ -8,12 +8,14 @@ moving. All of them learn the current phase from one :class:`PhaseTracker`.
 
 NOTE [Phase boundaries]
 Forward phases open in a module's forward pre-hook and close in its forward
-hook. Backward phases open in the module's full backward *pre*-hook, which
-fires once the gradient of the module's output is ready, i.e. just before the
+hook. Backward phases open in a gradient hook on the module's output tensor,
+which fires once the gradient of the output is ready, i.e. just before the
 module's own backward work, and stay open until the next backward phase opens
-(or the iteration ends). Work the autograd engine does between two modules
-(e.g. accumulating a residual gradient) is therefore attributed to the module
-whose backward is about to run, which is the module that consumes it.
+(or the iteration ends). A tensor hook rather than a full backward pre-hook:
+it wraps nothing, so it allocates nothing and changes no autograd graph. Work
+the autograd engine does between two modules (e.g. accumulating a residual
+gradient) is therefore attributed to the module whose backward is about to
+run, which is the module that consumes it.
 """
 
 from __future__ import annotations
@@ -156,13 +158,27 @@ class PhaseTracker:
             if not _in_backward():
                 self.set(fwd)
 
-        def close_fwd(_module: nn.Module, _args: object, _out: object) -> None:
-            if not _in_backward():
-                self.set(None)
-
-        def open_bwd(_module: nn.Module, _grad_out: object) -> None:
+        def open_bwd(_grad: torch.Tensor) -> None:
             self.set(bwd)
+
+        def close_fwd(_module: nn.Module, _args: object, out: object) -> None:
+            if _in_backward():
+                return
+            self.set(None)
+            output = _first_grad_tensor(out)
+            if output is not None:
+                output.register_hook(open_bwd)
 
         self._handles.append(module.register_forward_pre_hook(open_fwd))
         self._handles.append(module.register_forward_hook(close_fwd))
-        self._handles.append(module.register_full_backward_pre_hook(open_bwd))
+
+
+def _first_grad_tensor(out: object) -> torch.Tensor | None:
+    """The module output whose gradient marks the start of the module's backward."""
+    if isinstance(out, torch.Tensor):
+        return out if out.requires_grad else None
+    if isinstance(out, (tuple, list)):
+        for item in out:
+            if isinstance(item, torch.Tensor) and item.requires_grad:
+                return item
+    return None
