@@ -309,3 +309,17 @@ def test_cuda_streams_match_unwrapped(alpha: float) -> None:
         _assert_same(*_step(model, ids, labels), *_step(ref, ids, labels))
     rt = mr.runtime_of(model)
     assert rt.host_bytes > 0 and rt.buffers.host.is_pinned()
+
+
+def test_explicit_runtime_object() -> None:
+    ref = _model("gpt")
+    rt = mr.MemoRuntime(0.25, debug_copy_delay_us=DELAY_US)
+    model = mr.wrap(copy.deepcopy(ref), runtime=rt)
+    assert mr.runtime_of(model) is rt and rt.n_layers == 5 and rt.n_offloaded == 3
+    ids, labels = _batch(ref, 2, 10)
+    _assert_same(*_step(model, ids, labels), *_step(ref, ids, labels))
+    assert rt.describe()["host_bytes"] == rt.host_bytes > 0
+    with pytest.raises(MemoError, match="already serves a model"):
+        mr.wrap(copy.deepcopy(ref), runtime=rt)
+    with pytest.raises(MemoError, match="either to MemoRuntime or to wrap"):
+        mr.wrap(copy.deepcopy(ref), alpha=0.5, runtime=mr.MemoRuntime(0.5))
