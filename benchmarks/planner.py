@@ -59,7 +59,7 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["gpt-1.3b", "gpt-7b", "llama-3-8b"])
     parser.add_argument("--seqs", nargs="+", type=int, default=[8192, 65536])
-    parser.add_argument("--time-limit", type=float, default=30.0, help="seconds per MIP solve")
+    parser.add_argument("--time-limit", type=float, default=20.0, help="seconds per MIP solve")
     parser.add_argument("--no-flat-mip", action="store_true", help="skip the flat MIP column")
     parser.add_argument("--no-hard", action="store_true", help="skip the hard flat instances")
     args = parser.parse_args()

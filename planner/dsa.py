@@ -352,8 +352,23 @@ def mip_neighbourhoods(items: Sequence[Item], warm: DSAResult, *, time_limit: fl
         neighbours[i].append(j)
         neighbours[j].append(i)
     peak = max(o + it.size for o, it in zip(offsets, items, strict=True))
-    solves = improved = 0
+    solves = improved = restarts = stuck = 0
+    size_a, start_a, end_a = _arrays(items)
     while peak - lb > gap_tolerance * lb and time.perf_counter() - t0 < time_limit - 0.5:
+        if stuck >= 2 * window:
+            # NOTE [Restarts]: the neighbourhoods around this placement are exhausted; a greedy
+            # placement in a perturbed size order gives the search a new starting point when it
+            # is at least as good.
+            stuck = 0
+            for _ in range(20):
+                order = sorted(range(n), key=lambda i: -size_a[i] * rng.uniform(0.6, 1.4))
+                cand_offsets, cand_peak = _greedy_order(items, order, size_a, start_a, end_a)
+                restarts += 1
+                if cand_peak <= peak:
+                    improved += cand_peak < peak
+                    offsets, peak = cand_offsets, cand_peak
+                    break
+            continue
         critical = [i for i in range(n) if offsets[i] + items[i].size == peak]
         c = rng.choice(critical)
         # The critical item, the neighbours sharing its top region first, then random neighbours.
@@ -367,6 +382,7 @@ def mip_neighbourhoods(items: Sequence[Item], warm: DSAResult, *, time_limit: fl
         budget = min(5.0, max(0.5, time_limit - (time.perf_counter() - t0) - 0.5))
         new = _neighbourhood_mip(items, offsets, free, neighbours, peak, solver, threads, budget)
         solves += 1
+        stuck += 1
         if new is None:
             continue
         trial = list(offsets)
@@ -379,11 +395,13 @@ def mip_neighbourhoods(items: Sequence[Item], warm: DSAResult, *, time_limit: fl
         new_peak = max(o + it.size for o, it in zip(offsets, items, strict=True))
         if new_peak < peak:
             improved += 1
+            stuck = 0
         peak = new_peak
     seconds = time.perf_counter() - t0
     optimal = peak == lb
     return DSAResult(offsets, peak, "mip-lns", seconds, status="optimal" if optimal else "time limit",
                      optimal=optimal, extra={"fallback": False, "solves": solves, "improvements": improved,
+                                             "restarts": restarts,
                                              "pairs": len(pairs)})
 
 
