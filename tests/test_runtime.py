@@ -323,3 +323,19 @@ def test_explicit_runtime_object() -> None:
         mr.wrap(copy.deepcopy(ref), runtime=rt)
     with pytest.raises(MemoError, match="either to MemoRuntime or to wrap"):
         mr.wrap(copy.deepcopy(ref), alpha=0.5, runtime=mr.MemoRuntime(0.5))
+
+
+def test_allocate_before_training() -> None:
+    ref = _model("gpt")
+    model = mr.wrap(copy.deepcopy(ref), alpha=0.5, host_memory_limit=1000)
+    x = torch.zeros(9, 2, 64)
+    with pytest.raises(MemoError, match="only 1,000 bytes"):
+        mr.runtime_of(model).allocate(x)
+    model = mr.wrap(copy.deepcopy(ref), alpha=0.5)
+    rt = mr.runtime_of(model)
+    rt.allocate(x)
+    host = rt.host_bytes
+    assert host > 0 and rt.stats.bytes_offloaded == 0
+    ids, labels = _batch(ref, 2, 9)
+    _assert_same(*_step(model, ids, labels), *_step(ref, ids, labels))
+    assert rt.host_bytes == host

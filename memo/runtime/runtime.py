@@ -175,6 +175,22 @@ class MemoRuntime:
         self.layer_bytes = layer_bytes
         self._input_key = key
 
+    def allocate(self, *layer_args: Any, **layer_kwargs: Any) -> None:
+        """Size and allocate the buffers now, from an example input of the first layer.
+
+        Call it before training to fail early (with the numbers) when host memory is short;
+        otherwise the first forward does it. ``layer_args``/``layer_kwargs`` are what the
+        first wrapped layer's ``forward`` takes (e.g. ``x: [s, b, h]``); only shapes matter.
+        """
+        if not self.calls:
+            raise MemoError("memo.runtime: allocate() needs a wrapped model; call memo.wrap first")
+        if self.n_offloaded == 0:
+            return
+        call = self.calls[0]
+        x, ctx = call.adapter.split_args(call.layer, layer_args, layer_kwargs)
+        with torch.enable_grad():
+            self.prepare(call, x, ctx)
+
     # Per-layer entry points ---------------------------------------------------------------------
     def run_layer(self, call: LayerCall, x: torch.Tensor, ctx: Any) -> torch.Tensor:
         """Forward of offloaded layer ``call.index`` through :class:`MemoLayerFunction`."""
