@@ -115,10 +115,15 @@ def _finish(t: Trace, offsets: list[int | None], solver: dict[str, Any], **field
     return plan
 
 
-def _flat(t: Trace, *, use_mip: bool, time_limit: float, solver: str, threads: int) -> Plan:
+def _flat(t: Trace, *, use_mip: bool, time_limit: float, solver: str, threads: int,
+          progress: bool | None = False) -> Plan:
     t0 = time.perf_counter()
     items = [Item(_units(a.size), a.start, a.end) for a in t.allocations]
+    bar = _progress(1, "memo plan", progress)
+    bar.set_postfix_str(f"flat ({len(items)} allocations, up to {time_limit:.0f} s)")
     result = _solve(items, use_mip=use_mip, time_limit=time_limit, solver=solver, threads=threads)
+    bar.update(1)
+    bar.close()
     info = _record(result, _units_lower_bound(items))
     info.update(kind="flat", solver=solver if use_mip else None, items=len(items),
                 seconds=round(time.perf_counter() - t0, 3))
@@ -190,7 +195,8 @@ def plan_bilevel(trace: Trace | Mapping[str, Any], *, time_limit: float = 60.0, 
         if any(a.transient for a in by_phase[phase]):
             layered[kind].append(phase)
     if not any(layered.values()):
-        plan = _flat(t, use_mip=use_mip, time_limit=time_limit, solver=solver, threads=threads)
+        plan = _flat(t, use_mip=use_mip, time_limit=time_limit, solver=solver, threads=threads,
+                     progress=progress)
         plan.warnings.extend(notes)
         return plan
 
@@ -313,7 +319,8 @@ def make_plan(trace: Trace | Mapping[str, Any], alpha_solution: Any = None, *, t
     if method == "heuristic":
         plan = plan_heuristic(t)
     elif method == "flat":
-        plan = _flat(t, use_mip=use_mip, time_limit=time_limit, solver=solver, threads=threads)
+        plan = _flat(t, use_mip=use_mip, time_limit=time_limit, solver=solver, threads=threads,
+                     progress=progress)
     elif method == "bilevel":
         plan = plan_bilevel(t, time_limit=time_limit, solver=solver, threads=threads, use_mip=use_mip,
                             progress=progress)
