@@ -72,3 +72,17 @@ def test_interrupted_layer_phase_is_planned_individually():
     plan = make_plan(trace)
     validate_plan(plan, trace)
     assert any("interrupted" in w for w in plan.warnings)
+
+
+def test_profiler_trace_plans_within_five_percent():
+    profiler = pytest.importorskip("memo.profiler")
+    if not hasattr(profiler, "profile"):
+        pytest.skip("memo.profiler.profile is not available")
+    result = profiler.profile("gpt-125m", 1024, device="meta", solve=False, plan=False, layer_ms=10.0,
+                              bandwidth_gbps=20.0, host_mem_gb=1000)
+    trace = Trace.from_dict(result.trace)
+    plan = make_plan(trace, time_limit=10)
+    validate_plan(plan, trace)
+    assert plan.peak <= 1.05 * plan.lower_bound
+    tables = plan.phase_tables()
+    assert len(tables["layer.fwd[0]"]) == len(trace.phase_allocations("layer.fwd[0]"))
