@@ -64,7 +64,10 @@ class DSAResult:
 
 
 def quiet_pulp(fn: Callable[P, R]) -> Callable[P, R]:
-    """Run ``fn`` without PuLP 3.x's notices about its 4.0 API (memo pins the 3.x API; README "Solvers")."""
+    """Run ``fn`` without PuLP 3.x's notices about its 4.0 API.
+
+    memo uses the 3.x API and its bundled CBC (docs/formats.md, "Solvers").
+    """
 
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
