@@ -355,7 +355,7 @@ def mip_neighbourhoods(items: Sequence[Item], warm: DSAResult, *, time_limit: fl
         neighbours[i].append(j)
         neighbours[j].append(i)
     peak = max(o + it.size for o, it in zip(offsets, items, strict=True))
-    solves = improved = restarts = stuck = 0
+    solves = improved = restarts = stuck = failures = 0
     size_a, start_a, end_a = _arrays(items)
     while peak - lb > gap_tolerance * lb and time.perf_counter() - t0 < time_limit - 0.5:
         if stuck >= 2 * window:
@@ -387,6 +387,7 @@ def mip_neighbourhoods(items: Sequence[Item], warm: DSAResult, *, time_limit: fl
         solves += 1
         stuck += 1
         if new is None:
+            failures += 1
             continue
         trial = list(offsets)
         for i, o in zip(free, new, strict=True):
@@ -402,8 +403,11 @@ def mip_neighbourhoods(items: Sequence[Item], warm: DSAResult, *, time_limit: fl
         peak = new_peak
     seconds = time.perf_counter() - t0
     optimal = peak == lb
-    return DSAResult(offsets, peak, "mip-lns", seconds, status="optimal" if optimal else "time limit",
-                     optimal=optimal, extra={"fallback": False, "solves": solves, "improvements": improved,
+    # Every neighbourhood solve failed: the solver does not work here, whatever the restarts found.
+    broken = solves > 0 and failures == solves
+    status = "optimal" if optimal else ("solver failed on every neighbourhood" if broken else "time limit")
+    return DSAResult(offsets, peak, "mip-lns", seconds, status=status,
+                     optimal=optimal, extra={"fallback": broken, "solves": solves, "improvements": improved,
                                              "restarts": restarts,
                                              "pairs": len(pairs)})
 

@@ -192,3 +192,21 @@ def test_highs_without_highspy_is_a_clear_error():
             plan_mip(Trace.from_dict(items_to_trace(items)), solver="highs", time_limit=5)
     else:
         pytest.skip("highspy is installed")
+
+
+def test_solver_failure_keeps_the_heuristic_flagged(monkeypatch):
+    import memo.planner.dsa as dsa
+    import pulp
+
+    class Broken:
+        def actualSolve(self, *args, **kwargs):  # noqa: N802 - PuLP's solver interface
+            raise pulp.PulpSolverError("solver binary missing")
+
+    monkeypatch.setattr(dsa, "_solver_cmd", lambda *args: Broken())
+    items = guillotine_instance(32, seed=11)
+    trace = Trace.from_dict(items_to_trace(items))
+    plan = plan_mip(trace, time_limit=3)
+    info = plan.solver["total"]
+    assert info["heuristic_fallback"] is True
+    assert plan.peak <= greedy(items).peak * ALIGNMENT
+    validate_plan(plan, trace)
