@@ -374,13 +374,21 @@ def mip_neighbourhoods(items: Sequence[Item], warm: DSAResult, *, time_limit: fl
             continue
         critical = [i for i in range(n) if offsets[i] + items[i].size == peak]
         c = rng.choice(critical)
-        # The critical item, the neighbours sharing its top region first, then random neighbours.
-        cand = sorted(neighbours[c], key=lambda j: (-(offsets[j] + items[j].size), rng.random()))
         k = max(2, window - rng.randint(0, window // 3))
-        free = [c] + cand[: k // 2]
+        if solves % 2:
+            # A column: the items alive at one instant of the critical item's life, plus
+            # random neighbours of the critical item; a column can be re-stacked as a whole.
+            t = rng.randrange(items[c].start, items[c].end)
+            column = [j for j in neighbours[c] if items[j].start <= t < items[j].end]
+            rng.shuffle(column)
+            free = [c] + column[: k - 1]
+        else:
+            # The critical item, the neighbours sharing its top region first, then random neighbours.
+            cand = sorted(neighbours[c], key=lambda j: (-(offsets[j] + items[j].size), rng.random()))
+            free = [c] + cand[: k // 2]
         rest = [j for j in neighbours[c] if j not in free]
         rng.shuffle(rest)
-        free += rest[: k - len(free)]
+        free += rest[: max(0, k - len(free))]
         old_top = max(offsets[i] + items[i].size for i in free)
         budget = min(5.0, max(0.5, time_limit - (time.perf_counter() - t0) - 0.5))
         new = _neighbourhood_mip(items, offsets, free, neighbours, peak, solver, threads, budget)
