@@ -144,6 +144,17 @@ void PlannedAllocator::set_phase(const std::string& name) {
   if (logging_) current_phase_id_ = phase_id(name);
 }
 
+void PlannedAllocator::suspend_phase() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  suspended_ += 1;
+}
+
+void PlannedAllocator::resume_phase() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (suspended_ == 0) throw AllocatorError("memo allocator: resume_phase() without a matching suspend_phase()");
+  suspended_ -= 1;
+}
+
 std::string PlannedAllocator::phase() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return phase_;
@@ -173,7 +184,7 @@ void* PlannedAllocator::fallback_locked(std::size_t bytes) {
 
 void* PlannedAllocator::allocate_locked(std::size_t bytes) {
   stats_.requests += 1;
-  if (phase_table_ == nullptr || arena_ == nullptr) {
+  if (phase_table_ == nullptr || arena_ == nullptr || suspended_ > 0) {
     stats_.unplanned_requests += 1;
     return fallback_locked(bytes);
   }
@@ -222,7 +233,7 @@ void* PlannedAllocator::allocate(std::size_t bytes) {
   if (logging_) {
     const std::uint64_t id = next_id_++;
     log_ids_[p] = id;
-    const bool own = std::this_thread::get_id() == phase_thread_;
+    const bool own = std::this_thread::get_id() == phase_thread_ && suspended_ == 0;
     log_.push_back(TraceEvent{true, id, bytes, own ? current_phase_id_ : -1});
   }
   return p;

@@ -120,6 +120,11 @@ class PlannedAllocator {
   // Opens phase `name` (request index 0); an empty name means "no phase".
   void set_phase(const std::string& name);
   std::string phase() const;
+  // NOTE [One-time allocations inside a phase] (memo/allocator/_api.py): while
+  // suspended (calls nest), requests are outside every phase and the open
+  // phase keeps its request index for when it resumes.
+  void suspend_phase();
+  void resume_phase();
 
   void* allocate(std::size_t bytes);
   // Never throws: it runs from deleters. Unknown pointers are counted.
@@ -183,6 +188,7 @@ class PlannedAllocator {
   const std::vector<PlanSlot>* phase_table_ = nullptr;
   std::size_t phase_index_ = 0;
   bool phase_deviated_ = false;
+  int suspended_ = 0;
 
   bool poison_ = false;
   bool deviation_reported_ = false;

@@ -218,6 +218,23 @@ void memo_cuda_set_phase(const char* name) {
   }
 }
 
+// NOTE [One-time allocations inside a phase]: suspend/resume nest, on every device.
+void memo_cuda_suspend_phase(int suspend) {
+  for (int d = 0; d < memo::cuda::kMaxDevices; ++d) {
+    memo::cuda::DeviceState* s;
+    {
+      std::lock_guard<std::mutex> lock(memo::cuda::states_mutex);
+      s = memo::cuda::states[d];
+    }
+    if (s == nullptr) continue;
+    if (suspend != 0) {
+      s->alloc.suspend_phase();
+    } else {
+      memo::cuda::guarded([&] { s->alloc.resume_phase(); });
+    }
+  }
+}
+
 int memo_cuda_set_poison(int device, int on) {
   auto* s = state(device);
   if (s == nullptr) return -1;

@@ -165,6 +165,8 @@ void bind_allocator(py::module_& m) {
           "set_phase",
           [](PlannedAllocator& a, const std::optional<std::string>& name) { a.set_phase(name.value_or("")); },
           py::arg("name"))
+      .def("suspend_phase", &PlannedAllocator::suspend_phase)
+      .def("resume_phase", &PlannedAllocator::resume_phase)
       .def("phase", [](const PlannedAllocator& a) -> py::object {
         std::string p = a.phase();
         if (p.empty()) return py::none();

@@ -4,6 +4,7 @@
   fallback caching allocator for everything else.
 * :func:`logging` -- record an allocation trace (the input of ``memo.planner``).
 * :func:`set_phase` -- the phase listener for :class:`memo.phases.PhaseTracker`.
+* :func:`unplanned` -- a scope whose allocations belong to no phase (one-time set-up work).
 * :func:`stats`, :func:`empty_cache` -- counters and cache control per device.
 * :func:`install_cuda` -- make memo PyTorch's CUDA allocator (before the first CUDA tensor).
 
@@ -19,7 +20,15 @@ Example (CPU)::
         ...  # later iterations: layer activations come from the arena
 """
 
-from memo.allocator._api import PlanDeviationWarning, empty_cache, logging, planned, set_phase, stats
+from memo.allocator._api import (
+    PlanDeviationWarning,
+    empty_cache,
+    logging,
+    planned,
+    set_phase,
+    stats,
+    unplanned,
+)
 from memo.allocator._backends import cuda_installed, cuda_library_path, install_cuda
 from memo.allocator._tables import PhaseTables, normalize_plan
 
@@ -35,4 +44,5 @@ __all__ = [
     "planned",
     "set_phase",
     "stats",
+    "unplanned",
 ]

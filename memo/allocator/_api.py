@@ -22,7 +22,7 @@ import torch
 
 from memo.allocator._backends import Backend, backend_for, loaded_backends
 from memo.allocator._tables import PhaseTables, normalize_plan
-from memo.errors import MemoError
+from memo.errors import MemoError, internal_assert
 
 __all__ = [
     "PlanDeviationWarning",
@@ -31,6 +31,7 @@ __all__ = [
     "planned",
     "set_phase",
     "stats",
+    "unplanned",
 ]
 
 TRACE_VERSION = 1
@@ -75,13 +76,44 @@ def _warn_deviation(backend: Backend) -> None:
     )
 
 
+_phase: str | None = None
+
+
 def set_phase(name: str | None) -> None:
     """Tell the allocators which phase is open (``None``: none). Add it to a tracker with
     ``tracker.add_listener(memo.allocator.set_phase)``; each call restarts the request index."""
+    global _phase
+    _phase = name
     for backend in loaded_backends():
         backend.set_phase(name)
         if _active.get(backend.device_type) == "planned":
             _warn_deviation(backend)
+
+
+@contextlib.contextmanager
+def unplanned() -> Iterator[None]:
+    """Allocations in the body belong to no phase: the fallback serves them and traces log them
+    without a phase, so plans never cover them; the open phase is restored afterwards.
+
+    NOTE [One-time allocations inside a phase]
+    Work done once, on the first iteration only (memo's runtime sizing and allocating its
+    rounding buffers in the first layer's forward), must not take request indices of the
+    phase it happens in: the profiled iteration would then differ from every later one, and
+    its long-lived buffers would be given arena slots that later iterations need.
+
+    Tell the native allocators directly, not through :func:`set_phase`: the phase resumes
+    afterwards where it was, with its request index intact.
+    """
+    previous = _phase
+    backends = loaded_backends()
+    for backend in backends:
+        backend.suspend_phase()
+    try:
+        yield
+    finally:
+        for backend in backends:
+            backend.resume_phase()
+        internal_assert(_phase == previous, "the phase changed inside memo.allocator.unplanned()")
 
 
 @contextlib.contextmanager

@@ -46,6 +46,10 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def set_phase(self, name: str | None) -> None: ...
     @abc.abstractmethod
+    def suspend_phase(self) -> None: ...
+    @abc.abstractmethod
+    def resume_phase(self) -> None: ...
+    @abc.abstractmethod
     def set_poison(self, on: bool) -> None: ...
     @abc.abstractmethod
     def set_fallback_limit(self, nbytes: int) -> None: ...
@@ -98,6 +102,12 @@ class CpuBackend(Backend):
 
     def set_phase(self, name: str | None) -> None:
         self._core.set_phase(name)
+
+    def suspend_phase(self) -> None:
+        self._core.suspend_phase()
+
+    def resume_phase(self) -> None:
+        self._core.resume_phase()
 
     def set_poison(self, on: bool) -> None:
         self._core.set_poison(on)
@@ -174,6 +184,7 @@ def _load_cuda_library() -> ctypes.CDLL:
                                           c.POINTER(c.c_uint64), c.POINTER(c.c_int64), c.c_uint64]),
         "memo_cuda_unload_plan": (c.c_int, [c.c_int]),
         "memo_cuda_set_phase": (None, [c.c_char_p]),
+        "memo_cuda_suspend_phase": (None, [c.c_int]),
         "memo_cuda_set_poison": (c.c_int, [c.c_int, c.c_int]),
         "memo_cuda_set_fallback_limit": (c.c_int, [c.c_int, c.c_uint64]),
         "memo_cuda_empty_cache": (c.c_uint64, [c.c_int]),
@@ -258,6 +269,13 @@ class CudaBackend(Backend):
 
     def set_phase(self, name: str | None) -> None:
         self._lib.memo_cuda_set_phase(None if name is None else name.encode())
+
+    # The CUDA library keeps the phase process-wide, like set_phase: one call reaches every device.
+    def suspend_phase(self) -> None:
+        self._lib.memo_cuda_suspend_phase(1)
+
+    def resume_phase(self) -> None:
+        self._lib.memo_cuda_suspend_phase(0)
 
     def set_poison(self, on: bool) -> None:
         self._check(self._lib.memo_cuda_set_poison(self._dev, int(on)), "set_poison")

@@ -157,6 +157,14 @@ class MemoRuntime:
                     "shape (the buffers are allocated once)"
                 )
             return
+        from memo.allocator import unplanned
+
+        # NOTE [One-time allocations inside a phase] (memo/allocator/_api.py): the dry run and
+        # the buffers happen once, inside layer.fwd[0]; keep them out of its request indices.
+        with unplanned():
+            self._allocate_buffers(call, x, ctx, key)
+
+    def _allocate_buffers(self, call: LayerCall, x: torch.Tensor, ctx: Any, key: tuple[Any, ...]) -> None:
         layer_bytes = call.measure(x, ctx)
         host_bytes = self.n_offloaded * layer_bytes
         planned = _plan_field(self.plan, "host_bytes")
