@@ -17,7 +17,7 @@ install:
 	$(PYTHON) -c "import memo, memo._C; print('memo installed:', memo._C.build_info())"
 
 demo: install
-	$(PYTHON) -m memo.cli.demo --out $(DEMO_DIR)
+	$(PYTHON) examples/demo.py --out $(DEMO_DIR)
 
 test: install
 	$(PYTHON) -m ruff check .

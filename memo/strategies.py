@@ -19,7 +19,6 @@ which exist before the first step. On CUDA with PyTorch's own allocator (baselin
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,7 +46,7 @@ class StrategyOptions:
     planned_allocator: bool = True
     """Replay the plan with memo's allocator (``memo`` strategy); off keeps the fallback only."""
     bandwidth_gbps: float | None = None
-    """Host<->device GB/s for alpha; measured on CUDA (and as memcpy rate on CPU) when None."""
+    """Host<->device GB/s for alpha; measured when None (CPU backend: the memcpy rate)."""
     layer_ms: float | None = None
     """Forward ms of one layer for alpha; measured when None."""
     host_mem_gb: float | None = None
@@ -163,11 +162,10 @@ class Strategy:
             log(f"memo: plan {opts.plan}: alpha {self.alpha:.4f}, arena {_mib(plan.peak)}")
             self._wrap(self.alpha, plan)
             return
-        machine = _machine_numbers(model, ids, opts)
         result = profiler.profile(
             model, run["seq_len"], run["micro_batch"], device=ids.device,
             recorder="allocator", time_limit=opts.time_limit,
-            bandwidth_gbps=machine["bandwidth_gbps"], layer_ms=machine["layer_ms"],
+            bandwidth_gbps=opts.bandwidth_gbps, layer_ms=opts.layer_ms,
             host_mem_gb=opts.host_mem_gb, gpus_per_node=opts.gpus_per_node, host_safety=opts.host_safety,
             plan=opts.planned_allocator, log=lambda line: log(f"memo profile: {line}"),
         )
@@ -278,42 +276,6 @@ def _check_plan(plan: Any, run: dict[str, Any]) -> None:
                 f"memo.train: the plan was made for {key}={actual}, this run has {key}={expected}; "
                 "re-run `memo profile` for this run, or drop --plan"
             )
-
-
-def _machine_numbers(model: nn.Module, ids: torch.Tensor, opts: StrategyOptions) -> dict[str, float]:
-    """B and T_layer for the alpha LP: given, or measured on this device.
-
-    On the CPU backend the "device" is host memory and the copy worker moves bytes with
-    memcpy, so B is the measured memcpy rate and T_layer the measured CPU layer time.
-    """
-    from memo.profiler import time_layer_forward
-
-    bandwidth = opts.bandwidth_gbps
-    if bandwidth is None:
-        bandwidth = _copy_bandwidth_gbps(ids.device)
-    layer_ms = opts.layer_ms
-    if layer_ms is None:
-        with torch.no_grad():
-            x = model.embedding(ids)
-        layer_ms = float(time_layer_forward(model.layers[0], x).value)
-    return {"bandwidth_gbps": bandwidth, "layer_ms": layer_ms}
-
-
-def _copy_bandwidth_gbps(device: torch.device) -> float:
-    if device.type == "cuda":
-        from memo.profiler import measure_bandwidth
-
-        return float(measure_bandwidth(device).value)
-    nbytes = 64 << 20
-    src = torch.empty(nbytes, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
-    return nbytes / best / 1e9
 
 
 def _plan_for_alpha(

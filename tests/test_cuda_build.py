@@ -26,7 +26,8 @@ pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found: the CUDA b
 
 EXPORTS = (
     "memo_malloc", "memo_free", "memo_cuda_last_error", "memo_cuda_load_plan", "memo_cuda_unload_plan",
-    "memo_cuda_set_phase", "memo_cuda_set_poison", "memo_cuda_set_fallback_limit", "memo_cuda_empty_cache",
+    "memo_cuda_set_phase", "memo_cuda_suspend_phase", "memo_cuda_set_poison", "memo_cuda_set_fallback_limit",
+    "memo_cuda_empty_cache",
     "memo_cuda_reset_stats", "memo_cuda_stats", "memo_cuda_deviation", "memo_cuda_start_logging",
     "memo_cuda_stop_logging", "memo_cuda_read_log", "memo_cuda_log_phase_count", "memo_cuda_log_phase_name",
 )

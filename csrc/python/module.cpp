@@ -1,5 +1,9 @@
 // The memo._C module: build information plus every registered component.
-#include <torch/extension.h>
+// Only pybind11 and torch's version macro: torch/extension.h would add a
+// heavy translation unit to every build for nothing used here.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/headeronly/version.h>
 
 #include <string>
 #include <utility>

@@ -175,17 +175,17 @@ def _check_machine_args(
     """Refuse missing machine numbers before the (possibly long) recording, not after it."""
     if gpu is not None:
         gpu_peak_flops(gpu, dtype)
-    if device.type == "cuda":
-        return
+    if device.type != "meta":
+        return  # cuda and cpu measure what is not given
     if bandwidth_gbps is None:
         raise MemoError(
-            f"memo.profiler: the host<->device bandwidth cannot be measured on {device.type}; pass "
+            "memo.profiler: the host<->device bandwidth cannot be measured on the meta device; pass "
             "--bandwidth-gbps (e.g. 25 for PCIe 4.0 x16, 50 for PCIe 5.0 x16; `memo env` measures it "
             "on a GPU)"
         )
     if layer_ms is None and gpu is None:
         raise MemoError(
-            f"memo.profiler: a layer's forward time cannot be measured on {device.type}; pass --layer-ms, "
+            "memo.profiler: a layer's forward time cannot be measured on the meta device; pass --layer-ms, "
             "or --gpu (h100, a100, ...) with --efficiency to estimate it from FLOPs"
         )
 
@@ -209,7 +209,7 @@ def _machine(
         if not bandwidth_gbps > 0:
             raise MemoError(f"memo.profiler: bandwidth must be > 0 GB/s, got {bandwidth_gbps}")
         q["bandwidth_gbps"] = Quantity(float(bandwidth_gbps), "given")
-    elif device.type == "cuda":
+    elif device.type in ("cuda", "cpu"):
         q["bandwidth_gbps"] = measure_bandwidth(device)
     else:
         raise MemoError(
@@ -223,7 +223,7 @@ def _machine(
         q["layer_ms"] = Quantity(float(layer_ms), "given")
     elif gpu is not None:
         q["layer_ms"] = estimate_layer_ms(model.config, seq_len, micro_batch, gpu, dtype, efficiency)
-    elif device.type == "cuda":
+    elif device.type in ("cuda", "cpu"):
         with torch.no_grad():
             x = model.embedding(ids)
         q["layer_ms"] = time_layer_forward(model.layers[0], x)

@@ -124,9 +124,15 @@ def time_layer_forward(layer: nn.Module, x: torch.Tensor, *, repeats: int = 3, w
 
 
 def measure_bandwidth(device: torch.device, nbytes: int = 256 << 20, repeats: int = 3) -> Quantity:
-    """Pinned host<->device copy bandwidth in GB/s: the slower of H2D and D2H (median of ``repeats``)."""
+    """Copy bandwidth B of the alpha LP in GB/s (median of ``repeats``).
+
+    CUDA: pinned host<->device copies, the slower of H2D and D2H. CPU: memo's CPU backend
+    moves activations with memcpy on its copy worker, so B is the memcpy rate.
+    """
+    if device.type == "cpu":
+        return _memcpy_bandwidth(min(nbytes, 64 << 20), repeats)
     if device.type != "cuda":
-        raise MemoError(f"memo.profiler: copy bandwidth is measured on CUDA only, not on {device.type}")
+        raise MemoError(f"memo.profiler: copy bandwidth cannot be measured on {device.type}; pass it")
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
     rates = {}
@@ -148,6 +154,18 @@ def measure_bandwidth(device: torch.device, nbytes: int = 256 << 20, repeats: in
         f"pinned {nbytes >> 20} MiB copies: H2D {rates['H2D']:.1f}, D2H {rates['D2H']:.1f} GB/s; using {slow}"
     )
     return Quantity(rates[slow], "measured", how)
+
+
+def _memcpy_bandwidth(nbytes: int, repeats: int) -> Quantity:
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # touch the pages once
+    runs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        runs.append(nbytes / (time.perf_counter() - start) / 1e9)
+    return Quantity(statistics.median(runs), "measured", f"CPU backend: memcpy of {nbytes >> 20} MiB")
 
 
 def machine_memory_bytes() -> int:
