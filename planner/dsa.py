@@ -357,16 +357,25 @@ def mip_neighbourhoods(items: Sequence[Item], warm: DSAResult, *, time_limit: fl
     peak = max(o + it.size for o, it in zip(offsets, items, strict=True))
     solves = improved = restarts = stuck = failures = 0
     size_a, start_a, end_a = _arrays(items)
+    order = sorted(range(n), key=lambda i: (-size_a[i], start_a[i]))
+    order_peak = _greedy_order(items, order, size_a, start_a, end_a)[1]
     while peak - lb > gap_tolerance * lb and time.perf_counter() - t0 < time_limit - 0.5:
         if stuck >= 2 * window:
-            # NOTE [Restarts]: the neighbourhoods around this placement are exhausted; a greedy
-            # placement in a perturbed size order gives the search a new starting point when it
-            # is at least as good.
+            # NOTE [Restarts]: the neighbourhoods around this placement look exhausted. A hill
+            # climb on the greedy's placement order (move a few items earlier) gives the search
+            # a new starting point whenever it is at least as good as the current placement.
             stuck = 0
-            for _ in range(20):
-                order = sorted(range(n), key=lambda i: -size_a[i] * rng.uniform(0.6, 1.4))
-                cand_offsets, cand_peak = _greedy_order(items, order, size_a, start_a, end_a)
+            for _ in range(40):
+                # Hill-climb on the greedy's placement order: move a few items earlier.
+                cand = list(order)
+                for _ in range(rng.randint(1, 3)):
+                    a = rng.randrange(n)
+                    item = cand.pop(a)
+                    cand.insert(rng.randrange(a + 1), item)
+                cand_offsets, cand_peak = _greedy_order(items, cand, size_a, start_a, end_a)
                 restarts += 1
+                if cand_peak <= order_peak:
+                    order, order_peak = cand, cand_peak
                 if cand_peak <= peak:
                     improved += cand_peak < peak
                     offsets, peak = cand_offsets, cand_peak
