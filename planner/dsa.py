@@ -410,14 +410,18 @@ def mip_neighbourhoods(items: Sequence[Item], warm: DSAResult, *, time_limit: fl
         for i, o in zip(free, new, strict=True):
             trial[i] = o
         new_top = max(trial[i] + items[i].size for i in free)
-        if new_top > old_top or check_placement(items, trial, peak) is not None:
+        if new_top > old_top:
             continue
-        offsets = _compact(items, trial, pairs)
-        new_peak = max(o + it.size for o, it in zip(offsets, items, strict=True))
+        # _compact keeps the trial's vertical order and is valid by construction, so no full
+        # placement check is needed here (the plan is validated once at the end).
+        compacted = _compact(items, trial, pairs)
+        new_peak = max(o + it.size for o, it in zip(compacted, items, strict=True))
+        if new_peak > peak:
+            continue
         if new_peak < peak:
             improved += 1
             stuck = 0
-        peak = new_peak
+        offsets, peak = compacted, new_peak
     seconds = time.perf_counter() - t0
     optimal = peak == lb
     # Every neighbourhood solve failed: the solver does not work here, whatever the restarts found.
