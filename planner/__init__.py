@@ -5,7 +5,7 @@ File formats: docs/formats.md.
 """
 
 from .alpha import AlphaSolution, host_memory_per_process, solve_alpha
-from .core import lower_bound, make_plan, plan_bilevel, plan_heuristic, plan_mip
+from .core import lower_bound, make_plan, plan_bilevel, plan_heuristic, plan_mip, without_unphased
 from .plan import ALIGNMENT, Plan, load_plan, save_plan, validate_plan
 from .trace import Allocation, Trace, load_trace, save_trace
 
@@ -27,4 +27,5 @@ __all__ = [
     "save_trace",
     "solve_alpha",
     "validate_plan",
+    "without_unphased",
 ]

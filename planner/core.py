@@ -294,9 +294,35 @@ def plan_bilevel(trace: Trace | Mapping[str, Any], *, time_limit: float = 60.0, 
                    warnings=notes)
 
 
+def without_unphased(trace: Trace | Mapping[str, Any]) -> tuple[Trace, int, int]:
+    """The trace without allocations made outside every phase; also their count and bytes.
+
+    NOTE [Unphased allocations are not planned for replay]
+    memo's allocator serves a request from the arena only inside a phase (it selects the
+    offset by phase and request index); everything else (parameters, optimizer state, data,
+    the runtime's one-time buffers) goes to its fallback. Placing those in the plan would only
+    make the arena bigger than anything it ever hands out.
+    """
+    t = _as_trace(trace)
+    data = t.to_dict()
+    dropped: set[Any] = set()
+    events, count, nbytes = [], 0, 0
+    for ev in data["events"]:
+        if ev["op"] == "malloc" and ev.get("phase") is None:
+            dropped.add(ev["id"])
+            count, nbytes = count + 1, nbytes + int(ev["size"])
+            continue
+        if ev["op"] == "free" and ev["id"] in dropped:
+            dropped.discard(ev["id"])
+            continue
+        events.append(ev)
+    data["events"] = events
+    return Trace.from_dict(data), count, nbytes
+
+
 def make_plan(trace: Trace | Mapping[str, Any], alpha_solution: Any = None, *, time_limit: float = 60.0,
               solver: str = "cbc", use_mip: bool = True, method: str = "auto", threads: int = 2,
-              host_bytes: int | None = None, progress: bool | None = None) -> Plan:
+              host_bytes: int | None = None, progress: bool | None = None, unphased: str = "plan") -> Plan:
     """Plan a trace (a Trace or its JSON dict): the one call `memo profile` and `memo plan` make.
 
     Args:
@@ -310,12 +336,21 @@ def make_plan(trace: Trace | Mapping[str, Any], alpha_solution: Any = None, *, t
             heuristic replaces the bi-level plan when it is smaller), "bilevel", "flat" or
             "heuristic".
         host_bytes: pinned host bytes the runtime needs (defaults to the alpha solution's).
+        unphased: "plan" gives allocations outside phases an address too (any DSA instance);
+            "fallback" leaves them out, for plans memo's allocator replays
+            (NOTE [Unphased allocations are not planned for replay]).
     """
     if not (isinstance(time_limit, (int, float)) and math.isfinite(time_limit) and time_limit > 0):
         raise MemoError(f"memo.planner: time_limit must be a positive number of seconds, got {time_limit!r}")
     if solver not in ("cbc", "highs"):
         raise MemoError(f"memo.planner: unknown solver {solver!r}; choose 'cbc' or 'highs'")
+    if unphased not in ("plan", "fallback"):
+        raise MemoError(f"memo.planner: unphased must be 'plan' or 'fallback', got {unphased!r}")
     t = _as_trace(trace)
+    left_out = None
+    if unphased == "fallback":
+        t, count, nbytes = without_unphased(t)
+        left_out = {"allocations": count, "bytes": nbytes}
     if method == "heuristic":
         plan = plan_heuristic(t)
     elif method == "flat":
@@ -347,4 +382,6 @@ def make_plan(trace: Trace | Mapping[str, Any], alpha_solution: Any = None, *, t
         if host_bytes is None:
             host_bytes = int(alpha_solution.host_bytes)
     plan.host_bytes = host_bytes
+    if left_out is not None:
+        plan.solver["unphased_left_to_fallback"] = left_out
     return plan

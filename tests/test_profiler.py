@@ -383,7 +383,7 @@ _CPU_MACHINE = {"bandwidth_gbps": 1.0, "layer_ms": 0.1, "host_mem_gb": 64.0, "ti
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 @pytest.mark.parametrize("recorder", ["dispatch", "allocator"])
 def test_two_pass_plans_from_the_wrapped_model(recorder: str) -> None:
-    from memo.planner import Trace, lower_bound, validate_plan
+    from memo.planner import Trace, lower_bound, validate_plan, without_unphased
 
     from memo.runtime import is_wrapped
 
@@ -396,7 +396,10 @@ def test_two_pass_plans_from_the_wrapped_model(recorder: str) -> None:
     plain, wrapped = Trace.from_dict(result.plain_trace), Trace.from_dict(result.trace)
     assert lower_bound(wrapped) < lower_bound(plain)
     validate_plan(result.plan, wrapped)
-    assert result.plan.lower_bound == lower_bound(wrapped)
+    # The arena covers phased requests only; the rest is the fallback allocator's.
+    phased, left_out, _ = without_unphased(wrapped)
+    assert result.plan.lower_bound == lower_bound(phased) <= lower_bound(wrapped)
+    assert result.plan.solver["unphased_left_to_fallback"]["allocations"] == left_out > 0
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")

@@ -32,6 +32,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--no-mip", action="store_true", help="greedy heuristic only (fast, no solver)")
     parser.add_argument("--flat", action="store_true",
                         help="plan every allocation individually (no layer blocks)")
+    parser.add_argument("--for-allocator", action="store_true",
+                        help="leave allocations made outside phases to memo's fallback allocator (they are "
+                        "never served from the arena); default: every allocation gets an address")
     parser.add_argument("--expand", action="store_true",
                         help="write {peak, lower_bound, addresses: {id: offset}} instead of the plan")
     parser.set_defaults(func=run)
@@ -50,6 +53,10 @@ def format_summary(plan: Plan) -> str:
         f"solver        {s.get('kind')} {s.get('solver') or 'heuristic only'}, {s.get('seconds', 0):.2f} s"
         + (", heuristic fallback" if s.get("heuristic_fallback") else ""),
     ]
+    if "unphased_left_to_fallback" in s:
+        left = s["unphased_left_to_fallback"]
+        lines.append(f"not planned   {left['allocations']} allocations outside phases "
+                     f"({left['bytes'] / MiB:.2f} MiB), served by the fallback allocator")
     lines += [f"warning       {w}" for w in plan.warnings]
     return "\n".join(lines)
 
@@ -57,7 +64,8 @@ def format_summary(plan: Plan) -> str:
 def run(args: argparse.Namespace) -> int:
     trace = load_trace(args.trace)
     plan = make_plan(trace, time_limit=args.time_limit, solver=args.solver, use_mip=not args.no_mip,
-                     method="flat" if args.flat else "auto")
+                     method="flat" if args.flat else "auto",
+                     unphased="fallback" if args.for_allocator else "plan")
     if args.expand:
         out = {"peak": plan.peak, "lower_bound": plan.lower_bound, "addresses": plan.expanded()}
         with open(args.output, "w", encoding="utf-8") as f:

@@ -439,7 +439,9 @@ def profile(
     from memo.planner import Trace, make_plan
 
     t0 = time.perf_counter()
-    kwargs: dict[str, Any] = {"alpha_solution": result.alpha, "time_limit": time_limit, "progress": progress}
+    # The plan is for memo's allocator, which serves only phased requests from the arena.
+    kwargs: dict[str, Any] = {"alpha_solution": result.alpha, "time_limit": time_limit, "progress": progress,
+                              "unphased": "fallback"}
     if solver is not None:
         kwargs["solver"] = solver
     result.plan = make_plan(Trace.from_dict(result.trace), **kwargs)
