@@ -71,14 +71,6 @@ def round_up(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def top_of(plan: Any, include_unphased: bool) -> int:
-    if isinstance(plan, dict):
-        tables = plan["tables"]
-    else:
-        tables = plan.phase_tables(include_unphased=include_unphased)
-    return max(off + size for rows in tables.values() for size, off in rows if off is not None)
-
-
 def plan_tables_and_peak(plan: Any) -> tuple[dict[str, list[tuple[int, int | None]]], int]:
     return ma.normalize_plan(plan)
 
