@@ -61,6 +61,17 @@ from memo.cli.args import positive_float, positive_int, seq_len
 from memo.errors import MemoError
 from memo.strategies import Strategy, StrategyOptions, make_strategy
 
+# NOTE [Import pulp before the first model]
+# memo's planner imports pulp lazily, inside the first memo step's set-up. pulp's optional solver
+# modules (copt_api, cplex_api) keep the exceptions they catch at import time, and those
+# tracebacks' frames chain (f_back) up to whoever imported pulp: Strategy.prepare and train(),
+# whose locals are that run's model and optimizer. Imported here, before any model exists, the
+# chain ends in this module instead, and no measured run keeps an earlier run's memory alive.
+try:
+    import pulp  # noqa: F401
+except ImportError:  # memo's planner reports a missing pulp itself, with what to install
+    pass
+
 __all__ = [
     "ROWS",
     "HostBytesMeter",

@@ -1,0 +1,370 @@
+#!/usr/bin/env python
+"""The longest sequence each activation-memory strategy trains without running out of device memory.
+
+For every strategy (none, full-recompute, full-offload, memo, and PyTorch's save_on_cpu) one
+training step (forward, backward, AdamW step) is tried at growing sequence lengths: doubling
+from ``--start`` until a step fails, then bisection down to ``--granularity`` tokens. A length
+"fits" when the step finishes; it does not fit when an allocation fails.
+
+NOTE [Emulated device memory on CPU]
+On CPU the device is memo's CPU allocator (NOTE [Measuring device memory] in
+memo/strategies.py), capped at ``--device-mem-mb``: the parameters are allocated before the
+allocator context, memo's plan arena is reserved when it opens, and the fallback allocator
+may reserve what is left (``memo.allocator.planned(..., fallback_limit=...)``). Every other
+allocation of the step (activations, gradients, AdamW state, memo's rounding buffers) comes
+from that remainder, and an allocation beyond it raises the allocator's out-of-memory error:
+a failed allocation, not a formula. memo's host arena and save_on_cpu's host copies live
+outside the device allocator, as they would in host memory next to a GPU.
+
+On CUDA the device is the real one (or capped with ``--device-mem-mb``: PyTorch's allocator via
+``torch.cuda.set_per_process_memory_fraction``, memo's via the same fallback limit). memo's
+CUDA allocator must be installed before the first CUDA tensor and PyTorch's rows must not have
+it, so every strategy's search runs in its own interpreter (on CPU too: one code path, and a
+failed step cannot leave state behind for the next strategy).
+
+NOTE [Profiling memo before each try]
+memo's plan is made before each try, outside the capped context (profiling is one-time set-up
+that a real job does once, and may do on another device). ``--memo-profile model`` (CPU
+default) profiles the very model the step trains, as ``memo train`` does; its pass 1 runs the
+plain model on the device. On a real GPU that pass needs as much memory as ``none`` and would
+cap memo at none's length, so ``--memo-profile name`` (CUDA default) profiles by model name:
+pass 1 on the meta device (NOTE [Sizes from meta] in memo/profiler/flow.py), pass 2 wrapped on
+the device, and the step loads the plan file. Below DEFAULT_MAX_SEQ_LEN (4096) tokens the
+by-name profile builds a smaller GPT position table than training does, so ``embed.bwd``
+deviates from the plan (served by the fallback, counted, warned about once).
+
+Usage::
+
+    python benchmarks/max_seq_len.py                                 # CPU: gpt-mini, 80 MiB device
+    python benchmarks/max_seq_len.py --device cuda --model gpt-1.3b --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memo.cli.args import positive_float, seq_len
+from memo.errors import MemoError
+from memo.phases import PhaseTracker
+from memo.strategies import Strategy, StrategyOptions
+
+# NOTE [Import pulp before the first model]
+# memo's planner imports pulp lazily, inside the first memo step's set-up. pulp's optional solver
+# modules (copt_api, cplex_api) keep the exceptions they catch at import time, and those
+# tracebacks' frames chain (f_back) up to whoever imported pulp: Strategy.prepare and train(),
+# whose locals are that run's model and optimizer. Imported here, before any model exists, the
+# chain ends in this module instead, and no measured run keeps an earlier run's memory alive.
+try:
+    import pulp  # noqa: F401
+except ImportError:  # memo's planner reports a missing pulp itself, with what to install
+    pass
+
+# benchmarks/ is not a package: the save_on_cpu baseline is shared with strategies.py by path.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from strategies import ROWS, SaveOnCpuStrategy  # noqa: E402
+
+__all__ = ["CappedSaveOnCpu", "CappedStrategy", "main", "search", "try_length"]
+
+BENCH_KIND = "memo.benchmark.max_seq_len"
+BENCH_VERSION = 1
+_RESULT_PREFIX = "SEARCH-JSON "
+
+
+class DeviceMemoryFull(MemoError):
+    """The device budget is used up before the step starts (parameters and plan arena)."""
+
+
+class _CappedMeter(Strategy):
+    """A strategy whose allocator context caps the fallback pool (NOTE [Emulated device memory on CPU]).
+
+    ``device_bytes``: the whole device budget; ``None`` leaves the allocator uncapped.
+    """
+
+    device_bytes: int | None = None
+
+    def _start_meter(self) -> None:
+        from memo import allocator
+
+        if self.device_bytes is None or (self.device.type == "cuda" and not allocator.cuda_installed()):
+            # Uncapped, or PyTorch's CUDA allocator (capped by the memory fraction in _setup_cuda).
+            super()._start_meter()
+            return
+        use_plan = self.plan is not None and self.options.planned_allocator
+        table = self.plan if use_plan else {"tables": {}, "peak": 0}
+        arena = int(self.plan.peak) if use_plan else 0
+        limit = self.device_bytes - self.param_bytes - arena
+        if limit <= 0:
+            raise DeviceMemoryFull(
+                f"max_seq_len: the device budget {self.device_bytes / 2**20:.1f} MiB is used up before the "
+                f"step: parameters {self.param_bytes / 2**20:.1f} MiB + plan arena {arena / 2**20:.1f} MiB"
+            )
+        self._exit.enter_context(allocator.planned(table, device=self.device.type, fallback_limit=limit))
+        self.tracker = PhaseTracker(self.model.embedding, self.model.layers, self.model.head,
+                                    listeners=[allocator.set_phase])
+        self._allocator_on = True
+
+
+class CappedStrategy(_CappedMeter):
+    """none / full-recompute / full-offload / memo under a device budget."""
+
+
+class CappedSaveOnCpu(_CappedMeter, SaveOnCpuStrategy):
+    """PyTorch's save_on_cpu baseline under a device budget."""
+
+
+def _is_oom(err: BaseException) -> bool:
+    """Whether a failed step ran out of device memory (anything else is a real error)."""
+    if isinstance(err, (torch.OutOfMemoryError, DeviceMemoryFull)):
+        return True
+    text = str(err)
+    # memo's CUDA backend throws from the pluggable allocator; torch re-raises it as RuntimeError.
+    return isinstance(err, RuntimeError) and ("out of memory" in text.lower() or "memo allocator" in text)
+
+
+def _memo_plan(args: argparse.Namespace, length: int, workdir: str) -> str:
+    """Profile and plan memo for ``length`` tokens; returns the plan file (alpha solved, "auto")."""
+    from memo.planner import save_plan
+
+    from memo.profiler import profile
+    from memo.utils.training import DTYPES
+
+    result = profile(args.model, length, 1, DTYPES[args.dtype], torch.device(args.device).type,
+                     recorder="allocator", time_limit=args.time_limit)
+    path = os.path.join(workdir, f"plan-{length}.json")
+    save_plan(result.plan, path)
+    return path
+
+
+def try_length(name: str, length: int, args: argparse.Namespace, workdir: str) -> tuple[bool, str]:
+    """Train one step of ``name`` at ``length`` tokens under the budget; (fits, what happened)."""
+    from memo import allocator
+    from memo.utils.training import TrainConfig, train
+
+    budget = None if args.device_mem_mb is None else int(args.device_mem_mb * 2**20)
+    strategy: _CappedMeter
+    plan_s = 0.0
+    if name == "save-on-cpu":
+        strategy = CappedSaveOnCpu()
+    elif name == "memo" and args.memo_profile == "name":
+        start = time.perf_counter()
+        plan = _memo_plan(args, length, workdir)
+        plan_s = time.perf_counter() - start
+        strategy = CappedStrategy(StrategyOptions(strategy="memo", plan=plan, time_limit=args.time_limit))
+    elif name == "memo":
+        # Strategy.prepare profiles and plans this model (alpha "auto") before the capped meter starts.
+        strategy = CappedStrategy(StrategyOptions(strategy="memo", time_limit=args.time_limit))
+    else:
+        strategy = CappedStrategy(StrategyOptions(strategy=name))
+    strategy.device_bytes = budget
+    config = TrainConfig(model=args.model, seq_len=length, micro_batch=1, steps=1, device=args.device,
+                         dtype=args.dtype, seed=0)
+    start = time.perf_counter()
+    try:
+        result = train(config, progress=False, log=lambda _line: None, strategy=strategy)
+        peak = result.steps[-1].peak_memory_bytes
+        outcome = (True, f"fits, peak {peak / 2**20:.1f} MiB" if peak is not None else "fits")
+    except Exception as err:  # classified just below: only out-of-memory means "does not fit"
+        if not _is_oom(err):
+            raise
+        outcome = (False, "out of memory: " + str(err).strip().splitlines()[0][:300])
+    finally:
+        strategy.close()
+    gc.collect()
+    device_type = torch.device(args.device).type
+    if device_type == "cuda" and not allocator.cuda_installed():
+        torch.cuda.empty_cache()
+    else:
+        allocator.empty_cache(device_type)
+    seconds = time.perf_counter() - start
+    extra = f" (plan {plan_s:.1f} s)" if plan_s else ""
+    return outcome[0], f"{outcome[1]} [{seconds:.1f} s{extra}]"
+
+
+def search(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Doubling from ``args.start`` then bisection to ``args.granularity`` tokens, up to ``args.max_seq``."""
+    tries: list[dict[str, Any]] = []
+    g = args.granularity
+
+    def fits(length: int) -> bool:
+        ok, what = try_length(name, length, args, workdir)
+        tries.append({"seq_len": length, "fits": ok, "detail": what})
+        print(f"  {name} @ {length:,}: {what}", file=sys.stderr, flush=True)
+        return ok
+
+    with tempfile.TemporaryDirectory(prefix="memo-maxseq-") as workdir:
+        lo, hi = 0, None  # lo: longest length that fit; hi: shortest that failed
+        length = args.start
+        while length <= args.max_seq:
+            if not fits(length):
+                hi = length
+                break
+            lo = length
+            length *= 2
+        if hi is None and lo < args.max_seq and fits(args.max_seq):
+            lo = args.max_seq
+        elif hi is None and lo < args.max_seq:
+            hi = args.max_seq
+        while hi is not None and hi - lo > g:
+            mid = (lo + hi) // 2 // g * g
+            if mid <= lo:
+                break
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid
+    return {"strategy": name, "longest": lo, "first_failure": hi, "capped_by_max_seq": hi is None,
+            "tries": tries}
+
+
+# ---------------------------------------------------------------- parent
+
+
+def _child(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Run one strategy's search in a fresh interpreter (see the module docstring for why)."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--model", args.model,
+           "--device", args.device, "--dtype", args.dtype, "--start", str(args.start),
+           "--granularity", str(args.granularity), "--max-seq", str(args.max_seq),
+           "--time-limit", str(args.time_limit), "--memo-profile", args.memo_profile]
+    if args.device_mem_mb is not None:
+        cmd += ["--device-mem-mb", str(args.device_mem_mb)]
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)  # stderr: tries, live
+    found = [line[len(_RESULT_PREFIX):] for line in done.stdout.splitlines()
+             if line.startswith(_RESULT_PREFIX)]
+    if done.returncode != 0 or not found:
+        raise MemoError(f"max_seq_len: the search for {name!r} failed (exit {done.returncode}); "
+                        "its error is printed above")
+    return json.loads(found[-1])
+
+
+def format_table(results: list[dict[str, Any]], max_seq: int) -> str:
+    base = next((r for r in results if r["strategy"] == "full-recompute"), None)
+    header = ("strategy", "longest seq", "first failure", "vs full-recompute", "tries")
+    rows = [header]
+    for r in results:
+        longest = f"{r['longest']:,}" + (" (= --max-seq)" if r["capped_by_max_seq"] else "")
+        ratio = "n/a" if not base or not base["longest"] else f"{r['longest'] / base['longest']:.2f}x"
+        failure = "-" if r["first_failure"] is None else f"{r['first_failure']:,}"
+        rows.append((r["strategy"], longest, failure, ratio, str(len(r["tries"]))))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w)
+                       for i, (c, w) in enumerate(zip(row, widths, strict=True))) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    from memo.models import list_configs
+    from memo.utils.training import DTYPES
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None,
+                   help=f"model (default: gpt-mini on CPU, gpt-1.3b on CUDA): {', '.join(list_configs())}")
+    p.add_argument("--device", default=None, help="cpu or cuda[:i] (default: cuda when present)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="default: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--device-mem-mb", type=positive_float, default=None,
+                   help="device memory budget in MiB (CPU: the emulated device, default 80; CUDA: default "
+                   "the whole device)")
+    p.add_argument("--start", type=seq_len, default=None,
+                   help="first length tried (default: --granularity)")
+    p.add_argument("--granularity", type=seq_len, default=None,
+                   help="bisection stops when the bracket is this many tokens (default: 256 CPU, 4K CUDA)")
+    p.add_argument("--max-seq", type=seq_len, default=None,
+                   help="longest length tried (default: 16K on CPU, 1M on CUDA)")
+    p.add_argument("--time-limit", type=positive_float, default=None,
+                   help="seconds per MIP solve of memo's planner (default: 2 on CPU, 20 on CUDA)")
+    p.add_argument("--memo-profile", choices=("model", "name"), default=None,
+                   help="how memo is profiled before each try (NOTE [Profiling memo before each try]; "
+                   "default: model on CPU, name on CUDA)")
+    p.add_argument("--only", nargs="+", choices=ROWS, help="search only these strategies (default: all)")
+    p.add_argument("--json", metavar="OUT.json", help="write every search (all tries) as JSON")
+    p.add_argument("--child", choices=ROWS, help=argparse.SUPPRESS)  # one search, in a fresh interpreter
+    return p
+
+
+def _defaults(args: argparse.Namespace) -> None:
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    cuda = torch.device(args.device).type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise MemoError(f"max_seq_len: --device {args.device} but torch sees no CUDA device")
+    if not cuda and args.device != "cpu":
+        raise MemoError(f"max_seq_len: --device must be cpu or cuda[:i], got {args.device!r}")
+    args.model = args.model or ("gpt-1.3b" if cuda else "gpt-mini")
+    args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    if not cuda and args.device_mem_mb is None:
+        args.device_mem_mb = 80.0
+    args.granularity = args.granularity or (4096 if cuda else 256)
+    args.start = args.start or args.granularity
+    args.max_seq = args.max_seq or ((1 << 20) if cuda else 16384)
+    args.time_limit = args.time_limit or (20.0 if cuda else 2.0)
+    args.memo_profile = args.memo_profile or ("name" if cuda else "model")
+    if args.start > args.max_seq:
+        raise MemoError(f"max_seq_len: --start {args.start:,} is longer than --max-seq {args.max_seq:,}")
+
+
+def _setup_cuda(name: str, args: argparse.Namespace) -> None:
+    """Choose the CUDA allocator of this interpreter before its first CUDA tensor."""
+    from memo import allocator
+
+    if name == "memo":
+        allocator.install_cuda()
+    elif args.device_mem_mb is not None:
+        device = torch.device(args.device)
+        total = torch.cuda.get_device_properties(device).total_memory
+        fraction = args.device_mem_mb * 2**20 / total
+        if fraction > 1:
+            raise MemoError(f"max_seq_len: --device-mem-mb {args.device_mem_mb:g} is more than the device's "
+                            f"{total / 2**20:,.0f} MiB")
+        torch.cuda.set_per_process_memory_fraction(fraction, device)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    _defaults(args)
+    if args.child is not None:
+        if torch.device(args.device).type == "cuda":
+            _setup_cuda(args.child, args)
+        print(_RESULT_PREFIX + json.dumps(search(args.child, args)), flush=True)
+        return 0
+    budget = "the whole device" if args.device_mem_mb is None else f"{args.device_mem_mb:g} MiB"
+    print(f"max_seq_len: {args.model}, {args.dtype} on {args.device}, device memory {budget}; one step "
+          f"(fwd+bwd+AdamW) per try; doubling from {args.start:,}, bisection to {args.granularity:,} tokens, "
+          f"at most {args.max_seq:,}", flush=True)
+    results = []
+    for name in ROWS:
+        if args.only is not None and name not in args.only:
+            continue
+        start = time.perf_counter()
+        result = _child(name, args)
+        result["wall_s"] = time.perf_counter() - start
+        results.append(result)
+        print(f"  {name}: longest {result['longest']:,} ({len(result['tries'])} tries, "
+              f"{result['wall_s']:.0f} s)", flush=True)
+    print(f"\n{args.model}, device memory {budget}: longest sequence that trains one step\n")
+    print(format_table(results, args.max_seq))
+    if args.json:
+        out = {"version": BENCH_VERSION, "kind": BENCH_KIND, "model": args.model, "device": args.device,
+               "dtype": args.dtype, "device_mem_mb": args.device_mem_mb, "granularity": args.granularity,
+               "max_seq": args.max_seq, "results": results}
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+        print(f"json written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except MemoError as err:
+        sys.exit(f"error: {err}")
