@@ -35,7 +35,7 @@ deviates from the plan (served by the fallback, counted, warned about once).
 
 Usage::
 
-    python benchmarks/max_seq_len.py                                 # CPU: gpt-mini, 80 MiB device
+    python benchmarks/max_seq_len.py                                 # CPU: gpt-mini, 64 MiB device
     python benchmarks/max_seq_len.py --device cuda --model gpt-1.3b --json out.json
 """
 
@@ -109,7 +109,22 @@ class _CappedMeter(Strategy):
                 f"max_seq_len: the device budget {self.device_bytes / 2**20:.1f} MiB is used up before the "
                 f"step: parameters {self.param_bytes / 2**20:.1f} MiB + plan arena {arena / 2**20:.1f} MiB"
             )
+        # The fallback pool is process-wide and keeps the segments it cached before this context
+        # (memo's profiling passes run through it); the limit is only checked when a new segment is
+        # reserved, so cached segments would serve allocations beyond it. Hand them back first.
+        # Gradients left by memo's profiling passes are live fallback blocks that pin whole segments;
+        # the step starts with zero_grad(set_to_none=True) anyway, so dropping them changes nothing.
+        self.model.zero_grad(set_to_none=True)
+        gc.collect()
+        allocator.empty_cache(self.device.type)
         self._exit.enter_context(allocator.planned(table, device=self.device.type, fallback_limit=limit))
+        held = int(allocator.stats(self.device.type)["fallback"]["reserved_bytes"])
+        if held > limit:
+            raise MemoError(
+                f"max_seq_len: memo's fallback pool still holds {held / 2**20:.1f} MiB of segments with live "
+                f"blocks from before the step, more than its limit {limit / 2**20:.1f} MiB; the cap cannot "
+                "be enforced"
+            )
         self.tracker = PhaseTracker(self.model.embedding, self.model.layers, self.model.head,
                                     listeners=[allocator.set_phase])
         self._allocator_on = True
@@ -123,13 +138,19 @@ class CappedSaveOnCpu(_CappedMeter, SaveOnCpuStrategy):
     """PyTorch's save_on_cpu baseline under a device budget."""
 
 
-def _is_oom(err: BaseException) -> bool:
+def _is_oom(err: BaseException | None) -> bool:
     """Whether a failed step ran out of device memory (anything else is a real error)."""
-    if isinstance(err, (torch.OutOfMemoryError, DeviceMemoryFull)):
-        return True
-    text = str(err)
-    # memo's CUDA backend throws from the pluggable allocator; torch re-raises it as RuntimeError.
-    return isinstance(err, RuntimeError) and ("out of memory" in text.lower() or "memo allocator" in text)
+    # memo wraps some failed allocations in its own error (e.g. "could not allocate the rounding
+    # buffers"), with the allocator's error as the cause: look down the chain.
+    while err is not None:
+        if isinstance(err, (torch.OutOfMemoryError, DeviceMemoryFull)):
+            return True
+        text = str(err)
+        # memo's CUDA backend throws from the pluggable allocator; torch re-raises it as RuntimeError.
+        if isinstance(err, RuntimeError) and ("out of memory" in text.lower() or "memo allocator" in text):
+            return True
+        err = err.__cause__
+    return False
 
 
 def _memo_plan(args: argparse.Namespace, length: int, workdir: str) -> str:
@@ -274,14 +295,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="default: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--device-mem-mb", type=positive_float, default=None,
-                   help="device memory budget in MiB (CPU: the emulated device, default 80; CUDA: default "
+                   help="device memory budget in MiB (CPU: the emulated device, default 64; CUDA: default "
                    "the whole device)")
     p.add_argument("--start", type=seq_len, default=None,
                    help="first length tried (default: --granularity)")
     p.add_argument("--granularity", type=seq_len, default=None,
-                   help="bisection stops when the bracket is this many tokens (default: 256 CPU, 4K CUDA)")
+                   help="bisection stops when the bracket is this many tokens (default: 512 CPU, 4K CUDA)")
     p.add_argument("--max-seq", type=seq_len, default=None,
-                   help="longest length tried (default: 16K on CPU, 1M on CUDA)")
+                   help="longest length tried (default: 8K on CPU, 1M on CUDA)")
     p.add_argument("--time-limit", type=positive_float, default=None,
                    help="seconds per MIP solve of memo's planner (default: 2 on CPU, 20 on CUDA)")
     p.add_argument("--memo-profile", choices=("model", "name"), default=None,
@@ -304,10 +325,10 @@ def _defaults(args: argparse.Namespace) -> None:
     args.model = args.model or ("gpt-1.3b" if cuda else "gpt-mini")
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
     if not cuda and args.device_mem_mb is None:
-        args.device_mem_mb = 80.0
-    args.granularity = args.granularity or (4096 if cuda else 256)
+        args.device_mem_mb = 64.0
+    args.granularity = args.granularity or (4096 if cuda else 512)
     args.start = args.start or args.granularity
-    args.max_seq = args.max_seq or ((1 << 20) if cuda else 16384)
+    args.max_seq = args.max_seq or ((1 << 20) if cuda else 8192)
     args.time_limit = args.time_limit or (20.0 if cuda else 2.0)
     args.memo_profile = args.memo_profile or ("name" if cuda else "model")
     if args.start > args.max_seq:
