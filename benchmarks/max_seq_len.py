@@ -256,7 +256,8 @@ def _child(name: str, args: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--model", args.model,
            "--device", args.device, "--dtype", args.dtype, "--start", str(args.start),
            "--granularity", str(args.granularity), "--max-seq", str(args.max_seq),
-           "--time-limit", str(args.time_limit), "--memo-profile", args.memo_profile]
+           "--time-limit", str(args.time_limit), "--memo-profile", args.memo_profile,
+           "--threads", str(args.threads)]
     if args.device_mem_mb is not None:
         cmd += ["--device-mem-mb", str(args.device_mem_mb)]
     done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)  # stderr: tries, live
@@ -308,6 +309,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--memo-profile", choices=("model", "name"), default=None,
                    help="how memo is profiled before each try (NOTE [Profiling memo before each try]; "
                    "default: model on CPU, name on CUDA)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU: torch intra-op threads (1; 0 keeps torch's default). On a shared machine more "
+                   "OpenMP threads than free cores spin at every barrier and steps get many times slower")
     p.add_argument("--only", nargs="+", choices=ROWS, help="search only these strategies (default: all)")
     p.add_argument("--json", metavar="OUT.json", help="write every search (all tries) as JSON")
     p.add_argument("--child", choices=ROWS, help=argparse.SUPPRESS)  # one search, in a fresh interpreter
@@ -318,6 +322,10 @@ def _defaults(args: argparse.Namespace) -> None:
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     cuda = torch.device(args.device).type == "cuda"
+    if args.threads < 0:
+        raise MemoError(f"max_seq_len: --threads must be >= 0, got {args.threads}")
+    if not cuda and args.threads > 0:
+        torch.set_num_threads(args.threads)
     if cuda and not torch.cuda.is_available():
         raise MemoError(f"max_seq_len: --device {args.device} but torch sees no CUDA device")
     if not cuda and args.device != "cpu":

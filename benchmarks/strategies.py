@@ -37,7 +37,7 @@ itself, unchanged (its pack hook is only wrapped to count the host bytes it hold
 
 Usage::
 
-    python benchmarks/strategies.py                       # CPU: gpt-mini, 2K tokens
+    python benchmarks/strategies.py                       # CPU: gpt-mini, 4K tokens
     python benchmarks/strategies.py --model gpt-1.3b --seq-len 32K --device cuda --json out.json
 """
 
@@ -246,7 +246,7 @@ def _torch_allocator_row(name: str, allocator: str, args: argparse.Namespace) ->
     cmd = [sys.executable, os.path.abspath(__file__), "--child-row", name, "--child-allocator", allocator,
            "--model", args.model, "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
            "--steps", str(args.steps), "--device", args.device, "--dtype", args.dtype,
-           "--seed", str(args.seed), "--time-limit", str(args.time_limit)]
+           "--seed", str(args.seed), "--time-limit", str(args.time_limit), "--threads", str(args.threads)]
     if args.peak_tflops is not None:
         cmd += ["--peak-tflops", str(args.peak_tflops)]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -310,7 +310,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None,
                    help=f"model (default: gpt-mini on CPU, gpt-1.3b on CUDA): {', '.join(list_configs())}")
     p.add_argument("--seq-len", type=seq_len, default=None,
-                   help="tokens per sequence: 2048, 32K, 1M (default: 2K on CPU, 32K on CUDA)")
+                   help="tokens per sequence: 2048, 32K, 1M (default: 4K on CPU, 32K on CUDA)")
     p.add_argument("--micro-batch", type=positive_int, default=1, help="sequences per step (1)")
     p.add_argument("--steps", type=positive_int, default=None,
                    help="steps per strategy; step 1 is warm-up, not timed (default: 3 on CPU, 6 on CUDA)")
@@ -322,6 +322,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="device peak TFLOPS for MFU (default: known GPUs)")
     p.add_argument("--time-limit", type=positive_float, default=None,
                    help="seconds per MIP solve of memo's planner (default: 5 on CPU, 20 on CUDA)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU: torch intra-op threads (1; 0 keeps torch's default). On a shared machine more "
+                   "OpenMP threads than free cores spin at every barrier and steps get many times slower")
     p.add_argument("--only", nargs="+", choices=ROWS, help="run only these rows (default: all)")
     p.add_argument("--no-torch-allocators", action="store_true",
                    help="CUDA: skip the rows under PyTorch's caching/expandable allocators")
@@ -336,10 +339,14 @@ def _defaults(args: argparse.Namespace) -> None:
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     cuda = torch.device(args.device).type == "cuda"
+    if args.threads < 0:
+        raise MemoError(f"benchmarks/strategies: --threads must be >= 0, got {args.threads}")
+    if not cuda and args.threads > 0:
+        torch.set_num_threads(args.threads)
     if cuda and not torch.cuda.is_available():
         raise MemoError(f"benchmarks/strategies: --device {args.device} but torch sees no CUDA device")
     args.model = args.model or ("gpt-1.3b" if cuda else "gpt-mini")
-    args.seq_len = args.seq_len or (32768 if cuda else 2048)
+    args.seq_len = args.seq_len or (32768 if cuda else 4096)
     args.steps = args.steps or (6 if cuda else 3)
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
     args.time_limit = args.time_limit or (20.0 if cuda else 5.0)
@@ -363,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
         if not allocator.cuda_installed():
             allocator.install_cuda()
     print(f"benchmarks/strategies: {args.model}, seq {args.seq_len:,} x {args.micro_batch}, {args.dtype} on "
-          f"{args.device}, {args.steps} steps per strategy (step 1 not timed)", flush=True)
+          f"{args.device}, {args.steps} steps per strategy (step 1 not timed), torch threads "
+          f"{torch.get_num_threads()}", flush=True)
     rows: list[dict[str, Any]] = []
     skipped: list[str] = []
     for name in names:
