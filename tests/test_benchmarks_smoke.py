@@ -1,0 +1,87 @@
+"""Smoke tests of benchmarks/strategies.py and benchmarks/max_seq_len.py in tiny configurations.
+
+Each benchmark runs as a user would run it (a subprocess), writes its JSON, and the tests check
+the measured values against each other (never against fixed figures): recompute needs less
+device memory than plain autograd, every row is present, and a strategy that keeps less on the
+device trains at least as long a sequence.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+ALL_ROWS = ("none", "full-recompute", "full-offload", "memo", "save-on-cpu")
+
+
+def _run(script: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, f"{script} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done
+
+
+@pytest.fixture(scope="module")
+def strategies_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
+    out = tmp_path_factory.mktemp("bench") / "strategies.json"
+    # gpt-mini (12 layers) so that full-offload and memo offload ten of them; 256 tokens keeps it quick.
+    done = _run("strategies.py", "--model", "gpt-mini", "--seq-len", "256", "--steps", "2", "--device", "cpu",
+                "--time-limit", "1", "--json", str(out))
+    return json.loads(out.read_text()), done.stdout
+
+
+def test_strategies_every_row_and_table(strategies_run: tuple[dict, str]) -> None:
+    report, stdout = strategies_run
+    assert report["kind"] == "memo.benchmark.strategies"
+    rows = {r["row"]: r for r in report["rows"]}
+    assert set(rows) == set(ALL_ROWS)
+    for name in ALL_ROWS:
+        assert any(line.startswith(name + " ") for line in stdout.splitlines()), f"no table row for {name}"
+    assert "time/FR" in stdout and "peak/FR" in stdout
+    assert any("CUDA only" in line for line in report["skipped"])  # CPU run: PyTorch allocator rows skipped
+
+
+def test_strategies_measurements_agree(strategies_run: tuple[dict, str]) -> None:
+    rows = {r["row"]: r for r in strategies_run[0]["rows"]}
+    peak = {name: rows[name]["peak_device_bytes"] for name in ALL_ROWS}
+    assert all(isinstance(v, int) and v > 0 for v in peak.values()), peak
+    assert peak["full-recompute"] < peak["none"], peak
+    assert peak["full-offload"] < peak["none"], peak
+    # Only the strategies that move activations hold host bytes.
+    assert rows["none"]["host_bytes"] == 0 and rows["full-recompute"]["host_bytes"] == 0
+    assert rows["full-offload"]["host_bytes"] > 0 and rows["save-on-cpu"]["host_bytes"] > 0
+    assert rows["full-offload"]["alpha"] == 1.0 and 0.0 <= rows["memo"]["alpha"] <= 1.0
+    assert rows["memo"]["planned"] > 0
+    # The same seed and data: every strategy computes the same first loss (fp32 on CPU).
+    first = rows["none"]["first_loss"]
+    for name in ALL_ROWS:
+        assert math.isclose(rows[name]["first_loss"], first, rel_tol=1e-5), (name, rows[name]["first_loss"])
+        assert rows[name]["mean_step_time_s"] > 0 and rows[name]["mean_mfu"] is None  # no CPU peak FLOPS
+
+
+def test_max_seq_len_orders_strategies(tmp_path: Path) -> None:
+    out = tmp_path / "max_seq_len.json"
+    done = _run("max_seq_len.py", "--model", "tiny", "--device", "cpu", "--device-mem-mb", "12",
+                "--start", "1024", "--granularity", "1024", "--max-seq", "8K", "--time-limit", "1",
+                "--json", str(out))
+    report = json.loads(out.read_text())
+    assert report["kind"] == "memo.benchmark.max_seq_len"
+    longest = {r["strategy"]: r["longest"] for r in report["results"]}
+    assert set(longest) == set(ALL_ROWS)
+    assert longest["none"] <= longest["full-recompute"], longest
+    assert longest["full-recompute"] > 0, longest
+    for r in report["results"]:
+        # The search is consistent: the longest length fit, and the first failure did not.
+        fits = {t["seq_len"]: t["fits"] for t in r["tries"]}
+        if r["longest"]:
+            assert fits[r["longest"]] is True, r
+        if r["first_failure"] is not None:
+            assert fits[r["first_failure"]] is False and r["first_failure"] > r["longest"], r
+            assert any("out of memory" in t["detail"] for t in r["tries"] if not t["fits"]), r
+    assert "vs full-recompute" in done.stdout
