@@ -174,7 +174,8 @@ def _describe_difference(sig: tuple, ref: tuple) -> str:
 
 def plan_bilevel(trace: Trace | Mapping[str, Any], *, time_limit: float = 60.0, solver: str = "cbc",
                  threads: int = 2, use_mip: bool = True, progress: bool | None = None) -> Plan:
-    """Bi-level plan (see NOTE [Bi-level plan]); each solve gets at most ``time_limit`` seconds."""
+    """Bi-level plan (see NOTE [Bi-level plan]) within about ``time_limit`` seconds in all: every
+    solve gets an equal share of the time left."""
     t = _as_trace(trace)
     t0 = time.perf_counter()
     by_phase: dict[str, list[Allocation]] = {}
@@ -207,8 +208,8 @@ def plan_bilevel(trace: Trace | Mapping[str, Any], *, time_limit: float = 60.0, 
     own_offsets: dict[str, list[int | None]] = {}  # phases planned on their own: relative offsets (units)
     shared: dict[str, list[str]] = {}
     stats: dict[str, Any] = {}
-    n_solves = sum(1 for ps in layered.values() if ps) + 1
-    bar = _progress(n_solves, "memo plan", progress)
+    # Which passes share one level-1 solution, and which differ and are planned on their own.
+    all_groups: list[tuple[str, str, str]] = []  # (kind, key, sample phase)
     for kind, phases in layered.items():
         if not phases:
             continue
@@ -221,29 +222,37 @@ def plan_bilevel(trace: Trace | Mapping[str, Any], *, time_limit: float = 60.0, 
                        f"({_describe_difference(signatures[p][0], ref_sig)}); it is planned on its own")
                 warnings.warn(msg, stacklevel=2)
                 notes.append(msg)
-        groups = [(kind, shared[kind][0])] + [(p, p) for p in phases if signatures[p][0] != ref_sig]
-        for key, sample in groups:
-            allocs = by_phase[sample]
-            items = signatures[sample][1]
-            idx = [k for k, a in enumerate(allocs) if a.transient]
-            sub = [items[k] for k in idx]
-            bar.set_postfix_str(f"level 1 {key} ({len(sub)} tensors)")
-            result = _solve(sub, use_mip=use_mip, time_limit=time_limit, solver=solver, threads=threads)
-            rel: list[int | None] = [None] * len(allocs)
-            for k, off in zip(idx, result.offsets, strict=True):
-                rel[k] = off
-            info = _record(result, _units_lower_bound(sub))
-            info["items"] = len(sub)
-            stats[f"level1 {key}"] = info
-            if key == kind:
-                level1[kind] = [None if o is None else o * ALIGNMENT for o in rel]
-                level1_peak[kind] = result.peak * ALIGNMENT
-                for p in shared[kind]:
-                    block_height[p] = result.peak
-            else:
-                own_offsets[key] = rel
-                block_height[key] = result.peak
+        all_groups += [(kind, kind, shared[kind][0])]
+        all_groups += [(kind, p, p) for p in phases if signatures[p][0] != ref_sig]
+    # time_limit is for the whole plan: every solve (level 1 groups, then level 2) gets an equal
+    # share of what is left, so a trace with many distinct passes still plans in time.
+    deadline = t0 + time_limit
+    n_left = len(all_groups) + 1
+    bar = _progress(n_left, "memo plan", progress)
+    for kind, key, sample in all_groups:
+        allocs = by_phase[sample]
+        items = signatures[sample][1]
+        idx = [k for k, a in enumerate(allocs) if a.transient]
+        sub = [items[k] for k in idx]
+        bar.set_postfix_str(f"level 1 {key} ({len(sub)} tensors)")
+        share = max(0.5, (deadline - time.perf_counter()) / n_left)
+        n_left -= 1
+        result = _solve(sub, use_mip=use_mip, time_limit=share, solver=solver, threads=threads)
+        rel: list[int | None] = [None] * len(allocs)
+        for k, off in zip(idx, result.offsets, strict=True):
+            rel[k] = off
+        info = _record(result, _units_lower_bound(sub))
+        info["items"] = len(sub)
+        stats[f"level1 {key}"] = info
         bar.update(1)
+        if key == kind:
+            level1[kind] = [None if o is None else o * ALIGNMENT for o in rel]
+            level1_peak[kind] = result.peak * ALIGNMENT
+            for p in shared[kind]:
+                block_height[p] = result.peak
+        else:
+            own_offsets[key] = rel
+            block_height[key] = result.peak
 
     # Level 2: one block per layer pass, every other allocation on its own.
     items2: list[Item] = []
@@ -259,7 +268,8 @@ def plan_bilevel(trace: Trace | Mapping[str, Any], *, time_limit: float = 60.0, 
         items2.append(Item(_units(a.size), a.start, a.end))
         owner.append(("alloc", a.index))
     bar.set_postfix_str(f"level 2 ({len(items2)} items)")
-    result2 = _solve(items2, use_mip=use_mip, time_limit=time_limit, solver=solver, threads=threads)
+    share = max(0.5, deadline - time.perf_counter())
+    result2 = _solve(items2, use_mip=use_mip, time_limit=share, solver=solver, threads=threads)
     info2 = _record(result2, _units_lower_bound(items2))
     info2["items"] = len(items2)
     stats["level2"] = info2

@@ -288,6 +288,10 @@ def mip(items: Sequence[Item], *, time_limit: float = 60.0, solver: str = "cbc",
                                              "solver_status": status})
 
 
+#: Most overlapping pairs one neighbourhood MIP may have (NOTE [Window size]).
+MAX_WINDOW_PAIRS = 2000
+
+
 @quiet_pulp
 def _neighbourhood_mip(items: Sequence[Item], offsets: list[int], free: list[int],
                        neighbours: list[list[int]], peak: int, solver: str, threads: int,
@@ -295,9 +299,14 @@ def _neighbourhood_mip(items: Sequence[Item], offsets: list[int], free: list[int
     """Re-place the ``free`` items (all others fixed) to minimise their highest top; None if unsolved."""
     import pulp
 
+    freeset = set(free)
+    # NOTE [Window size]: an item alive for the whole iteration overlaps every other one, so
+    # freeing it would make a model with tens of thousands of binaries, on which CBC spends
+    # minutes in its root node without looking at the time limit. Such windows are skipped.
+    if sum(len(neighbours[i]) for i in free) > MAX_WINDOW_PAIRS:
+        return None
     prob = pulp.LpProblem("dsa_window", pulp.LpMinimize)
     top = pulp.LpVariable("top", lowBound=0, upBound=peak)
-    freeset = set(free)
     x = {i: pulp.LpVariable(f"x{i}", lowBound=0, upBound=peak - items[i].size) for i in free}
     prob += top
     for i in free:

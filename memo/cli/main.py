@@ -40,6 +40,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MemoError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # `memo show plan.json | head`: the reader left; not an error of ours.
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

@@ -14,10 +14,10 @@ import argparse
 import json
 
 from memo.planner import Plan, load_trace, make_plan, save_plan
+from memo.units import format_bytes
 
 __all__ = ["add_parser", "format_summary", "run"]
 
-MiB = 2**20
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -46,17 +46,17 @@ def format_summary(plan: Plan) -> str:
     s = plan.solver
     lines = [
         f"allocations   {len(plan.allocations)}",
-        f"peak          {plan.peak} B ({plan.peak / MiB:.2f} MiB)",
-        f"lower bound   {plan.lower_bound} B ({plan.lower_bound / MiB:.2f} MiB)",
+        f"peak          {plan.peak} B ({format_bytes(plan.peak)})",
+        f"lower bound   {plan.lower_bound} B ({format_bytes(plan.lower_bound)})",
         f"ratio         {plan.ratio:.4f}",
-        f"no reuse      {plan.no_reuse_bytes} B ({plan.no_reuse_bytes / MiB:.2f} MiB)",
+        f"no reuse      {plan.no_reuse_bytes} B ({format_bytes(plan.no_reuse_bytes)})",
         f"solver        {s.get('kind')} {s.get('solver') or 'heuristic only'}, {s.get('seconds', 0):.2f} s"
         + (", heuristic fallback" if s.get("heuristic_fallback") else ""),
     ]
     if "unphased_left_to_fallback" in s:
         left = s["unphased_left_to_fallback"]
         lines.append(f"not planned   {left['allocations']} allocations outside phases "
-                     f"({left['bytes'] / MiB:.2f} MiB), served by the fallback allocator")
+                     f"({format_bytes(left['bytes'])}), served by the fallback allocator")
     lines += [f"warning       {w}" for w in plan.warnings]
     return "\n".join(lines)
 

@@ -61,6 +61,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_machine_arguments(
         p, "processes sharing the host memory (default: the CUDA devices here; 1 on cpu/meta)"
     )
+    p.add_argument(
+        "--tensor-parallel",
+        type=positive_int,
+        default=None,
+        help="GPUs one layer is split over (Megatron tensor + sequence parallel; the paper's 1M-token runs "
+        "use the node's 8): alpha and host bytes are per rank. Default: --gpus-per-node",
+    )
     s = p.add_argument_group("planning")
     s.add_argument(
         "--time-limit", type=positive_float, default=30.0, help="MIP time limit per level, seconds"
@@ -162,6 +169,10 @@ def run(args: argparse.Namespace) -> int:
         args.recorder = "dispatch" if args.device == "meta" else "allocator"
     if args.gpus_per_node is None:
         args.gpus_per_node = torch.cuda.device_count() if args.device == "cuda" else 1
+    tp_source = "given"
+    if args.tensor_parallel is None:
+        # The paper's setting: one node's GPUs split each layer (tensor + sequence parallel).
+        args.tensor_parallel, tp_source = args.gpus_per_node, "assumed: --gpus-per-node"
     save_plan, save_trace, trace_cls = _planner_io()
     dtype = DTYPES[args.dtype]
     start = time.perf_counter()
@@ -183,6 +194,7 @@ def run(args: argparse.Namespace) -> int:
         host_mem_gb=args.host_mem_gb,
         gpus_per_node=args.gpus_per_node,
         host_safety=args.host_safety,
+        tensor_parallel=args.tensor_parallel,
         recorder=args.recorder,
         wrap_pass=args.wrap_pass,
         time_limit=args.time_limit,
@@ -193,6 +205,7 @@ def run(args: argparse.Namespace) -> int:
     for line in _report(result, args.seq_len, args.micro_batch, config.hidden, dtype):
         print(line)
     print(f"M_CPU    host memory x {args.host_safety:g} / {args.gpus_per_node} GPU(s) per node")
+    print(f"TP       {args.tensor_parallel}-way tensor+sequence parallel per layer [{tp_source}]")
     for note in result.notes:
         print(f"note: {note}")
     if args.trace_out:

@@ -9,10 +9,10 @@ from __future__ import annotations
 import argparse
 
 from memo.planner import Plan, load_plan
+from memo.units import format_bytes
 
 __all__ = ["add_parser", "format_plan", "run"]
 
-MiB = 2**20
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -23,7 +23,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def _mib(n: int | None) -> str:
-    return "unknown" if n is None else f"{n} B ({n / MiB:.2f} MiB)"
+    return "unknown" if n is None else f"{n} B ({format_bytes(n)})"
 
 
 def format_plan(plan: Plan) -> str:

@@ -284,6 +284,7 @@ def profile(
     host_mem_gb: float | None = None,
     gpus_per_node: int = 1,
     host_safety: float = 0.8,
+    tensor_parallel: int = 1,
     recorder: str = "dispatch",
     wrap_pass: bool | None = None,
     solve: bool = True,
@@ -306,6 +307,8 @@ def profile(
         host_mem_gb: host memory of the node in GB (default: this machine's).
         gpus_per_node, host_safety: how the node's memory is shared (planner's
             ``host_memory_per_process``).
+        tensor_parallel: ranks one layer is split over with Megatron tensor + sequence
+            parallelism (NOTE [Per-rank sizes]); alpha and host bytes are per rank.
         recorder: ``"dispatch"`` (every storage torch creates; any device) or ``"allocator"``
             (memo.allocator.logging: the real requests; cpu/cuda) for the trace the plan is
             made from. The S_* sizes always come from the dispatch recorder.
@@ -320,6 +323,8 @@ def profile(
         raise MemoError(f"memo.profiler: seq_len must be a positive integer, got {seq_len!r}")
     if not isinstance(micro_batch, int) or micro_batch < 1:
         raise MemoError(f"memo.profiler: micro_batch must be a positive integer, got {micro_batch!r}")
+    if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
+        raise MemoError(f"memo.profiler: tensor_parallel must be a positive integer, got {tensor_parallel!r}")
     if recorder not in ("dispatch", "allocator"):
         raise MemoError(f"memo.profiler: recorder must be 'dispatch' or 'allocator', got {recorder!r}")
     dt = _dtype(dtype)
@@ -384,13 +389,27 @@ def profile(
 
     host = host_memory_per_process(int(q["host_memory_bytes"].value), gpus_per_node, host_safety)
     summary = plain.trace["layers"]
+    # NOTE [Per-rank sizes]: with Megatron tensor + sequence parallelism over tp ranks, every
+    # skeletal tensor of a layer is split tp ways (sequence-parallel regions by tokens, tensor-
+    # parallel regions by heads or MLP columns; Korthikanti et al. 2022), and so is its compute.
+    # The LP is per process, so it takes per-rank bytes; a T_layer estimated from FLOPs is the
+    # whole layer's and is split too, while a given or measured T_layer is already one rank's.
+    tp = tensor_parallel
+    layer_s = q["layer_ms"].value / 1e3
+    if tp > 1:
+        if q["layer_ms"].source == "estimated":
+            layer_s /= tp
+        notes.append(
+            f"alpha and host bytes are per rank of a {tp}-way tensor+sequence-parallel layer (S_* / {tp}); "
+            "the address plan is for the layer as profiled, unsharded"
+        )
     t0 = time.perf_counter()
     result.alpha = solve_alpha(
-        summary["S_input"],
-        summary["S_attn"],
-        summary["S_others"],
+        -(-summary["S_input"] // tp),
+        -(-summary["S_attn"] // tp),
+        -(-summary["S_others"] // tp),
         q["bandwidth_gbps"].value * GB,
-        q["layer_ms"].value / 1e3,
+        layer_s,
         len(stats),
         host,
     )
@@ -433,6 +452,7 @@ def profile(
         n_events = len(second["events"])
         say(f"pass 2 ({what}, {recorder} recorder): {n_events:,} events in {timings['pass2']:.1f} s")
     result.trace["meta"]["alpha"] = float(result.alpha.alpha)
+    result.trace["meta"]["tensor_parallel"] = tp
     if not plan:
         return result
 

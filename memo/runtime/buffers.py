@@ -248,8 +248,33 @@ class CudaCopyEngine(CopyEngine):
         self.prefetch_stream.synchronize()
 
 
+class MetaCopyEngine(CopyEngine):
+    """Meta device: shapes without data, so there is nothing to copy.
+
+    It lets ``memo profile --device meta`` trace the *wrapped* model (what the runtime
+    allocates at a given alpha) at any length without memory; the protocol and its state
+    machine run unchanged, only the copies are empty.
+    """
+
+    def __init__(self) -> None:
+        self.device = torch.device("meta")
+
+    def alloc_device_buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device="meta")
+
+    def alloc_host_arena(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device="meta")
+
+    def offload(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
+        return None
+
+    def prefetch(self, dst: torch.Tensor, src: torch.Tensor, after: list[Any]) -> Any:
+        return None
+
+
 def make_engine(device: torch.device, debug_delay_us: int = 0, seed: int = 0) -> CopyEngine:
-    """The copy engine for ``device``: CUDA streams on ``cuda``, C++ copy workers on ``cpu``."""
+    """The copy engine for ``device``: CUDA streams on ``cuda``, C++ copy workers on ``cpu``,
+    empty copies on ``meta`` (profiling)."""
     if device.type == "cuda":
         if debug_delay_us:
             raise MemoError(
@@ -259,8 +284,11 @@ def make_engine(device: torch.device, debug_delay_us: int = 0, seed: int = 0) ->
         return CudaCopyEngine(device)
     if device.type == "cpu":
         return CpuCopyEngine(debug_delay_us, seed)
+    if device.type == "meta":
+        return MetaCopyEngine()
     raise MemoError(
-        f"memo.runtime: rounding buffers support cpu and cuda devices, the layer runs on {device.type!r}"
+        f"memo.runtime: rounding buffers support cpu, cuda and meta devices; the layer runs on "
+        f"{device.type!r}"
     )
 
 
@@ -333,7 +361,8 @@ class RoundingBuffers:
         internal_assert(host_bytes >= n_layers * layer_bytes, "host arena smaller than the layers it holds")
         self.arena_bytes = host_bytes
         limit = host_memory_limit if host_memory_limit is not None else available_host_memory()
-        if limit is not None and host_bytes > limit:
+        # On meta nothing is allocated: profiling sizes a job for another machine's host memory.
+        if limit is not None and host_bytes > limit and engine.device.type != "meta":
             raise MemoError(
                 f"memo.runtime: the host arena needs {host_bytes:,} bytes ({n_layers} offloaded layers x "
                 f"{layer_bytes:,} bytes, or what the plan reserves) but only {limit:,} bytes of host memory "

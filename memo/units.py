@@ -1,0 +1,17 @@
+"""Human-readable byte counts for what memo prints."""
+
+from __future__ import annotations
+
+__all__ = ["format_bytes"]
+
+_UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+
+
+def format_bytes(n: float | None) -> str:
+    """``format_bytes(3 * 2**30) -> "3.00 GiB"``; ``None`` -> ``"unknown"``."""
+    if n is None:
+        return "unknown"
+    for unit, scale in _UNITS:
+        if abs(n) >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{int(n)} B"
