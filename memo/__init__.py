@@ -9,5 +9,6 @@ See README.md and DESIGN.md for the picture.
 import torch  # noqa: F401
 
 from memo._version import __version__
+from memo.runtime import unwrap, wrap
 
-__all__ = ["__version__"]
+__all__ = ["__version__", "unwrap", "wrap"]

@@ -227,7 +227,7 @@ def test_model_structure_and_loss() -> None:
     ids = torch.randint(0, 512, (2, 16))
     x = model.embedding(ids)
     assert x.shape == (16, 2, 64)
-    assert len(model.layers) == 2
+    assert len(model.layers) == get_config("tiny").n_layers == 4
     loss = model(ids, torch.randint(0, 512, (2, 16)))
     assert loss.dim() == 0 and abs(loss.item() - math.log(512)) < 0.5  # near-uniform at init
     # GPT ties the LM head to the word embedding; Llama does not.

@@ -158,7 +158,7 @@ for _name, _layers, _hidden, _heads in (
 
 # Test-sized models. Their vocabulary is 512 rather than 50257 so that the LM head does not
 # dominate CPU test time; 512 >= 256 still lets examples train on raw bytes.
-register_config(ModelConfig(name="tiny", arch="gpt", n_layers=2, hidden=64, n_heads=4, vocab_size=512))
+register_config(ModelConfig(name="tiny", arch="gpt", n_layers=4, hidden=64, n_heads=4, vocab_size=512))
 # The demo's model: gpt-125m's depth (12 layers, so ten of them offload; the last two never do)
 # at a width that trains a 4K-token sequence on two CPU cores in about a second per step.
 register_config(ModelConfig(name="gpt-mini", arch="gpt", n_layers=12, hidden=128, n_heads=4, vocab_size=512))
