@@ -35,7 +35,7 @@ deviates from the plan (served by the fallback, counted, warned about once).
 
 Usage::
 
-    python benchmarks/max_seq_len.py                                 # CPU: gpt-mini, 64 MiB device
+    python benchmarks/max_seq_len.py                                 # CPU: gpt-mini, 96 MiB device
     python benchmarks/max_seq_len.py --device cuda --model gpt-1.3b --json out.json
 """
 
@@ -296,12 +296,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="default: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--device-mem-mb", type=positive_float, default=None,
-                   help="device memory budget in MiB (CPU: the emulated device, default 64; CUDA: default "
+                   help="device memory budget in MiB (CPU: the emulated device, default 96; CUDA: default "
                    "the whole device)")
     p.add_argument("--start", type=seq_len, default=None,
                    help="first length tried (default: --granularity)")
     p.add_argument("--granularity", type=seq_len, default=None,
-                   help="bisection stops when the bracket is this many tokens (default: 512 CPU, 4K CUDA)")
+                   help="bisection stops when the bracket is this many tokens (default: 256 CPU, 4K CUDA)")
     p.add_argument("--max-seq", type=seq_len, default=None,
                    help="longest length tried (default: 8K on CPU, 1M on CUDA)")
     p.add_argument("--time-limit", type=positive_float, default=None,
@@ -333,8 +333,8 @@ def _defaults(args: argparse.Namespace) -> None:
     args.model = args.model or ("gpt-1.3b" if cuda else "gpt-mini")
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
     if not cuda and args.device_mem_mb is None:
-        args.device_mem_mb = 64.0
-    args.granularity = args.granularity or (4096 if cuda else 512)
+        args.device_mem_mb = 96.0
+    args.granularity = args.granularity or (4096 if cuda else 256)
     args.start = args.start or args.granularity
     args.max_seq = args.max_seq or ((1 << 20) if cuda else 8192)
     args.time_limit = args.time_limit or (20.0 if cuda else 2.0)

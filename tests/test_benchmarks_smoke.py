@@ -67,15 +67,15 @@ def test_strategies_measurements_agree(strategies_run: tuple[dict, str]) -> None
 
 def test_max_seq_len_orders_strategies(tmp_path: Path) -> None:
     out = tmp_path / "max_seq_len.json"
-    done = _run("max_seq_len.py", "--model", "tiny", "--device", "cpu", "--device-mem-mb", "12",
-                "--start", "1024", "--granularity", "1024", "--max-seq", "8K", "--time-limit", "1",
+    done = _run("max_seq_len.py", "--model", "tiny", "--device", "cpu", "--device-mem-mb", "16",
+                "--start", "512", "--granularity", "512", "--max-seq", "4K", "--time-limit", "1",
                 "--json", str(out))
     report = json.loads(out.read_text())
     assert report["kind"] == "memo.benchmark.max_seq_len"
     longest = {r["strategy"]: r["longest"] for r in report["results"]}
     assert set(longest) == set(ALL_ROWS)
     assert longest["none"] <= longest["full-recompute"], longest
-    assert longest["full-recompute"] > 0, longest
+    assert longest["none"] > 0 and longest["full-recompute"] > 0, longest
     for r in report["results"]:
         # The search is consistent: the longest length fit, and the first failure did not.
         fits = {t["seq_len"]: t["fits"] for t in r["tries"]}
