@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memo import planner, profiler  # at import time: NOTE [Import PuLP early] in memo.planner
 from memo.errors import MemoError, PlanMismatchError
 from memo.phases import PhaseTracker
 from memo.report import STRATEGIES
@@ -121,7 +122,7 @@ class Strategy:
         self._allocator_on = False
         self._peak = 0
         self._counts = {"planned": 0, "fallback": 0, "unplanned": 0}
-        self._step_started = 0.0
+        self._last_copy: dict[str, int] = {}
 
     # Set-up -------------------------------------------------------------------------------------
     def prepare(
@@ -151,8 +152,6 @@ class Strategy:
         self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, run: dict[str, Any],
         log: Callable[[str], None],
     ) -> None:
-        from memo import planner, profiler
-
         opts = self.options
         if opts.plan is not None:
             plan = planner.load_plan(opts.plan)
@@ -162,28 +161,24 @@ class Strategy:
             log(f"memo: plan {opts.plan}: alpha {self.alpha:.4f}, arena {_mib(plan.peak)}")
             self._wrap(self.alpha, plan)
             return
+        fixed = None if opts.alpha == "auto" else float(opts.alpha)
         result = profiler.profile(
             model, run["seq_len"], run["micro_batch"], device=ids.device,
-            recorder="allocator", time_limit=opts.time_limit,
+            recorder="allocator", time_limit=opts.time_limit, alpha=fixed,
             bandwidth_gbps=opts.bandwidth_gbps, layer_ms=opts.layer_ms,
             host_mem_gb=opts.host_mem_gb, gpus_per_node=opts.gpus_per_node, host_safety=opts.host_safety,
             plan=opts.planned_allocator, log=lambda line: log(f"memo profile: {line}"),
         )
         for note in result.notes:
             log(f"memo profile: note: {note}")
-        solved = result.alpha
-        if opts.alpha == "auto":
-            self.alpha, self.alpha_binding = float(solved.alpha), str(solved.binding)
-            self.plan = result.plan
-        else:
-            # A fixed alpha changes what the layers allocate: plan the model wrapped with it.
-            self.alpha, self.alpha_binding = float(opts.alpha), "given"
-            if opts.planned_allocator:
-                self.plan = _plan_for_alpha(model, ids, labels, run, self.alpha, opts)
+        for p in model.parameters():  # profiling ran a backward; training starts from no gradients
+            p.grad = None
+        self.alpha, self.alpha_binding = float(result.alpha.alpha), str(result.alpha.binding)
+        self.plan = result.plan
         if self.plan is not None:
             log(f"memo: alpha {self.alpha:.4f} ({self.alpha_binding}); plan arena {_mib(self.plan.peak)}, "
                 f"lower bound {_mib(self.plan.lower_bound)}")
-        self._wrap(self.alpha)
+        self._wrap(self.alpha, self.plan)
 
     # Steps --------------------------------------------------------------------------------------
     def _start_meter(self) -> None:
@@ -219,6 +214,7 @@ class Strategy:
         from memo import allocator
 
         out: dict[str, Any] = {"host_pinned_bytes": self.host_pinned_bytes()}
+        out.update(self._copy_stats())
         if self._allocator_on:
             st = allocator.stats(self.device.type)
             self._peak = max(self._peak, int(st["peak_bytes_in_use"]))
@@ -237,6 +233,23 @@ class Strategy:
             out["peak_device_bytes"], out["peak_device_kind"] = None, "unavailable"
         out["allocator"] = dict(self._counts)
         return out
+
+    def _copy_stats(self) -> dict[str, Any]:
+        """This step's rounding-buffer traffic, and how long compute waited for it.
+
+        ``copy_wait_s`` is host time the compute thread spent blocked on copies (CPU backend);
+        on CUDA the waits are stream waits on the device and it stays 0.
+        """
+        from memo import runtime
+
+        if self.model is None or not runtime.is_wrapped(self.model):
+            return {}
+        st = runtime.runtime_of(self.model).stats.as_dict()
+        last, self._last_copy = self._last_copy, st
+        delta = {k: st[k] - last.get(k, 0) for k in ("bytes_offloaded", "bytes_prefetched", "copy_wait_ns",
+                                                       "recomputed_tokens")}
+        return {"bytes_offloaded": delta["bytes_offloaded"], "bytes_prefetched": delta["bytes_prefetched"],
+                "recomputed_tokens": delta["recomputed_tokens"], "copy_wait_s": delta["copy_wait_ns"] / 1e9}
 
     def host_pinned_bytes(self) -> int:
         from memo import runtime
@@ -276,18 +289,3 @@ def _check_plan(plan: Any, run: dict[str, Any]) -> None:
                 f"memo.train: the plan was made for {key}={actual}, this run has {key}={expected}; "
                 "re-run `memo profile` for this run, or drop --plan"
             )
-
-
-def _plan_for_alpha(
-    model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, run: dict[str, Any], alpha: float,
-    opts: StrategyOptions,
-) -> Any:
-    """Trace the model wrapped with a given alpha through memo's logging allocator, and plan it."""
-    from memo import planner
-    from memo.profiler.flow import _wrapped_pass, record
-
-    plain = record(model, ids, labels)
-    trace = _wrapped_pass(model, ids, labels, alpha, "allocator", False, {"model": run["model"]}, plain)
-    for key in ("seq_len", "micro_batch", "dtype", "model"):
-        trace.setdefault("meta", {})[key] = run[key]
-    return planner.make_plan(planner.Trace.from_dict(trace), time_limit=opts.time_limit)

@@ -4,7 +4,13 @@ Entry point: ``make_plan(trace, alpha_solution=None, time_limit=60, solver="cbc"
 File formats: docs/formats.md.
 """
 
-from .alpha import AlphaSolution, host_memory_per_process, solve_alpha
+# NOTE [Import PuLP early]: PuLP's solver modules keep exceptions they catch while importing,
+# and a traceback keeps its frames' callers alive. Imported lazily in the middle of a training
+# step, that pins the step's model and activations for the life of the process; imported here,
+# it pins only the importer of memo.planner.
+import pulp  # noqa: F401
+
+from .alpha import AlphaSolution, evaluate_alpha, host_memory_per_process, solve_alpha
 from .core import lower_bound, make_plan, plan_bilevel, plan_heuristic, plan_mip, without_unphased
 from .plan import ALIGNMENT, Plan, load_plan, save_plan, validate_plan
 from .trace import Allocation, Trace, load_trace, save_trace
@@ -15,6 +21,7 @@ __all__ = [
     "AlphaSolution",
     "Plan",
     "Trace",
+    "evaluate_alpha",
     "host_memory_per_process",
     "load_plan",
     "load_trace",

@@ -79,20 +79,10 @@ def host_memory_per_process(node_bytes: int, gpus_per_node: int, safety: float =
 
 
 @quiet_pulp
-def solve_alpha(s_input: float, s_attn: float, s_others: float, bandwidth: float, layer_time: float,
-                n_layers: int, host_memory: float) -> AlphaSolution:
-    """Largest alpha in [0, 1] whose offload hides under compute and fits in host memory.
-
-    Args:
-        s_input, s_attn, s_others: skeletal bytes per layer (layer input, attention output,
-            all other skeletal tensors).
-        bandwidth: host<->device bytes per second (B).
-        layer_time: forward seconds of one layer (T_layer).
-        n_layers: transformer layers; the last two go straight to backward and are not offloaded.
-        host_memory: bytes of pinned host memory this process may use (M_CPU).
-    """
-    import pulp
-
+def _inputs(s_input: float, s_attn: float, s_others: float, bandwidth: float, layer_time: float,
+            n_layers: int, host_memory: float) -> tuple[float, float, float, float, float, int, float]:
+    """Checked LP inputs, with ``n_layers`` turned into the number of offloaded layers; refuses
+    a host memory that cannot hold even alpha=0."""
     s_input = _check("s_input", s_input, allow_zero=True)
     s_attn = _check("s_attn", s_attn, allow_zero=True)
     s_others = _check("s_others", s_others, allow_zero=True)
@@ -108,7 +98,51 @@ def solve_alpha(s_input: float, s_attn: float, s_others: float, bandwidth: float
             f"memo.alpha: host memory too small even with alpha=0: {kept} offloaded layers x "
             f"(S_input {s_input / GiB:.3f} GiB + S_attn {s_attn / GiB:.3f} GiB) = "
             f"{kept * base / GiB:.3f} GiB > M_CPU {host_memory / GiB:.3f} GiB. Use more host memory, "
-            "more GPUs (shorter sequence per GPU) or a shorter sequence.")
+            "more GPUs (shorter sequence per GPU, e.g. `memo profile --tensor-parallel`) or a shorter "
+            "sequence.")
+    return s_input, s_attn, s_others, bandwidth, layer_time, kept, host_memory
+
+
+def evaluate_alpha(alpha: float, s_input: float, s_attn: float, s_others: float, bandwidth: float,
+                   layer_time: float, n_layers: int, host_memory: float) -> AlphaSolution:
+    """A given alpha measured against the LP's constraints (binding ``"given"``).
+
+    Refuses (with the numbers) an alpha whose offload does not fit in host memory; reports
+    in ``copies_hidden`` whether its copies hide under one layer's compute.
+    """
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
+        raise MemoError(f"memo.alpha: alpha must be a number in [0, 1], got {alpha!r}")
+    s_input, s_attn, s_others, bandwidth, layer_time, kept, host_memory = _inputs(
+        s_input, s_attn, s_others, bandwidth, layer_time, n_layers, host_memory)
+    per_layer = s_input + s_attn + alpha * s_others
+    if kept * per_layer > host_memory:
+        raise MemoError(
+            f"memo.alpha: alpha={alpha} offloads {kept} layers x {per_layer / GiB:.3f} GiB = "
+            f"{kept * per_layer / GiB:.3f} GiB > M_CPU {host_memory / GiB:.3f} GiB; lower alpha or let "
+            "memo solve it (--alpha auto)")
+    return AlphaSolution(alpha=float(alpha), binding="given", bytes_per_layer=int(math.ceil(per_layer)),
+                         copy_seconds=per_layer / bandwidth, layer_time=layer_time,
+                         host_bytes=int(math.ceil(kept * per_layer)), host_memory=int(host_memory),
+                         copies_hidden=per_layer / bandwidth <= layer_time * (1 + 1e-9))
+
+
+def solve_alpha(s_input: float, s_attn: float, s_others: float, bandwidth: float, layer_time: float,
+                n_layers: int, host_memory: float) -> AlphaSolution:
+    """Largest alpha in [0, 1] whose offload hides under compute and fits in host memory.
+
+    Args:
+        s_input, s_attn, s_others: skeletal bytes per layer (layer input, attention output,
+            all other skeletal tensors).
+        bandwidth: host<->device bytes per second (B).
+        layer_time: forward seconds of one layer (T_layer).
+        n_layers: transformer layers; the last two go straight to backward and are not offloaded.
+        host_memory: bytes of pinned host memory this process may use (M_CPU).
+    """
+    import pulp
+
+    s_input, s_attn, s_others, bandwidth, layer_time, kept, host_memory = _inputs(
+        s_input, s_attn, s_others, bandwidth, layer_time, n_layers, host_memory)
+    base = s_input + s_attn
     hidden_at_zero = base / bandwidth <= layer_time
     prob = pulp.LpProblem("memo_alpha", pulp.LpMaximize)
     alpha = pulp.LpVariable("alpha", lowBound=0, upBound=1)

@@ -81,3 +81,19 @@ def test_host_memory_per_process():
         host_memory_per_process(GiB, 0)
     with pytest.raises(MemoError, match="safety"):
         host_memory_per_process(GiB, 1, safety=1.5)
+
+
+def test_evaluate_alpha_reports_a_given_alpha_against_the_constraints() -> None:
+    from memo.planner import evaluate_alpha
+
+    gib = 2**30
+    # 4 layers -> 2 offloaded; 1 GiB input + 1 GiB attention + 8 GiB others per layer.
+    sol = evaluate_alpha(0.25, gib, gib, 8 * gib, 10 * gib, 1.0, 4, 100 * gib)
+    assert sol.binding == "given" and sol.alpha == 0.25
+    assert sol.bytes_per_layer == 4 * gib and sol.host_bytes == 8 * gib
+    assert sol.copies_hidden  # 4 GiB at 10 GiB/s = 0.4 s <= 1 s
+    assert not evaluate_alpha(1.0, gib, gib, 8 * gib, 5 * gib, 1.0, 4, 100 * gib).copies_hidden
+    with pytest.raises(MemoError, match=r"alpha=1.0 offloads 2 layers x 10.000 GiB = 20.000 GiB > M_CPU 12"):
+        evaluate_alpha(1.0, gib, gib, 8 * gib, 10 * gib, 1.0, 4, 12 * gib)
+    with pytest.raises(MemoError, match="in \\[0, 1\\]"):
+        evaluate_alpha(1.5, gib, gib, 8 * gib, 10 * gib, 1.0, 4, 100 * gib)

@@ -51,9 +51,12 @@ def test_memo_loss_curves_lie_on_the_baseline(curves: dict[str, dict]) -> None:
         # tiny has 4 layers: two offload (the last two never do), so the machinery really ran.
         assert rep["host_pinned_bytes"] > 0
         assert rep["allocator"]["planned"] > 0 and rep["allocator"]["fallback"] == 0
-    # More offloaded tokens -> more pinned host bytes.
+    # More offloaded tokens -> more pinned host bytes, fewer recomputed tokens.
     hosts = [curves[f"memo-{a}"]["host_pinned_bytes"] for a in ("0", "0.25", "1")]
     assert hosts[0] < hosts[1] < hosts[2]
+    recomputed = [curves[f"memo-{a}"]["steps"][-1]["recomputed_tokens"] for a in ("0", "0.25", "1")]
+    assert recomputed[0] > recomputed[1] > recomputed[2] == 0
+    assert all(s["bytes_offloaded"] > 0 for s in curves["memo-0"]["steps"])
 
 
 def test_loss_plot_is_written(curves: dict[str, dict]) -> None:

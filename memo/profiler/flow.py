@@ -101,11 +101,13 @@ def _dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def build_profile_model(name: str, seq_len: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """Build a registered reference model able to run ``seq_len`` tokens on ``device``."""
-    from memo.models import build_model, get_config
+    from memo.models import DEFAULT_MAX_SEQ_LEN, build_model, get_config
 
     config = get_config(name)
     # GPT's learned position table bounds the length (NOTE [GPT position table] in memo.models.model).
-    kw = {"max_seq_len": max(seq_len, 1)} if config.arch == "gpt" else {}
+    # Size it as training does (memo.utils.training), so the profiled requests are the ones a
+    # training step makes: the table's gradient is one of them.
+    kw = {"max_seq_len": max(seq_len, DEFAULT_MAX_SEQ_LEN)} if config.arch == "gpt" else {}
     return build_model(config, device=device, dtype=dtype, **kw)
 
 
@@ -286,6 +288,7 @@ def profile(
     gpus_per_node: int = 1,
     host_safety: float = 0.8,
     tensor_parallel: int = 1,
+    alpha: float | None = None,
     recorder: str = "dispatch",
     wrap_pass: bool | None = None,
     solve: bool = True,
@@ -310,6 +313,7 @@ def profile(
             ``host_memory_per_process``).
         tensor_parallel: ranks one layer is split over with Megatron tensor + sequence
             parallelism (NOTE [Per-rank sizes]); alpha and host bytes are per rank.
+        alpha: use this alpha instead of solving the LP (checked against host memory).
         recorder: ``"dispatch"`` (every storage torch creates; any device) or ``"allocator"``
             (memo.allocator.logging: the real requests; cpu/cuda) for the trace the plan is
             made from. The S_* sizes always come from the dispatch recorder.
@@ -386,7 +390,7 @@ def profile(
     plain.trace["layers"] = summarise_layers(stats)
     plain.trace["layers"]["layer_fwd_ms"] = q["layer_ms"].value
 
-    from memo.planner import host_memory_per_process, solve_alpha
+    from memo.planner import evaluate_alpha, host_memory_per_process, solve_alpha
 
     host = host_memory_per_process(int(q["host_memory_bytes"].value), gpus_per_node, host_safety)
     summary = plain.trace["layers"]
@@ -405,7 +409,7 @@ def profile(
             "the address plan is for the layer as profiled, unsharded"
         )
     t0 = time.perf_counter()
-    result.alpha = solve_alpha(
+    lp_inputs = (
         -(-summary["S_input"] // tp),
         -(-summary["S_attn"] // tp),
         -(-summary["S_others"] // tp),
@@ -414,6 +418,7 @@ def profile(
         len(stats),
         host,
     )
+    result.alpha = solve_alpha(*lp_inputs) if alpha is None else evaluate_alpha(alpha, *lp_inputs)
     timings["alpha"] = time.perf_counter() - t0
     say(f"alpha = {result.alpha.alpha:.4f} (binding: {result.alpha.binding})")
 

@@ -405,6 +405,7 @@ def _extras_text(extras: dict) -> str:
         f"  host pinned {_fmt_bytes(extras.get('host_pinned_bytes', 0))}"
         f"  alloc planned/fallback/unplanned {alloc.get('planned', 0)}/{alloc.get('fallback', 0)}/"
         f"{alloc.get('unplanned', 0)}"
+        + (f"  copy wait {extras['copy_wait_s'] * 1e3:.1f} ms" if "copy_wait_s" in extras else "")
     )
 
 
