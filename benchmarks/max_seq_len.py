@@ -72,7 +72,7 @@ except ImportError:  # memo's planner reports a missing pulp itself, with what t
 
 # benchmarks/ is not a package: the save_on_cpu baseline is shared with strategies.py by path.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from strategies import ROWS, SaveOnCpuStrategy  # noqa: E402
+from strategies import ROWS, SaveOnCpuStrategy, resolve_device  # noqa: E402
 
 __all__ = ["CappedSaveOnCpu", "CappedStrategy", "main", "search", "try_length"]
 
@@ -319,19 +319,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _defaults(args: argparse.Namespace) -> None:
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    cuda = torch.device(args.device).type == "cuda"
-    if args.threads < 0:
-        raise MemoError(f"max_seq_len: --threads must be >= 0, got {args.threads}")
-    if not cuda and args.threads > 0:
-        torch.set_num_threads(args.threads)
-    if cuda and not torch.cuda.is_available():
-        raise MemoError(f"max_seq_len: --device {args.device} but torch sees no CUDA device")
-    if not cuda and args.device != "cpu":
-        raise MemoError(f"max_seq_len: --device must be cpu or cuda[:i], got {args.device!r}")
-    args.model = args.model or ("gpt-1.3b" if cuda else "gpt-mini")
-    args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    cuda = resolve_device(args, "max_seq_len")
     if not cuda and args.device_mem_mb is None:
         args.device_mem_mb = 96.0
     args.granularity = args.granularity or (4096 if cuda else 256)

@@ -335,20 +335,28 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _defaults(args: argparse.Namespace) -> None:
+def resolve_device(args: argparse.Namespace, prog: str) -> bool:
+    """Device, CPU threads, model and dtype defaults the benchmarks share; returns whether on CUDA."""
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     cuda = torch.device(args.device).type == "cuda"
     if args.threads < 0:
-        raise MemoError(f"benchmarks/strategies: --threads must be >= 0, got {args.threads}")
+        raise MemoError(f"{prog}: --threads must be >= 0, got {args.threads}")
     if not cuda and args.threads > 0:
         torch.set_num_threads(args.threads)
     if cuda and not torch.cuda.is_available():
-        raise MemoError(f"benchmarks/strategies: --device {args.device} but torch sees no CUDA device")
+        raise MemoError(f"{prog}: --device {args.device} but torch sees no CUDA device")
+    if not cuda and args.device != "cpu":
+        raise MemoError(f"{prog}: --device must be cpu or cuda[:i], got {args.device!r}")
     args.model = args.model or ("gpt-1.3b" if cuda else "gpt-mini")
+    args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    return cuda
+
+
+def _defaults(args: argparse.Namespace) -> None:
+    cuda = resolve_device(args, "benchmarks/strategies")
     args.seq_len = args.seq_len or (32768 if cuda else 4096)
     args.steps = args.steps or (6 if cuda else 3)
-    args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
     args.time_limit = args.time_limit or (20.0 if cuda else 5.0)
     if args.steps < 2:
         raise MemoError("benchmarks/strategies: --steps must be >= 2 (step 1 is warm-up and is not timed)")
