@@ -56,8 +56,8 @@ class StrategyOptions:
     """Processes sharing the node's host memory."""
     host_safety: float = 0.8
     """Fraction of a process's share of host memory it may pin."""
-    time_limit: float = 20.0
-    """Seconds per MIP solve when planning."""
+    time_limit: float = 5.0
+    """Seconds the planner's MIP stages may take in all (the greedy plan is ready at once)."""
     debug_copy_delay_us: int | None = None
     """CPU backend: random delay before each copy (tests)."""
     notes: list[str] = field(default_factory=list)

@@ -1,0 +1,27 @@
+"""The long-context example runs as a user would run it: planned hits, no deviations, learning."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_train_long_context_replays_its_plan_exactly() -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "train_long_context.py"), "--model", "tiny",
+         "--seq-len", "128", "--steps", "4"],
+        capture_output=True, text=True, check=True, timeout=300,
+    ).stdout
+    steps = re.findall(r"step +(\d+) +loss ([\d.]+) .* planned (\d+) +deviations (\d+)", out)
+    assert [int(s[0]) for s in steps] == [1, 2, 3, 4], out
+    losses = [float(s[1]) for s in steps]
+    planned = [int(s[2]) for s in steps]
+    assert losses[-1] < losses[0]
+    assert all(int(s[3]) == 0 for s in steps), out  # every planned request served from the plan
+    per_step = {b - a for a, b in zip([0, *planned], planned, strict=False)}
+    assert len(per_step) == 1 and per_step.pop() > 0, planned  # the same planned hits every step
+    assert re.search(r"alpha [\d.]+ \((alpha<=1|bandwidth|host_memory)\)", out)
