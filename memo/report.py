@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from memo.errors import MemoError
+from memo.jsonio import read_json
 
 __all__ = ["REPORT_KIND", "REPORT_VERSION", "STRATEGIES", "load_report", "save_report", "validate_report"]
 
@@ -117,14 +118,7 @@ def save_report(report: dict[str, Any], path: str | Path) -> None:
 
 def load_report(path: str | Path) -> dict[str, Any]:
     """Read and validate a report written by :func:`save_report`."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as err:
-        raise MemoError(f"memo.report: cannot read {path}: {err}") from err
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise MemoError(f"memo.report: {path} is not valid JSON ({err}); was it truncated?") from err
+    data = read_json(path, "memo.report", "write one with `memo train --report`")
     try:
         return validate_report(data)
     except MemoError as err:

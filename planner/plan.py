@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memo.errors import MemoError, PlanMismatchError
+from memo.jsonio import read_json
 from memo.phases import parse_phase, phase_kind
 
 from .dsa import Item, check_placement
@@ -288,15 +289,7 @@ def load_plan(path: str | os.PathLike[str], *, fingerprint: str | None = None, s
     Every keyword that is not None must equal the plan's meta value, otherwise
     PlanMismatchError names the field and both values.
     """
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise MemoError(f"memo.plan: {os.fspath(path)!r} does not exist; make one with `memo profile`") \
-            from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise MemoError(f"memo.plan: {os.fspath(path)!r} is not valid JSON ({err})") from None
-    plan = Plan.from_dict(data)
+    plan = Plan.from_dict(read_json(path, "memo.plan", "make one with `memo profile`"))
     expected = {"fingerprint": fingerprint, "seq_len": seq_len, "micro_batch": micro_batch, "dtype": dtype}
     for name in _MATCHED_FIELDS:
         want = expected[name]

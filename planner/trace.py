@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memo.errors import MemoError
+from memo.jsonio import read_json
 from memo.phases import parse_phase
 
 __all__ = [
@@ -286,18 +287,7 @@ class Trace:
 
 def load_trace(path: str | os.PathLike[str]) -> Trace:
     """Read and validate a trace file."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise MemoError(f"memo.trace: {os.fspath(path)!r} does not exist; record one with `memo profile`") \
-            from None
-    except json.JSONDecodeError as err:
-        raise MemoError(f"memo.trace: {os.fspath(path)!r} is not valid JSON (line {err.lineno}, column "
-                        f"{err.colno}: {err.msg})") from None
-    except UnicodeDecodeError as err:
-        raise MemoError(f"memo.trace: {os.fspath(path)!r} is not UTF-8 text ({err})") from None
-    return Trace.from_dict(data)
+    return Trace.from_dict(read_json(path, "memo.trace", "record one with `memo profile`"))
 
 
 def save_trace(trace: Trace, path: str | os.PathLike[str]) -> None:

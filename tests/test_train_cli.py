@@ -123,7 +123,7 @@ def test_bad_flags_are_refused(flags: list[str], needle: str, capsys: pytest.Cap
         (["--strategy", "none", "--alpha", "0.5"], "apply to --strategy memo only"),
         (["--strategy", "full-recompute", "--plan", "p.json"], "apply to --strategy memo only"),
         (["--plan", "p.json", "--alpha", "0.5"], "not both"),
-        (["--compare", "nothing.json"], "cannot read"),
+        (["--compare", "nothing.json"], "does not exist; write one with `memo train --report`"),
     ],
 )
 def test_bad_flag_combinations_are_refused(flags: list[str], needle: str,
