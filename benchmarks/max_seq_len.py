@@ -72,7 +72,7 @@ except ImportError:  # memo's planner reports a missing pulp itself, with what t
 
 # benchmarks/ is not a package: the save_on_cpu baseline is shared with strategies.py by path.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from strategies import ROWS, SaveOnCpuStrategy, resolve_device  # noqa: E402
+from strategies import ROWS, SaveOnCpuStrategy, add_device_arguments, resolve_device  # noqa: E402
 
 __all__ = ["CappedSaveOnCpu", "CappedStrategy", "main", "search", "try_length"]
 
@@ -286,15 +286,9 @@ def format_table(results: list[dict[str, Any]], max_seq: int) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from memo.models import list_configs
-    from memo.utils.training import DTYPES
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None,
-                   help=f"model (default: gpt-mini on CPU, gpt-1.3b on CUDA): {', '.join(list_configs())}")
-    p.add_argument("--device", default=None, help="cpu or cuda[:i] (default: cuda when present)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                   help="default: float32 on CPU, bfloat16 on CUDA")
+    add_device_arguments(p)
     p.add_argument("--device-mem-mb", type=positive_float, default=None,
                    help="device memory budget in MiB (CPU: the emulated device, default 96; CUDA: default "
                    "the whole device)")
@@ -309,9 +303,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--memo-profile", choices=("model", "name"), default=None,
                    help="how memo is profiled before each try (NOTE [Profiling memo before each try]; "
                    "default: model on CPU, name on CUDA)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="CPU: torch intra-op threads (1; 0 keeps torch's default). On a shared machine more "
-                   "OpenMP threads than free cores spin at every barrier and steps get many times slower")
     p.add_argument("--only", nargs="+", choices=ROWS, help="search only these strategies (default: all)")
     p.add_argument("--json", metavar="OUT.json", help="write every search (all tries) as JSON")
     p.add_argument("--child", choices=ROWS, help=argparse.SUPPRESS)  # one search, in a fresh interpreter

@@ -303,28 +303,19 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from memo.models import list_configs
-    from memo.utils.training import DTYPES
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None,
-                   help=f"model (default: gpt-mini on CPU, gpt-1.3b on CUDA): {', '.join(list_configs())}")
+    add_device_arguments(p)
     p.add_argument("--seq-len", type=seq_len, default=None,
                    help="tokens per sequence: 2048, 32K, 1M (default: 4K on CPU, 32K on CUDA)")
     p.add_argument("--micro-batch", type=positive_int, default=1, help="sequences per step (1)")
     p.add_argument("--steps", type=positive_int, default=None,
                    help="steps per strategy; step 1 is warm-up, not timed (default: 3 on CPU, 6 on CUDA)")
-    p.add_argument("--device", default=None, help="cpu or cuda[:i] (default: cuda when present)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                   help="default: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--seed", type=int, default=0, help="seed for initialisation and data (0)")
     p.add_argument("--peak-tflops", type=positive_float,
                    help="device peak TFLOPS for MFU (default: known GPUs)")
     p.add_argument("--time-limit", type=positive_float, default=None,
                    help="seconds per MIP solve of memo's planner (default: 5 on CPU, 20 on CUDA)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="CPU: torch intra-op threads (1; 0 keeps torch's default). On a shared machine more "
-                   "OpenMP threads than free cores spin at every barrier and steps get many times slower")
     p.add_argument("--only", nargs="+", choices=ROWS, help="run only these rows (default: all)")
     p.add_argument("--no-torch-allocators", action="store_true",
                    help="CUDA: skip the rows under PyTorch's caching/expandable allocators")
@@ -333,6 +324,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--child-row", choices=TORCH_ALLOCATOR_ROWS, help=argparse.SUPPRESS)
     p.add_argument("--child-allocator", choices=sorted(TORCH_ALLOCATORS), help=argparse.SUPPRESS)
     return p
+
+
+def add_device_arguments(p: argparse.ArgumentParser) -> None:
+    """--model, --device, --dtype and --threads, which :func:`resolve_device` fills in."""
+    from memo.models import list_configs
+    from memo.utils.training import DTYPES
+
+    p.add_argument("--model", default=None,
+                   help=f"model (default: gpt-mini on CPU, gpt-1.3b on CUDA): {', '.join(list_configs())}")
+    p.add_argument("--device", default=None, help="cpu or cuda[:i] (default: cuda when present)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="default: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU: torch intra-op threads (1; 0 keeps torch's default). On a shared machine more "
+                   "OpenMP threads than free cores spin at every barrier and steps get many times slower")
 
 
 def resolve_device(args: argparse.Namespace, prog: str) -> bool:
