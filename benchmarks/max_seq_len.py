@@ -72,7 +72,7 @@ except ImportError:  # memo's planner reports a missing pulp itself, with what t
 
 # benchmarks/ is not a package: the save_on_cpu baseline is shared with strategies.py by path.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from strategies import ROWS, SaveOnCpuStrategy, add_device_arguments, resolve_device  # noqa: E402
+from strategies import ROWS, SaveOnCpuStrategy, add_device_arguments, align, resolve_device  # noqa: E402
 
 __all__ = ["CappedSaveOnCpu", "CappedStrategy", "main", "search", "try_length"]
 
@@ -278,15 +278,10 @@ def format_table(results: list[dict[str, Any]], max_seq: int) -> str:
         ratio = "n/a" if not base or not base["longest"] else f"{r['longest'] / base['longest']:.2f}x"
         failure = "-" if r["first_failure"] is None else f"{r['first_failure']:,}"
         rows.append((r["strategy"], longest, failure, ratio, str(len(r["tries"]))))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = ["  ".join(c.rjust(w) if i else c.ljust(w)
-                       for i, (c, w) in enumerate(zip(row, widths, strict=True))) for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return align(rows)
 
 
 def _parser() -> argparse.ArgumentParser:
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_device_arguments(p)
     p.add_argument("--device-mem-mb", type=positive_float, default=None,

@@ -292,7 +292,13 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             _ratio(r["mean_mfu"], base and base["mean_mfu"]),
             _ratio(r["peak_device_bytes"], base and base["peak_device_bytes"]),
         ))
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    return align(table)
+
+
+def align(table: list[tuple[str, ...]]) -> str:
+    """Rows of cells as text columns: the first left-aligned, the rest right-aligned, and a rule
+    under the header row."""
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in
                        enumerate(zip(row, widths, strict=True))) for row in table]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -303,7 +309,6 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_device_arguments(p)
     p.add_argument("--seq-len", type=seq_len, default=None,
