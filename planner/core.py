@@ -52,9 +52,11 @@ from .dsa import (
     greedy_groups,
     mip,
     mip_neighbourhoods,
+    require_solver,
 )
 from .dsa import lower_bound as _units_lower_bound
 from .plan import ALIGNMENT, Plan, validate_plan
+from .search import count_overlapping_pairs, search
 from .trace import Allocation, Trace
 
 __all__ = ["lower_bound", "make_plan", "plan_bilevel", "plan_heuristic", "plan_mip"]
@@ -67,6 +69,8 @@ GAP_TOLERANCE = 1e-3
 #: Up to this many items the whole DSA MIP is tried before the neighbourhood search
 #: (see NOTE [Why neighbourhoods] in dsa.py).
 MAX_FULL_MIP_ITEMS = 40
+#: Above this many overlapping pairs the exact search's per-node work is too slow to pay off.
+MAX_SEARCH_PAIRS = 200_000
 
 
 def _as_trace(trace: Trace | Mapping[str, Any]) -> Trace:
@@ -93,9 +97,19 @@ def _progress(total: int, desc: str, enabled: bool | None):
     return tqdm(total=total, desc=desc, disable=not enabled, leave=False, file=sys.stderr)
 
 
+# NOTE [Search before MIP]
+# On a layered trace greedy is within a fraction of a percent of the lower bound and nothing
+# below runs. Where it is not (flat traces, packings without slack), the exact search of
+# planner/search.py goes first: it reaches the lower bound on instances of hundreds of buffers
+# in about a second, where the big-M MIP's weak relaxation leaves CBC blind past a few dozen
+# items. The MIP (whole, for small instances) and its neighbourhood search then refine
+# whatever the search left above the lower bound, warm-started from it.
 def _solve(items: Sequence[Item], *, use_mip: bool, time_limit: float, solver: str, threads: int
            ) -> DSAResult:
-    """Heuristic, then the MIP where it is worth it and fits; never worse than the heuristic."""
+    """Heuristic, then the exact search and the MIP where they are worth it and fit (NOTE [Search
+    before MIP]); never worse than the heuristic."""
+    if use_mip:
+        require_solver(solver)
     warm = greedy(items)
     if not use_mip or warm.optimal:
         return warm
@@ -106,19 +120,26 @@ def _solve(items: Sequence[Item], *, use_mip: bool, time_limit: float, solver: s
         return warm
     t0 = time.perf_counter()
     result = warm
-    if len(items) <= MAX_FULL_MIP_ITEMS and len(overlapping_pairs(items)) <= MAX_MIP_PAIRS:
-        # Small instances: the whole MIP, given half the time so the neighbourhood search can follow.
-        result = mip(items, time_limit=time_limit / 2, solver=solver, threads=threads, warm=warm)
+    if count_overlapping_pairs(items) <= MAX_SEARCH_PAIRS:
+        result = search(items, warm, time_limit=time_limit / 2)
+    if not result.optimal and len(items) <= MAX_FULL_MIP_ITEMS \
+            and len(overlapping_pairs(items)) <= MAX_MIP_PAIRS:
+        # Small instances: the whole MIP, given half the time left so the neighbourhood search can follow.
+        left = time_limit - (time.perf_counter() - t0)
+        whole = mip(items, time_limit=left / 2, solver=solver, threads=threads, warm=result)
+        if whole.peak < result.peak or whole.optimal:
+            result = whole
     left = time_limit - (time.perf_counter() - t0)
-    if not result.optimal and left > 1.0:
+    if not result.optimal and result.peak - lb > GAP_TOLERANCE * lb and left > 1.0:
         lns = mip_neighbourhoods(items, result, time_limit=left, solver=solver, threads=threads,
                                  gap_tolerance=GAP_TOLERANCE)
         if lns.peak < result.peak:
             result = lns
-        elif result is warm:
-            # Nothing better than the heuristic within the time limit: the heuristic plan stands, flagged.
-            result.status = "heuristic (MIP found nothing better within the time limit)"
-            result.extra["fallback"] = True
+    if result.peak == warm.peak and not result.optimal:
+        # Nothing better than the heuristic within the time limit: the heuristic plan stands, flagged.
+        result = warm
+        result.status = "heuristic (search and MIP found nothing better within the time limit)"
+        result.extra["fallback"] = True
     result.seconds = time.perf_counter() - t0 + warm.seconds
     return result
 
@@ -404,8 +425,8 @@ def make_plan(trace: Trace | Mapping[str, Any], alpha_solution: Any = None, *, t
     """
     if not (isinstance(time_limit, (int, float)) and math.isfinite(time_limit) and time_limit > 0):
         raise MemoError(f"memo.planner: time_limit must be a positive number of seconds, got {time_limit!r}")
-    if solver not in ("cbc", "highs"):
-        raise MemoError(f"memo.planner: unknown solver {solver!r}; choose 'cbc' or 'highs'")
+    if use_mip or solver not in ("cbc", "highs"):
+        require_solver(solver)
     if unphased not in ("plan", "fallback"):
         raise MemoError(f"memo.planner: unphased must be 'plan' or 'fallback', got {unphased!r}")
     t = _as_trace(trace)

@@ -300,11 +300,6 @@ def _neighbourhood_mip(items: Sequence[Item], offsets: list[int], free: list[int
     import pulp
 
     freeset = set(free)
-    # NOTE [Window size]: an item alive for the whole iteration overlaps every other one, so
-    # freeing it would make a model with tens of thousands of binaries, on which CBC spends
-    # minutes in its root node without looking at the time limit. Such windows are skipped.
-    if sum(len(neighbours[i]) for i in free) > MAX_WINDOW_PAIRS:
-        return None
     prob = pulp.LpProblem("dsa_window", pulp.LpMinimize)
     top = pulp.LpVariable("top", lowBound=0, upBound=peak)
     x = {i: pulp.LpVariable(f"x{i}", lowBound=0, upBound=peak - items[i].size) for i in free}
@@ -364,7 +359,7 @@ def mip_neighbourhoods(items: Sequence[Item], warm: DSAResult, *, time_limit: fl
         neighbours[i].append(j)
         neighbours[j].append(i)
     peak = max(o + it.size for o, it in zip(offsets, items, strict=True))
-    solves = improved = restarts = stuck = failures = 0
+    solves = improved = restarts = stuck = failures = skipped = 0
     size_a, start_a, end_a = _arrays(items)
     order = sorted(range(n), key=lambda i: (-size_a[i], start_a[i]))
     order_peak = _greedy_order(items, order, size_a, start_a, end_a)[1]
@@ -407,6 +402,13 @@ def mip_neighbourhoods(items: Sequence[Item], warm: DSAResult, *, time_limit: fl
         rest = [j for j in neighbours[c] if j not in free]
         rng.shuffle(rest)
         free += rest[: max(0, k - len(free))]
+        if sum(len(neighbours[i]) for i in free) > MAX_WINDOW_PAIRS:
+            # NOTE [Window size]: an item alive for the whole iteration overlaps every other one,
+            # so freeing it would make a model with tens of thousands of binaries, on which CBC
+            # spends minutes in its root node without looking at the time limit. Skipped.
+            skipped += 1
+            stuck += 1
+            continue
         old_top = max(offsets[i] + items[i].size for i in free)
         budget = min(5.0, max(0.5, time_limit - (time.perf_counter() - t0) - 0.5))
         new = _neighbourhood_mip(items, offsets, free, neighbours, peak, solver, threads, budget)
@@ -438,15 +440,14 @@ def mip_neighbourhoods(items: Sequence[Item], warm: DSAResult, *, time_limit: fl
     status = "optimal" if optimal else ("solver failed on every neighbourhood" if broken else "time limit")
     return DSAResult(offsets, peak, "mip-lns", seconds, status=status,
                      optimal=optimal, extra={"fallback": broken, "solves": solves, "improvements": improved,
-                                             "restarts": restarts,
+                                             "restarts": restarts, "skipped_windows": skipped,
                                              "pairs": len(pairs)})
 
 
-def _solver_cmd(solver: str, time_limit: float, threads: int, msg: bool):
-    import pulp
-
+def require_solver(solver: str) -> None:
+    """Raise a clear error now when ``solver`` is unknown or not installed (not minutes into a plan)."""
     if solver == "cbc":
-        return pulp.PULP_CBC_CMD(msg=msg, timeLimit=time_limit, threads=threads, warmStart=True, gapRel=0.0)
+        return
     if solver == "highs":
         try:
             import highspy  # noqa: F401
@@ -454,8 +455,17 @@ def _solver_cmd(solver: str, time_limit: float, threads: int, msg: bool):
             raise MemoError("memo.planner: solver 'highs' needs the highspy package "
                             "(`pip install highspy`, or `pip install memo[highs]`); or use --solver cbc") \
                 from None
-        return pulp.HiGHS(msg=msg, timeLimit=time_limit, threads=threads, warmStart=True, gapRel=0.0)
+        return
     raise MemoError(f"memo.planner: unknown solver {solver!r}; choose 'cbc' or 'highs'")
+
+
+def _solver_cmd(solver: str, time_limit: float, threads: int, msg: bool):
+    import pulp
+
+    require_solver(solver)
+    if solver == "cbc":
+        return pulp.PULP_CBC_CMD(msg=msg, timeLimit=time_limit, threads=threads, warmStart=True, gapRel=0.0)
+    return pulp.HiGHS(msg=msg, timeLimit=time_limit, threads=threads, warmStart=True, gapRel=0.0)
 
 
 def units(nbytes: int, alignment: int) -> int:

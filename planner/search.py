@@ -4,7 +4,7 @@ NOTE [Canonical placements]
 Any placement can be pushed down until every item rests on an item below it
 that it overlaps in time, or on 0, without raising the peak. So it is enough
 to search placements built bottom-up on a *skyline*: cut time into sections
-at every start and end; the skyline of a section is the top of what has been
+(NOTE [Sections are maximal cliques]); the skyline of a section is the top of what has been
 placed there. Take the lowest section (leftmost among equals) that still has
 items to hold. Either one of the items alive there rests right on it (the
 items whose whole lifetime sees a skyline no higher: they sit exactly on this
@@ -32,9 +32,10 @@ ends 30-50% above the lower bound, solvable in well under a second.
 
 NOTE [Restarts]
 A depth-first search that takes a wrong turn near the root can spend
-minutes below it. :func:`search` runs it with a node limit that doubles on
-every restart and a randomly perturbed "biggest first" order, the usual cure
-for such heavy tails; only a run that finishes within its limit proves that
+minutes below it. :func:`search` runs it in short runs whose node limits
+follow the Luby sequence (1, 1, 2, 1, 1, 2, 4, ... times a base), each after
+the first with a randomly perturbed "biggest first" order: the usual cure
+for such heavy tails. Only a run that finishes within its limit proves that
 no placement fits.
 """
 
@@ -49,9 +50,9 @@ import numpy as np
 
 from .dsa import DSAResult, Item, lower_bound, overlapping_pairs
 
-__all__ = ["fits", "search"]
+__all__ = ["count_overlapping_pairs", "fits", "search"]
 
-#: Node limit of the first run at one capacity; it doubles on every restart (NOTE [Restarts]).
+#: Nodes per unit of the Luby sequence that limits each run (NOTE [Restarts]).
 FIRST_NODE_LIMIT = 1000
 
 
@@ -75,11 +76,23 @@ class _Sections:
         n = len(items)
         self.n = n
         self.size = np.fromiter((it.size for it in items), dtype=np.int64, count=n)
-        bounds = sorted({it.start for it in items} | {it.end for it in items})
-        index = {t: k for k, t in enumerate(bounds)}
-        self.first = np.fromiter((index[it.start] for it in items), dtype=np.int64, count=n)
-        self.last = np.fromiter((index[it.end] for it in items), dtype=np.int64, count=n)  # exclusive
-        self.n_sections = max(0, len(bounds) - 1)
+        # NOTE [Sections are maximal cliques]: only which lifetimes overlap matters, not when. The
+        # items alive at one start form a clique; it is maximal when something ends before the
+        # next start, otherwise the next start's clique holds it all. Sections are those maximal
+        # cliques, in time order; every item spans a run of them, and two items overlap exactly
+        # when they share one. So the same instance gets the same sections however its events
+        # are timed (a free and a malloc at one instant, or a trace's one event per step), and
+        # no section holds less than a neighbour it could hide slack in.
+        start = np.fromiter((it.start for it in items), dtype=np.int64, count=n)
+        end = np.fromiter((it.end for it in items), dtype=np.int64, count=n)
+        starts = np.unique(start)
+        ends = np.sort(end)
+        ended_by = np.searchsorted(ends, starts, side="right")  # items ended at or before each start
+        maximal = np.append(ended_by[1:] > ended_by[:-1], True)
+        sections = starts[maximal]
+        self.first = np.searchsorted(sections, start, side="left").astype(np.int64)
+        self.last = np.searchsorted(sections, end, side="left").astype(np.int64)
+        self.n_sections = len(sections)
         lengths = self.last - self.first
         # (item, section) incidence: one entry per section each item is alive in.
         self.pair_item = np.repeat(np.arange(n), lengths)
@@ -205,6 +218,33 @@ def _run(sec: _Sections, capacity: int, rank: np.ndarray, deadline: float, node_
     return Outcome(None, True, nodes)
 
 
+def count_overlapping_pairs(items: Sequence[Item]) -> int:
+    """How many pairs of items overlap in time, without listing them (O(n log n))."""
+    if not items:
+        return 0
+    starts = np.sort(np.fromiter((it.start for it in items), dtype=np.int64, count=len(items)))
+    ends = np.sort(np.fromiter((it.end for it in items), dtype=np.int64, count=len(items)))
+    mine_s = np.fromiter((it.start for it in items), dtype=np.int64, count=len(items))
+    mine_e = np.fromiter((it.end for it in items), dtype=np.int64, count=len(items))
+    # j overlaps i when start_j < end_i and end_j > start_i; the second count removes the j
+    # that ended by start_i (all of which also started before end_i), and i itself is counted once.
+    alive = np.searchsorted(starts, mine_e, side="left") - np.searchsorted(ends, mine_s, side="right") - 1
+    return int(alive.sum()) // 2
+
+
+def _luby(i: int) -> int:
+    """The i-th term (from 1) of the Luby sequence 1, 1, 2, 1, 1, 2, 4, 1, 1, 2, 1, 1, 2, 4, 8, ..."""
+    k = 1
+    while (1 << k) - 1 < i:
+        k += 1
+    while (1 << k) - 1 != i:
+        i -= (1 << (k - 1)) - 1
+        k = 1
+        while (1 << k) - 1 < i:
+            k += 1
+    return 1 << (k - 1)
+
+
 def _biggest_first(sec: _Sections, rng: random.Random | None) -> np.ndarray:
     """Rank of each item in "biggest first" order; sizes perturbed by up to ~30% when ``rng`` is given."""
     key = sec.size.astype(np.float64)
@@ -253,14 +293,13 @@ def search(items: Sequence[Item], warm: DSAResult, *, time_limit: float, seed: i
     while untried < best_peak and time.perf_counter() < deadline:
         left = deadline - time.perf_counter()
         until = deadline if capacity == best_peak - 1 else time.perf_counter() + left / 2
-        limit, restart = FIRST_NODE_LIMIT, 0
+        restart = 0
         while True:
             rank = _biggest_first(sec, rng if restart else None)
-            out = _run(sec, capacity, rank, until, limit)
+            out = _run(sec, capacity, rank, until, FIRST_NODE_LIMIT * _luby(restart + 1))
             nodes += out.nodes
             runs += 1
             restart += 1
-            limit *= 2
             if out.offsets is not None or out.exhausted or time.perf_counter() >= until:
                 break
         if out.offsets is not None:

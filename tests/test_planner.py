@@ -19,7 +19,7 @@ from memo.planner import (
     save_plan,
     validate_plan,
 )
-from memo.planner.dsa import greedy
+from memo.planner.dsa import check_placement, greedy, mip
 from memo.planner.dsa import lower_bound as units_lower_bound
 from memo.planner.synthetic import guillotine_instance, items_to_trace, layered_trace
 
@@ -78,12 +78,25 @@ def test_mip_closes_the_gap_on_a_hard_instance():
     assert units_lower_bound(items) == 1000
     heuristic = greedy(items)
     assert heuristic.peak >= 1150  # greedy misses the tiling by > 15 %
+    # The whole MIP on its own (the flat plan runs the exact search before it).
+    result = mip(items, time_limit=20, threads=1, warm=heuristic)
+    assert check_placement(items, result.offsets, result.peak) is None
+    gap_closed = (heuristic.peak - result.peak) / (heuristic.peak - 1000)
+    assert gap_closed >= 0.8, result
+    assert result.method == "mip"
+
+
+def test_flat_plan_reaches_the_lower_bound_on_a_300_buffer_instance():
+    # The hard case: a few hundred buffers, greedy 30-50 % above an optimum equal to the
+    # lower bound.
+    items = guillotine_instance(300, seed=1)
+    heuristic = greedy(items)
+    assert heuristic.peak >= 1.3 * units_lower_bound(items)
     trace = Trace.from_dict(items_to_trace(items))
-    plan = plan_mip(trace, time_limit=20, threads=1)
-    assert plan.peak < heuristic.peak * ALIGNMENT
-    gap_closed = (heuristic.peak * ALIGNMENT - plan.peak) / ((heuristic.peak - 1000) * ALIGNMENT)
-    assert gap_closed >= 0.8, plan.solver
-    assert plan.solver["total"]["method"].startswith("mip")
+    plan = plan_mip(trace, time_limit=20)
+    assert plan.peak == plan.lower_bound
+    info = plan.solver["total"]
+    assert info["method"] == "search" and info["optimal"] and not info["heuristic_fallback"]
 
 
 def test_validation_catches_overlap_misalignment_and_arena():
@@ -195,6 +208,7 @@ def test_highs_without_highspy_is_a_clear_error():
 
 
 def test_solver_failure_keeps_the_heuristic_flagged(monkeypatch):
+    import memo.planner.core as core
     import memo.planner.dsa as dsa
     import pulp
 
@@ -203,6 +217,8 @@ def test_solver_failure_keeps_the_heuristic_flagged(monkeypatch):
             raise pulp.PulpSolverError("solver binary missing")
 
     monkeypatch.setattr(dsa, "_solver_cmd", lambda *args: Broken())
+    # The exact search would find the tiling before any MIP runs: take it out of the way.
+    monkeypatch.setattr(core, "search", lambda items, warm, **kwargs: warm)
     items = guillotine_instance(32, seed=11)
     trace = Trace.from_dict(items_to_trace(items))
     plan = plan_mip(trace, time_limit=3)

@@ -8,8 +8,8 @@ import time
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from memo.planner.dsa import DSAResult, Item, check_placement, greedy, lower_bound
-from memo.planner.search import fits, search
+from memo.planner.dsa import DSAResult, Item, check_placement, greedy, lower_bound, overlapping_pairs
+from memo.planner.search import count_overlapping_pairs, fits, search
 from memo.planner.synthetic import guillotine_instance
 
 
@@ -92,3 +92,10 @@ def test_search_never_returns_worse_than_its_warm_start():
     tiled = search(items, greedy(items), time_limit=30)
     again = search(items, DSAResult(tiled.offsets, tiled.peak, "given", 0.0), time_limit=30)
     assert again.optimal and again.offsets == tiled.offsets and again.extra["runs"] == 0
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 20), st.integers(1, 8)), max_size=30))
+def test_pair_count_matches_the_pair_list(spans):
+    items = [Item(1, s, s + d) for s, d in spans]
+    assert count_overlapping_pairs(items) == len(overlapping_pairs(items))
