@@ -22,13 +22,14 @@ skyline plus one unit when the section is closed). So that height plus the
 unplaced units alive in the section must stay <= C, or the branch is dead.
 
 NOTE [Tight sections]
-An open section at or above the level with no slack left (the bound above
-holds with equality) has no room for a gap: the lowest item still to come
-there must rest right on its skyline, so some unplaced item alive there must
-have its lowest possible offset equal to that skyline. If none does, the branch is dead. On packings
-with no slack at all (the optimum equals the lower bound), the two checks
-leave little to guess, which is what makes the hard instances, where greedy
-ends 30-50% above the lower bound, solvable in well under a second.
+The items still to come in a section are also stacked above the lowest
+offset any of them can still take (the highest skyline over its lifetime).
+Where a section has no slack left, that leaves no room for a gap: some item
+alive there must be able to rest right on its skyline, or the branch is
+dead. On packings with no slack at all (the optimum equals the lower
+bound), the two bounds leave little to guess, which is what makes the hard
+instances, where greedy ends 30-50% above the lower bound, solvable in well
+under a second.
 
 NOTE [Restarts]
 A depth-first search that takes a wrong turn near the root can spend
@@ -53,7 +54,7 @@ from .dsa import DSAResult, Item, lower_bound, overlapping_pairs
 __all__ = ["count_overlapping_pairs", "fits", "search"]
 
 #: Nodes per unit of the Luby sequence that limits each run (NOTE [Restarts]).
-FIRST_NODE_LIMIT = 1000
+LUBY_UNIT_NODES = 1000
 
 
 @dataclass
@@ -98,6 +99,10 @@ class _Sections:
         self.pair_item = np.repeat(np.arange(n), lengths)
         offsets_in_item = np.arange(len(self.pair_item)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
         self.pair_section = self.first[self.pair_item] + offsets_in_item
+        # The same incidence grouped by section, for per-section minima (np.minimum.reduceat).
+        order = np.argsort(self.pair_section, kind="stable")
+        self.by_section = self.pair_item[order]
+        self.section_starts = np.searchsorted(self.pair_section[order], np.arange(self.n_sections))
         self.demand = np.bincount(self.pair_section, weights=self.size[self.pair_item],
                                   minlength=self.n_sections).astype(np.int64)
         neighbours: list[list[int]] = [[] for _ in range(n)]
@@ -123,7 +128,7 @@ def _run(sec: _Sections, capacity: int, rank: np.ndarray, deadline: float, node_
     if int(size.max()) > capacity or int(sec.demand.max(initial=0)) > capacity:
         return Outcome(None, True, 0)
     covering = sec.covering(rank)
-    pair_item, pair_section = sec.pair_item, sec.pair_section
+    by_section, section_starts = sec.by_section, sec.section_starts
     demand = sec.demand.copy()
     skyline = np.zeros(sec.n_sections, dtype=np.int64)
     closed = np.zeros(sec.n_sections, dtype=np.int64)  # 1: no item rests right on this skyline
@@ -145,20 +150,13 @@ def _run(sec: _Sections, capacity: int, rank: np.ndarray, deadline: float, node_
         if heights[k] == never:
             return None  # every section left is closed: nothing can rest on a skyline any more
         level = int(skyline[k])
-        # NOTE [Section bound]
-        slack = capacity - np.maximum(skyline + closed, level) - demand
-        if int(slack.min()) < 0:
+        # NOTE [Section bound]: what is still to come in a section is stacked above its floor
+        # and above the lowest offset any of those items can still take (NOTE [Tight sections]).
+        low = np.where(unplaced[by_section], lowest[by_section], never)
+        rest_on = np.minimum.reduceat(low, section_starts)
+        floor = np.maximum(np.maximum(skyline + closed, level), np.where(demand > 0, rest_on, 0))
+        if int((floor + demand).max()) > capacity:
             return None
-        # NOTE [Tight sections]
-        # (Only where the next item must rest on the skyline itself: not on a closed section or
-        # one below the level, whose next item rests higher.)
-        tight = (slack == 0) & (demand > 0) & (closed == 0) & (skyline >= level)
-        if tight.any():
-            rests = unplaced[pair_item] & (lowest[pair_item] == skyline[pair_section])
-            supported = np.zeros(sec.n_sections, dtype=bool)
-            supported[pair_section[rests]] = True
-            if (tight & ~supported).any():
-                return None
         cand = covering[k]
         cand = cand[unplaced[cand] & (lowest[cand] == level) & (size[cand] <= capacity - level)]
         return [k, level, cand.tolist(), 0, None]
@@ -246,10 +244,11 @@ def _luby(i: int) -> int:
 
 
 def _biggest_first(sec: _Sections, rng: random.Random | None) -> np.ndarray:
-    """Rank of each item in "biggest first" order; sizes perturbed by up to ~30% when ``rng`` is given."""
+    """Rank of each item in "biggest first" order; with ``rng``, each size is first multiplied by a
+    random factor (log-normal, sigma 0.6: restarts need orders that differ well before the leaves)."""
     key = sec.size.astype(np.float64)
     if rng is not None:
-        key = key * np.exp(np.array([rng.gauss(0.0, 0.3) for _ in range(sec.n)]))
+        key = key * np.exp(np.array([rng.gauss(0.0, 0.6) for _ in range(sec.n)]))
     rank = np.empty(sec.n, dtype=np.int64)
     rank[np.lexsort((sec.first, -key))] = np.arange(sec.n)
     return rank
@@ -296,7 +295,7 @@ def search(items: Sequence[Item], warm: DSAResult, *, time_limit: float, seed: i
         restart = 0
         while True:
             rank = _biggest_first(sec, rng if restart else None)
-            out = _run(sec, capacity, rank, until, FIRST_NODE_LIMIT * _luby(restart + 1))
+            out = _run(sec, capacity, rank, until, LUBY_UNIT_NODES * _luby(restart + 1))
             nodes += out.nodes
             runs += 1
             restart += 1
