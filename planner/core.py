@@ -412,9 +412,9 @@ def make_plan(trace: Trace | Mapping[str, Any], alpha_solution: Any = None, *, t
         trace: the iteration's allocation trace.
         alpha_solution: an :class:`AlphaSolution` to record in the plan (alpha, binding
             constraint, host bytes), or None.
-        time_limit: seconds per solve (level 1 forward, level 1 backward, level 2).
+        time_limit: seconds for the whole plan; the level-1 and level-2 solves share them.
         solver: "cbc" (bundled with PuLP) or "highs" (needs highspy).
-        use_mip: False keeps the greedy heuristic everywhere (fast, no solver).
+        use_mip: False keeps the greedy heuristic everywhere (fast: no search, no MIP).
         method: "auto" (bi-level when the trace has layer phases, flat otherwise; the flat
             heuristic replaces the bi-level plan when it is smaller), "bilevel", "flat" or
             "heuristic".

@@ -1,4 +1,4 @@
-"""``memo plan``: plan a trace (bi-level DSA MIP with heuristic warm start) and write the plan.
+"""``memo plan``: plan a trace (bi-level: greedy, exact search, DSA MIP) and write the plan.
 
     memo plan trace.json -o plan.json [--time-limit S] [--solver cbc|highs] [--no-mip]
     memo plan trace.json --expand -o addresses.json
@@ -26,10 +26,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("trace", help="trace JSON (memo.trace, version 1; see docs/formats.md)")
     parser.add_argument("-o", "--output", required=True, help="where to write the plan (or the addresses)")
     parser.add_argument("--time-limit", type=float, default=60.0,
-                        help="seconds per MIP solve (level 1 fwd, level 1 bwd, level 2); default 60")
+                        help="seconds the whole plan may take (exact search and MIP share them); default 60")
     parser.add_argument("--solver", choices=("cbc", "highs"), default="cbc",
                         help="MIP solver: cbc (bundled with PuLP, default) or highs (needs highspy)")
-    parser.add_argument("--no-mip", action="store_true", help="greedy heuristic only (fast, no solver)")
+    parser.add_argument("--no-mip", action="store_true",
+                        help="greedy heuristic only (fast: no search, no MIP)")
     parser.add_argument("--flat", action="store_true",
                         help="plan every allocation individually (no layer blocks)")
     parser.add_argument("--for-allocator", action="store_true",

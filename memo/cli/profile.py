@@ -70,7 +70,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     s = p.add_argument_group("planning")
     s.add_argument(
-        "--time-limit", type=positive_float, default=30.0, help="MIP time limit per level, seconds"
+        "--time-limit", type=positive_float, default=30.0,
+        help="seconds the plan may take (exact search and MIP share them)",
     )
     s.add_argument(
         "--solver", choices=("cbc", "highs"), default=None, help="MIP solver for the planner (default: cbc)"

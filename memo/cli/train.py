@@ -215,7 +215,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="memo strategy without the planned allocator (wrapper only; all allocations via the fallback)",
     )
     p.add_argument("--time-limit", type=positive_float, default=5.0,
-                   help="seconds the planner's MIP stages may take in all (5; the greedy plan is immediate)")
+                   help="seconds the planner's search and MIP stages may take in all "
+                        "(5; the greedy plan is immediate)")
     p.add_argument("--report", metavar="OUT.json", help="write the versioned JSON report")
     p.add_argument("--plot", metavar="OUT.png", help="draw the loss curve(s) of this run (and --compare)")
     p.add_argument("--compare", nargs="*", default=[], metavar="REPORT.json", help="more reports to plot")
