@@ -175,6 +175,20 @@ def _greedy_order(items: Sequence[Item], order: Sequence[int], size: np.ndarray,
     return offs.tolist(), peak
 
 
+def _best_order(orders: dict[str, Sequence[int]], place: Callable[[Sequence[int]], tuple[list[int], int]],
+                lb: int) -> tuple[list[int], int, str]:
+    """Place in each order, keep the lowest peak (stop early at the lower bound): offsets, peak, order."""
+    best_offs: list[int] = []
+    best_peak, best_name = math.inf, ""
+    for name, order in orders.items():
+        offs, peak = place(order)
+        if peak < best_peak:
+            best_offs, best_peak, best_name = offs, peak, name
+        if peak == lb:
+            break
+    return best_offs, int(best_peak), best_name
+
+
 def greedy(items: Sequence[Item]) -> DSAResult:
     """Greedy by size with best offset, over a few orderings; returns the best placement found."""
     t0 = time.perf_counter()
@@ -190,14 +204,7 @@ def greedy(items: Sequence[Item]) -> DSAResult:
         "start": sorted(range(n), key=lambda i: (start[i], -size[i])),
     }
     lb = lower_bound(items)
-    best: tuple[list[int], int, str] | None = None
-    for name, order in orders.items():
-        offs, peak = _greedy_order(items, order, size, start, end)
-        if best is None or peak < best[1]:
-            best = (offs, peak, name)
-        if peak == lb:
-            break
-    offs, peak, name = best
+    offs, peak, name = _best_order(orders, lambda order: _greedy_order(items, order, size, start, end), lb)
     return DSAResult(offs, peak, "greedy", time.perf_counter() - t0, status="heuristic",
                      optimal=peak == lb, extra={"order": name})
 
@@ -630,14 +637,8 @@ def greedy_groups(groups: Sequence[Group]) -> DSAResult:
         "start": np.lexsort((-m.height, m.g_start)),
     }
     lb = lower_bound(m.items)
-    best: tuple[list[int], int, str] | None = None
-    for name, order in orders.items():
-        offs, peak = _groups_order(m, order.tolist(), best_fit=True)
-        if best is None or peak < best[1]:
-            best = (offs, peak, name)
-        if peak == lb:
-            break
-    offs, peak, name = best
+    offs, peak, name = _best_order(
+        orders, lambda order: _groups_order(m, np.asarray(order).tolist(), best_fit=True), lb)
     return DSAResult(offs, peak, "greedy-groups", time.perf_counter() - t0, status="heuristic",
                      optimal=peak == lb, extra={"order": name})
 
