@@ -254,6 +254,16 @@ def _biggest_first(sec: _Sections, rng: random.Random | None) -> np.ndarray:
     return rank
 
 
+def _require_lifetimes(items: Sequence[Item]) -> None:
+    # Sections are built from starts (NOTE [Sections are maximal cliques]): an item that lives
+    # for no time would span none of them. Traces never make one (a malloc and its free are
+    # two events), so this is a caller's mistake, not a case to plan around.
+    bad = next((i for i, it in enumerate(items) if it.end <= it.start), None)
+    if bad is not None:
+        raise ValueError(f"memo.planner.search: item {bad} {items[bad]} ends before it starts; "
+                         "every lifetime [start, end) must have start < end")
+
+
 def fits(items: Sequence[Item], capacity: int, *, deadline: float, node_limit: int | None = None,
          seed: int | None = None) -> Outcome:
     """Search for a placement of ``items`` with peak <= ``capacity`` (one depth-first run).
@@ -266,6 +276,7 @@ def fits(items: Sequence[Item], capacity: int, *, deadline: float, node_limit: i
     Returns the placement; or None with ``exhausted`` True when none exists, False when the
     deadline or the node limit stopped the run first.
     """
+    _require_lifetimes(items)
     sec = _Sections(items)
     rng = None if seed is None else random.Random(seed)
     return _run(sec, capacity, _biggest_first(sec, rng), deadline, node_limit)
@@ -280,6 +291,7 @@ def search(items: Sequence[Item], warm: DSAResult, *, time_limit: float, seed: i
     (NOTE [Restarts]). Never returns worse than ``warm``; ``optimal`` is True when the
     result is proven minimal.
     """
+    _require_lifetimes(items)
     t0 = time.perf_counter()
     deadline = t0 + time_limit
     rng = random.Random(seed)

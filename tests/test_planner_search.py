@@ -99,3 +99,8 @@ def test_search_never_returns_worse_than_its_warm_start():
 def test_pair_count_matches_the_pair_list(spans):
     items = [Item(1, s, s + d) for s, d in spans]
     assert count_overlapping_pairs(items) == len(overlapping_pairs(items))
+
+
+def test_an_empty_lifetime_is_refused():
+    with pytest.raises(ValueError, match="item 0 .* ends before it starts"):
+        search([Item(3, 5, 5), Item(2, 0, 4)], greedy([Item(2, 0, 4), Item(2, 0, 4)]), time_limit=1)
