@@ -173,7 +173,9 @@ def _flat(t: Trace, *, use_mip: bool, time_limit: float, solver: str, threads: i
     info = _record(result, _units_lower_bound(items))
     info.update(kind="flat", solver=solver if use_mip else None, items=len(items),
                 seconds=round(time.perf_counter() - t0, 3))
-    return _finish(t, [o * ALIGNMENT for o in result.offsets], {"kind": "flat", "total": info})
+    return _finish(t, [o * ALIGNMENT for o in result.offsets],
+                   {"kind": "flat", "solver": info["solver"], "seconds": info["seconds"],
+                    "heuristic_fallback": info["heuristic_fallback"], "total": info})
 
 
 def plan_heuristic(trace: Trace | Mapping[str, Any]) -> Plan:

@@ -97,6 +97,8 @@ def test_flat_plan_reaches_the_lower_bound_on_a_300_buffer_instance():
     assert plan.peak == plan.lower_bound
     info = plan.solver["total"]
     assert info["method"] == "search" and info["optimal"] and not info["heuristic_fallback"]
+    # The summary `memo show` prints reads these (it said "heuristic only" before they existed).
+    assert plan.solver["solver"] == "cbc" and plan.solver["heuristic_fallback"] is False
 
 
 def test_validation_catches_overlap_misalignment_and_arena():
