@@ -1,0 +1,79 @@
+// pybind11 glue for the exact DSA search's depth-first run (core/dsa_search.h):
+// takes planner/search.py's numpy arrays, checks their shapes, and runs the
+// search with the GIL released.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/dsa_search.h"
+#include "python/registry.h"
+
+namespace py = pybind11;
+
+namespace memo::python {
+
+namespace {
+
+using Int64Array = py::array_t<std::int64_t, py::array::c_style | py::array::forcecast>;
+
+std::vector<std::int64_t> to_vector(const Int64Array& a, const char* name) {
+  if (a.ndim() != 1)
+    throw std::invalid_argument(std::string("memo.planner.search: ") + name + " must be 1-D, got " +
+                                std::to_string(a.ndim()) + " dimensions");
+  return std::vector<std::int64_t>(a.data(), a.data() + a.shape(0));
+}
+
+void bind_dsa_search(py::module_& m) {
+  py::module_ sub = m.def_submodule("planner", "Native parts of memo.planner");
+  py::class_<core::DsaSearch>(sub, "DsaSearch",
+                              "The depth-first run of memo.planner.search over one instance's sections.")
+      .def(py::init([](const Int64Array& size, const Int64Array& first, const Int64Array& last,
+                       const Int64Array& by_section, const Int64Array& section_starts, const Int64Array& demand,
+                       const Int64Array& neighbour_starts, const Int64Array& neighbour_items) {
+             core::DsaInstance inst;
+             inst.size = to_vector(size, "size");
+             inst.first = to_vector(first, "first");
+             inst.last = to_vector(last, "last");
+             inst.by_section = to_vector(by_section, "by_section");
+             inst.section_starts = to_vector(section_starts, "section_starts");
+             inst.demand = to_vector(demand, "demand");
+             inst.neighbour_starts = to_vector(neighbour_starts, "neighbour_starts");
+             inst.neighbour_items = to_vector(neighbour_items, "neighbour_items");
+             return core::DsaSearch(std::move(inst));
+           }),
+           py::arg("size"), py::arg("first"), py::arg("last"), py::arg("by_section"), py::arg("section_starts"),
+           py::arg("demand"), py::arg("neighbour_starts"), py::arg("neighbour_items"))
+      .def(
+          "run",
+          [](const core::DsaSearch& search, std::int64_t capacity, const Int64Array& rank, double seconds,
+             std::optional<std::int64_t> node_limit) {
+            std::vector<std::int64_t> ranks = to_vector(rank, "rank");
+            if (node_limit && *node_limit < 0)
+              throw std::invalid_argument("memo.planner.search: node_limit must be >= 0 or None, got " +
+                                          std::to_string(*node_limit));
+            core::DsaOutcome out;
+            {
+              py::gil_scoped_release release;
+              out = search.run(capacity, ranks, seconds, node_limit.value_or(-1));
+            }
+            py::object offsets = out.found ? py::cast(out.offsets) : py::none();
+            return py::make_tuple(offsets, out.exhausted, out.nodes);
+          },
+          py::arg("capacity"), py::arg("rank"), py::arg("seconds"), py::arg("node_limit"),
+          "One run: (offsets or None, exhausted, nodes). seconds: the time left; node_limit: None for none.")
+      .def_property_readonly("num_items", &core::DsaSearch::num_items)
+      .def_property_readonly("num_sections", &core::DsaSearch::num_sections);
+}
+
+}  // namespace
+
+}  // namespace memo::python
+
+MEMO_REGISTER_BINDINGS(planner, memo::python::bind_dsa_search)
