@@ -49,6 +49,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from memo import _C
+
 from .dsa import DSAResult, Item, lower_bound, overlapping_pairs
 
 __all__ = ["count_overlapping_pairs", "fits", "search"]
@@ -64,10 +66,6 @@ class Outcome:
     offsets: list[int] | None  # a placement within the capacity, or None
     exhausted: bool  # True when the run proved there is none
     nodes: int
-
-
-class _Stop(Exception):
-    pass
 
 
 class _Sections:
@@ -109,111 +107,23 @@ class _Sections:
         for i, j in overlapping_pairs(items):
             neighbours[i].append(j)
             neighbours[j].append(i)
-        self.neighbours = [np.asarray(nb, dtype=np.int64) for nb in neighbours]
-
-    def covering(self, rank: np.ndarray) -> list[np.ndarray]:
-        """The items alive in each section, in ``rank`` order (the order candidates are tried in)."""
-        order = np.lexsort((rank[self.pair_item], self.pair_section))
-        items = self.pair_item[order]
-        counts = np.bincount(self.pair_section, minlength=self.n_sections)
-        return np.split(items, np.cumsum(counts)[:-1])
+        neighbour_starts = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum([len(nb) for nb in neighbours], out=neighbour_starts[1:])
+        neighbour_items = np.fromiter((j for nb in neighbours for j in nb), dtype=np.int64,
+                                      count=int(neighbour_starts[-1]))
+        # The run's state is all in the native object; these arrays are copied into it once.
+        self.native = _C.planner.DsaSearch(self.size, self.first, self.last, self.by_section,
+                                           self.section_starts, self.demand, neighbour_starts,
+                                           neighbour_items)
 
 
 def _run(sec: _Sections, capacity: int, rank: np.ndarray, deadline: float, node_limit: int | None
          ) -> Outcome:
     """One depth-first run (NOTE [Canonical placements]) with candidates tried in ``rank`` order."""
-    n, size, first, last = sec.n, sec.size, sec.first, sec.last
-    if n == 0:
-        return Outcome([], False, 0)
-    if int(size.max()) > capacity or int(sec.demand.max(initial=0)) > capacity:
-        return Outcome(None, True, 0)
-    covering = sec.covering(rank)
-    by_section, section_starts = sec.by_section, sec.section_starts
-    demand = sec.demand.copy()
-    skyline = np.zeros(sec.n_sections, dtype=np.int64)
-    closed = np.zeros(sec.n_sections, dtype=np.int64)  # 1: no item rests right on this skyline
-    lowest = np.zeros(n, dtype=np.int64)  # each item's lowest offset: the highest skyline it spans
-    unplaced = np.ones(n, dtype=bool)
-    offsets = np.zeros(n, dtype=np.int64)
-    never = np.int64(np.iinfo(np.int64).max)
-    nodes = 0
-
-    def open_node() -> list | None:
-        """A node at the current state: [section, level, candidates, next, undo]; None if dead."""
-        nonlocal nodes
-        nodes += 1
-        if nodes & 127 == 0 and (time.perf_counter() > deadline
-                                 or (node_limit is not None and nodes > node_limit)):
-            raise _Stop
-        heights = np.where((closed == 0) & (demand > 0), skyline, never)
-        k = int(np.argmin(heights))
-        if heights[k] == never:
-            return None  # every section left is closed: nothing can rest on a skyline any more
-        level = int(skyline[k])
-        # NOTE [Section bound]: what is still to come in a section is stacked above its floor
-        # and above the lowest offset any of those items can still take (NOTE [Tight sections]).
-        low = np.where(unplaced[by_section], lowest[by_section], never)
-        rest_on = np.minimum.reduceat(low, section_starts)
-        floor = np.maximum(np.maximum(skyline + closed, level), np.where(demand > 0, rest_on, 0))
-        if int((floor + demand).max()) > capacity:
-            return None
-        cand = covering[k]
-        cand = cand[unplaced[cand] & (lowest[cand] == level) & (size[cand] <= capacity - level)]
-        return [k, level, cand.tolist(), 0, None]
-
-    def undo(node: list) -> bool:
-        """Take back the change ``node`` made below itself; True if that was a placement."""
-        change, node[4] = node[4], None
-        if change is None:
-            return False
-        if isinstance(change, int):
-            closed[change] = 0
-            return False
-        b, lo, hi, saved_sky, saved_closed, nb, saved_low = change
-        unplaced[b] = True
-        lowest[nb] = saved_low
-        demand[lo:hi] += size[b]
-        closed[lo:hi] = saved_closed
-        skyline[lo:hi] = saved_sky
-        return True
-
-    # An explicit stack: a path is up to (items + sections) nodes deep, past Python's recursion limit.
-    placed = 0
-    try:
-        root = open_node()
-        stack = [root] if root is not None else []
-        while stack:
-            node = stack[-1]
-            placed -= undo(node)
-            k, level, cand, pos, _ = node
-            node[3] = pos + 1
-            if pos < len(cand):
-                b = cand[pos]
-                top = level + int(size[b])
-                lo, hi = int(first[b]), int(last[b])
-                nb = sec.neighbours[b]
-                node[4] = (b, lo, hi, skyline[lo:hi].copy(), closed[lo:hi].copy(), nb, lowest[nb].copy())
-                skyline[lo:hi] = top
-                closed[lo:hi] = 0
-                demand[lo:hi] -= size[b]
-                lowest[nb] = np.maximum(lowest[nb], top)
-                unplaced[b] = False
-                offsets[b] = level
-                placed += 1
-                if placed == n:
-                    return Outcome(offsets.tolist(), False, nodes)
-            elif pos == len(cand):
-                node[4] = k
-                closed[k] = 1
-            else:
-                stack.pop()
-                continue
-            child = open_node()
-            if child is not None:
-                stack.append(child)
-    except _Stop:
-        return Outcome(None, False, nodes)
-    return Outcome(None, True, nodes)
+    # The per-node loop is memo._C's (csrc/core/dsa_search.cpp): in numpy every node paid for
+    # whole-array passes and Python dispatch, about 30k nodes/s, and the restarts need many nodes.
+    offsets, exhausted, nodes = sec.native.run(capacity, rank, deadline - time.perf_counter(), node_limit)
+    return Outcome(offsets, exhausted, nodes)
 
 
 def count_overlapping_pairs(items: Sequence[Item]) -> int:

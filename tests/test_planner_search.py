@@ -5,9 +5,12 @@ from __future__ import annotations
 import itertools
 import time
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from memo import _C
 from memo.planner.dsa import DSAResult, Item, check_placement, greedy, lower_bound, overlapping_pairs
 from memo.planner.search import count_overlapping_pairs, fits, search
 from memo.planner.synthetic import guillotine_instance
@@ -104,3 +107,23 @@ def test_pair_count_matches_the_pair_list(spans):
 def test_an_empty_lifetime_is_refused():
     with pytest.raises(ValueError, match="item 0 .* ends before it starts"):
         search([Item(3, 5, 5), Item(2, 0, 4)], greedy([Item(2, 0, 4), Item(2, 0, 4)]), time_limit=1)
+
+
+def test_the_native_run_refuses_arrays_that_do_not_fit_together():
+    native_search = _C.planner.DsaSearch
+    one = np.array([1], dtype=np.int64)
+    zero = np.array([0], dtype=np.int64)
+    none = np.array([], dtype=np.int64)
+    with pytest.raises(ValueError, match="size, first and last must have one entry per item"):
+        native_search(one, zero, np.array([1, 1]), zero, zero, one, np.array([0, 0]), none)
+    with pytest.raises(ValueError, match="item 0 spans sections \\[0, 2\\)"):
+        native_search(one, zero, np.array([2]), zero, zero, one, np.array([0, 0]), none)
+    with pytest.raises(ValueError, match="neighbour_items entry 0 is not an item index"):
+        native_search(one, zero, one, zero, zero, one, np.array([0, 1]), np.array([5]))
+    native = native_search(one, zero, one, zero, zero, one, np.array([0, 0]), none)
+    with pytest.raises(ValueError, match="rank must have one entry per item, got 2 for 1"):
+        native.run(1, np.array([0, 1]), 1.0, None)
+    with pytest.raises(ValueError, match="node_limit must be >= 0 or None"):
+        native.run(1, zero, 1.0, -3)
+    assert native.run(1, zero, 1.0, None) == ([0], False, 1)
+    assert native.run(0, zero, 1.0, None) == (None, True, 0)
