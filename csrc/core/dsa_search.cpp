@@ -77,16 +77,6 @@ DsaSearch::DsaSearch(DsaInstance instance) : inst_(std::move(instance)) {
     require(0 <= inst_.neighbour_items[p] && inst_.neighbour_items[p] < static_cast<i64>(n),
             "neighbour_items entry " + std::to_string(p) + " is not an item index");
   inst_.section_starts.push_back(static_cast<i64>(pairs));  // one past the last section's group
-
-  reach_lo_.assign(inst_.first.begin(), inst_.first.end());
-  reach_hi_.assign(inst_.last.begin(), inst_.last.end());
-  for (std::size_t i = 0; i < n; ++i) {
-    for (i64 p = inst_.neighbour_starts[i]; p < inst_.neighbour_starts[i + 1]; ++p) {
-      const i64 j = inst_.neighbour_items[p];
-      reach_lo_[i] = std::min(reach_lo_[i], inst_.first[j]);
-      reach_hi_[i] = std::max(reach_hi_[i], inst_.last[j]);
-    }
-  }
 }
 
 DsaOutcome DsaSearch::run(i64 capacity, const std::vector<i64>& rank, double seconds, i64 node_limit) const {
@@ -133,14 +123,25 @@ DsaOutcome DsaSearch::run(i64 capacity, const std::vector<i64>& rank, double sec
   std::vector<i64> lowest(n, 0);         // each item's lowest offset: the highest skyline it spans
   std::vector<char> unplaced(n, 1);
   std::vector<i64> offsets(n, 0);
-  // Per section, the lowest offset its unplaced items can take (NOTE [Tight sections]). Kept
-  // up to date lazily: a placement or undo only changes it over the item's reach, so only that
-  // range is marked and recomputed before the next bound check.
+  // Per section, the lowest offset its unplaced items can take (NOTE [Tight sections]), kept
+  // exact without rescanning every section at every node, which cost ~90% of the run:
+  // * a placement only raises values or drops items, so a section's minimum can move only
+  //   when an item that held it changed: those sections are marked and rescanned before the
+  //   next bound check;
+  // * an undo only lowers values or brings items back, so min() with them is exact.
+  // Everything starts at 0 with every item unplaced, and every section holds an item.
   std::vector<i64> rest_on(sections, 0);
-  i64 dirty_lo = 0, dirty_hi = sections;
-  auto mark = [&](i64 item) {
-    dirty_lo = std::min(dirty_lo, reach_lo_[item]);
-    dirty_hi = std::max(dirty_hi, reach_hi_[item]);
+  std::vector<char> is_dirty(sections, 0);
+  std::vector<i64> dirty;
+  auto mark_held = [&](i64 item, i64 old_low) {
+    for (i64 s = first[item]; s < last[item]; ++s)
+      if (rest_on[s] == old_low && !is_dirty[s]) {
+        is_dirty[s] = 1;
+        dirty.push_back(s);
+      }
+  };
+  auto lower_to = [&](i64 item, i64 low) {
+    for (i64 s = first[item]; s < last[item]; ++s) rest_on[s] = std::min(rest_on[s], low);
   };
 
   std::vector<Node> stack;
@@ -162,17 +163,18 @@ DsaOutcome DsaSearch::run(i64 capacity, const std::vector<i64>& rank, double sec
         level = skyline[s];
         k = s;
       }
-    if (k < 0) return false;  // every section left is closed: nothing can rest on a skyline any more
-    for (i64 s = dirty_lo; s < dirty_hi; ++s) {
+    // Before any return: undo relies on rest_on being exact for the state it takes back.
+    for (const i64 s : dirty) {
       i64 low = kNever;
       for (i64 p = section_starts[s]; p < section_starts[s + 1]; ++p) {
         const i64 i = by_section[p];
         if (unplaced[i] && lowest[i] < low) low = lowest[i];
       }
       rest_on[s] = low;
+      is_dirty[s] = 0;
     }
-    dirty_lo = sections;
-    dirty_hi = 0;
+    dirty.clear();
+    if (k < 0) return false;  // every section left is closed: nothing can rest on a skyline any more
     // NOTE [Section bound]: what is still to come in a section is stacked above its floor and
     // above the lowest offset any of those items can still take (NOTE [Tight sections]).
     for (i64 s = 0; s < sections; ++s) {
@@ -207,11 +209,16 @@ DsaOutcome DsaSearch::run(i64 capacity, const std::vector<i64>& rank, double sec
     std::size_t at = node.saved_begin;
     for (i64 s = lo; s < hi; ++s) skyline[s] = save_pool[at++];
     for (i64 s = lo; s < hi; ++s) closed[s] = save_pool[at++];
-    for (i64 p = nb_starts[b]; p < nb_starts[b + 1]; ++p) lowest[nb_items[p]] = save_pool[at++];
+    for (i64 p = nb_starts[b]; p < nb_starts[b + 1]; ++p) {
+      const i64 j = nb_items[p];
+      const i64 low = save_pool[at++];
+      if (unplaced[j] && low < lowest[j]) lower_to(j, low);
+      lowest[j] = low;
+    }
     save_pool.resize(node.saved_begin);
     for (i64 s = lo; s < hi; ++s) demand[s] += size[b];
     unplaced[b] = 1;
-    mark(b);
+    lower_to(b, lowest[b]);
     return true;
   };
 
@@ -238,13 +245,16 @@ DsaOutcome DsaSearch::run(i64 capacity, const std::vector<i64>& rank, double sec
         closed[s] = 0;
         demand[s] -= size[b];
       }
-      for (i64 p = nb_starts[b]; p < nb_starts[b + 1]; ++p) {
-        i64& low = lowest[nb_items[p]];
-        low = std::max(low, top);
-      }
       unplaced[b] = 0;
+      mark_held(b, lowest[b]);
+      for (i64 p = nb_starts[b]; p < nb_starts[b + 1]; ++p) {
+        const i64 j = nb_items[p];
+        if (lowest[j] < top) {
+          if (unplaced[j]) mark_held(j, lowest[j]);
+          lowest[j] = top;
+        }
+      }
       offsets[b] = node.level;
-      mark(b);
       if (++placed == n) {
         out.found = true;
         out.nodes = nodes;

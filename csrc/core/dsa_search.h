@@ -43,9 +43,6 @@ class DsaSearch {
 
  private:
   DsaInstance inst_;
-  // Per item, the sections its placement can change a lowest offset in: the hull of
-  // its own and its neighbours' lifetimes.
-  std::vector<std::int64_t> reach_lo_, reach_hi_;
 };
 
 }  // namespace memo::core
