@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from memo import _C
 from memo.planner.dsa import DSAResult, Item, check_placement, greedy, lower_bound, overlapping_pairs
 from memo.planner.search import count_overlapping_pairs, fits, search
 from memo.planner.synthetic import guillotine_instance
+
+from memo import _C
 
 
 def brute_force_optimum(items: list[Item]) -> int:
