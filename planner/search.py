@@ -97,7 +97,7 @@ class _Sections:
         self.pair_item = np.repeat(np.arange(n), lengths)
         offsets_in_item = np.arange(len(self.pair_item)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
         self.pair_section = self.first[self.pair_item] + offsets_in_item
-        # The same incidence grouped by section, for per-section minima (np.minimum.reduceat).
+        # The same incidence grouped by section: the native run scans a section's items from it.
         order = np.argsort(self.pair_section, kind="stable")
         self.by_section = self.pair_item[order]
         self.section_starts = np.searchsorted(self.pair_section[order], np.arange(self.n_sections))
