@@ -19,7 +19,8 @@ import argparse
 import sys
 
 from memo.errors import MemoError
-from memo.utils.training import add_train_arguments, train, train_config_from_args, write_report
+from memo.report import build_report, save_report
+from memo.utils.training import add_train_arguments, train, train_config_from_args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,7 +38,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if args.report:
-        summary = write_report(result, args.report)["summary"]
+        report = build_report(result)
+        save_report(report, args.report)
+        summary = report["summary"]
         first, last = summary["first_loss"], summary["last_loss"]
         print(f"report written to {args.report} (loss {first:.4f} -> {last:.4f})")
     return 0

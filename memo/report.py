@@ -28,7 +28,8 @@ from typing import Any
 from memo.errors import MemoError
 from memo.jsonio import read_json
 
-__all__ = ["REPORT_KIND", "REPORT_VERSION", "STRATEGIES", "load_report", "save_report", "validate_report"]
+__all__ = ["REPORT_KIND", "REPORT_VERSION", "STRATEGIES", "build_report", "load_report", "save_report",
+           "validate_report"]
 
 REPORT_VERSION = 1
 REPORT_KIND = "memo.report"
@@ -107,6 +108,65 @@ def validate_report(report: Any) -> dict[str, Any]:
         if step["step_time_s"] <= 0 or step["tgs"] <= 0:
             raise MemoError(f"memo.report: steps[{i}] step_time_s and tgs must be > 0")
     _check_fields(report["allocator"], {"planned": (_INT, False), "fallback": (_INT, False)}, "allocator")
+    return report
+
+
+def build_report(result: Any) -> dict[str, Any]:
+    """The versioned ``memo.report`` dict of a finished :class:`memo.utils.training.TrainResult`.
+
+    ``memo train`` and examples/train_gpt.py both write it. A run without a strategy object
+    is "full-recompute" when it checkpointed every layer (``--recompute full``), else "none".
+    """
+    from memo.utils.training import summarize
+
+    cfg, strategy = result.config, result.strategy
+    last = result.steps[-1].extras if result.steps else {}
+    steps = [
+        {
+            "step": s.step,
+            "loss": s.loss,
+            "step_time_s": s.step_time_s,
+            "tgs": s.tgs,
+            "mfu": s.mfu,
+            "peak_device_bytes": s.peak_memory_bytes,
+            "host_pinned_bytes": s.extras.get("host_pinned_bytes", 0),
+            "allocator": s.extras.get("allocator", {"planned": 0, "fallback": 0}),
+            **{k: s.extras[k] for k in ("bytes_offloaded", "bytes_prefetched", "recomputed_tokens",
+                                        "copy_wait_s") if k in s.extras},
+        }
+        for s in result.steps
+    ]
+    peaks = [s.peak_memory_bytes for s in result.steps if s.peak_memory_bytes is not None]
+    plan = strategy.plan if strategy is not None else None
+    report = {
+        "version": REPORT_VERSION,
+        "kind": REPORT_KIND,
+        "model": cfg.model,
+        "model_fingerprint": result.model_fingerprint,
+        "seq_len": cfg.seq_len,
+        "micro_batch": cfg.micro_batch,
+        "device": cfg.device,
+        "dtype": cfg.dtype,
+        "lr": cfg.lr,
+        "seed": cfg.seed,
+        "data": cfg.data if cfg.data is not None else "synthetic",
+        "strategy": strategy.name if strategy is not None else
+        ("full-recompute" if cfg.recompute == "full" else "none"),
+        "recompute": cfg.recompute,
+        "alpha": strategy.alpha if strategy is not None else None,
+        "alpha_binding": strategy.alpha_binding if strategy is not None else None,
+        "num_parameters": result.num_parameters,
+        "flops_per_sample": result.flops_per_sample,
+        "peak_flops": result.peak_flops,
+        "steps": steps,
+        "peak_device_bytes": max(peaks) if peaks else None,
+        "peak_device_kind": result.peak_memory_kind,
+        "host_pinned_bytes": int(last.get("host_pinned_bytes", 0)),
+        "allocator": dict(last.get("allocator", {"planned": 0, "fallback": 0})),
+        "segment_allocs": last.get("segment_allocs"),
+        "plan": None if plan is None else {"peak": plan.peak, "lower_bound": plan.lower_bound},
+    }
+    report["summary"] = summarize(result)
     return report
 
 

@@ -28,7 +28,7 @@ def test_train_example_report(tmp_path: Path) -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     report = json.loads(report_path.read_text())
-    assert report["version"] == 1
+    assert report["version"] == 1 and report["kind"] == "memo.report" and report["strategy"] == "none"
     assert report["model"] == "tiny" and report["seq_len"] == 128 and report["micro_batch"] == 2
     assert report["num_parameters"] > 0 and report["flops_per_sample"] > 0
     steps = report["steps"]
@@ -53,6 +53,7 @@ def test_train_example_peak_override_recompute_and_bytes(tmp_path: Path) -> None
     assert proc.returncode == 0, proc.stderr
     report = json.loads(report_path.read_text())
     assert report["data"] == str(data) and report["recompute"] == "full"
+    assert report["strategy"] == "full-recompute"
     assert all(0 < s["mfu"] < 1 for s in report["steps"])
 
 

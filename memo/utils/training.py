@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import math
 import resource
 import sys
@@ -36,7 +35,6 @@ from memo.utils.flops import detect_peak_flops, flops_per_sample, mfu
 
 __all__ = [
     "DTYPES",
-    "REPORT_VERSION",
     "ByteFileTokens",
     "StepMetrics",
     "SyntheticTokens",
@@ -49,11 +47,7 @@ __all__ = [
     "train",
     "train_config_from_args",
     "train_step",
-    "write_report",
 ]
-
-#: Version of the ``--report`` JSON written by :func:`write_report`.
-REPORT_VERSION = 1
 
 #: ``--dtype`` choices.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -422,39 +416,3 @@ def summarize(result: TrainResult) -> dict:
         "mean_mfu": sum(mfus) / len(mfus) if mfus else None,
         "peak_memory_bytes": max((s.peak_memory_bytes or 0) for s in steps) if steps else None,
     }
-
-
-def write_report(result: TrainResult, path: str | Path) -> dict:
-    """Write the versioned JSON report of ``result`` to ``path`` and return it as a dict."""
-    steps = result.steps
-    report = {
-        "version": REPORT_VERSION,
-        "model": result.config.model,
-        "model_fingerprint": result.model_fingerprint,
-        "seq_len": result.config.seq_len,
-        "micro_batch": result.config.micro_batch,
-        "device": result.config.device,
-        "dtype": result.config.dtype,
-        "recompute": result.config.recompute,
-        "lr": result.config.lr,
-        "seed": result.config.seed,
-        "data": result.config.data if result.config.data is not None else "synthetic",
-        "num_parameters": result.num_parameters,
-        "flops_per_sample": result.flops_per_sample,
-        "peak_flops": result.peak_flops,
-        "peak_memory_kind": result.peak_memory_kind,
-        "steps": [
-            {
-                "step": s.step,
-                "loss": s.loss,
-                "step_time_s": s.step_time_s,
-                "tgs": s.tgs,
-                "mfu": s.mfu,
-                "peak_memory_bytes": s.peak_memory_bytes,
-            }
-            for s in steps
-        ],
-        "summary": summarize(result),
-    }
-    Path(path).write_text(json.dumps(report, indent=2) + "\n")
-    return report
