@@ -142,6 +142,19 @@ def check_placement(items: Sequence[Item], offsets: Sequence[int], peak: int) ->
     return None
 
 
+def _tightest_gap(lo: np.ndarray, hi: np.ndarray, size: int, floor: int) -> int:
+    """Best fit: the bottom of the tightest free gap, at or above ``floor``, that holds ``size``
+    among the occupied intervals ``[lo, hi)``; the open gap on top is the last resort."""
+    srt = np.argsort(lo, kind="stable")
+    lo, hi = lo[srt], hi[srt]
+    # Free gaps between the occupied intervals: [top of everything below, next start).
+    gap_lo = np.maximum(np.concatenate(([0], np.maximum.accumulate(hi))), floor)
+    gap_hi = np.concatenate((lo, [np.iinfo(np.int64).max]))
+    width = gap_hi - gap_lo
+    fits = np.nonzero(width >= size)[0]
+    return int(gap_lo[fits[np.argmin(width[fits])]])
+
+
 def _greedy_order(items: Sequence[Item], order: Sequence[int], size: np.ndarray, start: np.ndarray,
                   end: np.ndarray) -> tuple[list[int], int]:
     n = len(items)
@@ -154,19 +167,7 @@ def _greedy_order(items: Sequence[Item], order: Sequence[int], size: np.ndarray,
         best_off = -1
         if mask.any():
             idx = np.nonzero(mask)[0]
-            lo = offs[idx]
-            hi = lo + size[idx]
-            srt = np.argsort(lo, kind="stable")
-            lo, hi = lo[srt], hi[srt]
-            # Free gaps between the occupied intervals: [top of everything below, next start).
-            tops = np.maximum.accumulate(hi)
-            gap_lo = np.concatenate(([0], tops))
-            gap_hi = np.concatenate((lo, [np.iinfo(np.int64).max]))
-            width = gap_hi - gap_lo
-            fits = np.nonzero(width >= s_i)[0]
-            # Best fit: the tightest gap that holds the item; the open gap on top is the last resort.
-            best = fits[np.argmin(width[fits])]
-            best_off = int(gap_lo[best])
+            best_off = _tightest_gap(offs[idx], offs[idx] + size[idx], s_i, 0)
         else:
             best_off = 0
         offs[i] = best_off
@@ -575,7 +576,6 @@ def _groups_order(m: _Members, order: Sequence[int], best_fit: bool) -> tuple[li
     placed = np.zeros(len(m.size), dtype=bool)
     offsets = [0] * len(m.height)
     peak = 0
-    big = np.iinfo(np.int64).max
     for g in order:
         a, b = int(m.first[g]), int(m.first[g + 1])
         if a == b:
@@ -586,15 +586,8 @@ def _groups_order(m: _Members, order: Sequence[int], best_fit: bool) -> tuple[li
             r, s, s_i, e_i = int(m.rel[a]), int(m.size[a]), m.start[a], m.end[a]
             idx = near[(m.start[near] < e_i) & (s_i < m.end[near])]
             if idx.size:
-                lo = off[idx]
-                hi = lo + m.size[idx]
-                srt = np.argsort(lo, kind="stable")
-                lo, hi = lo[srt], hi[srt]
-                gap_lo = np.maximum(np.concatenate(([0], np.maximum.accumulate(hi))), r)
-                gap_hi = np.concatenate((lo, [big]))
-                width = gap_hi - gap_lo
-                fits = np.nonzero(width >= s)[0]
-                base = int(gap_lo[fits[np.argmin(width[fits])]]) - r
+                # The member may not sit below its own relative offset (the base is >= 0).
+                base = _tightest_gap(off[idx], off[idx] + m.size[idx], s, r) - r
             else:
                 base = 0
         else:
