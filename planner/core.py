@@ -113,17 +113,15 @@ def _solve(items: Sequence[Item], *, use_mip: bool, time_limit: float, solver: s
     warm = greedy(items)
     if not use_mip or warm.optimal:
         return warm
-    from .dsa import overlapping_pairs
-
     lb = _units_lower_bound(items)
     if warm.peak - lb <= GAP_TOLERANCE * lb:
         return warm
     t0 = time.perf_counter()
     result = warm
-    if count_overlapping_pairs(items) <= MAX_SEARCH_PAIRS:
+    pairs = count_overlapping_pairs(items)
+    if pairs <= MAX_SEARCH_PAIRS:
         result = search(items, warm, time_limit=time_limit / 2)
-    if not result.optimal and len(items) <= MAX_FULL_MIP_ITEMS \
-            and len(overlapping_pairs(items)) <= MAX_MIP_PAIRS:
+    if not result.optimal and len(items) <= MAX_FULL_MIP_ITEMS and pairs <= MAX_MIP_PAIRS:
         # Small instances: the whole MIP, given half the time left so the neighbourhood search can follow.
         left = time_limit - (time.perf_counter() - t0)
         whole = mip(items, time_limit=left / 2, solver=solver, threads=threads, warm=result)
