@@ -130,13 +130,12 @@ def count_overlapping_pairs(items: Sequence[Item]) -> int:
     """How many pairs of items overlap in time, without listing them (O(n log n))."""
     if not items:
         return 0
-    starts = np.sort(np.fromiter((it.start for it in items), dtype=np.int64, count=len(items)))
-    ends = np.sort(np.fromiter((it.end for it in items), dtype=np.int64, count=len(items)))
-    mine_s = np.fromiter((it.start for it in items), dtype=np.int64, count=len(items))
-    mine_e = np.fromiter((it.end for it in items), dtype=np.int64, count=len(items))
+    start = np.fromiter((it.start for it in items), dtype=np.int64, count=len(items))
+    end = np.fromiter((it.end for it in items), dtype=np.int64, count=len(items))
     # j overlaps i when start_j < end_i and end_j > start_i; the second count removes the j
     # that ended by start_i (all of which also started before end_i), and i itself is counted once.
-    alive = np.searchsorted(starts, mine_e, side="left") - np.searchsorted(ends, mine_s, side="right") - 1
+    alive = (np.searchsorted(np.sort(start), end, side="left")
+             - np.searchsorted(np.sort(end), start, side="right") - 1)
     return int(alive.sum()) // 2
 
 
@@ -209,7 +208,8 @@ def search(items: Sequence[Item], warm: DSAResult, *, time_limit: float, seed: i
     proven = lower_bound(items)  # no capacity below this fits
     untried = proven  # the smallest capacity worth a try (above any that ran out of time)
     capacity = proven
-    sec = _Sections(items) if items else None
+    # The instance is only set up when there is a gap to search (warm starts often sit at the bound).
+    sec = _Sections(items) if proven < best_peak else None
     nodes = runs = 0
     while untried < best_peak and time.perf_counter() < deadline:
         left = deadline - time.perf_counter()
