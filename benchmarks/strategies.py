@@ -60,6 +60,7 @@ import torch
 from memo.cli.args import positive_float, positive_int, seq_len
 from memo.errors import MemoError
 from memo.strategies import Strategy, StrategyOptions, make_strategy
+from memo.units import format_mib
 
 # NOTE [Import pulp before the first model]
 # memo's planner imports pulp lazily, inside the first memo step's set-up. pulp's optional solver
@@ -262,8 +263,6 @@ def _torch_allocator_row(name: str, allocator: str, args: argparse.Namespace) ->
 # ---------------------------------------------------------------- table
 
 
-def _mib(n: int | None) -> str:
-    return "n/a" if n is None else f"{n / 2**20:,.1f} MiB"
 
 
 def _ratio(value: float | None, base: float | None) -> str:
@@ -285,8 +284,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             f"{r['mean_step_time_s'] * 1e3:,.0f} ms",
             f"{r['mean_tgs']:,.0f}",
             "n/a" if r["mean_mfu"] is None else f"{100 * r['mean_mfu']:.1f}%",
-            _mib(r["peak_device_bytes"]),
-            _mib(r["host_bytes"]),
+            format_mib(r["peak_device_bytes"]),
+            format_mib(r["host_bytes"]),
             f"{r['planned']}/{r['fallback']}" if r["allocator"] == "memo" else "-",
             _ratio(r["mean_step_time_s"], base and base["mean_step_time_s"]),
             _ratio(r["mean_mfu"], base and base["mean_mfu"]),
@@ -397,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         row = run_row(name, args)
         rows.append(row)
         print(f"  {row['row']}: {row['mean_step_time_s'] * 1e3:,.0f} ms/step, "
-              f"peak {_mib(row['peak_device_bytes'])}, loss {row['first_loss']:.4f} -> "
+              f"peak {format_mib(row['peak_device_bytes'])}, loss {row['first_loss']:.4f} -> "
               f"{row['last_loss']:.4f} ({row['wall_s']:.0f} s)", flush=True)
         gc.collect()
         from memo import allocator as memo_allocator
@@ -415,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
                 row = _torch_allocator_row(name, allocator_name, args)
                 rows.append(row)
                 print(f"  {row['row']}: {row['mean_step_time_s'] * 1e3:,.0f} ms/step, "
-                      f"peak {_mib(row['peak_device_bytes'])}", flush=True)
+                      f"peak {format_mib(row['peak_device_bytes'])}", flush=True)
     print(f"\n{args.model}, seq {args.seq_len:,}: mean over steps 2..{args.steps}; ratios to full-recompute "
           "(FR)\n")
     print(format_table(rows))

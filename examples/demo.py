@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from memo.units import format_mib
+
 STRATEGIES = ("memo", "full-recompute", "none")
 
 
@@ -32,8 +34,6 @@ def sh(*args: str) -> None:
     print(f"  ({time.perf_counter() - start:.1f} s)", flush=True)
 
 
-def _mib(n: int | None) -> str:
-    return "n/a" if n is None else f"{n / 2**20:,.1f} MiB"
 
 
 def table(reports: dict[str, dict]) -> str:
@@ -52,8 +52,8 @@ def table(reports: dict[str, dict]) -> str:
             f"{s['first_loss']:.4f}->{s['last_loss']:.4f}",
             f"{s['mean_step_time_s'] * 1e3:,.0f} ms",
             f"{base_time / s['mean_step_time_s']:.2f}x",
-            _mib(r["peak_device_bytes"]),
-            _mib(r["host_pinned_bytes"]),
+            format_mib(r["peak_device_bytes"]),
+            format_mib(r["host_pinned_bytes"]),
             f"{r['allocator']['planned']}/{r['allocator']['fallback']}",
         ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]

@@ -30,6 +30,7 @@ from memo import planner, profiler  # at import time: NOTE [Import PuLP early] i
 from memo.errors import MemoError, PlanMismatchError
 from memo.phases import PhaseTracker
 from memo.report import STRATEGIES
+from memo.units import format_mib
 
 __all__ = ["STRATEGIES", "Strategy", "StrategyOptions", "make_strategy"]
 
@@ -158,7 +159,7 @@ class Strategy:
             _check_plan(plan, run)
             self.plan = plan
             self.alpha, self.alpha_binding = float(plan.alpha), getattr(plan, "alpha_binding", None)
-            log(f"memo: plan {opts.plan}: alpha {self.alpha:.4f}, arena {_mib(plan.peak)}")
+            log(f"memo: plan {opts.plan}: alpha {self.alpha:.4f}, arena {format_mib(plan.peak)}")
             self._wrap(self.alpha, plan)
             return
         fixed = None if opts.alpha == "auto" else float(opts.alpha)
@@ -176,8 +177,8 @@ class Strategy:
         self.alpha, self.alpha_binding = float(result.alpha.alpha), str(result.alpha.binding)
         self.plan = result.plan
         if self.plan is not None:
-            log(f"memo: alpha {self.alpha:.4f} ({self.alpha_binding}); plan arena {_mib(self.plan.peak)}, "
-                f"lower bound {_mib(self.plan.lower_bound)}")
+            log(f"memo: alpha {self.alpha:.4f} ({self.alpha_binding}); "
+                f"plan arena {format_mib(self.plan.peak)}, lower bound {format_mib(self.plan.lower_bound)}")
         self._wrap(self.alpha, self.plan)
 
     # Steps --------------------------------------------------------------------------------------
@@ -275,8 +276,6 @@ def make_strategy(options: StrategyOptions) -> Strategy:
     return Strategy(options)
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
 
 
 def _check_plan(plan: Any, run: dict[str, Any]) -> None:

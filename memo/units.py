@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["format_bytes"]
+__all__ = ["format_bytes", "format_mib"]
 
 _UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
 
@@ -15,3 +15,9 @@ def format_bytes(n: float | None) -> str:
         if abs(n) >= scale:
             return f"{n / scale:,.2f} {unit}"
     return f"{int(n)} B"
+
+
+def format_mib(n: float | None) -> str:
+    """``format_mib(3 * 2**20) -> "3.0 MiB"``: the one unit per-step lines and tables use, so
+    their columns compare at a glance; ``None`` -> ``"n/a"``."""
+    return "n/a" if n is None else f"{n / 2**20:,.1f} MiB"

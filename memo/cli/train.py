@@ -19,6 +19,7 @@ from typing import Any
 from memo.cli.args import add_machine_arguments, positive_float, positive_int, seq_len
 from memo.errors import MemoError
 from memo.report import STRATEGIES, build_report, load_report, save_report
+from memo.units import format_mib
 
 __all__ = ["add_parser", "plot_losses", "run"]
 
@@ -92,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
         f"memo train: {report['strategy']}"
         + ("" if report["alpha"] is None else f" alpha={report['alpha']:.4f}")
         + f": loss {s['first_loss']:.4f} -> {s['last_loss']:.4f}, "
-        f"peak device {_mib(report['peak_device_bytes'])}, host pinned {_mib(report['host_pinned_bytes'])}, "
+        f"peak device {format_mib(report['peak_device_bytes'])}, "
+        f"host pinned {format_mib(report['host_pinned_bytes'])}, "
         f"allocations planned/fallback/unplanned {report['allocator']['planned']}/"
         f"{report['allocator']['fallback']}/{report['allocator'].get('unplanned', 0)}"
     )
@@ -105,8 +107,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _mib(n: int | None) -> str:
-    return "n/a" if n is None else f"{n / 2**20:.1f} MiB"
 
 
 def _alpha(text: str) -> str:

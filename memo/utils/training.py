@@ -31,6 +31,7 @@ from memo.models import (
     list_configs,
 )
 from memo.models.model import TransformerModel
+from memo.units import format_mib
 from memo.utils.flops import detect_peak_flops, flops_per_sample, mfu
 
 __all__ = [
@@ -278,10 +279,6 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
 
 
-def _fmt_bytes(n: int | None) -> str:
-    if n is None:
-        return "n/a"
-    return f"{n / 2**20:.1f} MiB"
 
 
 def train(
@@ -383,7 +380,7 @@ def train(
         mfu_text = "n/a" if metrics.mfu is None else f"{100 * metrics.mfu:.1f}%"
         emit(
             f"step {step:>4}  loss {loss:.4f}  time {seconds * 1e3:.0f} ms  tgs {metrics.tgs:,.0f} tok/s  "
-            f"mfu {mfu_text}  peak mem {_fmt_bytes(mem)} ({result.peak_memory_kind})" + _extras_text(extras)
+            f"mfu {mfu_text}  peak mem {format_mib(mem)} ({result.peak_memory_kind})" + _extras_text(extras)
         )
     bar.close()
     if strategy is not None:
@@ -396,7 +393,7 @@ def _extras_text(extras: dict) -> str:
         return ""
     alloc = extras.get("allocator", {})
     return (
-        f"  host pinned {_fmt_bytes(extras.get('host_pinned_bytes', 0))}"
+        f"  host pinned {format_mib(extras.get('host_pinned_bytes', 0))}"
         f"  alloc planned/fallback/unplanned {alloc.get('planned', 0)}/{alloc.get('fallback', 0)}/"
         f"{alloc.get('unplanned', 0)}"
         + (f"  copy wait {extras['copy_wait_s'] * 1e3:.1f} ms" if "copy_wait_s" in extras else "")
