@@ -28,7 +28,8 @@ backward (after the prefetch of the layer's buffer)
   3. ``torch.autograd.backward`` runs both pre sub-graphs; the gradient of ``x``
      is the two taps' share (``[0:a]``) and the recomputed leaf's (``[a:s]``).
 alpha = 0 and alpha = 1 go through the same code; an empty token range just
-has no sub-graph. Random state (dropout) is replayed for the recomputed range.
+has no sub-graph. The recomputed range replays the forward's random state
+(dropout) and autocast state (NOTE [Recompute replays autocast]).
 
 NOTE [What the pack hook keeps]
 The pack hook runs for every tensor an op of the ``[0:a]`` sub-graphs saves.
@@ -239,6 +240,50 @@ class _Record:
     post_edge: GradientEdge | None = None
     rng_pre: Any = None
     rng_post: Any = None
+    autocast: _AutocastState | None = None
+    qkv_dtypes: tuple[torch.dtype, ...] = ()
+
+
+# NOTE [Recompute replays autocast]
+# The [a:s] token range of ``pre`` and ``post`` runs twice: in forward under no_grad, and
+# again in backward to build its graph. Autocast is thread-local state that the ops read,
+# and backward usually runs outside the forward's context (``with torch.autocast(...):
+# loss = model(x)`` then ``loss.backward()``), or inside one the forward did not use. A
+# recompute under the ambient state would run in float32 where forward ran in bfloat16
+# (``mat1 and mat2 must have the same dtype`` against the bfloat16 o, or recomputed q/k/v
+# whose dtype does not match the saved rows and o/lse, so attention's backward refuses
+# them), and would silently compute other numbers than forward did. So forward records
+# the autocast state of the layer's device type and of the CPU (the CPU state matters on
+# CUDA too: CPU ops inside the layer obey it), with its dtype and the cache flag, and
+# every backward-time re-execution of forward code runs inside exactly that state, as
+# torch.utils.checkpoint does with ``_get_autocast_kwargs``. The backward ops themselves
+# (``torch.autograd.backward``, attention's backward) run under the ambient state, as
+# they do for the unwrapped model.
+
+
+@dataclass(frozen=True)
+class _AutocastState:
+    """The autocast state one forward ran under (NOTE [Recompute replays autocast])."""
+
+    #: ``(device_type, torch.autocast kwargs)`` for the layer's device type (when it has
+    #: autocast) and for ``"cpu"``.
+    kwargs: tuple[tuple[str, dict[str, Any]], ...]
+
+    @classmethod
+    def capture(cls, device: torch.device) -> _AutocastState:
+        types = ["cpu"]
+        if device.type != "cpu" and torch.amp.is_autocast_available(device.type):
+            types.insert(0, device.type)
+        cache = torch.is_autocast_cache_enabled()
+        return cls(tuple((t, {"enabled": torch.is_autocast_enabled(t), "dtype": torch.get_autocast_dtype(t),
+                              "cache_enabled": cache}) for t in types))
+
+    @contextlib.contextmanager
+    def replay(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for device_type, kwargs in self.kwargs:
+                stack.enter_context(torch.autocast(device_type, **kwargs))
+            yield
 
 
 def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -316,7 +361,8 @@ class LayerCall:
         a = offload_tokens(rt.alpha, s)
         xc = x.detach().contiguous()
         packer = _Packer(sink, self._keep_storages(), xc.device)
-        rec = _Record(a=a, s=s, ctx=ctx, taps=_TapGrads(), packer=packer)
+        rec = _Record(a=a, s=s, ctx=ctx, taps=_TapGrads(), packer=packer,
+                      autocast=_AutocastState.capture(xc.device))
         rec.x_slot = sink.pack(xc)
         packer.add_base(xc, rec.x_slot)
 
@@ -332,6 +378,7 @@ class LayerCall:
             with torch.no_grad():
                 q_b, k_b, v_b = adapter.pre(layer, xc[a:], a, ctx)
         q, k, v = _join(q_a, q_b), _join(k_a, k_b), _join(v_a, v_b)
+        rec.qkv_dtypes = (q.dtype, k.dtype, v.dtype)
         with torch.no_grad():
             o, lse = adapter.core_forward(layer, q, k, v, ctx)
         o = o.contiguous()
@@ -382,7 +429,7 @@ class LayerCall:
         if a < s:
             x_b = x_dev[a:].detach().requires_grad_()
             o_b = o_dev[a:].detach().requires_grad_()
-            with torch.enable_grad(), _replay_rng(rec.rng_post, device):
+            with torch.enable_grad(), rec.autocast.replay(), _replay_rng(rec.rng_post, device):
                 y_b = adapter.post(layer, o_b, x_b, ctx)
             roots.append(_edge(y_b))
             grads.append(grad_y[a:])
@@ -394,10 +441,11 @@ class LayerCall:
         # 2. pre on [a:s] recomputed; attention backward from the saved o and lse.
         q_b = k_b = v_b = None
         if a < s:
-            with torch.enable_grad(), _replay_rng(rec.rng_pre, device):
+            with torch.enable_grad(), rec.autocast.replay(), _replay_rng(rec.rng_pre, device):
                 q_b, k_b, v_b = adapter.pre(layer, x_b, a, ctx)
         saved = [buffers.view(i, slot) for slot in rec.qkv_slots] if a > 0 else [None, None, None]
         q, k, v = (_join(sa, sb) for sa, sb in zip(saved, (q_b, k_b, v_b), strict=True))
+        self._check_recomputed_dtypes(rec, q, k, v)
         dq, dk, dv = adapter.core_backward(layer, grad_o, q, k, v, o_dev, lse, ctx)
         del q, k, v, grad_o
 
@@ -423,6 +471,18 @@ class LayerCall:
         buffers.end_backward(i)
         rt.stats.layer_backwards += 1
         return grad_x
+
+    def _check_recomputed_dtypes(self, rec: _Record, q: torch.Tensor, k: torch.Tensor,
+                                 v: torch.Tensor) -> None:
+        """Attention's backward needs q, k, v in the dtypes forward gave it (and o, lse were made from)."""
+        got = (q.dtype, k.dtype, v.dtype)
+        if got != rec.qkv_dtypes:
+            raise MemoError(
+                f"memo.runtime: layer {self.index}'s recompute produced q, k, v in {got}, but its forward "
+                f"produced {rec.qkv_dtypes}; pre() depends on global state that differs between forward "
+                "and backward and that memo does not replay (memo replays RNG and autocast, NOTE "
+                "[Recompute replays autocast]). Make the adapter's pre() independent of it"
+            )
 
     @staticmethod
     def _grad_join(tap: torch.Tensor | None, leaf: torch.Tensor | None, like: torch.Tensor,
