@@ -7,7 +7,10 @@ TORCH_SPEC ?= torch==2.13.0
 DEMO_DIR   ?= demo_out
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint bench clean
+WHEELS     ?=
+GPU_CHECK_ARGS ?=
+
+.PHONY: install demo test lint bench clean gpu-check
 
 install:
 	@if [ -n "$(TORCH_SPEC)" ]; then $(PIP) install -q "$(TORCH_SPEC)"; fi
@@ -22,6 +25,16 @@ demo: install
 test: install
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
+
+# Every GPU check in one go, on a machine with its own CUDA build of torch and no network:
+#   make gpu-check WHEELS=dir   (dir holds PuLP, megatron-core, ... wheels; see README, "GPU checks")
+# Stops at once, non-zero, where no CUDA device is present.
+gpu-check:
+	@$(PYTHON) benchmarks/gpu_check.py --preflight
+	@if [ -n "$(WHEELS)" ]; then $(PIP) install -q --no-index --no-deps $(WHEELS)/*.whl; fi
+	MEMO_BUILD_CUDA=1 $(PIP) install --no-build-isolation --no-deps -e .
+	$(PYTHON) -c "import memo, memo._C; print('memo installed:', memo._C.build_info())"
+	$(PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 bench: install
 	$(PYTHON) benchmarks/head_memory.py

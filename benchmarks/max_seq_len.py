@@ -116,9 +116,9 @@ class _CappedMeter(Strategy):
         # the step starts with zero_grad(set_to_none=True) anyway, so dropping them changes nothing.
         self.model.zero_grad(set_to_none=True)
         gc.collect()
-        allocator.empty_cache(self.device.type)
-        self._exit.enter_context(allocator.planned(table, device=self.device.type, fallback_limit=limit))
-        held = int(allocator.stats(self.device.type)["fallback"]["reserved_bytes"])
+        allocator.empty_cache(self.device)
+        self._exit.enter_context(allocator.planned(table, device=self.device, fallback_limit=limit))
+        held = int(allocator.stats(self.device)["fallback"]["reserved_bytes"])
         if held > limit:
             raise MemoError(
                 f"max_seq_len: memo's fallback pool still holds {held / 2**20:.1f} MiB of segments with live "

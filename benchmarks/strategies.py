@@ -401,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         from memo import allocator as memo_allocator
 
-        memo_allocator.empty_cache(torch.device(args.device).type)
+        memo_allocator.empty_cache(torch.device(args.device))
     torch_rows = [n for n in names if n in TORCH_ALLOCATOR_ROWS]
     if not cuda:
         skipped.append("PyTorch caching / expandable_segments allocator rows: CUDA only (no CUDA device in "

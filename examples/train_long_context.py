@@ -74,7 +74,7 @@ def train(args: argparse.Namespace) -> int:
     # 5. Train; the tracker tells the allocator which phase (and so which plan table) is open.
     tracker = PhaseTracker(model.embedding, model.layers, model.head, listeners=[allocator.set_phase])
     try:
-        with allocator.planned(plan, device=device.type):
+        with allocator.planned(plan, device=device):
             for step in range(1, args.steps + 1):
                 start = time.perf_counter()
                 optimizer.zero_grad(set_to_none=True)
@@ -88,7 +88,7 @@ def train(args: argparse.Namespace) -> int:
                 loss_value = loss.item()
                 del loss
                 seconds = time.perf_counter() - start
-                st = allocator.stats(device.type)
+                st = allocator.stats(device)
                 print(f"step {step:>3}  loss {loss_value:.4f}  {seconds * 1e3:,.0f} ms  "
                       f"{args.micro_batch * args.seq_len / seconds:,.0f} tok/s  "
                       f"planned {st['planned_hits']}  deviations {st['deviations']}")

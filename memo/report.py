@@ -132,7 +132,7 @@ def build_report(result: Any) -> dict[str, Any]:
             "host_pinned_bytes": s.extras.get("host_pinned_bytes", 0),
             "allocator": s.extras.get("allocator", {"planned": 0, "fallback": 0}),
             **{k: s.extras[k] for k in ("bytes_offloaded", "bytes_prefetched", "recomputed_tokens",
-                                        "copy_wait_s") if k in s.extras},
+                                        "copy_wait_s", "segment_allocs") if k in s.extras},
         }
         for s in result.steps
     ]

@@ -12,8 +12,11 @@ device bytes are measured by the same allocator for all of them: ``memo`` replay
 the others use an empty plan (everything through the fallback caching allocator). The peak
 reported is the allocator's peak of bytes in use during the steps (activations, gradients,
 optimizer state, temporaries and memo's two device rounding buffers) plus the parameters,
-which exist before the first step. On CUDA with PyTorch's own allocator (baselines), torch's
-``max_memory_allocated`` is the same quantity.
+which exist before the first step. On CUDA memo's allocator, once installed, is PyTorch's CUDA
+allocator for the whole process (NOTE [Allocator state is process-wide]), so it has served the
+parameters too and its peak already counts them. On CUDA with PyTorch's own allocator
+(baselines run without memo), torch's ``max_memory_allocated`` is the same quantity; with a
+pluggable allocator torch's counters raise, so memo's are read instead.
 """
 
 from __future__ import annotations
@@ -165,7 +168,12 @@ class Strategy:
         fixed = None if opts.alpha == "auto" else float(opts.alpha)
         result = profiler.profile(
             model, run["seq_len"], run["micro_batch"], device=ids.device,
-            recorder="allocator", time_limit=opts.time_limit, alpha=fixed,
+            # Without the planned allocator only alpha is needed: the dispatch recorder sizes the
+            # layer on a meta copy, and memo's CUDA allocator need not be installed (it could not
+            # be, with the model already on the GPU).
+            recorder="allocator" if opts.planned_allocator else "dispatch",
+            wrap_pass=None if opts.planned_allocator else False,
+            time_limit=opts.time_limit, alpha=fixed,
             bandwidth_gbps=opts.bandwidth_gbps, layer_ms=opts.layer_ms,
             host_mem_gb=opts.host_mem_gb, gpus_per_node=opts.gpus_per_node, host_safety=opts.host_safety,
             plan=opts.planned_allocator, log=lambda line: log(f"memo profile: {line}"),
@@ -196,7 +204,7 @@ class Strategy:
             return
         table = self.plan if (self.plan is not None and self.options.planned_allocator) else {"tables": {},
                                                                                               "peak": 0}
-        self._exit.enter_context(allocator.planned(table, device=self.device.type))
+        self._exit.enter_context(allocator.planned(table, device=self.device))
         self.tracker = PhaseTracker(self.model.embedding, self.model.layers, self.model.head,
                                     listeners=[allocator.set_phase])
         self._allocator_on = True
@@ -217,7 +225,7 @@ class Strategy:
         out: dict[str, Any] = {"host_pinned_bytes": self.host_pinned_bytes()}
         out.update(self._copy_stats())
         if self._allocator_on:
-            st = allocator.stats(self.device.type)
+            st = allocator.stats(self.device)
             self._peak = max(self._peak, int(st["peak_bytes_in_use"]))
             # "fallback": requests the plan covered but could not serve (deviations, busy slots);
             # "unplanned": requests outside planned phases (optimizer, data), fallback by design.
@@ -225,8 +233,12 @@ class Strategy:
                             "fallback": int(st["fallback_requests"]) - int(st["unplanned_requests"]),
                             "unplanned": int(st["unplanned_requests"])}
             out["segment_allocs"] = int(st["segment_allocs"])
-            out["peak_device_bytes"] = self.param_bytes + self._peak
-            out["peak_device_kind"] = "memo_allocator_peak_in_use+params"
+            if self.device.type == "cuda":  # the allocator served the parameters too
+                out["peak_device_bytes"] = self._peak
+                out["peak_device_kind"] = "memo_allocator_peak_in_use"
+            else:
+                out["peak_device_bytes"] = self.param_bytes + self._peak
+                out["peak_device_kind"] = "memo_allocator_peak_in_use+params"
         elif self.device.type == "cuda":
             out["peak_device_bytes"] = int(torch.cuda.max_memory_allocated(self.device))
             out["peak_device_kind"] = "cuda_max_memory_allocated"

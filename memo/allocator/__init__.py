@@ -5,7 +5,7 @@
 * :func:`logging` -- record an allocation trace (the input of ``memo.planner``).
 * :func:`set_phase` -- the phase listener for :class:`memo.phases.PhaseTracker`.
 * :func:`unplanned` -- a scope whose allocations belong to no phase (one-time set-up work).
-* :func:`stats`, :func:`empty_cache` -- counters and cache control per device.
+* :func:`stats`, :func:`reset_stats`, :func:`empty_cache` -- counters and cache control per device.
 * :func:`install_cuda` -- make memo PyTorch's CUDA allocator (before the first CUDA tensor).
 
 Example (CPU)::
@@ -25,6 +25,7 @@ from memo.allocator._api import (
     empty_cache,
     logging,
     planned,
+    reset_stats,
     set_phase,
     stats,
     unplanned,
@@ -42,6 +43,7 @@ __all__ = [
     "logging",
     "normalize_plan",
     "planned",
+    "reset_stats",
     "set_phase",
     "stats",
     "unplanned",

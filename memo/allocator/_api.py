@@ -29,6 +29,7 @@ __all__ = [
     "empty_cache",
     "logging",
     "planned",
+    "reset_stats",
     "set_phase",
     "stats",
     "unplanned",
@@ -43,22 +44,23 @@ class PlanDeviationWarning(UserWarning):
 
 
 _lock = threading.Lock()
-_active: dict[str, str] = {}  # device type -> "planned" | "logging"
+_active: dict[str, str] = {}  # device ("cpu", "cuda:1") -> "planned" | "logging"
 
 
 def _claim(backend: Backend, what: str) -> None:
     with _lock:
-        if backend.device_type in _active:
+        key = str(backend.device)
+        if key in _active:
             raise MemoError(
-                f"memo.allocator: a {_active[backend.device_type]!r} context is already active on "
-                f"{backend.device_type}; {what} contexts do not nest"
+                f"memo.allocator: a {_active[key]!r} context is already active on {key}; "
+                f"{what} contexts do not nest"
             )
-        _active[backend.device_type] = what
+        _active[key] = what
 
 
 def _release(backend: Backend) -> None:
     with _lock:
-        _active.pop(backend.device_type, None)
+        _active.pop(str(backend.device), None)
 
 
 def _warn_deviation(backend: Backend) -> None:
@@ -67,7 +69,7 @@ def _warn_deviation(backend: Backend) -> None:
         return
     expected = "no request" if dev["expected"] == 0 else f"{dev['expected']} bytes"
     warnings.warn(
-        f"memo.allocator: the run left the plan on {backend.device_type}: phase {dev['phase']!r} request "
+        f"memo.allocator: the run left the plan on {backend.device}: phase {dev['phase']!r} request "
         f"{dev['index']} asked for {dev['actual']} bytes, the plan has {expected} ({dev['reason']}). "
         "This and later deviating requests are served by the fallback allocator (results stay correct; "
         "see memo.allocator.stats()['deviations']). Re-run `memo profile` for this configuration.",
@@ -86,7 +88,7 @@ def set_phase(name: str | None) -> None:
     _phase = name
     for backend in loaded_backends():
         backend.set_phase(name)
-        if _active.get(backend.device_type) == "planned":
+        if _active.get(str(backend.device)) == "planned":
             _warn_deviation(backend)
 
 
@@ -232,6 +234,13 @@ def stats(device: str | torch.device = "cpu") -> dict[str, Any]:
     blocks, segments).
     """
     return backend_for(device).stats()
+
+
+def reset_stats(device: str | torch.device = "cpu") -> None:
+    """Zero the counters of the allocator behind ``device`` and restart its peak at the bytes in use
+    now (what ``torch.cuda.reset_peak_memory_stats`` does for PyTorch's allocator, which a pluggable
+    allocator such as memo's does not support)."""
+    backend_for(device).reset_stats()
 
 
 def empty_cache(device: str | torch.device = "cpu") -> int:

@@ -3,7 +3,8 @@
 Shapes are sequence-first like the rest of memo: ``q: [s, b, n, d]``,
 ``k, v: [s, b, n_kv, d]`` with ``n % n_kv == 0`` (grouped-query attention when
 ``n_kv < n``), output ``o: [s, b, n, d]`` and log-sum-exp ``lse: [b, n, s]``
-(float32; float64 for float64 inputs on CPU).
+(float32; float64 for float64 inputs on CPU; fp32 inputs on CUDA pad s to a multiple of 32,
+NOTE [fp32 attention on CUDA]).
 
 - :func:`attention` is differentiable. It is an ``autograd.Function`` built on
   the two explicit halves below, so what autograd keeps for backward is exactly
@@ -16,8 +17,8 @@ Backends, chosen per call from the tensors' device:
 
 - CUDA with flash-attn >= 2.7 installed: ``flash_attn``'s forward/backward
   kernels (imported lazily; they handle grouped-query attention natively).
-- CUDA otherwise: ``aten._scaled_dot_product_flash_attention`` and its
-  ``_backward``.
+- CUDA otherwise: ``aten._scaled_dot_product_flash_attention`` and its ``_backward`` for
+  fp16/bf16; the memory-efficient kernel for fp32 (NOTE [fp32 attention on CUDA]).
 - CPU and meta: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its
   ``_backward``. Both have meta kernels in torch 2.13, so shapes and dtypes on
   the meta device come from the same ops as on CPU; no meta-only fallback is
@@ -101,6 +102,19 @@ def _reduce_heads(grad: torch.Tensor, n_kv: int) -> torch.Tensor:
     return grad if n == n_kv else grad.view(s, b, n_kv, n // n_kv, d).sum(dim=3)
 
 
+# NOTE [fp32 attention on CUDA]
+# PyTorch's flash kernel takes fp16/bf16 only. fp32 goes to the memory-efficient kernel, which
+# also returns the log-sum-exp in fp32 and has an explicit backward. Its lse is padded along the
+# sequence to a multiple of 32 ([b, n, ceil(s/32)*32]); memo keeps it as the kernel returns it,
+# since its backward reads that layout.
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _no_philox(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Stand-in philox seed/offset for kernels run without dropout (they never read it)."""
+    return torch.empty(0, dtype=dtype, device=device)
+
+
 def _bnsd(t: torch.Tensor) -> torch.Tensor:
     """[s, b, n, d] -> [b, n, s, d] as a view (the aten kernels take any strides)."""
     return t.permute(1, 2, 0, 3)
@@ -167,11 +181,16 @@ def _forward_kernels(
         return out.transpose(0, 1).contiguous(), lse
     n = q.shape[2]
     kx, vx = _expand_heads(k, n), _expand_heads(v, n)
-    if backend == "aten_cuda":
+    if backend == "aten_cuda" and q.dtype in _FLASH_DTYPES:
         result = torch.ops.aten._scaled_dot_product_flash_attention(
             _bnsd(q), _bnsd(kx), _bnsd(vx), 0.0, True, False, scale=scale
         )
         out, lse = result[0], result[1]
+    elif backend == "aten_cuda":
+        # NOTE [fp32 attention on CUDA]
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+            _bnsd(q), _bnsd(kx), _bnsd(vx), None, True, 0.0, True, scale=scale
+        )[:2]
     else:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             _bnsd(q), _bnsd(kx), _bnsd(vx), 0.0, True, scale=scale
@@ -200,17 +219,24 @@ def _backward_kernels(
         )  # fmt: skip
         return tuple(t.transpose(0, 1).contiguous() for t in (dq, dk, dv))  # type: ignore[return-value]
     kx, vx = _expand_heads(k, n), _expand_heads(v, n)
-    if backend == "aten_cuda":
-        # Without dropout the kernel reads neither the cumulative sequence lengths (dense
-        # batch) nor the philox seed/offset, so empty tensors stand in for them and nothing
-        # beyond q, k, v, o, lse has to be saved (NOTE [Attention saved tensors]).
-        empty = torch.empty(0, device=q.device)
-        seed = torch.empty(0, dtype=torch.int64, device=q.device)
+    if backend == "aten_cuda" and q.dtype in _FLASH_DTYPES:
+        # A dense batch has no cumulative sequence lengths: the forward returns undefined tensors
+        # for them and so do we (None). A defined tensor, even an empty one, selects the
+        # variable-length kernel, which refuses 4-D inputs. Without dropout the kernel never
+        # reads the philox seed/offset, so nothing beyond q, k, v, o, lse has to be saved
+        # (NOTE [Attention saved tensors]).
+        seed = _no_philox(q.device, torch.uint64)
         s = q.shape[0]
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            _bnsd(grad_o), _bnsd(q), _bnsd(kx), _bnsd(vx), _bnsd(o), lse, empty, empty, s, s,
+            _bnsd(grad_o), _bnsd(q), _bnsd(kx), _bnsd(vx), _bnsd(o), lse, None, None, s, s,
             0.0, True, seed, seed, scale=scale,
         )  # fmt: skip
+    elif backend == "aten_cuda":
+        seed = _no_philox(q.device, torch.int64)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            _bnsd(grad_o), _bnsd(q), _bnsd(kx), _bnsd(vx), None, _bnsd(o), lse, seed, seed,
+            0.0, [True, True, True, False], True, scale=scale,
+        )[:3]  # fmt: skip
     else:
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             _bnsd(grad_o), _bnsd(q), _bnsd(kx), _bnsd(vx), _bnsd(o), lse, 0.0, True, scale=scale

@@ -24,7 +24,9 @@ trace must be the allocator's own requests. S_* always come from pass 1.
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib
+import itertools
 import sys
 import time
 import warnings
@@ -48,7 +50,7 @@ from memo.profiler.measure import (
 from memo.profiler.record import Recording, model_parts, quiet_backward_hook_warning, record
 from memo.profiler.stats import LayerStats, summarise_layers
 
-__all__ = ["DTYPES", "ProfileResult", "build_profile_model", "profile", "runtime_wrap"]
+__all__ = ["DTYPES", "ProfileResult", "build_profile_model", "meta_copy", "profile", "runtime_wrap"]
 
 GB = 10**9
 
@@ -109,6 +111,24 @@ def build_profile_model(name: str, seq_len: int, dtype: torch.dtype, device: tor
     # training step makes: the table's gradient is one of them.
     kw = {"max_seq_len": max(seq_len, DEFAULT_MAX_SEQ_LEN)} if config.arch == "gpt" else {}
     return build_model(config, device=device, dtype=dtype, **kw)
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers live on the meta device.
+
+    No parameter or buffer data is copied (NOTE [Sizes from meta]): each one is replaced by a
+    meta tensor of the same shape, dtype and ``requires_grad`` before the module tree is deep-
+    copied, so even a model that fills a GPU can be copied for sizing.
+    """
+    replacements: dict[int, Any] = {}
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        if id(t) in replacements:
+            continue
+        fake = torch.empty_like(t, device="meta")
+        if isinstance(t, nn.Parameter):
+            fake = nn.Parameter(fake, requires_grad=t.requires_grad)
+        replacements[id(t)] = fake
+    return copy.deepcopy(model, replacements)
 
 
 def runtime_wrap() -> Callable[..., Any] | None:
@@ -257,6 +277,15 @@ def _record_allocator(
     from memo import allocator
 
     embedding, layers, head = model_parts(model)
+    # NOTE [Warm-up before logging]: libraries allocate once, on first use, through the current
+    # allocator: cuBLAS its workspace per handle and stream, the runtime its rounding buffers,
+    # kernels their lazily built caches. Logged in the first iteration they would take request
+    # indices that no later iteration makes, and every later request of that phase would
+    # deviate. So one iteration runs unlogged first.
+    with quiet_backward_hook_warning():
+        model(ids, labels).backward()
+    if ids.device.type == "cuda":
+        torch.cuda.synchronize(ids.device)
     tracker = PhaseTracker(embedding, layers, head, listeners=[allocator.set_phase])
     for p in model.parameters():
         p.grad = None
@@ -351,18 +380,30 @@ def profile(
         _check_machine_args(dev, dt, bandwidth_gbps, layer_ms, gpu)
     if recorder == "allocator":
         _check_allocator_device(dev)
-    # NOTE [Sizes from meta]: a model given by name is sized on the meta device. The plain
-    # model at a long length fits no GPU (gpt-7b at 1M tokens keeps 4 TiB for backward), the
-    # sizes the dispatch recorder sees do not depend on the device, and meta costs seconds.
-    sized_on = dev if net is not None else torch.device("meta")
-    sizing = net if net is not None else build_profile_model(name, seq_len, dt, sized_on)
+    # NOTE [Sizes from meta]: pass 1 runs the plain model on the meta device, a model given by
+    # name built there and a given model copied there (meta_copy; no data is copied). The plain
+    # model at the target length is exactly what does not fit the GPU (gpt-7b at 1M tokens
+    # keeps 4 TiB for backward), the sizes the dispatch recorder sees do not depend on the
+    # device, and meta costs seconds.
+    sized_on = torch.device("meta")
+    sizing = build_profile_model(name, seq_len, dt, sized_on) if net is None else meta_copy(net)
     timings["build"] = time.perf_counter() - t0
     meta = {"model": name}
 
     t0 = time.perf_counter()
-    plain = _record(
-        sizing, *_inputs(sizing, seq_len, micro_batch, sized_on), progress, "pass 1 (plain model)", meta
-    )
+    try:
+        plain = _record(
+            sizing, *_inputs(sizing, seq_len, micro_batch, sized_on), progress, "pass 1 (plain model)", meta
+        )
+    except NotImplementedError as err:
+        if net is None or dev.type == "meta":
+            raise
+        # An op of a user's model without a meta kernel: size it where it runs, and say so.
+        notes.append(f"pass 1 ran on {dev.type}, not meta: an op has no meta kernel ({err})")
+        sized_on, sizing = dev, net
+        plain = _record(sizing, *_inputs(sizing, seq_len, micro_batch, dev), progress,
+                        "pass 1 (plain model)", meta)
+    del sizing
     timings["pass1"] = time.perf_counter() - t0
     stats = plain.layer_stats
     n_events = len(plain.trace["events"])
@@ -375,7 +416,7 @@ def profile(
         return result
     if net is None:
         t0 = time.perf_counter()
-        net = sizing if dev.type == "meta" else build_profile_model(name, seq_len, dt, dev)
+        net = build_profile_model(name, seq_len, dt, dev)
         timings["build"] += time.perf_counter() - t0
     ids, labels = _inputs(net, seq_len, micro_batch, dev)
 
@@ -443,7 +484,7 @@ def profile(
             )
     elif wrap is None and wrap_pass is None:
         notes.append("memo.runtime.wrap is not available; the plan comes from the plain model")
-    if second is None and (recorder == "allocator" or sized_on != dev):
+    if second is None and plan and (recorder == "allocator" or sized_on != dev):
         # The planned trace must come from the device that will run (and, for the allocator
         # recorder, from the allocator's own requests), even when the model cannot be wrapped.
         if recorder == "allocator":

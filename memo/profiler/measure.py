@@ -133,22 +133,29 @@ def measure_bandwidth(device: torch.device, nbytes: int = 256 << 20, repeats: in
         return _memcpy_bandwidth(min(nbytes, 64 << 20), repeats)
     if device.type != "cuda":
         raise MemoError(f"memo.profiler: copy bandwidth cannot be measured on {device.type}; pass it")
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    from memo.allocator.host import PinnedHostBuffer
+
+    pinned = PinnedHostBuffer(nbytes, device)  # what the runtime copies through (exactly sized)
+    host, dev = pinned.tensor, torch.empty(nbytes, dtype=torch.uint8, device=device)
     rates = {}
-    for name, dst, src in (("H2D", dev, host), ("D2H", host, dev)):
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize(device)
-        runs = []
-        for _ in range(repeats):
-            start = torch.cuda.Event(enable_timing=True)
-            stop = torch.cuda.Event(enable_timing=True)
-            start.record()
+    # Events and copies on the target device's stream: with cuda:N the current device may be another.
+    with torch.cuda.device(device):
+        stream = torch.cuda.current_stream(device)
+        for name, dst, src in (("H2D", dev, host), ("D2H", host, dev)):
             dst.copy_(src, non_blocking=True)
-            stop.record()
-            stop.synchronize()
-            runs.append(nbytes / (start.elapsed_time(stop) * 1e-3) / 1e9)
-        rates[name] = statistics.median(runs)
+            torch.cuda.synchronize(device)
+            runs = []
+            for _ in range(repeats):
+                start = torch.cuda.Event(enable_timing=True)
+                stop = torch.cuda.Event(enable_timing=True)
+                start.record(stream)
+                dst.copy_(src, non_blocking=True)
+                stop.record(stream)
+                stop.synchronize()
+                runs.append(nbytes / (start.elapsed_time(stop) * 1e-3) / 1e9)
+            rates[name] = statistics.median(runs)
+    del dev
+    pinned.release()
     slow = min(rates, key=rates.get)
     how = (
         f"pinned {nbytes >> 20} MiB copies: H2D {rates['H2D']:.1f}, D2H {rates['D2H']:.1f} GB/s; using {slow}"

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from memo.allocator.host import PinnedHostBuffer, host_memory_limit
 from memo.errors import MemoError, internal_assert
 
 __all__ = [
@@ -89,15 +90,9 @@ def align_up(offset: int, alignment: int) -> int:
 
 
 def available_host_memory() -> int | None:
-    """``MemAvailable`` from /proc/meminfo in bytes, or ``None`` where it cannot be read."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+    """Host bytes this process may pin: ``MemAvailable``, and at most its share of ``MemTotal``
+    among the node's ranks (NOTE [Host memory is per node]); ``None`` where it cannot be read."""
+    return host_memory_limit()
 
 
 @dataclass
@@ -157,6 +152,10 @@ class CopyEngine:
     def synchronize(self) -> None:
         """Block until every copy issued so far is done."""
 
+    def release(self) -> None:
+        """Wait for copies and give back what the engine holds beyond tensors (pinned pages)."""
+        self.synchronize()
+
     def set_debug_delay_us(self, us: int) -> None:
         """Inject a random delay of up to ``us`` microseconds before each copy (CPU backend only)."""
 
@@ -215,11 +214,22 @@ class CudaCopyEngine(CopyEngine):
         self.offload_stream = torch.cuda.Stream(device=device)
         self.prefetch_stream = torch.cuda.Stream(device=device)
 
+        self._pinned: list[PinnedHostBuffer] = []
+
     def alloc_device_buffer(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def alloc_host_arena(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        # Exactly nbytes, page-locked for this device (NOTE [Exact pinned host memory]).
+        buffer = PinnedHostBuffer(nbytes, self.device)
+        self._pinned.append(buffer)
+        return buffer.tensor
+
+    def release(self) -> None:
+        self.synchronize()
+        for buffer in self._pinned:
+            buffer.release()
+        self._pinned.clear()
 
     def offload(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
         self.offload_stream.wait_stream(torch.cuda.current_stream(self.device))

@@ -244,6 +244,8 @@ class MemoRuntime:
     def close(self) -> None:
         """Wait for copies and release the buffers (unwrap calls it)."""
         self.synchronize()
+        if self.engine is not None:
+            self.engine.release()
         self.buffers = None
         self.engine = None
         self._input_key = None

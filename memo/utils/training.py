@@ -112,19 +112,34 @@ class ByteFileTokens:
 
 
 def reset_peak_memory(device: torch.device) -> None:
-    """Start a new peak-memory window (CUDA only; CPU peak RSS cannot be reset)."""
-    if device.type == "cuda":
+    """Start a new peak-memory window (CUDA only; CPU peak RSS cannot be reset).
+
+    With memo's CUDA allocator installed, PyTorch's own counters raise (a pluggable allocator has
+    none), so memo's allocator restarts its peak instead (NOTE [Measuring device memory]).
+    """
+    if device.type != "cuda":
+        return
+    from memo import allocator
+
+    if allocator.cuda_installed():
+        allocator.reset_stats(device)
+    else:
         torch.cuda.reset_peak_memory_stats(device)
 
 
 def peak_memory(device: torch.device) -> tuple[int | None, str]:
     """Peak memory so far and what the number is.
 
-    CUDA: ``torch.cuda.max_memory_allocated`` (tensor bytes since the last reset).
+    CUDA: bytes of live tensors at the peak since the last reset, from memo's allocator when it
+    is PyTorch's CUDA allocator, else ``torch.cuda.max_memory_allocated``.
     CPU: the process's peak resident set size from ``getrusage`` (everything the process
     ever touched: Python, torch's libraries, tensors; never reset), Linux and macOS only.
     """
     if device.type == "cuda":
+        from memo import allocator
+
+        if allocator.cuda_installed():
+            return int(allocator.stats(device)["peak_bytes_in_use"]), "memo_allocator_peak_in_use"
         return torch.cuda.max_memory_allocated(device), "cuda_max_memory_allocated"
     if device.type == "cpu":
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -1,0 +1,274 @@
+#!/usr/bin/env python
+"""Every GPU check of memo in one go (``make gpu-check``): tests, training smoke runs, the
+allocator's steady state, the GPU benchmark rows and compute-sanitizer; one dated results file
+and a summary table.
+
+Run ``--preflight`` first (the Makefile does): it needs only torch and fails within seconds,
+with a clear message, where no CUDA device is present. Each check runs in its own interpreter
+with a time limit, so one failure or hang does not hide the others; the exit status is non-zero
+when any check failed.
+
+Usage::
+
+    make gpu-check WHEELS=/path/to/wheels          # installs, builds with MEMO_BUILD_CUDA=1, runs this
+    python benchmarks/gpu_check.py --quick         # fewer and shorter runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS_KIND = "memo.gpu_check"
+RESULTS_VERSION = 1
+STRATEGIES = ("none", "full-recompute", "full-offload", "memo")
+
+
+def preflight() -> int:
+    """Exit status 0 when torch sees a CUDA device; otherwise say why, fast, without importing memo."""
+    try:
+        import torch
+    except ImportError:
+        print("make gpu-check: torch is not installed; install a CUDA build of torch first", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        cuda = torch.version.cuda or "none (a CPU-only build)"
+        print("make gpu-check: no CUDA device is present (torch.cuda.is_available() is False; torch "
+              f"{torch.__version__}, CUDA {cuda}). Run it on a machine with an NVIDIA GPU and a CUDA build "
+              "of torch.", file=sys.stderr)
+        return 2
+    return 0
+
+
+class Check:
+    """One named check: a command, its time limit, its outcome and the numbers it produced."""
+
+    def __init__(self, name: str, cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> None:
+        self.name, self.cmd, self.timeout, self.env = name, cmd, timeout, env
+        self.status = "not run"
+        self.seconds = 0.0
+        self.detail = ""
+        self.numbers: dict[str, Any] = {}
+        self.output = ""
+
+    def run(self, log_dir: Path) -> Check:
+        print(f"== {self.name}: {' '.join(self.cmd)}", flush=True)
+        start = time.perf_counter()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(self.env or {})}
+        try:
+            proc = subprocess.run(self.cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                                  timeout=self.timeout)
+            self.output = proc.stdout + proc.stderr
+            self.status = "pass" if proc.returncode == 0 else f"fail (exit {proc.returncode})"
+        except subprocess.TimeoutExpired as exc:
+            self.output = _text(exc.stdout) + _text(exc.stderr)
+            self.status = f"timeout ({self.timeout:.0f} s)"
+        self.seconds = time.perf_counter() - start
+        slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", self.name)
+        (log_dir / f"{slug}.log").write_text(self.output)
+        tail = "\n".join(self.output.strip().splitlines()[-15:])
+        print(f"-- {self.name}: {self.status} in {self.seconds:.0f} s\n{tail}\n", flush=True)
+        return self
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "pass"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "command": self.cmd, "status": self.status, "seconds": round(self.seconds, 1),
+                "detail": self.detail, "numbers": self.numbers}
+
+
+def _text(data: bytes | str | None) -> str:
+    if data is None:
+        return ""
+    return data if isinstance(data, str) else data.decode(errors="replace")
+
+
+def _hardware() -> dict[str, Any]:
+    import torch
+
+    props = torch.cuda.get_device_properties(0)
+    info = {"gpu": props.name, "gpu_memory_gib": round(props.total_memory / 2**30, 1),
+            "capability": f"{props.major}.{props.minor}", "torch": torch.__version__, "cuda": torch.version.cuda,
+            "python": sys.version.split()[0]}
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        out = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
+                             text=True)
+        info["driver"] = out.stdout.strip().splitlines()[0] if out.stdout.strip() else None
+    return info
+
+
+def _train_cmd(strategy: str, model: str, seq: str, steps: int, report: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "memo", "train", "--model", model, "--seq-len", seq, "--steps", str(steps),
+            "--device", "cuda", "--dtype", "bfloat16", "--strategy", strategy, "--no-progress",
+            "--report", str(report), *extra]
+
+
+def _train_numbers(check: Check, report: Path) -> None:
+    if not report.exists():
+        return
+    rep = json.loads(report.read_text())
+    steps = rep["steps"]
+    times = [s["step_time_s"] for s in steps[1:]] or [s["step_time_s"] for s in steps]
+    check.numbers = {
+        "alpha": rep.get("alpha"),
+        "first_loss": steps[0]["loss"], "last_loss": steps[-1]["loss"],
+        "median_step_s": round(statistics.median(times), 4),
+        "peak_device_mib": None if rep["peak_device_bytes"] is None else round(rep["peak_device_bytes"] / 2**20, 1),
+        "host_pinned_mib": round(rep["host_pinned_bytes"] / 2**20, 1),
+        "allocator": rep["allocator"],
+        "segment_allocs_per_step": [s.get("segment_allocs") for s in steps],
+    }
+
+
+def _steady_state(train_check: Check) -> Check:
+    """0 backend segment allocations after step 1 of the memo run (no cudaMalloc in steady state)."""
+    check = Check("allocator steady state (memo run)", [], 0)
+    per_step = train_check.numbers.get("segment_allocs_per_step") or []
+    if not train_check.ok or not per_step or per_step[0] is None:
+        check.status, check.detail = "fail", f"no per-step segment counts from '{train_check.name}'"
+        return check
+    after = per_step[-1] - per_step[0]
+    check.numbers = {"segment_allocs_step1": per_step[0], "segment_allocs_after_step1": after}
+    check.status = "pass" if after == 0 else "fail"
+    check.detail = f"{after} segment allocations after step 1 (cumulative per step: {per_step})"
+    return check
+
+
+def _pytest_numbers(check: Check) -> None:
+    found = re.findall(r"(\d+) (passed|failed|skipped|error|errors|deselected)", check.output)
+    check.numbers = {kind: int(n) for n, kind in found}
+    check.detail = ", ".join(f"{n} {k}" for k, n in check.numbers.items())
+
+
+def _sanitizer_numbers(check: Check) -> None:
+    match = re.search(r"ERROR SUMMARY: (\d+) error", check.output)
+    if match:
+        check.numbers["errors"] = int(match.group(1))
+        check.detail = f"{match.group(1)} errors"
+        if int(match.group(1)) and check.ok:
+            check.status = "fail (sanitizer errors)"
+    match = re.search(r"RACECHECK SUMMARY: (\d+) hazard", check.output)
+    if match:
+        check.numbers["hazards"] = int(match.group(1))
+        check.detail = f"{match.group(1)} hazards"
+        if int(match.group(1)) and check.ok:
+            check.status = "fail (race hazards)"
+
+
+def _table(checks: list[Check]) -> str:
+    rows = [("check", "status", "seconds", "numbers")]
+    for c in checks:
+        nums = c.detail or ", ".join(f"{k} {v}" for k, v in c.numbers.items()
+                                     if k not in ("allocator", "segment_allocs_per_step"))
+        rows.append((c.name, c.status, f"{c.seconds:.0f}", nums[:110]))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preflight", action="store_true", help="only check that a CUDA device is present")
+    p.add_argument("--quick", action="store_true", help="shorter runs (smoke only; fewer steps and lengths)")
+    p.add_argument("--out", default=None,
+                   help="results file (default: benchmarks/results/gpu-check-<date>.json)")
+    p.add_argument("--skip", nargs="*", default=[],
+                   choices=("pytest", "train", "benchmarks", "sanitizer"), help="check groups to leave out")
+    args = p.parse_args(argv)
+    status = preflight()
+    if status or args.preflight:
+        return status
+
+    date = dt.date.today().isoformat()
+    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"gpu-check-{date}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="memo-gpu-check-"))
+    logs = out.parent / f"gpu-check-{date}-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    hw = _hardware()
+    print(f"memo gpu-check {date}: {hw}", flush=True)
+    steps, seq = (3, "4K") if args.quick else (6, "8K")
+    py = sys.executable
+    checks: list[Check] = []
+
+    if "pytest" not in args.skip:
+        c = Check("pytest -m gpu", [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"], 1200)
+        _pytest_numbers(c.run(logs))
+        checks.append(c)
+
+    if "train" not in args.skip:
+        memo_run = None
+        for strategy in STRATEGIES:
+            report = work / f"train-{strategy}.json"
+            c = Check(f"memo train {strategy} gpt-125m {seq} bf16",
+                      _train_cmd(strategy, "gpt-125m", seq, steps, report), 600)
+            _train_numbers(c.run(logs), report)
+            checks.append(c)
+            if strategy == "memo":
+                memo_run = c
+        if memo_run is not None:
+            checks.append(_steady_state(memo_run))
+
+    if "benchmarks" not in args.skip:
+        bench_json = work / "strategies.json"
+        c = Check(f"benchmarks/strategies.py gpt-125m {seq}",
+                  [py, "benchmarks/strategies.py", "--device", "cuda", "--model", "gpt-125m", "--seq-len", seq,
+                   "--steps", str(min(steps, 4)), "--json", str(bench_json)], 900)
+        c.run(logs)
+        if bench_json.exists():
+            c.numbers = {"rows": json.loads(bench_json.read_text()).get("rows")}
+        checks.append(c)
+        max_json = work / "max_seq_len.json"
+        c = Check("benchmarks/max_seq_len.py gpt-125m 8 GiB",
+                  [py, "benchmarks/max_seq_len.py", "--device", "cuda", "--model", "gpt-125m",
+                   "--device-mem-mb", "8192", "--granularity", "4K", "--max-seq", "32K" if args.quick else "128K",
+                   "--json", str(max_json)], 900)
+        c.run(logs)
+        if max_json.exists():
+            res = json.loads(max_json.read_text())["results"]
+            c.numbers = {r["strategy"]: r["longest"] for r in res}
+        checks.append(c)
+
+    if "sanitizer" not in args.skip:
+        sanitizer = shutil.which("compute-sanitizer")
+        for tool in ("memcheck", "racecheck"):
+            report = work / f"sanitizer-{tool}.json"
+            cmd = _train_cmd("memo", "tiny", "512", 2, report, "--alpha", "0.5")
+            if sanitizer is None:
+                c = Check(f"compute-sanitizer {tool}", cmd, 0)
+                c.status, c.detail = "fail", "compute-sanitizer is not on PATH"
+            else:
+                extra = ["--leak-check", "no"] if tool == "memcheck" else []
+                c = Check(f"compute-sanitizer {tool}", [sanitizer, "--tool", tool, *extra, *cmd], 900)
+                _sanitizer_numbers(c.run(logs))
+            checks.append(c)
+
+    results = {"version": RESULTS_VERSION, "kind": RESULTS_KIND, "date": date, "hardware": hw,
+               "quick": args.quick, "checks": [c.as_dict() for c in checks],
+               "passed": sum(c.ok for c in checks), "failed": sum(not c.ok for c in checks)}
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"\nmemo gpu-check {date} on {hw['gpu']} (torch {hw['torch']}, CUDA {hw['cuda']})\n")
+    print(_table(checks))
+    print(f"\n{results['passed']} passed, {results['failed']} failed")
+    print(f"results written to {out} (logs in {logs})")
+    return 0 if results["failed"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
