@@ -59,7 +59,7 @@ from .plan import ALIGNMENT, Plan, validate_plan
 from .search import count_overlapping_pairs, search
 from .trace import Allocation, Trace
 
-__all__ = ["lower_bound", "make_plan", "plan_bilevel", "plan_heuristic", "plan_mip"]
+__all__ = ["lower_bound", "make_plan", "outliving", "plan_bilevel", "plan_heuristic", "plan_mip"]
 
 LAYER_KINDS = ("layer.fwd", "layer.bwd")
 #: Above this many overlapping pairs a MIP does not fit a minute of CBC; the heuristic stands.
@@ -149,20 +149,40 @@ def _record(result: DSAResult, lb_units: int) -> dict[str, Any]:
             "heuristic_fallback": bool(result.extra.get("fallback", False)), "items": None}
 
 
-def _finish(t: Trace, offsets: list[int | None], solver: dict[str, Any], **fields: Any) -> Plan:
+def outliving(trace: Trace | Mapping[str, Any]) -> list[Allocation]:
+    """Phased allocations never freed before the end of the trace: a replay plan leaves them to
+    the fallback allocator (NOTE [Allocations that outlive the iteration])."""
+    t = _as_trace(trace)
+    return [a for a in t.allocations if a.phase is not None and a.end == t.end_time]
+
+
+def _finish(t: Trace, offsets: list[int | None], solver: dict[str, Any], *, left_out: frozenset[int] | None,
+            **fields: Any) -> Plan:
+    """The plan of ``t`` at ``offsets``; ``left_out`` (allocation indices, None when the plan places
+    every allocation) are the allocations left to the fallback: no offset, no arena space."""
     top = max((o + a.size for a, o in zip(t.allocations, offsets, strict=True) if o is not None), default=0)
     peak = _units(top) * ALIGNMENT
+    planned = [a for a in t.allocations if not left_out or a.index not in left_out]
+    if left_out is not None:
+        gone = [t.allocations[i] for i in sorted(left_out)]
+        solver["persistent_left_to_fallback"] = {"allocations": len(gone), "bytes": sum(a.size for a in gone)}
     plan = Plan(meta=dict(t.meta), allocations=list(t.allocations), offsets=offsets, peak=peak,
-                lower_bound=lower_bound(t), no_reuse_bytes=sum(a.size for a in t.allocations),
-                solver=solver, end_time=t.end_time, **fields)
+                lower_bound=_units_lower_bound([Item(a.size, a.start, a.end) for a in planned]),
+                no_reuse_bytes=sum(a.size for a in planned), solver=solver, end_time=t.end_time, **fields)
     validate_plan(plan, t)
     return plan
 
 
+def _left_out(t: Trace, outliving_to_fallback: bool) -> frozenset[int] | None:
+    return frozenset(a.index for a in outliving(t)) if outliving_to_fallback else None
+
+
 def _flat(t: Trace, *, use_mip: bool, time_limit: float, solver: str, threads: int,
-          progress: bool | None = False) -> Plan:
+          progress: bool | None = False, outliving_to_fallback: bool = False) -> Plan:
     t0 = time.perf_counter()
-    items = [Item(_units(a.size), a.start, a.end) for a in t.allocations]
+    left_out = _left_out(t, outliving_to_fallback)
+    planned = [a for a in t.allocations if not left_out or a.index not in left_out]
+    items = [Item(_units(a.size), a.start, a.end) for a in planned]
     bar = _progress(1, "memo plan", progress)
     bar.set_postfix_str(f"flat ({len(items)} allocations, up to {time_limit:.0f} s)")
     result = _solve(items, use_mip=use_mip, time_limit=time_limit, solver=solver, threads=threads)
@@ -171,20 +191,30 @@ def _flat(t: Trace, *, use_mip: bool, time_limit: float, solver: str, threads: i
     info = _record(result, _units_lower_bound(items))
     info.update(kind="flat", solver=solver if use_mip else None, items=len(items),
                 seconds=round(time.perf_counter() - t0, 3))
-    return _finish(t, [o * ALIGNMENT for o in result.offsets],
+    offsets: list[int | None] = [None] * len(t.allocations)
+    for a, off in zip(planned, result.offsets, strict=True):
+        offsets[a.index] = off * ALIGNMENT
+    return _finish(t, offsets,
                    {"kind": "flat", "solver": info["solver"], "seconds": info["seconds"],
-                    "heuristic_fallback": info["heuristic_fallback"], "total": info})
+                    "heuristic_fallback": info["heuristic_fallback"], "total": info}, left_out=left_out)
 
 
-def plan_heuristic(trace: Trace | Mapping[str, Any]) -> Plan:
-    """Flat greedy-by-size plan of every allocation (fast: thousands of allocations in seconds)."""
-    return _flat(_as_trace(trace), use_mip=False, time_limit=0.0, solver="cbc", threads=1)
+def plan_heuristic(trace: Trace | Mapping[str, Any], *, outliving_to_fallback: bool = False) -> Plan:
+    """Flat greedy-by-size plan of every allocation (fast: thousands of allocations in seconds).
+
+    ``outliving_to_fallback`` leaves the allocations never freed in the trace to the fallback
+    allocator (NOTE [Allocations that outlive the iteration]), as :func:`make_plan` does for replay.
+    """
+    return _flat(_as_trace(trace), use_mip=False, time_limit=0.0, solver="cbc", threads=1,
+                 outliving_to_fallback=outliving_to_fallback)
 
 
 def plan_mip(trace: Trace | Mapping[str, Any], *, time_limit: float = 60.0, solver: str = "cbc",
-             threads: int = 2) -> Plan:
-    """Flat plan: heuristic warm start refined by the DSA MIP within ``time_limit`` seconds."""
-    return _flat(_as_trace(trace), use_mip=True, time_limit=time_limit, solver=solver, threads=threads)
+             threads: int = 2, outliving_to_fallback: bool = False) -> Plan:
+    """Flat plan: heuristic warm start refined by the DSA MIP within ``time_limit`` seconds
+    (``outliving_to_fallback`` as in :func:`plan_heuristic`)."""
+    return _flat(_as_trace(trace), use_mip=True, time_limit=time_limit, solver=solver, threads=threads,
+                 outliving_to_fallback=outliving_to_fallback)
 
 
 # ------------------------------------------------------------------------------- bi-level
@@ -219,11 +249,14 @@ def _describe_difference(sig: tuple, ref: tuple) -> str:
 
 
 def plan_bilevel(trace: Trace | Mapping[str, Any], *, time_limit: float = 60.0, solver: str = "cbc",
-                 threads: int = 2, use_mip: bool = True, progress: bool | None = None) -> Plan:
+                 threads: int = 2, use_mip: bool = True, progress: bool | None = None,
+                 outliving_to_fallback: bool = False) -> Plan:
     """Bi-level plan (see NOTE [Bi-level plan]) within about ``time_limit`` seconds in all: every
-    solve gets an equal share of the time left."""
+    solve gets an equal share of the time left. ``outliving_to_fallback`` as in :func:`plan_heuristic`:
+    allocations never freed are skeletal, so they are level-2 items, and those are left out."""
     t = _as_trace(trace)
     t0 = time.perf_counter()
+    left_out = _left_out(t, outliving_to_fallback)
     by_phase: dict[str, list[Allocation]] = {}
     for a in t.allocations:
         if a.phase is not None:
@@ -243,7 +276,7 @@ def plan_bilevel(trace: Trace | Mapping[str, Any], *, time_limit: float = 60.0, 
             layered[kind].append(phase)
     if not any(layered.values()):
         plan = _flat(t, use_mip=use_mip, time_limit=time_limit, solver=solver, threads=threads,
-                     progress=progress)
+                     progress=progress, outliving_to_fallback=outliving_to_fallback)
         plan.warnings.extend(notes)
         return plan
 
@@ -317,8 +350,8 @@ def plan_bilevel(trace: Trace | Mapping[str, Any], *, time_limit: float = 60.0, 
         owner.append(("block", p))
     blocked_set = set(blocked)
     for a in t.allocations:
-        if a.phase in blocked_set and a.transient:
-            continue
+        if (a.phase in blocked_set and a.transient) or (left_out and a.index in left_out):
+            continue  # in a block, or left to the fallback (offset None)
         item = Item(_units(a.size), a.start, a.end)
         groups.append([(0, item)])
         items2.append(item)
@@ -373,8 +406,8 @@ def plan_bilevel(trace: Trace | Mapping[str, Any], *, time_limit: float = 60.0, 
         "own_phases": sorted(own_offsets),
         "stages": stats,
     }
-    return _finish(t, offsets, solver_info, level1=level1, level1_peak=level1_peak, level2=level2,
-                   warnings=notes)
+    return _finish(t, offsets, solver_info, left_out=left_out, level1=level1, level1_peak=level1_peak,
+                   level2=level2, warnings=notes)
 
 
 def without_unphased(trace: Trace | Mapping[str, Any]) -> tuple[Trace, int, int]:
@@ -403,6 +436,29 @@ def without_unphased(trace: Trace | Mapping[str, Any]) -> tuple[Trace, int, int]
     return Trace.from_dict(data), count, nbytes
 
 
+# NOTE [Allocations that outlive the iteration]
+# A plan made for replay (make_plan(..., unphased="fallback")) gives no arena offset to a phased
+# allocation that is never freed before the end of the trace (:func:`outliving`). Those are model
+# states, not activations: chiefly the parameter gradients AccumulateGrad makes in
+# ``layer.bwd[i]``, ``embed.bwd`` and ``head.bwd`` (and, when the traced iteration is the first,
+# optimizer state made in ``optimizer``); they live until the optimizer step and zero_grad, past
+# the iteration. An arena slot is handed out again every iteration to the same (phase, request
+# index). A gradient placed in one would still own it when the next iteration makes the requests
+# planned over those bytes, and under gradient accumulation (K micro-batches, forward + backward
+# each, with no zero_grad between) that is the very next micro-batch: every such request would find
+# its slot busy and go to the fallback as a deviation. So, like unphased allocations (NOTE
+# [Unphased allocations are not planned for replay]), they are served by the fallback allocator by
+# design and take no arena space: the plan's peak, lower bound and no-reuse size count only the
+# planned allocations. They are not dropped from the trace: the allocator counts requests per
+# phase, so they keep their request index and their phase-table entry reads (size, None); every
+# later request of the phase keeps its index and its offset. In micro-batch 2 and later the same
+# request is AccumulateGrad's incoming gradient, which it adds into ``.grad`` in place and frees:
+# served by the fallback too, and correct either way. ``plan.solver["persistent_left_to_fallback"]``
+# records their count and bytes; validate_plan checks that exactly these have no offset. The trace
+# must start with the gradients set to None (the profiler does, as zero_grad(set_to_none=True)
+# does), as the first micro-batch of a step sees them.
+
+
 def make_plan(trace: Trace | Mapping[str, Any], alpha_solution: Any = None, *, time_limit: float = 60.0,
               solver: str = "cbc", use_mip: bool = True, method: str = "auto", threads: int = 2,
               host_bytes: int | None = None, progress: bool | None = None, unphased: str = "plan") -> Plan:
@@ -421,7 +477,10 @@ def make_plan(trace: Trace | Mapping[str, Any], alpha_solution: Any = None, *, t
         host_bytes: pinned host bytes the runtime needs (defaults to the alpha solution's).
         unphased: "plan" gives allocations outside phases an address too (any DSA instance);
             "fallback" leaves them out, for plans memo's allocator replays
-            (NOTE [Unphased allocations are not planned for replay]).
+            (NOTE [Unphased allocations are not planned for replay]), and with them the phased
+            allocations never freed in the trace, such as parameter gradients: their phase-table
+            entries keep their request index with offset None
+            (NOTE [Allocations that outlive the iteration]).
     """
     if not (isinstance(time_limit, (int, float)) and math.isfinite(time_limit) and time_limit > 0):
         raise MemoError(f"memo.planner: time_limit must be a positive number of seconds, got {time_limit!r}")
@@ -431,24 +490,25 @@ def make_plan(trace: Trace | Mapping[str, Any], alpha_solution: Any = None, *, t
         raise MemoError(f"memo.planner: unphased must be 'plan' or 'fallback', got {unphased!r}")
     t = _as_trace(trace)
     left_out = None
-    if unphased == "fallback":
+    replay = unphased == "fallback"
+    if replay:
         t, count, nbytes = without_unphased(t)
         left_out = {"allocations": count, "bytes": nbytes}
     if method == "heuristic":
-        plan = plan_heuristic(t)
+        plan = plan_heuristic(t, outliving_to_fallback=replay)
     elif method == "flat":
         plan = _flat(t, use_mip=use_mip, time_limit=time_limit, solver=solver, threads=threads,
-                     progress=progress)
+                     progress=progress, outliving_to_fallback=replay)
     elif method == "bilevel":
         plan = plan_bilevel(t, time_limit=time_limit, solver=solver, threads=threads, use_mip=use_mip,
-                            progress=progress)
+                            progress=progress, outliving_to_fallback=replay)
     elif method == "auto":
         plan = plan_bilevel(t, time_limit=time_limit, solver=solver, threads=threads, use_mip=use_mip,
-                            progress=progress)
+                            progress=progress, outliving_to_fallback=replay)
         # Blocks cost a little where skeletal tensors grow inside a pass; the flat heuristic
         # costs a second, so keep it when it is smaller (the allocator only needs phase tables).
         if plan.solver.get("kind") == "bilevel":
-            flat = plan_heuristic(t)
+            flat = plan_heuristic(t, outliving_to_fallback=replay)
             if flat.peak < plan.peak:
                 flat.warnings.extend(plan.warnings)
                 flat.solver["replaced"] = {"kind": "bilevel", "peak": plan.peak, "seconds":

@@ -78,7 +78,10 @@ class Plan:
         ``phase_tables()[P][k]``'s offset when its size matches, the fallback allocator
         otherwise. Unphased allocations are planned (the peak accounts for them) but are
         served by the fallback allocator, so they are listed only with
-        ``include_unphased=True``, under the key ``""``.
+        ``include_unphased=True``, under the key ``""``. In a plan made for replay, a phased
+        allocation that outlives the traced iteration (a parameter gradient) keeps its request
+        index with offset None: the fallback serves it (NOTE [Allocations that outlive the
+        iteration] in planner/core.py).
         """
         tables: dict[str, list[tuple[int, int | None]]] = {}
         for a, off in zip(self.allocations, self.offsets, strict=True):
@@ -253,8 +256,13 @@ def validate_plan(plan: Plan, trace: Trace | None = None) -> None:
             raise PlanMismatchError(f"memo.plan: the plan does not match the trace (allocation {first} "
                                     f"differs; plan has {len(mine)} allocations, trace {len(theirs)}); "
                                     "re-run `memo plan` on this trace")
+        if "persistent_left_to_fallback" in plan.solver and plan.end_time != trace.end_time:
+            raise PlanMismatchError(f"memo.plan: the plan's trace ends at event {plan.end_time}, this trace "
+                                    f"at event {trace.end_time}; re-run `memo plan` on this trace")
     if len(plan.offsets) != len(plan.allocations):
         raise MemoError(f"memo.plan: {len(plan.offsets)} offsets for {len(plan.allocations)} allocations")
+    if "persistent_left_to_fallback" in plan.solver:
+        _validate_left_out(plan)
     if plan.peak % ALIGNMENT:
         raise MemoError(f"memo.plan: arena size {plan.peak} is not a multiple of {ALIGNMENT}")
     planned = [(a, off) for a, off in zip(plan.allocations, plan.offsets, strict=True) if off is not None]
@@ -268,6 +276,28 @@ def validate_plan(plan: Plan, trace: Trace | None = None) -> None:
         raise MemoError(f"memo.plan: invalid plan: {problem} (allocations indexed among planned ones)")
     if planned and plan.lower_bound > plan.peak:
         raise MemoError(f"memo.plan: peak {plan.peak} is below the lower bound {plan.lower_bound}")
+
+
+def _validate_left_out(plan: Plan) -> None:
+    """A replay plan leaves exactly the phased allocations that outlive the iteration to the
+    fallback, and records their count and bytes (NOTE [Allocations that outlive the iteration])."""
+    record = plan.solver["persistent_left_to_fallback"]
+    count, nbytes = 0, 0
+    for a, off in zip(plan.allocations, plan.offsets, strict=True):
+        outlives = a.phase is not None and a.end == plan.end_time
+        if off is None and not outlives:
+            where = f"freed at event {a.end}" if a.end != plan.end_time else "unphased"
+            raise MemoError(f"memo.plan: allocation {a.index} (phase {a.phase}, request {a.request}) has no "
+                            f"offset but is {where}; a replay plan leaves only allocations that outlive "
+                            "the iteration to the fallback allocator")
+        if off is not None and outlives:
+            raise MemoError(f"memo.plan: allocation {a.index} (phase {a.phase}, request {a.request}) is "
+                            "never freed in the trace but has an arena offset in a replay plan")
+        if off is None:
+            count, nbytes = count + 1, nbytes + a.size
+    if not isinstance(record, Mapping) or record.get("allocations") != count or record.get("bytes") != nbytes:
+        raise MemoError(f"memo.plan: solver.persistent_left_to_fallback is {record!r}, but the plan leaves "
+                        f"{count} allocations ({nbytes} bytes) to the fallback allocator")
 
 
 def save_plan(plan: Plan, path: str | os.PathLike[str]) -> None:

@@ -1,0 +1,222 @@
+"""Gradient accumulation replays a plan: allocations that outlive the traced iteration
+(parameter gradients) are left to the fallback allocator, so micro-batch 2 finds no slot busy
+(NOTE [Allocations that outlive the iteration] in planner/core.py)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from memo.planner import Plan, Trace, make_plan, validate_plan
+from memo.planner.synthetic import layered_trace
+
+import memo.allocator as ma
+from memo.errors import MemoError
+from memo.models import build_model
+from memo.phases import PhaseTracker
+
+SEQ = 32
+BATCH = 2
+MICRO_BATCHES = 3
+STEPS = 2
+
+
+# ------------------------------------------------------------------------------ synthetic
+def _small_trace() -> dict[str, Any]:
+    return {"version": 1, "kind": "memo.trace", "events": [
+        {"op": "malloc", "id": 1, "size": 100_000},                          # a parameter: unphased
+        {"op": "malloc", "id": 2, "size": 4096, "phase": "embed.fwd"},
+        {"op": "malloc", "id": 3, "size": 1 << 20, "phase": "layer.bwd[0]"},  # a gradient: never freed
+        {"op": "malloc", "id": 4, "size": 8192, "phase": "layer.bwd[0]"},
+        {"op": "free", "id": 2},
+        {"op": "malloc", "id": 5, "size": 2048, "phase": "layer.bwd[0]"},
+        {"op": "free", "id": 4},
+        {"op": "free", "id": 5},
+        {"op": "end"}]}
+
+
+@pytest.mark.parametrize("method", ["auto", "flat", "bilevel", "heuristic"])
+def test_never_freed_phased_allocation_is_left_to_the_fallback(method: str) -> None:
+    trace = Trace.from_dict(_small_trace())
+    plan = make_plan(trace, use_mip=False, method=method, unphased="fallback")
+    validate_plan(plan, trace)
+    tables = plan.phase_tables()
+    rows = tables["layer.bwd[0]"]
+    # Request indices are kept: the gradient is request 0, with no offset; 1 and 2 are planned.
+    assert [size for size, _ in rows] == [1 << 20, 8192, 2048]
+    assert rows[0][1] is None
+    assert rows[1][1] is not None and rows[2][1] is not None
+    assert tables["embed.fwd"][0][1] is not None
+    # The arena holds only what is freed inside the iteration: 4096 + 8192 live together at most.
+    assert plan.peak == 4096 + 8192
+    assert plan.lower_bound == 4096 + 8192
+    assert plan.no_reuse_bytes == 4096 + 8192 + 2048
+    assert plan.solver["persistent_left_to_fallback"] == {"allocations": 1, "bytes": 1 << 20}
+    assert plan.solver["unphased_left_to_fallback"] == {"allocations": 1, "bytes": 100_000}
+    # The plan file keeps the gap: the request stays, as null.
+    data = plan.to_dict()
+    back = Plan.from_dict(data)
+    validate_plan(back, trace)
+    assert back.phase_tables() == tables
+    assert back.solver["persistent_left_to_fallback"] == plan.solver["persistent_left_to_fallback"]
+
+
+def test_default_plan_still_places_every_allocation() -> None:
+    trace = Trace.from_dict(_small_trace())
+    plan = make_plan(trace, use_mip=False)
+    validate_plan(plan, trace)
+    assert all(off is not None for off in plan.offsets)
+    assert "persistent_left_to_fallback" not in plan.solver
+    assert plan.peak >= (1 << 20) + 100_000
+
+
+def test_old_plan_files_without_the_key_still_load() -> None:
+    trace = Trace.from_dict(_small_trace())
+    plan = make_plan(trace, use_mip=False, unphased="fallback")
+    data = copy.deepcopy(plan.to_dict())
+    # A plan from before: the gradient had an arena offset and no record of what was left out.
+    del data["solver"]["persistent_left_to_fallback"]
+    data["items"]["layer.bwd[0]"]["0"] = plan.peak
+    data["peak"] = plan.peak + (1 << 20)
+    old = Plan.from_dict(data)
+    assert old.phase_tables()["layer.bwd[0]"][0] == (1 << 20, plan.peak)
+
+
+def test_validation_catches_a_wrong_record() -> None:
+    trace = Trace.from_dict(_small_trace())
+    plan = make_plan(trace, use_mip=False, unphased="fallback")
+    data = copy.deepcopy(plan.to_dict())
+    data["solver"]["persistent_left_to_fallback"] = {"allocations": 2, "bytes": 1 << 20}
+    with pytest.raises(MemoError, match="persistent_left_to_fallback"):
+        Plan.from_dict(data)
+    # A planned allocation with no offset in a replay plan is not one the planner leaves out.
+    bad = Plan.from_dict(plan.to_dict())
+    bad.offsets[bad.offsets.index(None) + 1] = None
+    with pytest.raises(MemoError, match="freed"):
+        validate_plan(bad, trace)
+
+
+def _with_gradients(n_layers: int) -> tuple[dict[str, Any], int]:
+    """A layered trace whose backward passes each make one never-freed gradient (request 1)."""
+    data = layered_trace(n_layers)
+    events: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    next_id = 10_000
+    for ev in data["events"]:
+        events.append(ev)
+        phase = ev.get("phase", "")
+        if ev["op"] == "malloc" and phase.startswith("layer.bwd") and phase not in seen:
+            seen.add(phase)
+            events.append({"op": "malloc", "id": next_id, "size": 3 * 4096, "phase": phase})
+            next_id += 1
+    data["events"] = events
+    return data, len(seen)
+
+
+@pytest.mark.parametrize("method", ["auto", "flat", "bilevel"])
+def test_layered_gradients_keep_request_indices(method: str) -> None:
+    data, n_grads = _with_gradients(4)
+    trace = Trace.from_dict(data)
+    replay = make_plan(trace, use_mip=False, method=method, unphased="fallback")
+    validate_plan(replay, trace)
+    # The same trace without the gradients: every other request keeps its offset pattern.
+    plain = Trace.from_dict({**data, "events": [ev for ev in data["events"] if ev.get("id", 0) < 10_000]})
+    reference = make_plan(plain, use_mip=False, method=method, unphased="fallback")
+    left = {"allocations": n_grads, "bytes": n_grads * 3 * 4096}
+    assert replay.solver["persistent_left_to_fallback"] == left
+    assert replay.lower_bound == reference.lower_bound
+    assert replay.peak == reference.peak
+    got, want = replay.phase_tables(), reference.phase_tables()
+    assert set(got) == set(want)
+    for phase, rows in got.items():
+        if phase.startswith("layer.bwd"):
+            assert rows[1] == (3 * 4096, None)
+            rows = rows[:1] + rows[2:]
+        assert rows == want[phase], phase
+    if method == "bilevel":
+        assert replay.solver["kind"] == "bilevel" and replay.level2
+    back = Plan.from_dict(replay.to_dict())
+    validate_plan(back, trace)
+    assert back.phase_tables() == got
+
+
+# ------------------------------------------------------------------------------ end to end
+class Accumulation:
+    """A reference model trained with MICRO_BATCHES micro-batches per optimizer step."""
+
+    def __init__(self, name: str) -> None:
+        torch.manual_seed(0)
+        self.model = build_model(name)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.05)
+        self.tracker = PhaseTracker(self.model.embedding, self.model.layers, self.model.head)
+        self.tracker.add_listener(ma.set_phase)
+        vocab = self.model.head.weight.shape[0]
+        gen = torch.Generator().manual_seed(1)
+        self.batches = [(torch.randint(0, vocab, (BATCH, SEQ), generator=gen),
+                         torch.randint(0, vocab, (BATCH, SEQ), generator=gen))
+                        for _ in range(1 + STEPS * MICRO_BATCHES)]
+
+    def micro_step(self, i: int) -> None:
+        ids, labels = self.batches[i]
+        with self.tracker.iteration():
+            loss = self.model(ids, labels)
+            (loss / MICRO_BATCHES).backward()
+        del loss
+
+    def profile(self) -> dict[str, Any]:
+        """One micro-batch as the first of a step: gradients start out as None."""
+        self.optimizer.zero_grad(set_to_none=True)
+        with ma.logging() as trace:
+            self.micro_step(0)
+        self.optimizer.zero_grad(set_to_none=True)
+        return trace
+
+    def train(self) -> list[list[torch.Tensor]]:
+        """STEPS optimizer steps of MICRO_BATCHES micro-batches; the accumulated gradients per step."""
+        grads = []
+        for step in range(STEPS):
+            self.optimizer.zero_grad(set_to_none=True)
+            for k in range(MICRO_BATCHES):
+                self.micro_step(1 + step * MICRO_BATCHES + k)
+            grads.append([p.grad.clone() for p in self.model.parameters()])
+            self.optimizer.step()
+        return grads
+
+    def close(self) -> None:
+        self.tracker.remove()
+
+
+def _reference(name: str) -> list[list[torch.Tensor]]:
+    run = Accumulation(name)
+    try:
+        run.profile()  # the same warm-up step as the planned run (the optimizer does not move)
+        return run.train()
+    finally:
+        run.close()
+
+
+@pytest.mark.parametrize("name", ["tiny", "llama-tiny"])
+def test_gradient_accumulation_replays_the_plan(name: str) -> None:
+    want = _reference(name)
+    run = Accumulation(name)
+    try:
+        trace = run.profile()
+        plan = make_plan(trace, use_mip=False, progress=False, unphased="fallback")
+        left = plan.solver["persistent_left_to_fallback"]
+        n_params = sum(1 for _ in run.model.parameters())
+        assert left["allocations"] >= n_params - 1  # every gradient (a tied one is made once)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ma.PlanDeviationWarning)
+            with ma.planned(plan):
+                got = run.train()
+                s = ma.stats()
+        assert s["slot_busy"] == 0 and s["deviations"] == 0 and s["invalid_frees"] == 0
+        assert s["planned_hits"] > 0
+    finally:
+        run.close()
+    for step_got, step_want in zip(got, want, strict=True):
+        for g, w in zip(step_got, step_want, strict=True):
+            assert torch.equal(g, w)  # the same ops on the same values: bit for bit
