@@ -43,4 +43,6 @@ def test_memo_device_bytes_within_full_recompute_and_host_bytes_as_planned() -> 
     for r in memo_rows:
         assert r.device_bytes <= full, table
         assert r.device_bytes < by_name["no recompute"].device_bytes, table
-        assert r.host_bytes == r.planned_host_bytes, table
+        # Each saved tensor starts on a 256-byte slot (NOTE [Slot alignment] in memo/runtime/buffers.py);
+        # at this toy size (64 tokens) the padding is visible, at real sizes tensors fill whole slots.
+        assert r.planned_host_bytes <= r.host_bytes <= 1.01 * r.planned_host_bytes, table

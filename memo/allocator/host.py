@@ -4,8 +4,7 @@ NOTE [Exact pinned host memory]
 ``torch.empty(..., pin_memory=True)`` goes through PyTorch's caching host allocator, which
 rounds every request up to a power of two (a 90 GiB arena pins 128 GiB) and keeps freed blocks
 cached for the life of the process. memo's host arena is one large, long-lived buffer sized
-from the plan, so it takes plain host memory of exactly the size asked (plus one page, to
-align the start) and page-locks that range with ``cudaHostRegister``; :meth:`PinnedHostBuffer.release`
+from the plan, so it takes plain host memory of exactly the size asked and page-locks that range with ``cudaHostRegister``; :meth:`PinnedHostBuffer.release`
 (or the garbage collector) unlocks it again after the device has finished with it. The memory
 itself belongs to the tensor, so a view that outlives the buffer stays valid, only pageable.
 
@@ -25,9 +24,6 @@ import torch
 from memo.errors import MemoError
 
 __all__ = ["PinnedHostBuffer", "host_memory_limit", "local_world_size", "meminfo_bytes"]
-
-_PAGE = 4096
-
 
 def meminfo_bytes(field: str) -> int | None:
     """A ``/proc/meminfo`` field (``MemTotal``, ``MemAvailable``) in bytes, or None where unreadable."""
@@ -77,9 +73,8 @@ class PinnedHostBuffer:
             raise MemoError(f"memo: a pinned host buffer needs a size >= 0, got {nbytes}")
         self.device = torch.device(device)
         self.nbytes = nbytes
-        backing = torch.empty(nbytes + _PAGE, dtype=torch.uint8)
-        start = (-backing.data_ptr()) % _PAGE
-        self.tensor = backing[start:start + nbytes]
+        # The whole storage is registered: torch's is_pinned() asks about the storage's first byte.
+        self.tensor = torch.empty(nbytes, dtype=torch.uint8)
         self._registered = False
         if nbytes > 0 and self.device.type == "cuda":
             with torch.cuda.device(self.device):

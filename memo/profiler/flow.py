@@ -471,10 +471,12 @@ def profile(
             "wrap(); install a memo with the runtime, or profile with wrap_pass=False (--no-wrap-pass)"
         )
     second: dict[str, Any] | None = None
+    wrapped_host_bytes: int | None = None
     t0 = time.perf_counter()
     if wrap is not None and wrap_pass is not False:
         try:
-            second = _wrapped_pass(net, ids, labels, result.alpha.alpha, recorder, progress, meta, plain)
+            second, wrapped_host_bytes = _wrapped_pass(net, ids, labels, result.alpha.alpha, recorder,
+                                                       progress, meta, plain)
             result.wrapped = True
         except MemoError as err:
             if wrap_pass:
@@ -511,6 +513,10 @@ def profile(
                               "unphased": "fallback"}
     if solver is not None:
         kwargs["solver"] = solver
+    if wrapped_host_bytes is not None:
+        # The host arena the wrapped pass really needed, to the byte (slots included, NOTE [Slot
+        # alignment] in memo/runtime/buffers.py): what the runtime will check the plan against.
+        kwargs["host_bytes"] = wrapped_host_bytes
     with warnings.catch_warnings():
         # memo's last two layers are never offloaded, so their passes differ from the others by
         # design; the planner plans them on their own and keeps its notes in plan.warnings
@@ -531,8 +537,9 @@ def _wrapped_pass(
     progress: bool,
     meta: dict[str, Any],
     plain: Recording,
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], int]:
     """Trace one iteration of ``model`` wrapped by memo's runtime with ``alpha``; unwrap afterwards.
+    Returns the trace and the host arena bytes the runtime allocated for it.
 
     The model is wrapped in place (NOTE [Wrapping in place] in memo/runtime/wrap.py) and
     restored whatever happens, so a model the caller passed comes back as it was given.
@@ -542,8 +549,10 @@ def _wrapped_pass(
     runtime.wrap(model, alpha=alpha)
     try:
         if recorder == "allocator":
-            return _record_allocator(model, ids, labels, _target_meta(plain, ids.device, "allocator"))
-        return _record(model, ids, labels, progress, f"pass 2 (alpha={alpha:.3f})", meta).trace
+            trace = _record_allocator(model, ids, labels, _target_meta(plain, ids.device, "allocator"))
+        else:
+            trace = _record(model, ids, labels, progress, f"pass 2 (alpha={alpha:.3f})", meta).trace
+        return trace, int(runtime.runtime_of(model).host_bytes)
     finally:
         runtime.unwrap(model)
 

@@ -50,6 +50,7 @@ __all__ = [
     "RoundingBuffers",
     "RuntimeStats",
     "Slot",
+    "SLOT_ALIGNMENT",
     "align_up",
     "available_host_memory",
     "debug_delay_from_env",
@@ -82,6 +83,14 @@ _TRANSITIONS: dict[BufferState, frozenset[BufferState]] = {
 
 #: Waits the test-only switch ``RoundingBuffers.debug_skip_waits`` may remove, to prove the tests catch it.
 SKIPPABLE_WAITS = frozenset({"offload", "prefetch"})
+
+
+#: Every tensor in a rounding buffer starts at a multiple of this many bytes.
+#: NOTE [Slot alignment]: the CUDA attention kernels (flash and memory-efficient) read q, k, v, o
+#: with vector loads and fault with "misaligned address" on a pointer that is only aligned to
+#: its element size; PyTorch's caching allocator hands out 512-byte aligned blocks, so kernels
+#: may assume it. 256 bytes covers every vector width they use at a cost of < 256 bytes a tensor.
+SLOT_ALIGNMENT = 256
 
 
 def align_up(offset: int, alignment: int) -> int:
@@ -443,7 +452,7 @@ class RoundingBuffers:
         internal_assert(layer.state is BufferState.IDLE and self._writer[i % 2] == i,
                         f"pack into layer {i}'s buffer outside its forward")
         nbytes = _slot_bytes(t)
-        offset = align_up(layer.used, t.element_size())
+        offset = align_up(layer.used, SLOT_ALIGNMENT)
         if offset + nbytes > self.layer_bytes:
             raise MemoError(
                 f"memo.runtime: layer {i} offloads more than the {self.layer_bytes:,} bytes its rounding "

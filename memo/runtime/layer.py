@@ -62,7 +62,7 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from memo.errors import MemoError, internal_assert
-from memo.runtime.buffers import align_up
+from memo.runtime.buffers import SLOT_ALIGNMENT, align_up
 
 if TYPE_CHECKING:
     from memo.adapters.base import LayerAdapter
@@ -119,7 +119,7 @@ class _CountingSink:
         self.count = 0
 
     def pack(self, t: torch.Tensor) -> int:
-        self.used = align_up(self.used, t.element_size()) + t.numel() * t.element_size()
+        self.used = align_up(self.used, SLOT_ALIGNMENT) + t.numel() * t.element_size()
         self.count += 1
         return self.count - 1
 
