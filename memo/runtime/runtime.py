@@ -147,14 +147,20 @@ class MemoRuntime:
 
     def prepare(self, call: LayerCall, x: torch.Tensor, ctx: Any) -> None:
         """Allocate the buffers on the first forward; check later inputs match what they were sized for."""
-        key = (tuple(x.shape), x.dtype, x.device, offload_tokens(self.alpha, x.shape[0]))
+        # Autocast changes the dtypes, so the bytes, of what a layer saves: it is part of the key.
+        kind = x.device.type
+        autocast = "off"
+        if torch.is_autocast_enabled(kind):
+            autocast = str(torch.get_autocast_dtype(kind)).removeprefix("torch.")
+        key = (tuple(x.shape), x.dtype, x.device, offload_tokens(self.alpha, x.shape[0]), autocast)
         if self.buffers is not None:
             if key != self._input_key:
+                old = self._input_key
                 raise MemoError(
                     f"memo.runtime: the rounding buffers were sized for layer inputs of shape "
-                    f"{list(self._input_key[0])} {self._input_key[1]} on {self._input_key[2]}, this forward "
-                    f"has {list(x.shape)} {x.dtype} on {x.device}; memo.unwrap and memo.wrap again for a new "
-                    "shape (the buffers are allocated once)"
+                    f"{list(old[0])} {old[1]} on {old[2]} with autocast {old[4]}, this forward has "
+                    f"{list(x.shape)} {x.dtype} on {x.device} with autocast {autocast}; memo.unwrap and "
+                    "memo.wrap again for a new shape or autocast setting (the buffers are allocated once)"
                 )
             return
         from memo.allocator import unplanned
