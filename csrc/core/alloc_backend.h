@@ -3,14 +3,23 @@
 // The core (fallback caching allocator, planned arena, statistics, trace log)
 // is backend-neutral C++17: it never includes torch or CUDA headers. A backend
 // (host memory in csrc/cpu, cudaMalloc in csrc/cuda) only hands out and takes
-// back large raw regions, and fills memory for poisoning.
+// back large raw regions, fills memory for poisoning, and orders streams
+// with events (NOTE [Stream-safe reuse] in core/stream_order.h).
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
 namespace memo::core {
+
+// Opaque handles the core stores but never interprets: a cudaStream_t /
+// cudaEvent_t for the CUDA backend. Stream 0 is the only stream the CPU
+// backend has (and CUDA's legacy default stream, an ordinary stream here).
+using StreamId = std::uintptr_t;
+using EventId = std::uintptr_t;
+constexpr StreamId kDefaultStream = 0;
 
 // Thrown for every user-facing allocator failure: bad tables, memory that
 // cannot be had. The message carries the numbers; pybind and the backends
@@ -39,6 +48,22 @@ class RawBackend {
   virtual const char* name() const = 0;
   // Why the last raw_alloc returned nullptr, when the backend knows (e.g. the CUDA error).
   virtual std::string last_failure() const { return {}; }
+
+  // Stream ordering (NOTE [Stream-safe reuse]). The core calls these only
+  // when memory last used on one stream goes to a request on another, so a
+  // backend with a single stream (CPU) never sees a call; the defaults are
+  // what "no streams" means. All four are called under the allocator's lock.
+  //
+  // An event that completes once all work queued on `stream` so far has run.
+  // 0 means that work is already known complete (a backend that cannot
+  // record may synchronise instead and return 0).
+  virtual EventId record_event(StreamId /*stream*/) { return 0; }
+  // Work queued on `stream` from now on runs after `event` completes.
+  virtual void stream_wait_event(StreamId /*stream*/, EventId /*event*/) {}
+  // Whether `event` has completed (a non-blocking query).
+  virtual bool event_done(EventId /*event*/) { return true; }
+  // The core holds `event` no longer; waits already queued on it still hold.
+  virtual void destroy_event(EventId /*event*/) {}
 };
 
 // Every block the allocators hand out is aligned to this (c10's default CPU

@@ -1,4 +1,5 @@
-// See NOTE [Fallback caching allocator] in fallback_allocator.h.
+// See NOTE [Fallback caching allocator] in fallback_allocator.h and
+// NOTE [Stream-safe reuse] in stream_order.h.
 #include "core/fallback_allocator.h"
 
 #include <algorithm>
@@ -14,8 +15,9 @@ std::string mib(std::size_t bytes) {
 }
 }  // namespace
 
-FallbackAllocator::FallbackAllocator(RawBackend* backend, std::size_t min_segment, std::size_t limit)
-    : backend_(backend), min_segment_(0), limit_(limit) {
+FallbackAllocator::FallbackAllocator(RawBackend* backend, StreamOrder* order, std::size_t min_segment,
+                                     std::size_t limit)
+    : backend_(backend), order_(order), min_segment_(0), limit_(limit) {
   set_min_segment(min_segment);
 }
 
@@ -78,7 +80,7 @@ FallbackAllocator::Block* FallbackAllocator::new_segment(std::size_t bytes, cons
     }
   }
   auto* seg = new Segment{static_cast<char*>(base), seg_bytes, nullptr};
-  auto* block = new Block{seg->base, seg_bytes, false, nullptr, nullptr, seg};
+  auto* block = new Block{seg->base, seg_bytes, false, nullptr, nullptr, seg, kDefaultStream, {}};
   seg->first = block;
   segments_.push_back(seg);
   stats_.reserved_bytes += seg_bytes;
@@ -87,9 +89,9 @@ FallbackAllocator::Block* FallbackAllocator::new_segment(std::size_t bytes, cons
   return block;
 }
 
-void* FallbackAllocator::allocate(std::size_t bytes, const std::string& where) {
+void* FallbackAllocator::allocate(std::size_t bytes, StreamId stream, const std::string& where) {
   const std::size_t size = round_up(std::max<std::size_t>(bytes, 1), kBlockAlignment);
-  Block probe{nullptr, size, false, nullptr, nullptr, nullptr};
+  Block probe{nullptr, size, false, nullptr, nullptr, nullptr, kDefaultStream, {}};
   auto it = free_.lower_bound(&probe);  // best fit: smallest free block >= size, lowest address
   Block* block;
   if (it != free_.end()) {
@@ -98,13 +100,21 @@ void* FallbackAllocator::allocate(std::size_t bytes, const std::string& where) {
   } else {
     block = new_segment(size, where);
   }
+  // The block's earlier users on other streams may still have work queued on
+  // any of its bytes: the new owner's stream waits for them.
+  for (const StreamUse& use : block->uses) order_->order_after(stream, use);
   if (block->size - size >= kBlockAlignment) {
-    auto* rest = new Block{block->ptr + size, block->size - size, false, block, block->next, block->segment};
+    auto* rest = new Block{block->ptr + size, block->size - size, false, block, block->next, block->segment,
+                           kDefaultStream, block->uses};
+    // Only `stream` waited: the remainder keeps every use for its own next owner.
+    order_->prune(&rest->uses);
     if (block->next != nullptr) block->next->prev = rest;
     block->next = rest;
     block->size = size;
     free_.insert(rest);
   }
+  block->uses.clear();
+  block->stream = stream;
   block->allocated = true;
   live_.emplace(block->ptr, block);
   stats_.allocated_bytes += block->size;
@@ -119,10 +129,14 @@ bool FallbackAllocator::free(void* ptr) {
   Block* block = it->second;
   live_.erase(it);
   block->allocated = false;
+  block->uses.push_back(StreamUse{block->stream, order_->tick()});
   stats_.allocated_bytes -= block->size;
   stats_.num_frees += 1;
+  // Coalescing merges the neighbours' uses: the merged block's next owner
+  // waits for every stream that used any of its bytes.
   if (Block* next = block->next; next != nullptr && !next->allocated) {
     free_.erase(next);
+    for (const StreamUse& use : next->uses) merge_use(&block->uses, use);
     block->size += next->size;
     block->next = next->next;
     if (next->next != nullptr) next->next->prev = block;
@@ -130,12 +144,14 @@ bool FallbackAllocator::free(void* ptr) {
   }
   if (Block* prev = block->prev; prev != nullptr && !prev->allocated) {
     free_.erase(prev);
+    for (const StreamUse& use : block->uses) merge_use(&prev->uses, use);
     prev->size += block->size;
     prev->next = block->next;
     if (block->next != nullptr) block->next->prev = prev;
     delete block;
     block = prev;
   }
+  order_->prune(&block->uses);
   free_.insert(block);
   return true;
 }

@@ -14,6 +14,12 @@
 // * segments go back to the backend only on empty_cache() (or when a new
 //   segment would pass the limit: then free segments are released first),
 //   never on a plain free, so steady-state training makes no backend calls.
+// Streams: a live block remembers the stream it was allocated on; a free
+// block carries the streams that used its bytes (merged on coalescing), and
+// a request on another stream waits for them (NOTE [Stream-safe reuse] in
+// stream_order.h). Best fit ignores streams: a cross-stream hit makes the
+// requester wait for the earlier users' queued work rather than grow the
+// pool (rare in memo: its copy streams copy into buffers allocated up front).
 // reserved = bytes held from the backend; allocated = bytes in live blocks
 // (rounded sizes); reserved - allocated is the cached/fragmented part.
 // Not thread-safe by itself: the owner (PlannedAllocator) holds the lock.
@@ -29,6 +35,7 @@
 #include <vector>
 
 #include "core/alloc_backend.h"
+#include "core/stream_order.h"
 
 namespace memo::core {
 
@@ -52,14 +59,16 @@ class FallbackAllocator {
   static constexpr std::size_t kSegmentGranularity = 2u << 20;  // 2 MiB
 
   // limit: most bytes this allocator may reserve from the backend (0 = no limit).
-  FallbackAllocator(RawBackend* backend, std::size_t min_segment, std::size_t limit);
+  // `order` (owned by the caller, shared with the arena) orders reuse across streams.
+  FallbackAllocator(RawBackend* backend, StreamOrder* order, std::size_t min_segment, std::size_t limit);
   ~FallbackAllocator();
   FallbackAllocator(const FallbackAllocator&) = delete;
   FallbackAllocator& operator=(const FallbackAllocator&) = delete;
 
   // Throws OutOfMemory (with the numbers) when the request cannot be served.
-  // `where` names the phase for the message.
-  void* allocate(std::size_t bytes, const std::string& where);
+  // `where` names the phase for the message. The block is usable on `stream`:
+  // earlier users on other streams are waited for.
+  void* allocate(std::size_t bytes, StreamId stream, const std::string& where);
   // Returns false when `ptr` is not a live block of this allocator.
   bool free(void* ptr);
   bool owns(const void* ptr) const { return live_.count(const_cast<void*>(ptr)) != 0; }
@@ -84,6 +93,8 @@ class FallbackAllocator {
     Block* prev;  // address neighbours inside the segment
     Block* next;
     Segment* segment;
+    StreamId stream = kDefaultStream;  // live: the stream it was allocated on
+    std::vector<StreamUse> uses;       // free: streams whose frees it holds, one entry each
   };
   struct Segment {
     char* base;
@@ -102,6 +113,7 @@ class FallbackAllocator {
                               const char* why) const;
 
   RawBackend* backend_;
+  StreamOrder* order_;
   std::size_t min_segment_;
   std::size_t limit_;
   std::set<Block*, BySizeThenAddr> free_;

@@ -1,8 +1,9 @@
 // See NOTE [Plan replay by request order], [Deviation policy] and
-// [Arena lifetime] in planned_allocator.h.
+// [Arena lifetime] in planned_allocator.h, NOTE [Stream-safe reuse] in stream_order.h.
 #include "core/planned_allocator.h"
 
 #include <algorithm>
+#include <iterator>
 #include <sstream>
 #include <utility>
 
@@ -13,7 +14,7 @@ constexpr unsigned char kPoisonByte = 0xFF;  // all-ones bytes: NaN in fp32/fp16
 }  // namespace
 
 PlannedAllocator::PlannedAllocator(RawBackend* backend, std::size_t min_segment, std::size_t fallback_limit)
-    : backend_(backend), fallback_(backend, min_segment, fallback_limit) {}
+    : backend_(backend), order_(backend), fallback_(backend, &order_, min_segment, fallback_limit) {}
 
 PlannedAllocator::~PlannedAllocator() {
   if (arena_ != nullptr) release_arena(arena_);
@@ -176,22 +177,37 @@ void PlannedAllocator::deviate(std::size_t expected, std::size_t actual, const c
   }
 }
 
-void* PlannedAllocator::fallback_locked(std::size_t bytes) {
-  void* p = fallback_.allocate(bytes, phase_);
+void PlannedAllocator::claim_freed(Arena* arena, std::size_t begin, std::size_t end, StreamId stream) {
+  auto& freed = arena->freed;
+  auto it = freed.lower_bound(begin);
+  if (it != freed.begin() && std::prev(it)->second.end > begin) --it;  // a range starting before `begin`
+  while (it != freed.end() && it->first < end) {
+    const std::size_t r_begin = it->first;
+    const FreedRange r = it->second;
+    order_.order_after(stream, r.use);
+    it = freed.erase(it);
+    // The parts outside [begin, end) still carry the old use for their own next owner.
+    if (r_begin < begin) freed.emplace_hint(it, r_begin, FreedRange{begin, r.use});
+    if (r.end > end) it = freed.emplace_hint(it, end, FreedRange{r.end, r.use});  // ends the loop
+  }
+}
+
+void* PlannedAllocator::fallback_locked(std::size_t bytes, StreamId stream) {
+  void* p = fallback_.allocate(bytes, stream, phase_);
   stats_.fallback_requests += 1;
   return p;
 }
 
-void* PlannedAllocator::allocate_locked(std::size_t bytes) {
+void* PlannedAllocator::allocate_locked(std::size_t bytes, StreamId stream) {
   stats_.requests += 1;
   if (phase_table_ == nullptr || arena_ == nullptr || suspended_ > 0) {
     stats_.unplanned_requests += 1;
-    return fallback_locked(bytes);
+    return fallback_locked(bytes, stream);
   }
   if (std::this_thread::get_id() != phase_thread_) {  // NOTE [Requests from other threads]
     stats_.unplanned_requests += 1;
     stats_.other_thread_requests += 1;
-    return fallback_locked(bytes);
+    return fallback_locked(bytes, stream);
   }
   const std::vector<PlanSlot>& table = *phase_table_;
   void* p = nullptr;
@@ -212,22 +228,23 @@ void* PlannedAllocator::allocate_locked(std::size_t bytes) {
       stats_.slot_busy += 1;
       deviate(bytes, bytes, "slot busy");
     } else {
+      claim_freed(arena_, begin, end, stream);
       p = arena_->base + begin;
       arena_->live_ranges.emplace(begin, end);
       arena_->live += 1;
-      planned_live_.emplace(p, PlannedBlock{arena_, begin, bytes});
+      planned_live_.emplace(p, PlannedBlock{arena_, begin, bytes, stream});
       planned_bytes_ += bytes;
       stats_.planned_hits += 1;
       stats_.arena_high_water = std::max(stats_.arena_high_water, end);
     }
   }
   phase_index_ += 1;
-  return p != nullptr ? p : fallback_locked(bytes);
+  return p != nullptr ? p : fallback_locked(bytes, stream);
 }
 
-void* PlannedAllocator::allocate(std::size_t bytes) {
+void* PlannedAllocator::allocate(std::size_t bytes, StreamId stream) {
   std::lock_guard<std::mutex> lock(mutex_);
-  void* p = allocate_locked(bytes);
+  void* p = allocate_locked(bytes, stream);
   const std::size_t in_use = planned_bytes_ + fallback_.stats().allocated_bytes;
   stats_.peak_bytes_in_use = std::max(stats_.peak_bytes_in_use, in_use);
   if (logging_) {
@@ -264,8 +281,10 @@ void PlannedAllocator::free(void* ptr) noexcept {
           retired_.erase(std::find(retired_.begin(), retired_.end(), arena));
           release_arena(arena);
         }
-      } else if (poison_) {
-        backend_->fill(ptr, block.size, kPoisonByte);
+      } else {
+        if (poison_) backend_->fill(ptr, block.size, kPoisonByte);  // queued on the freeing stream
+        // A retired arena is never handed out again, so only a current one keeps freed ranges.
+        arena->freed.emplace(block.offset, FreedRange{block.offset + block.size, {block.stream, order_.tick()}});
       }
       return;
     }
@@ -345,6 +364,7 @@ AllocatorStats PlannedAllocator::stats() const {
   if (arena_ != nullptr)
     for (const auto& [begin, end] : arena_->live_ranges) s.arena_in_use += end - begin;
   s.retired_arenas = retired_.size();
+  s.streams = order_.stats();
   return s;
 }
 
@@ -358,6 +378,7 @@ void PlannedAllocator::reset_stats() {
   stats_.peak_bytes_in_use = planned_bytes_ + fallback_.stats().allocated_bytes;
   deviation_reported_ = false;
   fallback_.reset_stats();
+  order_.reset_stats();
 }
 
 bool PlannedAllocator::take_deviation_report(Deviation* out) {

@@ -39,6 +39,13 @@
 // An arena with live allocations is retired: it stays reserved, its frees
 // are still recognised by address, and it goes back to the backend when its
 // last allocation is freed.
+//
+// Streams: a planned slot remembers the stream it was allocated on; a freed
+// slot leaves a freed range (offset, end, stream) in its arena, and a later
+// slot on another stream that overlaps it waits for that stream's work
+// (NOTE [Stream-safe reuse] in stream_order.h). Overlapped parts are cut out
+// of the freed ranges (the new owner's own free will stand for them), so the
+// freed ranges stay disjoint and their number bounded by the arena's layout.
 #pragma once
 
 #include <cstddef>
@@ -53,6 +60,7 @@
 
 #include "core/alloc_backend.h"
 #include "core/fallback_allocator.h"
+#include "core/stream_order.h"
 
 namespace memo::core {
 
@@ -91,6 +99,7 @@ struct AllocatorStats {
   std::uint64_t arena_reservations = 0;
   std::uint64_t arena_releases = 0;
   std::size_t retired_arenas = 0;
+  StreamOrderStats streams;  // cross-stream reuse: events recorded, waits issued
   FallbackStats fallback;
 };
 
@@ -126,7 +135,8 @@ class PlannedAllocator {
   void suspend_phase();
   void resume_phase();
 
-  void* allocate(std::size_t bytes);
+  // `stream`: the stream the caller will use the memory on (NOTE [Stream-safe reuse]).
+  void* allocate(std::size_t bytes, StreamId stream = kDefaultStream);
   // Never throws: it runs from deleters. Unknown pointers are counted.
   void free(void* ptr) noexcept;
   // Whether `ptr` is a live block of this allocator.
@@ -150,22 +160,32 @@ class PlannedAllocator {
   bool take_deviation_report(Deviation* out);
 
  private:
+  struct FreedRange {
+    std::size_t end;
+    StreamUse use;
+  };
   struct Arena {
     char* base = nullptr;
     std::size_t bytes = 0;
     std::size_t live = 0;
     bool retired = false;
     std::map<std::size_t, std::size_t> live_ranges;  // offset -> end
+    // Freed bytes whose last user may still have work queued: offset -> range.
+    // Disjoint from each other and from live_ranges.
+    std::map<std::size_t, FreedRange> freed;
   };
   struct PlannedBlock {
     Arena* arena;
     std::size_t offset;
     std::size_t size;
+    StreamId stream;
   };
 
-  void* allocate_locked(std::size_t bytes);
-  void* fallback_locked(std::size_t bytes);
+  void* allocate_locked(std::size_t bytes, StreamId stream);
+  void* fallback_locked(std::size_t bytes, StreamId stream);
   bool overlaps_live(const Arena& arena, std::size_t begin, std::size_t end) const;
+  // Orders `stream` after the freed ranges overlapping [begin, end) and cuts that span out of them.
+  void claim_freed(Arena* arena, std::size_t begin, std::size_t end, StreamId stream);
   void deviate(std::size_t expected, std::size_t actual, const char* reason);
   void retire_current_arena();
   void release_arena(Arena* arena);
@@ -173,6 +193,7 @@ class PlannedAllocator {
 
   mutable std::mutex mutex_;
   RawBackend* backend_;
+  StreamOrder order_;  // before fallback_, which keeps a pointer to it
   FallbackAllocator fallback_;
 
   PhaseTables tables_;
