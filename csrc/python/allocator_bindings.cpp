@@ -4,9 +4,12 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <map>
 #include <memory>
 #include <optional>
+#include <stdexcept>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -111,6 +114,8 @@ py::dict stats_dict(const core::AllocatorStats& s) {
   d["arena_reservations"] = s.arena_reservations;
   d["arena_releases"] = s.arena_releases;
   d["retired_arenas"] = s.retired_arenas;
+  d["events_recorded"] = s.streams.events_recorded;
+  d["stream_waits"] = s.streams.stream_waits;
   d["fallback"] = fallback_dict(s.fallback);
   d["segment_allocs"] = s.fallback.segment_allocs;
   d["segment_releases"] = s.fallback.segment_releases;
@@ -128,6 +133,122 @@ py::tuple stop_logging(PlannedAllocator& a) {
   py::list out;
   for (const auto& e : events) out.append(py::make_tuple(e.is_malloc, e.id, e.size, e.phase));
   return py::make_tuple(out, names);
+}
+
+// A RawBackend with fake streams for testing NOTE [Stream-safe reuse]
+// through the core's C++ API: memory is host memory, streams are plain
+// numbers, and every stream hook is logged as (call, a, b):
+//   ("record_event", stream, event)      ("stream_wait_event", stream, event)
+//   ("event_done", event, 0 or 1)        ("destroy_event", event, stream it was recorded on)
+// An event is "done" once complete(stream) was called after it was recorded.
+// Using an event after destroy_event raises (the core must never do that).
+class FakeStreamBackend final : public core::RawBackend {
+ public:
+  using Call = std::tuple<std::string, std::uint64_t, std::uint64_t>;
+
+  void* raw_alloc(std::size_t bytes) override { return cpu::host_backend().raw_alloc(bytes); }
+  void raw_free(void* ptr, std::size_t bytes) override { cpu::host_backend().raw_free(ptr, bytes); }
+  void fill(void* ptr, std::size_t bytes, unsigned char byte) override {
+    cpu::host_backend().fill(ptr, bytes, byte);
+  }
+  const char* name() const override { return "fake-streams"; }
+
+  core::EventId record_event(core::StreamId stream) override {
+    const core::EventId ev = next_event_++;
+    events_.emplace(ev, Event{stream, false});
+    calls_.emplace_back("record_event", stream, ev);
+    return ev;
+  }
+  void stream_wait_event(core::StreamId stream, core::EventId event) override {
+    live(event);
+    calls_.emplace_back("stream_wait_event", stream, event);
+  }
+  bool event_done(core::EventId event) override {
+    const bool done = live(event).done;
+    calls_.emplace_back("event_done", event, done ? 1 : 0);
+    return done;
+  }
+  void destroy_event(core::EventId event) override {
+    calls_.emplace_back("destroy_event", event, live(event).stream);
+    events_.erase(event);
+  }
+
+  // All work queued on `stream` so far has run: its recorded events complete.
+  void complete(core::StreamId stream) {
+    for (auto& [id, ev] : events_)
+      if (ev.stream == stream) ev.done = true;
+  }
+  std::vector<Call> take_calls() {
+    std::vector<Call> out;
+    out.swap(calls_);
+    return out;
+  }
+  std::size_t live_events() const { return events_.size(); }
+
+ private:
+  struct Event {
+    core::StreamId stream;
+    bool done;
+  };
+  Event& live(core::EventId event) {
+    auto it = events_.find(event);
+    if (it == events_.end())
+      throw std::logic_error("memo StreamTestHarness: the core used event " + std::to_string(event) +
+                             ", which it never recorded or already destroyed");
+    return it->second;
+  }
+
+  core::EventId next_event_ = 1;  // 0 means "no event" to the core
+  std::map<core::EventId, Event> events_;
+  std::vector<Call> calls_;
+};
+
+// A PlannedAllocator over FakeStreamBackend (declared first: it outlives the allocator).
+struct StreamTestHarness {
+  StreamTestHarness(std::size_t min_segment, std::size_t fallback_limit)
+      : alloc(&backend, min_segment, fallback_limit) {}
+  FakeStreamBackend backend;
+  PlannedAllocator alloc;
+};
+
+void bind_stream_test_harness(py::module_& sub) {
+  py::class_<StreamTestHarness>(
+      sub, "StreamTestHarness",
+      "Test harness for NOTE [Stream-safe reuse]: a PlannedAllocator over host memory whose backend has "
+      "fake streams (any int; 0 is the default stream) and logs every stream hook the core calls. "
+      "take_calls() returns them as (call, a, b) tuples: ('record_event', stream, event), "
+      "('stream_wait_event', stream, event), ('event_done', event, 0|1), ('destroy_event', event, stream).")
+      .def(py::init<std::size_t, std::size_t>(), py::arg("min_segment") = PlannedAllocator::kDefaultMinSegment,
+           py::arg("fallback_limit") = 0)
+      .def(
+          "load_plan",
+          [](StreamTestHarness& h, const py::dict& tables, std::size_t peak) {
+            h.alloc.load_plan(tables_from_python(tables), peak);
+          },
+          py::arg("tables"), py::arg("peak"))
+      .def(
+          "set_phase",
+          [](StreamTestHarness& h, const std::optional<std::string>& name) {
+            h.alloc.set_phase(name.value_or(""));
+          },
+          py::arg("name"))
+      .def(
+          "allocate",
+          [](StreamTestHarness& h, std::size_t n, core::StreamId stream) {
+            if (n == 0) throw core::AllocatorError("memo allocator: malloc of 0 bytes");
+            return reinterpret_cast<std::uintptr_t>(h.alloc.allocate(n, stream));
+          },
+          py::arg("size"), py::arg("stream"), "Allocate `size` bytes for use on fake stream `stream`.")
+      .def(
+          "free", [](StreamTestHarness& h, std::uintptr_t p) { h.alloc.free(reinterpret_cast<void*>(p)); },
+          py::arg("ptr"))
+      .def(
+          "complete", [](StreamTestHarness& h, core::StreamId stream) { h.backend.complete(stream); },
+          py::arg("stream"), "Mark the events recorded so far on `stream` complete.")
+      .def("take_calls", [](StreamTestHarness& h) { return h.backend.take_calls(); })
+      .def("live_events", [](const StreamTestHarness& h) { return h.backend.live_events(); },
+           "Events recorded and not yet destroyed.")
+      .def("stats", [](const StreamTestHarness& h) { return stats_dict(h.alloc.stats()); });
 }
 
 void bind_allocator(py::module_& m) {
@@ -207,6 +328,7 @@ void bind_allocator(py::module_& m) {
   sub.def("uninstall_cpu", &cpu::uninstall_cpu_allocator, "Restore PyTorch's previous CPU allocator.");
   sub.def("cpu_installed", &cpu::cpu_allocator_installed);
   sub.attr("BLOCK_ALIGNMENT") = core::kBlockAlignment;
+  bind_stream_test_harness(sub);
 }
 
 }  // namespace
