@@ -87,8 +87,8 @@ class Check:
         return self.status == "pass"
 
     def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "command": self.cmd, "status": self.status, "seconds": round(self.seconds, 1),
-                "detail": self.detail, "numbers": self.numbers}
+        return {"name": self.name, "command": self.cmd, "status": self.status,
+                "seconds": round(self.seconds, 1), "detail": self.detail, "numbers": self.numbers}
 
 
 def _text(data: bytes | str | None) -> str:
@@ -102,12 +102,12 @@ def _hardware() -> dict[str, Any]:
 
     props = torch.cuda.get_device_properties(0)
     info = {"gpu": props.name, "gpu_memory_gib": round(props.total_memory / 2**30, 1),
-            "capability": f"{props.major}.{props.minor}", "torch": torch.__version__, "cuda": torch.version.cuda,
-            "python": sys.version.split()[0]}
+            "capability": f"{props.major}.{props.minor}", "torch": torch.__version__,
+            "cuda": torch.version.cuda, "python": sys.version.split()[0]}
     smi = shutil.which("nvidia-smi")
     if smi:
-        out = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
-                             text=True)
+        out = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True)
         info["driver"] = out.stdout.strip().splitlines()[0] if out.stdout.strip() else None
     return info
 
@@ -128,7 +128,8 @@ def _train_numbers(check: Check, report: Path) -> None:
         "alpha": rep.get("alpha"),
         "first_loss": steps[0]["loss"], "last_loss": steps[-1]["loss"],
         "median_step_s": round(statistics.median(times), 4),
-        "peak_device_mib": None if rep["peak_device_bytes"] is None else round(rep["peak_device_bytes"] / 2**20, 1),
+        "peak_device_mib": None if rep["peak_device_bytes"] is None
+        else round(rep["peak_device_bytes"] / 2**20, 1),
         "host_pinned_mib": round(rep["host_pinned_bytes"] / 2**20, 1),
         "allocator": rep["allocator"],
         "segment_allocs_per_step": [s.get("segment_allocs") for s in steps],
@@ -228,8 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     if "benchmarks" not in args.skip:
         bench_json = work / "strategies.json"
         c = Check(f"benchmarks/strategies.py gpt-125m {seq}",
-                  [py, "benchmarks/strategies.py", "--device", "cuda", "--model", "gpt-125m", "--seq-len", seq,
-                   "--steps", str(min(steps, 4)), "--json", str(bench_json)], 900)
+                  [py, "benchmarks/strategies.py", "--device", "cuda", "--model", "gpt-125m",
+                   "--seq-len", seq, "--steps", str(min(steps, 4)), "--json", str(bench_json)], 900)
         c.run(logs)
         if bench_json.exists():
             c.numbers = {"rows": json.loads(bench_json.read_text()).get("rows")}
@@ -237,8 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         max_json = work / "max_seq_len.json"
         c = Check("benchmarks/max_seq_len.py gpt-125m 8 GiB",
                   [py, "benchmarks/max_seq_len.py", "--device", "cuda", "--model", "gpt-125m",
-                   "--device-mem-mb", "8192", "--granularity", "4K", "--max-seq", "32K" if args.quick else "128K",
-                   "--json", str(max_json)], 900)
+                   "--device-mem-mb", "8192", "--granularity", "4K",
+                   "--max-seq", "32K" if args.quick else "128K", "--json", str(max_json)], 900)
         c.run(logs)
         if max_json.exists():
             res = json.loads(max_json.read_text())["results"]

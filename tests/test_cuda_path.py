@@ -31,14 +31,16 @@ def _qkv(dtype: torch.dtype, s: int = 40, n: int = 4, n_kv: int = 2) -> tuple[to
 
 
 def _cpu_backward(g, q, k, v, o, lse, scale):
-    return ATEN._scaled_dot_product_flash_attention_for_cpu_backward(g, q, k, v, o, lse, 0.0, True, scale=scale)
+    return ATEN._scaled_dot_product_flash_attention_for_cpu_backward(g, q, k, v, o, lse, 0.0, True,
+                                                                      scale=scale)
 
 
 # 1. Attention backward on CUDA passes undefined cumulative sequence lengths --------------------
 def test_flash_backward_passes_undefined_cum_seq(monkeypatch) -> None:
     calls: list[tuple[Any, ...]] = []
 
-    def fake_flash_backward(g, q, k, v, o, lse, cum_q, cum_k, max_q, max_k, p, causal, seed, offset, *, scale):
+    def fake_flash_backward(g, q, k, v, o, lse, cum_q, cum_k, max_q, max_k, p, causal, seed, offset, *,
+                            scale):
         calls.append((cum_q, cum_k, max_q, max_k, p, causal))
         # The CUDA kernel takes a defined cum_seq as "variable length" and refuses 4-D inputs.
         if cum_q is not None or cum_k is not None:
@@ -153,7 +155,8 @@ def test_profile_recorder_follows_the_planned_allocator_flag(monkeypatch, planne
     ids = torch.randint(0, 256, (1, 64))
     strategy = strategies.Strategy(strategies.StrategyOptions(planned_allocator=planned, alpha=0.5))
     with pytest.raises(Stop):
-        strategy.prepare(model, ids, ids, {"model": "tiny", "seq_len": 64, "micro_batch": 1, "dtype": "float32"})
+        strategy.prepare(model, ids, ids,
+                         {"model": "tiny", "seq_len": 64, "micro_batch": 1, "dtype": "float32"})
     # The allocator recorder would install memo's CUDA allocator, too late with the model on the GPU.
     assert captured["recorder"] == ("allocator" if planned else "dispatch")
     assert captured["plan"] is planned

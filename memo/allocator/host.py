@@ -4,9 +4,10 @@ NOTE [Exact pinned host memory]
 ``torch.empty(..., pin_memory=True)`` goes through PyTorch's caching host allocator, which
 rounds every request up to a power of two (a 90 GiB arena pins 128 GiB) and keeps freed blocks
 cached for the life of the process. memo's host arena is one large, long-lived buffer sized
-from the plan, so it takes plain host memory of exactly the size asked and page-locks that range with ``cudaHostRegister``; :meth:`PinnedHostBuffer.release`
-(or the garbage collector) unlocks it again after the device has finished with it. The memory
-itself belongs to the tensor, so a view that outlives the buffer stays valid, only pageable.
+from the plan, so it takes plain host memory of exactly the size asked and page-locks that
+range with ``cudaHostRegister``; :meth:`PinnedHostBuffer.release` (or the garbage collector)
+unlocks it again after the device has finished with it. The memory itself belongs to the
+tensor, so a view that outlives the buffer stays valid, only pageable.
 
 NOTE [Host memory is per node]
 Every rank of a node pins from the same RAM. torchrun sets ``LOCAL_WORLD_SIZE``; a process may
