@@ -8,17 +8,32 @@
 // library share code without sharing an object file or torch headers.
 //
 // NOTE [CUDA streams and frees]
-// PyTorch's pluggable allocator hands us the stream of the allocating
-// context and no tensor identity, and it does not forward record_stream().
-// Policy: memory is stream-ordered on the stream it was used on. A freed
-// block (planned slot or fallback block) may be handed out again at once,
-// which is safe for work on the same stream (the next kernel on that stream
-// runs after the previous user's kernels). Tensors used on another stream
-// (offload/prefetch copies) must be fenced by their user before they are
-// freed (the runtime waits on its events; its rounding buffers do not come
-// from this allocator). Poisoning is enqueued on the freeing stream, so it
-// also runs after the previous user's kernels. Phases are set from the host
-// thread that launches the work (NOTE [Requests from other threads]).
+// PyTorch's pluggable allocator hands memo_malloc the stream of the
+// allocating context, and memo_free the stream the block was allocated on
+// (it records it); no tensor identity, and record_stream() is a no-op for
+// it. The core keeps the allocation stream of every live block and, when
+// memory freed by stream T goes to a request on stream S != T, makes S wait
+// on an event recorded on T at that moment (NOTE [Stream-safe reuse] in
+// core/stream_order.h); reuse on the same stream needs nothing, the next
+// kernel on it runs after the previous owner's. The events come from a small
+// per-device pool (cudaEventDisableTiming) and are recorded lazily, only on
+// cross-stream reuse. What stays invisible: a tensor also used on a third
+// stream, which only record_stream() would reveal. Its user must fence that
+// use before the tensor dies; memo's runtime does (its copy streams wait on
+// and record events, and its rounding buffers are allocated up front).
+// Poisoning is enqueued on the freeing (= allocating) stream, so it runs
+// after the previous owner's kernels and before any later owner, which is
+// ordered after that stream. Phases are set from the host thread that
+// launches the work (NOTE [Requests from other threads]).
+//
+// NOTE [CUDA graph capture]
+// Replaying a captured graph reuses the addresses malloc returned during
+// capture with no allocator involved; PyTorch keeps them alive in a private
+// pool of its caching allocator, which a pluggable allocator does not have,
+// and the arena's plan replay and the event waits above cannot be captured
+// either. So memo_malloc refuses a request on a capturing stream with an
+// AllocatorError (which libtorch turns into a Python RuntimeError) instead
+// of returning memory that the graph would later use unowned.
 //
 // NOTE [CUDA allocation failures]
 // PyTorch's CUDAPluggableAllocator::malloc does not check the returned
@@ -32,6 +47,10 @@
 // record_stream() are not supported for pluggable allocators, and
 // torch.cuda.empty_cache() does not reach us: use memo.allocator.stats()
 // and memo.allocator.empty_cache("cuda").
+//
+// Symbols: the library is built with -fvisibility=hidden (setup.py), so the
+// core compiled in stays private and only the C API below, marked
+// MEMO_CUDA_API, is exported.
 #include <cuda_runtime.h>
 
 #include <sys/types.h>
@@ -48,6 +67,9 @@
 
 #include "core/fallback_allocator.cpp"
 #include "core/planned_allocator.cpp"
+#include "core/stream_order.cpp"
+
+#define MEMO_CUDA_API __attribute__((visibility("default")))
 
 namespace memo::cuda {
 
@@ -73,8 +95,14 @@ class DeviceGuard {
   int device_ = 0;
 };
 
+cudaStream_t as_stream(core::StreamId s) { return reinterpret_cast<cudaStream_t>(s); }
+cudaEvent_t as_event(core::EventId e) { return reinterpret_cast<cudaEvent_t>(e); }
+
 class CudaBackend final : public core::RawBackend {
  public:
+  // Events kept for reuse; more than this many idle ones are destroyed.
+  static constexpr std::size_t kEventPoolSize = 16;
+
   explicit CudaBackend(int device) : device_(device) {}
   void* raw_alloc(std::size_t bytes) override {
     DeviceGuard guard(device_);
@@ -102,8 +130,55 @@ class CudaBackend final : public core::RawBackend {
     return failure_;
   }
 
+  // NOTE [CUDA streams and frees]. The core calls these under its lock, so
+  // the pool needs no lock of its own. If the runtime refuses an event
+  // operation (e.g. the stream was destroyed), ordering falls back to a
+  // device-wide synchronisation: slow but never unsafe.
+  core::EventId record_event(core::StreamId stream) override {
+    DeviceGuard guard(device_);
+    cudaEvent_t ev = nullptr;
+    if (!pool_.empty()) {
+      ev = pool_.back();
+      pool_.pop_back();
+    } else if (cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) != cudaSuccess) {
+      cudaGetLastError();
+      cudaDeviceSynchronize();
+      return 0;  // 0: the stream's work is complete already
+    }
+    if (cudaEventRecord(ev, as_stream(stream)) != cudaSuccess) {
+      cudaGetLastError();
+      cudaEventDestroy(ev);
+      cudaDeviceSynchronize();
+      return 0;
+    }
+    return reinterpret_cast<core::EventId>(ev);
+  }
+  void stream_wait_event(core::StreamId stream, core::EventId event) override {
+    DeviceGuard guard(device_);
+    if (cudaStreamWaitEvent(as_stream(stream), as_event(event), 0) != cudaSuccess) {
+      cudaGetLastError();
+      cudaDeviceSynchronize();  // the wait did not happen: finish the earlier work now instead
+    }
+  }
+  bool event_done(core::EventId event) override {
+    const cudaError_t err = cudaEventQuery(as_event(event));
+    if (err == cudaSuccess) return true;
+    cudaGetLastError();  // cudaErrorNotReady is reported, not sticky: clear it like PyTorch does
+    return false;
+  }
+  void destroy_event(core::EventId event) override {
+    // Reusing or destroying a recorded event is safe: cudaStreamWaitEvent
+    // captured the record it waits for when it was called.
+    if (pool_.size() < kEventPoolSize) {
+      pool_.push_back(as_event(event));
+    } else {
+      cudaEventDestroy(as_event(event));
+    }
+  }
+
  private:
   int device_;
+  std::vector<cudaEvent_t> pool_;
   mutable std::mutex failure_mutex_;
   std::string failure_;
 };
@@ -151,36 +226,73 @@ int guarded(F&& f) {
 
 using memo::cuda::state;
 
+namespace memo::cuda {
+namespace {
+
+// NOTE [CUDA graph capture]. A stream that joined a capture reports
+// "active"; the legacy default stream used while another stream captures
+// in global mode reports cudaErrorStreamCaptureImplicit: refuse both.
+void refuse_capture(cudaStream_t stream, ssize_t size, int device) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  const cudaError_t err = cudaStreamIsCapturing(stream, &status);
+  if (err != cudaSuccess) cudaGetLastError();  // not sticky; clear it for the caller
+  const bool capturing = err == cudaErrorStreamCaptureImplicit ||
+                         (err == cudaSuccess && status != cudaStreamCaptureStatusNone);
+  if (!capturing) return;
+  throw core::AllocatorError(
+      "memo allocator (cuda): CUDA graph capture is not supported by memo's allocator (a request of " +
+      std::to_string(size) + " bytes on device " + std::to_string(device) +
+      " came from a capturing stream; a replayed graph would reuse that memory without an owner). "
+      "Capture without memo's allocator (a process that does not call memo.allocator.install_cuda()) "
+      "or run this part without CUDA graphs (e.g. torch.compile without mode='reduce-overhead').");
+}
+
+}  // namespace
+}  // namespace memo::cuda
+
 extern "C" {
 
 // ---- the functions CUDAPluggableAllocator loads ----
 
-void* memo_malloc(ssize_t size, int device, cudaStream_t stream) {
+MEMO_CUDA_API void* memo_malloc(ssize_t size, int device, cudaStream_t stream) {
   if (size <= 0) return nullptr;
-  auto* s = state(device);
-  if (s == nullptr) throw memo::core::AllocatorError(memo::cuda::last_error);
-  memo::cuda::current_stream = stream;
-  try {
-    return s->alloc.allocate(static_cast<std::size_t>(size));
-  } catch (const std::exception& e) {  // NOTE [CUDA allocation failures]
+  try {  // NOTE [CUDA allocation failures]
+    memo::cuda::refuse_capture(stream, size, device);
+    auto* s = state(device);
+    if (s == nullptr) throw memo::core::AllocatorError(memo::cuda::last_error);
+    memo::cuda::current_stream = stream;
+    return s->alloc.allocate(static_cast<std::size_t>(size), reinterpret_cast<memo::core::StreamId>(stream));
+  } catch (const std::exception& e) {
     memo::cuda::last_error = e.what();
     throw;
   }
 }
 
-void memo_free(void* ptr, ssize_t /*size*/, int device, cudaStream_t stream) {
+// `stream` is the one the block was allocated on; the core kept it too.
+MEMO_CUDA_API void memo_free(void* ptr, ssize_t /*size*/, int device, cudaStream_t stream) {
   auto* s = state(device);
   if (s == nullptr) return;
-  memo::cuda::current_stream = stream;  // NOTE [CUDA streams and frees]
+  memo::cuda::current_stream = stream;  // NOTE [CUDA streams and frees]: poisoning is queued on it
   s->alloc.free(ptr);
 }
 
 // ---- the C API memo.allocator uses through ctypes (0 = ok, -1 = error, see last_error) ----
 
-const char* memo_cuda_last_error() { return memo::cuda::last_error.c_str(); }
+MEMO_CUDA_API const char* memo_cuda_last_error() { return memo::cuda::last_error.c_str(); }
 
-int memo_cuda_load_plan(int device, int n_phases, const char* const* names, const int64_t* counts,
-                        const uint64_t* sizes, const int64_t* offsets, uint64_t peak) {
+// The CUDA runtime this library runs with (cudaRuntimeGetVersion: 1000 * major + 10 * minor),
+// for memo.allocator to check it against torch.version.cuda. -1 when the runtime cannot say.
+MEMO_CUDA_API int memo_cuda_runtime_version() {
+  int version = 0;
+  if (cudaRuntimeGetVersion(&version) != cudaSuccess) {
+    cudaGetLastError();
+    return -1;
+  }
+  return version;
+}
+
+MEMO_CUDA_API int memo_cuda_load_plan(int device, int n_phases, const char* const* names, const int64_t* counts,
+                                      const uint64_t* sizes, const int64_t* offsets, uint64_t peak) {
   auto* s = state(device);
   if (s == nullptr) return -1;
   return memo::cuda::guarded([&] {
@@ -199,14 +311,14 @@ int memo_cuda_load_plan(int device, int n_phases, const char* const* names, cons
   });
 }
 
-int memo_cuda_unload_plan(int device) {
+MEMO_CUDA_API int memo_cuda_unload_plan(int device) {
   auto* s = state(device);
   if (s == nullptr) return -1;
   return memo::cuda::guarded([&] { s->alloc.unload_plan(); });
 }
 
 // The phase is one for the whole process: every device that has state hears it.
-void memo_cuda_set_phase(const char* name) {
+MEMO_CUDA_API void memo_cuda_set_phase(const char* name) {
   const std::string phase = name == nullptr ? std::string() : std::string(name);
   for (int d = 0; d < memo::cuda::kMaxDevices; ++d) {
     memo::cuda::DeviceState* s;
@@ -219,7 +331,7 @@ void memo_cuda_set_phase(const char* name) {
 }
 
 // NOTE [One-time allocations inside a phase]: suspend/resume nest, on every device.
-void memo_cuda_suspend_phase(int suspend) {
+MEMO_CUDA_API void memo_cuda_suspend_phase(int suspend) {
   for (int d = 0; d < memo::cuda::kMaxDevices; ++d) {
     memo::cuda::DeviceState* s;
     {
@@ -235,24 +347,24 @@ void memo_cuda_suspend_phase(int suspend) {
   }
 }
 
-int memo_cuda_set_poison(int device, int on) {
+MEMO_CUDA_API int memo_cuda_set_poison(int device, int on) {
   auto* s = state(device);
   if (s == nullptr) return -1;
   return memo::cuda::guarded([&] { s->alloc.set_poison(on != 0); });
 }
 
-int memo_cuda_set_fallback_limit(int device, uint64_t bytes) {
+MEMO_CUDA_API int memo_cuda_set_fallback_limit(int device, uint64_t bytes) {
   auto* s = state(device);
   if (s == nullptr) return -1;
   return memo::cuda::guarded([&] { s->alloc.set_fallback_limit(bytes); });
 }
 
-uint64_t memo_cuda_empty_cache(int device) {
+MEMO_CUDA_API uint64_t memo_cuda_empty_cache(int device) {
   auto* s = state(device);
   return s == nullptr ? 0 : s->alloc.empty_cache();
 }
 
-int memo_cuda_reset_stats(int device) {
+MEMO_CUDA_API int memo_cuda_reset_stats(int device) {
   auto* s = state(device);
   if (s == nullptr) return -1;
   return memo::cuda::guarded([&] { s->alloc.reset_stats(); });
@@ -260,7 +372,7 @@ int memo_cuda_reset_stats(int device) {
 
 // Writes the counters in the order of CUDA_STAT_FIELDS (memo/allocator/_backends.py);
 // returns how many were written.
-int memo_cuda_stats(int device, uint64_t* out, int n) {
+MEMO_CUDA_API int memo_cuda_stats(int device, uint64_t* out, int n) {
   auto* s = state(device);
   if (s == nullptr) return -1;
   const memo::core::AllocatorStats st = s->alloc.stats();
@@ -271,7 +383,7 @@ int memo_cuda_stats(int device, uint64_t* out, int n) {
       st.arena_bytes, st.arena_in_use, st.arena_high_water, st.arena_reservations, st.arena_releases,
       st.retired_arenas, f.allocated_bytes, f.reserved_bytes, f.peak_allocated_bytes, f.peak_reserved_bytes,
       f.live_blocks, f.free_blocks, f.largest_free_block, f.num_allocs, f.num_frees, f.segment_allocs,
-      f.segment_releases, f.segments,
+      f.segment_releases, f.segments, st.streams.events_recorded, st.streams.stream_waits,
   };
   const int count = static_cast<int>(sizeof(values) / sizeof(values[0]));
   int written = 0;
@@ -281,8 +393,8 @@ int memo_cuda_stats(int device, uint64_t* out, int n) {
 
 // take != 0: the report-once deviation (for the warning); take == 0: the first deviation
 // from the stats. Returns 1 and fills the outputs when there is one, else 0.
-int memo_cuda_deviation(int device, int take, char* phase, int phase_len, int64_t* index, uint64_t* expected,
-                        uint64_t* actual, char* reason, int reason_len) {
+MEMO_CUDA_API int memo_cuda_deviation(int device, int take, char* phase, int phase_len, int64_t* index,
+                                      uint64_t* expected, uint64_t* actual, char* reason, int reason_len) {
   auto* s = state(device);
   if (s == nullptr) return 0;
   memo::core::Deviation dev;
@@ -301,14 +413,14 @@ int memo_cuda_deviation(int device, int take, char* phase, int phase_len, int64_
   return 1;
 }
 
-int memo_cuda_start_logging(int device) {
+MEMO_CUDA_API int memo_cuda_start_logging(int device) {
   auto* s = state(device);
   if (s == nullptr) return -1;
   return memo::cuda::guarded([&] { s->alloc.start_logging(); });
 }
 
 // Stops logging and keeps the trace for memo_cuda_read_log; returns the number of events.
-int64_t memo_cuda_stop_logging(int device) {
+MEMO_CUDA_API int64_t memo_cuda_stop_logging(int device) {
   auto* s = state(device);
   if (s == nullptr) return -1;
   std::lock_guard<std::mutex> lock(memo::cuda::log_mutex);
@@ -316,7 +428,8 @@ int64_t memo_cuda_stop_logging(int device) {
   return static_cast<int64_t>(memo::cuda::log_events.size());
 }
 
-int64_t memo_cuda_read_log(uint8_t* is_malloc, uint64_t* ids, uint64_t* sizes, int32_t* phases, int64_t n) {
+MEMO_CUDA_API int64_t memo_cuda_read_log(uint8_t* is_malloc, uint64_t* ids, uint64_t* sizes, int32_t* phases,
+                                         int64_t n) {
   std::lock_guard<std::mutex> lock(memo::cuda::log_mutex);
   const int64_t count = std::min<int64_t>(n, static_cast<int64_t>(memo::cuda::log_events.size()));
   for (int64_t i = 0; i < count; ++i) {
@@ -329,12 +442,12 @@ int64_t memo_cuda_read_log(uint8_t* is_malloc, uint64_t* ids, uint64_t* sizes, i
   return count;
 }
 
-int memo_cuda_log_phase_count() {
+MEMO_CUDA_API int memo_cuda_log_phase_count() {
   std::lock_guard<std::mutex> lock(memo::cuda::log_mutex);
   return static_cast<int>(memo::cuda::log_names.size());
 }
 
-const char* memo_cuda_log_phase_name(int i) {
+MEMO_CUDA_API const char* memo_cuda_log_phase_name(int i) {
   std::lock_guard<std::mutex> lock(memo::cuda::log_mutex);
   if (i < 0 || i >= static_cast<int>(memo::cuda::log_names.size())) return "";
   return memo::cuda::log_names[static_cast<std::size_t>(i)].c_str();

@@ -152,6 +152,7 @@ CUDA_STAT_FIELDS = (
     "fallback.peak_reserved_bytes", "fallback.live_blocks", "fallback.free_blocks",
     "fallback.largest_free_block", "fallback.num_allocs", "fallback.num_frees",
     "fallback.segment_allocs", "fallback.segment_releases", "fallback.segments",
+    "events_recorded", "stream_waits",
 )
 
 
@@ -176,10 +177,19 @@ def _load_cuda_library() -> ctypes.CDLL:
             f"memo.allocator: the CUDA backend library {path} is missing; rebuild memo with nvcc on PATH "
             "(MEMO_BUILD_CUDA=1 makes a missing nvcc an error)"
         )
-    lib = ctypes.CDLL(path)
+    torch_cuda = torch.version.cuda
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError as exc:  # typically: the CUDA runtime it links (libcudart.so.N) is not on the loader path
+        raise MemoError(
+            f"memo.allocator: cannot load the CUDA backend library {path} ({exc}); torch's CUDA is "
+            f"{torch_cuda or 'none (CPU-only torch)'}. Rebuild memo against this torch "
+            "(pip install --no-build-isolation -e .)"
+        ) from exc
     c = ctypes
     sigs: dict[str, tuple[Any, list[Any]]] = {
         "memo_cuda_last_error": (c.c_char_p, []),
+        "memo_cuda_runtime_version": (c.c_int, []),
         "memo_cuda_load_plan": (c.c_int, [c.c_int, c.c_int, c.POINTER(c.c_char_p), c.POINTER(c.c_int64),
                                           c.POINTER(c.c_uint64), c.POINTER(c.c_int64), c.c_uint64]),
         "memo_cuda_unload_plan": (c.c_int, [c.c_int]),
@@ -200,9 +210,27 @@ def _load_cuda_library() -> ctypes.CDLL:
         "memo_cuda_log_phase_name": (c.c_char_p, [c.c_int]),
     }
     for name, (restype, argtypes) in sigs.items():
-        fn = getattr(lib, name)
+        try:
+            fn = getattr(lib, name)
+        except AttributeError as exc:  # a library from an older memo build
+            raise MemoError(
+                f"memo.allocator: the CUDA backend library {path} lacks {name}: it is from another memo "
+                "build. Rebuild memo against this torch (pip install --no-build-isolation -e .)"
+            ) from exc
         fn.restype = restype
         fn.argtypes = argtypes
+    # The library and torch must share one CUDA runtime (streams, events and memory are per runtime).
+    # A CPU-only torch has none: loading is then only a link check, and nothing is compared.
+    if torch_cuda is not None:
+        runtime = int(lib.memo_cuda_runtime_version())
+        lib_major = runtime // 1000
+        if runtime < 0 or str(lib_major) != torch_cuda.split(".")[0]:
+            lib_version = "unknown" if runtime < 0 else f"{lib_major}.{runtime % 1000 // 10}"
+            raise MemoError(
+                f"memo.allocator: the CUDA backend library {path} uses CUDA runtime {lib_version}, but "
+                f"this torch ({torch.__version__}) was built with CUDA {torch_cuda}; the major versions must "
+                "match. Rebuild memo against this torch (pip install --no-build-isolation -e .)"
+            )
     _cuda_lib = lib
     return lib
 
