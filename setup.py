@@ -8,13 +8,22 @@ Builds two native pieces:
 * ``memo/_lib/libmemo_cuda.so`` -- the CUDA backend as a standalone shared
   library compiled with plain ``nvcc``. It needs no torch headers (the
   functions ``torch.cuda.memory.CUDAPluggableAllocator`` loads are plain C),
-  so it also builds against a CPU-only torch; CI uses that to check that the
-  CUDA sources compile and link. Built whenever ``nvcc`` is found.
+  so it also builds against a CPU-only torch when asked to (``MEMO_BUILD_CUDA=1``);
+  CI uses that to check that the CUDA sources compile and link.
+
+Both are compiled with hidden symbol visibility: the core's C++ symbols stay
+private to each binary (the extension exports ``PyInit__C``, which
+``PYBIND11_MODULE`` marks visible; the CUDA library its C API, marked
+``MEMO_CUDA_API``), so the dynamic linker can never bind one binary's calls to
+the other's copy of the core, and the export tables stay small.
 
 Switches (one prefix, ``MEMO_``):
 
 * ``MEMO_BUILD_CUDA=auto|0|1`` -- ``auto`` (default) builds the CUDA backend
-  when nvcc is found; ``1`` makes a missing nvcc an error; ``0`` skips it.
+  when this torch is a CUDA build (``torch.version.cuda`` is set) and nvcc is
+  found; a CPU-only torch skips it, as it could never load it. ``1`` builds it
+  whatever torch is and makes a missing nvcc an error; ``0`` skips it. At load
+  time memo checks that the library's CUDA runtime has torch's major version.
 * ``MEMO_CUDA_ARCHS="90;80"`` -- compute capabilities for nvcc (default 80;90).
 * ``MAX_JOBS`` -- ninja parallelism (torch's own variable); by default capped
   by memory (about 2 GiB per job) and printed.
@@ -29,11 +38,14 @@ import shutil
 import subprocess
 import sys
 
+import torch
 from setuptools import find_packages, setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 VERSION = "0.1.0"
+# Keep every symbol of the core private to its binary (see the docstring).
+HIDDEN = "-fvisibility=hidden"
 
 
 def _log(msg: str) -> None:
@@ -74,6 +86,11 @@ def _cuda_plan() -> tuple[str | None, str]:
     if mode == "0":
         _log("CUDA backend: skipped (MEMO_BUILD_CUDA=0)")
         return None, "none"
+    if mode == "auto" and torch.version.cuda is None:
+        # The library must share torch's CUDA runtime; a CPU-only torch has none to share.
+        _log(f"CUDA backend: skipped (torch {torch.__version__} is a CPU-only build; "
+             "MEMO_BUILD_CUDA=1 builds it anyway, e.g. to check that it compiles)")
+        return None, "none"
     nvcc = _find_nvcc()
     if nvcc is None:
         if mode == "1":
@@ -81,7 +98,8 @@ def _cuda_plan() -> tuple[str | None, str]:
         _log("CUDA backend: skipped (nvcc not found)")
         return None, "none"
     version = _nvcc_version(nvcc)
-    _log(f"CUDA backend: building with {nvcc} (CUDA {version})")
+    torch_cuda = torch.version.cuda or "none (CPU-only torch)"
+    _log(f"CUDA backend: building with {nvcc} (CUDA {version}; torch's CUDA: {torch_cuda})")
     return nvcc, version
 
 
@@ -112,8 +130,8 @@ class BuildWithCuda(BuildExtension):
         for out_dir in out_dirs:
             os.makedirs(out_dir, exist_ok=True)
             target = os.path.join(out_dir, "libmemo_cuda.so")
-            cmd = [NVCC, "-O2", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-cudart", "shared",
-                   f"-I{os.path.join(ROOT, 'csrc')}", *gencode, *sources, "-o", target]
+            cmd = [NVCC, "-O2", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-Xcompiler", HIDDEN,
+                   "-cudart", "shared", f"-I{os.path.join(ROOT, 'csrc')}", *gencode, *sources, "-o", target]
             _log("nvcc: " + " ".join(cmd))
             subprocess.run(cmd, check=True)
 
@@ -132,7 +150,7 @@ def _extension() -> CppExtension:
         sources=sources,
         include_dirs=[os.path.join(ROOT, "csrc")],
         define_macros=defines,
-        extra_compile_args=["-O2", "-std=c++17"],
+        extra_compile_args=["-O2", "-std=c++17", HIDDEN],
     )
 
 
