@@ -175,7 +175,7 @@ setup(
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildWithCuda.with_options(use_ninja=True)},
     install_requires=[
-        "torch>=2.4",
+        "torch>=2.11,<2.14",  # tested: 2.13 (CPU, CI) and 2.11 + CUDA 13 (make gpu-check)
         "numpy>=1.24",
         # 3.x bundles the CBC binary on Python 3.11; on 3.12+ pulp 4.x needs
         # `pulp[cbc]` or highspy (see README, "Solvers").

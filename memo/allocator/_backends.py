@@ -38,6 +38,8 @@ class Backend(abc.ABC):
     """What :mod:`memo.allocator` needs from a device's planned allocator."""
 
     device_type: str
+    device: torch.device
+    """The one device this backend serves (``cuda:N`` for CUDA, every CPU tensor for ``cpu``)."""
 
     @abc.abstractmethod
     def load_plan(self, tables: PhaseTables, peak: int) -> None: ...
@@ -86,6 +88,7 @@ def _as_memo_error() -> Iterator[None]:
 
 class CpuBackend(Backend):
     device_type = "cpu"
+    device = torch.device("cpu")
 
     def __init__(self) -> None:
         from memo import _C
@@ -273,6 +276,7 @@ class CudaBackend(Backend):
     def __init__(self, index: int) -> None:
         self._lib = _load_cuda_library()
         self._dev = index
+        self.device = torch.device("cuda", index)
 
     def _check(self, rc: int, what: str) -> None:
         if rc != 0:
@@ -380,7 +384,8 @@ def backend_for(device: str | torch.device) -> Backend:
         if key not in _backends:
             _backends[key] = CpuBackend()
     elif dev.type == "cuda":
-        index = dev.index if dev.index is not None else 0
+        # "cuda" means the current device, as it does for torch.empty(device="cuda").
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
         key = ("cuda", index)
         if key not in _backends:
             _backends[key] = CudaBackend(index)
