@@ -91,6 +91,18 @@ class Check:
                 "seconds": round(self.seconds, 1), "detail": self.detail, "numbers": self.numbers}
 
 
+class _SavingList(list):
+    """The checks done so far; every append writes the results file."""
+
+    def __init__(self, save: Any) -> None:
+        super().__init__()
+        self._save = save
+
+    def append(self, check: Check) -> None:
+        super().append(check)
+        self._save(self)
+
+
 def _text(data: bytes | str | None) -> str:
     if data is None:
         return ""
@@ -183,6 +195,15 @@ def _table(checks: list[Check]) -> str:
     return "\n".join(lines)
 
 
+def _save(out: Path, date: str, hw: dict[str, Any], quick: bool, checks: list[Check]) -> dict[str, Any]:
+    """Write the results so far (after every check: a run cut short keeps what it measured)."""
+    results = {"version": RESULTS_VERSION, "kind": RESULTS_KIND, "date": date, "hardware": hw,
+               "quick": quick, "checks": [c.as_dict() for c in checks],
+               "passed": sum(c.ok for c in checks), "failed": sum(not c.ok for c in checks)}
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preflight", action="store_true", help="only check that a CUDA device is present")
@@ -206,10 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"memo gpu-check {date}: {hw}", flush=True)
     steps, seq = (3, "4K") if args.quick else (6, "8K")
     py = sys.executable
-    checks: list[Check] = []
+    checks = _SavingList(lambda done: _save(out, date, hw, args.quick, done))
 
     if "pytest" not in args.skip:
-        c = Check("pytest -m gpu", [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"], 1200)
+        c = Check("pytest -m gpu", [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"], 600)
         _pytest_numbers(c.run(logs))
         checks.append(c)
 
@@ -218,33 +239,13 @@ def main(argv: list[str] | None = None) -> int:
         for strategy in STRATEGIES:
             report = work / f"train-{strategy}.json"
             c = Check(f"memo train {strategy} gpt-125m {seq} bf16",
-                      _train_cmd(strategy, "gpt-125m", seq, steps, report), 600)
+                      _train_cmd(strategy, "gpt-125m", seq, steps, report), 300)
             _train_numbers(c.run(logs), report)
             checks.append(c)
             if strategy == "memo":
                 memo_run = c
         if memo_run is not None:
             checks.append(_steady_state(memo_run))
-
-    if "benchmarks" not in args.skip:
-        bench_json = work / "strategies.json"
-        c = Check(f"benchmarks/strategies.py gpt-125m {seq}",
-                  [py, "benchmarks/strategies.py", "--device", "cuda", "--model", "gpt-125m",
-                   "--seq-len", seq, "--steps", str(min(steps, 4)), "--json", str(bench_json)], 900)
-        c.run(logs)
-        if bench_json.exists():
-            c.numbers = {"rows": json.loads(bench_json.read_text()).get("rows")}
-        checks.append(c)
-        max_json = work / "max_seq_len.json"
-        c = Check("benchmarks/max_seq_len.py gpt-125m 8 GiB",
-                  [py, "benchmarks/max_seq_len.py", "--device", "cuda", "--model", "gpt-125m",
-                   "--device-mem-mb", "8192", "--granularity", "4K",
-                   "--max-seq", "32K" if args.quick else "128K", "--json", str(max_json)], 900)
-        c.run(logs)
-        if max_json.exists():
-            res = json.loads(max_json.read_text())["results"]
-            c.numbers = {r["strategy"]: r["longest"] for r in res}
-        checks.append(c)
 
     if "sanitizer" not in args.skip:
         sanitizer = shutil.which("compute-sanitizer")
@@ -260,10 +261,27 @@ def main(argv: list[str] | None = None) -> int:
                 _sanitizer_numbers(c.run(logs))
             checks.append(c)
 
-    results = {"version": RESULTS_VERSION, "kind": RESULTS_KIND, "date": date, "hardware": hw,
-               "quick": args.quick, "checks": [c.as_dict() for c in checks],
-               "passed": sum(c.ok for c in checks), "failed": sum(not c.ok for c in checks)}
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    if "benchmarks" not in args.skip:
+        bench_json = work / "strategies.json"
+        c = Check(f"benchmarks/strategies.py gpt-125m {seq}",
+                  [py, "benchmarks/strategies.py", "--device", "cuda", "--model", "gpt-125m",
+                   "--seq-len", seq, "--steps", str(min(steps, 4)), "--json", str(bench_json)], 900)
+        c.run(logs)
+        if bench_json.exists():
+            c.numbers = {"rows": json.loads(bench_json.read_text()).get("rows")}
+        checks.append(c)
+        max_json = work / "max_seq_len.json"
+        c = Check("benchmarks/max_seq_len.py gpt-125m 8 GiB",
+                  [py, "benchmarks/max_seq_len.py", "--device", "cuda", "--model", "gpt-125m",
+                   "--device-mem-mb", "8192", "--granularity", "8K",
+                   "--max-seq", "32K" if args.quick else "64K", "--json", str(max_json)], 900)
+        c.run(logs)
+        if max_json.exists():
+            res = json.loads(max_json.read_text())["results"]
+            c.numbers = {r["strategy"]: r["longest"] for r in res}
+        checks.append(c)
+
+    results = _save(out, date, hw, args.quick, checks)
     print(f"\nmemo gpu-check {date} on {hw['gpu']} (torch {hw['torch']}, CUDA {hw['cuda']})\n")
     print(_table(checks))
     print(f"\n{results['passed']} passed, {results['failed']} failed")
