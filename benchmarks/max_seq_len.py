@@ -325,6 +325,8 @@ def _setup_cuda(name: str, args: argparse.Namespace) -> None:
         allocator.install_cuda()
     elif args.device_mem_mb is not None:
         device = torch.device(args.device)
+        if device.index is None:  # "cuda" is the current device; the memory fraction wants an index
+            device = torch.device("cuda", torch.cuda.current_device())
         total = torch.cuda.get_device_properties(device).total_memory
         fraction = args.device_mem_mb * 2**20 / total
         if fraction > 1:
