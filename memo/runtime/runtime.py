@@ -150,7 +150,7 @@ class MemoRuntime:
         # Autocast changes the dtypes, so the bytes, of what a layer saves: it is part of the key.
         kind = x.device.type
         autocast = "off"
-        if torch.is_autocast_enabled(kind):
+        if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
             autocast = str(torch.get_autocast_dtype(kind)).removeprefix("torch.")
         key = (tuple(x.shape), x.dtype, x.device, offload_tokens(self.alpha, x.shape[0]), autocast)
         if self.buffers is not None:
