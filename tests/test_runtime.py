@@ -313,6 +313,25 @@ def test_cuda_streams_match_unwrapped(alpha: float) -> None:
     assert rt.host_bytes > 0 and rt.buffers.host.is_pinned()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("alpha", [0.0, 0.375, 1.0])
+def test_cuda_bf16_error_is_that_of_plain_bf16(alpha: float) -> None:
+    """bf16 on the GPU (flash kernels, copy streams): gradients as close to fp32 as plain bf16's."""
+    ref32 = _model("llama").cuda()
+    plain = copy.deepcopy(ref32).to(torch.bfloat16)
+    model = mr.wrap(copy.deepcopy(plain), alpha=alpha)
+    ids, labels = (t.cuda() for t in _batch(ref32, 2, 37))
+    _, g32 = _step(ref32, ids, labels)
+
+    def error(m: nn.Module) -> float:
+        _, grads = _step(m, ids, labels)
+        return max(_rel_err(grads[n].float(), g32[n]) for n in g32)
+
+    for _ in range(2):
+        torch.cuda._sleep(1_000_000)
+        assert error(model) <= 2 * error(plain) + 1e-3
+
+
 def test_explicit_runtime_object() -> None:
     ref = _model("gpt")
     rt = mr.MemoRuntime(0.25, debug_copy_delay_us=DELAY_US)
