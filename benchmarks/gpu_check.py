@@ -177,18 +177,14 @@ def _pytest_numbers(check: Check) -> None:
 
 
 def _sanitizer_numbers(check: Check) -> None:
-    match = re.search(r"ERROR SUMMARY: (\d+) error", check.output)
-    if match:
-        check.numbers["errors"] = int(match.group(1))
-        check.detail = f"{match.group(1)} errors"
-        if int(match.group(1)) and check.ok:
-            check.status = "fail (sanitizer errors)"
-    match = re.search(r"RACECHECK SUMMARY: (\d+) hazard", check.output)
-    if match:
-        check.numbers["hazards"] = int(match.group(1))
-        check.detail = f"{match.group(1)} hazards"
-        if int(match.group(1)) and check.ok:
-            check.status = "fail (race hazards)"
+    summaries = ((r"ERROR SUMMARY: (\d+) error", "errors"), (r"RACECHECK SUMMARY: (\d+) hazard", "hazards"))
+    for pattern, key in summaries:
+        match = re.search(pattern, check.output)
+        if match:
+            found = int(match.group(1))
+            check.numbers[key], check.detail = found, f"{found} {key}"
+            if found and check.ok:
+                check.status = f"fail ({key})"
 
 
 def _table(checks: list[Check]) -> str:

@@ -26,13 +26,7 @@ S, B = 13, 2  # alpha * 13 is never an integer for alpha in (0, 1)
 BF16_DIRECT_RTOL = 1e-2  # memo bf16 vs plain bf16, relative norm
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny shapes: one intra-op thread is fastest and immune to an oversubscribed machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _model(arch: str) -> nn.Module:

@@ -24,13 +24,7 @@ DELAY_US = 300  # random 0..300 us before every copy
 RTOL = 1e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny shapes: one intra-op thread is fastest and immune to an oversubscribed machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _model(arch: str, n_layers: int = 5) -> nn.Module:
