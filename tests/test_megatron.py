@@ -153,3 +153,29 @@ def test_unsupported_megatron_arguments_are_refused() -> None:
     x = torch.randn(5, 1, 32, requires_grad=True)
     with pytest.raises(MemoError, match="context"):
         layer(x, attention_mask=None, context=torch.zeros(1))
+
+
+def test_layer_offload_bytes_are_linear_in_offloaded_tokens() -> None:
+    """alpha = 0 moves the input, the attention output and its log-sum-exp; more alpha moves
+    proportionally more; alpha = 1 moves at most what autograd keeps (tests/test_offload_bytes.py)."""
+    from tests.test_offload_bytes import ALPHAS, autograd_saved_bytes
+
+    s, b, h, heads = 256, 1, 32, 4
+    torch.manual_seed(0)
+    block = TransformerBlock(_config(n_layers=4), spec=get_memo_gpt_layer_local_spec())
+    rope = _rope(s, h // heads)
+    x = torch.randn(s, b, h, requires_grad=True)
+    truth = autograd_saved_bytes(block.layers[0], x, attention_mask=None, rotary_pos_emb=rope)
+    got = {}
+    for alpha in ALPHAS:
+        mr.wrap(block, alpha=alpha)
+        try:
+            block(hidden_states=x, attention_mask=None, rotary_pos_emb=rope).sum().backward()
+            got[alpha] = mr.runtime_of(block).layer_bytes
+        finally:
+            mr.unwrap(block)
+    assert got[0.0] == 4 * (s * b * h + s * b * h + b * heads * s)  # fp32 x, o and lse
+    assert got[1.0] <= truth, (got, truth)
+    for alpha in ALPHAS:
+        linear = got[0.0] + mr.offload_tokens(alpha, s) / s * (got[1.0] - got[0.0])
+        assert abs(got[alpha] - linear) <= 0.01 * got[alpha], (alpha, got)

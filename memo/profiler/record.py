@@ -26,6 +26,7 @@ from torch import nn
 from memo.errors import MemoError
 from memo.phases import PhaseTracker
 from memo.profiler.recorder import RECORDER_NAME, DispatchRecorder
+from memo.profiler.saved import LayerSavedBytes
 from memo.profiler.stats import LayerStats, layer_stats, summarise_layers
 
 __all__ = ["Recording", "model_parts", "quiet_backward_hook_warning", "record", "record_trace"]
@@ -123,12 +124,16 @@ def record(
     tracker.add_listener(rec.on_phase)
     inputs: dict[int, int] = {}
     outputs: dict[int, int] = {}
-    handles = _attach_hooks(rec, layers, inputs, outputs)
+    saved = LayerSavedBytes(lambda: rec.in_attn, lambda t: _made_in_attention(rec, t))
+    handles = _attach_hooks(rec, layers, inputs, outputs, saved)
     params = list(model.parameters())
     for p in params:
         p.grad = None
     try:
-        with tracker.iteration(), rec, quiet_backward_hook_warning():
+        with (
+            tracker.iteration(), rec, quiet_backward_hook_warning(),
+            torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack),
+        ):
             loss = model(ids, labels)
             loss.backward()
         # Storages that die from here on outlived the iteration: they get no free event.
@@ -142,7 +147,7 @@ def record(
     _tag_param_grads(rec, params)
     events = rec.events
     events.append({"op": "end"})
-    stats = layer_stats(rec, len(layers), inputs, outputs)
+    stats = layer_stats(rec, len(layers), inputs, outputs, saved.others)
     trace: dict[str, Any] = {
         "version": 1,
         "kind": "memo.trace",
@@ -160,8 +165,14 @@ def record_trace(
     return record(model, ids, labels, tracker=tracker).trace
 
 
+def _made_in_attention(rec: DispatchRecorder, t: torch.Tensor) -> bool:
+    alloc = rec.storage_record(t)
+    return alloc is not None and "attn" in alloc.tags
+
+
 def _attach_hooks(
-    rec: DispatchRecorder, layers: list[nn.Module], inputs: dict[int, int], outputs: dict[int, int]
+    rec: DispatchRecorder, layers: list[nn.Module], inputs: dict[int, int], outputs: dict[int, int],
+    saved: LayerSavedBytes,
 ) -> list[torch.utils.hooks.RemovableHandle]:
     """Hooks that note each layer's input size, its output storage and its core-attention span.
 
@@ -175,9 +186,12 @@ def _attach_hooks(
             x = args[0] if args else next(iter(kwargs.values()), None)
             if isinstance(x, torch.Tensor) and torch._C._current_graph_task_id() == -1:
                 inputs[i] = x.numel() * x.element_size()
+                saved.enter(i, _m, x)
 
         def post(_m: nn.Module, _args: object, out: object, i: int = i) -> None:
             y = out[0] if isinstance(out, (tuple, list)) else out
+            if torch._C._current_graph_task_id() == -1:
+                saved.exit(i)
             if isinstance(y, torch.Tensor) and torch._C._current_graph_task_id() == -1:
                 alloc = rec.storage_record(y)
                 if alloc is not None:

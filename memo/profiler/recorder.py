@@ -133,6 +133,11 @@ class DispatchRecorder(TorchDispatchMode):
     def exit_attn(self) -> None:
         self._in_attn -= 1
 
+    @property
+    def in_attn(self) -> bool:
+        """Whether a layer's core attention is running."""
+        return self._in_attn > 0
+
     def storage_record(self, tensor: torch.Tensor) -> Allocation | None:
         """The allocation that owns ``tensor``'s storage, if the recorder saw it being made."""
         entry = self._live.get(id(tensor.untyped_storage()))

@@ -12,7 +12,11 @@ For layer ``i`` we look at the allocations made in ``layer.fwd[i]``:
   sizes: it is the next layer's S_input (or the head's input).
 - ``S_attn`` is every skeletal allocation made inside ``layer.core_attention``
   (attention output and log-sum-exp).
-- ``S_others`` is every other skeletal allocation of the phase.
+- ``S_others`` is what memo's runtime copies for every other tensor the layer saves for
+  backward, counted by a pack hook with the runtime's own rule (NOTE [One truth for saved
+  bytes] in memo/profiler/saved.py): one copy per storage, views of the input or the
+  attention output free, a small view of a big storage copied alone. It can be less than
+  the other skeletal allocations, which count whole storages.
 
 These are the three quantities of the alpha LP (docs/profiling.md compares
 them with the paper's 16·b·s·h elements).
@@ -87,9 +91,14 @@ def _tag(alloc: Allocation) -> str:
 
 
 def layer_stats(
-    rec: DispatchRecorder, n_layers: int, inputs: dict[int, int], outputs: dict[int, int]
+    rec: DispatchRecorder, n_layers: int, inputs: dict[int, int], outputs: dict[int, int],
+    saved_others: dict[int, int] | None = None,
 ) -> list[LayerStats]:
-    """One :class:`LayerStats` per layer from the recorder's allocations (NOTE [Layer sizes])."""
+    """One :class:`LayerStats` per layer from the recorder's allocations (NOTE [Layer sizes]).
+
+    ``saved_others``: per layer, the bytes the runtime copies for the other saved tensors
+    (NOTE [One truth for saved bytes]); without it, S_others is the other skeletal allocations.
+    """
     by_phase: dict[str | None, list[Allocation]] = {}
     for alloc in rec.allocations.values():
         by_phase.setdefault(alloc.phase, []).append(alloc)
@@ -109,7 +118,7 @@ def layer_stats(
                 index=i,
                 s_input=inputs.get(i, 0),
                 s_attn=sizes["attn"],
-                s_others=sizes["other"],
+                s_others=sizes["other"] if saved_others is None else saved_others.get(i, 0),
                 output=sizes["output"],
                 n_skeletal=len(skeletal),
                 n_transient=len(transient),

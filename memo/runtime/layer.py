@@ -62,6 +62,7 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from memo.errors import MemoError, internal_assert
+from memo.profiler.saved import SavedStorages, storage_id
 from memo.runtime.buffers import SLOT_ALIGNMENT, align_up
 
 if TYPE_CHECKING:
@@ -135,45 +136,14 @@ class _BufferSink:
         return self.buffers.pack(self.index, t)
 
 
-def _storage_ptr(t: torch.Tensor) -> int | None:
-    """Identity of ``t``'s storage (the StorageImpl address: unlike data_ptr, distinct for empty storages)."""
-    try:
-        return t.untyped_storage()._cdata
-    except RuntimeError:  # tensors without storage (e.g. some subclasses)
-        return None
-
-
-def _view_into(t: torch.Tensor, base: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int] | None:
-    """(shape, stride, element offset) of ``t`` inside contiguous ``base``, or None if it is not inside it."""
-    if t.dtype != base.dtype or t.device != base.device or base.device.type == "meta":
-        return None
-    ptr = _storage_ptr(t)
-    if ptr is None or ptr != _storage_ptr(base):
-        return None
-    rel = t.storage_offset() - base.storage_offset()
-    if rel < 0 or any(st < 0 for st in t.stride()):
-        return None
-    extent = 0 if t.numel() == 0 else 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
-    if rel + extent > base.numel():
-        return None
-    return tuple(t.shape), tuple(t.stride()), rel
-
-
 class _Packer:
-    """The saved-tensor hooks of one layer pass (NOTE [What the pack hook keeps])."""
-
-    #: A storage is copied whole (so every view of it shares one copy) when it is at most this
-    #: many times larger than the saved view; otherwise only the view's elements are copied.
-    WHOLE_STORAGE_RATIO = 2
+    """The saved-tensor hooks of one layer pass (NOTE [What the pack hook keeps]); the copy
+    decisions are :class:`~memo.profiler.saved.SavedStorages`', shared with the profiler."""
 
     def __init__(self, sink: _CountingSink | _BufferSink, keep_storages: set[int],
                  device: torch.device) -> None:
         self.sink = sink
-        self.keep_storages = keep_storages
-        self.device = device
-        # storage identity -> (base tensor covering the copied bytes, its slot). The base
-        # keeps the storage alive during the pass, so its identity cannot be reused.
-        self.bases: dict[int, tuple[torch.Tensor, int]] = {}
+        self.storages = SavedStorages(keep_storages, device)
         self.resolve_slot: Any = None  # set for backward: slot -> tensor
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
@@ -181,35 +151,23 @@ class _Packer:
 
     def add_base(self, t: torch.Tensor, slot: int) -> None:
         """``t`` (contiguous) was packed into ``slot``: saved views of it refer to that copy."""
-        self.bases[_storage_ptr(t)] = (t, slot)
+        self.storages.add_base(t, slot)
 
     def pack(self, t: torch.Tensor) -> tuple[Any, ...]:
-        sid = _storage_ptr(t)
-        if isinstance(t, nn.Parameter) or t.device != self.device or sid is None or sid in self.keep_storages:
+        decision = self.storages.decide(t)
+        if decision[0] == "keep":
             return ("keep", t)
-        entry = self.bases.get(sid)
-        if entry is None:
-            whole = self._whole_storage(t)
-            if whole is None:
-                return ("slot", self.sink.pack(t))
-            entry = (whole, self.sink.pack(whole))
-            self.bases[sid] = entry
-        base, slot = entry
-        where = _view_into(t, base)
-        if where is None:  # another dtype, or outside the copied range
-            return ("slot", self.sink.pack(t))
-        return ("view", slot, *where)
-
-    def _whole_storage(self, t: torch.Tensor) -> torch.Tensor | None:
-        storage = t.untyped_storage()
-        itemsize = t.element_size()
-        nbytes = storage.nbytes()
-        if nbytes % itemsize or nbytes > self.WHOLE_STORAGE_RATIO * max(1, t.numel() * itemsize):
-            return None
-        return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, (nbytes // itemsize,), (1,))
+        if decision[0] == "view":
+            return decision
+        _, tensor, whole = decision
+        slot = self.sink.pack(tensor)
+        if not whole:
+            return ("slot", slot)
+        self.storages.add_base(tensor, slot)
+        return self.pack(t)  # now a view into the whole copy
 
     def end_pass(self) -> None:
-        self.bases.clear()  # handles carry their slots; drop the references to x, o and the rest
+        self.storages.clear()  # handles carry their slots; drop the references to x, o and the rest
 
     def unpack(self, handle: tuple[Any, ...]) -> torch.Tensor:
         kind = handle[0]
@@ -331,7 +289,7 @@ class LayerCall:
     def _keep_storages(self) -> set[int]:
         keep = set()
         for t in list(self.layer.parameters()) + list(self.layer.buffers()):
-            ptr = _storage_ptr(t)
+            ptr = storage_id(t)
             if ptr is not None:
                 keep.add(ptr)
         return keep
