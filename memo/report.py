@@ -165,6 +165,8 @@ def build_report(result: Any) -> dict[str, Any]:
         "allocator": dict(last.get("allocator", {"planned": 0, "fallback": 0})),
         "segment_allocs": last.get("segment_allocs"),
         "plan": None if plan is None else {"peak": plan.peak, "lower_bound": plan.lower_bound},
+        # NOTE [Planned and actual offload] in memo/planner/plan.py
+        "offload": getattr(strategy, "offload", None),
     }
     report["summary"] = summarize(result)
     return report

@@ -33,6 +33,7 @@ from memo import planner, profiler  # at import time: NOTE [Import PuLP early] i
 from memo.errors import MemoError, PlanMismatchError
 from memo.phases import PhaseTracker
 from memo.report import STRATEGIES
+from memo.runtime.layer import offload_tokens as runtime_offload_tokens
 from memo.units import format_mib
 
 __all__ = ["STRATEGIES", "Strategy", "StrategyOptions", "make_strategy"]
@@ -127,6 +128,10 @@ class Strategy:
         self._peak = 0
         self._counts = {"planned": 0, "fallback": 0, "unplanned": 0}
         self._last_copy: dict[str, int] = {}
+        #: Bytes per offloaded layer the profile counted (NOTE [Planned and actual offload]).
+        self.planned_offload_bytes: int | None = None
+        #: Planned vs actual offload per layer, filled once the wrapped model ran (None otherwise).
+        self.offload: dict[str, Any] | None = None
 
     # Set-up -------------------------------------------------------------------------------------
     def prepare(
@@ -162,6 +167,8 @@ class Strategy:
             _check_plan(plan, run)
             self.plan = plan
             self.alpha, self.alpha_binding = float(plan.alpha), getattr(plan, "alpha_binding", None)
+            if plan.offload:
+                self.planned_offload_bytes = int(plan.offload["planned_bytes_per_layer"])
             log(f"memo: plan {opts.plan}: alpha {self.alpha:.4f}, arena {format_mib(plan.peak)}")
             self._wrap(self.alpha, plan)
             return
@@ -184,6 +191,10 @@ class Strategy:
             p.grad = None
         self.alpha, self.alpha_binding = float(result.alpha.alpha), str(result.alpha.binding)
         self.plan = result.plan
+        sizes = result.plain_trace["layers"]
+        a = runtime_offload_tokens(self.alpha, run["seq_len"])
+        self.planned_offload_bytes = (sizes["S_input"] + sizes["S_attn"]
+                                      + a * sizes["S_others"] // run["seq_len"])
         if self.plan is not None:
             log(f"memo: alpha {self.alpha:.4f} ({self.alpha_binding}); "
                 f"plan arena {format_mib(self.plan.peak)}, lower bound {format_mib(self.plan.lower_bound)}")
@@ -224,6 +235,7 @@ class Strategy:
 
         out: dict[str, Any] = {"host_pinned_bytes": self.host_pinned_bytes()}
         out.update(self._copy_stats())
+        self._note_offload()
         if self._allocator_on:
             st = allocator.stats(self.device)
             self._peak = max(self._peak, int(st["peak_bytes_in_use"]))
@@ -263,6 +275,21 @@ class Strategy:
                                                        "recomputed_tokens")}
         return {"bytes_offloaded": delta["bytes_offloaded"], "bytes_prefetched": delta["bytes_prefetched"],
                 "recomputed_tokens": delta["recomputed_tokens"], "copy_wait_s": delta["copy_wait_ns"] / 1e9}
+
+    def _note_offload(self) -> None:
+        """Planned vs actual bytes per offloaded layer (NOTE [Planned and actual offload])."""
+        from memo import runtime
+
+        if self.offload is not None or self.model is None or not runtime.is_wrapped(self.model):
+            return
+        rt = runtime.runtime_of(self.model)
+        if rt.layer_bytes is None:
+            return
+        planned = self.planned_offload_bytes
+        self.offload = {"offloaded_layers": rt.n_offloaded,
+                        "planned_bytes_per_layer": planned,
+                        "actual_bytes_per_layer": int(rt.layer_bytes),
+                        "tensors": [list(t) for t in rt.layer_tensors]}
 
     def host_pinned_bytes(self) -> int:
         from memo import runtime

@@ -12,7 +12,7 @@ import pulp  # noqa: F401
 
 from .alpha import AlphaSolution, evaluate_alpha, host_memory_per_process, solve_alpha
 from .core import lower_bound, make_plan, plan_bilevel, plan_heuristic, plan_mip, without_unphased
-from .plan import ALIGNMENT, Plan, load_plan, save_plan, validate_plan
+from .plan import ALIGNMENT, Plan, load_plan, offload_difference, save_plan, validate_plan
 from .trace import Allocation, Trace, load_trace, save_trace
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "evaluate_alpha",
     "host_memory_per_process",
     "load_plan",
+    "offload_difference",
     "load_trace",
     "lower_bound",
     "make_plan",

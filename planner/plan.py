@@ -21,7 +21,8 @@ from memo.phases import parse_phase, phase_kind
 from .dsa import Item, check_placement
 from .trace import Allocation, Trace
 
-__all__ = ["ALIGNMENT", "PLAN_KIND", "PLAN_VERSION", "Plan", "load_plan", "save_plan", "validate_plan"]
+__all__ = ["ALIGNMENT", "PLAN_KIND", "PLAN_VERSION", "Plan", "load_plan", "offload_difference", "save_plan",
+           "validate_plan"]
 
 PLAN_VERSION = 1
 PLAN_KIND = "memo.plan"
@@ -30,6 +31,50 @@ ALIGNMENT = 512
 _MATCHED_FIELDS = ("fingerprint", "seq_len", "micro_batch", "dtype")
 # The unphased "phase" key in plan files (phase tables leave it out unless asked).
 UNPHASED = ""
+
+
+# NOTE [Planned and actual offload]
+# ``Plan.offload`` records, for one offloaded layer, the bytes the alpha LP counted
+# (S_input + S_attn + a/s S_others, a = floor(alpha s)) and the bytes memo's runtime copied in
+# the profile's wrapped pass, with the tensors it copied. They agree when the profiler and the
+# runtime apply the same rule (NOTE [One truth for saved bytes] in memo/profiler/saved.py);
+# `memo show` and `memo train` warn, naming the largest tensors, when they differ by over 1%.
+OFFLOAD_KEYS = ("offloaded_layers", "planned_bytes_per_layer", "actual_bytes_per_layer")
+
+
+def _check_offload(value: Any) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise MemoError(f"memo.plan: 'offload' must be an object, got {type(value).__name__}")
+    out: dict[str, Any] = {}
+    for key in OFFLOAD_KEYS:
+        v = value.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise MemoError(f"memo.plan: offload.{key} must be an int >= 0, got {v!r}; re-run `memo profile`")
+        out[key] = v
+    tensors = value.get("tensors", [])
+    if not isinstance(tensors, list) or not all(
+            isinstance(t, (list, tuple)) and len(t) == 2 and isinstance(t[0], str)
+            and isinstance(t[1], int) and not isinstance(t[1], bool) for t in tensors):
+        raise MemoError("memo.plan: offload.tensors must be a list of [description, bytes]; "
+                        "re-run `memo profile`")
+    out["tensors"] = [[str(t[0]), int(t[1])] for t in tensors]
+    return out
+
+
+def offload_difference(offload: Mapping[str, Any] | None) -> str | None:
+    """A warning when the runtime copies over 1% more or less than planned, naming the largest
+    tensors; None when they agree (or nothing is known)."""
+    if not offload:
+        return None
+    planned, actual = offload["planned_bytes_per_layer"], offload["actual_bytes_per_layer"]
+    if abs(actual - planned) <= 0.01 * max(planned, 1):
+        return None
+    largest = sorted(offload.get("tensors", []), key=lambda t: -t[1])[:5]
+    names = "; ".join(f"{what} ({nbytes:,} B)" for what, nbytes in largest)
+    return (f"memo: the runtime copies {actual:,} bytes per offloaded layer, the plan counted {planned:,} "
+            f"({100 * (actual - planned) / max(planned, 1):+.1f}%); the largest copied tensors: {names}")
 
 
 @dataclass
@@ -49,6 +94,8 @@ class Plan:
         level2: phase instance -> block offset, for the layer phases that reuse ``level1``.
         alpha, alpha_binding, alpha_detail: the alpha LP solution (None when not solved).
         host_bytes: pinned host memory the runtime needs (None when unknown).
+        offload: per offloaded layer, what the profiler counted and what the wrapped pass really
+            copied (NOTE [Planned and actual offload]); None when the plan did not wrap the model.
         solver: how the plan was found (method, status, seconds, gap, heuristic_fallback, ...).
         warnings: what the planner noticed (e.g. a layer phase that differs from the others).
     """
@@ -66,6 +113,7 @@ class Plan:
     alpha_binding: str | None = None
     alpha_detail: dict[str, Any] | None = None
     host_bytes: int | None = None
+    offload: dict[str, Any] | None = None
     solver: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     end_time: int = 0
@@ -153,6 +201,7 @@ class Plan:
             "alpha_binding": self.alpha_binding,
             "alpha_detail": self.alpha_detail,
             "host_bytes": self.host_bytes,
+            "offload": self.offload,
             "peak": self.peak,
             "lower_bound": self.lower_bound,
             "no_reuse_bytes": self.no_reuse_bytes,
@@ -223,6 +272,7 @@ class Plan:
                 alpha_binding=data.get("alpha_binding"),
                 alpha_detail=data.get("alpha_detail"),
                 host_bytes=None if data.get("host_bytes") is None else int(data["host_bytes"]),
+                offload=_check_offload(data.get("offload")),
                 solver=dict(data.get("solver") or {}),
                 warnings=list(data.get("warnings") or []),
                 end_time=int(data.get("end_time", 0)),

@@ -77,3 +77,59 @@ def test_runtime_bytes_are_the_profilers_and_at_most_autograds(name: str, device
     # What the profiler counts is what memo moves: never more than autograd keeps (less where a
     # small view keeps a big storage alive, NOTE [One truth for saved bytes]).
     assert sizes["S_input"] + sizes["S_attn"] + sizes["S_others"] <= truth
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_plan_host_bytes_are_the_arena_the_wrapped_model_allocates() -> None:
+    """gpt-125m at 8K on meta: the plan's host bytes are the arena a wrapped model really takes."""
+    from memo.planner import offload_difference
+
+    s = 8192
+    result = profile("gpt-125m", s, 1, device="meta", bandwidth_gbps=32, layer_ms=3.0, host_mem_gb=64,
+                     time_limit=2.0, solver=None)
+    plan = result.plan
+    assert 0 < plan.alpha < 1, plan.alpha  # the bandwidth binds: a real token split
+    model = build_model("gpt-125m", device="meta", dtype=torch.bfloat16, max_seq_len=s)
+    mr.wrap(model, plan=plan)
+    ids = torch.zeros(1, s, dtype=torch.long, device="meta")
+    model(ids, ids).backward()
+    rt = mr.runtime_of(model)
+    assert rt.host_bytes == plan.host_bytes == rt.n_offloaded * rt.layer_bytes
+    off = plan.offload
+    assert off["offloaded_layers"] == rt.n_offloaded and off["actual_bytes_per_layer"] == rt.layer_bytes
+    planned = off["planned_bytes_per_layer"]
+    assert abs(off["actual_bytes_per_layer"] - planned) <= 0.01 * planned
+    assert offload_difference(off) is None
+    mr.unwrap(model)
+
+
+def test_offload_difference_names_the_largest_tensors() -> None:
+    from memo.planner import offload_difference
+
+    offload = {"offloaded_layers": 3, "planned_bytes_per_layer": 1000, "actual_bytes_per_layer": 1800,
+               "tensors": [["layer input x [8, 1, 4] float32", 128], ["Mul output [8, 1, 16] float32", 1500]]}
+    warning = offload_difference(offload)
+    assert warning is not None and "+80.0%" in warning
+    assert warning.index("Mul output") < warning.index("layer input x")
+    offload["actual_bytes_per_layer"] = 1009
+    assert offload_difference(offload) is None
+
+
+@pytest.mark.parametrize("bad", [{"offloaded_layers": -1}, {"planned_bytes_per_layer": "many"},
+                                 {"tensors": [["x", "12"]]}, "not an object"])
+def test_malformed_offload_in_a_plan_file_is_refused(tmp_path, bad) -> None:
+    import json
+
+    from memo.planner import load_plan
+
+    from memo.errors import MemoError
+
+    result = profile("tiny", 256, 1, device="meta", bandwidth_gbps=32, layer_ms=1.0, host_mem_gb=64,
+                     time_limit=1.0)
+    data = result.plan.to_dict()
+    assert data["offload"]["actual_bytes_per_layer"] > 0
+    data["offload"] = bad if not isinstance(bad, dict) else {**data["offload"], **bad}
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(MemoError, match="offload"):
+        load_plan(path)

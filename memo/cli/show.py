@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from memo.planner import Plan, load_plan
+from memo.planner import Plan, load_plan, offload_difference
 from memo.units import format_bytes
 
 __all__ = ["add_parser", "format_plan", "run"]
@@ -39,6 +39,13 @@ def format_plan(plan: Plan) -> str:
         f"no reuse      {_mib(plan.no_reuse_bytes)}",
         f"host bytes    {_mib(plan.host_bytes)}",
     ]
+    if plan.offload:  # NOTE [Planned and actual offload] in memo/planner/plan.py
+        o = plan.offload
+        out.append(f"offload       {o['offloaded_layers']} layers; per layer planned "
+                   f"{_mib(o['planned_bytes_per_layer'])}, actual {_mib(o['actual_bytes_per_layer'])}")
+        warning = offload_difference(o)
+        if warning is not None:
+            out.append(f"warning       {warning}")
     s = plan.solver
     out.append(f"solver        {s.get('kind')} {s.get('solver') or 'heuristic only'}, "
                f"{s.get('seconds', 0):.2f} s, heuristic fallback: {bool(s.get('heuristic_fallback'))}")

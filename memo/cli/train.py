@@ -98,6 +98,18 @@ def run(args: argparse.Namespace) -> int:
         f"allocations planned/fallback/unplanned {report['allocator']['planned']}/"
         f"{report['allocator']['fallback']}/{report['allocator'].get('unplanned', 0)}"
     )
+    offload = report.get("offload")
+    if offload:
+        planned = offload["planned_bytes_per_layer"]
+        print(f"memo train: offload per layer ({offload['offloaded_layers']} layers): planned "
+              f"{'unknown' if planned is None else format_mib(planned)}, actual "
+              f"{format_mib(offload['actual_bytes_per_layer'])}")
+        if planned is not None:
+            from memo.planner import offload_difference
+
+            warning = offload_difference(offload)
+            if warning is not None:
+                print(f"warning: {warning}")
     if args.report:
         save_report(report, args.report)
         print(f"report written to {args.report}")

@@ -471,12 +471,12 @@ def profile(
             "wrap(); install a memo with the runtime, or profile with wrap_pass=False (--no-wrap-pass)"
         )
     second: dict[str, Any] | None = None
-    wrapped_host_bytes: int | None = None
+    wrapped: dict[str, Any] | None = None
     t0 = time.perf_counter()
     if wrap is not None and wrap_pass is not False:
         try:
-            second, wrapped_host_bytes = _wrapped_pass(net, ids, labels, result.alpha.alpha, recorder,
-                                                       progress, meta, plain)
+            second, wrapped = _wrapped_pass(net, ids, labels, result.alpha.alpha, recorder, progress, meta,
+                                            plain)
             result.wrapped = True
         except MemoError as err:
             if wrap_pass:
@@ -505,7 +505,8 @@ def profile(
     if not plan:
         return result
 
-    from memo.planner import Trace, make_plan
+    from memo.planner import Trace, make_plan, offload_difference
+    from memo.runtime import offload_tokens
 
     t0 = time.perf_counter()
     # The plan is for memo's allocator, which serves only phased requests from the arena.
@@ -513,16 +514,30 @@ def profile(
                               "unphased": "fallback"}
     if solver is not None:
         kwargs["solver"] = solver
-    if wrapped_host_bytes is not None:
+    if wrapped is not None:
         # The host arena the wrapped pass really needed, to the byte (slots included, NOTE [Slot
         # alignment] in memo/runtime/buffers.py): what the runtime will check the plan against.
-        kwargs["host_bytes"] = wrapped_host_bytes
+        kwargs["host_bytes"] = wrapped["host_bytes"]
     with warnings.catch_warnings():
         # memo's last two layers are never offloaded, so their passes differ from the others by
         # design; the planner plans them on their own and keeps its notes in plan.warnings
         # (`memo show` prints them).
         warnings.filterwarnings("ignore", message=r"memo\.planner: phase layer\.", category=UserWarning)
         result.plan = make_plan(Trace.from_dict(result.trace), **kwargs)
+    if wrapped is not None:
+        # NOTE [Planned and actual offload] in memo/planner/plan.py
+        a = offload_tokens(result.alpha.alpha, seq_len)
+        result.plan.offload = {
+            "offloaded_layers": wrapped["offloaded_layers"],
+            # The wrapped pass runs the layer as profiled (unsharded), so compare unsharded bytes.
+            "planned_bytes_per_layer": summary["S_input"] + summary["S_attn"]
+            + a * summary["S_others"] // seq_len,
+            "actual_bytes_per_layer": wrapped["layer_bytes"],
+            "tensors": [list(t) for t in wrapped["tensors"]],
+        }
+        warning = offload_difference(result.plan.offload)
+        if warning is not None:
+            notes.append(warning)
     timings["plan"] = time.perf_counter() - t0
     say(f"plan made in {timings['plan']:.1f} s")
     return result
@@ -537,9 +552,10 @@ def _wrapped_pass(
     progress: bool,
     meta: dict[str, Any],
     plain: Recording,
-) -> tuple[dict[str, Any], int]:
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Trace one iteration of ``model`` wrapped by memo's runtime with ``alpha``; unwrap afterwards.
-    Returns the trace and the host arena bytes the runtime allocated for it.
+    Returns the trace and what the runtime allocated and copied: ``host_bytes``, ``layer_bytes``,
+    ``offloaded_layers`` and ``tensors`` (``(what, bytes)`` per copied tensor of one layer).
 
     The model is wrapped in place (NOTE [Wrapping in place] in memo/runtime/wrap.py) and
     restored whatever happens, so a model the caller passed comes back as it was given.
@@ -552,7 +568,9 @@ def _wrapped_pass(
             trace = _record_allocator(model, ids, labels, _target_meta(plain, ids.device, "allocator"))
         else:
             trace = _record(model, ids, labels, progress, f"pass 2 (alpha={alpha:.3f})", meta).trace
-        return trace, int(runtime.runtime_of(model).host_bytes)
+        rt = runtime.runtime_of(model)
+        return trace, {"host_bytes": int(rt.host_bytes), "layer_bytes": int(rt.layer_bytes or 0),
+                       "offloaded_layers": int(rt.n_offloaded), "tensors": list(rt.layer_tensors)}
     finally:
         runtime.unwrap(model)
 

@@ -113,14 +113,18 @@ class _Tap(torch.autograd.Function):
 
 
 class _CountingSink:
-    """Measures a layer's offloaded bytes with the same alignment as :class:`RoundingBuffers`."""
+    """Measures a layer's offloaded bytes with the same alignment as :class:`RoundingBuffers`,
+    and names what it counts (``tensors``: ``(what, bytes)``, for reports and warnings)."""
 
     def __init__(self) -> None:
         self.used = 0
         self.count = 0
+        self.tensors: list[tuple[str, int]] = []
 
-    def pack(self, t: torch.Tensor) -> int:
-        self.used = align_up(self.used, SLOT_ALIGNMENT) + t.numel() * t.element_size()
+    def pack(self, t: torch.Tensor, what: str = "saved") -> int:
+        nbytes = t.numel() * t.element_size()
+        self.used = align_up(self.used, SLOT_ALIGNMENT) + nbytes
+        self.tensors.append((f"{what} {list(t.shape)} {str(t.dtype).removeprefix('torch.')}", nbytes))
         self.count += 1
         return self.count - 1
 
@@ -132,8 +136,15 @@ class _BufferSink:
         self.buffers = runtime.buffers
         self.index = index
 
-    def pack(self, t: torch.Tensor) -> int:
+    def pack(self, t: torch.Tensor, what: str = "saved") -> int:
         return self.buffers.pack(self.index, t)
+
+
+def _describe_saved(t: torch.Tensor, whole: bool) -> str:
+    """``"<op that made it> output"`` for a saved tensor, for reports and warnings."""
+    origin = t._base if t._base is not None else t
+    op = type(origin.grad_fn).__name__.removesuffix("Backward0") if origin.grad_fn is not None else "saved"
+    return f"{op} output (the storage of a saved {list(t.shape)} view)" if whole else f"{op} output"
 
 
 class _Packer:
@@ -160,7 +171,7 @@ class _Packer:
         if decision[0] == "view":
             return decision
         _, tensor, whole = decision
-        slot = self.sink.pack(tensor)
+        slot = self.sink.pack(tensor, _describe_saved(t, whole))
         if not whole:
             return ("slot", slot)
         self.storages.add_base(tensor, slot)
@@ -294,12 +305,13 @@ class LayerCall:
                 keep.add(ptr)
         return keep
 
-    def measure(self, x: torch.Tensor, ctx: Any) -> int:
-        """Dry run: the bytes one forward of this layer offloads for input ``x`` (nothing is kept)."""
+    def measure(self, x: torch.Tensor, ctx: Any) -> tuple[int, list[tuple[str, int]]]:
+        """Dry run: the bytes one forward of this layer offloads for input ``x`` (nothing is kept),
+        and what they are (``(what, bytes)`` per copied tensor)."""
         sink = _CountingSink()
         with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
             self._forward(x.detach(), ctx, sink)
-        return sink.used
+        return sink.used, sink.tensors
 
     def forward(self, x: torch.Tensor, ctx: Any) -> tuple[torch.Tensor, _Record]:
         """``x: [s, b, h]`` -> ``y: [s, b, h]`` and the record backward needs."""
@@ -321,7 +333,7 @@ class LayerCall:
         packer = _Packer(sink, self._keep_storages(), xc.device)
         rec = _Record(a=a, s=s, ctx=ctx, taps=_TapGrads(), packer=packer,
                       autocast=_AutocastState.capture(xc.device))
-        rec.x_slot = sink.pack(xc)
+        rec.x_slot = sink.pack(xc, "layer input x")
         packer.add_base(xc, rec.x_slot)
 
         q_a = k_a = v_a = x_a = None
@@ -341,10 +353,11 @@ class LayerCall:
             o, lse = adapter.core_forward(layer, q, k, v, ctx)
         o = o.contiguous()
         if a > 0:
-            rec.qkv_slots = tuple(sink.pack(t[:a]) for t in (q, k, v))
+            rec.qkv_slots = tuple(sink.pack(t[:a], f"{name}[:{a}]")
+                                  for name, t in zip("qkv", (q, k, v), strict=True))
         del q, k, v, q_b, k_b, v_b
-        rec.o_slot = sink.pack(o)
-        rec.lse_slot = sink.pack(lse)
+        rec.o_slot = sink.pack(o, "attention output o")
+        rec.lse_slot = sink.pack(lse, "attention log-sum-exp")
         packer.add_base(o, rec.o_slot)
         del lse
 

@@ -111,6 +111,8 @@ class MemoRuntime:
         self.engine: CopyEngine | None = None
         self.buffers: RoundingBuffers | None = None
         self.layer_bytes: int | None = None
+        #: What one offloaded layer copies, ``(what, bytes)`` per tensor (after the first forward).
+        self.layer_tensors: list[tuple[str, int]] = []
         self.calls: list[LayerCall] = []
         #: Zero-size tensor that requires grad: the anchor of every memo autograd node.
         self.anchor = torch.zeros(0, requires_grad=True)
@@ -171,7 +173,7 @@ class MemoRuntime:
             self._allocate_buffers(call, x, ctx, key)
 
     def _allocate_buffers(self, call: LayerCall, x: torch.Tensor, ctx: Any, key: tuple[Any, ...]) -> None:
-        layer_bytes = call.measure(x, ctx)
+        layer_bytes, self.layer_tensors = call.measure(x, ctx)
         host_bytes = self.n_offloaded * layer_bytes
         planned = _plan_field(self.plan, "host_bytes")
         if planned is not None and int(planned) < host_bytes:
