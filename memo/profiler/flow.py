@@ -514,9 +514,10 @@ def profile(
                               "unphased": "fallback"}
     if solver is not None:
         kwargs["solver"] = solver
-    if wrapped is not None:
+    if wrapped is not None and tp == 1:
         # The host arena the wrapped pass really needed, to the byte (slots included, NOTE [Slot
         # alignment] in memo/runtime/buffers.py): what the runtime will check the plan against.
+        # With tp > 1 the pass ran the unsharded layer, so the LP's per-rank bytes stay.
         kwargs["host_bytes"] = wrapped["host_bytes"]
     with warnings.catch_warnings():
         # memo's last two layers are never offloaded, so their passes differ from the others by
