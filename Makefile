@@ -1,6 +1,7 @@
 # The two commands a fresh machine needs:  make demo  and  make test.
 # Both install first. PYTHON and TORCH_SPEC can be overridden, e.g. on a CUDA
 # machine that already has its own torch:  make test TORCH_SPEC=
+SHELL      := /bin/bash
 PYTHON     ?= python3
 PIP        := $(PYTHON) -m pip
 TORCH_SPEC ?= torch==2.13.0
@@ -12,12 +13,27 @@ GPU_CHECK_ARGS ?=
 
 .PHONY: install demo test lint bench clean gpu-check
 
-install:
+# The install runs again only when something native changed (the stamp is older than a
+# source under csrc/, setup.py or pyproject.toml) or memo cannot be imported: the Python
+# files are an editable install and need nothing. `make clean` forces a full install.
+STAMP  := build/.memo-installed
+NATIVE := setup.py pyproject.toml $(shell find csrc -type f 2>/dev/null)
+
+install: $(STAMP)
+	@$(PYTHON) -c "import memo, memo._C" 2>/dev/null || { rm -f $(STAMP); $(MAKE) --no-print-directory $(STAMP); }
+	@$(PYTHON) -c "import memo, memo._C; print('memo installed:', memo._C.build_info())"
+
+$(STAMP): $(NATIVE)
 	@if [ -n "$(TORCH_SPEC)" ]; then $(PIP) install -q "$(TORCH_SPEC)"; fi
 	$(PIP) install -q "setuptools>=64" wheel ninja pybind11 numpy "pulp>=2.8,<4" tqdm matplotlib \
 		pytest hypothesis ruff "megatron-core==0.16.1"
-	$(PIP) install -q --no-build-isolation --no-deps -e .
-	$(PYTHON) -c "import memo, memo._C; print('memo installed:', memo._C.build_info())"
+	@mkdir -p build
+	@echo "memo: building the extension (compiler progress below; full log in build/install.log)"
+	@set -o pipefail; $(PIP) install -v --no-build-isolation --no-deps -e . 2>&1 | tee build/install.log \
+		| { grep --line-buffered -E "^\s*\[[0-9]+/[0-9]+\]|memo setup|error:|Successfully installed" || true; } \
+		| sed -u -E 's#^\s*(\[[0-9]+/[0-9]+\]) .* -c ([^ ]+) .*#  \1 compiling \2#'
+
+	@touch $@
 
 demo: install
 	$(PYTHON) examples/demo.py --out $(DEMO_DIR)
@@ -40,4 +56,4 @@ bench: install
 	$(PYTHON) benchmarks/head_memory.py
 
 clean:
-	rm -rf build *.egg-info memo/_C*.so memo/_lib $(DEMO_DIR)
+	rm -rf build *.egg-info memo/_C*.so memo/_lib $(DEMO_DIR) $(STAMP)
