@@ -200,17 +200,19 @@ def _check_machine_args(
         gpu_peak_flops(gpu, dtype)
     if device.type != "meta":
         return  # cuda and cpu measure what is not given
+    missing = []  # every missing number at once, not one per try
     if bandwidth_gbps is None:
-        raise MemoError(
-            "memo.profiler: the host<->device bandwidth cannot be measured on the meta device; pass "
-            "--bandwidth-gbps (e.g. 25 for PCIe 4.0 x16, 50 for PCIe 5.0 x16; `memo env` measures it "
-            "on a GPU)"
+        missing.append(
+            "the host<->device bandwidth: pass --bandwidth-gbps (e.g. 25 for PCIe 4.0 x16, 50 for PCIe 5.0 "
+            "x16; `memo env` measures it on a GPU)"
         )
     if layer_ms is None and gpu is None:
-        raise MemoError(
-            "memo.profiler: a layer's forward time cannot be measured on the meta device; pass --layer-ms, "
-            "or --gpu (h100, a100, ...) with --efficiency to estimate it from FLOPs"
+        missing.append(
+            "a layer's forward time: pass --layer-ms, or --gpu (h100, a100, ...) with --efficiency to "
+            "estimate it from FLOPs"
         )
+    if missing:
+        raise MemoError("memo.profiler: the meta device cannot measure " + "; and ".join(missing))
 
 
 def _machine(

@@ -357,8 +357,9 @@ def train(
     )
     emit(
         f"memo.train: {config.model} ({result.num_parameters / 1e6:.2f}M params), seq {config.seq_len} x "
-        f"batch {config.micro_batch}, {config.dtype} on {device}, recompute={config.recompute}, "
-        f"peak {'n/a' if peak is None else f'{peak / 1e12:.0f} TFLOPS'}"
+        f"batch {config.micro_batch}, {config.dtype} on {device}, {_run_kind(config, strategy)}, "
+        + ("MFU n/a (no peak FLOPS known for this device; --peak-tflops sets one)" if peak is None
+           else f"MFU against a peak of {peak / 1e12:.0f} TFLOPS")
     )
     reset_peak_memory(device)
     bar = tqdm(range(1, config.steps + 1), desc="train", unit="step", disable=not progress, file=sys.stderr)
@@ -401,6 +402,14 @@ def train(
     if strategy is not None:
         strategy.close()
     return result
+
+
+def _run_kind(config: TrainConfig, strategy: Any) -> str:
+    """What the header says about activation memory: the strategy, with its alpha when it has one."""
+    if strategy is None:
+        return "strategy full-recompute" if config.recompute == "full" else "strategy none"
+    alpha = getattr(strategy, "alpha", None)
+    return f"strategy {strategy.name}" + ("" if alpha is None else f" (alpha {alpha:.4f})")
 
 
 def _extras_text(extras: dict) -> str:

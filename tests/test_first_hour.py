@@ -1,0 +1,38 @@
+"""What a newcomer reads first: run headers that say what runs, and every missing flag at once."""
+
+from __future__ import annotations
+
+import pytest
+
+from memo.cli.main import main
+from memo.strategies import StrategyOptions, make_strategy
+from memo.utils.training import TrainConfig, train
+
+
+@pytest.mark.parametrize(("strategy", "alpha", "expected"), [
+    ("none", "auto", "strategy none,"),
+    ("full-recompute", "auto", "strategy full-recompute,"),
+    ("full-offload", "auto", "strategy full-offload (alpha 1.0000),"),
+    ("memo", 0.5, "strategy memo (alpha 0.5000),"),
+])
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+@pytest.mark.usefixtures("one_thread")
+def test_run_header_names_the_strategy(strategy: str, alpha: object, expected: str) -> None:
+    lines: list[str] = []
+    options = StrategyOptions(strategy=strategy, alpha=alpha, bandwidth_gbps=10.0, layer_ms=1.0,
+                              host_mem_gb=8.0)
+    train(TrainConfig(model="tiny", seq_len=64, steps=1), log=lines.append, progress=False,
+          strategy=make_strategy(options))
+    header = next(line for line in lines if line.startswith("memo.train:"))
+    assert expected in header, header
+    assert "recompute=" not in header
+    assert "MFU n/a (no peak FLOPS known for this device" in header  # a CPU has no known peak
+
+
+def test_every_missing_machine_number_is_named_at_once(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        raise SystemExit(main(["profile", "--model", "tiny", "--seq-len", "256", "--device", "meta",
+                               "--host-mem-gb", "64", "-o", "unused.json"]))
+    assert exit_info.value.code != 0
+    err = capsys.readouterr().err
+    assert "--bandwidth-gbps" in err and "--layer-ms" in err, err
