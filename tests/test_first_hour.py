@@ -36,3 +36,18 @@ def test_every_missing_machine_number_is_named_at_once(capsys: pytest.CaptureFix
     assert exit_info.value.code != 0
     err = capsys.readouterr().err
     assert "--bandwidth-gbps" in err and "--layer-ms" in err, err
+
+
+def test_expected_layer_differences_are_one_note_not_warnings() -> None:
+    from memo.cli.show import format_plan
+    from memo.profiler import profile
+
+    plan = profile("tiny", 256, 1, device="meta", bandwidth_gbps=32, layer_ms=1.0, host_mem_gb=64).plan
+    plan.warnings = [
+        f"memo.planner: phase layer.{k}[2] differs from the other layer.{k} passes (...); "
+        "it is planned on its own" for k in ("fwd", "bwd")
+    ] + ["memo.planner: something a user must act on"]
+    text = format_plan(plan)
+    assert text.count("warning ") == 1 and "something a user must act on" in text
+    notes = [line for line in text.splitlines() if line.startswith("note")]
+    assert len(notes) == 1 and "layer.fwd[2], layer.bwd[2]" in notes[0] and "nothing to do" in notes[0]
