@@ -13,8 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import statistics
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -36,30 +38,75 @@ def sh(*args: str) -> None:
 
 
 
+def step_times(report: dict) -> tuple[float, float, float]:
+    """Median, fastest and slowest step time in seconds over the steps after the first (warm-up)."""
+    times = [st["step_time_s"] for st in report["steps"]]
+    timed = times[1:] or times
+    return statistics.median(timed), min(timed), max(timed)
+
+
 def table(reports: dict[str, dict]) -> str:
-    base = reports["full-recompute"]
-    base_time = base["summary"]["mean_step_time_s"]
+    base_time = step_times(reports["full-recompute"])[0]
+    base_peak = reports["full-recompute"]["peak_device_bytes"]
     rows = [
-        ("strategy", "alpha", "loss first->last", "step time", "vs recompute", "device peak", "host pinned",
-         "alloc planned/fallback"),
+        ("strategy", "alpha", "loss first->last", "step time (median, range)", "speed vs FR (higher=faster)",
+         "device peak", "peak vs FR (lower=less)", "host pinned", "alloc planned/fallback"),
     ]
     for name in STRATEGIES:
         r = reports[name]
         s = r["summary"]
+        median, fastest, slowest = step_times(r)
         rows.append((
             name,
             "-" if r["alpha"] is None else f"{r['alpha']:.3f}",
             f"{s['first_loss']:.4f}->{s['last_loss']:.4f}",
-            f"{s['mean_step_time_s'] * 1e3:,.0f} ms",
-            f"{base_time / s['mean_step_time_s']:.2f}x",
+            f"{median * 1e3:,.0f} ms ({fastest * 1e3:,.0f}-{slowest * 1e3:,.0f})",
+            f"{base_time / median:.2f}x",
             format_mib(r["peak_device_bytes"]),
+            f"{r['peak_device_bytes'] / base_peak:.2f}x",
             format_mib(r["host_pinned_bytes"]),
             f"{r['allocator']['planned']}/{r['allocator']['fallback']}",
         ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def summary(reports: dict[str, dict]) -> str:
+    """What this run shows, in words and numbers: what memo saved and what it cost, and why."""
+    memo, full, plain = reports["memo"], reports["full-recompute"], reports["none"]
+    m_time, m_fast, m_slow = step_times(memo)
+    f_time, f_fast, f_slow = step_times(full)
+    speed = f_time / m_time
+    peak = memo["peak_device_bytes"] / full["peak_device_bytes"]
+    same = memo["summary"]["last_loss"] == full["summary"]["last_loss"] == plain["summary"]["last_loss"]
+    alpha = memo["alpha"]
+    parts = [
+        f"memo (alpha {alpha:.3f}) took a median {m_time * 1e3:,.0f} ms per step (range {m_fast * 1e3:,.0f}-"
+        f"{m_slow * 1e3:,.0f}) against full recompute's {f_time * 1e3:,.0f} ms ({f_fast * 1e3:,.0f}-"
+        f"{f_slow * 1e3:,.0f}): {speed:.2f}x full recompute's speed, "
+        + (f"{100 * (1 - m_time / f_time):.0f}% less time per step" if speed >= 1
+           else f"{100 * (m_time / f_time - 1):.0f}% more time per step")
+        + " (higher speed is better).",
+        f"Its device peak was {format_mib(memo['peak_device_bytes'])} against full recompute's "
+        f"{format_mib(full['peak_device_bytes'])} and plain autograd's "
+        f"{format_mib(plain['peak_device_bytes'])}: {peak:.2f}x full recompute's (lower is better), "
+        + ("so memo saved device memory" if peak < 1 else "so memo needed more device memory here")
+        + f", and it pinned {format_mib(memo['host_pinned_bytes'])} of host memory for offloaded "
+        "activations.",
+        ("All three reached the same loss." if same else "The losses differ: see the loss curves."),
+    ]
+    if memo["device"].startswith("cpu"):
+        parts.append(
+            "Why: on a CPU the copy engine is a memcpy, fast next to the CPU's compute, so the alpha LP "
+            + ("offloads every token (alpha = 1) and recomputes nothing; " if alpha >= 1 else
+               f"offloads {100 * alpha:.0f}% of the tokens; ")
+            + "the time saved is the recompute. memo keeps its last two layers whole and two rounding "
+            "buffers on the device, which outweighs what it offloads on a model this shallow; the "
+            "device-memory advantage shows on deeper models and longer sequences (benchmarks/RESULTS.md)."
+        )
+    return "\n".join(textwrap.wrap(" ".join(parts), 100))
 
 
 def main() -> int:
@@ -92,9 +139,10 @@ def main() -> int:
        str(out / "loss.png"), "--compare", str(out / "memo.json"), str(out / "full-recompute.json"))
 
     reports = {name: json.loads((out / f"{name}.json").read_text()) for name in STRATEGIES}
-    print("\nmemo demo: side by side (step time is the mean over steps after the first)\n")
+    print("\nmemo demo: side by side (steps after the first; FR = full recompute)\n")
     print(table(reports))
-    print(f"\nplan picture: {out / 'plan.png'}   loss curves: {out / 'loss.png'}")
+    print(f"\nplan picture: {out / 'plan.png'}   loss curves: {out / 'loss.png'}\n")
+    print(summary(reports))
     return 0
 
 

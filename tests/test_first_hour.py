@@ -51,3 +51,40 @@ def test_expected_layer_differences_are_one_note_not_warnings() -> None:
     assert text.count("warning ") == 1 and "something a user must act on" in text
     notes = [line for line in text.splitlines() if line.startswith("note")]
     assert len(notes) == 1 and "layer.fwd[2], layer.bwd[2]" in notes[0] and "nothing to do" in notes[0]
+
+
+def _demo_module():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "examples" / "demo.py"
+    spec = importlib.util.spec_from_file_location("memo_demo", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _report(alpha: float | None, times: list[float], peak: int, host: int = 0) -> dict:
+    return {"alpha": alpha, "device": "cpu", "peak_device_bytes": peak, "host_pinned_bytes": host,
+            "allocator": {"planned": 0, "fallback": 0},
+            "steps": [{"step_time_s": t} for t in times], "summary": {"first_loss": 6.0, "last_loss": 5.0}}
+
+
+@pytest.mark.parametrize(("memo_times", "memo_peak", "faster", "less_memory"), [
+    ([9.0, 1.0, 3.0, 1.2], 50 << 20, True, True),    # median 1.2 s: faster; half the memory
+    ([1.0, 2.6, 2.4, 9.0], 300 << 20, False, False),  # median 2.6 s: slower; 3x the memory
+])
+def test_demo_ends_with_what_memo_saved_and_cost(memo_times, memo_peak, faster, less_memory) -> None:
+    demo = _demo_module()
+    reports = {"memo": _report(0.5, memo_times, memo_peak, 7 << 20),
+               "full-recompute": _report(None, [5.0, 2.0, 2.0, 2.0], 100 << 20),
+               "none": _report(None, [5.0, 1.5, 1.5, 1.5], 400 << 20)}
+    text = " ".join(demo.summary(reports).split())
+    assert ("less time per step" in text) is faster and ("more time per step" in text) is not faster
+    assert ("memo saved device memory" in text) is less_memory
+    assert "(higher speed is better)" in text and "(lower is better)" in text
+    median = sorted(memo_times[1:])[1]
+    assert f"median {median * 1e3:,.0f} ms" in text  # the median of the steps after the first, not a mean
+    assert "alpha 0.500" in text and "offloads 50% of the tokens" in text
+    table = demo.table(reports)
+    assert "higher=faster" in table and "lower=less" in table
