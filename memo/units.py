@@ -1,8 +1,9 @@
-"""Human-readable byte counts for what memo prints."""
+"""Human-readable byte counts and durations for what memo prints: one unit per quantity, chosen
+for the size at hand (exact byte counts belong in the JSON files, not on the screen)."""
 
 from __future__ import annotations
 
-__all__ = ["format_bytes", "format_mib"]
+__all__ = ["format_bytes", "format_mib", "format_ms"]
 
 _UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
 
@@ -21,3 +22,13 @@ def format_mib(n: float | None) -> str:
     """``format_mib(3 * 2**20) -> "3.0 MiB"``: the one unit per-step lines and tables use, so
     their columns compare at a glance; ``None`` -> ``"n/a"``."""
     return "n/a" if n is None else f"{n / 2**20:,.1f} MiB"
+
+
+def format_ms(ms: float | None) -> str:
+    """``format_ms(19100) -> "19.1 s"``, ``format_ms(56.44) -> "56.4 ms"``,
+    ``format_ms(0.42) -> "0.42 ms"``."""
+    if ms is None:
+        return "unknown"
+    if abs(ms) >= 1000:
+        return f"{ms / 1000:,.3g} s" if abs(ms) < 100_000 else f"{ms / 1000:,.0f} s"
+    return f"{ms:.3g} ms"

@@ -88,3 +88,21 @@ def test_demo_ends_with_what_memo_saved_and_cost(memo_times, memo_peak, faster, 
     assert "alpha 0.500" in text and "offloads 50% of the tokens" in text
     table = demo.table(reports)
     assert "higher=faster" in table and "lower=less" in table
+
+
+@pytest.mark.parametrize("command", ["env", "profile", "plan", "show", "plot", "train"])
+def test_help_reads_as_text_and_states_defaults(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = capsys.readouterr().out
+    assert "``" not in text  # no raw reStructuredText markup
+    assert max(len(line) for line in text.splitlines()) <= 120
+    if command == "train":
+        assert "(default: tiny)" in text and "(default: 0)" in text  # --model, --seed
+
+
+def test_one_human_unit_per_quantity() -> None:
+    from memo.units import format_bytes, format_ms
+
+    assert format_ms(19100) == "19.1 s" and format_ms(56.44) == "56.4 ms" and format_ms(0.42) == "0.42 ms"
+    assert format_bytes(318541275136) == "296.66 GiB" and format_bytes(3 * 2**40) == "3.00 TiB"

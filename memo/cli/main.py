@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import textwrap
 from collections.abc import Sequence
 
 from memo.errors import MemoError
@@ -20,13 +21,51 @@ __all__ = ["COMMANDS", "build_parser", "main"]
 COMMANDS = ("env", "profile", "plan", "show", "plot", "train")
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """``--help`` for people: descriptions keep their paragraphs (each wrapped to the terminal,
+    indented blocks such as examples kept as written), reStructuredText's double backticks (the
+    docstrings' markup) print as single ones, and every option with a real default says it,
+    unless its help text already does."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        paragraphs = textwrap.dedent(text).strip().split("\n\n")
+        out = []
+        for para in paragraphs:
+            if any(line.startswith(" ") for line in para.splitlines()[1:]) or para.rstrip().endswith("::"):
+                out.append(textwrap.indent(para, indent))  # an example block: as written
+            else:
+                out.append(textwrap.fill(" ".join(para.split()), width, initial_indent=indent,
+                                         subsequent_indent=indent))
+        return "\n\n".join(out)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (default is None or default is False or default is argparse.SUPPRESS
+                or isinstance(action, argparse._HelpAction) or "default" in text.lower()
+                or not action.option_strings):
+            return text
+        return f"{text} (default: %(default)s)"
+
+    def format_help(self) -> str:
+        return super().format_help().replace("``", "`")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """Every memo parser and subparser formats its help with :class:`HelpFormatter`."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        kwargs["formatter_class"] = HelpFormatter
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="memo",
         description="memo: train transformers on million-token sequences on few GPUs "
         "(token-wise offload/recompute + planned activation memory).",
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=ArgumentParser)
     sub.required = True
     for name in COMMANDS:
         importlib.import_module(f"memo.cli.{name}").add_parser(sub)

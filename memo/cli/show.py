@@ -23,7 +23,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def _mib(n: int | None) -> str:
-    return "unknown" if n is None else f"{n} B ({format_bytes(n)})"
+    # One human unit per quantity; the exact bytes are in the plan file.
+    return "unknown" if n is None else format_bytes(n)
 
 
 def format_plan(plan: Plan) -> str:

@@ -45,6 +45,10 @@ class Quantity:
 
     def describe(self, unit: str) -> str:
         how = f" ({self.how})" if self.how else ""
+        if unit == "ms":
+            from memo.units import format_ms
+
+            return f"{format_ms(self.value)} [{self.source}{how}]"
         return f"{self.value:,.4g} {unit} [{self.source}{how}]"
 
 
