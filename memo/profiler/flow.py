@@ -156,7 +156,7 @@ def _inputs(
 @contextlib.contextmanager
 def _progress(enabled: bool, total: int, desc: str) -> Iterator[Callable[[str | None], None] | None]:
     """A tqdm bar that advances on every phase change (a PhaseTracker listener)."""
-    if not enabled:
+    if not enabled or not sys.stderr.isatty():  # a redirected log gets the plain stage lines only
         yield None
         return
     from tqdm import tqdm
@@ -392,6 +392,7 @@ def profile(
     timings["build"] = time.perf_counter() - t0
     meta = {"model": name}
 
+    say(f"pass 1 ({sized_on.type}): recording one iteration of the plain model ...")
     t0 = time.perf_counter()
     try:
         plain = _record(
@@ -474,6 +475,9 @@ def profile(
         )
     second: dict[str, Any] | None = None
     wrapped: dict[str, Any] | None = None
+    if wrap is not None and wrap_pass is not False:
+        say(f"pass 2 ({dev.type}): recording one iteration of the model wrapped with alpha "
+            f"{result.alpha.alpha:.4f} ...")
     t0 = time.perf_counter()
     if wrap is not None and wrap_pass is not False:
         try:

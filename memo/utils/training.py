@@ -362,7 +362,9 @@ def train(
            else f"MFU against a peak of {peak / 1e12:.0f} TFLOPS")
     )
     reset_peak_memory(device)
-    bar = tqdm(range(1, config.steps + 1), desc="train", unit="step", disable=not progress, file=sys.stderr)
+    # A bar on a terminal; in a redirected log the step lines below say the same without the noise.
+    bar = tqdm(range(1, config.steps + 1), desc="train", unit="step", file=sys.stderr,
+               disable=not progress or not sys.stderr.isatty())
     for step in bar:
         if first is not None:
             (ids, labels), first = first, None
