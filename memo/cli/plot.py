@@ -11,10 +11,10 @@ import argparse
 
 from memo.phases import phase_kind
 from memo.planner import Plan, load_plan
+from memo.units import format_bytes
 
 __all__ = ["add_parser", "plot_plan", "run"]
 
-MiB = 2**20
 _COLOURS = {"embed.fwd": "#1f77b4", "layer.fwd": "#2ca02c", "head.fwd": "#ff7f0e", "head.bwd": "#d62728",
             "layer.bwd": "#9467bd", "embed.bwd": "#8c564b", "optimizer": "#e377c2", None: "#7f7f7f"}
 
@@ -27,6 +27,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return parser
 
 
+def _unit(nbytes: int) -> tuple[str, int]:
+    """The largest binary unit in which ``nbytes`` is at least 1, for axis labels."""
+    for name, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return name, scale
+    return "B", 1
+
+
 def plot_plan(plan: Plan, path: str) -> int:
     """Draw ``plan`` into ``path``; returns the number of rectangles drawn."""
     import matplotlib
@@ -36,25 +44,27 @@ def plot_plan(plan: Plan, path: str) -> int:
     from matplotlib.collections import PatchCollection
     from matplotlib.patches import Patch, Rectangle
 
+    unit, scale = _unit(max(plan.peak, 1))
     fig, ax = plt.subplots(figsize=(12, 6))
     rects, colours = [], []
     for a, off in zip(plan.allocations, plan.offsets, strict=True):
         if off is None:
             continue
         kind = phase_kind(a.phase) if a.phase is not None else None
-        rects.append(Rectangle((a.start, off / MiB), a.end - a.start, a.size / MiB))
+        rects.append(Rectangle((a.start, off / scale), a.end - a.start, a.size / scale))
         colours.append(_COLOURS[kind])
     ax.add_collection(PatchCollection(rects, facecolors=colours, edgecolors="black", linewidths=0.2))
     ax.set_xlim(0, max(plan.end_time, max((a.end for a in plan.allocations), default=1)))
-    ax.set_ylim(0, max(plan.peak, 1) / MiB * 1.02)
-    ax.axhline(plan.lower_bound / MiB, color="red", linestyle="--", linewidth=0.8)
+    ax.set_ylim(0, max(plan.peak, 1) / scale * 1.02)
+    ax.axhline(plan.lower_bound / scale, color="red", linestyle="--", linewidth=0.8)
     ax.set_xlabel("time (trace event)")
-    ax.set_ylabel("address (MiB)")
-    ax.set_title(f"{plan.meta.get('model', 'plan')}: peak {plan.peak / MiB:.1f} MiB, "
-                 f"lower bound {plan.lower_bound / MiB:.1f} MiB (dashed)")
+    ax.set_ylabel(f"address ({unit})")
+    ax.set_title(f"{plan.meta.get('model', 'plan')}: peak {format_bytes(plan.peak)}, "
+                 f"lower bound {format_bytes(plan.lower_bound)} (dashed)")
     used = {c for c in colours}
+    # Beside the axes, never over the rectangles.
     ax.legend(handles=[Patch(color=c, label=k or "unphased") for k, c in _COLOURS.items() if c in used],
-              loc="upper right", fontsize="small")
+              loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

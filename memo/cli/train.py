@@ -30,6 +30,7 @@ def plot_losses(reports: list[dict[str, Any]], path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     styles = ["-", "--", ":", "-."]
@@ -41,7 +42,13 @@ def plot_losses(reports: list[dict[str, Any]], path: str) -> None:
     first = reports[0]
     ax.set_title(f"{first['model']}, seq {first['seq_len']:,} x {first['micro_batch']}, {first['dtype']}")
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     ax.set_ylabel("training loss")
+    curves = [[s["loss"] for s in rep["steps"]] for rep in reports]
+    if len(curves) > 1 and all(c == curves[0] for c in curves[1:]):
+        # Identical losses draw one line; say so, or a reader looks for the missing curves.
+        ax.text(0.02, 0.03, "all curves coincide (identical losses)", transform=ax.transAxes,
+                fontsize="small", color="dimgray")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
