@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import memo
@@ -39,3 +40,14 @@ def test_cli_json_roundtrip() -> None:
     env = json.loads(out)
     assert env["python"].count(".") == 2
     assert "cpu" in env["memo_extension"]["backends"]
+
+
+def test_env_on_cpu_reports_the_copy_engine_rate() -> None:
+    from memo.cli.env import format_env
+
+    env = collect_env(measure_bandwidth=True)
+    if env["gpus"]:
+        pytest.skip("a GPU is visible: memo env reports pinned PCIe bandwidth instead")
+    assert env["cpu_copy_gbps"] > 0
+    text = format_env(env)
+    assert "copy engine" in text and "not a PCIe figure" in text

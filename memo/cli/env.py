@@ -1,8 +1,8 @@
 """``memo env``: what a user needs to file a bug or plan a run.
 
 Versions (python, torch, CUDA, megatron-core, flash-attn), the extension's
-backends, GPUs with memory, host memory, and on CUDA the measured pinned
-host<->device bandwidth, which is the ``B`` of memo's alpha LP.
+backends, GPUs with memory, host memory, and the measured copy bandwidth, the ``B`` of
+memo's alpha LP: pinned host<->device copies on CUDA, the CPU backend's memcpy without a GPU.
 """
 
 from __future__ import annotations
@@ -53,8 +53,10 @@ def measure_pinned_bandwidth(
     This is the ``B`` of the alpha LP: offloads run pinned D2H and prefetches
     pinned H2D, each on its own stream.
     """
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{device}")
+    from memo.allocator.host import PinnedHostBuffer
+
+    pinned = PinnedHostBuffer(nbytes, torch.device("cuda", device))  # what memo's arena uses
+    host, dev = pinned.tensor, torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{device}")
     result = {}
     for name, dst, src in (("h2d_gbps", dev, host), ("d2h_gbps", host, dev)):
         dst.copy_(src, non_blocking=True)  # warm-up
@@ -66,6 +68,8 @@ def measure_pinned_bandwidth(
             torch.cuda.synchronize(device)
             best = min(best, time.perf_counter() - start)
         result[name] = nbytes / best / 1e9
+    del dev
+    pinned.release()
     return result
 
 
@@ -90,6 +94,11 @@ def collect_env(measure_bandwidth: bool = True) -> dict[str, Any]:
             if measure_bandwidth:
                 gpu["pinned_bandwidth"] = measure_pinned_bandwidth(i)
             gpus.append(gpu)
+    cpu_copy = None
+    if not gpus and measure_bandwidth:
+        from memo.profiler.measure import measure_bandwidth as measure_copy
+
+        cpu_copy = measure_copy(torch.device("cpu")).value
     return {
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -103,6 +112,8 @@ def collect_env(measure_bandwidth: bool = True) -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "host_memory": _host_memory(),
         "gpus": gpus,
+        # memo's CPU backend moves activations with memcpy on a copy worker: its B on CPU.
+        "cpu_copy_gbps": cpu_copy,
     }
 
 
@@ -133,6 +144,9 @@ def format_env(env: dict[str, Any]) -> str:
     ]
     if not env["gpus"]:
         lines.append("  GPUs            none visible (memo runs its CPU backend)")
+        if env.get("cpu_copy_gbps") is not None:
+            lines.append(f"  copy engine     {env['cpu_copy_gbps']:.1f} GB/s: the CPU backend's memcpy, "
+                         "memo's B on this machine (not a PCIe figure)")
     for gpu in env["gpus"]:
         line = (
             f"  GPU {gpu['index']}           {gpu['name']} (sm {gpu['capability']}), "
@@ -161,7 +175,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON instead of text")
     parser.add_argument(
-        "--no-bandwidth", action="store_true", help="skip the pinned-copy bandwidth measurement on CUDA"
+        "--no-bandwidth", action="store_true",
+        help="skip the copy bandwidth measurement (pinned copies on CUDA, memcpy on CPU)",
     )
     parser.set_defaults(func=run)
     return parser
