@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from memo.errors import MemoError
+from memo.units import format_bytes, format_ms
 
 from .dsa import quiet_pulp
 
@@ -167,9 +168,10 @@ def solve_alpha(s_input: float, s_attn: float, s_others: float, bandwidth: float
         value = 0.0
         binding = "bandwidth"
         warnings.warn(
-            f"memo.alpha: even alpha=0 copies {base / GiB:.3f} GiB per layer, which takes "
-            f"{base / bandwidth * 1e3:.1f} ms at {bandwidth / GiB:.1f} GiB/s, longer than one layer's "
-            f"forward ({layer_time * 1e3:.1f} ms): offload will stall compute", stacklevel=2)
+            f"memo.alpha: even alpha=0 copies {format_bytes(base)} per layer (the input and the attention "
+            f"output), which takes {format_ms(base / bandwidth * 1e3)} at {bandwidth / 1e9:.3g} GB/s, longer "
+            f"than one layer's forward ({format_ms(layer_time * 1e3)}): offload will stall compute. Give a "
+            "faster link (--bandwidth-gbps) or a longer sequence, or use full recompute", stacklevel=2)
     elif value >= 1.0:
         binding = "alpha<=1"
     else:
