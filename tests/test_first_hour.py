@@ -106,3 +106,25 @@ def test_one_human_unit_per_quantity() -> None:
 
     assert format_ms(19100) == "19.1 s" and format_ms(56.44) == "56.4 ms" and format_ms(0.42) == "0.42 ms"
     assert format_bytes(318541275136) == "296.66 GiB" and format_bytes(3 * 2**40) == "3.00 TiB"
+
+
+def test_memo_plan_says_each_thing_once(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    from memo.planner import Trace, save_trace
+
+    from memo.profiler import profile
+
+    trace = profile("gpt-mini", 512, 1, device="meta", bandwidth_gbps=32, layer_ms=1.0, host_mem_gb=64,
+                    plan=False).trace
+    path = tmp_path / "trace.json"
+    save_trace(Trace.from_dict(trace), path)
+    done = subprocess.run([sys.executable, "-m", "memo", "plan", str(path), "-o", str(tmp_path / "p.json")],
+                          capture_output=True, text=True, check=True)
+    assert "UserWarning" not in done.stderr, done.stderr  # printed once, by memo, not again by Python
+    lines = done.stdout.splitlines()
+    assert len(lines) == len(set(lines))
+    for phase in ("layer.fwd[10]", "layer.fwd[11]"):
+        assert sum(phase in line for line in lines) <= 1, done.stdout
+    assert "--for-allocator" in done.stdout  # why it differs from `memo profile`'s plan

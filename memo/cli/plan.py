@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import warnings
 
-from memo.planner import Plan, load_trace, make_plan, save_plan
+from memo.cli.show import warning_lines
+from memo.planner import Plan, load_trace, make_plan, save_plan, without_unphased
 from memo.units import format_bytes
 
 __all__ = ["add_parser", "format_summary", "run"]
@@ -22,7 +24,7 @@ __all__ = ["add_parser", "format_summary", "run"]
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("plan", help="plan a trace: offsets for every activation allocation",
-                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                   description=__doc__)
     parser.add_argument("trace", help="trace JSON (memo.trace, version 1; see docs/formats.md)")
     parser.add_argument("-o", "--output", required=True, help="where to write the plan (or the addresses)")
     parser.add_argument("--time-limit", type=float, default=60.0,
@@ -47,10 +49,10 @@ def format_summary(plan: Plan) -> str:
     s = plan.solver
     lines = [
         f"allocations   {len(plan.allocations)}",
-        f"peak          {plan.peak} B ({format_bytes(plan.peak)})",
-        f"lower bound   {plan.lower_bound} B ({format_bytes(plan.lower_bound)})",
+        f"peak          {format_bytes(plan.peak)}",
+        f"lower bound   {format_bytes(plan.lower_bound)}",
         f"ratio         {plan.ratio:.4f}",
-        f"no reuse      {plan.no_reuse_bytes} B ({format_bytes(plan.no_reuse_bytes)})",
+        f"no reuse      {format_bytes(plan.no_reuse_bytes)}",
         f"solver        {s.get('kind')} {s.get('solver') or 'heuristic only'}, {s.get('seconds', 0):.2f} s"
         + (", heuristic fallback" if s.get("heuristic_fallback") else ""),
     ]
@@ -58,15 +60,18 @@ def format_summary(plan: Plan) -> str:
         left = s["unphased_left_to_fallback"]
         lines.append(f"not planned   {left['allocations']} allocations outside phases "
                      f"({format_bytes(left['bytes'])}), served by the fallback allocator")
-    lines += [f"warning       {w}" for w in plan.warnings]
+    lines += warning_lines(plan.warnings)
     return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
     trace = load_trace(args.trace)
-    plan = make_plan(trace, time_limit=args.time_limit, solver=args.solver, use_mip=not args.no_mip,
-                     method="flat" if args.flat else "auto",
-                     unphased="fallback" if args.for_allocator else "plan")
+    with warnings.catch_warnings():
+        # The planner's warnings are in plan.warnings, which the summary prints once.
+        warnings.filterwarnings("ignore", message=r"memo\.planner: ", category=UserWarning)
+        plan = make_plan(trace, time_limit=args.time_limit, solver=args.solver, use_mip=not args.no_mip,
+                         method="flat" if args.flat else "auto",
+                         unphased="fallback" if args.for_allocator else "plan")
     if args.expand:
         out = {"peak": plan.peak, "lower_bound": plan.lower_bound, "addresses": plan.expanded()}
         with open(args.output, "w", encoding="utf-8") as f:
@@ -75,5 +80,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         save_plan(plan, args.output)
     print(format_summary(plan))
+    if not args.for_allocator:
+        _, count, nbytes = without_unphased(trace)
+        if count:
+            print(f"note          {count} allocations made outside phases ({format_bytes(nbytes)}) got "
+                  "addresses too; `memo profile` plans for memo's allocator, which serves those from its "
+                  "fallback: add --for-allocator for the same plan")
     print(f"wrote {args.output}")
     return 0

@@ -11,7 +11,7 @@ import argparse
 from memo.planner import Plan, load_plan, offload_difference
 from memo.units import format_bytes
 
-__all__ = ["add_parser", "format_plan", "run"]
+__all__ = ["add_parser", "format_plan", "run", "warning_lines"]
 
 
 
@@ -60,15 +60,29 @@ def format_plan(plan: Plan) -> str:
     out.append("phase peaks (highest arena byte each phase's allocations reach):")
     for phase, top in plan.phase_peaks().items():
         out.append(f"  {phase:<20} {_mib(top)}")
-    # A layer pass that differs from the others by design (memo keeps the last two layers'
-    # activations on the device) is information, not something to act on.
-    expected = [w for w in plan.warnings if "differs from the other" in w]
-    out += [f"warning       {w}" for w in plan.warnings if w not in expected]
-    if expected:
-        phases = ", ".join(w.split("phase ", 1)[1].split(" ", 1)[0] for w in expected)
-        out.append(f"note          {phases} differ from the other layer passes and are planned on their own: "
-                   "memo keeps the last two layers' activations on the device (nothing to do)")
+    out += warning_lines(plan.warnings)
     return "\n".join(out)
+
+
+def warning_lines(warnings: list[str]) -> list[str]:
+    """The planner's warnings for people: one line per kind, information marked as a note.
+
+    A layer pass that differs from the others by design (memo keeps the last two layers'
+    activations on the device), or one that other phases interrupt, is information, not
+    something to act on; the same message for twelve phases is one line naming them.
+    """
+    kinds = (("differs from the other", "differ from the other layer passes and are planned on their own: "
+              "memo keeps the last two layers' activations on the device (nothing to do)"),
+             ("is interrupted by other phases", "are interrupted by other phases, so their allocations are "
+              "planned one by one instead of as one layer block (nothing to do)"))
+    out, rest = [], list(warnings)
+    for needle, text in kinds:
+        hits = [w for w in rest if needle in w]
+        if hits:
+            phases = ", ".join(w.split("phase ", 1)[1].split(" ", 1)[0] for w in hits)
+            out.append(f"note          {phases} {text}")
+            rest = [w for w in rest if w not in hits]
+    return [f"warning       {w}" for w in rest] + out
 
 
 def run(args: argparse.Namespace) -> int:
