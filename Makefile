@@ -19,8 +19,11 @@ GPU_CHECK_ARGS ?=
 STAMP  := build/.memo-installed
 NATIVE := setup.py pyproject.toml $(shell find csrc -type f 2>/dev/null)
 
+# Reinstall also when the memo Python imports is another checkout's (one environment, two clones).
 install: $(STAMP)
-	@$(PYTHON) -c "import memo, memo._C" 2>/dev/null || { rm -f $(STAMP); $(MAKE) --no-print-directory $(STAMP); }
+	@(cd / && $(PYTHON) -c "import os, memo, memo._C, memo.planner as p; \
+		assert all(os.path.realpath(m.__file__).startswith('$(CURDIR)/') for m in (memo, p))") \
+		2>/dev/null || { rm -f $(STAMP); $(MAKE) --no-print-directory $(STAMP); }
 	@$(PYTHON) -c "import memo, memo._C; print('memo installed:', memo._C.build_info())"
 
 $(STAMP): $(NATIVE)
