@@ -35,7 +35,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "S_others per layer, solve alpha, trace the wrapped model and write the memory plan. "
         "--device meta profiles any length in seconds without allocating memory.",
     )
-    p.add_argument("--model", required=True, help="registered config name, e.g. gpt-7b, llama-3-8b, tiny")
+    p.add_argument("--model", required=True,
+                   help="registered config name (gpt-7b, llama-3.1-8b, tiny, ...) or a CONFIG.json with "
+                   "memo.models.ModelConfig's fields (arch, n_layers, hidden, n_heads, ...)")
     p.add_argument(
         "--seq-len", required=True, type=seq_len, help="tokens per sequence: 4096, 128K, 1M (K=1024)"
     )

@@ -158,7 +158,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "full-offload (memo with alpha=1: every skeletal tensor to host, nothing recomputed); "
         "memo (token-wise offload/recompute with the solved alpha and the planned allocator).",
     )
-    p.add_argument("--model", default=d.model, help=f"model name: {', '.join(list_configs())}")
+    p.add_argument("--model", default=d.model,
+                   help=f"model name ({', '.join(list_configs())}) or a CONFIG.json with "
+                   "memo.models.ModelConfig's fields")
     p.add_argument("--seq-len", type=seq_len, default=d.seq_len, help="tokens per sequence: 4096, 128K, 1M")
     p.add_argument("--micro-batch", type=positive_int, default=d.micro_batch, help="sequences per step")
     p.add_argument("--steps", type=positive_int, default=d.steps, help="optimizer steps")

@@ -9,7 +9,14 @@ reaches the submodule (imports go through ``sys.modules``), and so does
 """
 
 from memo.models.attention import attention, attention_backend, attention_backward, attention_forward
-from memo.models.config import ModelConfig, fingerprint, get_config, list_configs, register_config
+from memo.models.config import (
+    ModelConfig,
+    fingerprint,
+    get_config,
+    list_configs,
+    load_config,
+    register_config,
+)
 from memo.models.layers import CoreAttention, GPTLayer, LlamaLayer, TransformerLayer, apply_rotary
 from memo.models.loss import DEFAULT_CHUNK_BYTES, IGNORE_INDEX, chunked_lm_loss, default_chunk_tokens
 from memo.models.model import (
@@ -52,6 +59,7 @@ __all__ = [
     "fingerprint",
     "get_config",
     "list_configs",
+    "load_config",
     "num_parameters",
     "register_config",
 ]

@@ -5,11 +5,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 
 from memo.errors import MemoError
+from memo.jsonio import read_json
 
-__all__ = ["ModelConfig", "fingerprint", "get_config", "list_configs", "register_config"]
+__all__ = ["ModelConfig", "fingerprint", "get_config", "list_configs", "load_config", "register_config"]
 
 _ARCHS = ("gpt", "llama")
 
@@ -51,7 +53,7 @@ class ModelConfig:
             raise MemoError(f"{where}: arch must be one of {_ARCHS}, got {self.arch!r}")
         for field in ("n_layers", "hidden", "n_heads", "vocab_size"):
             value = getattr(self, field)
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise MemoError(f"{where}: {field} must be a positive int, got {value!r}")
         if self.hidden % self.n_heads != 0:
             raise MemoError(
@@ -60,7 +62,7 @@ class ModelConfig:
             )
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
-        if not isinstance(self.n_kv_heads, int) or self.n_kv_heads < 1:
+        if isinstance(self.n_kv_heads, bool) or not isinstance(self.n_kv_heads, int) or self.n_kv_heads < 1:
             raise MemoError(f"{where}: n_kv_heads must be a positive int, got {self.n_kv_heads!r}")
         if self.arch == "gpt" and self.n_kv_heads != self.n_heads:
             raise MemoError(
@@ -78,8 +80,12 @@ class ModelConfig:
             else:
                 ffn = -(-(2 * 4 * self.hidden // 3) // 256) * 256
             object.__setattr__(self, "ffn_hidden", ffn)
-        if not isinstance(self.ffn_hidden, int) or self.ffn_hidden < 1:
+        if isinstance(self.ffn_hidden, bool) or not isinstance(self.ffn_hidden, int) or self.ffn_hidden < 1:
             raise MemoError(f"{where}: ffn_hidden must be a positive int, got {self.ffn_hidden!r}")
+        for field in ("norm_eps", "rope_theta"):
+            value = getattr(self, field)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise MemoError(f"{where}: {field} must be a number, got {value!r}")
         if not self.norm_eps > 0:
             raise MemoError(f"{where}: norm_eps must be > 0, got {self.norm_eps!r}")
         if self.arch == "gpt" and self.rope_theta is not None:
@@ -129,13 +135,52 @@ def register_config(config: ModelConfig) -> ModelConfig:
 
 
 def get_config(name: str) -> ModelConfig:
-    """The registered config called ``name``; unknown names raise an error listing the valid ones."""
+    """The registered config called ``name``, or the config in the JSON file ``name`` (a path ending
+    in ``.json``, see :func:`load_config`); unknown names raise an error listing the valid ones."""
+    if name.endswith(".json") or os.sep in name:
+        return load_config(name)
     try:
         return _REGISTRY[name]
     except KeyError:
         raise MemoError(
-            f"memo.models: unknown model {name!r}; valid names: {', '.join(list_configs())}"
+            f"memo.models: unknown model {name!r}; valid names: {', '.join(list_configs())}, "
+            "or a path to a CONFIG.json with ModelConfig's fields"
         ) from None
+
+
+_REQUIRED = ("arch", "n_layers", "hidden", "n_heads")
+
+
+def load_config(path: str | os.PathLike[str]) -> ModelConfig:
+    """A :class:`ModelConfig` from a JSON file holding its fields, for shapes of one's own::
+
+        {"arch": "llama", "n_layers": 32, "hidden": 1024, "n_heads": 16, "n_kv_heads": 4,
+         "ffn_hidden": 2816, "vocab_size": 32000}
+
+    ``arch``, ``n_layers``, ``hidden`` and ``n_heads`` are required; the others default as in
+    :class:`ModelConfig`; ``name`` defaults to the file name without ``.json``. Missing, unknown,
+    mistyped or inconsistent fields are refused with an error that names them.
+    """
+    data = read_json(path, "memo.models", "write one with the fields of memo.models.ModelConfig")
+    where = f"memo.models: {os.fspath(path)!r}"
+    if not isinstance(data, dict):
+        raise MemoError(f"{where} must hold a JSON object of ModelConfig fields, got {type(data).__name__}")
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise MemoError(f"{where}: unknown field(s) {', '.join(unknown)}; "
+                        f"ModelConfig has {', '.join(sorted(known))}")
+    missing = [k for k in _REQUIRED if k not in data]
+    if missing:
+        raise MemoError(f"{where}: missing field(s) {', '.join(missing)} (required: {', '.join(_REQUIRED)})")
+    fields = dict(data)
+    fields.setdefault("name", os.path.splitext(os.path.basename(os.fspath(path)))[0])
+    if not isinstance(fields["name"], str) or not fields["name"]:
+        raise MemoError(f"{where}: name must be a non-empty string, got {fields['name']!r}")
+    try:
+        return ModelConfig(**fields)
+    except MemoError as err:
+        raise MemoError(f"{err} (in {os.fspath(path)})") from None
 
 
 def list_configs() -> list[str]:
@@ -190,3 +235,10 @@ register_config(
         rope_theta=500000.0,
     )
 )
+# Llama 3.1 has Llama 3's shapes; its long-context RoPE scaling ("llama3" rope_type) changes the
+# rotary frequencies, not the memory: memo's reference Llama uses plain RoPE with this base.
+for _name, _layers, _hidden, _heads, _ffn in (("llama-3.1-8b", 32, 4096, 32, 14336),
+                                              ("llama-3.1-70b", 80, 8192, 64, 28672)):
+    register_config(ModelConfig(name=_name, arch="llama", n_layers=_layers, hidden=_hidden, n_heads=_heads,
+                                n_kv_heads=8, ffn_hidden=_ffn, vocab_size=128256, norm_eps=1e-5,
+                                rope_theta=500000.0))

@@ -368,9 +368,12 @@ def profile(
     notes: list[str] = []
     t0 = time.perf_counter()
     if isinstance(model, str):
+        from memo.models import get_config
+
         net = None
         dev = torch.device(device)
-        name = model
+        source = model  # a registered name or a CONFIG.json path
+        name = get_config(model).name  # what plans and traces call it
     else:
         net = model
         param = next(net.parameters(), None)
@@ -388,7 +391,7 @@ def profile(
     # keeps 4 TiB for backward), the sizes the dispatch recorder sees do not depend on the
     # device, and meta costs seconds.
     sized_on = torch.device("meta")
-    sizing = build_profile_model(name, seq_len, dt, sized_on) if net is None else meta_copy(net)
+    sizing = build_profile_model(source, seq_len, dt, sized_on) if net is None else meta_copy(net)
     timings["build"] = time.perf_counter() - t0
     meta = {"model": name}
 
@@ -419,7 +422,7 @@ def profile(
         return result
     if net is None:
         t0 = time.perf_counter()
-        net = build_profile_model(name, seq_len, dt, dev)
+        net = build_profile_model(source, seq_len, dt, dev)
         timings["build"] += time.perf_counter() - t0
     ids, labels = _inputs(net, seq_len, micro_batch, dev)
 

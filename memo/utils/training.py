@@ -340,7 +340,7 @@ def train(
     emit = log if log is not None else tqdm.write
     iteration: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     if strategy is not None:
-        run = {"model": config.model, "seq_len": config.seq_len, "micro_batch": config.micro_batch,
+        run = {"model": model_config.name, "seq_len": config.seq_len, "micro_batch": config.micro_batch,
                "dtype": config.dtype}
         strategy.prepare(model, first[0], first[1], run, log=emit)
         iteration = strategy.step
