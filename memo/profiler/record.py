@@ -120,7 +120,7 @@ def record(
     own_tracker = tracker is None
     if tracker is None:
         tracker = PhaseTracker(embedding, layers, head)
-    rec = DispatchRecorder(lambda: tracker.current)
+    rec = DispatchRecorder(lambda: tracker.current, device=ids.device)
     tracker.add_listener(rec.on_phase)
     inputs: dict[int, int] = {}
     outputs: dict[int, int] = {}

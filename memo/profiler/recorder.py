@@ -100,6 +100,7 @@ class DispatchRecorder(TorchDispatchMode):
 
     Args:
         phase: zero-argument callable returning the current phase name (or None).
+        device: record only storages on this device (type); None records every device.
     Call :meth:`on_phase` on every phase change (it is a PhaseTracker listener)
     so the recorder can tell transient from skeletal allocations.
 
@@ -107,9 +108,12 @@ class DispatchRecorder(TorchDispatchMode):
     and ``{"op": "free", "id"}``, in the order they happened.
     """
 
-    def __init__(self, phase: Callable[[], str | None]) -> None:
+    def __init__(self, phase: Callable[[], str | None], device: torch.device | str | None = None) -> None:
         super().__init__()
         self._phase = phase
+        #: Only storages on this device type are recorded (NOTE [Device truth] in
+        #: memo/runtime/buffers.py): a meta trace holds no CPU tensors (RNG states, host copies).
+        self._device_type = None if device is None else torch.device(device).type
         self.events: list[dict[str, Any]] = []
         self.allocations: dict[int, Allocation] = {}
         # storage python id -> (record id, weakref). The weakref object must stay
@@ -176,6 +180,8 @@ class DispatchRecorder(TorchDispatchMode):
         return out
 
     def _record(self, tensor: torch.Tensor, func: torch._ops.OpOverload, args: tuple[Any, ...]) -> None:
+        if self._device_type is not None and tensor.device.type != self._device_type:
+            return
         storage = tensor.untyped_storage()
         key = id(storage)
         if key in self._live:

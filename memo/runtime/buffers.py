@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from memo.allocator.host import PinnedHostBuffer, host_memory_limit
 from memo.errors import MemoError, internal_assert
@@ -389,7 +390,11 @@ class RoundingBuffers:
                 "(or solve it with memo.planner.solve_alpha) or free host memory"
             )
         try:
-            self.host = engine.alloc_host_arena(host_bytes)
+            # NOTE [Device truth]: the host arena is host memory. A profiler tracing device
+            # allocations (a dispatch mode, on meta or a device) must not see it, so it is made
+            # with every dispatch mode set aside.
+            with _disable_current_modes():
+                self.host = engine.alloc_host_arena(host_bytes)
             self.device_buffers = [engine.alloc_device_buffer(layer_bytes) for _ in range(2)]
         except (RuntimeError, ValueError) as e:
             raise MemoError(
