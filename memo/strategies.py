@@ -63,6 +63,9 @@ class StrategyOptions:
     """Fraction of a process's share of host memory it may pin."""
     time_limit: float = 5.0
     """Seconds the planner's MIP stages may take in all (the greedy plan is ready at once)."""
+    device_mem_gb: float | None = None
+    """Device memory budget in GB (10^9 bytes), enforced by memo's allocator: a request beyond it is
+    a real out-of-memory error (NOTE [Device budget]). None: the device's own memory."""
     debug_copy_delay_us: int | None = None
     """CPU backend: random delay before each copy (tests)."""
     notes: list[str] = field(default_factory=list)
@@ -95,6 +98,10 @@ class StrategyOptions:
             raise MemoError("memo.train: give --plan (which carries alpha) or --alpha, not both")
         if self.gpus_per_node < 1:
             raise MemoError(f"memo.train: --gpus-per-node must be >= 1, got {self.gpus_per_node}")
+        if self.device_mem_gb is not None and not (isinstance(self.device_mem_gb, (int, float))
+                                                   and 0 < self.device_mem_gb < float("inf")):
+            raise MemoError(
+                f"memo.train: --device-mem-gb must be a positive number of GB, got {self.device_mem_gb!r}")
         if not 0 < self.host_safety <= 1:
             raise MemoError(f"memo.train: --host-safety must be in (0, 1], got {self.host_safety}")
 
@@ -215,10 +222,35 @@ class Strategy:
             return
         table = self.plan if (self.plan is not None and self.options.planned_allocator) else {"tables": {},
                                                                                               "peak": 0}
-        self._exit.enter_context(allocator.planned(table, device=self.device))
+        limit = self._fallback_limit(table)
+        if limit is not None:
+            # Segments cached by an earlier run would serve requests past the budget: give them back.
+            allocator.empty_cache(self.device)
+        self._exit.enter_context(allocator.planned(table, device=self.device, fallback_limit=limit))
         self.tracker = PhaseTracker(self.model.embedding, self.model.layers, self.model.head,
                                     listeners=[allocator.set_phase])
         self._allocator_on = True
+
+    def _fallback_limit(self, table: Any) -> int | None:
+        """NOTE [Device budget]: memo's allocator holds the plan's arena and a fallback pool; the
+        budget caps both. On CUDA it also holds the parameters (PyTorch's CUDA allocator for the
+        whole process); on CPU they were made before memo's allocator was swapped in, so the
+        budget's share for them is set aside here. What is left is the fallback pool's limit."""
+        gb = self.options.device_mem_gb
+        if gb is None:
+            return None
+        budget = int(gb * 1e9)
+        arena = int(table.peak if hasattr(table, "peak") else table.get("peak", 0))
+        params = 0 if self.device.type == "cuda" else self.param_bytes
+        limit = budget - arena - params
+        if limit <= 0:
+            raise MemoError(
+                f"memo.train: --device-mem-gb {gb:g} ({format_mib(budget)}) cannot hold the parameters "
+                f"({format_mib(self.param_bytes)}) and the plan's arena ({format_mib(arena)}); this run "
+                f"needs more than {format_mib(arena + self.param_bytes)} before any gradient, optimizer "
+                "state or temporary. Give a larger budget, a shorter --seq-len, or a smaller model"
+            )
+        return limit
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:

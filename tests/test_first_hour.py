@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from memo.cli.main import main
@@ -128,3 +130,30 @@ def test_memo_plan_says_each_thing_once(tmp_path) -> None:
     for phase in ("layer.fwd[10]", "layer.fwd[11]"):
         assert sum(phase in line for line in lines) <= 1, done.stdout
     assert "--for-allocator" in done.stdout  # why it differs from `memo profile`'s plan
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("strategy", ["memo", "full-recompute"])
+def test_device_budget_is_a_real_out_of_memory_error(strategy: str, tmp_path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    common = ["train", "--model", "tiny", "--seq-len", "512", "--steps", "2", "--no-progress", "--strategy",
+              strategy, *(["--alpha", "0.5"] if strategy == "memo" else [])]
+    report = tmp_path / "r.json"
+    assert main([*common, "--device-mem-gb", "1", "--report", str(report)]) == 0
+    peak = json.loads(report.read_text())["peak_device_bytes"]
+    capsys.readouterr()
+    # 60% of what the run needed: a real failed allocation, with the numbers.
+    assert main([*common, "--device-mem-gb", f"{0.6 * peak / 1e9:.9f}"]) == 2
+    err = capsys.readouterr().err
+    if strategy == "full-recompute":  # no arena: the budget left for the pool is what runs out
+        assert "ran out of device memory" in err and "cannot serve a request of" in err, err
+    assert "ran out of device memory" in err or "cannot hold the parameters" in err, err
+    assert main([*common, "--device-mem-gb", "0.0001"]) == 2
+    assert "cannot hold the parameters" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "many"])
+def test_device_budget_must_be_positive(bad: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["train", "--model", "tiny", "--device-mem-gb", bad])
+    assert "--device-mem-gb" in capsys.readouterr().err

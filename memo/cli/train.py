@@ -74,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
         gpus_per_node=args.gpus_per_node or 1,
         host_safety=args.host_safety,
         time_limit=args.time_limit,
+        device_mem_gb=args.device_mem_gb,
     )
     config = TrainConfig(
         model=args.model,
@@ -185,6 +186,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--time-limit", type=positive_float, default=5.0,
                    help="seconds the planner's search and MIP stages may take in all "
                         "(5; the greedy plan is immediate)")
+    p.add_argument("--device-mem-gb", type=positive_float, default=None,
+                   help="device memory budget in GB (10^9 bytes), enforced by memo's allocator for every "
+                   "strategy: a step that needs more fails with an out-of-memory error giving the numbers "
+                   "(default: the device's own memory)")
     p.add_argument("--report", metavar="OUT.json", help="write the versioned JSON report")
     p.add_argument("--plot", metavar="OUT.png", help="draw the loss curve(s) of this run (and --compare)")
     p.add_argument("--compare", nargs="*", default=[], metavar="REPORT.json", help="more reports to plot")

@@ -372,7 +372,18 @@ def train(
             ids, labels = (t.to(device, non_blocking=True) for t in next(batches))
         _synchronize(device)
         start = time.perf_counter()
-        loss = train_step(model, optimizer, ids, labels, iteration).float().item()  # .item() waits
+        try:
+            loss = train_step(model, optimizer, ids, labels, iteration).float().item()  # .item() waits
+        except RuntimeError as err:
+            if "memo allocator:" not in str(err):
+                raise
+            # memo's allocator refused a request (its budget, NOTE [Device budget], or the device):
+            # one line with its numbers, not a traceback from deep inside autograd.
+            message = str(err).splitlines()[0]
+            if "fallback limit" in message:
+                message += (" (with --device-mem-gb the limit is the budget less the parameters and the "
+                            "plan's arena: give a larger budget or a shorter sequence)")
+            raise MemoError(f"memo.train: step {step} ran out of device memory: {message}") from None
         _synchronize(device)
         seconds = time.perf_counter() - start
         if not math.isfinite(loss):
