@@ -198,10 +198,8 @@ class Strategy:
             p.grad = None
         self.alpha, self.alpha_binding = float(result.alpha.alpha), str(result.alpha.binding)
         self.plan = result.plan
-        sizes = result.plain_trace["layers"]
         a = runtime_offload_tokens(self.alpha, run["seq_len"])
-        self.planned_offload_bytes = (sizes["S_input"] + sizes["S_attn"]
-                                      + a * sizes["S_others"] // run["seq_len"])
+        self.planned_offload_bytes = profiler.offloaded_bytes(result.plain_trace["layers"], a, run["seq_len"])
         if self.plan is not None:
             log(f"memo: alpha {self.alpha:.4f} ({self.alpha_binding}); "
                 f"plan arena {format_mib(self.plan.peak)}, lower bound {format_mib(self.plan.lower_bound)}")

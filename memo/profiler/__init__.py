@@ -19,7 +19,7 @@ from memo.profiler.measure import (
 )
 from memo.profiler.record import Recording, model_parts, record, record_trace
 from memo.profiler.recorder import RECORDER_NAME, Allocation, DispatchRecorder
-from memo.profiler.stats import LayerStats, layer_stats, summarise_layers
+from memo.profiler.stats import LayerStats, layer_stats, offloaded_bytes, summarise_layers
 from memo.profiler.units import parse_count
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "gpu_peak_flops",
     "layer_forward_flops",
     "layer_stats",
+    "offloaded_bytes",
     "measure_bandwidth",
     "model_parts",
     "parse_count",

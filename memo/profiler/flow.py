@@ -48,7 +48,7 @@ from memo.profiler.measure import (
     time_layer_forward,
 )
 from memo.profiler.record import Recording, model_parts, quiet_backward_hook_warning, record
-from memo.profiler.stats import LayerStats, summarise_layers
+from memo.profiler.stats import LayerStats, offloaded_bytes, summarise_layers
 
 __all__ = ["DTYPES", "ProfileResult", "build_profile_model", "meta_copy", "profile", "runtime_wrap"]
 
@@ -540,8 +540,7 @@ def profile(
         result.plan.offload = {
             "offloaded_layers": wrapped["offloaded_layers"],
             # The wrapped pass runs the layer as profiled (unsharded), so compare unsharded bytes.
-            "planned_bytes_per_layer": summary["S_input"] + summary["S_attn"]
-            + a * summary["S_others"] // seq_len,
+            "planned_bytes_per_layer": offloaded_bytes(summary, a, seq_len),
             "actual_bytes_per_layer": wrapped["layer_bytes"],
             "tensors": [list(t) for t in wrapped["tensors"]],
         }

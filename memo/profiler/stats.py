@@ -32,7 +32,7 @@ from memo.errors import MemoError
 from memo.phases import layer_phase
 from memo.profiler.recorder import Allocation, DispatchRecorder
 
-__all__ = ["LayerStats", "layer_stats", "summarise_layers"]
+__all__ = ["LayerStats", "layer_stats", "offloaded_bytes", "summarise_layers"]
 
 
 @dataclass
@@ -147,3 +147,9 @@ def summarise_layers(stats: list[LayerStats]) -> dict[str, Any]:
     if times:
         out["layer_fwd_ms"] = max(times)
     return out
+
+
+def offloaded_bytes(layers: dict[str, Any], offloaded_tokens: int, seq_len: int) -> int:
+    """Bytes one offloaded layer copies when ``offloaded_tokens`` of ``seq_len`` tokens are offloaded:
+    S_input + S_attn + a/s · S_others (NOTE [Planned and actual offload] in memo/planner/plan.py)."""
+    return layers["S_input"] + layers["S_attn"] + offloaded_tokens * layers["S_others"] // seq_len
