@@ -57,6 +57,13 @@ def view_into(t: torch.Tensor, base: torch.Tensor) -> tuple[tuple[int, ...], tup
     return tuple(t.shape), tuple(t.stride()), rel
 
 
+def _storage_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A flat tensor of ``t``'s dtype over all of ``t``'s storage."""
+    storage = t.untyped_storage()
+    n = storage.nbytes() // t.element_size()
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, (n,), (1,))
+
+
 class SavedStorages:
     """The copy decisions of one layer pass (NOTE [One truth for saved bytes]).
 
@@ -77,9 +84,7 @@ class SavedStorages:
 
     def add_storage_base(self, t: torch.Tensor, token: Any) -> None:
         """``t``'s whole storage is accounted for elsewhere (the layer input, attention's output)."""
-        storage = t.untyped_storage()
-        n = storage.nbytes() // t.element_size()
-        self.add_base(torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, (n,), (1,)), token)
+        self.add_base(_storage_tensor(t), token)
 
     def add_base(self, t: torch.Tensor, token: Any) -> None:
         """``t`` (contiguous) is copied whole, as ``token``: saved views of it refer to that copy."""
@@ -102,12 +107,11 @@ class SavedStorages:
         return ("copy", t, False) if whole is None else ("copy", whole, True)
 
     def _whole_storage(self, t: torch.Tensor) -> torch.Tensor | None:
-        storage = t.untyped_storage()
         itemsize = t.element_size()
-        nbytes = storage.nbytes()
+        nbytes = t.untyped_storage().nbytes()
         if nbytes % itemsize or nbytes > self.WHOLE_STORAGE_RATIO * max(1, t.numel() * itemsize):
             return None
-        return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, (nbytes // itemsize,), (1,))
+        return _storage_tensor(t)
 
     def clear(self) -> None:
         self.bases.clear()
