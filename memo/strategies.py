@@ -217,6 +217,15 @@ class Strategy:
                     "memo.train: memo's CUDA allocator must be installed before the first CUDA tensor; "
                     "call memo.allocator.install_cuda() first (memo train does this for --strategy memo)"
                 )
+            if self.options.device_mem_gb is not None:
+                # NOTE [Device budget] with PyTorch's own allocator: its per-process fraction cap.
+                index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+                total = torch.cuda.get_device_properties(index).total_memory
+                fraction = self.options.device_mem_gb * 1e9 / total
+                if fraction > 1:
+                    raise MemoError(f"memo.train: --device-mem-gb {self.options.device_mem_gb:g} is more "
+                                    f"than the device's {total / 1e9:.1f} GB")
+                torch.cuda.set_per_process_memory_fraction(fraction, index)
             return
         table = self.plan if (self.plan is not None and self.options.planned_allocator) else {"tables": {},
                                                                                               "peak": 0}

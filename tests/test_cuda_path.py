@@ -257,3 +257,24 @@ def test_allocator_trace_follows_a_warm_up_iteration(monkeypatch) -> None:
     assert all(p.grad is not None for p in model.parameters())  # only the logged iteration's
     mallocs = [e for e in trace["events"] if e["op"] == "malloc" and "phase" in e]
     assert mallocs
+
+
+def test_device_budget_caps_pytorchs_cuda_allocator_too(monkeypatch) -> None:
+    """Baselines on CUDA without memo's allocator: the budget becomes PyTorch's memory fraction."""
+    from types import SimpleNamespace
+
+    from memo.errors import MemoError
+    from memo.strategies import Strategy, StrategyOptions
+
+    calls: list[tuple[float, int]] = []
+    monkeypatch.setattr(allocator, "cuda_installed", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(total_memory=80e9))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, i: calls.append((f, i)))
+    strategy = Strategy(StrategyOptions(strategy="full-recompute", device_mem_gb=20))
+    strategy.model, strategy.device = build_model("tiny", dtype=torch.float32), torch.device("cuda", 1)
+    strategy._start_meter()
+    assert calls == [(0.25, 1)]
+    strategy = Strategy(StrategyOptions(strategy="none", device_mem_gb=100))
+    strategy.model, strategy.device = build_model("tiny", dtype=torch.float32), torch.device("cuda", 1)
+    with pytest.raises(MemoError, match="more than the device's 80.0 GB"):
+        strategy._start_meter()

@@ -375,7 +375,7 @@ def train(
         try:
             loss = train_step(model, optimizer, ids, labels, iteration).float().item()  # .item() waits
         except RuntimeError as err:
-            if "memo allocator:" not in str(err):
+            if "memo allocator:" not in str(err) and not isinstance(err, torch.cuda.OutOfMemoryError):
                 raise
             # memo's allocator refused a request (its budget, NOTE [Device budget], or the device):
             # one line with its numbers, not a traceback from deep inside autograd.
