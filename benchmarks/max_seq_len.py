@@ -55,7 +55,7 @@ from typing import Any
 import torch
 
 from memo.cli.args import positive_float, seq_len
-from memo.errors import MemoError
+from memo.errors import DeviceBudgetError, MemoError
 from memo.phases import PhaseTracker
 from memo.strategies import Strategy, StrategyOptions
 
@@ -143,7 +143,8 @@ def _is_oom(err: BaseException | None) -> bool:
     # memo wraps some failed allocations in its own error (e.g. "could not allocate the rounding
     # buffers"), with the allocator's error as the cause: look down the chain.
     while err is not None:
-        if isinstance(err, (torch.OutOfMemoryError, DeviceMemoryFull)):
+        # DeviceBudgetError: memo's planner found no layer policy within the budget (before the step).
+        if isinstance(err, (torch.OutOfMemoryError, DeviceMemoryFull, DeviceBudgetError)):
             return True
         text = str(err)
         # memo's CUDA backend throws from the pluggable allocator; torch re-raises it as RuntimeError.
@@ -161,10 +162,15 @@ def _memo_plan(args: argparse.Namespace, length: int, workdir: str) -> str:
     from memo.utils.training import DTYPES
 
     result = profile(args.model, length, 1, DTYPES[args.dtype], torch.device(args.device).type,
-                     recorder="allocator", time_limit=args.time_limit)
+                     recorder="allocator", time_limit=args.time_limit, device_mem_gb=_budget_gb(args))
     path = os.path.join(workdir, f"plan-{length}.json")
     save_plan(result.plan, path)
     return path
+
+
+def _budget_gb(args: argparse.Namespace) -> float | None:
+    """The budget in GB (10^9 bytes), as memo's planner takes it, or None."""
+    return None if args.device_mem_mb is None else args.device_mem_mb * 2**20 / 1e9
 
 
 def try_length(name: str, length: int, args: argparse.Namespace, workdir: str) -> tuple[bool, str]:
@@ -183,8 +189,10 @@ def try_length(name: str, length: int, args: argparse.Namespace, workdir: str) -
         plan_s = time.perf_counter() - start
         strategy = CappedStrategy(StrategyOptions(strategy="memo", plan=plan, time_limit=args.time_limit))
     elif name == "memo":
-        # Strategy.prepare profiles and plans this model (alpha "auto") before the capped meter starts.
-        strategy = CappedStrategy(StrategyOptions(strategy="memo", time_limit=args.time_limit))
+        # Strategy.prepare profiles and plans this model (alpha "auto", the layer policy for the
+        # budget) before the capped meter starts.
+        strategy = CappedStrategy(StrategyOptions(strategy="memo", time_limit=args.time_limit,
+                                                  device_mem_gb=_budget_gb(args)))
     else:
         strategy = CappedStrategy(StrategyOptions(strategy=name))
     strategy.device_bytes = budget

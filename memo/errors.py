@@ -14,6 +14,10 @@ class MemoError(RuntimeError):
     """A user-facing error: bad input, a mismatched file, memory that cannot be had."""
 
 
+class DeviceBudgetError(MemoError):
+    """No layer policy fits the device budget: the message gives the smallest need and its parts."""
+
+
 class PlanMismatchError(MemoError):
     """A plan or trace was made for another model, sequence length or dtype."""
 

@@ -128,6 +128,7 @@ class Strategy:
         self.alpha: float | None = None
         self.alpha_binding: str | None = None
         self.plan: Any = None
+        self.policy: list[str] | None = None
         self.tracker: PhaseTracker | None = None
         self.param_bytes = 0
         self._exit = contextlib.ExitStack()
@@ -157,11 +158,13 @@ class Strategy:
             self._prepare_memo(model, ids, labels, run, log)
         self._start_meter()
 
-    def _wrap(self, alpha: float, plan: Any = None) -> None:
+    def _wrap(self, alpha: float, plan: Any = None, policy: list[str] | None = None) -> None:
         from memo import runtime
 
+        if plan is not None and getattr(plan, "policy", None):
+            policy = None  # the plan carries it
         runtime.wrap(self.model, alpha=None if plan is not None else alpha, plan=plan,
-                     debug_copy_delay_us=self.options.debug_copy_delay_us)
+                     debug_copy_delay_us=self.options.debug_copy_delay_us, policy=policy)
         self.alpha = alpha
 
     def _prepare_memo(
@@ -172,6 +175,7 @@ class Strategy:
         if opts.plan is not None:
             plan = planner.load_plan(opts.plan)
             _check_plan(plan, run)
+            _check_plan_budget(plan, opts.device_mem_gb)
             self.plan = plan
             self.alpha, self.alpha_binding = float(plan.alpha), getattr(plan, "alpha_binding", None)
             if plan.offload:
@@ -190,6 +194,7 @@ class Strategy:
             time_limit=opts.time_limit, alpha=fixed,
             bandwidth_gbps=opts.bandwidth_gbps, layer_ms=opts.layer_ms,
             host_mem_gb=opts.host_mem_gb, gpus_per_node=opts.gpus_per_node, host_safety=opts.host_safety,
+            device_mem_gb=opts.device_mem_gb,
             plan=opts.planned_allocator, log=lambda line: log(f"memo profile: {line}"),
         )
         for note in result.notes:
@@ -198,12 +203,13 @@ class Strategy:
             p.grad = None
         self.alpha, self.alpha_binding = float(result.alpha.alpha), str(result.alpha.binding)
         self.plan = result.plan
+        self.policy = list(result.policy.policy)
         a = runtime_offload_tokens(self.alpha, run["seq_len"])
         self.planned_offload_bytes = profiler.offloaded_bytes(result.plain_trace["layers"], a, run["seq_len"])
         if self.plan is not None:
             log(f"memo: alpha {self.alpha:.4f} ({self.alpha_binding}); "
                 f"plan arena {format_mib(self.plan.peak)}, lower bound {format_mib(self.plan.lower_bound)}")
-        self._wrap(self.alpha, self.plan)
+        self._wrap(self.alpha, self.plan, self.policy)
 
     # Steps --------------------------------------------------------------------------------------
     def _start_meter(self) -> None:
@@ -366,3 +372,19 @@ def _check_plan(plan: Any, run: dict[str, Any]) -> None:
                 f"memo.train: the plan was made for {key}={actual}, this run has {key}={expected}; "
                 "re-run `memo profile` for this run, or drop --plan"
             )
+
+
+def _check_plan_budget(plan: Any, device_mem_gb: float | None) -> None:
+    """A plan chosen for another device budget is refused: its layer policy fits that budget only."""
+    if device_mem_gb is None:
+        return
+    device = getattr(plan, "device", None) or {}
+    planned = device.get("budget_bytes")
+    wanted = int(device_mem_gb * 1e9)
+    if planned is None or abs(int(planned) - wanted) > 0.001 * wanted:
+        made = "no device budget" if planned is None else f"--device-mem-gb {int(planned) / 1e9:g}"
+        raise PlanMismatchError(
+            f"memo.train: the plan was made for {made}, this run has --device-mem-gb {device_mem_gb:g}; its "
+            "layer policy and alpha were chosen to fit that budget. Re-run `memo profile --device-mem-gb "
+            f"{device_mem_gb:g}` for this run, or drop --device-mem-gb"
+        )

@@ -2,8 +2,13 @@
 
     maximise   alpha
     subject to (S_input + S_attn + alpha * S_others) / B <= T_layer         (bandwidth: copy hides)
-               (n_layers - 2) * (S_input + S_attn + alpha * S_others) <= M_CPU   (host memory)
+               n_memo * (S_input + S_attn + alpha * S_others) <= M_CPU      (host memory)
+               D_fixed + alpha * D_alpha <= M_device                         (device memory, optional)
                0 <= alpha <= 1
+
+``n_memo`` is the number of offloaded layers: ``n_layers - 2`` by default (the paper's rule),
+or what the per-layer policy offloads (planner/policy.py), which also supplies the device
+constraint's coefficients.
 
 The input and attention output are always offloaded (attention is never
 recomputed), so alpha = 0 must fit in host memory: if it does not, training
@@ -13,7 +18,7 @@ binding "bandwidth" and a warning: the copies then stall compute, which is
 slower but correct.
 
 ``binding`` is the constraint that stops alpha from growing: "alpha<=1"
-(everything offloaded, nothing recomputed), "bandwidth" or "host_memory".
+(everything offloaded, nothing recomputed), "bandwidth", "host_memory" or "device_memory".
 """
 
 from __future__ import annotations
@@ -81,7 +86,8 @@ def host_memory_per_process(node_bytes: int, gpus_per_node: int, safety: float =
 
 @quiet_pulp
 def _inputs(s_input: float, s_attn: float, s_others: float, bandwidth: float, layer_time: float,
-            n_layers: int, host_memory: float) -> tuple[float, float, float, float, float, int, float]:
+            n_layers: int, host_memory: float, offloaded_layers: int | None = None,
+            ) -> tuple[float, float, float, float, float, int, float]:
     """Checked LP inputs, with ``n_layers`` turned into the number of offloaded layers; refuses
     a host memory that cannot hold even alpha=0."""
     s_input = _check("s_input", s_input, allow_zero=True)
@@ -92,7 +98,10 @@ def _inputs(s_input: float, s_attn: float, s_others: float, bandwidth: float, la
     host_memory = _check("host_memory", host_memory, allow_zero=True)
     if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers <= 0:
         raise MemoError(f"memo.alpha: n_layers must be a positive integer, got {n_layers!r}")
-    kept = max(n_layers - 2, 0)
+    kept = max(n_layers - 2, 0) if offloaded_layers is None else int(offloaded_layers)
+    if not 0 <= kept <= n_layers:
+        raise MemoError(f"memo.alpha: offloaded_layers must be in [0, n_layers={n_layers}], "
+                        f"got {offloaded_layers!r}")
     base = s_input + s_attn
     if kept * base > host_memory:
         raise MemoError(
@@ -105,7 +114,8 @@ def _inputs(s_input: float, s_attn: float, s_others: float, bandwidth: float, la
 
 
 def evaluate_alpha(alpha: float, s_input: float, s_attn: float, s_others: float, bandwidth: float,
-                   layer_time: float, n_layers: int, host_memory: float) -> AlphaSolution:
+                   layer_time: float, n_layers: int, host_memory: float, *,
+                   offloaded_layers: int | None = None) -> AlphaSolution:
     """A given alpha measured against the LP's constraints (binding ``"given"``).
 
     Refuses (with the numbers) an alpha whose offload does not fit in host memory; reports
@@ -114,7 +124,7 @@ def evaluate_alpha(alpha: float, s_input: float, s_attn: float, s_others: float,
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
         raise MemoError(f"memo.alpha: alpha must be a number in [0, 1], got {alpha!r}")
     s_input, s_attn, s_others, bandwidth, layer_time, kept, host_memory = _inputs(
-        s_input, s_attn, s_others, bandwidth, layer_time, n_layers, host_memory)
+        s_input, s_attn, s_others, bandwidth, layer_time, n_layers, host_memory, offloaded_layers)
     per_layer = s_input + s_attn + alpha * s_others
     if kept * per_layer > host_memory:
         raise MemoError(
@@ -128,7 +138,9 @@ def evaluate_alpha(alpha: float, s_input: float, s_attn: float, s_others: float,
 
 
 def solve_alpha(s_input: float, s_attn: float, s_others: float, bandwidth: float, layer_time: float,
-                n_layers: int, host_memory: float) -> AlphaSolution:
+                n_layers: int, host_memory: float, *, offloaded_layers: int | None = None,
+                device_memory: float | None = None, device_fixed: float = 0.0,
+                device_per_alpha: float = 0.0) -> AlphaSolution:
     """Largest alpha in [0, 1] whose offload hides under compute and fits in host memory.
 
     Args:
@@ -136,13 +148,17 @@ def solve_alpha(s_input: float, s_attn: float, s_others: float, bandwidth: float
             all other skeletal tensors).
         bandwidth: host<->device bytes per second (B).
         layer_time: forward seconds of one layer (T_layer).
-        n_layers: transformer layers; the last two go straight to backward and are not offloaded.
+        n_layers: transformer layers; the last two go straight to backward and are not offloaded
+            unless ``offloaded_layers`` says how many layers offload.
         host_memory: bytes of pinned host memory this process may use (M_CPU).
+        device_memory, device_fixed, device_per_alpha: the device constraint
+            ``device_fixed + alpha * device_per_alpha <= device_memory`` (bytes; None: no constraint);
+            the caller has checked that alpha = 0 fits.
     """
     import pulp
 
     s_input, s_attn, s_others, bandwidth, layer_time, kept, host_memory = _inputs(
-        s_input, s_attn, s_others, bandwidth, layer_time, n_layers, host_memory)
+        s_input, s_attn, s_others, bandwidth, layer_time, n_layers, host_memory, offloaded_layers)
     base = s_input + s_attn
     hidden_at_zero = base / bandwidth <= layer_time
     prob = pulp.LpProblem("memo_alpha", pulp.LpMaximize)
@@ -153,6 +169,8 @@ def solve_alpha(s_input: float, s_attn: float, s_others: float, bandwidth: float
         prob += (base + alpha * s_others) / GiB <= layer_time * bandwidth / GiB, "bandwidth"
     if kept:
         prob += kept * (base + alpha * s_others) / GiB <= host_memory / GiB, "host_memory"
+    if device_memory is not None and device_per_alpha > 0:
+        prob += (device_fixed + alpha * device_per_alpha) / GiB <= device_memory / GiB, "device_memory"
     prob.solve(pulp.PULP_CBC_CMD(msg=False))
     if pulp.LpStatus[prob.status] != "Optimal":
         raise MemoError(f"memo.alpha: the LP solver returned {pulp.LpStatus[prob.status]}; "
@@ -177,7 +195,10 @@ def solve_alpha(s_input: float, s_attn: float, s_others: float, bandwidth: float
     else:
         bw_limit = (layer_time * bandwidth - base) / s_others if s_others else math.inf
         host_limit = (host_memory / kept - base) / s_others if kept and s_others else math.inf
-        binding = "bandwidth" if bw_limit <= host_limit else "host_memory"
+        device_limit = ((device_memory - device_fixed) / device_per_alpha
+                        if device_memory is not None and device_per_alpha > 0 else math.inf)
+        limits = {"bandwidth": bw_limit, "host_memory": host_limit, "device_memory": device_limit}
+        binding = min(limits, key=limits.__getitem__)
     per_layer = base + value * s_others
     return AlphaSolution(alpha=value, binding=binding, bytes_per_layer=int(math.ceil(per_layer)),
                          copy_seconds=per_layer / bandwidth, layer_time=layer_time,

@@ -63,6 +63,39 @@ def _check_offload(value: Any) -> dict[str, Any] | None:
     return out
 
 
+def _check_policy(value: Any) -> list[str] | None:
+    if value is None:
+        return None
+    from memo.runtime.runtime import validate_policy
+
+    try:
+        return validate_policy(value)
+    except MemoError as err:
+        raise MemoError(f"memo.plan: bad 'policy' ({err}); re-run `memo profile`") from None
+
+
+def _check_device(value: Any) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise MemoError(f"memo.plan: 'device' must be an object, got {type(value).__name__}")
+    budget = value.get("budget_bytes")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
+        raise MemoError(f"memo.plan: device.budget_bytes must be a positive int or null, got {budget!r}")
+    for key in ("activations_bytes", "total_bytes"):
+        v = value.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise MemoError(f"memo.plan: device.{key} must be an int >= 0, got {v!r}; re-run `memo profile`")
+    states = value.get("model_states")
+    try:
+        for part in ("parameters", "gradients", "optimizer"):
+            int(states[part]["bytes"])
+    except (KeyError, TypeError, ValueError):
+        raise MemoError("memo.plan: device.model_states must give parameters, gradients and optimizer "
+                        "bytes; re-run `memo profile`") from None
+    return dict(value)
+
+
 def offload_difference(offload: Mapping[str, Any] | None) -> str | None:
     """A warning when the runtime copies over 1% more or less than planned, naming the largest
     tensors; None when they agree (or nothing is known)."""
@@ -96,6 +129,11 @@ class Plan:
         host_bytes: pinned host memory the runtime needs (None when unknown).
         offload: per offloaded layer, what the profiler counted and what the wrapped pass really
             copied (NOTE [Planned and actual offload]); None when the plan did not wrap the model.
+        policy: per layer "memo", "recompute" or "keep" (NOTE [Layer policy]); None: the runtime's
+            default.
+        device: one rank's device memory (NOTE [Model states]): ``budget_bytes`` (None: no budget),
+            ``model_states``, ``activations_bytes`` (= ``peak``), ``total_bytes``, the policy's
+            ``estimate`` and the ``binding`` constraint.
         solver: how the plan was found (method, status, seconds, gap, heuristic_fallback, ...).
         warnings: what the planner noticed (e.g. a layer phase that differs from the others).
     """
@@ -114,6 +152,8 @@ class Plan:
     alpha_detail: dict[str, Any] | None = None
     host_bytes: int | None = None
     offload: dict[str, Any] | None = None
+    policy: list[str] | None = None
+    device: dict[str, Any] | None = None
     solver: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     end_time: int = 0
@@ -202,6 +242,8 @@ class Plan:
             "alpha_detail": self.alpha_detail,
             "host_bytes": self.host_bytes,
             "offload": self.offload,
+            "policy": self.policy,
+            "device": self.device,
             "peak": self.peak,
             "lower_bound": self.lower_bound,
             "no_reuse_bytes": self.no_reuse_bytes,
@@ -273,6 +315,8 @@ class Plan:
                 alpha_detail=data.get("alpha_detail"),
                 host_bytes=None if data.get("host_bytes") is None else int(data["host_bytes"]),
                 offload=_check_offload(data.get("offload")),
+                policy=_check_policy(data.get("policy")),
+                device=_check_device(data.get("device")),
                 solver=dict(data.get("solver") or {}),
                 warnings=list(data.get("warnings") or []),
                 end_time=int(data.get("end_time", 0)),

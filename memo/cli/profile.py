@@ -70,6 +70,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="GPUs one layer is split over (Megatron tensor + sequence parallel; the paper's 1M-token runs "
         "use the node's 8): alpha and host bytes are per rank. Default: --gpus-per-node",
     )
+    p.add_argument(
+        "--device-mem-gb", type=positive_float, default=None,
+        help="memory of one GPU in GB (10^9 bytes): the layer policy (keep / memo / full recompute per "
+        "layer) and alpha must fit it per rank, model states included. Default: no budget beyond full "
+        "recompute's own need (memo never needs more)",
+    )
+    p.add_argument(
+        "--optimizer-states", choices=("same", "mixed"), default="same",
+        help="how model states are counted: same (AdamW in the model dtype, as memo train runs; default) "
+        "or mixed (Megatron mixed precision: fp32 main grads, master weights and Adam moments)",
+    )
     s = p.add_argument_group("planning")
     s.add_argument(
         "--time-limit", type=positive_float, default=30.0,
@@ -129,6 +140,13 @@ def _report(result: Any, seq_len: int, micro_batch: int, hidden: int, dtype: tor
             f"alpha    {a.alpha:.4f} (binding: {a.binding}); {_bytes(a.bytes_per_layer)} copied per layer in "
             f"{a.copy_seconds * 1e3:,.1f} ms; pinned host {_bytes(a.host_bytes)} of {_bytes(a.host_memory)}"
         )
+    if result.policy is not None:
+        from memo.planner import describe_policy
+
+        pol = result.policy
+        letters = " ".join(x[0] for x in pol.policy)
+        lines.append(f"policy   {describe_policy(pol.policy)} (per layer: {letters}; "
+                     "m = memo, r = full recompute, k = keep)")
     if result.plan is not None:
         p = result.plan
         lines.append(
@@ -136,6 +154,13 @@ def _report(result: Any, seq_len: int, micro_batch: int, hidden: int, dtype: tor
             f"({p.peak / max(p.lower_bound, 1):.3f}x), trace from the "
             f"{'wrapped' if result.wrapped else 'plain'} model"
         )
+        if p.device:
+            d = p.device
+            budget = d["budget_bytes"]
+            lines.append(f"device   {_bytes(d['total_bytes'])} per rank (iteration peak "
+                         f"{_bytes(d['iteration_peak_bytes'])} + parameters and optimizer states)"
+                         + (f" of {_bytes(budget)} budget" if budget else "")
+                         + f"; full recompute needs {_bytes(d['estimate']['full_recompute_bytes'])}")
     return lines
 
 
@@ -198,6 +223,8 @@ def run(args: argparse.Namespace) -> int:
         gpus_per_node=args.gpus_per_node,
         host_safety=args.host_safety,
         tensor_parallel=args.tensor_parallel,
+        device_mem_gb=args.device_mem_gb,
+        optimizer_states=args.optimizer_states,
         recorder=args.recorder,
         wrap_pass=args.wrap_pass,
         time_limit=args.time_limit,

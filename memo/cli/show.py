@@ -40,6 +40,12 @@ def format_plan(plan: Plan) -> str:
         f"no reuse      {_mib(plan.no_reuse_bytes)}",
         f"host bytes    {_mib(plan.host_bytes)}",
     ]
+    if plan.policy:  # NOTE [Layer policy] in memo/runtime/runtime.py
+        from memo.planner import describe_policy
+
+        out.append(f"policy        {describe_policy(plan.policy)} (per layer: "
+                   f"{' '.join(p[0] for p in plan.policy)}; m = memo, r = full recompute, k = keep)")
+    out += device_lines(plan.device)
     if plan.offload:  # NOTE [Planned and actual offload] in memo/planner/plan.py
         o = plan.offload
         out.append(f"offload       {o['offloaded_layers']} layers; per layer planned "
@@ -64,6 +70,42 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(out)
 
 
+BINDING_WORDS = {"bandwidth": "bandwidth (the link cannot move more under one layer's compute)",
+                 "host_memory": "host memory (the pinned arena is full)",
+                 "device_memory": "device memory (a faster layer policy or larger alpha would not fit)",
+                 "alpha<=1": "none (everything is offloaded, nothing recomputed)",
+                 "none": "none (every layer keeps its activations)",
+                 "given": "none (alpha or the policy was given)"}
+
+
+def device_lines(device: dict | None) -> list[str]:
+    """One rank's device memory (NOTE [Model states]): total, parts, budget, binding constraint."""
+    if not device:
+        return []
+    st = device["model_states"]
+    states = (f"parameters {_mib(st['parameters']['bytes'])} {st['parameters'].get('dtype', '')}, gradients "
+              f"{_mib(st['gradients']['bytes'])} {st['gradients'].get('dtype', '')}, optimizer "
+              f"{_mib(st['optimizer']['bytes'])} {st['optimizer'].get('dtype', '')}")
+    budget = device.get("budget_bytes")
+    total = device["total_bytes"]
+    fits = "" if budget is None else (" (fits)" if total <= budget else " (OVER the budget)")
+    out = [
+        f"device/rank   {_mib(total)} of "
+        + ("no budget given" if budget is None else f"{_mib(budget)} GPU memory{fits}"),
+        f"  iteration   {_mib(device.get('iteration_peak_bytes'))} at the peak (activations, rounding "
+        "buffers, "
+        "gradients as they appear)",
+        f"  states      {states}",
+    ]
+    est = device.get("estimate") or {}
+    if "full_recompute_bytes" in est:
+        out.append(f"  full recompute would need {_mib(est['full_recompute_bytes'])} per rank")
+    binding = device.get("binding")
+    if binding:
+        out.append(f"binding       {BINDING_WORDS.get(binding, binding)}")
+    return out
+
+
 def warning_lines(warnings: list[str]) -> list[str]:
     """The planner's warnings for people: one line per kind, information marked as a note.
 
@@ -72,7 +114,7 @@ def warning_lines(warnings: list[str]) -> list[str]:
     something to act on; the same message for twelve phases is one line naming them.
     """
     kinds = (("differs from the other", "differ from the other layer passes and are planned on their own: "
-              "memo keeps the last two layers' activations on the device (nothing to do)"),
+              "their layer policy differs from the others' (NOTE [Layer policy]; nothing to do)"),
              ("is interrupted by other phases", "are interrupted by other phases, so their allocations are "
               "planned one by one instead of as one layer block (nothing to do)"))
     out, rest = [], list(warnings)

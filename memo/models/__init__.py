@@ -31,6 +31,7 @@ from memo.models.model import (
     build_model,
     num_parameters,
 )
+from memo.models.parallel import RankShapes, context_parallel_seq_len, per_rank_seq_len, rank_shapes
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -46,6 +47,7 @@ __all__ = [
     "LlamaLayer",
     "LlamaModel",
     "ModelConfig",
+    "RankShapes",
     "TransformerLayer",
     "TransformerModel",
     "apply_rotary",
@@ -55,11 +57,14 @@ __all__ = [
     "attention_forward",
     "build_model",
     "chunked_lm_loss",
+    "context_parallel_seq_len",
     "default_chunk_tokens",
     "fingerprint",
     "get_config",
     "list_configs",
     "load_config",
     "num_parameters",
+    "per_rank_seq_len",
+    "rank_shapes",
     "register_config",
 ]

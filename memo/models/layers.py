@@ -14,6 +14,14 @@ Token-wise means token t of the output depends only on token t of the inputs, so
 runtime may recompute ``pre``/``post`` on a token slice ``x[a:b]``. Rotary positions are
 the one thing a token needs beyond its own values: ``offset`` is the absolute position of
 ``x``'s first token, so ``pre(x[a:b], offset=a)`` equals ``pre(x)[a:b]``.
+
+A layer built with ``tensor_parallel=t > 1`` is one rank of a Megatron tensor +
+sequence parallel group (NOTE [Tensor-parallel rank] in :mod:`memo.models.parallel`):
+``x`` and ``y`` hold the rank's local tokens ``[n, b, h]`` while ``q, k, v`` and ``o``
+cover the ``n·t`` gathered tokens (``n_heads/t`` and ``n_kv_heads/t`` heads, ``o:
+[n·t, b, h/t]``). ``layer.sequence_gather`` (t; 1 for an ordinary layer) is that factor:
+token-wise then means ``pre(x[a:b], offset=a)`` equals rows ``a·t … b·t-1`` of
+``pre(x)`` and ``post(o[a·t:b·t], x[a:b])`` equals ``post(o, x)[a:b]``.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from torch import nn
 
 from memo.models.attention import attention
 from memo.models.config import ModelConfig
+from memo.models.parallel import column_parallel_linear, rank_shapes, row_parallel_linear
 
 __all__ = [
     "CoreAttention",
@@ -48,27 +57,35 @@ class CoreAttention(nn.Module):
 
 
 class TransformerLayer(nn.Module, abc.ABC):
-    """Common shape of the reference layers (NOTE [Layer anatomy])."""
+    """Common shape of the reference layers (NOTE [Layer anatomy]).
 
-    def __init__(self, config: ModelConfig) -> None:
+    ``tensor_parallel=t`` builds one rank of a t-way tensor + sequence parallel group
+    (NOTE [Tensor-parallel rank]); ``self.shapes`` holds the rank's sizes and
+    ``self.sequence_gather`` is t.
+    """
+
+    def __init__(self, config: ModelConfig, tensor_parallel: int = 1) -> None:
         super().__init__()
         self.config = config
+        self.shapes = rank_shapes(config, tensor_parallel)
+        #: Tokens of q, k, v and o per token of x and y: the tensor-parallel size t (1 without it).
+        self.sequence_gather = self.shapes.tensor_parallel
         self.core_attention = CoreAttention()
 
     def _split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        c = self.config
+        r = self.shapes
         s, b, _ = qkv.shape
-        kv_width = c.n_kv_heads * c.head_dim
-        q, k, v = qkv.split([c.n_heads * c.head_dim, kv_width, kv_width], -1)
+        kv_width = r.n_kv_heads * r.head_dim
+        q, k, v = qkv.split([r.n_heads * r.head_dim, kv_width, kv_width], -1)
         return (
-            q.reshape(s, b, c.n_heads, c.head_dim),
-            k.reshape(s, b, c.n_kv_heads, c.head_dim),
-            v.reshape(s, b, c.n_kv_heads, c.head_dim),
+            q.reshape(s, b, r.n_heads, r.head_dim),
+            k.reshape(s, b, r.n_kv_heads, r.head_dim),
+            v.reshape(s, b, r.n_kv_heads, r.head_dim),
         )
 
     @abc.abstractmethod
     def pre(self, x: torch.Tensor, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``x: [s, b, h]`` -> ``q: [s, b, n, d]``, ``k, v: [s, b, n_kv, d]``.
+        """``x: [s, b, h]`` -> ``q: [s·g, b, n, d]``, ``k, v: [s·g, b, n_kv, d]`` (g = ``sequence_gather``).
 
         ``offset`` is the absolute position of ``x[0]`` (only rotary layers use it).
         """
@@ -79,36 +96,51 @@ class TransformerLayer(nn.Module, abc.ABC):
 
     @abc.abstractmethod
     def post(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """``o: [s, b, n * d]``, ``x: [s, b, h]`` (the layer input) -> ``y: [s, b, h]``."""
+        """``o: [s·g, b, n * d]``, ``x: [s, b, h]`` (the layer input) -> ``y: [s, b, h]``.
+
+        g is ``sequence_gather`` (1 unless the layer is a tensor-parallel rank).
+        """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.post(self.core(*self.pre(x)), x)
 
 
 class GPTLayer(TransformerLayer):
-    """Megatron GPT layer: pre-LayerNorm, fused QKV with bias, GELU MLP, no dropout."""
+    """Megatron GPT layer: pre-LayerNorm, fused QKV with bias, GELU MLP, no dropout.
+
+    ``tensor_parallel=t``: one rank of a t-way group (NOTE [Tensor-parallel rank]): ``qkv`` and
+    ``fc1`` are column-parallel (``[3h/t, h]``, ``[ffn/t, h]``), ``proj`` and ``fc2`` row-parallel
+    (``[h, h/t]``, ``[h, ffn/t]``); the norms and row-parallel biases are replicated.
+    """
 
     def __init__(
-        self, config: ModelConfig, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+        self,
+        config: ModelConfig,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        tensor_parallel: int = 1,
     ) -> None:
-        super().__init__(config)
+        super().__init__(config, tensor_parallel)
         kw = {"device": device, "dtype": dtype}
-        h = config.hidden
-        qkv_out = (config.n_heads + 2 * config.n_kv_heads) * config.head_dim
+        h, r = config.hidden, self.shapes
         self.input_norm = nn.LayerNorm(h, eps=config.norm_eps, **kw)
-        self.qkv = nn.Linear(h, qkv_out, bias=True, **kw)
-        self.proj = nn.Linear(config.n_heads * config.head_dim, h, bias=True, **kw)
+        self.qkv = nn.Linear(h, r.qkv_out, bias=True, **kw)
+        self.proj = nn.Linear(r.attn_out, h, bias=True, **kw)
         self.post_norm = nn.LayerNorm(h, eps=config.norm_eps, **kw)
-        self.fc1 = nn.Linear(h, config.ffn_hidden, bias=True, **kw)
-        self.fc2 = nn.Linear(config.ffn_hidden, h, bias=True, **kw)
+        self.fc1 = nn.Linear(h, r.ffn_hidden, bias=True, **kw)
+        self.fc2 = nn.Linear(r.ffn_hidden, h, bias=True, **kw)
 
     def pre(self, x: torch.Tensor, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # GPT positions are added in the embedding, so offset does not change anything here.
-        return self._split_qkv(self.qkv(self.input_norm(x)))
+        return self._split_qkv(column_parallel_linear(self.input_norm(x), self.qkv, self.sequence_gather))
 
     def post(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        y = x + self.proj(o)
-        return y + self.fc2(F.gelu(self.fc1(self.post_norm(y))))
+        t = self.sequence_gather
+        y = x + row_parallel_linear(o, self.proj, t)
+        # One expression, as at t = 1 before: the GELU output is freed as soon as fc2 has run.
+        return y + row_parallel_linear(
+            F.gelu(column_parallel_linear(self.post_norm(y), self.fc1, t)), self.fc2, t
+        )
 
 
 def apply_rotary(t: torch.Tensor, offset: int, theta: float) -> torch.Tensor:
@@ -129,31 +161,43 @@ def apply_rotary(t: torch.Tensor, offset: int, theta: float) -> torch.Tensor:
 
 
 class LlamaLayer(TransformerLayer):
-    """Llama layer: RMSNorm, no biases, grouped-query attention with rotary, SwiGLU MLP."""
+    """Llama layer: RMSNorm, no biases, grouped-query attention with rotary, SwiGLU MLP.
+
+    ``tensor_parallel=t``: one rank of a t-way group (NOTE [Tensor-parallel rank]): ``qkv`` and
+    ``gate_up`` are column-parallel (``[(n + 2 n_kv)/t · d, h]``, ``[2 ffn/t, h]``), ``proj`` and
+    ``down`` row-parallel (``[h, h/t]``, ``[h, ffn/t]``); the norms are replicated.
+    """
 
     def __init__(
-        self, config: ModelConfig, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+        self,
+        config: ModelConfig,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        tensor_parallel: int = 1,
     ) -> None:
-        super().__init__(config)
+        super().__init__(config, tensor_parallel)
         kw = {"device": device, "dtype": dtype}
-        h = config.hidden
-        qkv_out = (config.n_heads + 2 * config.n_kv_heads) * config.head_dim
+        h, r = config.hidden, self.shapes
         self.input_norm = nn.RMSNorm(h, eps=config.norm_eps, **kw)
-        self.qkv = nn.Linear(h, qkv_out, bias=False, **kw)
-        self.proj = nn.Linear(config.n_heads * config.head_dim, h, bias=False, **kw)
+        self.qkv = nn.Linear(h, r.qkv_out, bias=False, **kw)
+        self.proj = nn.Linear(r.attn_out, h, bias=False, **kw)
         self.post_norm = nn.RMSNorm(h, eps=config.norm_eps, **kw)
-        self.gate_up = nn.Linear(h, 2 * config.ffn_hidden, bias=False, **kw)
-        self.down = nn.Linear(config.ffn_hidden, h, bias=False, **kw)
+        self.gate_up = nn.Linear(h, 2 * r.ffn_hidden, bias=False, **kw)
+        self.down = nn.Linear(r.ffn_hidden, h, bias=False, **kw)
 
     def pre(self, x: torch.Tensor, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v = self._split_qkv(self.qkv(self.input_norm(x)))
+        t = self.sequence_gather
+        q, k, v = self._split_qkv(column_parallel_linear(self.input_norm(x), self.qkv, t))
         theta = float(self.config.rope_theta)
-        return apply_rotary(q, offset, theta), apply_rotary(k, offset, theta), v
+        # The gathered rows of local tokens [offset:] sit at positions offset·t onward
+        # (NOTE [Tensor-parallel rank]); t = 1 is the plain absolute position.
+        return apply_rotary(q, offset * t, theta), apply_rotary(k, offset * t, theta), v
 
     def post(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        y = x + self.proj(o)
-        gate, up = self.gate_up(self.post_norm(y)).chunk(2, dim=-1)
-        return y + self.down(F.silu(gate) * up)
+        t = self.sequence_gather
+        y = x + row_parallel_linear(o, self.proj, t)
+        gate, up = column_parallel_linear(self.post_norm(y), self.gate_up, t).chunk(2, dim=-1)
+        return y + row_parallel_linear(F.silu(gate) * up, self.down, t)
 
 
 def output_projection_std(config: ModelConfig) -> float:

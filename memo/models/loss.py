@@ -13,6 +13,15 @@ float64 for float64 inputs).
 Peak extra memory in either direction is one chunk of logits (plus, for
 16-bit weights, a float32 accumulator for the weight gradient so that
 thousands of per-chunk additions do not round away in bf16).
+
+With ``sequence_gather=t > 1`` the function is the LM head of one rank of a
+Megatron tensor + sequence parallel group (NOTE [Tensor-parallel rank] in
+:mod:`memo.models.parallel`): ``x`` holds the rank's ``n`` local tokens, is
+all-gathered to ``n·t`` tokens inside forward and again inside backward (transient,
+as megatron-core's column-parallel output layer does), and only the local ``x`` is
+saved; ``weight`` is the rank's vocabulary slice, so each chunk's logits are
+``[chunk, V/t]``, and the ``[n·t, b, h]`` input gradient is reduce-scattered to
+``[n, b, h]``.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from memo.errors import MemoError
+from memo.models.parallel import all_gather_tokens, reduce_scatter_tokens
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "IGNORE_INDEX", "chunked_lm_loss", "default_chunk_tokens"]
 
@@ -58,10 +68,13 @@ class _ChunkedLMLoss(torch.autograd.Function):
         labels: torch.Tensor,
         chunk_tokens: int,
         ignore_index: int,
+        gather: int,
     ) -> torch.Tensor:
-        s, b, h = x.shape
+        # gather > 1: one tensor-parallel rank's head; x is local, the logits cover gathered tokens.
+        xg = x if gather == 1 else all_gather_tokens(x, gather)
+        s, b, h = xg.shape
         n_tokens = s * b
-        flat_x = x.reshape(n_tokens, h)
+        flat_x = xg.reshape(n_tokens, h)
         # x is [s, b, h] flattened token-major as t = i*b + j, so labels go [b, s] -> [s, b] too.
         flat_labels = labels.t().reshape(n_tokens)
         valid = flat_labels != ignore_index
@@ -77,19 +90,22 @@ class _ChunkedLMLoss(torch.autograd.Function):
             lse[start:end] = chunk_lse
             total += ((chunk_lse - target) * valid[start:end]).sum()
             del logits
+        del flat_x, xg
         n_valid = valid.sum()
         ctx.save_for_backward(x, weight, flat_labels, lse, n_valid)
         ctx.chunk_tokens = chunk_tokens
         ctx.ignore_index = ignore_index
+        ctx.gather = gather
         # Mean over non-ignored tokens; 0/0 = nan when every label is ignored, like F.cross_entropy.
         return (total / n_valid).to(x.dtype)
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad_loss: torch.Tensor):
         x, weight, flat_labels, lse, n_valid = ctx.saved_tensors
-        s, b, h = x.shape
+        xg = x if ctx.gather == 1 else all_gather_tokens(x, ctx.gather)
+        s, b, h = xg.shape
         n_tokens = s * b
-        flat_x = x.reshape(n_tokens, h)
+        flat_x = xg.reshape(n_tokens, h)
         valid = flat_labels != ctx.ignore_index
         safe_labels = torch.where(valid, flat_labels, torch.zeros_like(flat_labels))
         scale = grad_loss.to(lse.dtype) / n_valid
@@ -115,9 +131,15 @@ class _ChunkedLMLoss(torch.autograd.Function):
             if grad_w is not None:
                 grad_w.addmm_(grad_logits.t().to(acc_dtype), x_chunk.to(acc_dtype))
             del grad_logits
+        del flat_x, xg
+        if grad_x is not None:
+            grad_x = grad_x.view(s, b, h)
+            if ctx.gather > 1:
+                grad_x = reduce_scatter_tokens(grad_x, ctx.gather)
         return (
-            grad_x.view(s, b, h) if grad_x is not None else None,
+            grad_x,
             grad_w.to(weight.dtype) if grad_w is not None else None,
+            None,
             None,
             None,
             None,
@@ -130,15 +152,19 @@ def chunked_lm_loss(
     labels: torch.Tensor,
     chunk_tokens: int | None = None,
     ignore_index: int = IGNORE_INDEX,
+    sequence_gather: int = 1,
 ) -> torch.Tensor:
     """Mean cross-entropy of ``x @ weight.T`` against ``labels``, computed chunk by chunk.
 
     Args:
-        x: ``[s, b, h]`` hidden states after the final norm.
+        x: ``[s, b, h]`` hidden states after the final norm (``[s/t, b, h]``, the rank's local
+            tokens, when ``sequence_gather=t``).
         weight: ``[V, h]`` output (LM head) weight.
-        labels: ``[b, s]`` target ids (int64); ``ignore_index`` entries are left out.
+        labels: ``[b, s]`` target ids (int64) in ``[0, V)``; ``ignore_index`` entries are left out.
         chunk_tokens: tokens per chunk; default :func:`default_chunk_tokens` of V.
         ignore_index: label value excluded from the loss and from the mean's denominator.
+        sequence_gather: t > 1 emulates the head of one tensor + sequence parallel rank: x is
+            gathered to ``s`` tokens inside (NOTE [Chunked loss saved tensors]).
 
     Returns:
         Scalar loss in x's dtype, equal to ``F.cross_entropy(logits, labels)`` on the full
@@ -150,11 +176,14 @@ def chunked_lm_loss(
             f"memo.models.loss: expected x [s, b, h] and weight [V, h]; got x {tuple(x.shape)}, "
             f"weight {tuple(weight.shape)}"
         )
+    if isinstance(sequence_gather, bool) or not isinstance(sequence_gather, int) or sequence_gather < 1:
+        raise MemoError(f"memo.models.loss: sequence_gather must be a positive int, got {sequence_gather!r}")
     s, b, _ = x.shape
+    s *= sequence_gather
     if labels.shape != (b, s):
         raise MemoError(
-            f"memo.models.loss: labels must be [b, s] = [{b}, {s}] for x of shape {tuple(x.shape)}; "
-            f"got {tuple(labels.shape)}"
+            f"memo.models.loss: labels must be [b, s] = [{b}, {s}] for x of shape {tuple(x.shape)}"
+            f"{f' gathered {sequence_gather}x' if sequence_gather > 1 else ''}; got {tuple(labels.shape)}"
         )
     if labels.dtype != torch.long:
         raise MemoError(f"memo.models.loss: labels must be int64 (torch.long), got {labels.dtype}")
@@ -162,4 +191,4 @@ def chunked_lm_loss(
         chunk_tokens = default_chunk_tokens(weight.shape[0])
     if chunk_tokens < 1:
         raise MemoError(f"memo.models.loss: chunk_tokens must be >= 1, got {chunk_tokens}")
-    return _ChunkedLMLoss.apply(x, weight, labels, int(chunk_tokens), int(ignore_index))
+    return _ChunkedLMLoss.apply(x, weight, labels, int(chunk_tokens), int(ignore_index), sequence_gather)

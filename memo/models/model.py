@@ -11,6 +11,10 @@ Structure that memo's profiler and runtime rely on (names are part of the interf
   :class:`memo.phases.PhaseTracker` hooks on those three parts see every phase.
 - ``model.recompute``: ``"none"`` or ``"full"`` (each layer under non-reentrant
   ``torch.utils.checkpoint``).
+- ``model.tensor_parallel``: t. With t > 1 the model is one rank of a t-way Megatron
+  tensor + sequence parallel group, for profiling its sizes (NOTE [Tensor-parallel rank]
+  in :mod:`memo.models.parallel`): it takes the whole ``ids, labels: [b, s]``, its
+  embedding hands the layers ``[s/t, b, h]``, and its parameters are the rank's shards.
 
 NOTE [GPT position table]
 GPT learns absolute position embeddings, one row per position, so the table bounds
@@ -31,7 +35,15 @@ from torch import nn
 from memo.errors import MemoError
 from memo.models.config import ModelConfig, get_config
 from memo.models.layers import GPTLayer, LlamaLayer, output_projection_std
-from memo.models.loss import chunked_lm_loss
+from memo.models.loss import IGNORE_INDEX, chunked_lm_loss
+from memo.models.parallel import (
+    check_sequence_parallel,
+    check_tensor_parallel,
+    rank_shapes,
+    scatter_to_sequence_parallel,
+    vocab_parallel_embedding,
+    vocab_parallel_labels,
+)
 
 __all__ = [
     "DEFAULT_MAX_SEQ_LEN",
@@ -69,24 +81,38 @@ def _check_ids(ids: torch.Tensor, labels: torch.Tensor | None = None) -> None:
 
 
 class LlamaEmbedding(nn.Module):
-    """Word embedding only (positions enter through rotary): ids ``[b, s]`` -> ``[s, b, h]``."""
+    """Word embedding only (positions enter through rotary): ids ``[b, s]`` -> ``[s, b, h]``.
+
+    ``tensor_parallel=t``: one rank's vocab-parallel embedding (``ceil(V/t)`` rows), its output
+    reduce-scattered to ``[s/t, b, h]`` (NOTE [Tensor-parallel rank]).
+    """
 
     def __init__(
-        self, config: ModelConfig, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+        self,
+        config: ModelConfig,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        tensor_parallel: int = 1,
     ) -> None:
         super().__init__()
-        self.word = nn.Embedding(config.vocab_size, config.hidden, device=device, dtype=dtype)
+        self.tensor_parallel = check_tensor_parallel(tensor_parallel)
+        rows = rank_shapes(config, tensor_parallel).vocab_rows
+        self.word = nn.Embedding(rows, config.hidden, device=device, dtype=dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         _check_ids(ids)
+        t = self.tensor_parallel
+        check_sequence_parallel(ids.shape[1], t)
         # Index with the transposed ids so the result is sequence-first without a copy of h-wide rows.
-        return self.word(ids.t())
+        return scatter_to_sequence_parallel(vocab_parallel_embedding(self.word, ids.t(), t), t)
 
 
 class GPTEmbedding(nn.Module):
     """Word + learned absolute position embeddings: ids ``[b, s]`` -> ``[s, b, h]``.
 
     The position table has ``max_seq_len`` rows (NOTE [GPT position table]).
+    ``tensor_parallel=t``: one rank's vocab-parallel word embedding (``ceil(V/t)`` rows) plus the
+    replicated position table, the sum scattered to ``[s/t, b, h]`` (NOTE [Tensor-parallel rank]).
     """
 
     def __init__(
@@ -95,10 +121,13 @@ class GPTEmbedding(nn.Module):
         max_seq_len: int,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        tensor_parallel: int = 1,
     ) -> None:
         super().__init__()
         self.max_seq_len = max_seq_len
-        self.word = nn.Embedding(config.vocab_size, config.hidden, device=device, dtype=dtype)
+        self.tensor_parallel = check_tensor_parallel(tensor_parallel)
+        rows = rank_shapes(config, tensor_parallel).vocab_rows
+        self.word = nn.Embedding(rows, config.hidden, device=device, dtype=dtype)
         self.position = nn.Embedding(max_seq_len, config.hidden, device=device, dtype=dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -110,7 +139,10 @@ class GPTEmbedding(nn.Module):
                 f"(max_seq_len={self.max_seq_len}); build the model with "
                 f"build_model(..., max_seq_len={s}) or more"
             )
-        return self.word(ids.t()) + self.position.weight[:s].unsqueeze(1)
+        t = self.tensor_parallel
+        check_sequence_parallel(s, t)
+        words = vocab_parallel_embedding(self.word, ids.t(), t)
+        return scatter_to_sequence_parallel(words + self.position.weight[:s].unsqueeze(1), t)
 
 
 class LMHead(nn.Module):
@@ -120,16 +152,24 @@ class LMHead(nn.Module):
         norm: the final norm module.
         weight: ``[V, h]`` output weight; pass the word embedding's weight to tie them.
         chunk_tokens: tokens per loss chunk; ``None`` picks :func:`memo.models.loss.default_chunk_tokens`.
+        sequence_gather: t > 1 for one rank of a tensor + sequence parallel group: ``x`` is the
+            rank's ``[s/t, b, h]``, ``weight`` its ``[V/t, h]`` vocabulary slice and ``labels`` the
+            whole ``[b, s]`` (NOTE [Tensor-parallel rank]).
     """
 
-    def __init__(self, norm: nn.Module, weight: nn.Parameter, chunk_tokens: int | None = None) -> None:
+    def __init__(
+        self, norm: nn.Module, weight: nn.Parameter, chunk_tokens: int | None = None, sequence_gather: int = 1
+    ) -> None:
         super().__init__()
         self.norm = norm
         self.weight = weight
         self.chunk_tokens = chunk_tokens
+        self.sequence_gather = check_tensor_parallel(sequence_gather)
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return chunked_lm_loss(self.norm(x), self.weight, labels, self.chunk_tokens)
+        t = self.sequence_gather
+        labels = vocab_parallel_labels(labels, self.weight.shape[0], t, IGNORE_INDEX)
+        return chunked_lm_loss(self.norm(x), self.weight, labels, self.chunk_tokens, sequence_gather=t)
 
 
 class TransformerModel(nn.Module):
@@ -139,13 +179,19 @@ class TransformerModel(nn.Module):
     layers: nn.ModuleList
     head: LMHead
 
-    def __init__(self, config: ModelConfig, recompute: str = "none") -> None:
+    def __init__(self, config: ModelConfig, recompute: str = "none", tensor_parallel: int = 1) -> None:
         super().__init__()
         self.config = config
         self.recompute = recompute
+        #: t: this model is one rank of a t-way tensor + sequence parallel group (1: the whole model).
+        self.tensor_parallel = check_tensor_parallel(tensor_parallel)
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """``ids, labels: [b, s]`` (int64; labels already shifted by the caller) -> mean loss."""
+        """``ids, labels: [b, s]`` (int64; labels already shifted by the caller) -> mean loss.
+
+        With ``tensor_parallel=t`` the ids and labels are still the whole ``[b, s]``; the layers
+        see ``[s/t, b, h]`` (NOTE [Tensor-parallel rank]).
+        """
         if self.recompute not in RECOMPUTE_MODES:
             raise MemoError(
                 f"memo.models: model.recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}"
@@ -186,14 +232,16 @@ class GPTModel(TransformerModel):
         recompute: str = "none",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        tensor_parallel: int = 1,
     ) -> None:
-        super().__init__(config, recompute)
-        self.embedding = GPTEmbedding(config, max_seq_len, device=device, dtype=dtype)
+        super().__init__(config, recompute, tensor_parallel)
+        t = self.tensor_parallel
+        self.embedding = GPTEmbedding(config, max_seq_len, device=device, dtype=dtype, tensor_parallel=t)
         self.layers = nn.ModuleList(
-            GPTLayer(config, device=device, dtype=dtype) for _ in range(config.n_layers)
+            GPTLayer(config, device=device, dtype=dtype, tensor_parallel=t) for _ in range(config.n_layers)
         )
         norm = nn.LayerNorm(config.hidden, eps=config.norm_eps, device=device, dtype=dtype)
-        self.head = LMHead(norm, self.embedding.word.weight)
+        self.head = LMHead(norm, self.embedding.word.weight, sequence_gather=t)
 
 
 class LlamaModel(TransformerModel):
@@ -206,15 +254,18 @@ class LlamaModel(TransformerModel):
         recompute: str = "none",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        tensor_parallel: int = 1,
     ) -> None:
-        super().__init__(config, recompute)
-        self.embedding = LlamaEmbedding(config, device=device, dtype=dtype)
+        super().__init__(config, recompute, tensor_parallel)
+        t = self.tensor_parallel
+        self.embedding = LlamaEmbedding(config, device=device, dtype=dtype, tensor_parallel=t)
         self.layers = nn.ModuleList(
-            LlamaLayer(config, device=device, dtype=dtype) for _ in range(config.n_layers)
+            LlamaLayer(config, device=device, dtype=dtype, tensor_parallel=t) for _ in range(config.n_layers)
         )
         norm = nn.RMSNorm(config.hidden, eps=config.norm_eps, device=device, dtype=dtype)
-        weight = nn.Parameter(torch.empty(config.vocab_size, config.hidden, device=device, dtype=dtype))
-        self.head = LMHead(norm, weight)
+        rows = rank_shapes(config, t).vocab_rows
+        weight = nn.Parameter(torch.empty(rows, config.hidden, device=device, dtype=dtype))
+        self.head = LMHead(norm, weight, sequence_gather=t)
 
 
 def build_model(
@@ -224,6 +275,7 @@ def build_model(
     dtype: torch.dtype | None = None,
     recompute: str = "none",
     max_seq_len: int | None = None,
+    tensor_parallel: int = 1,
 ) -> TransformerModel:
     """Build a reference model from a config or a registered name.
 
@@ -234,6 +286,11 @@ def build_model(
         recompute: ``"none"`` or ``"full"`` (sets ``model.recompute``).
         max_seq_len: GPT only: rows of the learned position table (default
             :data:`DEFAULT_MAX_SEQ_LEN`; NOTE [GPT position table]). Llama needs none.
+        tensor_parallel: t > 1 builds the model as one rank of a t-way Megatron tensor +
+            sequence parallel group runs it, to profile its per-rank sizes (NOTE [Tensor-parallel
+            rank] in :mod:`memo.models.parallel`); heads, key/value heads and the MLP size must
+            be divisible by t, the vocabulary is padded to a multiple of t. Default 1: the
+            whole model.
 
     Returns:
         :class:`GPTModel` or :class:`LlamaModel`, initialised like Megatron (unless on meta).
@@ -243,12 +300,14 @@ def build_model(
         raise MemoError(f"memo.models: expected a ModelConfig or a config name, got {type(config_or_name)}")
     if recompute not in RECOMPUTE_MODES:
         raise MemoError(f"memo.models: recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+    rank_shapes(config, tensor_parallel)  # refuses a t that does not divide the heads or the MLP
     if config.arch == "gpt":
         seq = DEFAULT_MAX_SEQ_LEN if max_seq_len is None else max_seq_len
         if not isinstance(seq, int) or seq < 1:
             raise MemoError(f"memo.models: max_seq_len must be a positive int, got {max_seq_len!r}")
         model: TransformerModel = GPTModel(
-            config, max_seq_len=seq, recompute=recompute, device=device, dtype=dtype
+            config, max_seq_len=seq, recompute=recompute, device=device, dtype=dtype,
+            tensor_parallel=tensor_parallel,
         )
     else:
         if max_seq_len is not None:
@@ -256,25 +315,29 @@ def build_model(
                 f"memo.models: max_seq_len={max_seq_len} given for {config.name!r}, a Llama model; "
                 "rotary positions have no table to size, so leave it unset"
             )
-        model = LlamaModel(config, recompute=recompute, device=device, dtype=dtype)
+        model = LlamaModel(config, recompute=recompute, device=device, dtype=dtype,
+                           tensor_parallel=tensor_parallel)
     if torch.device(device if device is not None else "cpu").type != "meta":
         model.reset_parameters()
     return model
 
 
-def num_parameters(config: ModelConfig | str, max_seq_len: int | None = None) -> int:
+def num_parameters(
+    config: ModelConfig | str, max_seq_len: int | None = None, tensor_parallel: int = 1
+) -> int:
     """Parameter count of :func:`build_model`'s model, computed from the config alone.
 
     A tied LM head is counted once. For GPT the position table's ``max_seq_len * h``
     is included (default :data:`DEFAULT_MAX_SEQ_LEN` rows, as ``build_model`` does).
+    ``tensor_parallel=t`` counts one rank's parameters (NOTE [Tensor-parallel rank]).
     """
     c = get_config(config) if isinstance(config, str) else config
-    h, f, d = c.hidden, c.ffn_hidden, c.head_dim
-    qkv_out = (c.n_heads + 2 * c.n_kv_heads) * d
-    attn_out = c.n_heads * d
+    r = rank_shapes(c, tensor_parallel)
+    h, f, v = c.hidden, r.ffn_hidden, r.vocab_rows
+    qkv_out, attn_out = r.qkv_out, r.attn_out
     if c.arch == "gpt":
         layer = 2 * h + (h * qkv_out + qkv_out) + (attn_out * h + h) + 2 * h + (h * f + f) + (f * h + h)
         seq = DEFAULT_MAX_SEQ_LEN if max_seq_len is None else max_seq_len
-        return c.n_layers * layer + c.vocab_size * h + seq * h + 2 * h
+        return c.n_layers * layer + v * h + seq * h + 2 * h
     layer = h + h * qkv_out + attn_out * h + h + h * 2 * f + f * h
-    return c.n_layers * layer + c.vocab_size * h + h + c.vocab_size * h
+    return c.n_layers * layer + v * h + h + v * h

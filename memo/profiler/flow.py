@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import importlib
 import itertools
+import math
 import sys
 import time
 import warnings
@@ -39,6 +41,7 @@ from torch import nn
 
 from memo.errors import MemoError
 from memo.phases import PhaseTracker
+from memo.profiler.device import model_states
 from memo.profiler.measure import (
     Quantity,
     estimate_layer_ms,
@@ -75,6 +78,8 @@ class ProfileResult:
         plain_trace: pass 1's trace (the unwrapped model).
         quantities: ``bandwidth_gbps``, ``layer_ms``, ``host_memory_bytes`` and where each came from.
         alpha: the planner's AlphaSolution (None when ``solve=False``).
+        policy: the planner's PolicySolution: the layer policy and its device need estimate.
+        model_states: parameters, gradients and optimizer states of one rank (NOTE [Model states]).
         plan: the planner's Plan (None when ``plan=False``).
         wrapped: whether ``trace`` comes from the wrapped model (pass 2).
         timings: seconds spent per stage.
@@ -87,6 +92,8 @@ class ProfileResult:
     quantities: dict[str, Quantity] = field(default_factory=dict)
     alpha: Any = None
     plan: Any = None
+    policy: Any = None
+    model_states: dict[str, Any] | None = None
     wrapped: bool = False
     timings: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
@@ -101,8 +108,11 @@ def _dtype(dtype: str | torch.dtype) -> torch.dtype:
         raise MemoError(f"memo.profiler: unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}") from None
 
 
-def build_profile_model(name: str, seq_len: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """Build a registered reference model able to run ``seq_len`` tokens on ``device``."""
+def build_profile_model(name: str, seq_len: int, dtype: torch.dtype, device: torch.device,
+                        tensor_parallel: int = 1) -> nn.Module:
+    """Build a registered reference model able to run ``seq_len`` tokens on ``device``, as one rank of
+    a ``tensor_parallel``-way Megatron tensor + sequence parallel group (NOTE [Tensor-parallel rank]
+    in memo/models/parallel.py)."""
     from memo.models import DEFAULT_MAX_SEQ_LEN, build_model, get_config
 
     config = get_config(name)
@@ -110,7 +120,7 @@ def build_profile_model(name: str, seq_len: int, dtype: torch.dtype, device: tor
     # Size it as training does (memo.utils.training), so the profiled requests are the ones a
     # training step makes: the table's gradient is one of them.
     kw = {"max_seq_len": max(seq_len, DEFAULT_MAX_SEQ_LEN)} if config.arch == "gpt" else {}
-    return build_model(config, device=device, dtype=dtype, **kw)
+    return build_model(config, device=device, dtype=dtype, tensor_parallel=tensor_parallel, **kw)
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
@@ -320,6 +330,9 @@ def profile(
     host_safety: float = 0.8,
     tensor_parallel: int = 1,
     alpha: float | None = None,
+    device_mem_gb: float | None = None,
+    optimizer_states: str = "same",
+    policy: list[str] | None = None,
     recorder: str = "dispatch",
     wrap_pass: bool | None = None,
     solve: bool = True,
@@ -345,6 +358,11 @@ def profile(
         tensor_parallel: ranks one layer is split over with Megatron tensor + sequence
             parallelism (NOTE [Per-rank sizes]); alpha and host bytes are per rank.
         alpha: use this alpha instead of solving the LP (checked against host memory).
+        device_mem_gb: memory of one GPU in GB (10^9 bytes): the per-rank device budget the layer
+            policy must fit, model states included (NOTE [Policy cost model]). None: no budget
+            beyond full recompute's own need.
+        optimizer_states: how model states are counted (NOTE [Model states]): "same" or "mixed".
+        policy: a fixed layer policy (NOTE [Layer policy]) instead of the planner's choice.
         recorder: ``"dispatch"`` (every storage torch creates; any device) or ``"allocator"``
             (memo.allocator.logging: the real requests; cpu/cuda) for the trace the plan is
             made from. The S_* sizes always come from the dispatch recorder.
@@ -363,6 +381,7 @@ def profile(
         raise MemoError(f"memo.profiler: tensor_parallel must be a positive integer, got {tensor_parallel!r}")
     if recorder not in ("dispatch", "allocator"):
         raise MemoError(f"memo.profiler: recorder must be 'dispatch' or 'allocator', got {recorder!r}")
+    budget = _device_budget(device_mem_gb)
     dt = _dtype(dtype)
     timings: dict[str, float] = {}
     notes: list[str] = []
@@ -375,6 +394,11 @@ def profile(
         source = model  # a registered name or a CONFIG.json path
         name = get_config(model).name  # what plans and traces call it
     else:
+        if tensor_parallel > 1 and getattr(model, "tensor_parallel", 1) != tensor_parallel:
+            raise MemoError(
+                f"memo.profiler: tensor_parallel={tensor_parallel} needs the model as one rank runs it; give "
+                "a registered name or CONFIG.json (memo builds the rank model), or a model built with "
+                f"memo.models.build_model(..., tensor_parallel={tensor_parallel})")
         net = model
         param = next(net.parameters(), None)
         dev = param.device if param is not None else torch.device(device)
@@ -391,7 +415,8 @@ def profile(
     # keeps 4 TiB for backward), the sizes the dispatch recorder sees do not depend on the
     # device, and meta costs seconds.
     sized_on = torch.device("meta")
-    sizing = build_profile_model(source, seq_len, dt, sized_on) if net is None else meta_copy(net)
+    sizing = (build_profile_model(source, seq_len, dt, sized_on, tensor_parallel) if net is None
+              else meta_copy(net))
     timings["build"] = time.perf_counter() - t0
     meta = {"model": name}
 
@@ -409,6 +434,9 @@ def profile(
         sized_on, sizing = dev, net
         plain = _record(sizing, *_inputs(sizing, seq_len, micro_batch, dev), progress,
                         "pass 1 (plain model)", meta)
+    states = model_states(sizing, optimizer_states)
+    layers = model_parts(sizing)[1]
+    layer_params = sum(p.numel() for p in layers[0].parameters()) if layers else 0
     del sizing
     timings["pass1"] = time.perf_counter() - t0
     stats = plain.layer_stats
@@ -422,7 +450,7 @@ def profile(
         return result
     if net is None:
         t0 = time.perf_counter()
-        net = build_profile_model(source, seq_len, dt, dev)
+        net = build_profile_model(source, seq_len, dt, dev, tensor_parallel)
         timings["build"] += time.perf_counter() - t0
     ids, labels = _inputs(net, seq_len, micro_batch, dev)
 
@@ -437,40 +465,76 @@ def profile(
     plain.trace["layers"] = summarise_layers(stats)
     plain.trace["layers"]["layer_fwd_ms"] = q["layer_ms"].value
 
-    from memo.planner import evaluate_alpha, host_memory_per_process, solve_alpha
+    from memo.planner import (
+        choose_policy,
+        describe_policy,
+        device_need,
+        evaluate_alpha,
+        host_memory_per_process,
+    )
 
     host = host_memory_per_process(int(q["host_memory_bytes"].value), gpus_per_node, host_safety)
     summary = plain.trace["layers"]
-    # NOTE [Per-rank sizes]: with Megatron tensor + sequence parallelism over tp ranks, every
-    # skeletal tensor of a layer is split tp ways (sequence-parallel regions by tokens, tensor-
-    # parallel regions by heads or MLP columns; Korthikanti et al. 2022), and so is its compute.
-    # The LP is per process, so it takes per-rank bytes; a T_layer estimated from FLOPs is the
-    # whole layer's and is split too, while a given or measured T_layer is already one rank's.
+    # NOTE [Per-rank sizes]: with Megatron tensor + sequence parallelism over tp ranks, the
+    # profiled model is one rank (NOTE [Tensor-parallel rank] in memo/models/parallel.py), so the
+    # S_*, the alpha LP, the layer policy and the address plan all describe that rank. A T_layer
+    # estimated from FLOPs is the whole layer's and is split; a given or measured one is a rank's.
     tp = tensor_parallel
     layer_s = q["layer_ms"].value / 1e3
-    if tp > 1:
-        if q["layer_ms"].source == "estimated":
-            layer_s /= tp
-        notes.append(
-            f"alpha and host bytes are per rank of a {tp}-way tensor+sequence-parallel layer (S_* / {tp}); "
-            "the address plan is for the layer as profiled, unsharded"
-        )
+    if tp > 1 and q["layer_ms"].source == "estimated":
+        layer_s /= tp
     t0 = time.perf_counter()
     lp_inputs = (
-        -(-summary["S_input"] // tp),
-        -(-summary["S_attn"] // tp),
-        -(-summary["S_others"] // tp),
+        summary["S_input"],
+        summary["S_attn"],
+        summary["S_others"],
         q["bandwidth_gbps"].value * GB,
         layer_s,
         len(stats),
         host,
     )
-    result.alpha = solve_alpha(*lp_inputs) if alpha is None else evaluate_alpha(alpha, *lp_inputs)
+    costs = _layer_costs(plain.trace, lp_inputs, seq_len, micro_batch, dt.itemsize, layer_params, states)
+    wrap = runtime_wrap()
+    can_wrap = wrap is not None and wrap_pass is not False
+    static = states["parameters"]["bytes"] + states["optimizer"]["bytes"]
+    if policy is not None:
+        from memo.runtime import validate_policy
+
+        chosen = _fixed_policy(costs, validate_policy(policy, len(stats)), alpha, budget)
+    else:
+        if can_wrap:
+            # NOTE [Calibrated policy]: the cost model's full-recompute need is checked against a
+            # recorded full-recompute iteration, and its constant part corrected by the difference,
+            # so that "never more than full recompute" compares memo with a measured figure.
+            fr_trace, _ = _wrapped_pass(net, ids, labels, 0.0, "dispatch", False, meta, plain,
+                                        ["recompute"] * len(stats))
+            fr_total = _iteration_total(fr_trace, static)
+            estimate = sum(device_need(costs, 0, costs.n_layers, 0, 0.0).values())
+            costs = dataclasses.replace(costs, base_bytes=max(0, costs.base_bytes + fr_total - estimate))
+        chosen = choose_policy(costs, budget, alpha)
+    result.policy = chosen
+    result.model_states = states
     timings["alpha"] = time.perf_counter() - t0
-    say(f"alpha = {result.alpha.alpha:.4f} (binding: {result.alpha.binding})")
 
     # Pass 2 (NOTE [Two-pass profiling]): the trace the plan is made from.
-    wrap = runtime_wrap()
+    for attempt in range(3):
+        result.alpha = _alpha_of(chosen, lp_inputs, alpha, evaluate_alpha)
+        say(f"policy: {describe_policy(chosen.policy)}; alpha = {result.alpha.alpha:.4f} "
+            f"(binding: {result.alpha.binding}); device need {_gib(chosen.device_bytes)} per rank, estimated "
+            f"(full recompute {_gib(chosen.full_recompute_bytes)})")
+        if not can_wrap or policy is not None or attempt == 2:
+            break
+        probe, _ = _wrapped_pass(net, ids, labels, result.alpha.alpha, "dispatch", False, meta, plain,
+                                 chosen.policy)
+        total = _iteration_total(probe, static)
+        if total <= chosen.device_cap:
+            break
+        # The estimate was short: correct its constant part by what the recording showed, choose again.
+        costs = dataclasses.replace(costs, memo_overhead=costs.memo_overhead + total - chosen.device_bytes)
+        say(f"policy: the recorded iteration needs {_gib(total)}, over the cap of {_gib(chosen.device_cap)}; "
+            "choosing again")
+        chosen = choose_policy(costs, budget, alpha)
+        result.policy = chosen
     if wrap_pass is True and wrap is None:
         raise MemoError(
             "memo.profiler: pass 2 (the model wrapped with alpha) was asked for, but memo.runtime has no "
@@ -485,7 +549,7 @@ def profile(
     if wrap is not None and wrap_pass is not False:
         try:
             second, wrapped = _wrapped_pass(net, ids, labels, result.alpha.alpha, recorder, progress, meta,
-                                            plain)
+                                            plain, chosen.policy)
             result.wrapped = True
         except MemoError as err:
             if wrap_pass:
@@ -511,6 +575,7 @@ def profile(
         say(f"pass 2 ({what}, {recorder} recorder): {n_events:,} events in {timings['pass2']:.1f} s")
     result.trace["meta"]["alpha"] = float(result.alpha.alpha)
     result.trace["meta"]["tensor_parallel"] = tp
+    result.trace["meta"]["policy"] = list(chosen.policy)
     if not plan:
         return result
 
@@ -523,10 +588,9 @@ def profile(
                               "unphased": "fallback"}
     if solver is not None:
         kwargs["solver"] = solver
-    if wrapped is not None and tp == 1:
+    if wrapped is not None:
         # The host arena the wrapped pass really needed, to the byte (slots included, NOTE [Slot
         # alignment] in memo/runtime/buffers.py): what the runtime will check the plan against.
-        # With tp > 1 the pass ran the unsharded layer, so the LP's per-rank bytes stay.
         kwargs["host_bytes"] = wrapped["host_bytes"]
     with warnings.catch_warnings():
         # memo's last two layers are never offloaded, so their passes differ from the others by
@@ -534,22 +598,104 @@ def profile(
         # (`memo show` prints them).
         warnings.filterwarnings("ignore", message=r"memo\.planner: phase layer\.", category=UserWarning)
         result.plan = make_plan(Trace.from_dict(result.trace), **kwargs)
-    if wrapped is not None:
+    if wrapped is not None and wrapped["offloaded_layers"]:
         # NOTE [Planned and actual offload] in memo/planner/plan.py
-        a = offload_tokens(result.alpha.alpha, seq_len)
+        local = seq_len // tp  # a rank's layer input holds seq_len / tp tokens
+        a = offload_tokens(result.alpha.alpha, local)
         result.plan.offload = {
             "offloaded_layers": wrapped["offloaded_layers"],
-            # The wrapped pass runs the layer as profiled (unsharded), so compare unsharded bytes.
-            "planned_bytes_per_layer": offloaded_bytes(summary, a, seq_len),
+            "planned_bytes_per_layer": offloaded_bytes(summary, a, local),
             "actual_bytes_per_layer": wrapped["layer_bytes"],
             "tensors": [list(t) for t in wrapped["tensors"]],
         }
         warning = offload_difference(result.plan.offload)
         if warning is not None:
             notes.append(warning)
+    result.plan.policy = list(chosen.policy)
+    iteration = _iteration_total(result.trace, 0)
+    result.plan.device = {
+        "budget_bytes": budget,
+        "model_states": states,
+        "activations_bytes": int(result.plan.peak),
+        "iteration_peak_bytes": iteration,
+        "total_bytes": iteration + static,
+        "estimate": {"bytes": int(chosen.device_bytes), "parts": dict(chosen.parts),
+                     "full_recompute_bytes": int(chosen.full_recompute_bytes)},
+        "binding": chosen.binding,
+    }
     timings["plan"] = time.perf_counter() - t0
     say(f"plan made in {timings['plan']:.1f} s")
     return result
+
+
+def _iteration_total(trace: dict[str, Any], static: int) -> int:
+    """NOTE [Device total]: the most bytes live at once in a recorded iteration (activations, memo's
+    rounding buffers, gradients as they appear, temporaries) plus ``static`` (parameters and
+    optimizer states, which live across iterations and are not in the trace)."""
+    from memo.planner import Trace, lower_bound
+
+    return int(lower_bound(Trace.from_dict(trace))) + int(static)
+
+
+def _alpha_of(chosen: Any, lp_inputs: tuple, alpha: float | None, evaluate_alpha: Any) -> Any:
+    """The AlphaSolution of a chosen policy (its binding is the policy's)."""
+    n_memo = chosen.counts["memo"]
+    solution = evaluate_alpha(chosen.alpha if n_memo else 0.0, *lp_inputs, offloaded_layers=n_memo)
+    if alpha is None or not n_memo:
+        solution = dataclasses.replace(solution, binding=chosen.binding)
+    return solution
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB"
+
+
+def _device_budget(device_mem_gb: float | None) -> int | None:
+    """``--device-mem-gb`` in bytes, or a clear error for a bad value."""
+    if device_mem_gb is None:
+        return None
+    if (isinstance(device_mem_gb, bool) or not isinstance(device_mem_gb, (int, float))
+            or not math.isfinite(device_mem_gb) or device_mem_gb <= 0):
+        raise MemoError("memo.profiler: the device memory (--device-mem-gb) must be a positive number of GB, "
+                        f"got {device_mem_gb!r}")
+    return int(device_mem_gb * GB)
+
+
+def _layer_costs(trace: dict[str, Any], lp_inputs: tuple, seq_len: int, micro_batch: int, elem_size: int,
+                 layer_params: int, states: dict[str, Any]) -> Any:
+    """The per-rank numbers of NOTE [Policy cost model] from pass 1 (the plain model)."""
+    from memo.planner import LayerCosts, Trace, lower_bound
+
+    s_input, s_attn, s_others, bandwidth, layer_s, n_layers, host = lp_inputs
+    keep = s_input + s_attn + s_others
+    # The plain model keeps every layer: what its peak holds beyond the layers' activations does
+    # not depend on the policy (embedding, head, gradients as they appear).
+    peak_plain = lower_bound(Trace.from_dict(trace))
+    base = max(0, peak_plain - n_layers * keep)
+    # Attention's share of a layer's forward FLOPs: 2 s^2 w (causal) against 2 s P_layer, with w the
+    # attention width per token, read off the attention output's bytes.
+    width = s_attn / max(1, seq_len * micro_batch * elem_size)
+    attn = seq_len * width
+    fraction = attn / (attn + layer_params) if attn + layer_params > 0 else 0.0
+    static = states["parameters"]["bytes"] + states["optimizer"]["bytes"]
+    return LayerCosts(n_layers=n_layers, s_input=int(s_input), s_attn=int(s_attn), s_others=int(s_others),
+                      layer_time=float(layer_s), attn_fraction=float(min(max(fraction, 0.0), 1.0)),
+                      base_bytes=int(base + static), bandwidth=float(bandwidth), host_memory=int(host))
+
+
+def _fixed_policy(costs: Any, policy: list[str], alpha: float | None, budget: int | None) -> Any:
+    """A PolicySolution for a policy the caller fixed (checked against the budget)."""
+    from memo.planner import PolicySolution, device_need
+
+    n_memo, n_fr, n_keep = (policy.count(k) for k in ("memo", "recompute", "keep"))
+    a = 0.0 if alpha is None else float(alpha)
+    parts = device_need(costs, n_memo, n_fr, n_keep, a)
+    full = sum(device_need(costs, 0, costs.n_layers, 0, 0.0).values())
+    need = sum(parts.values())
+    return PolicySolution(policy=policy, alpha=a, binding="given", extra_seconds=0.0, device_bytes=need,
+                          parts=parts, device_cap=budget or need, device_budget=budget,
+                          full_recompute_bytes=full,
+                          counts={"memo": n_memo, "recompute": n_fr, "keep": n_keep})
 
 
 def _wrapped_pass(
@@ -561,6 +707,7 @@ def _wrapped_pass(
     progress: bool,
     meta: dict[str, Any],
     plain: Recording,
+    policy: list[str] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Trace one iteration of ``model`` wrapped by memo's runtime with ``alpha``; unwrap afterwards.
     Returns the trace and what the runtime allocated and copied: ``host_bytes``, ``layer_bytes``,
@@ -571,7 +718,7 @@ def _wrapped_pass(
     """
     from memo import runtime
 
-    runtime.wrap(model, alpha=alpha)
+    runtime.wrap(model, alpha=alpha, policy=policy)
     try:
         if recorder == "allocator":
             trace = _record_allocator(model, ids, labels, _target_meta(plain, ids.device, "allocator"))

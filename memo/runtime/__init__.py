@@ -12,19 +12,22 @@ See NOTE [Token-wise recompute] (layer.py), NOTE [Rounding buffer reuse]
 
 from memo.runtime.buffers import BufferState, RoundingBuffers, RuntimeStats
 from memo.runtime.layer import offload_tokens
-from memo.runtime.runtime import MemoRuntime, validate_alpha
+from memo.runtime.runtime import LAYER_POLICIES, MemoRuntime, default_policy, validate_alpha, validate_policy
 from memo.runtime.wrap import find_layers, is_wrapped, runtime_of, unwrap, wrap
 
 __all__ = [
+    "LAYER_POLICIES",
     "BufferState",
     "MemoRuntime",
     "RoundingBuffers",
     "RuntimeStats",
+    "default_policy",
     "find_layers",
     "is_wrapped",
     "offload_tokens",
     "runtime_of",
     "unwrap",
     "validate_alpha",
+    "validate_policy",
     "wrap",
 ]

@@ -123,6 +123,8 @@ class RuntimeStats:
     """Backward passes whose prefetch had not been started by the next layer's backward."""
     layer_forwards: int = 0
     layer_backwards: int = 0
+    recomputed_layers: int = 0
+    """Forwards of layers under full recompute (NOTE [Layer policy])."""
 
     def reset(self) -> None:
         for name in self.__dataclass_fields__:
@@ -358,7 +360,7 @@ class RoundingBuffers:
 
     Args:
         engine: the backend's copy primitives.
-        n_layers: number of offloaded layers (all but the last two of the model).
+        n_layers: number of offloaded layers (the policy's "memo" layers, NOTE [Layer policy]).
         layer_bytes: offloaded bytes of one layer (from a dry run or a plan).
         stats: counters to update.
         host_memory_limit: bytes the arena may take (default: MemAvailable).

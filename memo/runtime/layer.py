@@ -199,6 +199,9 @@ class _Record:
     a: int
     s: int
     ctx: Any
+    #: Attention-side tokens per layer-input token (a tensor-parallel rank gathers its sequence:
+    #: NOTE [Tensor-parallel rank] in memo/models/parallel.py); o, q, k, v rows split at ``a * g``.
+    g: int
     taps: _TapGrads
     packer: _Packer
     x_slot: int = -1
@@ -329,9 +332,11 @@ class LayerCall:
         rt, layer, adapter = self.runtime, self.layer, self.adapter
         s = x.shape[0]
         a = offload_tokens(rt.alpha, s)
+        g = int(getattr(layer, "sequence_gather", 1))
+        ag = a * g
         xc = x.detach().contiguous()
         packer = _Packer(sink, self._keep_storages(), xc.device)
-        rec = _Record(a=a, s=s, ctx=ctx, taps=_TapGrads(), packer=packer,
+        rec = _Record(a=a, s=s, g=g, ctx=ctx, taps=_TapGrads(), packer=packer,
                       autocast=_AutocastState.capture(xc.device))
         rec.x_slot = sink.pack(xc, "layer input x")
         packer.add_base(xc, rec.x_slot)
@@ -353,7 +358,7 @@ class LayerCall:
             o, lse = adapter.core_forward(layer, q, k, v, ctx)
         o = o.contiguous()
         if a > 0:
-            rec.qkv_slots = tuple(sink.pack(t[:a], f"{name}[:{a}]")
+            rec.qkv_slots = tuple(sink.pack(t[:ag], f"{name}[:{ag}]")
                                   for name, t in zip("qkv", (q, k, v), strict=True))
         del q, k, v, q_b, k_b, v_b
         rec.o_slot = sink.pack(o, "attention output o")
@@ -364,7 +369,7 @@ class LayerCall:
         y_a = y_b = None
         if a > 0:
             with torch.enable_grad():
-                o_a = _Tap.apply(rec.taps, "o", rt.anchor, o[:a])
+                o_a = _Tap.apply(rec.taps, "o", rt.anchor, o[:ag])
                 with packer.hooks():
                     y_a = adapter.post(layer, o_a, x_a, ctx)
             rec.pre_edges = [(j, _edge(t)) for j, t in enumerate((q_a, k_a, v_a)) if t.requires_grad]
@@ -372,7 +377,7 @@ class LayerCall:
         if a < s:
             rec.rng_post = _rng_state(xc.device)
             with torch.no_grad():
-                y_b = adapter.post(layer, o[a:], xc[a:], ctx)
+                y_b = adapter.post(layer, o[ag:], xc[a:], ctx)
         y = _join(y_a, y_b)
         packer.end_pass()
         return y, rec
@@ -384,6 +389,7 @@ class LayerCall:
         buffers.begin_backward(i)
         rec.packer.resolve_slot = lambda slot: buffers.view(i, slot)
         a, s, ctx = rec.a, rec.s, rec.ctx
+        ag = a * rec.g
         grad_y = grad_y.contiguous()
         x_dev = buffers.view(i, rec.x_slot)
         o_dev = buffers.view(i, rec.o_slot)
@@ -399,14 +405,14 @@ class LayerCall:
             grads.append(grad_y[:a])
         if a < s:
             x_b = x_dev[a:].detach().requires_grad_()
-            o_b = o_dev[a:].detach().requires_grad_()
+            o_b = o_dev[ag:].detach().requires_grad_()
             with torch.enable_grad(), rec.autocast.replay(), _replay_rng(rec.rng_post, device):
                 y_b = adapter.post(layer, o_b, x_b, ctx)
             roots.append(_edge(y_b))
             grads.append(grad_y[a:])
             del y_b
         torch.autograd.backward(roots, grads)
-        grad_o = self._grad_join(rec.taps.pop("o"), o_b, o_dev, a)
+        grad_o = self._grad_join(rec.taps.pop("o"), o_b, o_dev, ag)
         del o_b
 
         # 2. pre on [a:s] recomputed; attention backward from the saved o and lse.
@@ -425,12 +431,12 @@ class LayerCall:
         full = (dq, dk, dv)
         for j, edge in rec.pre_edges:
             roots.append(edge)
-            grads.append(full[j][:a])
+            grads.append(full[j][:ag])
         if a < s:
             for t, g in zip((q_b, k_b, v_b), full, strict=True):
                 if t.requires_grad:
                     roots.append(_edge(t))
-                    grads.append(g[a:])
+                    grads.append(g[ag:])
         del q_b, k_b, v_b
         if roots:
             torch.autograd.backward(roots, grads)

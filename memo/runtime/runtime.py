@@ -8,8 +8,8 @@ A layer's offloaded bytes depend on alpha, the sequence length, the micro-batch
 and the dtype. They are measured by a dry run of the first wrapped layer on the
 first real input (same code path as a training forward, with a byte counter in
 place of the buffer), then the two device buffers (one layer each) and the host
-arena (one region per offloaded layer; the last two layers are not offloaded)
-are allocated at once, before any layer offloads. Every later forward must
+arena (one region per offloaded layer, NOTE [Layer policy]) are allocated at
+once, before any layer offloads. Every later forward must
 offload the same number of bytes. With a plan, its ``host_bytes`` must equal
 what the dry run measured, else the plan belongs to another job.
 """
@@ -33,10 +33,50 @@ from memo.runtime.buffers import (
 )
 from memo.runtime.layer import LayerCall, MemoLayerFunction, offload_tokens
 
-__all__ = ["MemoRuntime", "validate_alpha"]
+__all__ = ["LAYER_POLICIES", "MemoRuntime", "default_policy", "validate_alpha", "validate_policy"]
 
-#: Layers at the end of the model that are never offloaded: their backward follows at once.
+# NOTE [Layer policy]
+# Every wrapped layer runs one of three policies, chosen per layer by the planner
+# (planner/policy.py) to be fastest within the device budget, the host memory and the link:
+#   "memo"      token-wise offload (alpha) / recompute (NOTE [Token-wise recompute]): nothing
+#               of the layer stays on the device between its forward and its backward;
+#   "recompute" full recompute (torch.utils.checkpoint, non-reentrant): only its input stays;
+#   "keep"      plain autograd: every activation it saves stays on the device.
+# The "memo" layers must come first: the host arena has one region per memo layer, in layer
+# order, and the gradient of layer i + 1's output starts layer i's prefetch. Without a policy
+# (no plan) memo keeps the last two layers whole and offloads the others, the paper's fixed
+# rule: the last layers' backward follows their forward at once, so offloading them would
+# only add copies.
+LAYER_POLICIES = ("memo", "recompute", "keep")
+#: Layers at the end of the model that the default policy keeps: their backward follows at once.
 NOT_OFFLOADED_TAIL = 2
+
+
+def default_policy(n_layers: int) -> list[str]:
+    """The policy without a plan: offload all layers but the last two, which are kept."""
+    kept = min(n_layers, NOT_OFFLOADED_TAIL)
+    return ["memo"] * (n_layers - kept) + ["keep"] * kept
+
+
+def validate_policy(policy: Any, n_layers: int | None = None) -> list[str]:
+    """``policy`` as a list of :data:`LAYER_POLICIES`, with the "memo" layers first; or a MemoError."""
+    if isinstance(policy, str) or not isinstance(policy, (list, tuple)):
+        raise MemoError(f"memo.runtime: a layer policy is a list with one of {LAYER_POLICIES} per layer, "
+                        f"got {policy!r}")
+    bad = [p for p in policy if p not in LAYER_POLICIES]
+    if bad:
+        raise MemoError(f"memo.runtime: unknown layer policy {bad[0]!r}; each layer is one of "
+                        f"{LAYER_POLICIES}")
+    if n_layers is not None and len(policy) != n_layers:
+        raise MemoError(f"memo.runtime: the layer policy has {len(policy)} entries but the model has "
+                        f"{n_layers} "
+                        "layers; the plan was made for another model (re-run `memo profile`)")
+    n_memo = sum(p == "memo" for p in policy)
+    if any(p != "memo" for p in policy[:n_memo]):
+        raise MemoError("memo.runtime: the 'memo' layers of a policy must come first (NOTE [Layer policy]), "
+                        "got "
+                        f"{list(policy)}")
+    return list(policy)
 
 
 def validate_alpha(alpha: Any) -> float:
@@ -77,6 +117,8 @@ class MemoRuntime:
             first, to force races into the open in tests. Default: ``MEMO_DEBUG_COPY_DELAY_US``.
         host_memory_limit: bytes of host memory the arena may take (default: MemAvailable).
         seed: seed of the debug delays.
+        policy: what each layer does, one of :data:`LAYER_POLICIES` per layer (NOTE [Layer
+            policy]); default: the plan's ``policy``, else :func:`default_policy`.
     """
 
     def __init__(
@@ -87,6 +129,7 @@ class MemoRuntime:
         debug_copy_delay_us: int | None = None,
         host_memory_limit: int | None = None,
         seed: int = 0,
+        policy: list[str] | None = None,
     ) -> None:
         plan_alpha = _plan_field(plan, "alpha")
         if alpha is None and plan_alpha is None:
@@ -101,6 +144,14 @@ class MemoRuntime:
             )
         self.alpha = validate_alpha(alpha if alpha is not None else plan_alpha)
         self.plan = plan
+        plan_policy = _plan_field(plan, "policy")
+        if policy is not None and plan_policy is not None and list(policy) != list(plan_policy):
+            raise PlanMismatchError(f"memo.runtime: policy={list(policy)} was given but the plan was made "
+                                    "for "
+                                    f"{list(plan_policy)}; pass only the plan")
+        given = policy if policy is not None else plan_policy
+        self._given_policy = None if given is None else validate_policy(given)
+        self.policy: list[str] = []
         self.debug_copy_delay_us = debug_delay_from_env() if debug_copy_delay_us is None else int(
             debug_copy_delay_us)
         if self.debug_copy_delay_us < 0:
@@ -126,13 +177,15 @@ class MemoRuntime:
 
     @property
     def n_offloaded(self) -> int:
-        """Layers that offload (all but the last two)."""
-        return max(0, self.n_layers - NOT_OFFLOADED_TAIL)
+        """Layers that offload: the leading "memo" layers of the policy (NOTE [Layer policy])."""
+        return sum(p == "memo" for p in self.policy)
 
     def attach(self, layers: list[tuple[nn.Module, Any]]) -> list[LayerCall]:
         """Register the model's layers (in forward order) with their adapters."""
         if self.calls:
             raise MemoError("memo.runtime: this MemoRuntime already serves a model; create one per model")
+        given = self._given_policy
+        self.policy = default_policy(len(layers)) if given is None else validate_policy(given, len(layers))
         self.calls = [LayerCall(self, layer, adapter, i) for i, (layer, adapter) in enumerate(layers)]
         return self.calls
 
@@ -264,6 +317,7 @@ class MemoRuntime:
             "alpha": self.alpha,
             "layers": self.n_layers,
             "offloaded_layers": self.n_offloaded,
+            "policy": list(self.policy),
             "layer_offload_bytes": self.layer_bytes,
             "host_bytes": self.host_bytes,
             "arena_bytes": self.arena_bytes,

@@ -10,10 +10,11 @@ firing because ``nn.Module.__call__`` still runs them around ``forward``.
 ``unwrap`` deletes the attribute (or restores one the user had set).
 
 The wrapped forward runs the original one when grad is disabled (evaluation:
-no backward will come, so nothing is offloaded) and for the last two layers
-(their backward follows at once; offloading them would only add copies). Every
-layer also hooks its output's gradient to start the prefetch of the layer
-before it (NOTE [Rounding buffer reuse]).
+no backward will come, so nothing is offloaded); otherwise it runs the layer's
+policy (NOTE [Layer policy] in memo/runtime/runtime.py): memo's token-wise
+offload/recompute, full recompute under torch.utils.checkpoint, or the original
+forward (kept). The layer after a memo layer hooks its output's gradient to
+start the prefetch of that memo layer (NOTE [Rounding buffer reuse]).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from memo.adapters.base import LayerAdapter, find_adapter, registered_adapters
 from memo.errors import MemoError
@@ -59,7 +61,7 @@ def find_layers(model: nn.Module) -> list[tuple[nn.Module, LayerAdapter]]:
     if root_adapter is not None:
         raise MemoError(
             f"memo.wrap: {type(model).__name__} is itself a transformer layer; wrap the model that holds "
-            "the layers (memo offloads all but the last two layers of a model)"
+            "the layers (memo decides per layer of a model what to offload, NOTE [Layer policy])"
         )
     visit(model)
     if not found:
@@ -96,10 +98,14 @@ def _wrapped_forward(call: LayerCall, original: Any, *args: Any, **kwargs: Any) 
     rt = call.runtime
     if not torch.is_grad_enabled():
         return original(*args, **kwargs)
-    if call.index < rt.n_offloaded:
+    kind = rt.policy[call.index]
+    if kind == "memo":
         x, ctx = call.adapter.split_args(call.layer, args, kwargs)
         y = rt.run_layer(call, x, ctx)
         out = call.adapter.pack_output(call.layer, y, ctx)
+    elif kind == "recompute":
+        rt.stats.recomputed_layers += 1
+        out = checkpoint(original, *args, use_reentrant=False, **kwargs)
     else:
         out = original(*args, **kwargs)
     if 0 < call.index <= rt.n_offloaded:
@@ -122,6 +128,7 @@ def wrap(
     runtime: MemoRuntime | None = None,
     debug_copy_delay_us: int | None = None,
     host_memory_limit: int | None = None,
+    policy: list[str] | None = None,
 ) -> nn.Module:
     """Wrap ``model``'s transformer layers in place for token-wise offload/recompute; returns ``model``.
 
@@ -131,11 +138,13 @@ def wrap(
             Layers take and return hidden states ``[s, b, h]``.
         alpha: fraction in [0, 1] of each layer's tokens whose skeletal tensors are offloaded;
             the rest are recomputed in backward. The layer input and attention output are
-            always offloaded; the last two layers are never offloaded.
+            always offloaded.
         plan: a plan carrying ``alpha`` and ``host_bytes`` (alpha may then be omitted).
         runtime: a :class:`MemoRuntime` to use (else one is created from the arguments above).
         debug_copy_delay_us: see :class:`MemoRuntime`.
         host_memory_limit: see :class:`MemoRuntime`.
+        policy: per layer "memo", "recompute" or "keep" (NOTE [Layer policy]); default: the plan's,
+            else all layers but the last two offload.
 
     The runtime is available as :func:`runtime_of(model) <runtime_of>`. The state dict is
     unchanged (NOTE [Wrapping in place]).
@@ -152,9 +161,9 @@ def wrap(
         )
     if runtime is None:
         runtime = MemoRuntime(alpha, plan=plan, debug_copy_delay_us=debug_copy_delay_us,
-                              host_memory_limit=host_memory_limit)
-    elif alpha is not None or plan is not None:
-        raise MemoError("memo.wrap: pass alpha/plan either to MemoRuntime or to wrap, not both")
+                              host_memory_limit=host_memory_limit, policy=policy)
+    elif alpha is not None or plan is not None or policy is not None:
+        raise MemoError("memo.wrap: pass alpha/plan/policy either to MemoRuntime or to wrap, not both")
     layers = find_layers(model)
     for layer, adapter in layers:
         adapter.check(layer)

@@ -1,0 +1,230 @@
+"""The per-layer policy: which layers keep their activations, which run memo at alpha, which
+fully recompute (NOTE [Layer policy] in memo/runtime/runtime.py).
+
+NOTE [Policy cost model]
+All quantities are per rank. For one layer (the layers of a model are alike):
+
+    policy      device bytes held from forward to backward     extra seconds per iteration
+    keep        K = S_input + S_attn + S_others                 0
+    recompute   S_input                                         T                   (whole forward again)
+    memo        0                                               (1 - alpha)(1 - f) T + stall
+
+T is one layer's forward time, f the share of it spent in attention (memo never recomputes
+attention), and stall = max(0, copy - T) where a layer's copy (S_input + S_attn + alpha
+S_others at the link's bandwidth) does not hide under the next layer's compute. On top of
+what the layers hold, the device needs:
+
+* ``base``: the model states and every activation that is not a layer's (embedding, head, the
+  running gradient of the hidden states);
+* two rounding buffers of S_input + S_attn + alpha S_others each when any layer runs memo;
+* one layer's backward at a time: a recomputed layer's activations (K) under full recompute,
+  the recomputed (1 - alpha) share of S_others under memo.
+
+The memo layers come first, then the recomputed ones, then the kept ones (their backward
+follows their forward soonest). Layers are alike, so a policy is three counts and alpha; every
+split of the layers is tried (O(n_layers^2)) with alpha at the largest value its constraints
+allow, and the fastest split within the device cap wins (ties: the smaller device need). The
+device cap is the budget when one is given (memory the user has is used to go faster: kept
+layers need no recompute); without one it is what full recompute needs, so memo never needs
+more device memory than full recompute at the same sequence length. Where full recompute is
+faster within the cap, it is chosen for those layers. The estimate picks the policy; the plan's peak
+comes from the recorded trace of the wrapped model (memo/profiler/flow.py checks it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from memo.errors import DeviceBudgetError, MemoError
+from memo.units import format_bytes
+
+from .alpha import AlphaSolution, solve_alpha
+
+__all__ = ["LayerCosts", "PolicySolution", "choose_policy", "describe_policy", "device_need"]
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """What the policy choice needs to know about one rank's layers (bytes, seconds)."""
+
+    n_layers: int
+    s_input: int
+    s_attn: int
+    s_others: int
+    layer_time: float
+    attn_fraction: float
+    base_bytes: int
+    bandwidth: float
+    host_memory: int
+    #: Bytes a recorded iteration with memo layers needed beyond this model (NOTE [Calibrated policy]
+    #: in memo/profiler/flow.py); added to every split that has memo layers.
+    memo_overhead: int = 0
+
+    @property
+    def keep_bytes(self) -> int:
+        return self.s_input + self.s_attn + self.s_others
+
+    def copy_bytes(self, alpha: float) -> float:
+        return self.s_input + self.s_attn + alpha * self.s_others
+
+
+@dataclass
+class PolicySolution:
+    """The chosen policy, its alpha and why, and the device need it was chosen with."""
+
+    policy: list[str]
+    alpha: float
+    binding: str
+    extra_seconds: float
+    device_bytes: int
+    parts: dict[str, int]
+    device_cap: int
+    device_budget: int | None
+    full_recompute_bytes: int
+    alpha_solution: AlphaSolution | None = None
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.pop("alpha_solution")
+        return out
+
+
+def _policy(n_memo: int, n_fr: int, n_keep: int) -> list[str]:
+    return ["memo"] * n_memo + ["recompute"] * n_fr + ["keep"] * n_keep
+
+
+def device_need(c: LayerCosts, n_memo: int, n_fr: int, n_keep: int, alpha: float) -> dict[str, int]:
+    """The device bytes of one split and alpha, by part (NOTE [Policy cost model])."""
+    transient = max(c.keep_bytes if n_fr else 0, int((1 - alpha) * c.s_others) if n_memo else 0)
+    return {
+        "base (model states, other activations)": c.base_bytes,
+        "kept layers": n_keep * c.keep_bytes,
+        "recomputed layers' inputs": n_fr * c.s_input,
+        "rounding buffers": 2 * int(math.ceil(c.copy_bytes(alpha))) + c.memo_overhead if n_memo else 0,
+        "one layer's backward": transient,
+    }
+
+
+def _alpha_upper(c: LayerCosts, n_memo: int, n_fr: int, n_keep: int, cap: float) -> dict[str, float]:
+    """Largest alpha each constraint allows for this split (may be < 0: infeasible)."""
+    base = c.s_input + c.s_attn
+    so = max(c.s_others, 1e-9)
+    fixed = c.base_bytes + n_keep * c.keep_bytes + n_fr * c.s_input + c.memo_overhead
+    room = cap - fixed - 2 * base
+    # buffers 2(base + a So) plus max(K [n_fr], (1 - a) So): two linear bounds, both upper bounds on a.
+    dev = (room - (c.keep_bytes if n_fr else 0)) / (2 * so)
+    dev = min(dev, (room - c.s_others) / so)
+    return {
+        "bandwidth": (c.layer_time * c.bandwidth - base) / so,
+        "host_memory": (c.host_memory / n_memo - base) / so,
+        "device_memory": dev,
+    }
+
+
+def _seconds(c: LayerCosts, n_memo: int, n_fr: int, alpha: float) -> float:
+    stall = max(0.0, c.copy_bytes(alpha) / c.bandwidth - c.layer_time)
+    memo = (1 - alpha) * (1 - c.attn_fraction) * c.layer_time + stall
+    return n_fr * c.layer_time + n_memo * memo
+
+
+def choose_policy(c: LayerCosts, device_budget: int | None = None,
+                  alpha: float | None = None) -> PolicySolution:
+    """The fastest policy within ``device_budget`` (bytes per rank; None: full recompute's need),
+    the host memory and the link. ``alpha``: fixed instead of solved.
+
+    Raises:
+        MemoError: when no policy fits the budget, with the smallest need and its parts.
+    """
+    if c.n_layers < 1:
+        raise MemoError("memo.policy: the model has no layers")
+    if device_budget is not None and (isinstance(device_budget, bool) or device_budget <= 0):
+        raise MemoError("memo.policy: the device budget must be a positive number of bytes, "
+                        f"got {device_budget!r}")
+    full_recompute = sum(device_need(c, 0, c.n_layers, 0, 0.0).values())
+    cap = full_recompute if device_budget is None else device_budget
+    best: tuple[float, int, int, int, int, float, str] | None = None
+    smallest: tuple[int, int, int, int, float] | None = None
+    n = c.n_layers
+    for n_memo in range(n + 1):
+        for n_keep in range(n - n_memo + 1):
+            n_fr = n - n_memo - n_keep
+            if n_memo:
+                bounds = _alpha_upper(c, n_memo, n_fr, n_keep, cap)
+                if bounds["host_memory"] < 0:
+                    continue  # not even alpha = 0 fits in host memory
+                if alpha is not None:
+                    a, why = alpha, "given"
+                else:
+                    # bandwidth is soft: below alpha = 0 the copies stall compute (counted in time)
+                    hard = {k: v for k, v in bounds.items() if k != "bandwidth" or v >= 0}
+                    why = min(hard, key=hard.__getitem__)
+                    a = min(1.0, hard[why])
+                    if a >= 1.0:
+                        a, why = 1.0, "alpha<=1"
+                    a = max(a, 0.0)
+                if n_memo * c.copy_bytes(a) > c.host_memory:
+                    continue
+            else:
+                a, why = 0.0, "device_memory" if n_keep < n else "none"
+            need = sum(device_need(c, n_memo, n_fr, n_keep, a).values())
+            if smallest is None or need < smallest[0]:
+                smallest = (need, n_memo, n_fr, n_keep, a)
+            if need > cap:
+                continue
+            key = (_seconds(c, n_memo, n_fr, a), need, n_memo, n_fr, n_keep, a, why)
+            if best is None or key[:2] < best[:2]:
+                best = key
+    if best is None:
+        assert smallest is not None
+        need, n_memo, n_fr, n_keep, a = smallest
+        parts = device_need(c, n_memo, n_fr, n_keep, a)
+        detail = ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items())
+        what = _describe(n_memo, n_fr, n_keep, a)
+        raise DeviceBudgetError(
+            f"memo.policy: no layer policy fits the device budget of {format_bytes(cap)} per rank; the "
+            f"smallest need is {format_bytes(need)} ({what}): {detail}. Give more device memory "
+            "(--device-mem-gb), more host memory, more tensor/context parallelism, or a shorter sequence")
+    seconds, need, n_memo, n_fr, n_keep, a, why = best
+    solution = None
+    if n_memo and alpha is None:
+        # The chosen split's alpha from the LP itself (NOTE [Policy cost model]): the same bound.
+        fixed_other = c.base_bytes + n_keep * c.keep_bytes + n_fr * c.s_input + c.memo_overhead
+        linear = 2 * (c.s_input + c.s_attn)
+        slope = 2 * c.s_others
+        if not n_fr:  # (1 - a) So can be the larger backward term; the LP takes the linear bound of it
+            linear, slope = linear + c.s_others, c.s_others
+        else:
+            linear += max(c.keep_bytes, c.s_others)
+        solution = solve_alpha(c.s_input, c.s_attn, c.s_others, c.bandwidth, c.layer_time, n, c.host_memory,
+                               offloaded_layers=n_memo, device_memory=cap, device_fixed=fixed_other + linear,
+                               device_per_alpha=slope)
+        if abs(solution.alpha - a) > 1e-6 and why != "bandwidth":
+            a, why = min(a, solution.alpha), solution.binding
+    if n_memo == 0 and n_keep < n:
+        why = "device_memory"
+    parts = device_need(c, n_memo, n_fr, n_keep, a)
+    return PolicySolution(policy=_policy(n_memo, n_fr, n_keep), alpha=float(a), binding=why,
+                          extra_seconds=seconds, device_bytes=sum(parts.values()), parts=parts,
+                          device_cap=int(cap),
+                          device_budget=device_budget, full_recompute_bytes=int(full_recompute),
+                          alpha_solution=solution, counts={"memo": n_memo, "recompute": n_fr, "keep": n_keep})
+
+
+def _describe(n_memo: int, n_fr: int, n_keep: int, alpha: float) -> str:
+    parts = []
+    if n_memo:
+        parts.append(f"{n_memo} memo layers at alpha {alpha:.3f}")
+    if n_fr:
+        parts.append(f"{n_fr} recomputed")
+    if n_keep:
+        parts.append(f"{n_keep} kept")
+    return ", ".join(parts)
+
+
+def describe_policy(policy: list[str]) -> str:
+    """``"10 memo, 2 recompute"`` style summary of a per-layer policy."""
+    order = ("memo", "recompute", "keep")
+    return ", ".join(f"{policy.count(k)} {k}" for k in order if policy.count(k))

@@ -1,0 +1,175 @@
+"""Per-layer policy (NOTE [Layer policy]): memo / full recompute / keep, mixed in one model.
+
+Every mix must give the unwrapped model's loss and gradients (fp32, relative error < 1e-5),
+and each policy must leave on the device what it promises between forward and backward.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+import memo.runtime as mr
+from memo.errors import MemoError, PlanMismatchError
+from memo.models import build_model, get_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+def _model(arch: str, n_layers: int) -> torch.nn.Module:
+    name = "tiny" if arch == "gpt" else "llama-tiny"
+    cfg = dataclasses.replace(get_config(name), n_layers=n_layers, name=f"{name}-{n_layers}")
+    torch.manual_seed(0)
+    return build_model(cfg, dtype=torch.float32)
+
+
+def _grads(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor):
+    model.zero_grad(set_to_none=True)
+    loss = model(ids, labels)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+POLICIES = [
+    ["memo", "memo", "recompute", "keep"],
+    ["memo", "recompute", "recompute", "recompute"],
+    ["recompute", "keep", "recompute", "keep"],
+    ["memo", "memo", "memo", "memo"],
+    ["keep", "keep", "keep", "keep"],
+]
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: "-".join(x[0] for x in p))
+def test_mixed_policy_matches_unwrapped(arch: str, policy: list[str]) -> None:
+    model = _model(arch, len(policy))
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, model.config.vocab_size, (2, 48), generator=g)
+    labels = torch.randint(0, model.config.vocab_size, (2, 48), generator=g)
+    ref_loss, ref_grads = _grads(ref, ids, labels)
+    mr.wrap(model, alpha=0.375, policy=policy, debug_copy_delay_us=200)
+    rt = mr.runtime_of(model)
+    assert rt.policy == policy and rt.n_offloaded == policy.count("memo")
+    for _ in range(2):  # the second step reuses the buffers
+        loss, grads = _grads(model, ids, labels)
+        assert _rel(loss, ref_loss) < 1e-5
+        worst = max((_rel(grads[n], ref_grads[n]), n) for n in ref_grads)
+        assert worst[0] < 1e-5, worst
+    assert rt.stats.recomputed_layers == 2 * policy.count("recompute")
+    assert rt.stats.layer_forwards == 2 * policy.count("memo")
+    assert rt.host_bytes == (0 if rt.buffers is None else policy.count("memo") * rt.layer_bytes)
+    mr.unwrap(model)
+
+
+def _saved_bytes_between_forward_and_backward(policy: list[str]) -> int:
+    """Bytes of distinct storages autograd holds for backward after the forward of the whole model."""
+    model = _model("gpt", len(policy))
+    mr.wrap(model, alpha=0.0, policy=policy)
+    ids = torch.randint(0, model.config.vocab_size, (1, 64))
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, torch.nn.Parameter) and t.device.type == "cpu":
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        h = model.embedding(ids)
+        for layer in model.layers:
+            h = layer(h)
+    total = sum(seen.values())
+    h.sum().backward()
+    mr.unwrap(model)
+    return total
+
+
+def test_each_policy_keeps_what_it_promises() -> None:
+    # Outside memo's own hooks only "keep" layers save whole activations and "recompute" layers
+    # save their input; "memo" layers save nothing visible to autograd's hooks.
+    memo = _saved_bytes_between_forward_and_backward(["memo"] * 4)
+    recompute = _saved_bytes_between_forward_and_backward(["recompute"] * 4)
+    keep = _saved_bytes_between_forward_and_backward(["keep"] * 4)
+    assert memo < recompute < keep
+    s, h = 64, get_config("tiny").hidden
+    # Full recompute keeps each layer's input (shared with the previous layer's output).
+    assert recompute >= 4 * s * h * 4
+
+
+def test_bad_policies_are_refused() -> None:
+    model = _model("gpt", 3)
+    with pytest.raises(MemoError, match="must come first"):
+        mr.wrap(model, alpha=0.5, policy=["keep", "memo", "memo"])
+    with pytest.raises(MemoError, match="unknown layer policy 'swap'"):
+        mr.wrap(model, alpha=0.5, policy=["memo", "swap", "keep"])
+    with pytest.raises(MemoError, match="2 entries but the model has 3 layers"):
+        mr.wrap(model, alpha=0.5, policy=["memo", "keep"])
+    assert not mr.is_wrapped(model)
+    with pytest.raises(PlanMismatchError, match="the plan was made for"):
+        mr.wrap(model, plan={"alpha": 0.5, "host_bytes": 1, "policy": ["memo", "keep", "keep"]},
+                policy=["keep", "keep", "keep"])
+
+
+def test_default_policy_is_the_papers_rule() -> None:
+    assert mr.default_policy(5) == ["memo", "memo", "memo", "keep", "keep"]
+    assert mr.default_policy(1) == ["keep"]
+
+
+# --- the planner's choice (NOTE [Policy cost model]) -------------------------------------------
+
+def _costs(**kw):
+    from memo.planner import LayerCosts
+
+    base = dict(n_layers=12, s_input=2 << 20, s_attn=2 << 20, s_others=28 << 20, layer_time=3e-3,
+                attn_fraction=0.3, base_bytes=50 << 20, bandwidth=4e9, host_memory=8 << 30)
+    base.update(kw)
+    return LayerCosts(**base)
+
+
+def test_policy_never_needs_more_than_full_recompute() -> None:
+    from memo.planner import choose_policy, device_need
+
+    for n_layers in (1, 2, 4, 12, 32):
+        c = _costs(n_layers=n_layers)
+        sol = choose_policy(c)
+        fr = sum(device_need(c, 0, n_layers, 0, 0.0).values())
+        assert sol.full_recompute_bytes == fr
+        assert sol.device_bytes <= fr
+        assert len(sol.policy) == n_layers
+
+
+def test_a_larger_budget_keeps_layers_and_a_smaller_one_offloads() -> None:
+    from memo.planner import choose_policy
+
+    c = _costs()
+    roomy = choose_policy(c, device_budget=10 << 30)
+    assert roomy.policy == ["keep"] * 12 and roomy.extra_seconds == 0
+    tight = choose_policy(dataclasses.replace(c, bandwidth=1e12), device_budget=95 << 20)
+    assert tight.counts["memo"] > 0 and tight.device_bytes <= 95 << 20
+    assert tight.binding == "device_memory"
+
+
+def test_too_small_a_budget_names_the_smallest_need() -> None:
+    from memo.planner import choose_policy
+
+    with pytest.raises(MemoError, match=r"smallest need is .* rounding buffers"):
+        choose_policy(_costs(), device_budget=40 << 20)
+    for bad in (0, -5):
+        with pytest.raises(MemoError, match="positive number of bytes"):
+            choose_policy(_costs(), device_budget=bad)
+
+
+def test_full_recompute_wins_where_it_is_faster() -> None:
+    from memo.planner import choose_policy
+
+    # A link so slow that memo's copies stall far longer than recomputing the layer.
+    sol = choose_policy(_costs(bandwidth=1e6), device_budget=None)
+    assert sol.counts["memo"] == 0 and sol.counts["recompute"] == 12
