@@ -68,7 +68,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=positive_int,
         default=None,
         help="GPUs one layer is split over (Megatron tensor + sequence parallel; the paper's 1M-token runs "
-        "use the node's 8): alpha and host bytes are per rank. Default: --gpus-per-node",
+        "use the node's 8): the profile, alpha, the layer policy and the plan are one rank's, with shapes sharded "
+        "as megatron-core shards them. Default: 1",
     )
     p.add_argument(
         "--device-mem-gb", type=positive_float, default=None,
@@ -199,8 +200,9 @@ def run(args: argparse.Namespace) -> int:
         args.gpus_per_node = torch.cuda.device_count() if args.device == "cuda" else 1
     tp_source = "given"
     if args.tensor_parallel is None:
-        # The paper's setting: one node's GPUs split each layer (tensor + sequence parallel).
-        args.tensor_parallel, tp_source = args.gpus_per_node, "assumed: --gpus-per-node"
+        # The profile is of one rank as given: no sharding unless asked for (the paper's 1M-token
+        # runs split each layer over the node's 8 GPUs: --tensor-parallel 8).
+        args.tensor_parallel, tp_source = 1, "default"
     save_plan, save_trace, trace_cls = _planner_io()
     dtype = DTYPES[args.dtype]
     start = time.perf_counter()
