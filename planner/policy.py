@@ -133,7 +133,8 @@ def _seconds(c: LayerCosts, n_memo: int, n_fr: int, alpha: float) -> float:
 def choose_policy(c: LayerCosts, device_budget: int | None = None,
                   alpha: float | None = None) -> PolicySolution:
     """The fastest policy within ``device_budget`` (bytes per rank; None: full recompute's need),
-    the host memory and the link. ``alpha``: fixed instead of solved.
+    the host memory and the link. ``alpha``: fixed instead of solved; without a budget it also
+    fixes the paper's policy (all layers but the last two offload).
 
     Raises:
         MemoError: when no policy fits the budget, with the smallest need and its parts.
@@ -144,6 +145,17 @@ def choose_policy(c: LayerCosts, device_budget: int | None = None,
         raise MemoError("memo.policy: the device budget must be a positive number of bytes, "
                         f"got {device_budget!r}")
     full_recompute = sum(device_need(c, 0, c.n_layers, 0, 0.0).values())
+    if alpha is not None and device_budget is None:
+        # A given alpha without a budget asks for memo as the paper runs it: every layer but the
+        # last two offloads at that alpha, the last two are kept (no cap to choose against).
+        n_keep = min(2, c.n_layers)
+        n_memo = c.n_layers - n_keep
+        parts = device_need(c, n_memo, 0, n_keep, alpha)
+        return PolicySolution(policy=_policy(n_memo, 0, n_keep), alpha=float(alpha), binding="given",
+                              extra_seconds=_seconds(c, n_memo, 0, alpha), device_bytes=sum(parts.values()),
+                              parts=parts, device_cap=sum(parts.values()), device_budget=None,
+                              full_recompute_bytes=int(full_recompute),
+                              counts={"memo": n_memo, "recompute": 0, "keep": n_keep})
     cap = full_recompute if device_budget is None else device_budget
     best: tuple[float, int, int, int, int, float, str] | None = None
     smallest: tuple[int, int, int, int, float] | None = None
@@ -168,7 +180,8 @@ def choose_policy(c: LayerCosts, device_budget: int | None = None,
                 if n_memo * c.copy_bytes(a) > c.host_memory:
                     continue
             else:
-                a, why = 0.0, "device_memory" if n_keep < n else "none"
+                # no memo layer: alpha does nothing, but a given one is kept (it is what was asked)
+                a, why = (0.0 if alpha is None else alpha), "device_memory" if n_keep < n else "none"
             need = sum(device_need(c, n_memo, n_fr, n_keep, a).values())
             if smallest is None or need < smallest[0]:
                 smallest = (need, n_memo, n_fr, n_keep, a)

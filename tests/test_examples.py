@@ -24,4 +24,4 @@ def test_train_long_context_replays_its_plan_exactly() -> None:
     assert all(int(s[3]) == 0 for s in steps), out  # every planned request served from the plan
     per_step = {b - a for a, b in zip([0, *planned], planned, strict=False)}
     assert len(per_step) == 1 and per_step.pop() > 0, planned  # the same planned hits every step
-    assert re.search(r"alpha [\d.]+ \((alpha<=1|bandwidth|host_memory)\)", out)
+    assert re.search(r"alpha [\d.]+ \((alpha<=1|bandwidth|host_memory|device_memory|none)\)", out), out

@@ -125,7 +125,7 @@ def test_malformed_offload_in_a_plan_file_is_refused(tmp_path, bad) -> None:
     from memo.errors import MemoError
 
     result = profile("tiny", 256, 1, device="meta", bandwidth_gbps=32, layer_ms=1.0, host_mem_gb=64,
-                     time_limit=1.0)
+                     time_limit=1.0, policy=["memo", "memo", "keep", "keep"])
     data = result.plan.to_dict()
     assert data["offload"]["actual_bytes_per_layer"] > 0
     data["offload"] = bad if not isinstance(bad, dict) else {**data["offload"], **bad}

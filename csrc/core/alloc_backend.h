@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 
@@ -73,5 +74,12 @@ constexpr std::size_t kBlockAlignment = 512;
 constexpr std::size_t kSegmentAlignment = 4096;
 
 inline std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
+
+// "1048576 B (1 MiB)": bytes as the allocators' error messages give them.
+inline std::string format_bytes(std::size_t bytes) {
+  std::ostringstream os;
+  os << bytes << " B (" << static_cast<double>(bytes) / (1 << 20) << " MiB)";
+  return os.str();
+}
 
 }  // namespace memo::core

@@ -7,14 +7,6 @@
 
 namespace memo::core {
 
-namespace {
-std::string mib(std::size_t bytes) {
-  std::ostringstream os;
-  os << bytes << " B (" << static_cast<double>(bytes) / (1 << 20) << " MiB)";
-  return os.str();
-}
-}  // namespace
-
 FallbackAllocator::FallbackAllocator(RawBackend* backend, StreamOrder* order, std::size_t min_segment,
                                      std::size_t limit)
     : backend_(backend), order_(order), min_segment_(0), limit_(limit) {
@@ -46,28 +38,33 @@ std::size_t FallbackAllocator::block_size(const void* ptr) const {
   return it == live_.end() ? 0 : it->second->size;
 }
 
-void FallbackAllocator::throw_oom(std::size_t bytes, std::size_t segment_bytes, const std::string& where,
-                                  const char* why) const {
+std::string FallbackAllocator::oom_message(std::size_t bytes, const FallbackFailure& failure,
+                                           const std::string& where, const std::string& also_tried) const {
   std::ostringstream os;
-  os << "memo allocator: fallback pool (" << backend_->name() << ") cannot serve a request of " << mib(bytes)
-     << " in " << (where.empty() ? std::string("no phase") : "phase " + where) << ": " << why
-     << ". It needs a new segment of " << mib(segment_bytes) << "; reserved " << mib(stats_.reserved_bytes)
-     << ", allocated " << mib(stats_.allocated_bytes) << ", limit "
-     << (limit_ == 0 ? std::string("none") : mib(limit_))
-     << ". Raise the fallback limit, or re-profile so that the plan covers these requests.";
-  throw OutOfMemory(os.str());
+  os << "memo allocator: fallback pool (" << backend_->name() << ") cannot serve a request of " << format_bytes(bytes)
+     << " in " << (where.empty() ? std::string("no phase") : "phase " + where) << ": " << failure.why
+     << ". It needs a new segment of " << format_bytes(failure.segment_bytes) << "; reserved "
+     << format_bytes(stats_.reserved_bytes) << ", allocated " << format_bytes(stats_.allocated_bytes) << ", limit "
+     << (limit_ == 0 ? std::string("none") : format_bytes(limit_)) << ". " << also_tried
+     << (also_tried.empty() ? "" : " ")
+     << "Raise the fallback limit, or re-profile so that the plan covers these requests.";
+  return os.str();
 }
 
-FallbackAllocator::Block* FallbackAllocator::new_segment(std::size_t bytes, const std::string& where) {
+FallbackAllocator::Block* FallbackAllocator::new_segment(std::size_t bytes, FallbackFailure* failure) {
   std::size_t seg_bytes = bytes <= min_segment_ ? min_segment_ : round_up(bytes, kSegmentGranularity);
   if (limit_ != 0 && stats_.reserved_bytes + seg_bytes > limit_) {
-    empty_cache();
-    if (stats_.reserved_bytes + seg_bytes > limit_) {
-      // A smaller segment that just fits the request may still be within the limit.
-      std::size_t exact = round_up(bytes, kBlockAlignment);
-      if (stats_.reserved_bytes + exact > limit_) throw_oom(bytes, seg_bytes, where, "the fallback limit is reached");
-      seg_bytes = exact;
+    // A smaller segment that just fits the request may still be within the limit.
+    const std::size_t exact = round_up(bytes, kBlockAlignment);
+    // Give the cached free segments back only when that makes room: a refused
+    // request may still be served from the arena (NOTE [One device pool]), and
+    // the cache should survive it (on CUDA each release synchronises the device).
+    if (stats_.reserved_bytes - free_segment_bytes() + exact > limit_) {
+      *failure = FallbackFailure{seg_bytes, "the fallback limit is reached"};
+      return nullptr;
     }
+    empty_cache();
+    if (stats_.reserved_bytes + seg_bytes > limit_) seg_bytes = exact;
   }
   void* base = backend_->raw_alloc(seg_bytes);
   if (base == nullptr) {
@@ -75,8 +72,9 @@ FallbackAllocator::Block* FallbackAllocator::new_segment(std::size_t bytes, cons
     base = backend_->raw_alloc(seg_bytes);
     if (base == nullptr) {
       const std::string why = backend_->last_failure();
-      throw_oom(bytes, seg_bytes, where,
-                why.empty() ? "the backend has no memory left" : ("the backend refused: " + why).c_str());
+      *failure = FallbackFailure{seg_bytes, why.empty() ? "the backend has no memory left"
+                                                        : "the backend refused: " + why};
+      return nullptr;
     }
   }
   auto* seg = new Segment{static_cast<char*>(base), seg_bytes, nullptr};
@@ -90,6 +88,13 @@ FallbackAllocator::Block* FallbackAllocator::new_segment(std::size_t bytes, cons
 }
 
 void* FallbackAllocator::allocate(std::size_t bytes, StreamId stream, const std::string& where) {
+  FallbackFailure failure;
+  void* p = try_allocate(bytes, stream, &failure);
+  if (p == nullptr) throw OutOfMemory(oom_message(bytes, failure, where, ""));
+  return p;
+}
+
+void* FallbackAllocator::try_allocate(std::size_t bytes, StreamId stream, FallbackFailure* failure) {
   const std::size_t size = round_up(std::max<std::size_t>(bytes, 1), kBlockAlignment);
   Block probe{nullptr, size, false, nullptr, nullptr, nullptr, kDefaultStream, {}};
   auto it = free_.lower_bound(&probe);  // best fit: smallest free block >= size, lowest address
@@ -98,7 +103,8 @@ void* FallbackAllocator::allocate(std::size_t bytes, StreamId stream, const std:
     block = *it;
     free_.erase(it);
   } else {
-    block = new_segment(size, where);
+    block = new_segment(size, failure);
+    if (block == nullptr) return nullptr;
   }
   // The block's earlier users on other streams may still have work queued on
   // any of its bytes: the new owner's stream waits for them.
@@ -164,6 +170,13 @@ void FallbackAllocator::release_segment(Segment* seg) {
   stats_.reserved_bytes -= seg->size;
   stats_.segment_releases += 1;
   delete seg;
+}
+
+std::size_t FallbackAllocator::free_segment_bytes() const {
+  std::size_t n = 0;
+  for (const Segment* seg : segments_)
+    if (!seg->first->allocated && seg->first->next == nullptr) n += seg->size;
+  return n;
 }
 
 std::size_t FallbackAllocator::empty_cache() {

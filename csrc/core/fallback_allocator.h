@@ -12,8 +12,9 @@
 //   the remainder stays free;
 // * a freed block is coalesced with free neighbours in the same segment;
 // * segments go back to the backend only on empty_cache() (or when a new
-//   segment would pass the limit: then free segments are released first),
-//   never on a plain free, so steady-state training makes no backend calls.
+//   segment would pass the limit and releasing the free segments makes room
+//   for it: then they are released first), never on a plain free, so
+//   steady-state training makes no backend calls.
 // Streams: a live block remembers the stream it was allocated on; a free
 // block carries the streams that used its bytes (merged on coalescing), and
 // a request on another stream waits for them (NOTE [Stream-safe reuse] in
@@ -54,6 +55,12 @@ struct FallbackStats {
   std::size_t segments = 0;
 };
 
+// Why a request could not be served (try_allocate), for the out-of-memory message.
+struct FallbackFailure {
+  std::size_t segment_bytes = 0;  // the new segment it needed
+  std::string why;                // "the fallback limit is reached", or the backend's refusal
+};
+
 class FallbackAllocator {
  public:
   static constexpr std::size_t kSegmentGranularity = 2u << 20;  // 2 MiB
@@ -69,6 +76,13 @@ class FallbackAllocator {
   // `where` names the phase for the message. The block is usable on `stream`:
   // earlier users on other streams are waited for.
   void* allocate(std::size_t bytes, StreamId stream, const std::string& where);
+  // Like allocate, but returns nullptr and fills `failure` instead of throwing
+  // (the owner may still serve the request elsewhere: NOTE [One device pool]).
+  void* try_allocate(std::size_t bytes, StreamId stream, FallbackFailure* failure);
+  // The out-of-memory message for a failed request: the pool's numbers, then
+  // `also_tried` (a sentence, or empty), then what to do.
+  std::string oom_message(std::size_t bytes, const FallbackFailure& failure, const std::string& where,
+                          const std::string& also_tried) const;
   // Returns false when `ptr` is not a live block of this allocator.
   bool free(void* ptr);
   bool owns(const void* ptr) const { return live_.count(const_cast<void*>(ptr)) != 0; }
@@ -107,10 +121,11 @@ class FallbackAllocator {
     }
   };
 
-  Block* new_segment(std::size_t bytes, const std::string& where);
+  // nullptr (and `failure` filled) when the limit or the backend refuses.
+  Block* new_segment(std::size_t bytes, FallbackFailure* failure);
   void release_segment(Segment* seg);
-  [[noreturn]] void throw_oom(std::size_t bytes, std::size_t segment_bytes, const std::string& where,
-                              const char* why) const;
+  // Bytes of the segments that are entirely free (what empty_cache() would release).
+  std::size_t free_segment_bytes() const;
 
   RawBackend* backend_;
   StreamOrder* order_;

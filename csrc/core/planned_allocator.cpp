@@ -1,5 +1,5 @@
-// See NOTE [Plan replay by request order], [Deviation policy] and
-// [Arena lifetime] in planned_allocator.h, NOTE [Stream-safe reuse] in stream_order.h.
+// See NOTE [Plan replay by request order], [Deviation policy], [Arena lifetime]
+// and [One device pool] in planned_allocator.h, NOTE [Stream-safe reuse] in stream_order.h.
 #include "core/planned_allocator.h"
 
 #include <algorithm>
@@ -11,6 +11,12 @@ namespace memo::core {
 
 namespace {
 constexpr unsigned char kPoisonByte = 0xFF;  // all-ones bytes: NaN in fp32/fp16/bf16
+
+std::size_t total_bytes(const std::map<std::size_t, std::size_t>& ranges) {
+  std::size_t n = 0;
+  for (const auto& [begin, end] : ranges) n += end - begin;
+  return n;
+}
 }  // namespace
 
 PlannedAllocator::PlannedAllocator(RawBackend* backend, std::size_t min_segment, std::size_t fallback_limit)
@@ -23,6 +29,7 @@ PlannedAllocator::~PlannedAllocator() {
 
 void PlannedAllocator::release_arena(Arena* arena) {
   if (arena->base != nullptr) backend_->raw_free(arena->base, arena->bytes);
+  arena_reserved_bytes_ -= arena->bytes;
   stats_.arena_releases += 1;
   delete arena;
 }
@@ -92,12 +99,14 @@ void PlannedAllocator::load_plan(PhaseTables tables, std::size_t peak) {
     fresh = new Arena;
     fresh->base = static_cast<char*>(base);
     fresh->bytes = arena_bytes;
+    arena_reserved_bytes_ += arena_bytes;
     stats_.arena_reservations += 1;
   }
   if (!reuse) {
     retire_current_arena();
     arena_ = fresh;
   }
+  note_peaks();
   tables_ = std::move(tables);
   has_plan_ = true;
   peak_ = peak;
@@ -161,12 +170,77 @@ std::string PlannedAllocator::phase() const {
   return phase_;
 }
 
-bool PlannedAllocator::overlaps_live(const Arena& arena, std::size_t begin, std::size_t end) const {
+bool PlannedAllocator::overlaps(const Ranges& ranges, std::size_t begin, std::size_t end) {
   // Ranges are disjoint, so only the last range starting before `end` can overlap.
-  auto it = arena.live_ranges.lower_bound(end);
-  if (it == arena.live_ranges.begin()) return false;
+  auto it = ranges.lower_bound(end);
+  if (it == ranges.begin()) return false;
   --it;
   return it->second > begin;
+}
+
+template <typename F>
+void PlannedAllocator::for_each_idle(const Arena& arena, F&& f) {
+  // Merge the two disjoint sets of busy ranges in address order; every gap
+  // starts at the next multiple of kBlockAlignment after the busy bytes
+  // (planned sizes are not rounded) and ends at the next busy offset (a
+  // multiple of it) or the arena's end.
+  auto a = arena.live_ranges.begin();
+  auto b = arena.lent.begin();
+  std::size_t cursor = 0;
+  while (a != arena.live_ranges.end() || b != arena.lent.end()) {
+    auto& next = (b == arena.lent.end() || (a != arena.live_ranges.end() && a->first < b->first)) ? a : b;
+    const std::size_t begin = next->first, end = next->second;
+    ++next;
+    const std::size_t gap = round_up(cursor, kBlockAlignment);
+    if (begin > gap) f(gap, begin);
+    cursor = std::max(cursor, end);
+  }
+  const std::size_t gap = round_up(cursor, kBlockAlignment);
+  if (arena.bytes > gap) f(gap, arena.bytes);
+}
+
+void* PlannedAllocator::borrow_locked(std::size_t bytes, StreamId stream) {
+  if (arena_ == nullptr) return nullptr;  // only the current arena lends: a retired one is never handed out
+  const std::size_t size = round_up(std::max<std::size_t>(bytes, 1), kBlockAlignment);
+  bool found = false;
+  std::size_t best = 0, best_len = 0;
+  for_each_idle(*arena_, [&](std::size_t begin, std::size_t end) {
+    const std::size_t len = end - begin;
+    if (len >= size && (!found || len < best_len)) {  // best fit, lowest offset among equals
+      found = true;
+      best = begin;
+      best_len = len;
+    }
+  });
+  if (!found) return nullptr;
+  const std::size_t end = best + size;
+  claim_freed(arena_, best, end, stream);
+  arena_->lent.emplace(best, end);
+  arena_->live += 1;
+  void* p = arena_->base + best;
+  arena_live_.emplace(p, ArenaBlock{arena_, best, size, stream, true});
+  borrowed_bytes_ += size;
+  borrowed_blocks_ += 1;
+  stats_.borrowed_allocs += 1;
+  stats_.peak_borrowed_bytes = std::max(stats_.peak_borrowed_bytes, borrowed_bytes_);
+  return p;
+}
+
+void PlannedAllocator::throw_oom(std::size_t bytes, const FallbackFailure& failure) const {
+  std::string tried;
+  if (arena_ != nullptr) {
+    std::size_t largest = 0;
+    for_each_idle(*arena_, [&](std::size_t begin, std::size_t end) { largest = std::max(largest, end - begin); });
+    std::ostringstream os;
+    os << "The idle ranges of the plan's arena were tried too (NOTE [One device pool]): none holds "
+       << format_bytes(round_up(std::max<std::size_t>(bytes, 1), kBlockAlignment)) << " (arena "
+       << format_bytes(arena_->bytes) << ": " << format_bytes(total_bytes(arena_->live_ranges))
+       << " in live planned blocks, " << format_bytes(total_bytes(arena_->lent))
+       << " lent to earlier requests, largest idle range " << format_bytes(largest) << "; in use in all "
+       << format_bytes(planned_bytes_ + borrowed_bytes_ + fallback_.stats().allocated_bytes) << ").";
+    tried = os.str();
+  }
+  throw OutOfMemory(fallback_.oom_message(bytes, failure, phase_, tried));
 }
 
 void PlannedAllocator::deviate(std::size_t expected, std::size_t actual, const char* reason) {
@@ -193,7 +267,10 @@ void PlannedAllocator::claim_freed(Arena* arena, std::size_t begin, std::size_t 
 }
 
 void* PlannedAllocator::fallback_locked(std::size_t bytes, StreamId stream) {
-  void* p = fallback_.allocate(bytes, stream, phase_);
+  FallbackFailure failure;
+  void* p = fallback_.try_allocate(bytes, stream, &failure);
+  if (p == nullptr) p = borrow_locked(bytes, stream);  // NOTE [One device pool]
+  if (p == nullptr) throw_oom(bytes, failure);
   stats_.fallback_requests += 1;
   return p;
 }
@@ -224,7 +301,10 @@ void* PlannedAllocator::allocate_locked(std::size_t bytes, StreamId stream) {
   } else {
     const auto begin = static_cast<std::size_t>(table[phase_index_].offset);
     const std::size_t end = begin + bytes;
-    if (overlaps_live(*arena_, begin, end)) {
+    if (overlaps(arena_->lent, begin, end)) {  // NOTE [One device pool]
+      stats_.slot_lent += 1;
+      deviate(bytes, bytes, kReasonSlotLent);
+    } else if (overlaps(arena_->live_ranges, begin, end)) {
       stats_.slot_busy += 1;
       deviate(bytes, bytes, "slot busy");
     } else {
@@ -232,7 +312,7 @@ void* PlannedAllocator::allocate_locked(std::size_t bytes, StreamId stream) {
       p = arena_->base + begin;
       arena_->live_ranges.emplace(begin, end);
       arena_->live += 1;
-      planned_live_.emplace(p, PlannedBlock{arena_, begin, bytes, stream});
+      arena_live_.emplace(p, ArenaBlock{arena_, begin, bytes, stream, false});
       planned_bytes_ += bytes;
       stats_.planned_hits += 1;
       stats_.arena_high_water = std::max(stats_.arena_high_water, end);
@@ -242,11 +322,18 @@ void* PlannedAllocator::allocate_locked(std::size_t bytes, StreamId stream) {
   return p != nullptr ? p : fallback_locked(bytes, stream);
 }
 
+void PlannedAllocator::note_peaks() {
+  const FallbackStats f = fallback_.stats();
+  // NOTE [One device pool], "What in use counts": a borrowed block is in neither planned_bytes_ nor f.
+  stats_.peak_bytes_in_use = std::max(stats_.peak_bytes_in_use, planned_bytes_ + borrowed_bytes_ + f.allocated_bytes);
+  stats_.peak_device_reserved_bytes =
+      std::max(stats_.peak_device_reserved_bytes, arena_reserved_bytes_ + f.reserved_bytes);
+}
+
 void* PlannedAllocator::allocate(std::size_t bytes, StreamId stream) {
   std::lock_guard<std::mutex> lock(mutex_);
   void* p = allocate_locked(bytes, stream);
-  const std::size_t in_use = planned_bytes_ + fallback_.stats().allocated_bytes;
-  stats_.peak_bytes_in_use = std::max(stats_.peak_bytes_in_use, in_use);
+  note_peaks();
   if (logging_) {
     const std::uint64_t id = next_id_++;
     log_ids_[p] = id;
@@ -267,13 +354,19 @@ void PlannedAllocator::free(void* ptr) noexcept {
         log_ids_.erase(it);
       }
     }
-    auto it = planned_live_.find(ptr);
-    if (it != planned_live_.end()) {
-      PlannedBlock block = it->second;
-      planned_live_.erase(it);
-      planned_bytes_ -= block.size;
+    auto it = arena_live_.find(ptr);
+    if (it != arena_live_.end()) {
+      const ArenaBlock block = it->second;
+      arena_live_.erase(it);
       Arena* arena = block.arena;
-      arena->live_ranges.erase(block.offset);
+      if (block.borrowed) {
+        borrowed_bytes_ -= block.size;
+        borrowed_blocks_ -= 1;
+        arena->lent.erase(block.offset);
+      } else {
+        planned_bytes_ -= block.size;
+        arena->live_ranges.erase(block.offset);
+      }
       arena->live -= 1;
       stats_.frees += 1;
       if (arena->retired) {
@@ -300,7 +393,13 @@ void PlannedAllocator::free(void* ptr) noexcept {
 
 bool PlannedAllocator::owns(const void* ptr) const {
   std::lock_guard<std::mutex> lock(mutex_);
-  return planned_live_.count(const_cast<void*>(ptr)) != 0 || fallback_.owns(ptr);
+  return arena_live_.count(const_cast<void*>(ptr)) != 0 || fallback_.owns(ptr);
+}
+
+std::pair<std::uintptr_t, std::size_t> PlannedAllocator::arena_extent() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (arena_ == nullptr) return {0, 0};
+  return {reinterpret_cast<std::uintptr_t>(arena_->base), arena_->bytes};
 }
 
 void PlannedAllocator::set_poison(bool on) {
@@ -358,11 +457,12 @@ AllocatorStats PlannedAllocator::stats() const {
   std::lock_guard<std::mutex> lock(mutex_);
   AllocatorStats s = stats_;
   s.fallback = fallback_.stats();
-  s.bytes_in_use = planned_bytes_ + s.fallback.allocated_bytes;
+  s.bytes_in_use = planned_bytes_ + borrowed_bytes_ + s.fallback.allocated_bytes;
+  s.borrowed_blocks = borrowed_blocks_;
+  s.borrowed_bytes = borrowed_bytes_;
+  s.device_reserved_bytes = arena_reserved_bytes_ + s.fallback.reserved_bytes;
   s.arena_bytes = arena_ == nullptr ? 0 : arena_->bytes;
-  s.arena_in_use = 0;
-  if (arena_ != nullptr)
-    for (const auto& [begin, end] : arena_->live_ranges) s.arena_in_use += end - begin;
+  s.arena_in_use = arena_ == nullptr ? 0 : total_bytes(arena_->live_ranges) + total_bytes(arena_->lent);
   s.retired_arenas = retired_.size();
   s.streams = order_.stats();
   return s;
@@ -375,7 +475,10 @@ void PlannedAllocator::reset_stats() {
   stats_ = AllocatorStats{};
   stats_.arena_reservations = reservations;
   stats_.arena_releases = releases;
-  stats_.peak_bytes_in_use = planned_bytes_ + fallback_.stats().allocated_bytes;
+  const FallbackStats f = fallback_.stats();
+  stats_.peak_bytes_in_use = planned_bytes_ + borrowed_bytes_ + f.allocated_bytes;
+  stats_.peak_borrowed_bytes = borrowed_bytes_;
+  stats_.peak_device_reserved_bytes = arena_reserved_bytes_ + f.reserved_bytes;
   deviation_reported_ = false;
   fallback_.reset_stats();
   order_.reset_stats();

@@ -20,6 +20,9 @@
 //   fallback (the order is still in sync, so later requests keep the plan).
 //   The check is a range check against every live arena allocation, not just
 //   the slot's own id: two phases' slots that share bytes are both protected.
+// * The slot's byte range overlaps a live borrowed block (NOTE [One device
+//   pool]): like a busy slot, this one request goes to the fallback, with
+//   reason "arena range lent to an unplanned request" (counted in slot_lent).
 // Each such request counts as a deviation; the first one is kept (phase,
 // index, expected and actual size, reason) and reported once.
 //
@@ -46,6 +49,57 @@
 // (NOTE [Stream-safe reuse] in stream_order.h). Overlapped parts are cut out
 // of the freed ranges (the new owner's own free will stand for them), so the
 // freed ranges stay disjoint and their number bounded by the arena's layout.
+//
+// NOTE [One device pool]
+// The arena and the fallback share one device budget: the fallback's limit
+// is what the budget leaves beside the arena (memo train: budget - arena -
+// parameters). The arena is reserved at the plan's peak, but the peak is one
+// instant of the iteration: most of the time much of the arena is idle. A
+// hard split would fail an unplanned request (a gradient, an optimizer
+// state) at the fallback's limit while the budget still has room in the
+// arena. So a request the fallback cannot serve (the limit is reached, or
+// the backend refuses a segment) is served from an idle range of the current
+// arena before it fails: a "borrowed" block.
+// * Idle: overlapping no live planned block and no live borrowed block.
+//   Best fit over the gaps between those (the smallest gap that holds the
+//   request, the lowest offset among equals); offsets are multiples of
+//   kBlockAlignment like the plan's slots, the size is rounded up to it like
+//   a fallback block's. Freed ranges whose last user may still have work
+//   queued count as idle: taking one orders the borrower's stream after
+//   them and cuts them out (claim_freed), as for a planned slot, and the
+//   free of a borrowed block leaves a freed range with its stream in turn
+//   (NOTE [Stream-safe reuse]).
+// * A borrowed block is an arena block: its free is recognised by address,
+//   it keeps a retired arena alive (NOTE [Arena lifetime]; only the current
+//   arena lends), and its bytes are never handed out while it lives: a
+//   planned request whose slot overlaps it goes to the fallback as a
+//   deviation (NOTE [Deviation policy]). Planned slots are checked against
+//   live planned and borrowed ranges, borrowed ranges come from the gaps
+//   between both, fallback blocks live in their own segments: nothing hands
+//   out overlapping live memory.
+// * Only when no idle range holds the request does it fail, with the
+//   fallback's out-of-memory error extended by the arena's numbers.
+// * Why lend instead of raising the limit: the arena is already held, so
+//   lending its idle bytes adds nothing to what the device holds, and a
+//   budget of arena + limit stays a budget. The price: a borrowed block that
+//   lives long (an optimizer state made under pressure) turns the planned
+//   requests over its bytes into deviations while it lives; they are counted
+//   and reported once, and results stay correct.
+// * Without a limit (0) the fallback fails only when the backend refuses a
+//   segment; the same rule applies then (the device is full while arena
+//   bytes are idle). A run that never reaches the limit never borrows.
+//
+// What "in use" counts. bytes_in_use is the bytes of live blocks, each once:
+// planned slots (requested sizes) + borrowed blocks + fallback blocks
+// (rounded sizes). A borrowed block is not a fallback block (it is not in
+// fallback.allocated_bytes) and it lies inside the arena: it adds to
+// bytes_in_use, but not to what the device holds. device_reserved_bytes =
+// arenas (current and retired) + fallback segments; borrowing never raises
+// it, and bytes_in_use <= device_reserved_bytes always.
+// peak_bytes_in_use (reports call it memo_allocator_peak_in_use) is the
+// largest bytes_in_use at one instant: what tensors needed at once, the
+// quantity a trace's lower bound speaks of. peak_device_reserved_bytes is
+// what the device held at most: what a budget caps.
 #pragma once
 
 #include <cstddef>
@@ -56,6 +110,7 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "core/alloc_backend.h"
@@ -76,8 +131,12 @@ struct Deviation {
   std::int64_t index = -1;
   std::size_t expected = 0;  // 0 when the table has no entry at that index
   std::size_t actual = 0;
-  std::string reason;  // "size", "count", "slot busy"
+  // "size", "count", "slot busy", "after an earlier deviation",
+  // kReasonSlotLent (NOTE [One device pool])
+  std::string reason;
 };
+
+inline constexpr char kReasonSlotLent[] = "arena range lent to an unplanned request";
 
 struct AllocatorStats {
   std::uint64_t requests = 0;            // every malloc
@@ -86,16 +145,26 @@ struct AllocatorStats {
   std::uint64_t unplanned_requests = 0;  // outside planned phases, or slot without offset
   std::uint64_t deviations = 0;          // fallback because the run left the plan
   std::uint64_t slot_busy = 0;           // of which: planned bytes still owned by a live tensor
+  std::uint64_t slot_lent = 0;           // of which: planned bytes lent to a borrowed block
   std::uint64_t other_thread_requests = 0;  // of unplanned: not the phase's thread
   std::uint64_t frees = 0;
   std::uint64_t invalid_frees = 0;  // pointers neither the arena nor the fallback knows
   bool has_deviation = false;
   Deviation first_deviation;
-  std::size_t bytes_in_use = 0;  // arena bytes of live planned blocks + fallback allocated bytes
+  // NOTE [One device pool], "What in use counts": live planned + borrowed + fallback bytes, each once.
+  std::size_t bytes_in_use = 0;
   std::size_t peak_bytes_in_use = 0;
+  // Borrowed blocks: fallback requests served from an idle arena range (NOTE [One device pool]).
+  std::uint64_t borrowed_allocs = 0;  // of fallback_requests, since the last reset
+  std::size_t borrowed_blocks = 0;    // live now (every arena)
+  std::size_t borrowed_bytes = 0;     // their bytes now (rounded to kBlockAlignment)
+  std::size_t peak_borrowed_bytes = 0;
+  // What memo holds from the backend: arenas (current and retired) + fallback segments.
+  std::size_t device_reserved_bytes = 0;
+  std::size_t peak_device_reserved_bytes = 0;
   std::size_t arena_bytes = 0;  // reserved arena of the loaded plan
-  std::size_t arena_in_use = 0;
-  std::size_t arena_high_water = 0;  // max(offset + size) handed out since the plan was loaded
+  std::size_t arena_in_use = 0;  // bytes of the current arena in live blocks, planned and borrowed
+  std::size_t arena_high_water = 0;  // max(offset + size) of planned slots handed out since the plan was loaded
   std::uint64_t arena_reservations = 0;
   std::uint64_t arena_releases = 0;
   std::size_t retired_arenas = 0;
@@ -141,6 +210,8 @@ class PlannedAllocator {
   void free(void* ptr) noexcept;
   // Whether `ptr` is a live block of this allocator.
   bool owns(const void* ptr) const;
+  // Where the current arena lies: its base (0 without one) and bytes. For tests and diagnostics.
+  std::pair<std::uintptr_t, std::size_t> arena_extent() const;
 
   void set_poison(bool on);
   void set_fallback_limit(std::size_t bytes);
@@ -164,26 +235,36 @@ class PlannedAllocator {
     std::size_t end;
     StreamUse use;
   };
+  using Ranges = std::map<std::size_t, std::size_t>;  // offset -> end, disjoint
   struct Arena {
     char* base = nullptr;
     std::size_t bytes = 0;
-    std::size_t live = 0;
+    std::size_t live = 0;  // live blocks, planned and borrowed
     bool retired = false;
-    std::map<std::size_t, std::size_t> live_ranges;  // offset -> end
+    Ranges live_ranges;  // live planned slots
+    Ranges lent;         // live borrowed blocks (NOTE [One device pool]); disjoint from live_ranges
     // Freed bytes whose last user may still have work queued: offset -> range.
-    // Disjoint from each other and from live_ranges.
+    // Disjoint from each other, from live_ranges and from lent.
     std::map<std::size_t, FreedRange> freed;
   };
-  struct PlannedBlock {
+  struct ArenaBlock {
     Arena* arena;
     std::size_t offset;
-    std::size_t size;
+    std::size_t size;  // planned: the requested size; borrowed: rounded to kBlockAlignment
     StreamId stream;
+    bool borrowed;
   };
 
   void* allocate_locked(std::size_t bytes, StreamId stream);
   void* fallback_locked(std::size_t bytes, StreamId stream);
-  bool overlaps_live(const Arena& arena, std::size_t begin, std::size_t end) const;
+  // An idle range of the current arena for a request the fallback refused; nullptr when none holds it.
+  void* borrow_locked(std::size_t bytes, StreamId stream);
+  // The idle gaps of `arena` (between live planned and borrowed blocks), aligned, in address order.
+  template <typename F>
+  static void for_each_idle(const Arena& arena, F&& f);
+  [[noreturn]] void throw_oom(std::size_t bytes, const FallbackFailure& failure) const;
+  static bool overlaps(const Ranges& ranges, std::size_t begin, std::size_t end);
+  void note_peaks();
   // Orders `stream` after the freed ranges overlapping [begin, end) and cuts that span out of them.
   void claim_freed(Arena* arena, std::size_t begin, std::size_t end, StreamId stream);
   void deviate(std::size_t expected, std::size_t actual, const char* reason);
@@ -201,8 +282,11 @@ class PlannedAllocator {
   std::size_t peak_ = 0;
   Arena* arena_ = nullptr;
   std::vector<Arena*> retired_;
-  std::unordered_map<void*, PlannedBlock> planned_live_;
+  std::size_t arena_reserved_bytes_ = 0;  // current and retired arenas
+  std::unordered_map<void*, ArenaBlock> arena_live_;  // planned and borrowed blocks
   std::size_t planned_bytes_ = 0;
+  std::size_t borrowed_bytes_ = 0;
+  std::size_t borrowed_blocks_ = 0;
 
   std::string phase_;
   std::thread::id phase_thread_;

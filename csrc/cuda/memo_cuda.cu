@@ -384,6 +384,9 @@ MEMO_CUDA_API int memo_cuda_stats(int device, uint64_t* out, int n) {
       st.retired_arenas, f.allocated_bytes, f.reserved_bytes, f.peak_allocated_bytes, f.peak_reserved_bytes,
       f.live_blocks, f.free_blocks, f.largest_free_block, f.num_allocs, f.num_frees, f.segment_allocs,
       f.segment_releases, f.segments, st.streams.events_recorded, st.streams.stream_waits,
+      // NOTE [One device pool] (core/planned_allocator.h)
+      st.slot_lent, st.borrowed_allocs, st.borrowed_blocks, st.borrowed_bytes, st.peak_borrowed_bytes,
+      st.device_reserved_bytes, st.peak_device_reserved_bytes,
   };
   const int count = static_cast<int>(sizeof(values) / sizeof(values[0]));
   int written = 0;

@@ -102,12 +102,19 @@ py::dict stats_dict(const core::AllocatorStats& s) {
   d["unplanned_requests"] = s.unplanned_requests;
   d["deviations"] = s.deviations;
   d["slot_busy"] = s.slot_busy;
+  d["slot_lent"] = s.slot_lent;
   d["other_thread_requests"] = s.other_thread_requests;
   d["frees"] = s.frees;
   d["invalid_frees"] = s.invalid_frees;
   d["first_deviation"] = s.has_deviation ? deviation_obj(s.first_deviation) : py::none();
   d["bytes_in_use"] = s.bytes_in_use;
   d["peak_bytes_in_use"] = s.peak_bytes_in_use;
+  d["borrowed_allocs"] = s.borrowed_allocs;
+  d["borrowed_blocks"] = s.borrowed_blocks;
+  d["borrowed_bytes"] = s.borrowed_bytes;
+  d["peak_borrowed_bytes"] = s.peak_borrowed_bytes;
+  d["device_reserved_bytes"] = s.device_reserved_bytes;
+  d["peak_device_reserved_bytes"] = s.peak_device_reserved_bytes;
   d["arena_bytes"] = s.arena_bytes;
   d["arena_in_use"] = s.arena_in_use;
   d["arena_high_water"] = s.arena_high_water;
@@ -248,6 +255,8 @@ void bind_stream_test_harness(py::module_& sub) {
       .def("take_calls", [](StreamTestHarness& h) { return h.backend.take_calls(); })
       .def("live_events", [](const StreamTestHarness& h) { return h.backend.live_events(); },
            "Events recorded and not yet destroyed.")
+      .def("arena_extent", [](const StreamTestHarness& h) { return h.alloc.arena_extent(); },
+           "(base address, bytes) of the current arena; (0, 0) without one.")
       .def("stats", [](const StreamTestHarness& h) { return stats_dict(h.alloc.stats()); });
 }
 
@@ -306,6 +315,8 @@ void bind_allocator(py::module_& m) {
       .def(
           "owns", [](const PlannedAllocator& a, std::uintptr_t p) { return a.owns(reinterpret_cast<void*>(p)); },
           py::arg("ptr"))
+      .def("arena_extent", &PlannedAllocator::arena_extent,
+           "(base address, bytes) of the current arena; (0, 0) without one (tests, diagnostics).")
       .def("set_poison", &PlannedAllocator::set_poison, py::arg("on"))
       .def("set_fallback_limit", &PlannedAllocator::set_fallback_limit, py::arg("bytes"))
       .def("set_min_segment", &PlannedAllocator::set_min_segment, py::arg("bytes"))

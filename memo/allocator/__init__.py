@@ -1,7 +1,8 @@
 """memo's planned allocator: PyTorch allocates through it while memo is active.
 
 * :func:`planned` -- serve allocations from a plan's arena by (phase, request index), with a
-  fallback caching allocator for everything else.
+  fallback caching allocator for everything else (which, at its limit, borrows idle arena ranges:
+  NOTE [One device pool] in csrc/core/planned_allocator.h).
 * :func:`logging` -- record an allocation trace (the input of ``memo.planner``).
 * :func:`set_phase` -- the phase listener for :class:`memo.phases.PhaseTracker`.
 * :func:`unplanned` -- a scope whose allocations belong to no phase (one-time set-up work).

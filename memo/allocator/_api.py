@@ -37,6 +37,9 @@ __all__ = [
 
 TRACE_VERSION = 1
 TRACE_KIND = "memo.trace"
+# The deviation reason of a planned request whose slot is lent to a borrowed block
+# (kReasonSlotLent, NOTE [One device pool] in csrc/core/planned_allocator.h).
+SLOT_LENT = "arena range lent to an unplanned request"
 
 
 class PlanDeviationWarning(UserWarning):
@@ -68,11 +71,16 @@ def _warn_deviation(backend: Backend) -> None:
     if dev is None:
         return
     expected = "no request" if dev["expected"] == 0 else f"{dev['expected']} bytes"
+    if dev["reason"] == SLOT_LENT:  # NOTE [One device pool]: the plan is right, the pool was full
+        advice = ("The fallback pool had reached its limit and borrowed that slot's idle arena bytes; a "
+                  "larger fallback limit (memo train: --device-mem-gb) leaves the arena to the plan.")
+    else:
+        advice = "Re-run `memo profile` for this configuration."
     warnings.warn(
         f"memo.allocator: the run left the plan on {backend.device}: phase {dev['phase']!r} request "
         f"{dev['index']} asked for {dev['actual']} bytes, the plan has {expected} ({dev['reason']}). "
         "This and later deviating requests are served by the fallback allocator (results stay correct; "
-        "see memo.allocator.stats()['deviations']). Re-run `memo profile` for this configuration.",
+        f"see memo.allocator.stats()['deviations']). {advice}",
         PlanDeviationWarning,
         stacklevel=3,
     )
@@ -139,8 +147,13 @@ def planned(
         device: ``"cpu"`` (c10's CPU allocator is swapped for the body) or ``"cuda"`` (the CUDA
             allocator must have been installed with :func:`memo.allocator.install_cuda`, or is
             installed here when CUDA is not initialised yet).
-        fallback_limit: most bytes the fallback allocator may reserve (``None``: no limit); beyond
-            it an allocation fails with an out-of-memory error that gives the numbers.
+        fallback_limit: most bytes the fallback allocator may reserve (``None`` or 0: no limit). A
+            request beyond it is served from a range of the plan's arena that is idle at that moment
+            (NOTE [One device pool] in csrc/core/planned_allocator.h: the arena and the fallback share
+            one device budget, and lending idle arena bytes adds nothing to what the device holds);
+            only when no idle range holds it does the allocation fail, with an out-of-memory error
+            that gives the numbers. A planned request whose slot is lent goes to the fallback as a
+            deviation (reason ``"arena range lent to an unplanned request"``).
 
     Phases come from :func:`set_phase`. Statistics are reset on entry; read them with
     :func:`stats` inside or after the body. The first deviation from the plan is reported once
@@ -227,11 +240,21 @@ def stats(device: str | torch.device = "cpu") -> dict[str, Any]:
     """Counters of the allocator behind ``device``.
 
     Keys: ``requests``, ``planned_hits``, ``fallback_requests``, ``unplanned_requests``,
-    ``deviations`` (with ``slot_busy`` and ``first_deviation``: phase, index, expected, actual,
-    reason), ``frees``, ``invalid_frees``, ``bytes_in_use``, ``peak_bytes_in_use``, ``arena_bytes``,
-    ``arena_in_use``, ``arena_high_water``, ``arena_reservations``, ``arena_releases``,
+    ``deviations`` (with ``slot_busy``, ``slot_lent`` and ``first_deviation``: phase, index, expected,
+    actual, reason), ``frees``, ``invalid_frees``, ``bytes_in_use``, ``peak_bytes_in_use``,
+    ``borrowed_allocs``, ``borrowed_blocks``, ``borrowed_bytes``, ``peak_borrowed_bytes``,
+    ``device_reserved_bytes``, ``peak_device_reserved_bytes``, ``arena_bytes``, ``arena_in_use``,
+    ``arena_high_water``, ``arena_reservations``, ``arena_releases``, ``retired_arenas``,
     ``segment_allocs``, ``segment_releases`` and ``fallback`` (allocated/reserved bytes and peaks,
     blocks, segments).
+
+    Borrowed blocks are fallback requests served from an idle range of the plan's arena
+    (``borrowed_allocs`` of ``fallback_requests`` since the last reset; blocks and bytes live now).
+    ``bytes_in_use`` counts every live block once: planned, borrowed and fallback blocks; a borrowed
+    block lies inside the arena, so it is not in ``fallback["allocated_bytes"]`` and adds nothing to
+    ``device_reserved_bytes`` (arenas + fallback segments: what memo holds from the device).
+    ``peak_bytes_in_use`` is what tensors held at once, ``peak_device_reserved_bytes`` what the
+    device held (NOTE [One device pool], "What in use counts").
     """
     return backend_for(device).stats()
 

@@ -156,6 +156,9 @@ CUDA_STAT_FIELDS = (
     "fallback.largest_free_block", "fallback.num_allocs", "fallback.num_frees",
     "fallback.segment_allocs", "fallback.segment_releases", "fallback.segments",
     "events_recorded", "stream_waits",
+    # NOTE [One device pool] (csrc/core/planned_allocator.h): borrowed idle arena ranges.
+    "slot_lent", "borrowed_allocs", "borrowed_blocks", "borrowed_bytes", "peak_borrowed_bytes",
+    "device_reserved_bytes", "peak_device_reserved_bytes",
 )
 
 

@@ -640,7 +640,7 @@ def _iteration_total(trace: dict[str, Any], static: int) -> int:
 def _alpha_of(chosen: Any, lp_inputs: tuple, alpha: float | None, evaluate_alpha: Any) -> Any:
     """The AlphaSolution of a chosen policy (its binding is the policy's)."""
     n_memo = chosen.counts["memo"]
-    solution = evaluate_alpha(chosen.alpha if n_memo else 0.0, *lp_inputs, offloaded_layers=n_memo)
+    solution = evaluate_alpha(chosen.alpha, *lp_inputs, offloaded_layers=n_memo)
     if alpha is None or not n_memo:
         solution = dataclasses.replace(solution, binding=chosen.binding)
     return solution
