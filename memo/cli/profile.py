@@ -68,8 +68,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=positive_int,
         default=None,
         help="GPUs one layer is split over (Megatron tensor + sequence parallel; the paper's 1M-token runs "
-        "use the node's 8): the profile, alpha, the layer policy and the plan are one rank's, with shapes sharded "
-        "as megatron-core shards them. Default: 1",
+        "use the node's 8): the profile, alpha, the layer policy and the plan are one rank's, with "
+        "shapes sharded as megatron-core shards them. Default: 1",
     )
     p.add_argument(
         "--device-mem-gb", type=positive_float, default=None,
