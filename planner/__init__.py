@@ -13,7 +13,15 @@ import pulp  # noqa: F401
 from .alpha import AlphaSolution, evaluate_alpha, host_memory_per_process, solve_alpha
 from .core import lower_bound, make_plan, plan_bilevel, plan_heuristic, plan_mip, without_unphased
 from .plan import ALIGNMENT, Plan, load_plan, offload_difference, save_plan, validate_plan
-from .policy import LayerCosts, PolicySolution, choose_policy, describe_policy, device_need
+from .policy import (
+    LayerCosts,
+    PolicySolution,
+    choose_policy,
+    describe_policy,
+    device_need,
+    full_recompute_need,
+    given_policy,
+)
 from .trace import Allocation, Trace, load_trace, save_trace
 
 __all__ = [
@@ -27,6 +35,8 @@ __all__ = [
     "choose_policy",
     "describe_policy",
     "device_need",
+    "full_recompute_need",
+    "given_policy",
     "evaluate_alpha",
     "host_memory_per_process",
     "load_plan",

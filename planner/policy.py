@@ -42,7 +42,8 @@ from memo.units import format_bytes
 
 from .alpha import AlphaSolution, solve_alpha
 
-__all__ = ["LayerCosts", "PolicySolution", "choose_policy", "describe_policy", "device_need"]
+__all__ = ["LayerCosts", "PolicySolution", "choose_policy", "describe_policy", "device_need",
+           "full_recompute_need", "given_policy"]
 
 
 @dataclass(frozen=True)
@@ -144,18 +145,12 @@ def choose_policy(c: LayerCosts, device_budget: int | None = None,
     if device_budget is not None and (isinstance(device_budget, bool) or device_budget <= 0):
         raise MemoError("memo.policy: the device budget must be a positive number of bytes, "
                         f"got {device_budget!r}")
-    full_recompute = sum(device_need(c, 0, c.n_layers, 0, 0.0).values())
+    full_recompute = full_recompute_need(c)
     if alpha is not None and device_budget is None:
         # A given alpha without a budget asks for memo as the paper runs it: every layer but the
         # last two offloads at that alpha, the last two are kept (no cap to choose against).
         n_keep = min(2, c.n_layers)
-        n_memo = c.n_layers - n_keep
-        parts = device_need(c, n_memo, 0, n_keep, alpha)
-        return PolicySolution(policy=_policy(n_memo, 0, n_keep), alpha=float(alpha), binding="given",
-                              extra_seconds=_seconds(c, n_memo, 0, alpha), device_bytes=sum(parts.values()),
-                              parts=parts, device_cap=sum(parts.values()), device_budget=None,
-                              full_recompute_bytes=int(full_recompute),
-                              counts={"memo": n_memo, "recompute": 0, "keep": n_keep})
+        return given_policy(c, _policy(c.n_layers - n_keep, 0, n_keep), alpha)
     cap = full_recompute if device_budget is None else device_budget
     best: tuple[float, int, int, int, int, float, str] | None = None
     smallest: tuple[int, int, int, int, float] | None = None
@@ -224,6 +219,26 @@ def choose_policy(c: LayerCosts, device_budget: int | None = None,
                           device_cap=int(cap),
                           device_budget=device_budget, full_recompute_bytes=int(full_recompute),
                           alpha_solution=solution, counts={"memo": n_memo, "recompute": n_fr, "keep": n_keep})
+
+
+def full_recompute_need(c: LayerCosts) -> int:
+    """Device bytes of every layer under full recompute (the cap when no budget is given)."""
+    return sum(device_need(c, 0, c.n_layers, 0, 0.0).values())
+
+
+def given_policy(c: LayerCosts, policy: list[str], alpha: float | None = None,
+                 device_budget: int | None = None) -> PolicySolution:
+    """The PolicySolution of a policy fixed by the caller: its estimated need and time (not
+    checked against the budget; the recorded pass tells the truth)."""
+    n_memo, n_fr, n_keep = (policy.count(k) for k in ("memo", "recompute", "keep"))
+    a = 0.0 if alpha is None else float(alpha)
+    parts = device_need(c, n_memo, n_fr, n_keep, a)
+    need = sum(parts.values())
+    return PolicySolution(policy=list(policy), alpha=a, binding="given",
+                          extra_seconds=_seconds(c, n_memo, n_fr, a), device_bytes=need, parts=parts,
+                          device_cap=device_budget or need,
+                          device_budget=device_budget, full_recompute_bytes=full_recompute_need(c),
+                          counts={"memo": n_memo, "recompute": n_fr, "keep": n_keep})
 
 
 def _describe(n_memo: int, n_fr: int, n_keep: int, alpha: float) -> str:

@@ -468,8 +468,9 @@ def profile(
     from memo.planner import (
         choose_policy,
         describe_policy,
-        device_need,
         evaluate_alpha,
+        full_recompute_need,
+        given_policy,
         host_memory_per_process,
     )
 
@@ -500,7 +501,7 @@ def profile(
     if policy is not None:
         from memo.runtime import validate_policy
 
-        chosen = _fixed_policy(costs, validate_policy(policy, len(stats)), alpha, budget)
+        chosen = given_policy(costs, validate_policy(policy, len(stats)), alpha, budget)
     else:
         if can_wrap:
             # NOTE [Calibrated policy]: the cost model's full-recompute need is checked against a
@@ -509,7 +510,7 @@ def profile(
             fr_trace, _ = _wrapped_pass(net, ids, labels, 0.0, "dispatch", False, meta, plain,
                                         ["recompute"] * len(stats))
             fr_total = _iteration_total(fr_trace, static)
-            estimate = sum(device_need(costs, 0, costs.n_layers, 0, 0.0).values())
+            estimate = full_recompute_need(costs)
             costs = dataclasses.replace(costs, base_bytes=max(0, costs.base_bytes + fr_total - estimate))
         chosen = choose_policy(costs, budget, alpha)
     result.policy = chosen
@@ -681,21 +682,6 @@ def _layer_costs(trace: dict[str, Any], lp_inputs: tuple, seq_len: int, micro_ba
     return LayerCosts(n_layers=n_layers, s_input=int(s_input), s_attn=int(s_attn), s_others=int(s_others),
                       layer_time=float(layer_s), attn_fraction=float(min(max(fraction, 0.0), 1.0)),
                       base_bytes=int(base + static), bandwidth=float(bandwidth), host_memory=int(host))
-
-
-def _fixed_policy(costs: Any, policy: list[str], alpha: float | None, budget: int | None) -> Any:
-    """A PolicySolution for a policy the caller fixed (checked against the budget)."""
-    from memo.planner import PolicySolution, device_need
-
-    n_memo, n_fr, n_keep = (policy.count(k) for k in ("memo", "recompute", "keep"))
-    a = 0.0 if alpha is None else float(alpha)
-    parts = device_need(costs, n_memo, n_fr, n_keep, a)
-    full = sum(device_need(costs, 0, costs.n_layers, 0, 0.0).values())
-    need = sum(parts.values())
-    return PolicySolution(policy=policy, alpha=a, binding="given", extra_seconds=0.0, device_bytes=need,
-                          parts=parts, device_cap=budget or need, device_budget=budget,
-                          full_recompute_bytes=full,
-                          counts={"memo": n_memo, "recompute": n_fr, "keep": n_keep})
 
 
 def _wrapped_pass(
