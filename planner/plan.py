@@ -86,13 +86,13 @@ def _check_device(value: Any) -> dict[str, Any] | None:
         v = value.get(key)
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise MemoError(f"memo.plan: device.{key} must be an int >= 0, got {v!r}; re-run `memo profile`")
-    states = value.get("model_states")
+    states = value.get("model_states")  # null: not known (`memo plan` of a trace that records none)
     try:
-        for part in ("parameters", "gradients", "optimizer"):
+        for part in ("parameters", "gradients", "optimizer") if states is not None else ():
             int(states[part]["bytes"])
     except (KeyError, TypeError, ValueError):
         raise MemoError("memo.plan: device.model_states must give parameters, gradients and optimizer "
-                        "bytes; re-run `memo profile`") from None
+                        "bytes, or be null; re-run `memo profile`") from None
     return dict(value)
 
 
@@ -132,8 +132,9 @@ class Plan:
         policy: per layer "memo", "recompute" or "keep" (NOTE [Layer policy]); None: the runtime's
             default.
         device: one rank's device memory (NOTE [Model states]): ``budget_bytes`` (None: no budget),
-            ``model_states``, ``activations_bytes`` (= ``peak``), ``total_bytes``, the policy's
-            ``estimate`` and the ``binding`` constraint.
+            ``model_states`` (None: not known, the total is the iteration's alone), ``activations_bytes``
+            (= ``peak``), ``total_bytes``, the policy's ``estimate`` and the ``binding`` constraint
+            (these two only from ``memo profile``).
         solver: how the plan was found (method, status, seconds, gap, heuristic_fallback, ...).
         warnings: what the planner noticed (e.g. a layer phase that differs from the others).
     """

@@ -1,11 +1,19 @@
 """``memo plan``: plan a trace (bi-level: greedy, exact search, DSA MIP) and write the plan.
 
     memo plan trace.json -o plan.json [--time-limit S] [--solver cbc|highs] [--no-mip]
+    memo plan trace.json -o plan.json --device-mem-gb 80
     memo plan trace.json --expand -o addresses.json
 
 ``--expand`` writes ``{"peak", "lower_bound", "addresses": {"<id>": offset}}`` for
 every allocation instead of the plan (an id reused after a free gets the keys
 ``"<id>.1"``, ``"<id>.2"``, ... for its later allocations).
+
+``--device-mem-gb G`` checks that the plan fits one GPU of G GB (10^9 bytes) and records the
+budget in the plan as ``memo profile --device-mem-gb`` does (``memo show`` prints it). The need
+is the iteration's peak (the plan's arena, or the most bytes live at once in the whole trace when
+that is more) plus the parameters and optimizer states when the trace's meta records the model
+states (``model_states``, NOTE [Model states]); a trace that records none is checked on its
+iteration alone, and the output says so.
 """
 
 from __future__ import annotations
@@ -13,13 +21,18 @@ from __future__ import annotations
 import argparse
 import json
 import warnings
+from collections.abc import Mapping
+from typing import Any
 
-from memo.cli.show import warning_lines
-from memo.planner import Plan, load_trace, make_plan, save_plan, without_unphased
+from memo.cli.args import positive_float
+from memo.cli.show import device_lines, warning_lines
+from memo.errors import MemoError
+from memo.planner import Plan, Trace, load_trace, lower_bound, make_plan, save_plan, without_unphased
 from memo.units import format_bytes
 
-__all__ = ["add_parser", "format_summary", "run"]
+__all__ = ["add_parser", "device_need", "format_summary", "run"]
 
+GB = 10**9
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -40,6 +53,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "never served from the arena); default: every allocation gets an address")
     parser.add_argument("--expand", action="store_true",
                         help="write {peak, lower_bound, addresses: {id: offset}} instead of the plan")
+    parser.add_argument("--device-mem-gb", type=positive_float, default=None, metavar="GB",
+                        help="memory of one GPU in GB (10^9 bytes): refuse a plan whose iteration peak, plus "
+                        "the parameters and optimizer states when the trace records them, does not fit it, "
+                        "and record the budget in the plan (`memo show` prints it). Default: no check")
     parser.set_defaults(func=run)
     return parser
 
@@ -60,8 +77,64 @@ def format_summary(plan: Plan) -> str:
         left = s["unphased_left_to_fallback"]
         lines.append(f"not planned   {left['allocations']} allocations outside phases "
                      f"({format_bytes(left['bytes'])}), served by the fallback allocator")
+    lines += device_lines(plan.device)
     lines += warning_lines(plan.warnings)
     return "\n".join(lines)
+
+
+def _trace_model_states(meta: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The model states a trace's meta records (NOTE [Model states]), or None when it records none."""
+    states = meta.get("model_states")
+    if states is None:
+        return None
+    try:
+        for part in ("parameters", "gradients", "optimizer"):
+            value = states[part]["bytes"]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(part)
+    except (KeyError, TypeError, ValueError):
+        raise MemoError("memo plan: the trace's meta.model_states must give parameters, gradients and "
+                        "optimizer bytes (ints >= 0), as `memo profile` records them; fix or drop the "
+                        "key") from None
+    return dict(states)
+
+
+def device_need(trace: Trace, plan: Plan, budget_bytes: int | None = None) -> dict[str, Any]:
+    """One rank's device memory for ``plan`` (NOTE [Device total] in memo/profiler/flow.py), as
+    ``Plan.device`` records it.
+
+    The iteration needs the plan's arena, or the most bytes live at once in the whole trace when
+    that is more (a plan for the allocator leaves unphased requests and gradients to its fallback,
+    which needs device memory too). Parameters and optimizer states live across iterations and are
+    not in the trace: they are added when the trace's meta records them (gradients are in the
+    trace). ``model_states`` is None when it records none: the total is the iteration's alone.
+    """
+    states = _trace_model_states(trace.meta)
+    iteration = max(int(plan.peak), int(lower_bound(trace)))
+    static = 0 if states is None else int(states["parameters"]["bytes"]) + int(states["optimizer"]["bytes"])
+    return {"budget_bytes": budget_bytes, "model_states": states, "activations_bytes": int(plan.peak),
+            "iteration_peak_bytes": iteration, "total_bytes": iteration + static}
+
+
+def _check_budget(device: dict[str, Any], gb: float) -> None:
+    """Refuse a plan that does not fit ``--device-mem-gb``: the need, its parts, the budget, what to do."""
+    need, budget = device["total_bytes"], device["budget_bytes"]
+    if need <= budget:
+        return
+    iteration = device["iteration_peak_bytes"]
+    if device["model_states"] is None:
+        parts = ("the iteration's peak alone: the trace records no model states, so parameters, gradients "
+                 "and optimizer states are not counted")
+    else:
+        parts = (f"iteration peak {format_bytes(iteration)} + parameters and optimizer states "
+                 f"{format_bytes(need - iteration)}")
+    raise MemoError(
+        f"memo plan: the plan needs {format_bytes(need)} ({need:,} bytes) of device memory per rank "
+        f"({parts}), more than --device-mem-gb {gb:g} ({format_bytes(budget)}, {budget:,} bytes). "
+        f"Give a larger --device-mem-gb, or profile again with `memo profile --device-mem-gb {gb:g}` "
+        "(it chooses a layer policy, keep / memo / full recompute per layer, that fits), a shorter "
+        "--seq-len, a smaller --micro-batch or more --tensor-parallel"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -72,6 +145,10 @@ def run(args: argparse.Namespace) -> int:
         plan = make_plan(trace, time_limit=args.time_limit, solver=args.solver, use_mip=not args.no_mip,
                          method="flat" if args.flat else "auto",
                          unphased="fallback" if args.for_allocator else "plan")
+    if args.device_mem_gb is not None:
+        # The same record as `memo profile --device-mem-gb` (Plan.device), checked before writing.
+        plan.device = device_need(trace, plan, int(args.device_mem_gb * GB))
+        _check_budget(plan.device, args.device_mem_gb)
     if args.expand:
         out = {"peak": plan.peak, "lower_bound": plan.lower_bound, "addresses": plan.expanded()}
         with open(args.output, "w", encoding="utf-8") as f:

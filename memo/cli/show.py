@@ -82,10 +82,13 @@ def device_lines(device: dict | None) -> list[str]:
     """One rank's device memory (NOTE [Model states]): total, parts, budget, binding constraint."""
     if not device:
         return []
-    st = device["model_states"]
-    states = (f"parameters {_mib(st['parameters']['bytes'])} {st['parameters'].get('dtype', '')}, gradients "
-              f"{_mib(st['gradients']['bytes'])} {st['gradients'].get('dtype', '')}, optimizer "
-              f"{_mib(st['optimizer']['bytes'])} {st['optimizer'].get('dtype', '')}")
+    st = device.get("model_states")
+    if st is None:  # `memo plan` of a trace that records no model states
+        states = "not recorded in the trace: the total is the iteration's alone"
+    else:
+        states = (f"parameters {_mib(st['parameters']['bytes'])} {st['parameters'].get('dtype', '')}, "
+                  f"gradients {_mib(st['gradients']['bytes'])} {st['gradients'].get('dtype', '')}, optimizer "
+                  f"{_mib(st['optimizer']['bytes'])} {st['optimizer'].get('dtype', '')}")
     budget = device.get("budget_bytes")
     total = device["total_bytes"]
     fits = "" if budget is None else (" (fits)" if total <= budget else " (OVER the budget)")
