@@ -372,6 +372,17 @@ def _check_plan(plan: Any, run: dict[str, Any]) -> None:
                 f"memo.train: the plan was made for {key}={actual}, this run has {key}={expected}; "
                 "re-run `memo profile` for this run, or drop --plan"
             )
+    # A plan for one rank of a tensor- or context-parallel group describes that rank's shard
+    # (NOTE [Tensor-parallel rank], NOTE [Context-parallel profile]); a run that is not sharded the
+    # same way would replay it on other shapes. Plans without the field are from unsharded profiles.
+    for key, flag in (("tensor_parallel", "--tensor-parallel"), ("context_parallel", "--context-parallel")):
+        expected, actual = run.get(key, 1), meta.get(key, 1)
+        if str(actual) != str(expected):
+            raise PlanMismatchError(
+                f"memo.train: the plan was made for one rank of {key}={actual}, this run has {key}="
+                f"{expected}; its sizes are that rank's shard. Re-run `memo profile` with {flag} "
+                f"{expected} for this run, or drop --plan"
+            )
 
 
 def _check_plan_budget(plan: Any, device_mem_gb: float | None) -> None:

@@ -28,7 +28,9 @@ PLAN_VERSION = 1
 PLAN_KIND = "memo.plan"
 #: Every planned offset is a multiple of this many bytes (the planner works in these units).
 ALIGNMENT = 512
-_MATCHED_FIELDS = ("fingerprint", "seq_len", "micro_batch", "dtype")
+_MATCHED_FIELDS = ("fingerprint", "seq_len", "micro_batch", "dtype", "tensor_parallel", "context_parallel")
+#: Matched fields a plan may lack: a plan without them was profiled unsharded.
+_MATCHED_DEFAULTS = {"tensor_parallel": 1, "context_parallel": 1}
 # The unphased "phase" key in plan files (phase tables leave it out unless asked).
 UNPHASED = ""
 
@@ -408,19 +410,23 @@ def save_plan(plan: Plan, path: str | os.PathLike[str]) -> None:
 
 
 def load_plan(path: str | os.PathLike[str], *, fingerprint: str | None = None, seq_len: int | None = None,
-              micro_batch: int | None = None, dtype: str | None = None) -> Plan:
+              micro_batch: int | None = None, dtype: str | None = None, tensor_parallel: int | None = None,
+              context_parallel: int | None = None) -> Plan:
     """Read, rebuild and validate a plan; check it was made for the caller's job.
 
     Every keyword that is not None must equal the plan's meta value, otherwise
-    PlanMismatchError names the field and both values.
+    PlanMismatchError names the field and both values. ``seq_len`` is the job's whole sequence;
+    ``tensor_parallel`` and ``context_parallel`` are the group sizes the plan's rank belongs to
+    (1 for a plan that does not record them).
     """
     plan = Plan.from_dict(read_json(path, "memo.plan", "make one with `memo profile`"))
-    expected = {"fingerprint": fingerprint, "seq_len": seq_len, "micro_batch": micro_batch, "dtype": dtype}
+    expected = {"fingerprint": fingerprint, "seq_len": seq_len, "micro_batch": micro_batch, "dtype": dtype,
+                "tensor_parallel": tensor_parallel, "context_parallel": context_parallel}
     for name in _MATCHED_FIELDS:
         want = expected[name]
         if want is None:
             continue
-        have = plan.meta.get(name)
+        have = plan.meta.get(name, _MATCHED_DEFAULTS.get(name))
         if have != want:
             raise PlanMismatchError(f"memo.plan: plan {os.fspath(path)!r} was made for {name}={have!r}, "
                                     f"this run has {name}={want!r}; re-run `memo profile`")

@@ -66,8 +66,10 @@ _META_TYPES: dict[str, tuple[type, ...]] = {
     "device": (str,),
     "recorder": (str,),
     "n_layers": (int,),
+    "tensor_parallel": (int,),
+    "context_parallel": (int,),
 }
-_POSITIVE_META = ("seq_len", "micro_batch", "n_layers")
+_POSITIVE_META = ("seq_len", "micro_batch", "n_layers", "tensor_parallel", "context_parallel")
 _LAYER_STATS = ("S_input", "S_attn", "S_others", "layer_fwd_ms")
 
 

@@ -72,6 +72,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "shapes sharded as megatron-core shards them. Default: 1",
     )
     p.add_argument(
+        "--context-parallel",
+        type=positive_int,
+        default=None,
+        help="GPUs the sequence is split over (megatron-core context parallelism): the profiled rank runs "
+        "seq-len/c tokens, so seq-len must be a multiple of 2c (and of c x tensor-parallel). Ring "
+        "attention's communication buffers are not counted. Default: 1",
+    )
+    p.add_argument(
         "--device-mem-gb", type=positive_float, default=None,
         help="memory of one GPU in GB (10^9 bytes): the layer policy (keep / memo / full recompute per "
         "layer) and alpha must fit it per rank, model states included. Default: no budget beyond full "
@@ -117,15 +125,20 @@ def _bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
-def _report(result: Any, seq_len: int, micro_batch: int, hidden: int, dtype: torch.dtype) -> list[str]:
-    """What a user reads: sizes per layer, machine numbers and their sources, alpha, plan."""
+def _report(result: Any, seq_len: int, micro_batch: int, hidden: int, dtype: torch.dtype,
+            ranks: int = 1) -> list[str]:
+    """What a user reads: sizes per layer, machine numbers and their sources, alpha, plan.
+
+    ``seq_len`` is the tokens of one rank's layer input: the job's over ``ranks`` = TP x CP ranks.
+    """
     stats = result.layer_stats[0]
     bsh = micro_batch * seq_len * hidden * torch.empty((), dtype=dtype).element_size()
+    s = "s" if ranks == 1 else f"s/{ranks}"
     lines = [
         f"per layer: S_input {_bytes(stats.s_input)}, S_attn {_bytes(stats.s_attn)}, "
         f"S_others {_bytes(stats.s_others)}; {stats.n_skeletal} skeletal and {stats.n_transient} transient "
         "allocations",
-        f"  S_input + S_attn + S_others = {stats.total / bsh:.4f} x b*s*h elements "
+        f"  S_input + S_attn + S_others = {stats.total / bsh:.4f} x b*{s}*h elements "
         "(the paper counts 16 for its GPT; docs/profiling.md)",
     ]
     q = result.quantities
@@ -181,7 +194,7 @@ def _planner_io() -> tuple[Any, Any, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from memo.profiler import DTYPES, profile
+    from memo.profiler import DTYPES, profile, rank_tokens
 
     if args.dtype not in DTYPES:
         raise MemoError(f"memo profile: unknown --dtype {args.dtype!r}; use one of {', '.join(DTYPES)}")
@@ -196,19 +209,35 @@ def run(args: argparse.Namespace) -> int:
         # Plans are replayed by (phase, request index), so on a real device the trace should be the
         # allocator's own requests (docs/profiling.md, "Which recorder"); meta has only dispatch.
         args.recorder = "dispatch" if args.device == "meta" else "allocator"
-    if args.gpus_per_node is None:
-        args.gpus_per_node = torch.cuda.device_count() if args.device == "cuda" else 1
     tp_source = "given"
     if args.tensor_parallel is None:
         # The profile is of one rank as given: no sharding unless asked for (the paper's 1M-token
         # runs split each layer over the node's 8 GPUs: --tensor-parallel 8).
         args.tensor_parallel, tp_source = 1, "default"
+    cp_source = "given"
+    if args.context_parallel is None:
+        args.context_parallel, cp_source = 1, "default"
+    group = args.tensor_parallel * args.context_parallel
+    # A length the ranks cannot share is refused before anything is built.
+    rank_seq = rank_tokens(args.seq_len, args.tensor_parallel, args.context_parallel)
+    gpus_source = "given"
+    if args.gpus_per_node is None:
+        # Every GPU of the node is one process sharing its host memory. Without CUDA here, assume
+        # the profiled rank's TP x CP group fills the node (fewer host bytes per process than
+        # one process alone would claim: the safe side); --gpus-per-node says otherwise.
+        if args.device == "cuda":
+            args.gpus_per_node, gpus_source = torch.cuda.device_count(), "the CUDA devices here"
+        else:
+            args.gpus_per_node = group
+            gpus_source = ("default: one process" if group == 1 else
+                           f"assumed: the TP x CP group of {group} ranks on one node; pass --gpus-per-node")
     save_plan, save_trace, trace_cls = _planner_io()
     dtype = DTYPES[args.dtype]
     start = time.perf_counter()
     print(
         f"memo profile: {args.model}, seq_len {args.seq_len:,}, micro-batch {args.micro_batch}, "
-        f"{args.dtype} on {args.device}, {args.recorder} recorder",
+        f"{args.dtype} on {args.device}, {args.recorder} recorder"
+        + (f", one rank of TP {args.tensor_parallel} x CP {args.context_parallel}" if group > 1 else ""),
         file=sys.stderr,
     )
     result = profile(
@@ -225,6 +254,7 @@ def run(args: argparse.Namespace) -> int:
         gpus_per_node=args.gpus_per_node,
         host_safety=args.host_safety,
         tensor_parallel=args.tensor_parallel,
+        context_parallel=args.context_parallel,
         device_mem_gb=args.device_mem_gb,
         optimizer_states=args.optimizer_states,
         recorder=args.recorder,
@@ -234,10 +264,15 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.quiet and sys.stderr.isatty(),
         log=lambda line: print(f"  {line}", file=sys.stderr),
     )
-    for line in _report(result, args.seq_len, args.micro_batch, config.hidden, dtype):
+    for line in _report(result, rank_seq // args.tensor_parallel, args.micro_batch, config.hidden, dtype,
+                        group):
         print(line)
-    print(f"M_CPU    host memory x {args.host_safety:g} / {args.gpus_per_node} GPU(s) per node")
+    print(f"M_CPU    host memory x {args.host_safety:g} / {args.gpus_per_node} GPU(s) per node "
+          f"[{gpus_source}]")
     print(f"TP       {args.tensor_parallel}-way tensor+sequence parallel per layer [{tp_source}]")
+    print(f"CP       {args.context_parallel}-way context parallel [{cp_source}]: the rank runs "
+          f"{rank_seq:,} of {args.seq_len:,} tokens, its layer input holds "
+          f"{rank_seq // args.tensor_parallel:,}")
     for note in result.notes:
         print(f"note: {note}")
     if args.trace_out:

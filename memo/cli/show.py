@@ -11,7 +11,7 @@ import argparse
 from memo.planner import Plan, load_plan, offload_difference
 from memo.units import format_bytes
 
-__all__ = ["add_parser", "format_plan", "run", "warning_lines"]
+__all__ = ["add_parser", "format_plan", "parallel_line", "run", "warning_lines"]
 
 
 
@@ -32,6 +32,7 @@ def format_plan(plan: Plan) -> str:
     out = [
         "model         " + " ".join(f"{k}={meta[k]}" for k in ("model", "seq_len", "micro_batch", "dtype",
                                                                "n_layers", "fingerprint") if k in meta),
+        parallel_line(meta),
         "alpha         " + ("not solved" if plan.alpha is None else f"{plan.alpha:.4f}"
                             + f" (binding: {plan.alpha_binding})"),
         f"peak          {_mib(plan.peak)}",
@@ -68,6 +69,20 @@ def format_plan(plan: Plan) -> str:
         out.append(f"  {phase:<20} {_mib(top)}")
     out += warning_lines(plan.warnings)
     return "\n".join(out)
+
+
+def parallel_line(meta: dict) -> str:
+    """Which rank the plan is for: tensor and context parallel sizes and the tokens the rank runs
+    (NOTE [Tensor-parallel rank], NOTE [Context-parallel profile]); 1 where the plan records none."""
+    tp, cp = int(meta.get("tensor_parallel", 1)), int(meta.get("context_parallel", 1))
+    line = f"parallel      TP {tp} x CP {cp}"
+    if tp * cp == 1:
+        return line + " (one unsharded process)"
+    seq = meta.get("seq_len")
+    line += f": one rank of {tp * cp} GPUs"
+    if isinstance(seq, int):
+        line += f"; it runs {seq // cp:,} of the {seq:,} tokens, its layer input holds {seq // (cp * tp):,}"
+    return line
 
 
 BINDING_WORDS = {"bandwidth": "bandwidth (the link cannot move more under one layer's compute)",

@@ -7,6 +7,7 @@
 See docs/profiling.md.
 """
 
+from memo.profiler.context_parallel import check_context_parallel, rank_tokens, token_multiple
 from memo.profiler.flow import DTYPES, ProfileResult, build_profile_model, profile, runtime_wrap
 from memo.profiler.measure import (
     Quantity,
@@ -32,6 +33,7 @@ __all__ = [
     "Quantity",
     "Recording",
     "build_profile_model",
+    "check_context_parallel",
     "estimate_layer_ms",
     "gpu_names",
     "gpu_peak_flops",
@@ -42,9 +44,11 @@ __all__ = [
     "model_parts",
     "parse_count",
     "profile",
+    "rank_tokens",
     "record",
     "record_trace",
     "runtime_wrap",
     "summarise_layers",
     "time_layer_forward",
+    "token_multiple",
 ]

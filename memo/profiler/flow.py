@@ -41,6 +41,7 @@ from torch import nn
 
 from memo.errors import MemoError
 from memo.phases import PhaseTracker
+from memo.profiler.context_parallel import context_parallel_note, rank_tokens
 from memo.profiler.device import model_states
 from memo.profiler.measure import (
     Quantity,
@@ -112,7 +113,11 @@ def build_profile_model(name: str, seq_len: int, dtype: torch.dtype, device: tor
                         tensor_parallel: int = 1) -> nn.Module:
     """Build a registered reference model able to run ``seq_len`` tokens on ``device``, as one rank of
     a ``tensor_parallel``-way Megatron tensor + sequence parallel group (NOTE [Tensor-parallel rank]
-    in memo/models/parallel.py)."""
+    in memo/models/parallel.py).
+
+    ``seq_len`` is the job's whole sequence, also under context parallelism: a context-parallel rank
+    runs fewer tokens but holds the same parameters (GPT's position table covers every position;
+    NOTE [Context-parallel profile])."""
     from memo.models import DEFAULT_MAX_SEQ_LEN, build_model, get_config
 
     config = get_config(name)
@@ -329,6 +334,7 @@ def profile(
     gpus_per_node: int = 1,
     host_safety: float = 0.8,
     tensor_parallel: int = 1,
+    context_parallel: int = 1,
     alpha: float | None = None,
     device_mem_gb: float | None = None,
     optimizer_states: str = "same",
@@ -357,6 +363,9 @@ def profile(
             ``host_memory_per_process``).
         tensor_parallel: ranks one layer is split over with Megatron tensor + sequence
             parallelism (NOTE [Per-rank sizes]); alpha and host bytes are per rank.
+        context_parallel: ranks the sequence is split over with megatron-core's context
+            parallelism (NOTE [Context-parallel profile]): the rank model runs ``seq_len / c``
+            tokens; ``seq_len`` must be a multiple of ``2·c`` (and of ``c·t`` with tensor parallelism).
         alpha: use this alpha instead of solving the LP (checked against host memory).
         device_mem_gb: memory of one GPU in GB (10^9 bytes): the per-rank device budget the layer
             policy must fit, model states included (NOTE [Policy cost model]). None: no budget
@@ -381,6 +390,10 @@ def profile(
         raise MemoError(f"memo.profiler: tensor_parallel must be a positive integer, got {tensor_parallel!r}")
     if recorder not in ("dispatch", "allocator"):
         raise MemoError(f"memo.profiler: recorder must be 'dispatch' or 'allocator', got {recorder!r}")
+    # NOTE [Context-parallel profile]: from here on seq_len is the tokens one context-parallel rank
+    # runs; job_seq_len is the job's whole sequence (the plan's meta, GPT's position table).
+    job_seq_len = seq_len
+    seq_len = rank_tokens(seq_len, tensor_parallel, context_parallel)
     budget = _device_budget(device_mem_gb)
     dt = _dtype(dtype)
     timings: dict[str, float] = {}
@@ -415,10 +428,12 @@ def profile(
     # keeps 4 TiB for backward), the sizes the dispatch recorder sees do not depend on the
     # device, and meta costs seconds.
     sized_on = torch.device("meta")
-    sizing = (build_profile_model(source, seq_len, dt, sized_on, tensor_parallel) if net is None
+    sizing = (build_profile_model(source, job_seq_len, dt, sized_on, tensor_parallel) if net is None
               else meta_copy(net))
     timings["build"] = time.perf_counter() - t0
-    meta = {"model": name}
+    meta = {"model": name, "seq_len": job_seq_len, "context_parallel": context_parallel}
+    if context_parallel > 1:
+        notes.append(context_parallel_note(context_parallel, layer_ms is None))
 
     say(f"pass 1 ({sized_on.type}): recording one iteration of the plain model ...")
     t0 = time.perf_counter()
@@ -450,7 +465,7 @@ def profile(
         return result
     if net is None:
         t0 = time.perf_counter()
-        net = build_profile_model(source, seq_len, dt, dev, tensor_parallel)
+        net = build_profile_model(source, job_seq_len, dt, dev, tensor_parallel)
         timings["build"] += time.perf_counter() - t0
     ids, labels = _inputs(net, seq_len, micro_batch, dev)
 
