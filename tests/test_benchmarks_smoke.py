@@ -85,3 +85,41 @@ def test_max_seq_len_orders_strategies(tmp_path: Path) -> None:
             assert fits[r["first_failure"]] is False and r["first_failure"] > r["longest"], r
             assert any("out of memory" in t["detail"] for t in r["tries"] if not t["fits"]), r
     assert "vs full-recompute" in done.stdout
+
+
+def test_at_scale_orders_strategies(tmp_path: Path) -> None:
+    # benchmarks/at_scale.py on a small model: meta profiles of one tensor-parallel rank at two short
+    # lengths, under a budget that the plain model outgrows, and the longest-sequence search.
+    out = tmp_path / "at_scale.json"
+    budget_gb = 0.01
+    done = _run("at_scale.py", "--model", "tiny", "--tensor-parallel", "2", "--seq-lens", "1K", "2K",
+                "--device-mem-gb", str(budget_gb), "--granularity", "512", "--max-seq", "16K",
+                "--layer-ms", "2", "--layer-ms-at", "2K", "--host-mem-gb", "64", "--time-limit", "1",
+                "--json", str(out), timeout=300)
+    report = json.loads(out.read_text())
+    assert report["kind"] == "memo.benchmark.at_scale" and report["version"] == 1
+    assert report["job"]["tensor_parallel"] == 2 and report["budget_bytes"] == int(budget_gb * 1e9)
+    budget = report["budget_bytes"]
+    assert [r["seq_len"] for r in report["rows"]] == [1024, 2048]
+    for row in report["rows"]:
+        s = row["strategies"]
+        none, fr, memo = (s[k]["total_bytes"] for k in ("none", "full recompute", "memo"))
+        assert all(isinstance(v, int) and v > 0 for v in (none, fr, memo)), row
+        assert fr <= none, row  # full recompute keeps only the layers' inputs
+        # memo is the planner's choice within the budget: it fits wherever full recompute does.
+        if s["full recompute"]["fits"]:
+            assert s["memo"]["fits"] and memo <= budget, row
+        for r in s.values():
+            assert r["fits"] == (r["total_bytes"] <= budget)
+            assert r["states_bytes"] < r["total_bytes"]
+    assert report["rows"][1]["strategies"]["none"]["total_bytes"] > report["rows"][0]["strategies"]["none"][
+        "total_bytes"]
+    longest = {r["strategy"]: r["longest"] for r in report["longest"]}
+    assert 0 < longest["none"] <= longest["full recompute"] <= longest["memo"], longest
+    for r in report["longest"]:
+        assert r["longest"] % 512 == 0 and r["longest"] in r["tries"]
+        if r["first_failure"] is not None:
+            assert r["first_failure"] - r["longest"] <= 512
+    for header in ("lower=better", "<1 better", "higher=better", ">1 better"):
+        assert header in done.stdout
+    assert "memo" in done.stdout.split("Predicted longest sequence")[1]
