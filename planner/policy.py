@@ -17,8 +17,12 @@ what the layers hold, the device needs:
 * ``base``: the model states and every activation that is not a layer's (embedding, head, the
   running gradient of the hidden states);
 * two rounding buffers of S_input + S_attn + alpha S_others each when any layer runs memo;
-* one layer's backward at a time: a recomputed layer's activations (K) under full recompute,
-  the recomputed (1 - alpha) share of S_others under memo.
+* one layer's backward at a time: a recomputed layer's activations (K) under full recompute;
+  under memo, one token chunk's share of S_others (memo recomputes the (1 - alpha) share of a
+  layer in n_chunks chunks, one at a time: NOTE [Chunked recompute] in memo/runtime/layer.py)
+  plus what does not shrink with alpha or the chunks (q, k and v whole for attention's
+  backward, their gradients, the gradient of o), which is not modelled: a recorded memo
+  iteration measures it (``memo_overhead``, NOTE [Calibrated policy] in memo/profiler/flow.py).
 
 The memo layers come first, then the recomputed ones, then the kept ones (their backward
 follows their forward soonest). Layers are alike, so a policy is three counts and alpha; every
@@ -60,8 +64,10 @@ class LayerCosts:
     bandwidth: float
     host_memory: int
     #: Bytes a recorded iteration with memo layers needed beyond this model (NOTE [Calibrated policy]
-    #: in memo/profiler/flow.py); added to every split that has memo layers.
+    #: in memo/profiler/flow.py); added to every split that has memo layers. May be negative.
     memo_overhead: int = 0
+    #: The token chunks memo recomputes a layer's (1 - alpha) share in (NOTE [Chunked recompute]).
+    recompute_chunks: int = 1
 
     @property
     def keep_bytes(self) -> int:
@@ -69,6 +75,12 @@ class LayerCosts:
 
     def copy_bytes(self, alpha: float) -> float:
         return self.s_input + self.s_attn + alpha * self.s_others
+
+    @property
+    def recompute_bytes(self) -> float:
+        """R: the recomputed activations a memo layer's backward holds at alpha = 0, one chunk's
+        (NOTE [Policy cost model]); (1 - alpha) R at alpha."""
+        return self.s_others / max(1, self.recompute_chunks)
 
 
 @dataclass
@@ -99,13 +111,16 @@ def _policy(n_memo: int, n_fr: int, n_keep: int) -> list[str]:
 
 def device_need(c: LayerCosts, n_memo: int, n_fr: int, n_keep: int, alpha: float) -> dict[str, int]:
     """The device bytes of one split and alpha, by part (NOTE [Policy cost model])."""
-    transient = max(c.keep_bytes if n_fr else 0, int((1 - alpha) * c.s_others) if n_memo else 0)
+    transient = max(c.keep_bytes if n_fr else 0, int((1 - alpha) * c.recompute_bytes) if n_memo else 0)
     return {
         "base (model states, other activations)": c.base_bytes,
         "kept layers": n_keep * c.keep_bytes,
         "recomputed layers' inputs": n_fr * c.s_input,
-        "rounding buffers": 2 * int(math.ceil(c.copy_bytes(alpha))) + c.memo_overhead if n_memo else 0,
+        "rounding buffers": 2 * int(math.ceil(c.copy_bytes(alpha))) if n_memo else 0,
         "one layer's backward": transient,
+        # NOTE [Calibrated policy] in memo/profiler/flow.py: what a recorded memo iteration showed
+        # beyond (or below) the parts above.
+        "measured correction": c.memo_overhead if n_memo else 0,
     }
 
 
@@ -115,9 +130,11 @@ def _alpha_upper(c: LayerCosts, n_memo: int, n_fr: int, n_keep: int, cap: float)
     so = max(c.s_others, 1e-9)
     fixed = c.base_bytes + n_keep * c.keep_bytes + n_fr * c.s_input + c.memo_overhead
     room = cap - fixed - 2 * base
-    # buffers 2(base + a So) plus max(K [n_fr], (1 - a) So): two linear bounds, both upper bounds on a.
+    # buffers 2(base + a So) plus max(K [n_fr], (1 - a) R): two linear bounds, both upper bounds on a
+    # (R <= So, so 2 So - R > 0).
+    r = c.recompute_bytes
     dev = (room - (c.keep_bytes if n_fr else 0)) / (2 * so)
-    dev = min(dev, (room - c.s_others) / so)
+    dev = min(dev, (room - r) / (2 * so - r))
     return {
         "bandwidth": (c.layer_time * c.bandwidth - base) / so,
         "host_memory": (c.host_memory / n_memo - base) / so,
@@ -180,7 +197,7 @@ def choose_policy(c: LayerCosts, device_budget: int | None = None,
             need = sum(device_need(c, n_memo, n_fr, n_keep, a).values())
             if smallest is None or need < smallest[0]:
                 smallest = (need, n_memo, n_fr, n_keep, a)
-            if need > cap:
+            if need > cap + 2:  # alpha at its device bound: the two buffers round up by a byte each
                 continue
             key = (_seconds(c, n_memo, n_fr, a), need, n_memo, n_fr, n_keep, a, why)
             if best is None or key[:2] < best[:2]:
@@ -202,10 +219,11 @@ def choose_policy(c: LayerCosts, device_budget: int | None = None,
         fixed_other = c.base_bytes + n_keep * c.keep_bytes + n_fr * c.s_input + c.memo_overhead
         linear = 2 * (c.s_input + c.s_attn)
         slope = 2 * c.s_others
-        if not n_fr:  # (1 - a) So can be the larger backward term; the LP takes the linear bound of it
-            linear, slope = linear + c.s_others, c.s_others
+        r = c.recompute_bytes
+        if not n_fr:  # (1 - a) R can be the larger backward term; the LP takes the linear bound of it
+            linear, slope = linear + r, slope - r
         else:
-            linear += max(c.keep_bytes, c.s_others)
+            linear += max(c.keep_bytes, r)
         solution = solve_alpha(c.s_input, c.s_attn, c.s_others, c.bandwidth, c.layer_time, n, c.host_memory,
                                offloaded_layers=n_memo, device_memory=cap, device_fixed=fixed_other + linear,
                                device_per_alpha=slope)

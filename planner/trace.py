@@ -70,7 +70,7 @@ _META_TYPES: dict[str, tuple[type, ...]] = {
     "context_parallel": (int,),
 }
 _POSITIVE_META = ("seq_len", "micro_batch", "n_layers", "tensor_parallel", "context_parallel")
-_LAYER_STATS = ("S_input", "S_attn", "S_others", "layer_fwd_ms")
+_LAYER_STATS = ("S_input", "S_attn", "S_others", "rows", "layer_fwd_ms")
 
 
 @dataclass(frozen=True)

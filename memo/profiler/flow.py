@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import memo.planner  # noqa: F401  NOTE [Import PuLP early]: imported first inside profile(), it pins the model
 from memo.errors import MemoError
 from memo.phases import PhaseTracker
 from memo.profiler.context_parallel import context_parallel_note, rank_tokens
@@ -316,7 +317,39 @@ def _record_allocator(
     finally:
         tracker.remove()
         allocator.set_phase(None)
+        # The logged backward's gradients come from memo's allocator. Free them now, not when the
+        # model is collected: a model profile() built sits in reference cycles (hooks) until the
+        # garbage collector runs, and its gradients would count in the next run's device peak.
+        for p in model.parameters():
+            p.grad = None
+    _open_with_kept_buffers(trace, _runtime_device_buffers(model))
     return trace
+
+
+def _runtime_device_buffers(model: nn.Module) -> list[int]:
+    """Bytes of each device buffer memo's runtime holds for ``model`` across iterations (its two
+    rounding buffers, NOTE [Rounding buffer reuse]); none when the model is not wrapped."""
+    from memo import runtime
+
+    if not runtime.is_wrapped(model):
+        return []
+    buffers = getattr(runtime.runtime_of(model), "buffers", None)
+    return [int(t.untyped_storage().nbytes()) for t in getattr(buffers, "device_buffers", None) or []]
+
+
+def _open_with_kept_buffers(trace: dict[str, Any], sizes: list[int]) -> None:
+    """NOTE [Buffers made in the warm-up]: the warm-up iteration (NOTE [Warm-up before logging])
+    allocates memo's rounding buffers, so the logged iteration never sees them, yet every iteration
+    holds them on the device. They open the trace as unphased allocations live to its end: the
+    trace's peak (the plan's device total, NOTE [Device total]) counts them, as a trace of the
+    dispatch recorder does (it records the first iteration), and a plan for memo's allocator leaves
+    them to its fallback, which serves them at run time (NOTE [One-time allocations inside a
+    phase] in memo/allocator/_api.py). Ids are new: above every id the trace uses."""
+    if not sizes:
+        return
+    events = trace["events"]
+    top = max((int(e["id"]) for e in events if "id" in e), default=0)
+    trace["events"] = [{"op": "malloc", "id": top + 1 + i, "size": n} for i, n in enumerate(sizes)] + events
 
 
 def profile(
@@ -521,12 +554,15 @@ def profile(
         if can_wrap:
             # NOTE [Calibrated policy]: the cost model's full-recompute need is checked against a
             # recorded full-recompute iteration, and its constant part corrected by the difference,
-            # so that "never more than full recompute" compares memo with a measured figure.
+            # so that "never more than full recompute" compares memo with a measured figure; then
+            # its memo need likewise, against a recorded iteration of every layer under memo at
+            # alpha = 0 (_calibrate_memo). The chosen policy is recorded once more below.
             fr_trace, _ = _wrapped_pass(net, ids, labels, 0.0, "dispatch", False, meta, plain,
                                         ["recompute"] * len(stats))
             fr_total = _iteration_total(fr_trace, static)
             estimate = full_recompute_need(costs)
             costs = dataclasses.replace(costs, base_bytes=max(0, costs.base_bytes + fr_total - estimate))
+            costs = _calibrate_memo(costs, net, ids, labels, meta, plain, static)
         chosen = choose_policy(costs, budget, alpha)
     result.policy = chosen
     result.model_states = states
@@ -644,6 +680,30 @@ def profile(
     return result
 
 
+def _calibrate_memo(costs: Any, net: nn.Module, ids: torch.Tensor, labels: torch.Tensor,
+                    meta: dict[str, Any], plain: Recording, static: int) -> Any:
+    """NOTE [Calibrated policy]: ``costs`` with memo_overhead set so that the estimate of every
+    layer under memo at alpha = 0 is what a recorded iteration of exactly that needs.
+
+    The cost model leaves out what a memo layer's backward holds besides its recomputed share
+    (gradients of q, k, v and o, the prefetched layer's rounding buffer in flight) and may count
+    more than the runtime holds at once; the correction is added to, or taken from, every split
+    with memo layers. Skipped where the host memory cannot hold even alpha = 0.
+    """
+    from memo.planner import device_need
+
+    n = costs.n_layers
+    if n * costs.copy_bytes(0.0) > costs.host_memory:
+        return costs
+    try:
+        memo_trace, _ = _wrapped_pass(net, ids, labels, 0.0, "dispatch", False, meta, plain, ["memo"] * n)
+    except MemoError:
+        return costs  # the chosen policy's probe (below) still checks what is chosen
+    measured = _iteration_total(memo_trace, static)
+    estimate = sum(device_need(costs, n, 0, 0, 0.0).values())
+    return dataclasses.replace(costs, memo_overhead=costs.memo_overhead + measured - estimate)
+
+
 def _iteration_total(trace: dict[str, Any], static: int) -> int:
     """NOTE [Device total]: the most bytes live at once in a recorded iteration (activations, memo's
     rounding buffers, gradients as they appear, temporaries) plus ``static`` (parameters and
@@ -694,9 +754,15 @@ def _layer_costs(trace: dict[str, Any], lp_inputs: tuple, seq_len: int, micro_ba
     attn = seq_len * width
     fraction = attn / (attn + layer_params) if attn + layer_params > 0 else 0.0
     static = states["parameters"]["bytes"] + states["optimizer"]["bytes"]
+    # NOTE [Chunked recompute] (memo/runtime/layer.py): how many chunks a memo layer recomputes in.
+    from memo.runtime.layer import token_chunks
+
+    layers = trace["layers"]
+    chunks = max(1, len(token_chunks(int(layers.get("rows", 0)))))
     return LayerCosts(n_layers=n_layers, s_input=int(s_input), s_attn=int(s_attn), s_others=int(s_others),
                       layer_time=float(layer_s), attn_fraction=float(min(max(fraction, 0.0), 1.0)),
-                      base_bytes=int(base + static), bandwidth=float(bandwidth), host_memory=int(host))
+                      base_bytes=int(base + static), bandwidth=float(bandwidth), host_memory=int(host),
+                      recompute_chunks=chunks)
 
 
 def _wrapped_pass(

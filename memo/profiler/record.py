@@ -147,7 +147,7 @@ def record(
     _tag_param_grads(rec, params)
     events = rec.events
     events.append({"op": "end"})
-    stats = layer_stats(rec, len(layers), inputs, outputs, saved.others)
+    stats = layer_stats(rec, len(layers), inputs, outputs, saved.others, saved.rows)
     trace: dict[str, Any] = {
         "version": 1,
         "kind": "memo.trace",
@@ -186,7 +186,7 @@ def _attach_hooks(
             x = args[0] if args else next(iter(kwargs.values()), None)
             if isinstance(x, torch.Tensor) and torch._C._current_graph_task_id() == -1:
                 inputs[i] = x.numel() * x.element_size()
-                saved.enter(i, _m, x)
+                saved.enter(i, _m, x, rows=x.shape[0] if x.dim() else 1)
 
         def post(_m: nn.Module, _args: object, out: object, i: int = i) -> None:
             y = out[0] if isinstance(out, (tuple, list)) else out

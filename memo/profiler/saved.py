@@ -135,13 +135,16 @@ class LayerSavedBytes:
         self.storages: dict[int, SavedStorages] = {}
         #: layer index -> bytes counted (the layer's S_others).
         self.others: dict[int, int] = {}
+        #: layer index -> tokens (dim 0) of the layer input: how many chunks memo recomputes it in.
+        self.rows: dict[int, int] = {}
 
-    def enter(self, index: int, layer: nn.Module, x: torch.Tensor) -> None:
+    def enter(self, index: int, layer: nn.Module, x: torch.Tensor, rows: int = 0) -> None:
         keep = {sid for t in [*layer.parameters(), *layer.buffers()] if (sid := storage_id(t)) is not None}
         storages = SavedStorages(keep, x.device)
         storages.add_storage_base(x, "input")
         self.storages[index] = storages
         self.others.setdefault(index, 0)
+        self.rows[index] = rows
         self.current = index
 
     def exit(self, index: int) -> None:

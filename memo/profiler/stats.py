@@ -17,6 +17,8 @@ For layer ``i`` we look at the allocations made in ``layer.fwd[i]``:
   bytes] in memo/profiler/saved.py): one copy per storage, views of the input or the
   attention output free, a small view of a big storage copied alone. It can be less than
   the other skeletal allocations, which count whole storages.
+- ``rows`` is the tokens (dim 0) of the layer input: memo's backward recomputes them in
+  chunks (NOTE [Chunked recompute] in memo/runtime/layer.py).
 
 These are the three quantities of the alpha LP (docs/profiling.md compares
 them with the paper's 16·b·s·h elements).
@@ -50,6 +52,7 @@ class LayerStats:
         skeletal: ``(op, bytes, tag)`` for each skeletal allocation, in order;
             tag is ``"attn"``, ``"output"`` or ``"other"``.
         forward_ms: measured forward time of the layer (None where not measurable).
+        rows: tokens (dim 0) of the layer input (0 where unknown).
     """
 
     index: int
@@ -62,6 +65,7 @@ class LayerStats:
     transient_bytes: int
     skeletal: list[tuple[str, int, str]] = field(default_factory=list)
     forward_ms: float | None = None
+    rows: int = 0
 
     @property
     def total(self) -> int:
@@ -74,6 +78,7 @@ class LayerStats:
             "S_input": self.s_input,
             "S_attn": self.s_attn,
             "S_others": self.s_others,
+            "rows": self.rows,
             "output": self.output,
             "n_skeletal": self.n_skeletal,
             "n_transient": self.n_transient,
@@ -92,12 +97,13 @@ def _tag(alloc: Allocation) -> str:
 
 def layer_stats(
     rec: DispatchRecorder, n_layers: int, inputs: dict[int, int], outputs: dict[int, int],
-    saved_others: dict[int, int] | None = None,
+    saved_others: dict[int, int] | None = None, input_rows: dict[int, int] | None = None,
 ) -> list[LayerStats]:
     """One :class:`LayerStats` per layer from the recorder's allocations (NOTE [Layer sizes]).
 
     ``saved_others``: per layer, the bytes the runtime copies for the other saved tensors
     (NOTE [One truth for saved bytes]); without it, S_others is the other skeletal allocations.
+    ``input_rows``: per layer, the tokens (dim 0) of its input.
     """
     by_phase: dict[str | None, list[Allocation]] = {}
     for alloc in rec.allocations.values():
@@ -124,6 +130,7 @@ def layer_stats(
                 n_transient=len(transient),
                 transient_bytes=sum(a.size for a in transient),
                 skeletal=rows,
+                rows=(input_rows or {}).get(i, 0),
             )
         )
     return stats
@@ -141,6 +148,7 @@ def summarise_layers(stats: list[LayerStats]) -> dict[str, Any]:
         "S_input": max(s.s_input for s in stats),
         "S_attn": max(s.s_attn for s in stats),
         "S_others": max(s.s_others for s in stats),
+        "rows": max(s.rows for s in stats),
         "per_layer": [s.to_dict() for s in stats],
     }
     times = [s.forward_ms for s in stats if s.forward_ms is not None]

@@ -8,25 +8,29 @@ forward
   2. ``pre`` runs on tokens ``[0:a]`` with grad enabled, under
      ``saved_tensors_hooks`` that copy every tensor it saves into the rounding
      buffer (NOTE [What the pack hook keeps]); on ``[a:s]`` it runs under
-     ``no_grad`` with ``offset=a`` (RoPE positions), so nothing is saved.
+     ``no_grad`` with ``offset`` at each chunk's first token (RoPE positions), so
+     nothing is saved (NOTE [Chunked recompute]).
   3. Attention runs once on all tokens without autograd (``adapter.core_forward``);
      ``o`` and its log-sum-exp go whole into the buffer, and ``q, k, v`` of
      tokens ``[0:a]`` (the attention's own skeletal inputs) too.
-  4. ``post`` runs like ``pre``: ``[0:a]`` recorded with hooks, ``[a:s]`` without grad.
+  4. ``post`` runs like ``pre``: ``[0:a]`` recorded with hooks, ``[a:s]`` without grad
+     in the same chunks.
   The sub-graphs of ``[0:a]`` are kept only as ``GradientEdge``s of their outputs,
   never as tensors, so their outputs' memory is freed; their inputs are fed
   through :class:`_Tap`, a parameter-free node that hands the gradient reaching
   ``x[0:a]`` / ``o[0:a]`` to the layer's backward.
 
 backward (after the prefetch of the layer's buffer)
-  1. ``post`` is recomputed on ``[a:s]`` from the restored ``x`` and ``o``;
-     ``torch.autograd.backward`` runs both post sub-graphs: parameter gradients
-     accumulate as in any backward, and the gradient of ``o`` comes out.
-  2. ``pre`` is recomputed on ``[a:s]``; ``q, k, v`` are the restored ``[0:a]``
-     rows and the recomputed ``[a:s]`` rows; attention's backward runs from the
-     saved ``o`` and ``lse`` (attention itself is never recomputed).
-  3. ``torch.autograd.backward`` runs both pre sub-graphs; the gradient of ``x``
-     is the two taps' share (``[0:a]``) and the recomputed leaf's (``[a:s]``).
+  1. ``torch.autograd.backward`` runs the ``[0:a]`` post sub-graph; then ``post`` is
+     recomputed from the restored ``x`` and ``o`` and back-propagated one chunk of
+     ``[a:s]`` at a time: parameter gradients accumulate as in any backward, and
+     the gradient of ``o`` comes out.
+  2. q, k, v are the restored ``[0:a]`` rows and the ``[a:s]`` rows recomputed
+     without grad; attention's backward runs from the saved ``o`` and ``lse``
+     (attention itself is never recomputed).
+  3. The ``[0:a]`` pre sub-graph runs backward, then ``pre`` is recomputed and
+     back-propagated chunk by chunk; the gradient of ``x`` is the two taps' share
+     (``[0:a]``) and the recomputed chunks' leaves' (``[a:s]``).
 alpha = 0 and alpha = 1 go through the same code; an empty token range just
 has no sub-graph. The recomputed range replays the forward's random state
 (dropout) and autocast state (NOTE [Recompute replays autocast]).
@@ -47,6 +51,22 @@ The pack hook runs for every tensor an op of the ``[0:a]`` sub-graphs saves.
   recorded as (shape, stride, offset) into that copy, the way torchtune tracks
   views. The runtime's offloaded bytes thus count storages, like the profiler's
   S_others.
+
+NOTE [Chunked recompute]
+``pre`` and ``post`` are token-wise (NOTE [Layer adapters]), so the recomputed
+range ``[a:s]`` need not exist all at once. It is split into chunks of tokens
+(:func:`token_chunks`: about RECOMPUTE_CHUNKS of them, none shorter than
+MIN_CHUNK_TOKENS) and each chunk is recomputed and back-propagated on its own:
+``post`` chunk by chunk (recompute, then backward), then q, k, v for attention's
+backward (recomputed without grad; attention needs every row at once), then
+``pre`` chunk by chunk again. The backward thus holds one chunk's activations
+instead of ``(1 - alpha)`` of the layer's; the price is ``pre`` run twice on
+``[a:s]`` (once without grad for q, k, v, once with it for its backward), a few
+matmuls per token against attention's s. Forward runs the no-grad ``[a:s]`` range
+in the same chunks and records the RNG state before each chunk's ``pre`` and
+``post``, so that every recompute draws the dropout masks its forward drew. The
+gradients of ``o`` and ``x`` and the layer's q, k, v and output are tensors
+allocated once and filled chunk by chunk (:class:`_Rows`).
 """
 
 from __future__ import annotations
@@ -69,7 +89,22 @@ if TYPE_CHECKING:
     from memo.adapters.base import LayerAdapter
     from memo.runtime.runtime import MemoRuntime
 
-__all__ = ["LayerCall", "offload_tokens"]
+__all__ = ["LayerCall", "MIN_CHUNK_TOKENS", "RECOMPUTE_CHUNKS", "offload_tokens", "token_chunks"]
+
+
+#: The recomputed ``[a:s]`` range runs in about this many token chunks (NOTE [Chunked recompute]) ...
+RECOMPUTE_CHUNKS = 8
+#: ... none shorter than this many tokens (shorter chunks make slow kernels).
+MIN_CHUNK_TOKENS = 256
+
+
+def token_chunks(n: int, chunk_tokens: int | None = None) -> list[tuple[int, int]]:
+    """``[start, end)`` ranges that split ``n`` tokens into chunks of ``chunk_tokens`` (None:
+    about RECOMPUTE_CHUNKS chunks of at least MIN_CHUNK_TOKENS tokens; NOTE [Chunked recompute])."""
+    if n <= 0:
+        return []
+    size = chunk_tokens if chunk_tokens else max(min(n, MIN_CHUNK_TOKENS), -(-n // RECOMPUTE_CHUNKS))
+    return [(i, min(n, i + size)) for i in range(0, n, size)]
 
 
 def offload_tokens(alpha: float, s: int) -> int:
@@ -210,8 +245,11 @@ class _Record:
     qkv_slots: tuple[int, ...] = ()
     pre_edges: list[tuple[int, GradientEdge]] = field(default_factory=list)
     post_edge: GradientEdge | None = None
-    rng_pre: Any = None
-    rng_post: Any = None
+    #: The ``[a:s]`` token chunks (relative to ``a``) and the RNG state before each one's pre
+    #: and post forward (NOTE [Chunked recompute]).
+    chunks: list[tuple[int, int]] = field(default_factory=list)
+    rng_pre: list[Any] = field(default_factory=list)
+    rng_post: list[Any] = field(default_factory=list)
     autocast: _AutocastState | None = None
     qkv_dtypes: tuple[torch.dtype, ...] = ()
 
@@ -277,14 +315,35 @@ def _replay_rng(state: tuple[torch.Tensor, torch.Tensor | None] | None,
         yield
 
 
-def _join(first: torch.Tensor | None, rest: torch.Tensor | None) -> torch.Tensor:
-    """Concatenate the ``[0:a]`` and ``[a:s]`` parts along tokens (either may be absent)."""
-    if first is None:
-        internal_assert(rest is not None, "both token ranges empty")
-        return rest  # type: ignore[return-value]
-    if rest is None:
-        return first.detach()
-    return torch.cat([first.detach(), rest], dim=0)
+class _Rows:
+    """A tensor of ``rows`` rows (dim 0) assembled from parts put at row offsets: a layer's output,
+    or its q, k, v, from the ``[0:a]`` rows and the ``[a:s]`` chunks. Allocated by the first part
+    (a part that is already every row is taken as it is, without a copy)."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+        self.tensor: torch.Tensor | None = None
+
+    def put(self, start: int, part: torch.Tensor) -> None:
+        if self.tensor is None:
+            if start == 0 and part.shape[0] == self.rows:
+                self.tensor = part
+                return
+            self.tensor = part.new_empty((self.rows, *part.shape[1:]))
+        self.tensor[start:start + part.shape[0]] = part
+
+    def take(self) -> torch.Tensor:
+        internal_assert(self.tensor is not None, "no rows were put")
+        tensor, self.tensor = self.tensor, None
+        return tensor
+
+
+def _copy_or_zero(dst: torch.Tensor, src: torch.Tensor | None) -> None:
+    """``dst[:] = src``, or zeros where autograd gave no gradient (the rows did not reach the loss)."""
+    if src is None:
+        dst.zero_()
+    else:
+        dst.copy_(src)
 
 
 def _edge(t: torch.Tensor) -> GradientEdge:
@@ -347,12 +406,19 @@ class LayerCall:
                 x_a = _Tap.apply(rec.taps, "x", rt.anchor, xc[:a])
                 with packer.hooks():
                     q_a, k_a, v_a = adapter.pre(layer, x_a, 0, ctx)
-        q_b = k_b = v_b = None
-        if a < s:
-            rec.rng_pre = _rng_state(xc.device)
+        qkv = [_Rows(s * g) for _ in range(3)]
+        if a > 0:
+            for rows, t in zip(qkv, (q_a, k_a, v_a), strict=True):
+                rows.put(0, t.detach())
+        rec.chunks = token_chunks(s - a, rt.recompute_chunk_tokens)
+        for c0, c1 in rec.chunks:
+            rec.rng_pre.append(_rng_state(xc.device))
             with torch.no_grad():
-                q_b, k_b, v_b = adapter.pre(layer, xc[a:], a, ctx)
-        q, k, v = _join(q_a, q_b), _join(k_a, k_b), _join(v_a, v_b)
+                parts = adapter.pre(layer, xc[a + c0:a + c1], a + c0, ctx)
+            for rows, t in zip(qkv, parts, strict=True):
+                rows.put(ag + c0 * g, t)
+            del parts
+        q, k, v = (rows.take() for rows in qkv)
         rec.qkv_dtypes = (q.dtype, k.dtype, v.dtype)
         with torch.no_grad():
             o, lse = adapter.core_forward(layer, q, k, v, ctx)
@@ -360,13 +426,13 @@ class LayerCall:
         if a > 0:
             rec.qkv_slots = tuple(sink.pack(t[:ag], f"{name}[:{ag}]")
                                   for name, t in zip("qkv", (q, k, v), strict=True))
-        del q, k, v, q_b, k_b, v_b
+        del q, k, v
         rec.o_slot = sink.pack(o, "attention output o")
         rec.lse_slot = sink.pack(lse, "attention log-sum-exp")
         packer.add_base(o, rec.o_slot)
         del lse
 
-        y_a = y_b = None
+        y = _Rows(s)
         if a > 0:
             with torch.enable_grad():
                 o_a = _Tap.apply(rec.taps, "o", rt.anchor, o[:ag])
@@ -374,13 +440,14 @@ class LayerCall:
                     y_a = adapter.post(layer, o_a, x_a, ctx)
             rec.pre_edges = [(j, _edge(t)) for j, t in enumerate((q_a, k_a, v_a)) if t.requires_grad]
             rec.post_edge = _edge(y_a)
-        if a < s:
-            rec.rng_post = _rng_state(xc.device)
+            y.put(0, y_a.detach())
+            del y_a
+        for c0, c1 in rec.chunks:
+            rec.rng_post.append(_rng_state(xc.device))
             with torch.no_grad():
-                y_b = adapter.post(layer, o[ag:], xc[a:], ctx)
-        y = _join(y_a, y_b)
+                y.put(a + c0, adapter.post(layer, o[ag + c0 * g:ag + c1 * g], xc[a + c0:a + c1], ctx))
         packer.end_pass()
-        return y, rec
+        return y.take(), rec
 
     def backward(self, rec: _Record, grad_y: torch.Tensor) -> torch.Tensor:
         """``grad_y: [s, b, h]`` -> ``grad_x: [s, b, h]``; parameter gradients accumulate on the way."""
@@ -396,51 +463,65 @@ class LayerCall:
         lse = buffers.view(i, rec.lse_slot)
         device = x_dev.device
 
-        # 1. post: recompute [a:s], backward of both sub-graphs -> grad of o.
-        roots: list[GradientEdge] = []
-        grads: list[torch.Tensor] = []
-        x_b = o_b = None
+        # 1. post: backward of the [0:a] sub-graph, then recompute + backward of [a:s] chunk by
+        # chunk (NOTE [Chunked recompute]) -> grad of o, and post's share of grad of x.
+        grad_o = torch.empty_like(o_dev, memory_format=torch.contiguous_format)
+        grad_x = torch.empty_like(x_dev, memory_format=torch.contiguous_format)
         if a > 0:
-            roots.append(rec.post_edge)
-            grads.append(grad_y[:a])
-        if a < s:
-            x_b = x_dev[a:].detach().requires_grad_()
-            o_b = o_dev[ag:].detach().requires_grad_()
-            with torch.enable_grad(), rec.autocast.replay(), _replay_rng(rec.rng_post, device):
-                y_b = adapter.post(layer, o_b, x_b, ctx)
-            roots.append(_edge(y_b))
-            grads.append(grad_y[a:])
-            del y_b
-        torch.autograd.backward(roots, grads)
-        grad_o = self._grad_join(rec.taps.pop("o"), o_b, o_dev, ag)
-        del o_b
+            torch.autograd.backward([rec.post_edge], [grad_y[:a]])
+            _copy_or_zero(grad_o[:ag], rec.taps.pop("o"))
+        gather = rec.g
+        for (c0, c1), rng in zip(rec.chunks, rec.rng_post, strict=True):
+            x_c = x_dev[a + c0:a + c1].detach().requires_grad_()
+            o_c = o_dev[ag + c0 * gather:ag + c1 * gather].detach().requires_grad_()
+            with torch.enable_grad(), rec.autocast.replay(), _replay_rng(rng, device):
+                y_c = adapter.post(layer, o_c, x_c, ctx)
+            torch.autograd.backward([_edge(y_c)], [grad_y[a + c0:a + c1]])
+            del y_c
+            _copy_or_zero(grad_o[ag + c0 * gather:ag + c1 * gather], o_c.grad)
+            _copy_or_zero(grad_x[a + c0:a + c1], x_c.grad)
+            del x_c, o_c
 
-        # 2. pre on [a:s] recomputed; attention backward from the saved o and lse.
-        q_b = k_b = v_b = None
-        if a < s:
-            with torch.enable_grad(), rec.autocast.replay(), _replay_rng(rec.rng_pre, device):
-                q_b, k_b, v_b = adapter.pre(layer, x_b, a, ctx)
-        saved = [buffers.view(i, slot) for slot in rec.qkv_slots] if a > 0 else [None, None, None]
-        q, k, v = (_join(sa, sb) for sa, sb in zip(saved, (q_b, k_b, v_b), strict=True))
-        self._check_recomputed_dtypes(rec, q, k, v)
+        # 2. q, k, v: the saved [0:a] rows and [a:s] recomputed without grad, chunk by chunk;
+        # attention backward from the saved o and lse.
+        qkv = [_Rows(s * gather) for _ in range(3)]
+        if a > 0:
+            for rows, slot in zip(qkv, rec.qkv_slots, strict=True):
+                rows.put(0, buffers.view(i, slot))
+        for (c0, c1), rng in zip(rec.chunks, rec.rng_pre, strict=True):
+            with torch.no_grad(), rec.autocast.replay(), _replay_rng(rng, device):
+                parts = adapter.pre(layer, x_dev[a + c0:a + c1], a + c0, ctx)
+            self._check_recomputed_dtypes(rec, *parts)
+            for rows, t in zip(qkv, parts, strict=True):
+                rows.put(ag + c0 * gather, t)
+            del parts
+        q, k, v = (rows.take() for rows in qkv)
+        del qkv
         dq, dk, dv = adapter.core_backward(layer, grad_o, q, k, v, o_dev, lse, ctx)
         del q, k, v, grad_o
 
-        # 3. pre: backward of both sub-graphs -> grad of x.
-        roots, grads = [], []
+        # 3. pre: backward of the [0:a] sub-graph, then recompute + backward of [a:s] chunk by
+        # chunk, as post -> grad of x.
         full = (dq, dk, dv)
-        for j, edge in rec.pre_edges:
-            roots.append(edge)
-            grads.append(full[j][:ag])
-        if a < s:
-            for t, g in zip((q_b, k_b, v_b), full, strict=True):
-                if t.requires_grad:
-                    roots.append(_edge(t))
-                    grads.append(g[ag:])
-        del q_b, k_b, v_b
-        if roots:
-            torch.autograd.backward(roots, grads)
-        grad_x = self._grad_join(rec.taps.pop("x"), x_b, x_dev, a)
+        if rec.pre_edges:
+            torch.autograd.backward([edge for _, edge in rec.pre_edges],
+                                    [full[j][:ag] for j, _ in rec.pre_edges])
+        if a > 0:
+            _copy_or_zero(grad_x[:a], rec.taps.pop("x"))
+        for (c0, c1), rng in zip(rec.chunks, rec.rng_pre, strict=True):
+            x_c = x_dev[a + c0:a + c1].detach().requires_grad_()
+            with torch.enable_grad(), rec.autocast.replay(), _replay_rng(rng, device):
+                parts = adapter.pre(layer, x_c, a + c0, ctx)
+            roots = [_edge(t) for t in parts if t.requires_grad]
+            grads = [d[ag + c0 * gather:ag + c1 * gather] for t, d in zip(parts, full, strict=True)
+                     if t.requires_grad]
+            del parts
+            if roots:
+                torch.autograd.backward(roots, grads)
+            if x_c.grad is not None:
+                grad_x[a + c0:a + c1] += x_c.grad
+            del x_c, roots, grads
+        del full, dq, dk, dv
 
         rec.packer.resolve_slot = None
         rec.post_edge = None
@@ -461,16 +542,6 @@ class LayerCall:
                 "[Recompute replays autocast]). Make the adapter's pre() independent of it"
             )
 
-    @staticmethod
-    def _grad_join(tap: torch.Tensor | None, leaf: torch.Tensor | None, like: torch.Tensor,
-                   a: int) -> torch.Tensor:
-        first = tap
-        if a > 0 and first is None:
-            first = torch.zeros_like(like[:a])
-        rest = None
-        if leaf is not None:
-            rest = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-        return _join(first, rest)
 
 
 class MemoLayerFunction(torch.autograd.Function):

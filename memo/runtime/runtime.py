@@ -119,6 +119,8 @@ class MemoRuntime:
         seed: seed of the debug delays.
         policy: what each layer does, one of :data:`LAYER_POLICIES` per layer (NOTE [Layer
             policy]); default: the plan's ``policy``, else :func:`default_policy`.
+        recompute_chunk_tokens: tokens per chunk of the recomputed token range (NOTE [Chunked
+            recompute] in memo/runtime/layer.py); default: about eight chunks of at least 256 tokens.
     """
 
     def __init__(
@@ -130,6 +132,7 @@ class MemoRuntime:
         host_memory_limit: int | None = None,
         seed: int = 0,
         policy: list[str] | None = None,
+        recompute_chunk_tokens: int | None = None,
     ) -> None:
         plan_alpha = _plan_field(plan, "alpha")
         if alpha is None and plan_alpha is None:
@@ -156,6 +159,11 @@ class MemoRuntime:
             debug_copy_delay_us)
         if self.debug_copy_delay_us < 0:
             raise MemoError(f"memo.runtime: debug_copy_delay_us must be >= 0, got {self.debug_copy_delay_us}")
+        chunk = recompute_chunk_tokens
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise MemoError("memo.runtime: recompute_chunk_tokens must be a positive number of tokens "
+                            f"(or None for the default), got {chunk!r}")
+        self.recompute_chunk_tokens = recompute_chunk_tokens
         self.host_memory_limit = host_memory_limit
         self.seed = seed
         self.stats = RuntimeStats()

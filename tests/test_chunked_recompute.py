@@ -1,0 +1,170 @@
+"""NOTE [Chunked recompute]: the recomputed token range runs in chunks.
+
+Loss and every gradient still match the unwrapped model at any chunk size; dropout inside
+``post`` draws the same masks in each chunk's recompute as in its forward (checked against
+finite differences in float64, where a changed mask shows as a wrong directional derivative);
+and the backward holds less than the unchunked one.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import memo.runtime as mr
+from memo.adapters import AnatomyAdapter, register_adapter, unregister_adapter
+from memo.errors import MemoError
+from memo.models import attention, build_model, get_config
+from memo.runtime.layer import MIN_CHUNK_TOKENS, RECOMPUTE_CHUNKS, token_chunks
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+RTOL = 1e-5
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def test_token_chunks_cover_every_token_once() -> None:
+    for n in (1, 7, 255, 256, 257, 2048, 2049, 100_000):
+        for size in (None, 1, 3, 1000):
+            chunks = token_chunks(n, size)
+            assert chunks[0][0] == 0 and chunks[-1][1] == n
+            assert all(prev[1] == nxt[0] for prev, nxt in zip(chunks, chunks[1:], strict=False))
+            if size is None:
+                assert len(chunks) <= RECOMPUTE_CHUNKS
+                assert all(c1 - c0 >= min(n, MIN_CHUNK_TOKENS) for c0, c1 in chunks[:-1])
+            else:
+                assert all(c1 - c0 == size for c0, c1 in chunks[:-1])
+    assert token_chunks(0) == []
+    assert len(token_chunks(1 << 20)) == RECOMPUTE_CHUNKS
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "8"])
+def test_bad_chunk_size_is_refused(bad: object) -> None:
+    with pytest.raises(MemoError, match="recompute_chunk_tokens must be a positive number"):
+        mr.MemoRuntime(0.5, recompute_chunk_tokens=bad)
+
+
+def _model(arch: str, n_layers: int = 4) -> nn.Module:
+    name = "tiny" if arch == "gpt" else "llama-tiny"
+    cfg = dataclasses.replace(get_config(name), n_layers=n_layers, name=f"{name}-{n_layers}")
+    return build_model(cfg, dtype=torch.float32)
+
+
+def _step(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor):
+    model.zero_grad(set_to_none=True)
+    loss = model(ids, labels)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+@pytest.mark.parametrize(("alpha", "chunk"), [(0.0, 1), (0.0, 5), (0.3, 4), (0.3, 100), (0.75, 2), (1.0, 3)])
+def test_chunked_recompute_matches_unwrapped(arch: str, alpha: float, chunk: int) -> None:
+    ref = _model(arch)
+    model = mr.wrap(copy.deepcopy(ref), runtime=mr.MemoRuntime(alpha, recompute_chunk_tokens=chunk,
+                                                              debug_copy_delay_us=200, policy=["memo"] * 4))
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, ref.config.vocab_size, (2, 23), generator=g)
+    labels = torch.randint(0, ref.config.vocab_size, (2, 23), generator=g)
+    for _ in range(2):
+        loss, grads = _step(model, ids, labels)
+        ref_loss, ref_grads = _step(ref, ids, labels)
+        assert _rel_err(loss, ref_loss) < RTOL
+        assert grads.keys() == ref_grads.keys()
+        worst = max((_rel_err(grads[n], ref_grads[n]), n) for n in ref_grads)
+        assert worst[0] < RTOL, f"gradient of {worst[1]} differs: relative error {worst[0]:.3g}"
+
+
+class DropoutLayer(nn.Module):
+    """An anatomy layer with dropout in pre and in post (memo's reference layers have none)."""
+
+    def __init__(self, h: int = 8, n: int = 2) -> None:
+        super().__init__()
+        self.n, self.d = n, h // n
+        self.qkv = nn.Linear(h, 3 * h)
+        self.proj = nn.Linear(h, h)
+        self.fc = nn.Linear(h, h)
+
+    def pre(self, x: torch.Tensor, offset: int = 0):
+        s, b, _ = x.shape
+        q, k, v = nn.functional.dropout(self.qkv(x), 0.3, self.training).chunk(3, dim=-1)
+        return tuple(t.reshape(s, b, self.n, self.d) for t in (q, k, v))
+
+    def post(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        y = x + nn.functional.dropout(self.proj(o), 0.5, self.training)
+        return y + nn.functional.dropout(torch.tanh(self.fc(y)), 0.5, self.training)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.post(attention(*self.pre(x)).flatten(2), x)
+
+
+class DropoutModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(DropoutLayer() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return (x * torch.linspace(-1, 1, x.shape[-1], dtype=x.dtype)).sum()
+
+
+@pytest.mark.parametrize(("alpha", "chunk"), [(0.0, 2), (0.4, 3), (0.4, 64)])
+def test_dropout_masks_are_replayed_per_chunk(alpha: float, chunk: int) -> None:
+    register_adapter(DropoutLayer, AnatomyAdapter())
+    try:
+        torch.manual_seed(0)
+        model = DropoutModel().double()
+        mr.wrap(model, runtime=mr.MemoRuntime(alpha, recompute_chunk_tokens=chunk, policy=["memo"] * 3))
+        x = torch.randn(13, 2, 8, dtype=torch.float64)
+
+        def loss_at(seed: int = 7) -> float:
+            # The same masks on every call, so the loss is a function of the weights. A wrapped
+            # model runs memo only where autograd records, so every evaluation is a full step.
+            model.zero_grad()
+            torch.manual_seed(seed)
+            loss = model(x)
+            loss.backward()
+            return loss.item()
+
+        loss_at()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        eps = 1e-6
+        for name, p in model.named_parameters():
+            direction = torch.randn_like(p)
+            with torch.no_grad():
+                p += eps * direction
+            up = loss_at()
+            with torch.no_grad():
+                p -= 2 * eps * direction
+            down = loss_at()
+            with torch.no_grad():
+                p += eps * direction
+            numeric = (up - down) / (2 * eps)
+            analytic = (grads[name] * direction).sum().item()
+            assert abs(numeric - analytic) <= 1e-6 * max(1.0, abs(analytic)), (name, numeric, analytic)
+    finally:
+        unregister_adapter(DropoutLayer)
+
+
+def test_chunks_lower_the_backward_peak() -> None:
+    """The same job with one chunk and with eight: the recorded iteration peak drops."""
+    from memo.planner import Trace, lower_bound
+
+    from memo.profiler import record
+
+    peaks = {}
+    for chunk in (None, 64):
+        ref = _model("gpt", n_layers=3)
+        rt = mr.MemoRuntime(0.0, recompute_chunk_tokens=chunk or 512, policy=["memo"] * 3)
+        model = mr.wrap(ref, runtime=rt)
+        ids = torch.zeros(1, 512, dtype=torch.long)
+        peaks[chunk] = lower_bound(Trace.from_dict(record(model, ids, ids).trace))
+        mr.unwrap(model)
+    assert peaks[64] < peaks[None]
