@@ -73,39 +73,42 @@ def table(reports: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def summary(reports: dict[str, dict]) -> str:
+def summary(reports: dict[str, dict], plan: dict) -> str:
     """What this run shows, in words and numbers: what memo saved and what it cost, and why."""
     memo, full, plain = reports["memo"], reports["full-recompute"], reports["none"]
     m_time, m_fast, m_slow = step_times(memo)
     f_time, f_fast, f_slow = step_times(full)
     speed = f_time / m_time
+    saved = full["peak_device_bytes"] - memo["peak_device_bytes"]
     peak = memo["peak_device_bytes"] / full["peak_device_bytes"]
     same = memo["summary"]["last_loss"] == full["summary"]["last_loss"] == plain["summary"]["last_loss"]
     alpha = memo["alpha"]
+    policy = plan.get("policy") or []
+    counts = {k: policy.count(k) for k in ("memo", "recompute", "keep") if policy.count(k)}
+    layers = ", ".join(f"{n} {k}" for k, n in counts.items()) or "no layer policy"
+    binding = str(plan.get("alpha_binding") or "-").replace("_", " ")
     parts = [
-        f"memo (alpha {alpha:.3f}) took a median {m_time * 1e3:,.0f} ms per step (range {m_fast * 1e3:,.0f}-"
+        f"The plan: {layers} (of {len(policy)} layers), alpha {alpha:.3f}, bound by {binding}.",
+        f"Device memory: memo peaked at {format_mib(memo['peak_device_bytes'])}, full recompute at "
+        f"{format_mib(full['peak_device_bytes'])} and plain autograd at "
+        f"{format_mib(plain['peak_device_bytes'])}; "
+        + (f"memo saved {format_mib(saved)} against full recompute ({100 * (1 - peak):.0f}% less, "
+           f"{peak:.2f}x; lower is better)" if saved > 0 else
+           f"memo needed {format_mib(-saved)} more than full recompute ({peak:.2f}x; lower is better)")
+        + f", {memo['peak_device_bytes'] / plain['peak_device_bytes']:.2f}x plain autograd's.",
+        f"What it cost: {format_mib(memo['host_pinned_bytes'])} of pinned host memory for the offloaded "
+        f"activations, and a median {m_time * 1e3:,.0f} ms per step (range {m_fast * 1e3:,.0f}-"
         f"{m_slow * 1e3:,.0f}) against full recompute's {f_time * 1e3:,.0f} ms ({f_fast * 1e3:,.0f}-"
-        f"{f_slow * 1e3:,.0f}): {speed:.2f}x full recompute's speed, "
-        + (f"{100 * (1 - m_time / f_time):.0f}% less time per step" if speed >= 1
-           else f"{100 * (m_time / f_time - 1):.0f}% more time per step")
-        + " (higher speed is better).",
-        f"Its device peak was {format_mib(memo['peak_device_bytes'])} against full recompute's "
-        f"{format_mib(full['peak_device_bytes'])} and plain autograd's "
-        f"{format_mib(plain['peak_device_bytes'])}: {peak:.2f}x full recompute's (lower is better), "
-        + ("so memo saved device memory" if peak < 1 else "so memo needed more device memory here")
-        + f", and it pinned {format_mib(memo['host_pinned_bytes'])} of host memory for offloaded "
-        "activations.",
+        f"{f_slow * 1e3:,.0f}): {speed:.2f}x full recompute's speed (higher is faster), "
+        + (f"{100 * (1 - m_time / f_time):.0f}% less time per step." if speed >= 1
+           else f"{100 * (m_time / f_time - 1):.0f}% more time per step."),
         ("All three reached the same loss." if same else "The losses differ: see the loss curves."),
+        "Why: full recompute keeps every layer's input on the device until its backward; a memo layer "
+        "keeps nothing there (its input, its attention output and alpha of its other activations go to "
+        "host memory), and its backward recomputes the rest one chunk of tokens at a time. The longer the "
+        "sequence and the deeper the model, the more this saves: benchmarks/max_seq_len.py trains "
+        "longer sequences than full recompute in the same device memory (benchmarks/RESULTS.md).",
     ]
-    if memo["device"].startswith("cpu"):
-        parts.append(
-            "Why: on a CPU the copy engine is a memcpy, fast next to the CPU's compute, so the alpha LP "
-            + ("offloads every token (alpha = 1) and recomputes nothing; " if alpha >= 1 else
-               f"offloads {100 * alpha:.0f}% of the tokens; ")
-            + "the time saved is the recompute. memo keeps its last two layers whole and two rounding "
-            "buffers on the device, which outweighs what it offloads on a model this shallow; the "
-            "device-memory advantage shows on deeper models and longer sequences (benchmarks/RESULTS.md)."
-        )
     return "\n".join(textwrap.wrap(" ".join(parts), 100))
 
 
@@ -142,7 +145,7 @@ def main() -> int:
     print("\nmemo demo: side by side (steps after the first; FR = full recompute)\n")
     print(table(reports))
     print(f"\nplan picture: {out / 'plan.png'}   loss curves: {out / 'loss.png'}\n")
-    print(summary(reports))
+    print(summary(reports, json.loads((out / "plan.json").read_text())))
     return 0
 
 

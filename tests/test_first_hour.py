@@ -81,13 +81,16 @@ def test_demo_ends_with_what_memo_saved_and_cost(memo_times, memo_peak, faster, 
     reports = {"memo": _report(0.5, memo_times, memo_peak, 7 << 20),
                "full-recompute": _report(None, [5.0, 2.0, 2.0, 2.0], 100 << 20),
                "none": _report(None, [5.0, 1.5, 1.5, 1.5], 400 << 20)}
-    text = " ".join(demo.summary(reports).split())
+    plan = {"policy": ["memo"] * 10 + ["recompute"] * 2, "alpha_binding": "device_memory"}
+    text = " ".join(demo.summary(reports, plan).split())
     assert ("less time per step" in text) is faster and ("more time per step" in text) is not faster
-    assert ("memo saved device memory" in text) is less_memory
-    assert "(higher speed is better)" in text and "(lower is better)" in text
+    assert ("memo saved 50.0 MiB against full recompute (50% less" in text) is less_memory
+    assert ("memo needed 200.0 MiB more than full recompute (3.00x" in text) is not less_memory
+    assert "speed (higher is faster)" in text and "x; lower is better)" in text
     median = sorted(memo_times[1:])[1]
     assert f"median {median * 1e3:,.0f} ms" in text  # the median of the steps after the first, not a mean
-    assert "alpha 0.500" in text and "offloads 50% of the tokens" in text
+    assert "The plan: 10 memo, 2 recompute (of 12 layers), alpha 0.500, bound by device memory." in text
+    assert "7.0 MiB of pinned host memory" in text
     table = demo.table(reports)
     assert "higher=faster" in table and "lower=less" in table
 

@@ -628,6 +628,8 @@ def profile(
     result.trace["meta"]["alpha"] = float(result.alpha.alpha)
     result.trace["meta"]["tensor_parallel"] = tp
     result.trace["meta"]["policy"] = list(chosen.policy)
+    # `memo plan --device-mem-gb` re-plans this trace: the rank's total needs the model states.
+    result.trace["meta"]["model_states"] = states
     if not plan:
         return result
 
