@@ -5,7 +5,13 @@
 before it runs. At the end a side-by-side table compares memo with full recompute and with
 plain autograd, and the loss curves are drawn on one figure.
 
-On a CUDA machine the same script uses the GPU (bf16); elsewhere the CPU backend (fp32).
+memo is planned and trained within a device budget (``--device-mem-gb``; on CPU the device is
+memo's allocator, capped at it, so going over is a real failed allocation) that is smaller
+than what full recompute needs for the same job: memo trains where full recompute would not
+fit. The baselines run without the cap, so that their needs can be read off and compared.
+
+On a CUDA machine the same script uses the GPU (bf16, no budget unless one is given);
+elsewhere the CPU backend (fp32).
 """
 
 from __future__ import annotations
@@ -87,7 +93,14 @@ def summary(reports: dict[str, dict], plan: dict) -> str:
     counts = {k: policy.count(k) for k in ("memo", "recompute", "keep") if policy.count(k)}
     layers = ", ".join(f"{n} {k}" for k, n in counts.items()) or "no layer policy"
     binding = str(plan.get("alpha_binding") or "-").replace("_", " ")
-    parts = [
+    budget = (plan.get("device") or {}).get("budget_bytes")
+    fits = "" if budget is None else (
+        f"memo was planned and trained within a device budget of {format_mib(budget)} per GPU; full "
+        f"recompute {'would not fit in it' if full['peak_device_bytes'] > budget else 'fits in it too'}"
+        f" ({format_mib(full['peak_device_bytes'])}), plain autograd "
+        f"{'would not either' if plain['peak_device_bytes'] > budget else 'fits too'}"
+        f" ({format_mib(plain['peak_device_bytes'])}).")
+    parts = [fits,
         f"The plan: {layers} (of {len(policy)} layers), alpha {alpha:.3f}, bound by {binding}.",
         f"Device memory: memo peaked at {format_mib(memo['peak_device_bytes'])}, full recompute at "
         f"{format_mib(full['peak_device_bytes'])} and plain autograd at "
@@ -109,7 +122,7 @@ def summary(reports: dict[str, dict], plan: dict) -> str:
         "sequence and the deeper the model, the more this saves: benchmarks/max_seq_len.py trains "
         "longer sequences than full recompute in the same device memory (benchmarks/RESULTS.md).",
     ]
-    return "\n".join(textwrap.wrap(" ".join(parts), 100))
+    return "\n".join(textwrap.wrap(" ".join(p for p in parts if p), 100))
 
 
 def main() -> int:
@@ -118,6 +131,9 @@ def main() -> int:
     parser.add_argument("--model", default="gpt-mini", help="model to train (gpt-mini: 12 layers, h 128)")
     parser.add_argument("--seq-len", default="4K", help="tokens per sequence (4K)")
     parser.add_argument("--steps", type=int, default=6, help="training steps per strategy (6)")
+    parser.add_argument("--device-mem-gb", type=float, default=None,
+                        help="device budget memo is planned and trained within (default on CPU: 0.08 GB, "
+                        "less than full recompute needs for gpt-mini at 4K; on CUDA: none)")
     args = parser.parse_args()
 
     import torch
@@ -128,14 +144,17 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     run = ["--model", args.model, "--seq-len", args.seq_len]
 
+    budget = args.device_mem_gb if args.device_mem_gb is not None or cuda else 0.08
+    capped = [] if budget is None else ["--device-mem-gb", f"{budget:g}"]
+
     print(f"memo demo: {args.model} at {args.seq_len} tokens on {device} ({dtype}); files in {out}/")
     sh("env", "--no-bandwidth") if not cuda else sh("env")
-    sh("profile", *run, "--device", device, "--dtype", dtype, "-o", str(out / "plan.json"),
+    sh("profile", *run, "--device", device, "--dtype", dtype, *capped, "-o", str(out / "plan.json"),
        "--trace-out", str(out / "trace.json"), "--quiet")
     sh("show", str(out / "plan.json"))
     sh("plot", str(out / "plan.json"), "-o", str(out / "plan.png"))
     common = [*run, "--steps", str(args.steps), "--device", device, "--dtype", dtype, "--no-progress"]
-    sh("train", *common, "--strategy", "memo", "--plan", str(out / "plan.json"), "--report",
+    sh("train", *common, "--strategy", "memo", "--plan", str(out / "plan.json"), *capped, "--report",
        str(out / "memo.json"))
     sh("train", *common, "--strategy", "full-recompute", "--report", str(out / "full-recompute.json"))
     sh("train", *common, "--strategy", "none", "--report", str(out / "none.json"), "--plot",

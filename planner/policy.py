@@ -66,6 +66,9 @@ class LayerCosts:
     #: Bytes a recorded iteration with memo layers needed beyond this model (NOTE [Calibrated policy]
     #: in memo/profiler/flow.py); added to every split that has memo layers. May be negative.
     memo_overhead: int = 0
+    #: Bytes per unit of alpha that such a recording showed beyond the model's (the error of the
+    #: model's slope in alpha: what the [0:a] sub-graphs hold in forward besides the buffers).
+    memo_alpha_bytes: int = 0
     #: The token chunks memo recomputes a layer's (1 - alpha) share in (NOTE [Chunked recompute]).
     recompute_chunks: int = 1
 
@@ -120,7 +123,7 @@ def device_need(c: LayerCosts, n_memo: int, n_fr: int, n_keep: int, alpha: float
         "one layer's backward": transient,
         # NOTE [Calibrated policy] in memo/profiler/flow.py: what a recorded memo iteration showed
         # beyond (or below) the parts above.
-        "measured correction": c.memo_overhead if n_memo else 0,
+        "measured correction": c.memo_overhead + int(alpha * c.memo_alpha_bytes) if n_memo else 0,
     }
 
 
@@ -133,8 +136,9 @@ def _alpha_upper(c: LayerCosts, n_memo: int, n_fr: int, n_keep: int, cap: float)
     # buffers 2(base + a So) plus max(K [n_fr], (1 - a) R): two linear bounds, both upper bounds on a
     # (R <= So, so 2 So - R > 0).
     r = c.recompute_bytes
-    dev = (room - (c.keep_bytes if n_fr else 0)) / (2 * so)
-    dev = min(dev, (room - r) / (2 * so - r))
+    slope = 2 * so + max(0, c.memo_alpha_bytes)
+    dev = (room - (c.keep_bytes if n_fr else 0)) / slope
+    dev = min(dev, (room - r) / (slope - r))
     return {
         "bandwidth": (c.layer_time * c.bandwidth - base) / so,
         "host_memory": (c.host_memory / n_memo - base) / so,
@@ -149,10 +153,11 @@ def _seconds(c: LayerCosts, n_memo: int, n_fr: int, alpha: float) -> float:
 
 
 def choose_policy(c: LayerCosts, device_budget: int | None = None,
-                  alpha: float | None = None) -> PolicySolution:
+                  alpha: float | None = None, headroom: float = 0.0) -> PolicySolution:
     """The fastest policy within ``device_budget`` (bytes per rank; None: full recompute's need),
     the host memory and the link. ``alpha``: fixed instead of solved; without a budget it also
-    fixes the paper's policy (all layers but the last two offload).
+    fixes the paper's policy (all layers but the last two offload). ``headroom``: the share of
+    the budget left free (NOTE [Fallback headroom]).
 
     Raises:
         MemoError: when no policy fits the budget, with the smallest need and its parts.
@@ -168,7 +173,7 @@ def choose_policy(c: LayerCosts, device_budget: int | None = None,
         # last two offloads at that alpha, the last two are kept (no cap to choose against).
         n_keep = min(2, c.n_layers)
         return given_policy(c, _policy(c.n_layers - n_keep, 0, n_keep), alpha)
-    cap = full_recompute if device_budget is None else device_budget
+    cap = full_recompute if device_budget is None else int(device_budget * (1 - headroom))
     best: tuple[float, int, int, int, int, float, str] | None = None
     smallest: tuple[int, int, int, int, float] | None = None
     n = c.n_layers
@@ -209,7 +214,9 @@ def choose_policy(c: LayerCosts, device_budget: int | None = None,
         detail = ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items())
         what = _describe(n_memo, n_fr, n_keep, a)
         raise DeviceBudgetError(
-            f"memo.policy: no layer policy fits the device budget of {format_bytes(cap)} per rank; the "
+            f"memo.policy: no layer policy fits the device budget of {format_bytes(cap)} per rank"
+            + (f" ({format_bytes(device_budget)} less {headroom:.0%} kept free for the fallback allocator)"
+               if device_budget is not None and headroom else "") + "; the "
             f"smallest need is {format_bytes(need)} ({what}): {detail}. Give more device memory "
             "(--device-mem-gb), more host memory, more tensor/context parallelism, or a shorter sequence")
     seconds, need, n_memo, n_fr, n_keep, a, why = best
@@ -218,7 +225,7 @@ def choose_policy(c: LayerCosts, device_budget: int | None = None,
         # The chosen split's alpha from the LP itself (NOTE [Policy cost model]): the same bound.
         fixed_other = c.base_bytes + n_keep * c.keep_bytes + n_fr * c.s_input + c.memo_overhead
         linear = 2 * (c.s_input + c.s_attn)
-        slope = 2 * c.s_others
+        slope = 2 * c.s_others + max(0, c.memo_alpha_bytes)
         r = c.recompute_bytes
         if not n_fr:  # (1 - a) R can be the larger backward term; the LP takes the linear bound of it
             linear, slope = linear + r, slope - r

@@ -81,8 +81,11 @@ def test_demo_ends_with_what_memo_saved_and_cost(memo_times, memo_peak, faster, 
     reports = {"memo": _report(0.5, memo_times, memo_peak, 7 << 20),
                "full-recompute": _report(None, [5.0, 2.0, 2.0, 2.0], 100 << 20),
                "none": _report(None, [5.0, 1.5, 1.5, 1.5], 400 << 20)}
-    plan = {"policy": ["memo"] * 10 + ["recompute"] * 2, "alpha_binding": "device_memory"}
+    plan = {"policy": ["memo"] * 10 + ["recompute"] * 2, "alpha_binding": "device_memory",
+            "device": {"budget_bytes": 80 << 20}}
     text = " ".join(demo.summary(reports, plan).split())
+    assert "within a device budget of 80.0 MiB per GPU; full recompute would not fit in it (100.0 MiB)" in text
+    assert "plain autograd would not either (400.0 MiB)" in text
     assert ("less time per step" in text) is faster and ("more time per step" in text) is not faster
     assert ("memo saved 50.0 MiB against full recompute (50% less" in text) is less_memory
     assert ("memo needed 200.0 MiB more than full recompute (3.00x" in text) is not less_memory

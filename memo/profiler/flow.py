@@ -557,35 +557,49 @@ def profile(
             # so that "never more than full recompute" compares memo with a measured figure; then
             # its memo need likewise, against a recorded iteration of every layer under memo at
             # alpha = 0 (_calibrate_memo). The chosen policy is recorded once more below.
-            fr_trace, _ = _wrapped_pass(net, ids, labels, 0.0, "dispatch", False, meta, plain,
+            fr_trace, _ = _wrapped_pass(net, ids, labels, 0.0, recorder, False, meta, plain,
                                         ["recompute"] * len(stats))
             fr_total = _iteration_total(fr_trace, static)
             estimate = full_recompute_need(costs)
             costs = dataclasses.replace(costs, base_bytes=max(0, costs.base_bytes + fr_total - estimate))
-            costs = _calibrate_memo(costs, net, ids, labels, meta, plain, static)
-        chosen = choose_policy(costs, budget, alpha)
+            costs = _calibrate_memo(costs, net, ids, labels, meta, plain, static, recorder)
+        chosen = choose_policy(costs, budget, alpha, FALLBACK_HEADROOM)
     result.policy = chosen
     result.model_states = states
     timings["alpha"] = time.perf_counter() - t0
 
     # Pass 2 (NOTE [Two-pass profiling]): the trace the plan is made from.
-    for attempt in range(3):
+    for attempt in range(4):
         result.alpha = _alpha_of(chosen, lp_inputs, alpha, evaluate_alpha)
         say(f"policy: {describe_policy(chosen.policy)}; alpha = {result.alpha.alpha:.4f} "
             f"(binding: {result.alpha.binding}); device need {_gib(chosen.device_bytes)} per rank, estimated "
             f"(full recompute {_gib(chosen.full_recompute_bytes)})")
-        if not can_wrap or policy is not None or attempt == 2:
+        if not can_wrap or policy is not None or not chosen.counts.get("memo"):
             break
-        probe, _ = _wrapped_pass(net, ids, labels, result.alpha.alpha, "dispatch", False, meta, plain,
+        probe, _ = _wrapped_pass(net, ids, labels, result.alpha.alpha, recorder, False, meta, plain,
                                  chosen.policy)
         total = _iteration_total(probe, static)
         if total <= chosen.device_cap:
             break
-        # The estimate was short: correct its constant part by what the recording showed, choose again.
-        costs = dataclasses.replace(costs, memo_overhead=costs.memo_overhead + total - chosen.device_bytes)
+        if attempt == 3:
+            raise MemoError(
+                f"memo.profiler: the chosen policy ({describe_policy(chosen.policy)}, alpha "
+                f"{result.alpha.alpha:.4f}) needs {_gib(total)} per rank when recorded, over the cap of "
+                f"{_gib(chosen.device_cap)}, and three corrections of the estimate did not close the gap; "
+                "give a fixed --alpha, or more --device-mem-gb")
+        # The estimate was short. At alpha = 0 it was measured (_calibrate_memo), so the error is in
+        # its slope in alpha: correct that (or, at alpha = 0, its constant part) and choose again.
+        # The recorded peak moves in steps of whole allocations, so a correction that lands exactly
+        # on the cap tends to miss it by part of one: overshoot by a quarter.
+        error = (total - chosen.device_bytes) * 5 // 4
+        if chosen.alpha > 1e-6:
+            costs = dataclasses.replace(costs, memo_alpha_bytes=costs.memo_alpha_bytes + int(
+                math.ceil(error / chosen.alpha)))
+        else:
+            costs = dataclasses.replace(costs, memo_overhead=costs.memo_overhead + error)
         say(f"policy: the recorded iteration needs {_gib(total)}, over the cap of {_gib(chosen.device_cap)}; "
             "choosing again")
-        chosen = choose_policy(costs, budget, alpha)
+        chosen = choose_policy(costs, budget, alpha, FALLBACK_HEADROOM)
         result.policy = chosen
     if wrap_pass is True and wrap is None:
         raise MemoError(
@@ -682,8 +696,20 @@ def profile(
     return result
 
 
+# NOTE [Fallback headroom]
+# Under a device budget the plan's total (iteration peak + model states) is the bytes in use at
+# the worst moment, but memo's allocator serves what the plan does not place (gradients,
+# optimizer states, temporaries) from a caching pool whose segments fragment, and the plan's
+# arena can lend it only whole idle ranges (NOTE [One device pool]). A plan that fills the
+# budget to the byte can thus fail on a later step, once the optimizer states live through the
+# iteration. The policy is therefore chosen within the budget less this share of it, as a user
+# of PyTorch's allocator leaves room between "allocated" and "reserved"; the plan still records
+# the whole budget, which `memo train` enforces.
+FALLBACK_HEADROOM = 0.05
+
+
 def _calibrate_memo(costs: Any, net: nn.Module, ids: torch.Tensor, labels: torch.Tensor,
-                    meta: dict[str, Any], plain: Recording, static: int) -> Any:
+                    meta: dict[str, Any], plain: Recording, static: int, recorder: str) -> Any:
     """NOTE [Calibrated policy]: ``costs`` with memo_overhead set so that the estimate of every
     layer under memo at alpha = 0 is what a recorded iteration of exactly that needs.
 
@@ -698,7 +724,7 @@ def _calibrate_memo(costs: Any, net: nn.Module, ids: torch.Tensor, labels: torch
     if n * costs.copy_bytes(0.0) > costs.host_memory:
         return costs
     try:
-        memo_trace, _ = _wrapped_pass(net, ids, labels, 0.0, "dispatch", False, meta, plain, ["memo"] * n)
+        memo_trace, _ = _wrapped_pass(net, ids, labels, 0.0, recorder, False, meta, plain, ["memo"] * n)
     except MemoError:
         return costs  # the chosen policy's probe (below) still checks what is chosen
     measured = _iteration_total(memo_trace, static)
