@@ -15,8 +15,9 @@ iteration's peak plus parameters, gradients and optimizer states, NOTE [Device t
 what ``memo show`` prints as ``device/rank``. Then, for each strategy, the longest sequence whose
 total fits the budget: doubling from ``--search-start`` (halving when it does not fit), then
 bisection to ``--granularity`` tokens. A fixed policy fits when its recorded total is within the
-budget; memo fits when the planner finds a policy (it raises DeviceBudgetError otherwise) and
-the recorded total is within the budget.
+budget less the share every plan leaves free for allocator fragmentation (NOTE [Fallback
+headroom] in memo/profiler/flow.py); memo fits when the planner finds a policy (it raises
+DeviceBudgetError otherwise) and the recorded total is within the same.
 
 NOTE [At-scale layer time]
 The layer time matters to memo only (alpha's bandwidth constraint and the policy's speed).
@@ -67,6 +68,11 @@ class Bench:
         self.args = args
         self.config = get_config(args.model)
         self.budget = int(args.device_mem_gb * GB)
+        # NOTE [Fallback headroom] (memo/profiler/flow.py): memo plans within the budget less a
+        # share kept free for allocator fragmentation; every strategy is judged against the same.
+        from memo.profiler.flow import FALLBACK_HEADROOM
+
+        self.usable = int(self.budget * (1 - FALLBACK_HEADROOM))
         self.log = log
         self.cache: dict[tuple[str, int], dict[str, Any]] = {}
         self.profiles = 0
@@ -111,7 +117,7 @@ class Bench:
                 total_bytes=int(device["total_bytes"]),
                 iteration_peak_bytes=int(device["iteration_peak_bytes"]),
                 states_bytes=sum(int(states[k]["bytes"]) for k in ("parameters", "gradients", "optimizer")),
-                fits=int(device["total_bytes"]) <= self.budget,
+                fits=int(device["total_bytes"]) <= self.usable,
                 policy=list(result.policy.policy),
                 alpha=float(result.alpha.alpha),
                 binding=str(device.get("binding")),
@@ -120,7 +126,7 @@ class Bench:
         row["seconds"] = time.perf_counter() - start
         self.profiles += 1
         self.cache[key] = row
-        self.log(_progress_line(row, self.budget))
+        self.log(_progress_line(row, self.usable))
         return row
 
 
@@ -220,7 +226,7 @@ def _align(table: list[tuple[str, ...]]) -> str:
     return "\n".join(lines)
 
 
-def format_rows(rows: list[dict[str, Any]], budget: int) -> str:
+def format_rows(rows: list[dict[str, Any]], budget: int, usable: int) -> str:
     """Per-rank device GiB per strategy (lower is better); ``*``: over the budget."""
     from memo.planner import describe_policy
 
@@ -247,7 +253,9 @@ def format_rows(rows: list[dict[str, Any]], budget: int) -> str:
             policy,
         ))
     return _align(table) + (
-        f"\n* over the budget of {budget / GiB:.2f} GiB ({budget / GB:g} GB) per rank. memo is the planner's "
+        f"\n* over {usable / GiB:.2f} GiB per rank: the budget of {budget / GB:g} GB "
+        f"({budget / GiB:.2f} GiB) less the share left free for allocator fragmentation "
+        "(NOTE [Fallback headroom]). memo is the planner's "
         "choice: the fastest layer policy within the budget, so where the budget is loose it may keep more "
         "than full recompute; the longest sequence below is what its saving buys.")
 
@@ -342,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - start
     print(f"\nPer-rank device memory (iteration peak + parameters, gradients, optimizer states), GiB; "
           f"{job}\n")
-    print(format_rows(rows, bench.budget))
+    print(format_rows(rows, bench.budget, bench.usable))
     if searches:
         print(f"\nPredicted longest sequence per rank's GPU of {args.device_mem_gb:g} GB\n")
         print(format_longest(searches, bench.budget, args.granularity))
@@ -353,7 +361,8 @@ def main(argv: list[str] | None = None) -> int:
                    "model", "tensor_parallel", "context_parallel", "micro_batch", "dtype",
                    "optimizer_states", "device_mem_gb", "gpus_per_node", "host_mem_gb", "host_safety",
                    "bandwidth_gbps", "layer_ms", "layer_ms_at", "granularity", "max_seq", "search_start")},
-               "budget_bytes": bench.budget, "rows": rows, "longest": searches, "profiles": bench.profiles,
+               "budget_bytes": bench.budget,
+               "usable_bytes": bench.usable, "rows": rows, "longest": searches, "profiles": bench.profiles,
                "wall_s": wall}
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
         print(f"json written to {args.json}")
