@@ -214,9 +214,10 @@ def choose_policy(c: LayerCosts, device_budget: int | None = None,
         detail = ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items())
         what = _describe(n_memo, n_fr, n_keep, a)
         raise DeviceBudgetError(
-            f"memo.policy: no layer policy fits the device budget of {format_bytes(cap)} per rank"
-            + (f" ({format_bytes(device_budget)} less {headroom:.0%} kept free for the fallback allocator)"
-               if device_budget is not None and headroom else "") + "; the "
+            "memo.policy: no layer policy fits the device budget of "
+            f"{format_bytes(cap if device_budget is None else device_budget)} per rank"
+            + (f" ({format_bytes(cap)} of it usable, {headroom:.0%} being kept free for the fallback "
+               "allocator)" if device_budget is not None and headroom else "") + "; the "
             f"smallest need is {format_bytes(need)} ({what}): {detail}. Give more device memory "
             "(--device-mem-gb), more host memory, more tensor/context parallelism, or a shorter sequence")
     seconds, need, n_memo, n_fr, n_keep, a, why = best

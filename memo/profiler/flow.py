@@ -54,6 +54,7 @@ from memo.profiler.measure import (
 )
 from memo.profiler.record import Recording, model_parts, quiet_backward_hook_warning, record
 from memo.profiler.stats import LayerStats, offloaded_bytes, summarise_layers
+from memo.units import format_bytes
 
 __all__ = ["DTYPES", "ProfileResult", "build_profile_model", "meta_copy", "profile", "runtime_wrap"]
 
@@ -569,11 +570,11 @@ def profile(
     timings["alpha"] = time.perf_counter() - t0
 
     # Pass 2 (NOTE [Two-pass profiling]): the trace the plan is made from.
-    for attempt in range(4):
+    for attempt in range(5):
         result.alpha = _alpha_of(chosen, lp_inputs, alpha, evaluate_alpha)
         say(f"policy: {describe_policy(chosen.policy)}; alpha = {result.alpha.alpha:.4f} "
-            f"(binding: {result.alpha.binding}); device need {_gib(chosen.device_bytes)} per rank, estimated "
-            f"(full recompute {_gib(chosen.full_recompute_bytes)})")
+            f"(binding: {result.alpha.binding}); device need {format_bytes(chosen.device_bytes)} per rank, "
+            f"estimated (full recompute {format_bytes(chosen.full_recompute_bytes)})")
         if not can_wrap or policy is not None or not chosen.counts.get("memo"):
             break
         probe, _ = _wrapped_pass(net, ids, labels, result.alpha.alpha, recorder, False, meta, plain,
@@ -581,24 +582,27 @@ def profile(
         total = _iteration_total(probe, static)
         if total <= chosen.device_cap:
             break
-        if attempt == 3:
+        if attempt == 4:
             raise MemoError(
                 f"memo.profiler: the chosen policy ({describe_policy(chosen.policy)}, alpha "
-                f"{result.alpha.alpha:.4f}) needs {_gib(total)} per rank when recorded, over the cap of "
-                f"{_gib(chosen.device_cap)}, and three corrections of the estimate did not close the gap; "
-                "give a fixed --alpha, or more --device-mem-gb")
+                f"{result.alpha.alpha:.4f}) needs {format_bytes(total)} per rank when recorded, over the cap "
+                f"of {format_bytes(chosen.device_cap)}, after every correction of the estimate; give a fixed "
+                "--alpha, or more --device-mem-gb")
         # The estimate was short. At alpha = 0 it was measured (_calibrate_memo), so the error is in
         # its slope in alpha: correct that (or, at alpha = 0, its constant part) and choose again.
         # The recorded peak moves in steps of whole allocations, so a correction that lands exactly
-        # on the cap tends to miss it by part of one: overshoot by a quarter.
+        # on the cap tends to miss it by part of one: overshoot by a quarter. Where three
+        # corrections did not land, alpha > 0 is given up: memo at alpha = 0 was recorded.
         error = (total - chosen.device_bytes) * 5 // 4
-        if chosen.alpha > 1e-6:
+        if attempt == 2:
+            costs = dataclasses.replace(costs, memo_alpha_bytes=1 << 62)
+        elif chosen.alpha > 1e-6:
             costs = dataclasses.replace(costs, memo_alpha_bytes=costs.memo_alpha_bytes + int(
                 math.ceil(error / chosen.alpha)))
         else:
             costs = dataclasses.replace(costs, memo_overhead=costs.memo_overhead + error)
-        say(f"policy: the recorded iteration needs {_gib(total)}, over the cap of {_gib(chosen.device_cap)}; "
-            "choosing again")
+        say(f"policy: the recorded iteration needs {format_bytes(total)}, over the cap of "
+            f"{format_bytes(chosen.device_cap)}; choosing again")
         chosen = choose_policy(costs, budget, alpha, FALLBACK_HEADROOM)
         result.policy = chosen
     if wrap_pass is True and wrap is None:
