@@ -219,7 +219,9 @@ def choose_policy(c: LayerCosts, device_budget: int | None = None,
             + (f" ({format_bytes(cap)} of it usable, {headroom:.0%} being kept free for the fallback "
                "allocator)" if device_budget is not None and headroom else "") + "; the "
             f"smallest need is {format_bytes(need)} ({what}): {detail}. Give more device memory "
-            "(--device-mem-gb), more host memory, more tensor/context parallelism, or a shorter sequence")
+            + (f"(a budget of at least {format_bytes(math.ceil(need / (1 - headroom)))} with the headroom, "
+               "--device-mem-gb)" if device_budget is not None and headroom else "(--device-mem-gb)")
+            + ", more host memory, more tensor/context parallelism, or a shorter sequence")
     seconds, need, n_memo, n_fr, n_keep, a, why = best
     solution = None
     if n_memo and alpha is None:
