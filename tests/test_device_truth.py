@@ -14,6 +14,7 @@ MACHINE = {"bandwidth_gbps": 32, "layer_ms": 3.0, "host_mem_gb": 64, "time_limit
     ("gpt-125m", 8192, "meta", "dispatch"),  # the trace the 159.6 GiB arena once appeared in
     ("tiny", 512, "cpu", "dispatch"),
     ("tiny", 512, "cpu", "allocator"),
+    ("gpt-mini", 512, "cpu", "allocator"),
 ])
 def test_the_host_arena_is_not_in_the_device_trace(model: str, seq: int, device: str, recorder: str) -> None:
     result = profile(model, seq, 1, device=device, recorder=recorder, dtype="float32" if device == "cpu"
