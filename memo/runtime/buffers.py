@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import enum
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -379,6 +380,9 @@ class RoundingBuffers:
         self.stats = stats
         #: Test-only: names in SKIPPABLE_WAITS whose wait is skipped, to prove the tests catch a race.
         self.debug_skip_waits: set[str] = set()
+        #: ``layer index -> text`` appended to the error of a layer that offloads more than
+        #: ``layer_bytes``: the owner knows what the size was measured at and what changed since.
+        self.overflow_hint: Callable[[int], str] | None = None
         host_bytes = n_layers * layer_bytes if arena_bytes is None else arena_bytes
         internal_assert(host_bytes >= n_layers * layer_bytes, "host arena smaller than the layers it holds")
         self.arena_bytes = host_bytes
@@ -461,11 +465,11 @@ class RoundingBuffers:
         nbytes = _slot_bytes(t)
         offset = align_up(layer.used, SLOT_ALIGNMENT)
         if offset + nbytes > self.layer_bytes:
+            hint = (self.overflow_hint(i) if self.overflow_hint is not None
+                    else "; what it offloads changed since the buffers were sized")
             raise MemoError(
                 f"memo.runtime: layer {i} offloads more than the {self.layer_bytes:,} bytes its rounding "
-                f"buffer "
-                f"was sized for (at {offset + nbytes:,}); the input shape, dtype or alpha changed since the "
-                "buffers were allocated. Wrap again (memo.unwrap, memo.wrap) for the new shape"
+                f"buffer was sized for (at {offset + nbytes:,}){hint}"
             )
         view = self._buffer(i)[offset:offset + nbytes].view(t.dtype).view(t.shape)
         view.copy_(t)

@@ -5,13 +5,27 @@ given) a :class:`MemoRuntime` and every wrapped layer holds a reference to it.
 
 NOTE [Sizing the host arena]
 A layer's offloaded bytes depend on alpha, the sequence length, the micro-batch
-and the dtype. They are measured by a dry run of the first wrapped layer on the
-first real input (same code path as a training forward, with a byte counter in
-place of the buffer), then the two device buffers (one layer each) and the host
-arena (one region per offloaded layer, NOTE [Layer policy]) are allocated at
-once, before any layer offloads. Every later forward must
-offload the same number of bytes. With a plan, its ``host_bytes`` must equal
-what the dry run measured, else the plan belongs to another job.
+and the dtype, and on the layer itself: which of its parameters require grad (a
+frozen layer saves less: a matmul against a frozen weight keeps no input for the
+weight's gradient) and which of its modules are in train mode (dropout saves its
+mask). So they are measured per layer, by dry runs on the first real input (same
+code path as a training forward, with a byte counter in place of the buffer): every
+offloaded layer is dry-run with the first layer's input and context (layers map
+``[s, b, h]`` to ``[s, b, h]`` and share the context), once per distinct layer
+signature (:func:`layer_signature`: class, parameter shapes, dtypes and
+requires_grad, train/eval modes), so a uniform model measures one layer. The two
+device buffers (one layer each) and the host arena (one region per offloaded layer,
+NOTE [Layer policy]) are then sized for the largest layer and allocated at once,
+before any layer offloads. With a plan, its ``host_bytes`` must hold that, else the
+plan belongs to another job (PlanMismatchError).
+
+The signatures are checked again at the start of every iteration (the first
+offloaded layer's forward), where no layer's data lives in the buffers: after
+fine-tuning unfreezes a layer or ``model.train()`` turns dropout on, the changed
+layers are measured again and, when the largest no longer fits, the buffers and the
+arena are released and allocated again for the new size (they never shrink). Within
+an iteration every layer must offload at most what it was measured at; a layer that
+offloads more names what changed since (RoundingBuffers' overflow hint).
 """
 
 from __future__ import annotations
@@ -25,6 +39,7 @@ from torch import nn
 
 from memo.errors import MemoError, PlanMismatchError
 from memo.runtime.buffers import (
+    BufferState,
     CopyEngine,
     RoundingBuffers,
     RuntimeStats,
@@ -33,7 +48,8 @@ from memo.runtime.buffers import (
 )
 from memo.runtime.layer import LayerCall, MemoLayerFunction, offload_tokens
 
-__all__ = ["LAYER_POLICIES", "MemoRuntime", "default_policy", "validate_alpha", "validate_policy"]
+__all__ = ["LAYER_POLICIES", "MemoRuntime", "default_policy", "layer_signature", "validate_alpha",
+           "validate_policy"]
 
 # NOTE [Layer policy]
 # Every wrapped layer runs one of three policies, chosen per layer by the planner
@@ -93,6 +109,36 @@ def validate_alpha(alpha: Any) -> float:
             f"1 = offload everything), got {alpha!r}; memo.planner.solve_alpha computes one for your machine"
         )
     return value
+
+
+def layer_signature(layer: nn.Module) -> tuple[Any, ...]:
+    """What, besides its input, decides the bytes a layer offloads (NOTE [Sizing the host arena]):
+    its class and sequence gather, each parameter's name, shape, dtype and ``requires_grad``,
+    each buffer's, and each submodule's train/eval mode. Layers with equal signatures offload
+    equal bytes for equal inputs."""
+    return (
+        type(layer),
+        int(getattr(layer, "sequence_gather", 1)),
+        tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in layer.named_parameters()),
+        tuple((n, tuple(b.shape), b.dtype) for n, b in layer.named_buffers()),
+        tuple((n, m.training) for n, m in layer.named_modules()),
+    )
+
+
+def _signature_change(old: tuple[Any, ...], new: tuple[Any, ...]) -> str:
+    """The first difference between two :func:`layer_signature` values, in words."""
+    old_params = {n: rg for n, _, _, rg in old[2]}
+    for n, _, _, rg in new[2]:
+        if n in old_params and old_params[n] != rg:
+            return f"parameter {n!r} was {'un' if rg else ''}frozen (requires_grad {old_params[n]} -> {rg})"
+    old_modes = dict(old[4])
+    for n, training in new[4]:
+        if n in old_modes and old_modes[n] != training:
+            what = f"submodule {n!r}" if n else "the layer"
+            return f"{what} was switched to {'train' if training else 'eval'} mode (e.g. dropout)"
+    if old != new:
+        return "its parameters, buffers or class changed"
+    return ""
 
 
 def _plan_field(plan: Any, name: str) -> Any:
@@ -169,9 +215,16 @@ class MemoRuntime:
         self.stats = RuntimeStats()
         self.engine: CopyEngine | None = None
         self.buffers: RoundingBuffers | None = None
+        #: Bytes each rounding buffer (and each host region) holds: the largest offloaded layer's.
         self.layer_bytes: int | None = None
-        #: What one offloaded layer copies, ``(what, bytes)`` per tensor (after the first forward).
+        #: What the largest offloaded layer copies, ``(what, bytes)`` per tensor (after the first forward).
         self.layer_tensors: list[tuple[str, int]] = []
+        #: Measured offloaded bytes of each "memo" layer, and the signatures they were measured
+        #: at (NOTE [Sizing the host arena]).
+        self.layer_sizes: list[int] = []
+        self._layer_sigs: list[tuple[Any, ...]] = []
+        #: ``(input key, signature) -> (bytes, tensors)`` of the dry runs so far.
+        self._measured: dict[tuple[Any, ...], tuple[int, list[tuple[str, int]]]] = {}
         self.calls: list[LayerCall] = []
         #: Zero-size tensor that requires grad: the anchor of every memo autograd node.
         self.anchor = torch.zeros(0, requires_grad=True)
@@ -209,7 +262,8 @@ class MemoRuntime:
         return 0 if self.buffers is None else self.buffers.arena_bytes
 
     def prepare(self, call: LayerCall, x: torch.Tensor, ctx: Any) -> None:
-        """Allocate the buffers on the first forward; check later inputs match what they were sized for."""
+        """Allocate the buffers on the first forward; at the start of each later iteration, size them
+        again if a layer's signature changed; check inputs match what they were sized for."""
         # Autocast changes the dtypes, so the bytes, of what a layer saves: it is part of the key.
         kind = x.device.type
         autocast = "off"
@@ -225,32 +279,92 @@ class MemoRuntime:
                     f"{list(x.shape)} {x.dtype} on {x.device} with autocast {autocast}; memo.unwrap and "
                     "memo.wrap again for a new shape or autocast setting (the buffers are allocated once)"
                 )
+            if call.index == 0 and self._can_resize():
+                sigs = self._signatures()
+                if sigs != self._layer_sigs:
+                    from memo.allocator import unplanned
+
+                    with unplanned():
+                        self._resize(x, ctx, key, sigs)
             return
         from memo.allocator import unplanned
 
         # NOTE [One-time allocations inside a phase] (memo/allocator/_api.py): the dry run and
         # the buffers happen once, inside layer.fwd[0]; keep them out of its request indices.
         with unplanned():
-            self._allocate_buffers(call, x, ctx, key)
+            sigs = self._signatures()
+            sizes, tensors = self._measure_layers(x, ctx, key, sigs)
+            self._allocate_buffers(x, key, sizes, tensors, sigs)
 
-    def _allocate_buffers(self, call: LayerCall, x: torch.Tensor, ctx: Any, key: tuple[Any, ...]) -> None:
-        layer_bytes, self.layer_tensors = call.measure(x, ctx)
+    def _signatures(self) -> list[tuple[Any, ...]]:
+        return [layer_signature(self.calls[i].layer) for i in range(self.n_offloaded)]
+
+    def _can_resize(self) -> bool:
+        """No layer's data lives in the buffers (between iterations): they may be released."""
+        return all(self.buffers.state(i) is BufferState.IDLE for i in range(self.n_offloaded))
+
+    def _measure_layers(self, x: torch.Tensor, ctx: Any, key: tuple[Any, ...],
+                        sigs: list[tuple[Any, ...]]) -> tuple[list[int], list[list[tuple[str, int]]]]:
+        """Dry-run every offloaded layer on ``x`` (once per distinct signature and input key):
+        bytes and tensors of each."""
+        sizes, tensors = [], []
+        for i, sig in enumerate(sigs):
+            if (key, sig) not in self._measured:
+                self._measured[key, sig] = self.calls[i].measure(x, ctx)
+            size, what = self._measured[key, sig]
+            sizes.append(size)
+            tensors.append(what)
+        return sizes, tensors
+
+    def _resize(self, x: torch.Tensor, ctx: Any, key: tuple[Any, ...], sigs: list[tuple[Any, ...]]) -> None:
+        """A layer's signature changed since the buffers were sized (NOTE [Sizing the host arena])."""
+        sizes, tensors = self._measure_layers(x, ctx, key, sigs)
+        if max(sizes) <= self.buffers.layer_bytes:
+            self.layer_sizes, self._layer_sigs = sizes, sigs
+            return
+        changed = [f"layer {i}: {_signature_change(old, new)}"
+                   for i, (old, new) in enumerate(zip(self._layer_sigs, sigs, strict=True)) if old != new]
+        self._release()  # every layer is idle: nothing lives in the buffers
+        self._allocate_buffers(x, key, sizes, tensors, sigs, why="; ".join(changed))
+
+    def _allocate_buffers(self, x: torch.Tensor, key: tuple[Any, ...], sizes: list[int],
+                          tensors: list[list[tuple[str, int]]], sigs: list[tuple[Any, ...]],
+                          why: str = "") -> None:
+        largest = max(range(len(sizes)), key=sizes.__getitem__)
+        layer_bytes = sizes[largest]
         host_bytes = self.n_offloaded * layer_bytes
         planned = _plan_field(self.plan, "host_bytes")
         if planned is not None and int(planned) < host_bytes:
+            since = f" (it grew after {why})" if why else ""
             raise PlanMismatchError(
                 f"memo.runtime: the plan reserves host_bytes={int(planned):,} but this job offloads "
-                f"{host_bytes:,} ({self.n_offloaded} layers x {layer_bytes:,} bytes at alpha={self.alpha}, "
-                f"input {list(x.shape)} {x.dtype}); the plan was made for another model, sequence length or "
-                "dtype. Re-run `memo profile`"
+                f"{host_bytes:,}{since} ({self.n_offloaded} layers x {layer_bytes:,} bytes, the largest "
+                f"offloaded layer's (layer {largest}), at alpha={self.alpha}, input {list(x.shape)} "
+                f"{x.dtype}); the plan was made for another model, sequence length, dtype or set of frozen "
+                "layers. Re-run `memo profile`"
             )
         self.engine = make_engine(x.device, self.debug_copy_delay_us, self.seed)
         self.buffers = RoundingBuffers(self.engine, self.n_offloaded, layer_bytes, self.stats,
                                        self.host_memory_limit,
                                        None if planned is None else int(planned))
         self.buffers.debug_skip_waits = self._debug_skip_waits
+        self.buffers.overflow_hint = self._overflow_hint
         self.layer_bytes = layer_bytes
+        self.layer_tensors = tensors[largest]
+        self.layer_sizes, self._layer_sigs = sizes, sigs
         self._input_key = key
+
+    def _overflow_hint(self, i: int) -> str:
+        """Why layer ``i`` offloads more than it was measured at (RoundingBuffers.pack's error)."""
+        measured = self.layer_sizes[i] if i < len(self.layer_sizes) else None
+        at = f"; it was measured at {measured:,} bytes" if measured is not None else ""
+        if i < len(self._layer_sigs):
+            change = _signature_change(self._layer_sigs[i], layer_signature(self.calls[i].layer))
+            if change:
+                return (f"{at}. Since the buffers were sized at the start of this iteration, {change}; "
+                        "change requires_grad and train/eval mode between iterations, not inside a forward")
+        return (f"{at}, and its parameters' requires_grad and train/eval modes are unchanged: what the layer "
+                "saves depends on something else (the data, or global state the dry run did not see)")
 
     def allocate(self, *layer_args: Any, **layer_kwargs: Any) -> None:
         """Size and allocate the buffers now, from an example input of the first layer.
@@ -310,14 +424,19 @@ class MemoRuntime:
         if self.buffers is not None:
             self.buffers.reset()
 
-    def close(self) -> None:
-        """Wait for copies and release the buffers (unwrap calls it)."""
+    def _release(self) -> None:
         self.synchronize()
         if self.engine is not None:
             self.engine.release()
         self.buffers = None
         self.engine = None
+
+    def close(self) -> None:
+        """Wait for copies and release the buffers (unwrap calls it)."""
+        self._release()
         self._input_key = None
+        self.layer_sizes, self._layer_sigs = [], []
+        self._measured = {}
 
     def describe(self) -> dict[str, Any]:
         """A summary for logs: alpha, layers, bytes, stats."""
@@ -327,6 +446,7 @@ class MemoRuntime:
             "offloaded_layers": self.n_offloaded,
             "policy": list(self.policy),
             "layer_offload_bytes": self.layer_bytes,
+            "layer_sizes": list(self.layer_sizes),
             "host_bytes": self.host_bytes,
             "arena_bytes": self.arena_bytes,
             "device": None if self.engine is None else str(self.engine.device),

@@ -1,0 +1,204 @@
+"""Rounding buffers sized for the largest offloaded layer (NOTE [Sizing the host arena]).
+
+A frozen layer saves less than a trained one, and a layer in train mode saves its dropout
+mask, so the first layer's bytes do not size the others. Fine-tuning with frozen layers,
+unfreezing between steps and switching to train mode must train and match the unwrapped
+model; a change inside a forward, or one that outgrows a plan, is refused naming its cause.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import memo.runtime as mr
+from memo.adapters import AnatomyAdapter, register_adapter, unregister_adapter
+from memo.errors import MemoError, PlanMismatchError
+from memo.models import attention, build_model, get_config
+from memo.runtime import BufferState
+
+RTOL = 1e-5
+DELAY_US = 200
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+def _gpt(n_layers: int = 4) -> nn.Module:
+    cfg = dataclasses.replace(get_config("tiny"), n_layers=n_layers, name=f"tiny-{n_layers}")
+    return build_model(cfg, dtype=torch.float32)
+
+
+def _batch(seed: int, b: int = 2, s: int = 16, v: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, v, (b, s), generator=g), torch.randint(0, v, (b, s), generator=g)
+
+
+def _step(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    model.zero_grad(set_to_none=True)
+    loss = model(ids, labels)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _assert_same(got: tuple[torch.Tensor, dict], want: tuple[torch.Tensor, dict]) -> None:
+    assert _rel_err(got[0], want[0]) < RTOL, (got[0], want[0])
+    assert got[1].keys() == want[1].keys()
+    for n, g in want[1].items():
+        assert _rel_err(got[1][n], g) < RTOL, f"gradient of {n} differs"
+
+
+def _freeze(model: nn.Module, k: int) -> None:
+    """Freeze the embedding and the first k layers (the usual fine-tuning pattern)."""
+    model.embedding.requires_grad_(False)
+    for layer in model.layers[:k]:
+        layer.requires_grad_(False)
+
+
+@pytest.mark.parametrize("policy", [None, ["memo"] * 4], ids=["default", "all-memo"])
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_frozen_embedding_and_first_layers_train_and_match(k: int, policy: list[str] | None) -> None:
+    ref = _gpt()
+    _freeze(ref, k)
+    model = mr.wrap(copy.deepcopy(ref), alpha=0.5, policy=policy, debug_copy_delay_us=DELAY_US)
+    rt = mr.runtime_of(model)
+    for it in range(2):
+        _assert_same(_step(model, *_batch(it)), _step(ref, *_batch(it)))
+    sizes = rt.layer_sizes
+    assert len(sizes) == rt.n_offloaded and rt.layer_bytes == max(sizes)
+    assert rt.host_bytes == rt.n_offloaded * rt.layer_bytes
+    if 0 < k < rt.n_offloaded:  # a frozen layer saves less than a trained one
+        assert sizes[0] < sizes[k] == rt.layer_bytes
+    assert rt.describe()["layer_sizes"] == sizes
+
+
+def test_unfreezing_between_steps_grows_the_buffers() -> None:
+    ref = _gpt()
+    _freeze(ref, 4)
+    model = mr.wrap(copy.deepcopy(ref), alpha=0.5, policy=["memo"] * 4, debug_copy_delay_us=DELAY_US)
+    rt = mr.runtime_of(model)
+    _assert_same(_step(model, *_batch(0)), _step(ref, *_batch(0)))
+    frozen_bytes = rt.layer_bytes
+    for m in (model, ref):  # gradual unfreezing: the top layers first
+        m.layers[2:].requires_grad_(True)
+    _assert_same(_step(model, *_batch(1)), _step(ref, *_batch(1)))
+    assert rt.layer_bytes > frozen_bytes
+    assert rt.layer_sizes[:2] == [frozen_bytes] * 2 and rt.layer_sizes[2] == rt.layer_bytes
+    grown = rt.layer_bytes
+    for m in (model, ref):  # freezing again never shrinks the buffers
+        m.requires_grad_(True)
+        m.layers[3].requires_grad_(False)
+    _assert_same(_step(model, *_batch(2)), _step(ref, *_batch(2)))
+    assert rt.layer_bytes == grown and rt.layer_sizes[3] == frozen_bytes
+    assert all(rt.buffers.state(i) is BufferState.IDLE for i in range(rt.n_offloaded))
+
+
+def test_change_inside_a_forward_names_its_cause() -> None:
+    model = _gpt()
+    model.layers.requires_grad_(False)
+    mr.wrap(model, alpha=0.5, policy=["memo"] * 4)
+    _step(model, *_batch(0))
+    handle = model.layers[1].register_forward_pre_hook(lambda m, args: m.requires_grad_(True) and None)
+    with pytest.raises(MemoError, match=r"layer 1 offloads more than the [\d,]+ bytes its rounding buffer "
+                                        r"was sized for .*parameter '[\w.]+' was unfrozen "
+                                        r"\(requires_grad False -> True\)"):
+        _step(model, *_batch(1))
+    handle.remove()
+    mr.runtime_of(model).reset()
+    _step(model, *_batch(2))  # the next iteration sizes the buffers for the unfrozen layer
+    rt = mr.runtime_of(model)
+    assert rt.layer_sizes[1] == rt.layer_bytes > rt.layer_sizes[0]
+
+
+def test_plan_host_bytes_is_checked_against_the_largest_layer() -> None:
+    ref = _gpt()
+    _freeze(ref, 1)
+    probe = mr.wrap(copy.deepcopy(ref), alpha=0.5, policy=["memo"] * 4)
+    _step(probe, *_batch(0))
+    small, big = mr.runtime_of(probe).layer_sizes[:2]
+    assert small < big
+    short = mr.wrap(copy.deepcopy(ref), plan={"alpha": 0.5, "host_bytes": 4 * small, "policy": ["memo"] * 4})
+    expected = (rf"host_bytes={4 * small:,} but this job offloads {4 * big:,} \(4 layers x [\d,]+ bytes, "
+                r"the largest offloaded layer's \(layer 1\)")
+    with pytest.raises(PlanMismatchError, match=expected):
+        _step(short, *_batch(0))
+    exact = mr.wrap(copy.deepcopy(ref), plan={"alpha": 0.5, "host_bytes": 4 * big, "policy": ["memo"] * 4})
+    _assert_same(_step(exact, *_batch(0)), _step(ref, *_batch(0)))
+
+    # A plan made with every layer frozen is outgrown when one is unfrozen: refused, naming why.
+    frozen = _gpt()
+    frozen.layers.requires_grad_(False)
+    mr.wrap(frozen, plan={"alpha": 0.5, "host_bytes": 4 * small, "policy": ["memo"] * 4})
+    _step(frozen, *_batch(0))
+    frozen.layers[2].requires_grad_(True)
+    with pytest.raises(PlanMismatchError, match=r"\(it grew after layer 2: parameter '[\w.]+' was unfrozen"):
+        _step(frozen, *_batch(1))
+
+
+class DropoutLayer(nn.Module):
+    """A layer with the anatomy and dropout after its attention projection."""
+
+    def __init__(self, h: int = 16, n: int = 2) -> None:
+        super().__init__()
+        self.n, self.d = n, h // n
+        self.norm = nn.LayerNorm(h)
+        self.qkv = nn.Linear(h, 3 * h)
+        self.proj = nn.Linear(h, h)
+        self.drop = nn.Dropout(0.25)
+        self.mlp = nn.Sequential(nn.Linear(h, 2 * h), nn.GELU(), nn.Linear(2 * h, h))
+
+    def pre(self, x: torch.Tensor, offset: int = 0):
+        s, b, _ = x.shape
+        q, k, v = self.qkv(self.norm(x)).chunk(3, dim=-1)
+        return tuple(t.reshape(s, b, self.n, self.d) for t in (q, k, v))
+
+    def post(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        y = x + self.drop(self.proj(o))
+        return y + self.mlp(y)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.post(attention(*self.pre(x)).flatten(2), x)
+
+
+class DropoutModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(DropoutLayer() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+def test_dropout_turned_on_after_the_first_step() -> None:
+    register_adapter(DropoutLayer, AnatomyAdapter())
+    try:
+        ref = DropoutModel()
+        # alpha = 1: one dropout draw per layer, as unwrapped (the split draws of 0 < alpha < 1 are
+        # issue 12's item 5).
+        model = mr.wrap(copy.deepcopy(ref), alpha=1.0, debug_copy_delay_us=DELAY_US)
+        rt = mr.runtime_of(model)
+        x = torch.randn(12, 2, 16)
+        for mode in ("eval", "train", "train"):
+            grads = []
+            for m in (model, ref):
+                getattr(m, mode)()
+                m.zero_grad(set_to_none=True)
+                torch.manual_seed(7)
+                loss = m(x)
+                loss.backward()
+                grads.append((loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}))
+            _assert_same(*grads)
+            if mode == "eval":
+                eval_bytes = rt.layer_bytes
+        assert rt.layer_bytes > eval_bytes  # the dropout masks are offloaded too
+    finally:
+        unregister_adapter(DropoutLayer)
