@@ -438,6 +438,22 @@ class MemoRuntime:
         self.layer_sizes, self._layer_sigs = [], []
         self._measured = {}
 
+    # Copies (NOTE [Copying a wrapped model] in memo/runtime/wrap.py) ---------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """A fresh runtime's state: the settings, policy and layers, without buffers, copy engine
+        (threads, pinned memory), sizes measured or statistics. Used by ``copy.deepcopy`` and pickle;
+        the runtime itself is left untouched."""
+        state = dict(self.__dict__)
+        state.update(engine=None, buffers=None, layer_bytes=None, layer_tensors=[], layer_sizes=[],
+                     _layer_sigs=[], _measured={}, _input_key=None, stats=RuntimeStats(),
+                     _debug_skip_waits=set(self._debug_skip_waits))
+        del state["anchor"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.anchor = torch.zeros(0, requires_grad=True)
+
     def describe(self) -> dict[str, Any]:
         """A summary for logs: alpha, layers, bytes, stats."""
         return {

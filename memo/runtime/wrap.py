@@ -15,6 +15,18 @@ policy (NOTE [Layer policy] in memo/runtime/runtime.py): memo's token-wise
 offload/recompute, full recompute under torch.utils.checkpoint, or the original
 forward (kept). The layer after a memo layer hooks its output's gradient to
 start the prefetch of that memo layer (NOTE [Rounding buffer reuse]).
+
+NOTE [Copying a wrapped model]
+``copy.deepcopy(model)`` and pickling (``torch.save(model)``, then ``torch.load(...,
+weights_only=False)``) give a *wrapped* copy with a runtime of its own, as deep-copying
+a module keeps its hooks: the same alpha, plan, policy and settings, its layers'
+``forward`` bound to its own layers, no buffers until its first forward, statistics at
+zero. The original is untouched and keeps training, even with a forward in flight. What
+cannot be copied (the copy engine's threads and pinned memory, the buffers and what a
+forward left in them) is left out by ``MemoRuntime.__getstate__``; the wrapped
+``forward`` holds no bound method of the layer for the class's own forward (it looks
+it up at each call) and the "no forward of its own" marker pickles as itself, so the
+copy calls its own layers and ``memo.unwrap`` of the copy restores a plain model.
 """
 
 from __future__ import annotations
@@ -37,7 +49,19 @@ __all__ = ["find_layers", "is_wrapped", "runtime_of", "unwrap", "wrap"]
 _RUNTIME_ATTR = "_memo_runtime"
 _CALL_ATTR = "_memo_call"
 _SAVED_FORWARD_ATTR = "_memo_saved_forward"
-_NO_SAVED = object()
+
+
+class _NoSaved:
+    """Marks a layer that had no instance ``forward`` of its own; pickles and copies as itself."""
+
+    def __reduce__(self) -> str:
+        return "_NO_SAVED"
+
+    def __repr__(self) -> str:
+        return "_NO_SAVED"
+
+
+_NO_SAVED = _NoSaved()
 
 
 def find_layers(model: nn.Module) -> list[tuple[nn.Module, LayerAdapter]]:
@@ -95,7 +119,11 @@ def _unsupported_message(model: nn.Module) -> str:
 
 
 def _wrapped_forward(call: LayerCall, original: Any, *args: Any, **kwargs: Any) -> Any:
+    """``forward`` of a wrapped layer; ``original`` is the forward the user had set on the instance,
+    or None for the class's (looked up at each call, so that a copy calls its own layer's)."""
     rt = call.runtime
+    if original is None:
+        original = type(call.layer).forward.__get__(call.layer)
     if not torch.is_grad_enabled():
         return original(*args, **kwargs)
     kind = rt.policy[call.index]
@@ -148,6 +176,12 @@ def wrap(
 
     The runtime is available as :func:`runtime_of(model) <runtime_of>`. The state dict is
     unchanged (NOTE [Wrapping in place]).
+
+    ``copy.deepcopy(model)`` and ``torch.save(model)`` / ``torch.load(f, weights_only=False)``
+    work at any time and give a wrapped copy with its own :class:`MemoRuntime` (same alpha,
+    plan and policy; buffers allocated at its first forward; statistics at zero), leaving the
+    original as it was (NOTE [Copying a wrapped model]). For a plain copy, ``memo.unwrap`` the
+    copy; to save only the weights, ``torch.save(model.state_dict())`` (the same keys as unwrapped).
     """
     if not isinstance(model, nn.Module):
         raise MemoError(f"memo.wrap: expected an nn.Module, got {type(model).__name__}")
@@ -173,7 +207,7 @@ def wrap(
     for call in calls:
         layer = call.layer
         saved = layer.__dict__.get("forward", _NO_SAVED)
-        original = saved if saved is not _NO_SAVED else type(layer).forward.__get__(layer)
+        original = saved if saved is not _NO_SAVED else None
         object.__setattr__(layer, _SAVED_FORWARD_ATTR, saved)
         object.__setattr__(layer, _CALL_ATTR, call)
         object.__setattr__(layer, "forward", functools.partial(_wrapped_forward, call, original))
