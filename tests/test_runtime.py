@@ -146,11 +146,36 @@ def test_forward_twice_before_backward_is_refused_and_reset_recovers() -> None:
     ref = _model("gpt")
     model = mr.wrap(copy.deepcopy(ref), alpha=0.25)
     ids, labels = _batch(ref, 2, 8)
-    model(ids, labels)
-    with pytest.raises(MemoError, match="forward again before its backward"):
+    pending = model(ids, labels)  # its graph stays alive: a forward in flight
+    with pytest.raises(MemoError, match="forward again while an earlier forward's graph is still alive"):
         model(ids, labels)
     mr.runtime_of(model).reset()
+    del pending
     _assert_same(*_step(model, ids, labels), *_step(ref, ids, labels))
+
+
+@pytest.mark.parametrize("how", ["discarded", "exception"])
+def test_an_abandoned_forward_is_dropped_by_itself(how: str) -> None:
+    """NOTE [Abandoned forward]: once the graph of a forward without backward is freed, the next
+    forward drops it (counted, warned once) and training matches the unwrapped model."""
+    ref = _model("gpt")
+    model = mr.wrap(copy.deepcopy(ref), alpha=0.25)
+    rt = mr.runtime_of(model)
+    ids, labels = _batch(ref, 2, 8)
+    if how == "discarded":
+        model(ids, labels)  # validation with autograd on: the loss is dropped at once
+    else:
+        def step_that_fails() -> None:
+            loss = model(ids, labels)
+            raise RuntimeError(f"a data error after forward ({loss.item():.3f})")
+
+        with pytest.raises(RuntimeError, match="data error"):
+            step_that_fails()
+    with pytest.warns(UserWarning, match="freed without its backward"):
+        _assert_same(*_step(model, ids, labels), *_step(ref, ids, labels))
+    assert rt.stats.abandoned_iterations == 1
+    _assert_same(*_step(model, ids, labels), *_step(ref, ids, labels))
+    assert rt.stats.abandoned_iterations == 1
 
 
 def test_input_shape_change_is_refused() -> None:

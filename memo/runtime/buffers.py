@@ -126,6 +126,8 @@ class RuntimeStats:
     layer_backwards: int = 0
     recomputed_layers: int = 0
     """Forwards of layers under full recompute (NOTE [Layer policy])."""
+    abandoned_iterations: int = 0
+    """Forwards whose graph was freed without a backward, dropped by memo (NOTE [Abandoned forward])."""
 
     def reset(self) -> None:
         for name in self.__dataclass_fields__:
@@ -341,9 +343,10 @@ class LayerSlot:
             hint = ""
             if self.state is not BufferState.IDLE and new is BufferState.OFFLOADING:
                 hint = (
-                    "; the layer ran forward again before its backward. memo keeps one forward per "
-                    "backward (no gradient accumulation over several forwards before one backward); call "
-                    "runtime.reset() to drop an abandoned iteration"
+                    "; the layer ran forward again while an earlier forward's graph is still alive and its "
+                    "backward has not run. memo keeps one forward in flight per backward (no two forwards "
+                    "before one backward); a forward whose graph was freed (its loss deleted) is dropped by "
+                    "itself (NOTE [Abandoned forward]), and runtime.reset() drops one still referenced"
                 )
             raise MemoError(
                 f"memo.runtime: layer {self.index}'s rounding buffer cannot go from {self.state.value} to "

@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -378,9 +379,11 @@ class LayerCall:
     def forward(self, x: torch.Tensor, ctx: Any) -> tuple[torch.Tensor, _Record]:
         """``x: [s, b, h]`` -> ``y: [s, b, h]`` and the record backward needs."""
         rt = self.runtime
+        rt.drop_abandoned(self.index)
         rt.buffers.begin_forward(self.index)
         y, rec = self._forward(x, ctx, _BufferSink(rt, self.index))
         rt.buffers.end_forward(self.index)
+        rt.pending[self.index] = weakref.ref(rec)
         rt.stats.layer_forwards += 1
         rt.stats.offloaded_tokens += rec.a
         rt.stats.recomputed_tokens += rec.s - rec.a
@@ -452,6 +455,7 @@ class LayerCall:
     def backward(self, rec: _Record, grad_y: torch.Tensor) -> torch.Tensor:
         """``grad_y: [s, b, h]`` -> ``grad_x: [s, b, h]``; parameter gradients accumulate on the way."""
         rt, layer, adapter, i = self.runtime, self.layer, self.adapter, self.index
+        rt.pending.pop(i, None)
         buffers = rt.buffers
         buffers.begin_backward(i)
         rec.packer.resolve_slot = lambda slot: buffers.view(i, slot)
@@ -549,19 +553,50 @@ class MemoLayerFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, call: LayerCall, layer_ctx: Any, anchor: torch.Tensor,
-                x: torch.Tensor) -> torch.Tensor:
+                x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
         y, rec = call.forward(x, layer_ctx)
-        ctx.call, ctx.rec = call, rec
+        ctx.call, ctx.rec, ctx.anchor, ctx.n_params = call, rec, anchor, len(params)
         ctx.x_requires_grad = x.requires_grad
         return y
 
     @staticmethod
-    def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[None, None, None, torch.Tensor | None]:
+    def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         if ctx.rec is None:
             raise MemoError(
                 "memo.runtime: a wrapped layer's backward ran twice; memo frees its saved state after one "
                 "backward (retain_graph=True over wrapped layers is not supported)"
             )
         rec, ctx.rec = ctx.rec, None
+        _refuse_partial_backward(ctx.call, ctx.anchor)
         grad_x = ctx.call.backward(rec, grad_y)
-        return None, None, None, grad_x if ctx.x_requires_grad else None
+        # The parameters' gradients were accumulated into .grad by the sub-graphs' backward.
+        return (None, None, None, grad_x if ctx.x_requires_grad else None) + (None,) * ctx.n_params
+
+
+# NOTE [Partial backward is refused]
+# A memo layer's backward runs its recomputed sub-graphs with torch.autograd.backward, which
+# accumulates every parameter's gradient into ``.grad``: right for ``loss.backward()``, wrong
+# for ``torch.autograd.grad(...)`` (which must return gradients and write no ``.grad``) and for
+# ``backward(inputs=...)``. The engine tells which case runs, asked about the AccumulateGrad
+# node of the runtime's anchor (a leaf every memo node takes as input, which nobody asks for):
+# under ``autograd.grad`` asking about a leaf's node raises, with ``inputs=`` the node will not
+# execute, and only a plain backward executes it. Otherwise memo refuses before touching any
+# gradient, and drops the iteration so that the model is usable again. The layer's trainable
+# parameters are inputs of memo's node as well (its backward returns None for them), so that
+# ``autograd.grad(loss, w)`` or ``backward(inputs=[w])`` for a parameter of a memo layer
+# reaches the node and is refused, instead of finding w unreachable and returning nothing.
+def _refuse_partial_backward(call: LayerCall, anchor: torch.Tensor) -> None:
+    with torch.enable_grad():  # backward runs without grad mode; the view needs it for its grad_fn
+        node = anchor.view_as(anchor).grad_fn.next_functions[0][0]
+    try:
+        wanted, how = torch._C._will_engine_execute_node(node), "backward(inputs=...)"
+    except RuntimeError:  # "... we are currently running autograd.grad()"
+        wanted, how = False, "torch.autograd.grad(...)"
+    if not wanted:
+        call.runtime.reset()
+        raise MemoError(
+            f"memo.runtime: {how} reached memo-wrapped layer {call.index}; memo's backward accumulates "
+            "every parameter's gradient into .grad, so it would write gradients nobody asked for and "
+            "return none (NOTE [Partial backward is refused]). Use loss.backward() without inputs=, "
+            "or memo.unwrap(model) for this computation; the iteration was dropped, the model is ready "
+            "for the next forward")

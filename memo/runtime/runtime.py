@@ -31,6 +31,7 @@ offloads more names what changed since (RoundingBuffers' overflow hint).
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -229,6 +230,8 @@ class MemoRuntime:
         #: Zero-size tensor that requires grad: the anchor of every memo autograd node.
         self.anchor = torch.zeros(0, requires_grad=True)
         self._input_key: tuple[Any, ...] | None = None
+        #: Memo layer index -> weak reference to its forward's record, until its backward runs.
+        self.pending: dict[int, Any] = {}
         self._debug_skip_waits: set[str] = set()
 
     # Layers ------------------------------------------------------------------------------------
@@ -388,7 +391,32 @@ class MemoRuntime:
         self.prepare(call, x, ctx)
         self.anchor = self.anchor if self.anchor.device == x.device else torch.zeros(
             0, device=x.device, requires_grad=True)
-        return MemoLayerFunction.apply(call, ctx, self.anchor, x)
+        # The trainable parameters are inputs too, though memo's backward accumulates their gradients
+        # itself: so the engine's graph reaches the node from them (NOTE [Partial backward is refused]).
+        params = [p for p in call.layer.parameters() if p.requires_grad]
+        return MemoLayerFunction.apply(call, ctx, self.anchor, x, *params)
+
+    # NOTE [Abandoned forward]
+    # A forward whose backward never runs (an exception between them, validation without
+    # no_grad, a skipped batch) leaves its layers' buffers OFFLOADING/OFFLOADED. Each memo layer's
+    # forward leaves a record that only its autograd node holds; ``pending`` keeps weak references
+    # to them. When a layer's next forward finds its buffer busy and every pending record is dead,
+    # the graph of the earlier forward was freed and its backward can never run: the iteration is
+    # dropped (reset), counted and said once. A record still alive means a forward in flight,
+    # which the buffers refuse (one forward per backward).
+    def drop_abandoned(self, index: int) -> None:
+        """Drop an abandoned iteration before layer ``index``'s forward (NOTE [Abandoned forward])."""
+        if self.buffers is None or self.buffers.state(index) is BufferState.IDLE:
+            return
+        if any(ref() is not None for ref in self.pending.values()):
+            return
+        self.reset()
+        self.stats.abandoned_iterations += 1
+        if self.stats.abandoned_iterations == 1:
+            warnings.warn("memo.runtime: a forward's graph was freed without its backward (an exception, "
+                          "validation with autograd on, a skipped batch); memo dropped that iteration's "
+                          "offloaded activations and goes on (counted in stats.abandoned_iterations; "
+                          "this is said once)", stacklevel=3)
 
     def prefetch_hook(self, index: int) -> None:
         """Called when the gradient of layer ``index + 1``'s output is ready: prefetch layer ``index``."""
@@ -423,6 +451,7 @@ class MemoRuntime:
         """Drop an abandoned iteration (forward without backward): wait for copies, set every layer idle."""
         if self.buffers is not None:
             self.buffers.reset()
+        self.pending.clear()
 
     def _release(self) -> None:
         self.synchronize()
@@ -445,7 +474,7 @@ class MemoRuntime:
         the runtime itself is left untouched."""
         state = dict(self.__dict__)
         state.update(engine=None, buffers=None, layer_bytes=None, layer_tensors=[], layer_sizes=[],
-                     _layer_sigs=[], _measured={}, _input_key=None, stats=RuntimeStats(),
+                     _layer_sigs=[], _measured={}, _input_key=None, stats=RuntimeStats(), pending={},
                      _debug_skip_waits=set(self._debug_skip_waits))
         del state["anchor"]
         return state
