@@ -452,9 +452,12 @@ class LayerCall:
         packer.end_pass()
         return y.take(), rec
 
-    def backward(self, rec: _Record, grad_y: torch.Tensor) -> torch.Tensor:
-        """``grad_y: [s, b, h]`` -> ``grad_x: [s, b, h]``; parameter gradients accumulate on the way."""
+    def backward(self, rec: _Record, grad_y: torch.Tensor, params: tuple[torch.Tensor, ...],
+                 anchor: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """``grad_y: [s, b, h]`` -> ``grad_x: [s, b, h]`` and the gradients of ``params`` (NOTE
+        [Gradients through the engine])."""
         rt, layer, adapter, i = self.runtime, self.layer, self.adapter, self.index
+        run = _SubGraphs(params, anchor)
         rt.pending.pop(i, None)
         buffers = rt.buffers
         buffers.begin_backward(i)
@@ -472,7 +475,7 @@ class LayerCall:
         grad_o = torch.empty_like(o_dev, memory_format=torch.contiguous_format)
         grad_x = torch.empty_like(x_dev, memory_format=torch.contiguous_format)
         if a > 0:
-            torch.autograd.backward([rec.post_edge], [grad_y[:a]])
+            run([rec.post_edge], [grad_y[:a]])
             _copy_or_zero(grad_o[:ag], rec.taps.pop("o"))
         gather = rec.g
         for (c0, c1), rng in zip(rec.chunks, rec.rng_post, strict=True):
@@ -480,11 +483,11 @@ class LayerCall:
             o_c = o_dev[ag + c0 * gather:ag + c1 * gather].detach().requires_grad_()
             with torch.enable_grad(), rec.autocast.replay(), _replay_rng(rng, device):
                 y_c = adapter.post(layer, o_c, x_c, ctx)
-            torch.autograd.backward([_edge(y_c)], [grad_y[a + c0:a + c1]])
-            del y_c
-            _copy_or_zero(grad_o[ag + c0 * gather:ag + c1 * gather], o_c.grad)
-            _copy_or_zero(grad_x[a + c0:a + c1], x_c.grad)
-            del x_c, o_c
+            gx, go = run([_edge(y_c)], [grad_y[a + c0:a + c1]], (x_c, o_c))
+            del y_c, x_c, o_c
+            _copy_or_zero(grad_o[ag + c0 * gather:ag + c1 * gather], go)
+            _copy_or_zero(grad_x[a + c0:a + c1], gx)
+            del gx, go
 
         # 2. q, k, v: the saved [0:a] rows and [a:s] recomputed without grad, chunk by chunk;
         # attention backward from the saved o and lse.
@@ -508,8 +511,7 @@ class LayerCall:
         # chunk, as post -> grad of x.
         full = (dq, dk, dv)
         if rec.pre_edges:
-            torch.autograd.backward([edge for _, edge in rec.pre_edges],
-                                    [full[j][:ag] for j, _ in rec.pre_edges])
+            run([edge for _, edge in rec.pre_edges], [full[j][:ag] for j, _ in rec.pre_edges])
         if a > 0:
             _copy_or_zero(grad_x[:a], rec.taps.pop("x"))
         for (c0, c1), rng in zip(rec.chunks, rec.rng_pre, strict=True):
@@ -521,9 +523,9 @@ class LayerCall:
                      if t.requires_grad]
             del parts
             if roots:
-                torch.autograd.backward(roots, grads)
-            if x_c.grad is not None:
-                grad_x[a + c0:a + c1] += x_c.grad
+                (gx,) = run(roots, grads, (x_c,))
+                if gx is not None:
+                    grad_x[a + c0:a + c1] += gx
             del x_c, roots, grads
         del full, dq, dk, dv
 
@@ -532,7 +534,7 @@ class LayerCall:
         rec.pre_edges = []
         buffers.end_backward(i)
         rt.stats.layer_backwards += 1
-        return grad_x
+        return grad_x, run.sums
 
     def _check_recomputed_dtypes(self, rec: _Record, q: torch.Tensor, k: torch.Tensor,
                                  v: torch.Tensor) -> None:
@@ -555,7 +557,7 @@ class MemoLayerFunction(torch.autograd.Function):
     def forward(ctx: Any, call: LayerCall, layer_ctx: Any, anchor: torch.Tensor,
                 x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
         y, rec = call.forward(x, layer_ctx)
-        ctx.call, ctx.rec, ctx.anchor, ctx.n_params = call, rec, anchor, len(params)
+        ctx.call, ctx.rec, ctx.anchor, ctx.saved_params = call, rec, anchor, params
         ctx.x_requires_grad = x.requires_grad
         return y
 
@@ -567,36 +569,40 @@ class MemoLayerFunction(torch.autograd.Function):
                 "backward (retain_graph=True over wrapped layers is not supported)"
             )
         rec, ctx.rec = ctx.rec, None
-        _refuse_partial_backward(ctx.call, ctx.anchor)
-        grad_x = ctx.call.backward(rec, grad_y)
-        # The parameters' gradients were accumulated into .grad by the sub-graphs' backward.
-        return (None, None, None, grad_x if ctx.x_requires_grad else None) + (None,) * ctx.n_params
+        if torch.is_grad_enabled():
+            ctx.call.runtime.reset()
+            raise MemoError(
+                "memo.runtime: backward(create_graph=True) reached a memo-wrapped layer; memo recomputes "
+                "and offloads activations, so it cannot build the graph of its own backward (double "
+                "backward, e.g. gradient penalties). Run that computation on memo.unwrap(model); the "
+                "iteration was dropped, the model is ready for the next forward")
+        grad_x, param_grads = ctx.call.backward(rec, grad_y, ctx.saved_params, ctx.anchor)
+        return (None, None, None, grad_x if ctx.x_requires_grad else None, *param_grads)
 
 
-# NOTE [Partial backward is refused]
-# A memo layer's backward runs its recomputed sub-graphs with torch.autograd.backward, which
-# accumulates every parameter's gradient into ``.grad``: right for ``loss.backward()``, wrong
-# for ``torch.autograd.grad(...)`` (which must return gradients and write no ``.grad``) and for
-# ``backward(inputs=...)``. The engine tells which case runs, asked about the AccumulateGrad
-# node of the runtime's anchor (a leaf every memo node takes as input, which nobody asks for):
-# under ``autograd.grad`` asking about a leaf's node raises, with ``inputs=`` the node will not
-# execute, and only a plain backward executes it. Otherwise memo refuses before touching any
-# gradient, and drops the iteration so that the model is usable again. The layer's trainable
-# parameters are inputs of memo's node as well (its backward returns None for them), so that
-# ``autograd.grad(loss, w)`` or ``backward(inputs=[w])`` for a parameter of a memo layer
-# reaches the node and is refused, instead of finding w unreachable and returning nothing.
-def _refuse_partial_backward(call: LayerCall, anchor: torch.Tensor) -> None:
-    with torch.enable_grad():  # backward runs without grad mode; the view needs it for its grad_fn
-        node = anchor.view_as(anchor).grad_fn.next_functions[0][0]
-    try:
-        wanted, how = torch._C._will_engine_execute_node(node), "backward(inputs=...)"
-    except RuntimeError:  # "... we are currently running autograd.grad()"
-        wanted, how = False, "torch.autograd.grad(...)"
-    if not wanted:
-        call.runtime.reset()
-        raise MemoError(
-            f"memo.runtime: {how} reached memo-wrapped layer {call.index}; memo's backward accumulates "
-            "every parameter's gradient into .grad, so it would write gradients nobody asked for and "
-            "return none (NOTE [Partial backward is refused]). Use loss.backward() without inputs=, "
-            "or memo.unwrap(model) for this computation; the iteration was dropped, the model is ready "
-            "for the next forward")
+# NOTE [Gradients through the engine]
+# memo's node takes the layer's trainable parameters as inputs and returns their gradients,
+# like any autograd node; it never writes ``.grad`` itself. Its sub-graphs (the saved [0:a]
+# ones and the recomputed chunks) run with ``torch.autograd.grad`` over the parameters, the
+# runtime's anchor (so that the taps of x[0:a] and o[0:a] fire) and the chunk's leaves, and the
+# parameter gradients are summed over sub-graphs. So the engine decides what happens to them,
+# as for an unwrapped layer: ``loss.backward()`` accumulates them into ``.grad``,
+# ``torch.autograd.grad(loss, params)`` returns them and writes nothing, and
+# ``backward(inputs=[w])`` keeps w's only. ``create_graph=True`` (double backward) is refused.
+class _SubGraphs:
+    """Runs memo's sub-graphs' backward with torch.autograd.grad; sums the parameters' gradients."""
+
+    def __init__(self, params: tuple[torch.Tensor, ...], anchor: torch.Tensor) -> None:
+        self.params = list(params)
+        self.anchor = anchor
+        self.sums: list[torch.Tensor | None] = [None] * len(self.params)
+
+    def __call__(self, roots: list[Any], grads: list[torch.Tensor],
+                 leaves: tuple[torch.Tensor, ...] = ()) -> tuple[torch.Tensor | None, ...]:
+        """Backward of ``roots`` with ``grads``; returns the gradients of ``leaves`` (None: unused)."""
+        n = len(self.params)
+        out = torch.autograd.grad(roots, [*self.params, self.anchor, *leaves], grads, allow_unused=True)
+        for j, g in enumerate(out[:n]):
+            if g is not None:
+                self.sums[j] = g if self.sums[j] is None else self.sums[j] + g
+        return out[n + 1:]

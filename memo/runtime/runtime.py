@@ -391,8 +391,8 @@ class MemoRuntime:
         self.prepare(call, x, ctx)
         self.anchor = self.anchor if self.anchor.device == x.device else torch.zeros(
             0, device=x.device, requires_grad=True)
-        # The trainable parameters are inputs too, though memo's backward accumulates their gradients
-        # itself: so the engine's graph reaches the node from them (NOTE [Partial backward is refused]).
+        # The trainable parameters are inputs: memo's node returns their gradients (NOTE [Gradients
+        # through the engine] in memo/runtime/layer.py).
         params = [p for p in call.layer.parameters() if p.requires_grad]
         return MemoLayerFunction.apply(call, ctx, self.anchor, x, *params)
 
