@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from memo.errors import MemoError
-from memo.jsonio import read_json
+from memo.jsonio import atomic_write, read_json
 
 __all__ = ["REPORT_KIND", "REPORT_VERSION", "STRATEGIES", "build_report", "load_report", "save_report",
            "validate_report"]
@@ -175,7 +175,8 @@ def build_report(result: Any) -> dict[str, Any]:
 def save_report(report: dict[str, Any], path: str | Path) -> None:
     """Validate, then write ``report`` as JSON."""
     validate_report(report)
-    Path(path).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    with atomic_write(path, "memo.report") as f:
+        f.write(json.dumps(report, indent=2) + "\n")
 
 
 def load_report(path: str | Path) -> dict[str, Any]:

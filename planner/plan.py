@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memo.errors import MemoError, PlanMismatchError
-from memo.jsonio import read_json
+from memo.jsonio import atomic_write, read_json
 from memo.phases import parse_phase, phase_kind
 
 from .dsa import Item, check_placement
@@ -403,7 +403,7 @@ def save_plan(plan: Plan, path: str | os.PathLike[str]) -> None:
     data = plan.to_dict()
     allocations = data.pop("allocations")
     head = json.dumps(data, indent=1)[:-2]
-    with open(path, "w", encoding="utf-8") as f:
+    with atomic_write(path, "memo.plan") as f:
         f.write(head + ',\n "allocations": [\n')
         f.write(",\n".join(json.dumps(row) for row in allocations))
         f.write("\n ]\n}\n")

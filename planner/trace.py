@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memo.errors import MemoError
-from memo.jsonio import read_json
+from memo.jsonio import atomic_write, read_json
 from memo.phases import parse_phase
 
 __all__ = [
@@ -297,7 +297,7 @@ def save_trace(trace: Trace, path: str | os.PathLike[str]) -> None:
     data = trace.to_dict()
     events = data.pop("events")
     head = json.dumps(data, sort_keys=False)[:-1]
-    with open(path, "w", encoding="utf-8") as f:
+    with atomic_write(path, "memo.trace") as f:
         f.write(head + ', "events": [\n')
         f.write(",\n".join(json.dumps(ev) for ev in events))
         f.write("\n]}\n")

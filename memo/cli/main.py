@@ -79,6 +79,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MemoError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Ctrl-C: one line, no traceback; files are written atomically, so none is left half-written.
+        print("memo: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         # `memo show plan.json | head`: the reader left; not an error of ours.
         sys.stderr.close()

@@ -27,6 +27,7 @@ from typing import Any
 from memo.cli.args import positive_float
 from memo.cli.show import device_lines, warning_lines
 from memo.errors import MemoError
+from memo.jsonio import atomic_write, check_writable
 from memo.planner import Plan, Trace, load_trace, lower_bound, make_plan, save_plan, without_unphased
 from memo.units import format_bytes
 
@@ -138,6 +139,7 @@ def _check_budget(device: dict[str, Any], gb: float) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_writable(args.output, "memo plan -o")
     trace = load_trace(args.trace)
     with warnings.catch_warnings():
         # The planner's warnings are in plan.warnings, which the summary prints once.
@@ -151,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
         _check_budget(plan.device, args.device_mem_gb)
     if args.expand:
         out = {"peak": plan.peak, "lower_bound": plan.lower_bound, "addresses": plan.expanded()}
-        with open(args.output, "w", encoding="utf-8") as f:
+        with atomic_write(args.output, "memo plan") as f:
             json.dump(out, f, indent=1)
             f.write("\n")
     else:

@@ -194,7 +194,12 @@ def _planner_io() -> tuple[Any, Any, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from memo.jsonio import check_writable
     from memo.profiler import DTYPES, profile, rank_tokens
+
+    check_writable(args.output, "memo profile -o")
+    if args.trace_out:
+        check_writable(args.trace_out, "memo profile --trace-out")
 
     if args.dtype not in DTYPES:
         raise MemoError(f"memo profile: unknown --dtype {args.dtype!r}; use one of {', '.join(DTYPES)}")

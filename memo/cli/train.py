@@ -57,9 +57,13 @@ def plot_losses(reports: list[dict[str, Any]], path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from memo.jsonio import check_writable
     from memo.strategies import StrategyOptions, make_strategy
     from memo.utils.training import TrainConfig, train
 
+    for path, flag in ((args.report, "--report"), (args.plot, "--plot")):
+        if path:  # before training, so that a long run does not end in an error that loses it
+            check_writable(path, f"memo train {flag}")
     compare = [load_report(p) for p in args.compare]  # refuse bad files before training
     if args.compare and not args.plot:
         raise MemoError("memo train: --compare adds curves to --plot; give --plot out.png as well")
