@@ -9,14 +9,64 @@ from memo.errors import MemoError
 __all__ = ["add_machine_arguments", "fraction", "positive_float", "positive_int", "seq_len"]
 
 
+#: The longest ``--seq-len`` accepted: 2^34 tokens (16G), far past any model's reach; longer
+#: values only overflow sizes and dtypes downstream.
+MAX_SEQ_LEN = 1 << 34
+
+
 def seq_len(text: str) -> int:
-    """``--seq-len``: 4096, 128K, 1M (K = 1024)."""
+    """``--seq-len``: 4096, 128K, 1M (K = 1024), at most MAX_SEQ_LEN."""
     from memo.profiler import parse_count
 
     try:
-        return parse_count(text, "--seq-len")
+        value = parse_count(text, "--seq-len")
     except MemoError as err:
         raise argparse.ArgumentTypeError(str(err).removeprefix("memo: ")) from None
+    if value > MAX_SEQ_LEN:
+        raise argparse.ArgumentTypeError(f"--seq-len must be at most {MAX_SEQ_LEN:,} tokens (16G), "
+                                         f"got {text}")
+    return value
+
+
+def device(text: str) -> str:
+    """``--device``: a torch device string this machine has (``cpu``, ``cuda``, ``cuda:1``, ``meta``)."""
+    import torch
+
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"unknown device {text!r}; use cpu, cuda or cuda:<index>") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: no CUDA device on this machine (torch {torch.__version__}"
+                + (", built without CUDA" if torch.version.cuda is None else "") + "); use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(f"{text!r}: this machine has {torch.cuda.device_count()} CUDA "
+                                             "device(s)")
+    elif dev.type not in ("cpu", "meta"):
+        raise argparse.ArgumentTypeError(f"device {text!r} is not supported; use cpu or cuda[:i]")
+    return text
+
+
+def train_device(text: str) -> str:
+    """``memo train --device``: :func:`device`, but not meta (training needs real memory)."""
+    if device(text).startswith("meta"):
+        raise argparse.ArgumentTypeError("training needs real memory: use cpu or cuda[:i] (meta is for "
+                                         "`memo profile`)")
+    return text
+
+
+def figure_path(text: str) -> str:
+    """An output path for a matplotlib figure whose extension matplotlib can write."""
+    import os
+
+    ext = os.path.splitext(text)[1].lstrip(".").lower()
+    supported = ("png", "pdf", "svg", "jpg", "jpeg", "eps", "ps", "tif", "tiff", "webp")
+    if ext not in supported:
+        raise argparse.ArgumentTypeError(f"cannot draw a figure as {text!r}: give a file ending in "
+                                         f"{', '.join('.' + e for e in supported)}")
+    return text
 
 
 def positive_int(text: str) -> int:

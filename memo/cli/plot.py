@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from memo.cli.args import figure_path
 from memo.phases import phase_kind
 from memo.planner import Plan, load_plan
 from memo.units import format_bytes
@@ -22,7 +23,7 @@ _COLOURS = {"embed.fwd": "#1f77b4", "layer.fwd": "#2ca02c", "head.fwd": "#ff7f0e
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("plot", help="draw a plan: time x address", description=__doc__)
     parser.add_argument("plan", help="plan JSON")
-    parser.add_argument("-o", "--output", required=True, help="image file (png, svg, pdf)")
+    parser.add_argument("-o", "--output", required=True, type=figure_path, help="image file (png, svg, pdf)")
     parser.set_defaults(func=run)
     return parser
 

@@ -14,9 +14,17 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
-from memo.cli.args import add_machine_arguments, positive_float, positive_int, seq_len
+from memo.cli.args import (
+    add_machine_arguments,
+    figure_path,
+    positive_float,
+    positive_int,
+    seq_len,
+    train_device,
+)
 from memo.errors import MemoError
 from memo.report import STRATEGIES, build_report, load_report, save_report
 from memo.units import format_mib
@@ -61,6 +69,9 @@ def run(args: argparse.Namespace) -> int:
     from memo.strategies import StrategyOptions, make_strategy
     from memo.utils.training import TrainConfig, train
 
+    if args.data and not os.path.isfile(args.data):
+        raise MemoError(f"memo train: --data {args.data!r} is not a file; give a text or binary file to "
+                        "train on its bytes, or leave --data out for synthetic tokens")
     for path, flag in ((args.report, "--report"), (args.plot, "--plot")):
         if path:  # before training, so that a long run does not end in an error that loses it
             check_writable(path, f"memo train {flag}")
@@ -169,7 +180,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=seq_len, default=d.seq_len, help="tokens per sequence: 4096, 128K, 1M")
     p.add_argument("--micro-batch", type=positive_int, default=d.micro_batch, help="sequences per step")
     p.add_argument("--steps", type=positive_int, default=d.steps, help="optimizer steps")
-    p.add_argument("--device", default=d.device, help="cpu or cuda[:i]")
+    p.add_argument("--device", type=train_device, default=d.device, help="cpu or cuda[:i]")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype, help="parameter/activation dtype")
     p.add_argument("--lr", type=positive_float, default=d.lr, help="AdamW learning rate")
     p.add_argument("--seed", type=int, default=d.seed, help="seed for initialisation and data")
@@ -195,7 +206,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    "strategy: a step that needs more fails with an out-of-memory error giving the numbers "
                    "(default: the device's own memory)")
     p.add_argument("--report", metavar="OUT.json", help="write the versioned JSON report")
-    p.add_argument("--plot", metavar="OUT.png", help="draw the loss curve(s) of this run (and --compare)")
+    p.add_argument("--plot", metavar="OUT.png", type=figure_path,
+                   help="draw the loss curve(s) of this run (and --compare)")
     p.add_argument("--compare", nargs="*", default=[], metavar="REPORT.json", help="more reports to plot")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     add_machine_arguments(p, "processes sharing the host memory (default 1)")
