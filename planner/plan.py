@@ -9,6 +9,7 @@ byte) and plot it. Every plan is validated when it is saved and when it is loade
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -271,7 +272,7 @@ class Plan:
         if data.get("kind", PLAN_KIND) != PLAN_KIND:
             raise MemoError(f"memo.plan: expected kind {PLAN_KIND!r}, got {data.get('kind')!r} "
                             "(is this a trace? plan it with `memo plan`)")
-        if data.get("version") != PLAN_VERSION:
+        if type(data.get("version")) is not int or data.get("version") != PLAN_VERSION:
             raise MemoError(f"memo.plan: unknown plan version {data.get('version')!r}; this memo reads "
                             f"version {PLAN_VERSION}. Re-run `memo profile` (or `memo plan`).")
         if data.get("alignment", ALIGNMENT) != ALIGNMENT:
@@ -333,6 +334,20 @@ class Plan:
         return plan
 
 
+def _validate_numbers(plan: Plan) -> None:
+    """alpha a finite number in [0, 1], the byte counts and the end time integers >= 0."""
+    a = plan.alpha
+    if a is not None and (isinstance(a, bool) or not isinstance(a, (int, float)) or not math.isfinite(a)
+                          or not 0 <= a <= 1):
+        raise MemoError(f"memo.plan: alpha must be a number in [0, 1], got {a!r}; the file is damaged or "
+                        "edited by hand: re-run `memo profile`")
+    for name in ("peak", "lower_bound", "no_reuse_bytes", "host_bytes", "end_time"):
+        v = getattr(plan, name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise MemoError(f"memo.plan: {name} must be an integer >= 0, got {v!r}; the file is damaged or "
+                            "edited by hand: re-run `memo profile`")
+
+
 def validate_plan(plan: Plan, trace: Trace | None = None) -> None:
     """Check a plan: offsets aligned, inside the arena, and no two live allocations share a byte.
 
@@ -356,6 +371,7 @@ def validate_plan(plan: Plan, trace: Trace | None = None) -> None:
         if "persistent_left_to_fallback" in plan.solver and plan.end_time != trace.end_time:
             raise PlanMismatchError(f"memo.plan: the plan's trace ends at event {plan.end_time}, this trace "
                                     f"at event {trace.end_time}; re-run `memo plan` on this trace")
+    _validate_numbers(plan)
     if len(plan.offsets) != len(plan.allocations):
         raise MemoError(f"memo.plan: {len(plan.offsets)} offsets for {len(plan.allocations)} allocations")
     if "persistent_left_to_fallback" in plan.solver:

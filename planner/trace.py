@@ -242,7 +242,7 @@ class Trace:
         if "version" not in data:
             raise _fail("top level", "no 'version' field; this does not look like a memo trace")
         version = data["version"]
-        if version != TRACE_VERSION:
+        if type(version) is not int or version != TRACE_VERSION:
             raise _fail("version", f"unknown trace version {version!r}; this memo reads version "
                         f"{TRACE_VERSION}. Re-record the trace with `memo profile`.")
         kind = data.get("kind", TRACE_KIND)
