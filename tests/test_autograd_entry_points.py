@@ -15,13 +15,11 @@ import torch
 import memo.runtime as mr
 from memo.errors import MemoError
 from memo.models import build_model
+from tests.grads import RTOL, rel_err
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
-RTOL = 1e-5
 
 
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def _models(alpha: float = 0.5):
@@ -46,7 +44,7 @@ def test_autograd_grad_of_every_parameter_matches_and_writes_no_grad(alpha: floa
         want = torch.autograd.grad(ref(ids, ids), list(ref.parameters()))
         assert all(p.grad is None for p in model.parameters())
         for name, g, w in zip(names, got, want, strict=True):
-            assert _rel_err(g, w) < RTOL, name
+            assert rel_err(g, w) < RTOL, name
     assert mr.runtime_of(model).stats.layer_backwards == 4  # two memo layers, twice
 
 
@@ -57,7 +55,7 @@ def test_autograd_grad_of_the_embedding_output_matches() -> None:
         m.embedding.register_forward_hook(lambda mod, a, out, name=name: outs.__setitem__(name, out))
     (got,) = torch.autograd.grad(model(ids, ids), outs["memo"])
     (want,) = torch.autograd.grad(ref(ids, ids), outs["ref"])
-    assert _rel_err(got, want) < RTOL
+    assert rel_err(got, want) < RTOL
     assert all(p.grad is None for p in model.parameters())
 
 
@@ -66,11 +64,11 @@ def test_backward_with_inputs_fills_only_those() -> None:
     w, w_ref = model.layers[0].qkv.weight, ref.layers[0].qkv.weight
     model(ids, ids).backward(inputs=[w])
     ref(ids, ids).backward(inputs=[w_ref])
-    assert _rel_err(w.grad, w_ref.grad) < RTOL
+    assert rel_err(w.grad, w_ref.grad) < RTOL
     assert all(p.grad is None for p in model.parameters() if p is not w)
     want = _step_grads(ref, ids)
     got = _step_grads(model, ids)
-    assert all(_rel_err(got[n], want[n]) < RTOL for n in want)
+    assert all(rel_err(got[n], want[n]) < RTOL for n in want)
 
 
 def test_double_backward_is_refused_and_training_goes_on() -> None:
@@ -85,4 +83,4 @@ def test_double_backward_is_refused_and_training_goes_on() -> None:
     del loss
     want = _step_grads(ref, ids)
     got = _step_grads(model, ids)
-    assert all(_rel_err(got[n], want[n]) < RTOL for n in want)
+    assert all(rel_err(got[n], want[n]) < RTOL for n in want)

@@ -18,8 +18,8 @@ from torch import nn
 import memo.runtime as mr
 from memo.models import build_model, get_config
 from memo.runtime import BufferState
+from tests.grads import RTOL, assert_same_step, rel_err
 
-RTOL = 1e-5
 DELAY_US = 200
 POLICY = ["memo", "memo", "recompute", "keep", "keep"]
 
@@ -48,15 +48,8 @@ def _train_step(model: nn.Module, seed: int, lr: float = 0.1) -> tuple[torch.Ten
     return loss.detach(), grads
 
 
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def _assert_same(got: tuple[torch.Tensor, dict], want: tuple[torch.Tensor, dict]) -> None:
-    assert _rel_err(got[0], want[0]) < RTOL, (got[0], want[0])
-    assert got[1].keys() == want[1].keys()
-    for n, g in want[1].items():
-        assert _rel_err(got[1][n], g) < RTOL, f"gradient of {n} differs"
 
 
 def _assert_own_runtime(clone: nn.Module, original: nn.Module) -> None:
@@ -81,17 +74,17 @@ def _copy_via_torch_save(model: nn.Module) -> nn.Module:
 def test_copy_after_a_step_is_wrapped_and_trains_like_the_original(how: str) -> None:
     ref = _gpt()
     model = mr.wrap(copy.deepcopy(ref), alpha=0.5, policy=POLICY, debug_copy_delay_us=DELAY_US)
-    _assert_same(_train_step(model, 0), _train_step(ref, 0))
+    assert_same_step(_train_step(model, 0), _train_step(ref, 0))
     clone = copy.deepcopy(model) if how == "deepcopy" else _copy_via_torch_save(model)
     _assert_own_runtime(clone, model)
     ref_clone = copy.deepcopy(ref)
     # The copy computes what the original does, and trains on its own ...
     for seed in (1, 2):
-        _assert_same(_train_step(clone, seed), _train_step(ref_clone, seed))
+        assert_same_step(_train_step(clone, seed), _train_step(ref_clone, seed))
     assert mr.runtime_of(clone).host_bytes == mr.runtime_of(model).host_bytes > 0
     # ... while the original keeps training correctly, untouched by the copy's steps.
     for seed in (3, 4):
-        _assert_same(_train_step(model, seed), _train_step(ref, seed))
+        assert_same_step(_train_step(model, seed), _train_step(ref, seed))
     rt = mr.runtime_of(model)
     assert all(rt.buffers.state(i) is BufferState.IDLE for i in range(rt.n_offloaded))
     # unwrap of the copy gives a plain model with the copy's weights.
@@ -113,12 +106,12 @@ def test_copy_with_a_forward_in_flight() -> None:
     model.zero_grad(set_to_none=True)
     loss.backward()
     want = _train_step(copy.deepcopy(ref), 1)
-    assert _rel_err(loss.detach(), want[0]) < RTOL
+    assert rel_err(loss.detach(), want[0]) < RTOL
     for n, p in model.named_parameters():
-        assert _rel_err(p.grad, want[1][n]) < RTOL, n
+        assert rel_err(p.grad, want[1][n]) < RTOL, n
     for other in (clone, saved):  # the copies start idle: their first step is a whole iteration
         _assert_own_runtime(other, model)
-        _assert_same(_train_step(other, 1), want)
+        assert_same_step(_train_step(other, 1), want)
 
 
 def test_copy_before_the_first_forward_unwraps_to_a_plain_model() -> None:

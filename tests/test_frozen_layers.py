@@ -20,8 +20,8 @@ from memo.adapters import AnatomyAdapter, register_adapter, unregister_adapter
 from memo.errors import MemoError, PlanMismatchError
 from memo.models import attention, build_model, get_config
 from memo.runtime import BufferState
+from tests.grads import assert_same_step
 
-RTOL = 1e-5
 DELAY_US = 200
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -44,15 +44,8 @@ def _step(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> tuple[to
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def _assert_same(got: tuple[torch.Tensor, dict], want: tuple[torch.Tensor, dict]) -> None:
-    assert _rel_err(got[0], want[0]) < RTOL, (got[0], want[0])
-    assert got[1].keys() == want[1].keys()
-    for n, g in want[1].items():
-        assert _rel_err(got[1][n], g) < RTOL, f"gradient of {n} differs"
 
 
 def _freeze(model: nn.Module, k: int) -> None:
@@ -70,7 +63,7 @@ def test_frozen_embedding_and_first_layers_train_and_match(k: int, policy: list[
     model = mr.wrap(copy.deepcopy(ref), alpha=0.5, policy=policy, debug_copy_delay_us=DELAY_US)
     rt = mr.runtime_of(model)
     for it in range(2):
-        _assert_same(_step(model, *_batch(it)), _step(ref, *_batch(it)))
+        assert_same_step(_step(model, *_batch(it)), _step(ref, *_batch(it)))
     sizes = rt.layer_sizes
     assert len(sizes) == rt.n_offloaded and rt.layer_bytes == max(sizes)
     assert rt.host_bytes == rt.n_offloaded * rt.layer_bytes
@@ -84,18 +77,18 @@ def test_unfreezing_between_steps_grows_the_buffers() -> None:
     _freeze(ref, 4)
     model = mr.wrap(copy.deepcopy(ref), alpha=0.5, policy=["memo"] * 4, debug_copy_delay_us=DELAY_US)
     rt = mr.runtime_of(model)
-    _assert_same(_step(model, *_batch(0)), _step(ref, *_batch(0)))
+    assert_same_step(_step(model, *_batch(0)), _step(ref, *_batch(0)))
     frozen_bytes = rt.layer_bytes
     for m in (model, ref):  # gradual unfreezing: the top layers first
         m.layers[2:].requires_grad_(True)
-    _assert_same(_step(model, *_batch(1)), _step(ref, *_batch(1)))
+    assert_same_step(_step(model, *_batch(1)), _step(ref, *_batch(1)))
     assert rt.layer_bytes > frozen_bytes
     assert rt.layer_sizes[:2] == [frozen_bytes] * 2 and rt.layer_sizes[2] == rt.layer_bytes
     grown = rt.layer_bytes
     for m in (model, ref):  # freezing again never shrinks the buffers
         m.requires_grad_(True)
         m.layers[3].requires_grad_(False)
-    _assert_same(_step(model, *_batch(2)), _step(ref, *_batch(2)))
+    assert_same_step(_step(model, *_batch(2)), _step(ref, *_batch(2)))
     assert rt.layer_bytes == grown and rt.layer_sizes[3] == frozen_bytes
     assert all(rt.buffers.state(i) is BufferState.IDLE for i in range(rt.n_offloaded))
 
@@ -130,7 +123,7 @@ def test_plan_host_bytes_is_checked_against_the_largest_layer() -> None:
     with pytest.raises(PlanMismatchError, match=expected):
         _step(short, *_batch(0))
     exact = mr.wrap(copy.deepcopy(ref), plan={"alpha": 0.5, "host_bytes": 4 * big, "policy": ["memo"] * 4})
-    _assert_same(_step(exact, *_batch(0)), _step(ref, *_batch(0)))
+    assert_same_step(_step(exact, *_batch(0)), _step(ref, *_batch(0)))
 
     # A plan made with every layer frozen is outgrown when one is unfrozen: refused, naming why.
     frozen = _gpt()
@@ -196,7 +189,7 @@ def test_dropout_turned_on_after_the_first_step() -> None:
                 loss = m(x)
                 loss.backward()
                 grads.append((loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}))
-            _assert_same(*grads)
+            assert_same_step(*grads)
             if mode == "eval":
                 eval_bytes = rt.layer_bytes
         assert rt.layer_bytes > eval_bytes  # the dropout masks are offloaded too

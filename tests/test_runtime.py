@@ -19,9 +19,9 @@ from memo.adapters import AnatomyAdapter, register_adapter, unregister_adapter
 from memo.errors import MemoError, PlanMismatchError
 from memo.models import attention, build_model, get_config
 from memo.runtime import BufferState
+from tests.grads import RTOL, assert_same_step, rel_err
 
 DELAY_US = 300  # random 0..300 us before every copy
-RTOL = 1e-5
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -47,15 +47,8 @@ def _step(model: nn.Module, ids: torch.Tensor,
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def _assert_same(loss, grads, ref_loss, ref_grads) -> None:
-    assert _rel_err(loss, ref_loss) < RTOL, (loss, ref_loss)
-    assert grads.keys() == ref_grads.keys()
-    worst = max((_rel_err(grads[n], ref_grads[n]), n) for n in ref_grads)
-    assert worst[0] < RTOL, f"gradient of {worst[1]} differs: relative error {worst[0]:.3g}"
 
 
 @pytest.mark.parametrize("arch", ["gpt", "llama"])
@@ -68,7 +61,7 @@ def test_loss_and_grads_match_unwrapped(arch: str, alpha: float) -> None:
     s, b = 13, 2  # alpha * 13 is never an integer for alpha in (0, 1)
     for it in range(3):  # the same buffers serve consecutive iterations
         ids, labels = _batch(ref, b, s, seed=it)
-        _assert_same(*_step(model, ids, labels), *_step(ref, ids, labels))
+        assert_same_step(_step(model, ids, labels), _step(ref, ids, labels))
         assert all(rt.buffers.state(i) is BufferState.IDLE for i in range(rt.n_offloaded))
     a = mr.offload_tokens(alpha, s)
     assert rt.n_offloaded == 3
@@ -83,7 +76,7 @@ def test_sequence_lengths(s: int) -> None:
     ref = _model("llama")
     model = mr.wrap(copy.deepcopy(ref), alpha=0.3, debug_copy_delay_us=DELAY_US)
     ids, labels = _batch(ref, 3, s)
-    _assert_same(*_step(model, ids, labels), *_step(ref, ids, labels))
+    assert_same_step(_step(model, ids, labels), _step(ref, ids, labels))
 
 
 @pytest.mark.parametrize("wait", ["offload", "prefetch"])
@@ -94,18 +87,18 @@ def test_removed_wait_is_caught(wait: str) -> None:
     rt = mr.runtime_of(model)
     ids, labels = _batch(ref, 2, 12)
     ref_loss, ref_grads = _step(ref, ids, labels)
-    _assert_same(*_step(model, ids, labels), ref_loss, ref_grads)  # with the wait: right
+    assert_same_step(_step(model, ids, labels), (ref_loss, ref_grads))  # with the wait: right
     rt.debug_skip_wait(wait)
     rt.set_debug_copy_delay_us(200_000)  # copies now lag far behind a tiny layer's compute
     wrong = False
     for _ in range(2):
         _loss, grads = _step(model, ids, labels)
-        wrong = wrong or any(_rel_err(grads[n], ref_grads[n]) > RTOL for n in ref_grads)
+        wrong = wrong or any(rel_err(grads[n], ref_grads[n]) > RTOL for n in ref_grads)
         rt.synchronize()
     assert wrong, f"skipping the {wait} wait went unnoticed"
     rt.debug_skip_wait(wait, skip=False)
     rt.set_debug_copy_delay_us(DELAY_US)
-    _assert_same(*_step(model, ids, labels), ref_loss, ref_grads)
+    assert_same_step(_step(model, ids, labels), (ref_loss, ref_grads))
 
 
 def test_state_dict_unchanged_and_unwrap_restores() -> None:
@@ -118,11 +111,11 @@ def test_state_dict_unchanged_and_unwrap_restores() -> None:
     assert all(torch.equal(before[k], after[k]) for k in before)
     model.load_state_dict(ref.state_dict())  # checkpoints load into the wrapped model
     ids, labels = _batch(ref, 2, 9)
-    _assert_same(*_step(model, ids, labels), *_step(ref, ids, labels))
+    assert_same_step(_step(model, ids, labels), _step(ref, ids, labels))
     mr.unwrap(model)
     assert not mr.is_wrapped(model)
     assert all("forward" not in layer.__dict__ for layer in model.layers)
-    _assert_same(*_step(model, ids, labels), *_step(ref, ids, labels))
+    assert_same_step(_step(model, ids, labels), _step(ref, ids, labels))
     with pytest.raises(MemoError, match="not wrapped"):
         mr.unwrap(model)
 
@@ -151,7 +144,7 @@ def test_forward_twice_before_backward_is_refused_and_reset_recovers() -> None:
         model(ids, labels)
     mr.runtime_of(model).reset()
     del pending
-    _assert_same(*_step(model, ids, labels), *_step(ref, ids, labels))
+    assert_same_step(_step(model, ids, labels), _step(ref, ids, labels))
 
 
 @pytest.mark.parametrize("how", ["discarded", "exception"])
@@ -172,9 +165,9 @@ def test_an_abandoned_forward_is_dropped_by_itself(how: str) -> None:
         with pytest.raises(RuntimeError, match="data error"):
             step_that_fails()
     with pytest.warns(UserWarning, match="freed without its backward"):
-        _assert_same(*_step(model, ids, labels), *_step(ref, ids, labels))
+        assert_same_step(_step(model, ids, labels), _step(ref, ids, labels))
     assert rt.stats.abandoned_iterations == 1
-    _assert_same(*_step(model, ids, labels), *_step(ref, ids, labels))
+    assert_same_step(_step(model, ids, labels), _step(ref, ids, labels))
     assert rt.stats.abandoned_iterations == 1
 
 
@@ -193,7 +186,7 @@ def test_plan_host_bytes_must_hold_what_is_offloaded() -> None:
     host = mr.runtime_of(probe).host_bytes
     assert host == 3 * mr.runtime_of(probe).layer_bytes > 0
     model = mr.wrap(copy.deepcopy(ref), plan={"alpha": 0.5, "host_bytes": host})
-    _assert_same(*_step(model, ids, labels), *_step(ref, ids, labels))
+    assert_same_step(_step(model, ids, labels), _step(ref, ids, labels))
     assert mr.runtime_of(model).host_bytes == host
     roomy = mr.wrap(copy.deepcopy(ref), plan={"alpha": 0.5, "host_bytes": host + 8})
     _step(roomy, ids, labels)
@@ -261,9 +254,9 @@ def test_unsupported_layer_names_the_class_then_adapter_registry_wraps_it() -> N
                 m.zero_grad()
                 inp.grad = None
                 m(inp).backward()
-            assert _rel_err(x.grad, x_ref.grad) < RTOL
+            assert rel_err(x.grad, x_ref.grad) < RTOL
             for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
-                assert _rel_err(p.grad, q.grad) < RTOL, n
+                assert rel_err(p.grad, q.grad) < RTOL, n
     finally:
         unregister_adapter(ToyLayer)
 
@@ -306,7 +299,7 @@ def test_bf16_error_is_that_of_plain_bf16(arch: str) -> None:
 
     def error(m: nn.Module) -> float:
         _, grads = _step(m, ids, labels)
-        return max(_rel_err(grads[n].float(), g32[n]) for n in g32)
+        return max(rel_err(grads[n].float(), g32[n]) for n in g32)
 
     assert error(model) <= 2 * error(plain) + 1e-3
 
@@ -327,7 +320,7 @@ def test_cuda_streams_match_unwrapped(alpha: float) -> None:
     ids, labels = (t.cuda() for t in _batch(ref, 2, 37))
     for _ in range(3):
         torch.cuda._sleep(1_000_000)  # a busy compute stream: copies must really be ordered by events
-        _assert_same(*_step(model, ids, labels), *_step(ref, ids, labels))
+        assert_same_step(_step(model, ids, labels), _step(ref, ids, labels))
     rt = mr.runtime_of(model)
     assert rt.host_bytes > 0 and rt.buffers.host.is_pinned()
 
@@ -344,7 +337,7 @@ def test_cuda_bf16_error_is_that_of_plain_bf16(alpha: float) -> None:
 
     def error(m: nn.Module) -> float:
         _, grads = _step(m, ids, labels)
-        return max(_rel_err(grads[n].float(), g32[n]) for n in g32)
+        return max(rel_err(grads[n].float(), g32[n]) for n in g32)
 
     for _ in range(2):
         torch.cuda._sleep(1_000_000)
@@ -357,7 +350,7 @@ def test_explicit_runtime_object() -> None:
     model = mr.wrap(copy.deepcopy(ref), runtime=rt)
     assert mr.runtime_of(model) is rt and rt.n_layers == 5 and rt.n_offloaded == 3
     ids, labels = _batch(ref, 2, 10)
-    _assert_same(*_step(model, ids, labels), *_step(ref, ids, labels))
+    assert_same_step(_step(model, ids, labels), _step(ref, ids, labels))
     assert rt.describe()["host_bytes"] == rt.host_bytes > 0
     with pytest.raises(MemoError, match="already serves a model"):
         mr.wrap(copy.deepcopy(ref), runtime=rt)
@@ -377,5 +370,5 @@ def test_allocate_before_training() -> None:
     host = rt.host_bytes
     assert host > 0 and rt.stats.bytes_offloaded == 0
     ids, labels = _batch(ref, 2, 9)
-    _assert_same(*_step(model, ids, labels), *_step(ref, ids, labels))
+    assert_same_step(_step(model, ids, labels), _step(ref, ids, labels))
     assert rt.host_bytes == host

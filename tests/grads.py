@@ -1,0 +1,23 @@
+"""Comparing a wrapped model with the unwrapped one: loss and every gradient, fp32 relative error."""
+
+from __future__ import annotations
+
+import torch
+
+#: The project's bar for memo against the unwrapped model (fp32).
+RTOL = 1e-5
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``|a - b| / |b|`` (Frobenius norms; ``|b|`` floored so that zero tensors compare)."""
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def assert_same_step(got: tuple[torch.Tensor, dict[str, torch.Tensor]],
+                     want: tuple[torch.Tensor, dict[str, torch.Tensor]], rtol: float = RTOL) -> None:
+    """``(loss, {name: grad})`` of two steps agree: the same parameters got gradients, each within
+    ``rtol``; the message names the worst gradient."""
+    assert rel_err(got[0], want[0]) < rtol, (got[0], want[0])
+    assert got[1].keys() == want[1].keys()
+    worst = max((rel_err(got[1][n], g), n) for n, g in want[1].items())
+    assert worst[0] < rtol, f"gradient of {worst[1]} differs: relative error {worst[0]:.3g}"
