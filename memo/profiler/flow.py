@@ -754,10 +754,6 @@ def _alpha_of(chosen: Any, lp_inputs: tuple, alpha: float | None, evaluate_alpha
     return solution
 
 
-def _gib(nbytes: float) -> str:
-    return f"{nbytes / 2**30:.2f} GiB"
-
-
 def _device_budget(device_mem_gb: float | None) -> int | None:
     """``--device-mem-gb`` in bytes, or a clear error for a bad value."""
     if device_mem_gb is None:
