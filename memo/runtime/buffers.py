@@ -27,6 +27,19 @@ CPU tests see it as a wrong gradient.
 Each layer's slot goes through the checked lifecycle :class:`BufferState`:
 ``IDLE -> OFFLOADING -> OFFLOADED -> PREFETCHING -> READY -> IDLE`` (a prefetch
 may also start straight from ``OFFLOADING``; it then waits on the offload event).
+
+NOTE [Forwards in flight]
+Several forwards may await their backward at once (the chosen and rejected passes of DPO,
+two losses summed, a forward kept for later). Each forward in flight is a *flight*: its own
+host arena with one region per offloaded layer, and its own slots. The two device buffers
+are shared: every forward and every prefetch waits for whoever used the buffer last, whatever
+the flight. Backward may visit the flights in any order, even interleaved. A prefetch the
+graph starts early never takes a device buffer from another flight's layer that was prefetched
+but has not run its backward. The backward that needs the buffer now does take it: the evicted
+layer goes back to OFFLOADED (its host region is intact) and is prefetched again when its own
+backward comes (``stats.evicted_prefetches``). A new flight is allocated when a forward starts
+while every flight holds a forward; when host memory cannot hold another, that forward is
+refused with the numbers, and the forwards in flight are untouched.
 """
 
 from __future__ import annotations
@@ -79,7 +92,8 @@ _TRANSITIONS: dict[BufferState, frozenset[BufferState]] = {
     BufferState.IDLE: frozenset({BufferState.OFFLOADING}),
     BufferState.OFFLOADING: frozenset({BufferState.OFFLOADED, BufferState.PREFETCHING}),
     BufferState.OFFLOADED: frozenset({BufferState.PREFETCHING}),
-    BufferState.PREFETCHING: frozenset({BufferState.READY}),
+    # Back to OFFLOADED: another flight's backward took the device buffer (NOTE [Forwards in flight]).
+    BufferState.PREFETCHING: frozenset({BufferState.READY, BufferState.OFFLOADED}),
     BufferState.READY: frozenset({BufferState.IDLE}),
 }
 
@@ -128,6 +142,10 @@ class RuntimeStats:
     """Forwards of layers under full recompute (NOTE [Layer policy])."""
     abandoned_iterations: int = 0
     """Forwards whose graph was freed without a backward, dropped by memo (NOTE [Abandoned forward])."""
+    evicted_prefetches: int = 0
+    """Prefetched layers whose device buffer another flight's backward took (NOTE [Forwards in flight])."""
+    max_forwards_in_flight: int = 0
+    """The most forwards that awaited their backward at once (NOTE [Forwards in flight])."""
 
     def reset(self) -> None:
         for name in self.__dataclass_fields__:
@@ -329,9 +347,10 @@ class Slot:
 
 @dataclass
 class LayerSlot:
-    """Book-keeping of one offloaded layer (its state, events and used bytes)."""
+    """Book-keeping of one offloaded layer in one flight (its state, events and used bytes)."""
 
     index: int
+    flight: int = 0
     state: BufferState = BufferState.IDLE
     used: int = 0
     offload_event: Any = None
@@ -343,16 +362,20 @@ class LayerSlot:
             hint = ""
             if self.state is not BufferState.IDLE and new is BufferState.OFFLOADING:
                 hint = (
-                    "; the layer ran forward again while an earlier forward's graph is still alive and its "
-                    "backward has not run. memo keeps one forward in flight per backward (no two forwards "
-                    "before one backward); a forward whose graph was freed (its loss deleted) is dropped by "
-                    "itself (NOTE [Abandoned forward]), and runtime.reset() drops one still referenced"
+                    "; the layer ran twice within one forward of the model (a wrapped layer called twice, "
+                    "e.g. shared weights, or layers called without the first wrapped layer starting the "
+                    "forward). memo runs each wrapped layer once per forward, in order; several forwards "
+                    "of the whole model may await their backward (NOTE [Forwards in flight])"
                 )
             raise MemoError(
-                f"memo.runtime: layer {self.index}'s rounding buffer cannot go from {self.state.value} to "
-                f"{new.value}{hint}"
+                f"memo.runtime: layer {self.index}'s rounding buffer{self.where} cannot go from "
+                f"{self.state.value} to {new.value}{hint}"
             )
         self.state = new
+
+    @property
+    def where(self) -> str:
+        return f" (forward in flight {self.flight})" if self.flight else ""
 
 
 def _slot_bytes(t: torch.Tensor) -> int:
@@ -360,16 +383,20 @@ def _slot_bytes(t: torch.Tensor) -> int:
 
 
 class RoundingBuffers:
-    """Two device buffers, a host arena with one region per offloaded layer, and the protocol.
+    """Two device buffers, a host arena per forward in flight with one region per offloaded layer,
+    and the protocol (NOTE [Rounding buffer reuse], NOTE [Forwards in flight]).
+
+    Every method takes the layer index ``i`` and the flight ``f`` (0 unless several forwards
+    await their backward).
 
     Args:
         engine: the backend's copy primitives.
         n_layers: number of offloaded layers (the policy's "memo" layers, NOTE [Layer policy]).
         layer_bytes: offloaded bytes of one layer (from a dry run or a plan).
         stats: counters to update.
-        host_memory_limit: bytes the arena may take (default: MemAvailable).
-        arena_bytes: size of the host arena (default and minimum: ``n_layers * layer_bytes``;
-            a plan may reserve more).
+        host_memory_limit: bytes the arenas may take together (default: MemAvailable).
+        arena_bytes: size of the first flight's host arena (default and minimum:
+            ``n_layers * layer_bytes``; a plan may reserve more).
 
     Raises:
         MemoError: if the host arena cannot be had (with the numbers), before any training step.
@@ -386,9 +413,9 @@ class RoundingBuffers:
         #: ``layer index -> text`` appended to the error of a layer that offloads more than
         #: ``layer_bytes``: the owner knows what the size was measured at and what changed since.
         self.overflow_hint: Callable[[int], str] | None = None
-        host_bytes = n_layers * layer_bytes if arena_bytes is None else arena_bytes
-        internal_assert(host_bytes >= n_layers * layer_bytes, "host arena smaller than the layers it holds")
-        self.arena_bytes = host_bytes
+        host_bytes = self.flight_bytes if arena_bytes is None else arena_bytes
+        internal_assert(host_bytes >= self.flight_bytes, "host arena smaller than the layers it holds")
+        self.host_memory_limit = host_memory_limit
         limit = host_memory_limit if host_memory_limit is not None else available_host_memory()
         # On meta nothing is allocated: profiling sizes a job for another machine's host memory.
         if limit is not None and host_bytes > limit and engine.device.type != "meta":
@@ -399,27 +426,51 @@ class RoundingBuffers:
                 "(or solve it with memo.planner.solve_alpha) or free host memory"
             )
         try:
-            # NOTE [Device truth]: the host arena is host memory. A profiler tracing device
-            # allocations (a dispatch mode, on meta or a device) must not see it, so it is made
-            # with every dispatch mode set aside.
-            with _disable_current_modes():
-                self.host = engine.alloc_host_arena(host_bytes)
+            self.hosts = [self._alloc_arena(host_bytes)]
             self.device_buffers = [engine.alloc_device_buffer(layer_bytes) for _ in range(2)]
         except (RuntimeError, ValueError) as e:
             raise MemoError(
                 f"memo.runtime: could not allocate the rounding buffers: host arena {host_bytes:,} bytes, "
                 f"two device buffers of {layer_bytes:,} bytes each on {engine.device} ({e})"
             ) from e
-        self.layers = [LayerSlot(i) for i in range(n_layers)]
-        # Per device buffer: the layer whose forward wrote it last, and the compute event after the
-        # backward that read it last (NOTE [Rounding buffer reuse]).
-        self._writer: list[int | None] = [None, None]
+        #: ``layers[f][i]``: layer i's slot in flight f.
+        self.layers = [[LayerSlot(i) for i in range(n_layers)]]
+        # Per device buffer: the slot whose forward wrote it last, the slot prefetched into it whose
+        # backward has not run, and the compute event after the backward that read it last.
+        self._writer: list[LayerSlot | None] = [None, None]
+        self._holder: list[LayerSlot | None] = [None, None]
         self._released: list[Any] = [None, None]
+
+    def _alloc_arena(self, nbytes: int) -> torch.Tensor:
+        # NOTE [Device truth]: the host arena is host memory. A profiler tracing device
+        # allocations (a dispatch mode, on meta or a device) must not see it, so it is made
+        # with every dispatch mode set aside.
+        with _disable_current_modes():
+            return self.engine.alloc_host_arena(nbytes)
+
+    @property
+    def flight_bytes(self) -> int:
+        """Host bytes one forward in flight offloads: ``n_layers * layer_bytes``."""
+        return self.n_layers * self.layer_bytes
+
+    @property
+    def host(self) -> torch.Tensor:
+        """The first flight's host arena."""
+        return self.hosts[0]
+
+    @property
+    def n_flights(self) -> int:
+        return len(self.hosts)
 
     @property
     def host_bytes(self) -> int:
-        """Bytes of the host arena the offloaded layers use (``n_layers * layer_bytes``)."""
-        return self.n_layers * self.layer_bytes
+        """Bytes of the host arenas the offloaded layers use (``n_layers * layer_bytes`` per flight)."""
+        return self.n_flights * self.flight_bytes
+
+    @property
+    def arena_bytes(self) -> int:
+        """Bytes of the host arenas (the first one is what a plan reserves)."""
+        return sum(h.numel() for h in self.hosts)
 
     def __del__(self) -> None:
         # Copies in flight read or write these buffers: let them finish before the memory goes.
@@ -430,8 +481,47 @@ class RoundingBuffers:
             except Exception:  # noqa: BLE001  (interpreter shutdown: nothing left to protect)
                 pass
 
-    def state(self, i: int) -> BufferState:
-        return self.layers[i].state
+    # Flights (NOTE [Forwards in flight]) -------------------------------------------------------
+    def state(self, i: int, f: int = 0) -> BufferState:
+        return self.layers[f][i].state
+
+    def flight_idle(self, f: int) -> bool:
+        return all(slot.state is BufferState.IDLE for slot in self.layers[f])
+
+    def busy_flights(self) -> list[int]:
+        return [f for f in range(self.n_flights) if not self.flight_idle(f)]
+
+    def free_flight(self) -> int:
+        """A flight with no forward in it: an idle one, else a new one if host memory holds it."""
+        for f in range(self.n_flights):
+            if self.flight_idle(f):
+                return f
+        need = self.flight_bytes
+        if self.host_memory_limit is not None:
+            have = self.host_memory_limit - self.arena_bytes
+        else:
+            have = available_host_memory()
+        if have is not None and need > have and self.engine.device.type != "meta":
+            raise MemoError(
+                f"memo.runtime: a forward started while {self.n_flights} earlier forward(s) still await "
+                f"their backward (NOTE [Forwards in flight]); it needs another {need:,} bytes of host "
+                f"memory for its {self.n_layers} offloaded layers, but only {max(have, 0):,} are "
+                "available. Run the backward of a forward before the next one, free the graph of a "
+                "forward you will not back-propagate (del its loss), lower alpha, or free host memory"
+            )
+        try:
+            self.hosts.append(self._alloc_arena(need))
+        except (RuntimeError, ValueError) as e:
+            raise MemoError(f"memo.runtime: could not allocate a host arena of {need:,} bytes for another "
+                            f"forward in flight ({e}); run the backward of a forward before the next one"
+                            ) from e
+        f = self.n_flights - 1
+        self.layers.append([LayerSlot(i, f) for i in range(self.n_layers)])
+        return f
+
+    def note_flights(self) -> None:
+        """Record how many forwards await their backward now (stats.max_forwards_in_flight)."""
+        self.stats.max_forwards_in_flight = max(self.stats.max_forwards_in_flight, len(self.busy_flights()))
 
     def _skip(self, name: str) -> bool:
         return name in self.debug_skip_waits
@@ -442,28 +532,57 @@ class RoundingBuffers:
     def _buffer(self, i: int) -> torch.Tensor:
         return self.device_buffers[i % 2]
 
+    def _region(self, slot: LayerSlot) -> torch.Tensor:
+        base = slot.index * self.layer_bytes
+        return self.hosts[slot.flight][base:base + slot.used]
+
+    def _offloaded_by(self, writer: LayerSlot | None) -> Any:
+        """The offload event of the slot that wrote a device buffer last, if its copy may still read it
+        (that slot becomes OFFLOADED: its device copy may be overwritten once the event is done)."""
+        if writer is None or writer.state is not BufferState.OFFLOADING:
+            return None
+        writer.transition(BufferState.OFFLOADED)
+        return writer.offload_event
+
+    def _evict(self, k: int, taker: LayerSlot, wait: bool = True) -> None:
+        """``taker`` needs device buffer k: a layer prefetched into it goes back to OFFLOADED (its host
+        region is intact; it is prefetched again for its backward). With ``wait``, compute waits for
+        that prefetch's copy first (a forward is about to write the buffer)."""
+        holder = self._holder[k]
+        if holder is None:
+            return
+        if holder.state is not BufferState.PREFETCHING:
+            raise MemoError(
+                f"memo.runtime: layer {taker.index}{taker.where} needs device buffer {k} while layer "
+                f"{holder.index}{holder.where} is {holder.state.value} in it; the forward or backward of "
+                "a wrapped layer cannot run inside another one's backward")
+        if wait:
+            self._wait(holder.prefetch_event)
+        holder.transition(BufferState.OFFLOADED)
+        self._holder[k] = None
+        self.stats.evicted_prefetches += 1
+
     # Forward ---------------------------------------------------------------------------------
-    def begin_forward(self, i: int) -> None:
-        """Layer i starts writing buffer ``i % 2``: wait until layer i-2's offload from it is done."""
-        layer = self.layers[i]
+    def begin_forward(self, i: int, f: int = 0) -> None:
+        """Layer i starts writing buffer ``i % 2``: wait until the last offload from it is done."""
+        layer = self.layers[f][i]
         if layer.state is not BufferState.IDLE:
             layer.transition(BufferState.OFFLOADING)  # raises with the explanation
         k = i % 2
-        prev = self._writer[k]
-        if prev is not None and self.layers[prev].state is BufferState.OFFLOADING:
-            if not self._skip("offload"):
-                self._wait(self.layers[prev].offload_event)
-            self.layers[prev].transition(BufferState.OFFLOADED)
+        self._evict(k, layer)
+        event = self._offloaded_by(self._writer[k])
+        if event is not None and not self._skip("offload"):
+            self._wait(event)
         self._wait(self._released[k])
         self._released[k] = None
-        self._writer[k] = i
+        self._writer[k] = layer
         layer.used = 0
         layer.slots = []
 
-    def pack(self, i: int, t: torch.Tensor) -> int:
+    def pack(self, i: int, t: torch.Tensor, f: int = 0) -> int:
         """Copy ``t`` into layer i's buffer (compute stream); returns the slot number."""
-        layer = self.layers[i]
-        internal_assert(layer.state is BufferState.IDLE and self._writer[i % 2] == i,
+        layer = self.layers[f][i]
+        internal_assert(layer.state is BufferState.IDLE and self._writer[i % 2] is layer,
                         f"pack into layer {i}'s buffer outside its forward")
         nbytes = _slot_bytes(t)
         offset = align_up(layer.used, SLOT_ALIGNMENT)
@@ -480,74 +599,80 @@ class RoundingBuffers:
         layer.slots.append(Slot(offset, nbytes, t.dtype, tuple(t.shape)))
         return len(layer.slots) - 1
 
-    def end_forward(self, i: int) -> None:
+    def end_forward(self, i: int, f: int = 0) -> None:
         """Layer i's forward is done: start its offload (offload stream / worker)."""
-        layer = self.layers[i]
-        base = i * self.layer_bytes
-        layer.offload_event = self.engine.offload(self.host[base:base + layer.used],
-                                                  self._buffer(i)[:layer.used])
+        layer = self.layers[f][i]
+        layer.offload_event = self.engine.offload(self._region(layer), self._buffer(i)[:layer.used])
         layer.transition(BufferState.OFFLOADING)
         self.stats.bytes_offloaded += layer.used
 
     # Backward --------------------------------------------------------------------------------
-    def prefetch(self, i: int) -> bool:
-        """Start copying layer i back into buffer ``i % 2``; returns False if it is not offloaded."""
-        layer = self.layers[i]
+    def prefetch(self, i: int, f: int = 0, *, evict: bool = False) -> bool:
+        """Start copying layer i back into buffer ``i % 2``; returns False if it is not offloaded, or
+        if the buffer holds another flight's prefetched layer and ``evict`` is off."""
+        layer = self.layers[f][i]
         if layer.state not in (BufferState.OFFLOADING, BufferState.OFFLOADED):
             return False
         k = i % 2
+        if self._holder[k] is not None and not evict:
+            return False
+        # An evicted prefetch was issued on the same stream / worker: the new copy runs after it.
+        self._evict(k, layer, wait=False)
         after = [layer.offload_event, self._released[k]]
         writer = self._writer[k]
-        if writer is not None and writer != i and self.layers[writer].state is BufferState.OFFLOADING:
-            # Another layer's offload still reads this buffer.
-            after.append(self.layers[writer].offload_event)
-            self.layers[writer].transition(BufferState.OFFLOADED)
+        if writer is not layer:
+            after.append(self._offloaded_by(writer))  # another layer's offload still reads the buffer
         self._released[k] = None
         self._writer[k] = None
-        base = i * self.layer_bytes
-        layer.prefetch_event = self.engine.prefetch(self._buffer(i)[:layer.used],
-                                                    self.host[base:base + layer.used], after)
+        self._holder[k] = layer
+        layer.prefetch_event = self.engine.prefetch(self._buffer(i)[:layer.used], self._region(layer), after)
         layer.transition(BufferState.PREFETCHING)
         self.stats.bytes_prefetched += layer.used
         return True
 
-    def begin_backward(self, i: int) -> None:
+    def begin_backward(self, i: int, f: int = 0) -> None:
         """Layer i's backward starts: make sure its prefetch was issued and wait for it."""
-        layer = self.layers[i]
+        layer = self.layers[f][i]
         if layer.state in (BufferState.OFFLOADING, BufferState.OFFLOADED):
             self.stats.late_prefetches += 1
-            self.prefetch(i)
+            self.prefetch(i, f, evict=True)
         if layer.state is not BufferState.PREFETCHING:
             raise MemoError(
-                f"memo.runtime: backward of layer {i} found its rounding buffer {layer.state.value}; each "
-                "forward of a wrapped layer must be followed by exactly one backward (retain_graph and "
-                "double backward are not supported)"
+                f"memo.runtime: backward of layer {i}{layer.where} found its rounding buffer "
+                f"{layer.state.value}; each forward of a wrapped layer must be followed by exactly one "
+                "backward (retain_graph and double backward are not supported)"
             )
         if not self._skip("prefetch"):
             self._wait(layer.prefetch_event)
         layer.transition(BufferState.READY)
 
-    def view(self, i: int, slot: int) -> torch.Tensor:
+    def view(self, i: int, slot: int, f: int = 0) -> torch.Tensor:
         """Layer i's tensor number ``slot``, read from its device buffer (state READY)."""
-        layer = self.layers[i]
+        layer = self.layers[f][i]
         internal_assert(layer.state is BufferState.READY,
                         f"read of layer {i}'s buffer in state {layer.state}")
         s = layer.slots[slot]
         return self._buffer(i)[s.offset:s.offset + s.nbytes].view(s.dtype).view(s.shape)
 
-    def end_backward(self, i: int) -> None:
+    def end_backward(self, i: int, f: int = 0) -> None:
         """Layer i's backward is done with buffer ``i % 2``."""
-        self.layers[i].transition(BufferState.IDLE)
+        self.layers[f][i].transition(BufferState.IDLE)
+        self._holder[i % 2] = None
         self._released[i % 2] = self.engine.compute_event()
 
-    def reset(self) -> None:
-        """Wait for every copy, then drop whatever state an abandoned iteration left."""
+    def reset(self, flights: list[int] | None = None) -> None:
+        """Wait for every copy, then drop whatever state an abandoned forward left in ``flights``
+        (default: all)."""
         self.engine.synchronize()
-        for layer in self.layers:
-            layer.state = BufferState.IDLE
-            layer.offload_event = layer.prefetch_event = None
-        self._writer = [None, None]
-        self._released = [None, None]
+        for f in range(self.n_flights) if flights is None else flights:
+            for layer in self.layers[f]:
+                layer.state = BufferState.IDLE
+                layer.offload_event = layer.prefetch_event = None
+        # The compute events in _released stay: a kernel may still read a buffer.
+        for k in range(2):
+            for owners in (self._writer, self._holder):
+                if owners[k] is not None and owners[k].state is BufferState.IDLE:
+                    owners[k] = None
 
 
 def debug_delay_from_env() -> int:

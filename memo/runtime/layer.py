@@ -168,12 +168,13 @@ class _CountingSink:
 class _BufferSink:
     """Packs into layer ``index``'s rounding buffer."""
 
-    def __init__(self, runtime: MemoRuntime, index: int) -> None:
+    def __init__(self, runtime: MemoRuntime, index: int, flight: int) -> None:
         self.buffers = runtime.buffers
         self.index = index
+        self.flight = flight
 
     def pack(self, t: torch.Tensor, what: str = "saved") -> int:
-        return self.buffers.pack(self.index, t)
+        return self.buffers.pack(self.index, t, self.flight)
 
 
 def _describe_saved(t: torch.Tensor, whole: bool) -> str:
@@ -253,6 +254,8 @@ class _Record:
     rng_post: list[Any] = field(default_factory=list)
     autocast: _AutocastState | None = None
     qkv_dtypes: tuple[torch.dtype, ...] = ()
+    #: The forward in flight this record belongs to (NOTE [Forwards in flight] in buffers.py).
+    flight: int = 0
 
 
 # NOTE [Recompute replays autocast]
@@ -378,12 +381,16 @@ class LayerCall:
 
     def forward(self, x: torch.Tensor, ctx: Any) -> tuple[torch.Tensor, _Record]:
         """``x: [s, b, h]`` -> ``y: [s, b, h]`` and the record backward needs."""
-        rt = self.runtime
-        rt.drop_abandoned(self.index)
-        rt.buffers.begin_forward(self.index)
-        y, rec = self._forward(x, ctx, _BufferSink(rt, self.index))
-        rt.buffers.end_forward(self.index)
-        rt.pending[self.index] = weakref.ref(rec)
+        rt, i = self.runtime, self.index
+        if i == 0:
+            rt.begin_forward()
+        f = rt.flight
+        rt.buffers.begin_forward(i, f)
+        y, rec = self._forward(x, ctx, _BufferSink(rt, i, f))
+        rec.flight = f
+        rt.buffers.end_forward(i, f)
+        rt.buffers.note_flights()
+        rt.pending[f, i] = weakref.ref(rec)
         rt.stats.layer_forwards += 1
         rt.stats.offloaded_tokens += rec.a
         rt.stats.recomputed_tokens += rec.s - rec.a
@@ -458,16 +465,17 @@ class LayerCall:
         [Gradients through the engine])."""
         rt, layer, adapter, i = self.runtime, self.layer, self.adapter, self.index
         run = _SubGraphs(params, anchor)
-        rt.pending.pop(i, None)
+        f = rec.flight
+        rt.pending.pop((f, i), None)
         buffers = rt.buffers
-        buffers.begin_backward(i)
-        rec.packer.resolve_slot = lambda slot: buffers.view(i, slot)
+        buffers.begin_backward(i, f)
+        rec.packer.resolve_slot = lambda slot: buffers.view(i, slot, f)
         a, s, ctx = rec.a, rec.s, rec.ctx
         ag = a * rec.g
         grad_y = grad_y.contiguous()
-        x_dev = buffers.view(i, rec.x_slot)
-        o_dev = buffers.view(i, rec.o_slot)
-        lse = buffers.view(i, rec.lse_slot)
+        x_dev = buffers.view(i, rec.x_slot, f)
+        o_dev = buffers.view(i, rec.o_slot, f)
+        lse = buffers.view(i, rec.lse_slot, f)
         device = x_dev.device
 
         # 1. post: backward of the [0:a] sub-graph, then recompute + backward of [a:s] chunk by
@@ -494,7 +502,7 @@ class LayerCall:
         qkv = [_Rows(s * gather) for _ in range(3)]
         if a > 0:
             for rows, slot in zip(qkv, rec.qkv_slots, strict=True):
-                rows.put(0, buffers.view(i, slot))
+                rows.put(0, buffers.view(i, slot, f))
         for (c0, c1), rng in zip(rec.chunks, rec.rng_pre, strict=True):
             with torch.no_grad(), rec.autocast.replay(), _replay_rng(rng, device):
                 parts = adapter.pre(layer, x_dev[a + c0:a + c1], a + c0, ctx)
@@ -532,7 +540,7 @@ class LayerCall:
         rec.packer.resolve_slot = None
         rec.post_edge = None
         rec.pre_edges = []
-        buffers.end_backward(i)
+        buffers.end_backward(i, f)
         rt.stats.layer_backwards += 1
         return grad_x, run.sums
 

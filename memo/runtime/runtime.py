@@ -230,8 +230,11 @@ class MemoRuntime:
         #: Zero-size tensor that requires grad: the anchor of every memo autograd node.
         self.anchor = torch.zeros(0, requires_grad=True)
         self._input_key: tuple[Any, ...] | None = None
-        #: Memo layer index -> weak reference to its forward's record, until its backward runs.
-        self.pending: dict[int, Any] = {}
+        #: ``(flight, memo layer index)`` -> weak reference to its forward's record, until its
+        #: backward runs (NOTE [Abandoned forward]).
+        self.pending: dict[tuple[int, int], Any] = {}
+        #: The flight of the forward now running (NOTE [Forwards in flight] in buffers.py).
+        self.flight = 0
         self._debug_skip_waits: set[str] = set()
 
     # Layers ------------------------------------------------------------------------------------
@@ -282,6 +285,8 @@ class MemoRuntime:
                     f"{list(x.shape)} {x.dtype} on {x.device} with autocast {autocast}; memo.unwrap and "
                     "memo.wrap again for a new shape or autocast setting (the buffers are allocated once)"
                 )
+            if call.index == 0:
+                self.drop_abandoned()
             if call.index == 0 and self._can_resize():
                 sigs = self._signatures()
                 if sigs != self._layer_sigs:
@@ -304,7 +309,7 @@ class MemoRuntime:
 
     def _can_resize(self) -> bool:
         """No layer's data lives in the buffers (between iterations): they may be released."""
-        return all(self.buffers.state(i) is BufferState.IDLE for i in range(self.n_offloaded))
+        return not self.buffers.busy_flights()
 
     def _measure_layers(self, x: torch.Tensor, ctx: Any, key: tuple[Any, ...],
                         sigs: list[tuple[Any, ...]]) -> tuple[list[int], list[list[tuple[str, int]]]]:
@@ -398,30 +403,38 @@ class MemoRuntime:
 
     # NOTE [Abandoned forward]
     # A forward whose backward never runs (an exception between them, validation without
-    # no_grad, a skipped batch) leaves its layers' buffers OFFLOADING/OFFLOADED. Each memo layer's
+    # no_grad, a skipped batch) leaves its flight's buffers OFFLOADING/OFFLOADED. Each memo layer's
     # forward leaves a record that only its autograd node holds; ``pending`` keeps weak references
-    # to them. When a layer's next forward finds its buffer busy and every pending record is dead,
-    # the graph of the earlier forward was freed and its backward can never run: the iteration is
-    # dropped (reset), counted and said once. A record still alive means a forward in flight,
-    # which the buffers refuse (one forward per backward).
-    def drop_abandoned(self, index: int) -> None:
-        """Drop an abandoned iteration before layer ``index``'s forward (NOTE [Abandoned forward])."""
-        if self.buffers is None or self.buffers.state(index) is BufferState.IDLE:
-            return
-        if any(ref() is not None for ref in self.pending.values()):
-            return
-        self.reset()
-        self.stats.abandoned_iterations += 1
-        if self.stats.abandoned_iterations == 1:
-            warnings.warn("memo.runtime: a forward's graph was freed without its backward (an exception, "
-                          "validation with autograd on, a skipped batch); memo dropped that iteration's "
-                          "offloaded activations and goes on (counted in stats.abandoned_iterations; "
-                          "this is said once)", stacklevel=3)
+    # to them. When the next forward starts (the first memo layer's), a busy flight none of whose
+    # records is alive, and none of whose layers is in its backward, belongs to a graph that was
+    # freed: its backward can never run, so the flight is dropped (reset), counted and said once.
+    # A record still alive is a forward in flight; the new forward takes another flight (NOTE
+    # [Forwards in flight] in memo/runtime/buffers.py).
+    def drop_abandoned(self) -> None:
+        """Before a forward of the model: drop the flights of freed graphs (NOTE [Abandoned forward])."""
+        buffers = self.buffers
+        live = {f for (f, _), ref in self.pending.items() if ref() is not None}
+        dead = [f for f in buffers.busy_flights() if f not in live
+                and not any(slot.state is BufferState.READY for slot in buffers.layers[f])]
+        if dead:
+            buffers.reset(dead)
+            self.pending = {key: ref for key, ref in self.pending.items() if key[0] not in dead}
+            self.stats.abandoned_iterations += len(dead)
+            if self.stats.abandoned_iterations == len(dead):
+                warnings.warn("memo.runtime: a forward's graph was freed without its backward (an exception, "
+                              "validation with autograd on, a skipped batch); memo dropped that forward's "
+                              "offloaded activations and goes on (counted in stats.abandoned_iterations; "
+                              "this is said once)", stacklevel=4)
 
-    def prefetch_hook(self, index: int) -> None:
-        """Called when the gradient of layer ``index + 1``'s output is ready: prefetch layer ``index``."""
-        if self.buffers is not None and index < self.n_offloaded:
-            self.buffers.prefetch(index)
+    def begin_forward(self) -> None:
+        """The first memo layer's forward: pick the flight of this forward of the model."""
+        self.flight = self.buffers.free_flight()
+
+    def prefetch_hook(self, index: int, flight: int = 0) -> None:
+        """Called when the gradient of layer ``index + 1``'s output is ready: prefetch layer ``index``
+        of that forward's flight."""
+        if self.buffers is not None and index < self.n_offloaded and flight < self.buffers.n_flights:
+            self.buffers.prefetch(index, flight)
 
     # Test and debug switches --------------------------------------------------------------------
     def set_debug_copy_delay_us(self, us: int) -> None:
@@ -494,6 +507,7 @@ class MemoRuntime:
             "layer_sizes": list(self.layer_sizes),
             "host_bytes": self.host_bytes,
             "arena_bytes": self.arena_bytes,
+            "flights": 0 if self.buffers is None else self.buffers.n_flights,
             "device": None if self.engine is None else str(self.engine.device),
             "stats": self.stats.as_dict(),
         }

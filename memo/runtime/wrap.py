@@ -139,13 +139,13 @@ def _wrapped_forward(call: LayerCall, original: Any, *args: Any, **kwargs: Any) 
     if 0 < call.index <= rt.n_offloaded:
         y_out = out if isinstance(out, torch.Tensor) else out[0]
         if isinstance(y_out, torch.Tensor) and y_out.requires_grad:
-            hook = functools.partial(_prefetch_previous, rt, call.index - 1)
+            hook = functools.partial(_prefetch_previous, rt, call.index - 1, rt.flight)
             y_out.register_hook(hook)
     return out
 
 
-def _prefetch_previous(rt: MemoRuntime, index: int, grad: torch.Tensor) -> None:
-    rt.prefetch_hook(index)
+def _prefetch_previous(rt: MemoRuntime, index: int, flight: int, grad: torch.Tensor) -> None:
+    rt.prefetch_hook(index, flight)
 
 
 def wrap(
