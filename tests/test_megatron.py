@@ -118,6 +118,31 @@ def test_transformer_block_with_rope_and_gqa_matches_unwrapped(alpha: float) -> 
         _compare(*grads)
 
 
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 0.7])
+def test_hidden_dropout_draws_the_unwrapped_masks(alpha: float) -> None:
+    """megatron-core's bias-dropout-add under memo draws the unwrapped layer's masks (NOTE [Dropout
+    as unwrapped]): with the same seed, a step with memo equals the step without it."""
+    import dataclasses
+
+    config = dataclasses.replace(_config(n_layers=3), hidden_dropout=0.2)
+    ref = _twin(lambda: TransformerBlock(config, spec=get_memo_gpt_layer_local_spec()))
+    model = _twin(lambda: TransformerBlock(config, spec=get_memo_gpt_layer_local_spec()), ref)
+    mr.wrap(model, runtime=mr.MemoRuntime(alpha, recompute_chunk_tokens=3, policy=["memo"] * 3))
+    s, b = 13, 2
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(s, b, 32, generator=g), torch.randn(s, b, 32, generator=g)
+    losses, grads = [], []
+    for m in (model, ref):
+        m.zero_grad(set_to_none=True)
+        torch.manual_seed(11)
+        loss = (m(hidden_states=x, attention_mask=None, rotary_pos_emb=_rope(s, 8)) * w).sum()
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append(_grads(m))
+    assert _rel_err(losses[0], losses[1]) < RTOL
+    _compare(*grads)
+
+
 def test_gpt_model_matches_unwrapped_and_keeps_state_dict() -> None:
     def build() -> GPTModel:
         return GPTModel(config=_config(), transformer_layer_spec=get_memo_gpt_layer_local_spec(),

@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -85,6 +86,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from memo.errors import MemoError, internal_assert
 from memo.profiler.saved import SavedStorages, storage_id
 from memo.runtime.buffers import SLOT_ALIGNMENT, align_up
+from memo.runtime.dropout import LayerDropout, replay_rng, rng_state
 
 if TYPE_CHECKING:
     from memo.adapters.base import LayerAdapter
@@ -256,6 +258,12 @@ class _Record:
     qkv_dtypes: tuple[torch.dtype, ...] = ()
     #: The forward in flight this record belongs to (NOTE [Forwards in flight] in buffers.py).
     flight: int = 0
+    #: Full-sequence dropout masks (NOTE [Dropout as unwrapped]); None for a layer in eval mode.
+    dropout: LayerDropout | None = None
+
+    def scope(self, phase: str, t0: int, t1: int) -> contextlib.AbstractContextManager[None]:
+        """Where ``pre``/``post`` runs on tokens ``[t0:t1]``: dropout draws full-sequence masks."""
+        return contextlib.nullcontext() if self.dropout is None else self.dropout.scope(phase, t0, t1)
 
 
 # NOTE [Recompute replays autocast]
@@ -298,25 +306,6 @@ class _AutocastState:
             for device_type, kwargs in self.kwargs:
                 stack.enter_context(torch.autocast(device_type, **kwargs))
             yield
-
-
-def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
-@contextlib.contextmanager
-def _replay_rng(state: tuple[torch.Tensor, torch.Tensor | None] | None,
-                device: torch.device) -> Iterator[None]:
-    if state is None:
-        yield
-        return
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.set_rng_state(state[0])
-        if state[1] is not None:
-            torch.cuda.set_rng_state(state[1], device)
-        yield
 
 
 class _Rows:
@@ -407,6 +396,8 @@ class LayerCall:
         packer = _Packer(sink, self._keep_storages(), xc.device)
         rec = _Record(a=a, s=s, g=g, ctx=ctx, taps=_TapGrads(), packer=packer,
                       autocast=_AutocastState.capture(xc.device))
+        if layer.training:
+            rec.dropout = LayerDropout(s, xc.device, self._say)
         rec.x_slot = sink.pack(xc, "layer input x")
         packer.add_base(xc, rec.x_slot)
 
@@ -414,7 +405,7 @@ class LayerCall:
         if a > 0:
             with torch.enable_grad():
                 x_a = _Tap.apply(rec.taps, "x", rt.anchor, xc[:a])
-                with packer.hooks():
+                with packer.hooks(), rec.scope("pre", 0, a):
                     q_a, k_a, v_a = adapter.pre(layer, x_a, 0, ctx)
         qkv = [_Rows(s * g) for _ in range(3)]
         if a > 0:
@@ -422,8 +413,8 @@ class LayerCall:
                 rows.put(0, t.detach())
         rec.chunks = token_chunks(s - a, rt.recompute_chunk_tokens)
         for c0, c1 in rec.chunks:
-            rec.rng_pre.append(_rng_state(xc.device))
-            with torch.no_grad():
+            rec.rng_pre.append(rng_state(xc.device))
+            with torch.no_grad(), rec.scope("pre", a + c0, a + c1):
                 parts = adapter.pre(layer, xc[a + c0:a + c1], a + c0, ctx)
             for rows, t in zip(qkv, parts, strict=True):
                 rows.put(ag + c0 * g, t)
@@ -446,17 +437,20 @@ class LayerCall:
         if a > 0:
             with torch.enable_grad():
                 o_a = _Tap.apply(rec.taps, "o", rt.anchor, o[:ag])
-                with packer.hooks():
+                with packer.hooks(), rec.scope("post", 0, a):
                     y_a = adapter.post(layer, o_a, x_a, ctx)
             rec.pre_edges = [(j, _edge(t)) for j, t in enumerate((q_a, k_a, v_a)) if t.requires_grad]
             rec.post_edge = _edge(y_a)
             y.put(0, y_a.detach())
             del y_a
         for c0, c1 in rec.chunks:
-            rec.rng_post.append(_rng_state(xc.device))
-            with torch.no_grad():
+            rec.rng_post.append(rng_state(xc.device))
+            with torch.no_grad(), rec.scope("post", a + c0, a + c1):
                 y.put(a + c0, adapter.post(layer, o[ag + c0 * g:ag + c1 * g], xc[a + c0:a + c1], ctx))
         packer.end_pass()
+        if rec.dropout is not None:
+            rec.dropout.end_forward()
+            rec.dropout.begin_replay()
         return y.take(), rec
 
     def backward(self, rec: _Record, grad_y: torch.Tensor, params: tuple[torch.Tensor, ...],
@@ -489,13 +483,16 @@ class LayerCall:
         for (c0, c1), rng in zip(rec.chunks, rec.rng_post, strict=True):
             x_c = x_dev[a + c0:a + c1].detach().requires_grad_()
             o_c = o_dev[ag + c0 * gather:ag + c1 * gather].detach().requires_grad_()
-            with torch.enable_grad(), rec.autocast.replay(), _replay_rng(rng, device):
+            with torch.enable_grad(), rec.autocast.replay(), replay_rng(rng, device), \
+                    rec.scope("post", a + c0, a + c1):
                 y_c = adapter.post(layer, o_c, x_c, ctx)
             gx, go = run([_edge(y_c)], [grad_y[a + c0:a + c1]], (x_c, o_c))
             del y_c, x_c, o_c
             _copy_or_zero(grad_o[ag + c0 * gather:ag + c1 * gather], go)
             _copy_or_zero(grad_x[a + c0:a + c1], gx)
             del gx, go
+        if rec.dropout is not None:
+            rec.dropout.end_phase()
 
         # 2. q, k, v: the saved [0:a] rows and [a:s] recomputed without grad, chunk by chunk;
         # attention backward from the saved o and lse.
@@ -504,7 +501,8 @@ class LayerCall:
             for rows, slot in zip(qkv, rec.qkv_slots, strict=True):
                 rows.put(0, buffers.view(i, slot, f))
         for (c0, c1), rng in zip(rec.chunks, rec.rng_pre, strict=True):
-            with torch.no_grad(), rec.autocast.replay(), _replay_rng(rng, device):
+            with torch.no_grad(), rec.autocast.replay(), replay_rng(rng, device), \
+                    rec.scope("pre", a + c0, a + c1):
                 parts = adapter.pre(layer, x_dev[a + c0:a + c1], a + c0, ctx)
             self._check_recomputed_dtypes(rec, *parts)
             for rows, t in zip(qkv, parts, strict=True):
@@ -524,7 +522,8 @@ class LayerCall:
             _copy_or_zero(grad_x[:a], rec.taps.pop("x"))
         for (c0, c1), rng in zip(rec.chunks, rec.rng_pre, strict=True):
             x_c = x_dev[a + c0:a + c1].detach().requires_grad_()
-            with torch.enable_grad(), rec.autocast.replay(), _replay_rng(rng, device):
+            with torch.enable_grad(), rec.autocast.replay(), replay_rng(rng, device), \
+                    rec.scope("pre", a + c0, a + c1):
                 parts = adapter.pre(layer, x_c, a + c0, ctx)
             roots = [_edge(t) for t in parts if t.requires_grad]
             grads = [d[ag + c0 * gather:ag + c1 * gather] for t, d in zip(parts, full, strict=True)
@@ -536,6 +535,8 @@ class LayerCall:
                     grad_x[a + c0:a + c1] += gx
             del x_c, roots, grads
         del full, dq, dk, dv
+        if rec.dropout is not None:
+            rec.dropout.end_phase()
 
         rec.packer.resolve_slot = None
         rec.post_edge = None
@@ -543,6 +544,14 @@ class LayerCall:
         buffers.end_backward(i, f)
         rt.stats.layer_backwards += 1
         return grad_x, run.sums
+
+    def _say(self, topic: str, text: str) -> None:
+        """Warn about ``topic`` once per runtime (NOTE [Dropout as unwrapped])."""
+        said = self.runtime.said
+        if topic not in said:
+            said.add(topic)
+            warnings.warn(f"memo.runtime: layer {self.index}: {text} (NOTE [Dropout as unwrapped]; said "
+                          "once)", stacklevel=2)
 
     def _check_recomputed_dtypes(self, rec: _Record, q: torch.Tensor, k: torch.Tensor,
                                  v: torch.Tensor) -> None:

@@ -235,6 +235,8 @@ class MemoRuntime:
         self.pending: dict[tuple[int, int], Any] = {}
         #: The flight of the forward now running (NOTE [Forwards in flight] in buffers.py).
         self.flight = 0
+        #: Topics of the warnings already given (each is said once).
+        self.said: set[str] = set()
         self._debug_skip_waits: set[str] = set()
 
     # Layers ------------------------------------------------------------------------------------
