@@ -7,6 +7,7 @@ Schema (version 1; docs/report.md has the prose)::
       "model": str, "seq_len": int, "micro_batch": int, "device": str, "dtype": str,
       "strategy": "none" | "full-recompute" | "full-offload" | "memo",
       "alpha": float | null,                 # null for strategies without memo's wrapper
+      "offloaded_layers": int | null,        # layers that offload (alpha applies to them only)
       "steps": [{"step": int, "loss": float, "step_time_s": float, "tgs": float,
                  "mfu": float | null, "peak_device_bytes": int | null}, ...],
       "peak_device_bytes": int | null,       # max over steps
@@ -155,6 +156,7 @@ def build_report(result: Any) -> dict[str, Any]:
         "recompute": cfg.recompute,
         "alpha": strategy.alpha if strategy is not None else None,
         "alpha_binding": strategy.alpha_binding if strategy is not None else None,
+        "offloaded_layers": getattr(strategy, "offloaded_layers", None),
         "num_parameters": result.num_parameters,
         "flops_per_sample": result.flops_per_sample,
         "peak_flops": result.peak_flops,

@@ -129,6 +129,8 @@ class Strategy:
         self.alpha_binding: str | None = None
         self.plan: Any = None
         self.policy: list[str] | None = None
+        #: Layers memo's wrapper offloads (None without it); alpha means nothing when it is 0.
+        self.offloaded_layers: int | None = None
         self.tracker: PhaseTracker | None = None
         self.param_bytes = 0
         self._exit = contextlib.ExitStack()
@@ -166,6 +168,7 @@ class Strategy:
         runtime.wrap(self.model, alpha=None if plan is not None else alpha, plan=plan,
                      debug_copy_delay_us=self.options.debug_copy_delay_us, policy=policy)
         self.alpha = alpha
+        self.offloaded_layers = runtime.runtime_of(self.model).n_offloaded
 
     def _prepare_memo(
         self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, run: dict[str, Any],

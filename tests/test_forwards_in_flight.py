@@ -161,3 +161,4 @@ def test_interleaved_backward_of_two_flights_evicts_and_refetches() -> None:
         buffers.end_backward(i, f)
     assert not buffers.busy_flights()
     engine.release()
+

@@ -371,3 +371,16 @@ def test_allocate_before_training() -> None:
     ids, labels = _batch(ref, 2, 9)
     assert_same_step(_step(model, ids, labels), _step(ref, ids, labels))
     assert rt.host_bytes == host
+
+
+def test_a_model_whose_layers_all_stay_says_so() -> None:
+    """A 2-layer model: the default policy keeps both layers, so alpha has no effect: said at wrap."""
+    model = _model("gpt", n_layers=2)
+    with pytest.warns(UserWarning, match=r"memo.wrap: none of the model's 2 layers offloads: without a plan "
+                                         r"or a policy memo keeps the last 2 layers whole .* so alpha=1.0 "
+                                         r"has no effect .* Pass policy=\['memo'\] \* 2"):
+        mr.wrap(model, alpha=1.0)
+    assert mr.runtime_of(model).n_offloaded == 0
+    mr.unwrap(model)
+    mr.wrap(model, alpha=1.0, policy=["memo"] * 2)  # asked for: no warning
+    assert mr.runtime_of(model).n_offloaded == 2

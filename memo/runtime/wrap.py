@@ -32,6 +32,7 @@ copy calls its own layers and ``memo.unwrap`` of the copy restores a plain model
 from __future__ import annotations
 
 import functools
+import warnings
 from collections import Counter
 from typing import Any
 
@@ -42,7 +43,7 @@ from torch.utils.checkpoint import checkpoint
 from memo.adapters.base import LayerAdapter, find_adapter, registered_adapters
 from memo.errors import MemoError
 from memo.runtime.layer import LayerCall
-from memo.runtime.runtime import MemoRuntime
+from memo.runtime.runtime import NOT_OFFLOADED_TAIL, MemoRuntime
 
 __all__ = ["find_layers", "is_wrapped", "runtime_of", "unwrap", "wrap"]
 
@@ -204,6 +205,12 @@ def wrap(
         if _CALL_ATTR in layer.__dict__:
             raise MemoError(f"memo.wrap: layer {type(layer).__name__} is already wrapped by another model")
     calls = runtime.attach(layers)
+    if calls and runtime.n_offloaded == 0 and runtime._given_policy is None:
+        warnings.warn(
+            f"memo.wrap: none of the model's {len(calls)} layers offloads: without a plan or a policy memo "
+            f"keeps the last {NOT_OFFLOADED_TAIL} layers whole (their backward follows their forward at "
+            f"once), so alpha={runtime.alpha} has no effect and the model trains as unwrapped. Pass "
+            f"policy=['memo'] * {len(calls)} to offload them anyway", stacklevel=2)
     for call in calls:
         layer = call.layer
         saved = layer.__dict__.get("forward", _NO_SAVED)

@@ -422,7 +422,11 @@ def _run_kind(config: TrainConfig, strategy: Any) -> str:
     if strategy is None:
         return "strategy full-recompute" if config.recompute == "full" else "strategy none"
     alpha = getattr(strategy, "alpha", None)
-    return f"strategy {strategy.name}" + ("" if alpha is None else f" (alpha {alpha:.4f})")
+    if alpha is None:
+        return f"strategy {strategy.name}"
+    if getattr(strategy, "offloaded_layers", None) == 0:
+        return f"strategy {strategy.name} (no layer offloads: alpha {alpha:.4f} has no effect)"
+    return f"strategy {strategy.name} (alpha {alpha:.4f})"
 
 
 def _extras_text(extras: dict) -> str:
