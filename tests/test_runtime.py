@@ -170,11 +170,43 @@ def test_an_abandoned_forward_is_dropped_by_itself(how: str) -> None:
     assert rt.stats.abandoned_iterations == 1
 
 
-def test_input_shape_change_is_refused() -> None:
+def test_a_shorter_last_batch_runs_in_the_buffers_and_a_longer_one_grows_them() -> None:
+    """NOTE [Sizing the host arena]: a drop_last=False loader's last batch is shorter (fewer tokens or
+    fewer sequences); it runs without unwrapping and matches the unwrapped model, as does a longer
+    sequence after it (the buffers grow between iterations)."""
+    ref = _model("gpt")
+    model = mr.wrap(copy.deepcopy(ref), alpha=0.25, debug_copy_delay_us=DELAY_US)
+    rt = mr.runtime_of(model)
+    assert_same_step(_step(model, *_batch(ref, 2, 12)), _step(ref, *_batch(ref, 2, 12)))
+    sized = rt.layer_bytes
+    for b, s in [(2, 7), (1, 12), (2, 12)]:
+        assert_same_step(_step(model, *_batch(ref, b, s, seed=s)), _step(ref, *_batch(ref, b, s, seed=s)))
+        assert rt.layer_bytes == sized and rt.layer_sizes[0] <= sized
+    assert_same_step(_step(model, *_batch(ref, 2, 16)), _step(ref, *_batch(ref, 2, 16)))
+    assert rt.layer_bytes > sized
+
+
+def test_a_longer_input_is_refused_while_a_forward_awaits_its_backward() -> None:
     model = mr.wrap(_model("gpt"), alpha=0.25)
-    _step(model, *_batch(model, 2, 8))
-    with pytest.raises(MemoError, match="sized for layer inputs of shape"):
-        _step(model, *_batch(model, 2, 10))
+    first = model(*_batch(model, 2, 8))
+    with pytest.raises(MemoError, match=r"this forward offloads [\d,]+ bytes per layer, more than the [\d,]+ "
+                                        r"the rounding buffers hold \(the input went from \[8, 2, 64\] "
+                                        r"torch.float32 \(autocast off\) to \[10, 2, 64\] torch.float32 "
+                                        r"\(autocast off\)\), while 1 earlier forward\(s\) await"):
+        model(*_batch(model, 2, 10))
+    first.backward()
+    _step(model, *_batch(model, 2, 10))  # between iterations the buffers grow
+
+
+def test_a_plan_is_held_to_its_host_bytes_when_the_input_grows() -> None:
+    ref = _model("gpt")
+    probe = mr.wrap(copy.deepcopy(ref), alpha=0.5)
+    _step(probe, *_batch(ref, 2, 8))
+    model = mr.wrap(copy.deepcopy(ref), plan={"alpha": 0.5, "host_bytes": mr.runtime_of(probe).host_bytes})
+    _step(model, *_batch(ref, 2, 8))
+    _step(model, *_batch(ref, 2, 5))
+    with pytest.raises(PlanMismatchError, match=r"it grew after the input went from \[5, 2, 64\]"):
+        _step(model, *_batch(ref, 2, 9))
 
 
 def test_plan_host_bytes_must_hold_what_is_offloaded() -> None:

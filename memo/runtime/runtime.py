@@ -23,7 +23,12 @@ The signatures are checked again at the start of every iteration (the first
 offloaded layer's forward), where no layer's data lives in the buffers: after
 fine-tuning unfreezes a layer or ``model.train()`` turns dropout on, the changed
 layers are measured again and, when the largest no longer fits, the buffers and the
-arena are released and allocated again for the new size (they never shrink). Within
+arena are released and allocated again for the new size (they never shrink). The input is
+checked there too: a forward with another input shape (the shorter last batch of a
+``drop_last=False`` loader), dtype or autocast setting is measured (once per distinct input)
+and runs in the buffers as they are when it fits; a larger one grows them the same way, and is
+refused with the numbers while another forward awaits its backward in them. With a plan, the
+planned allocator serves what matches the plan and falls back (counted) for the rest. Within
 an iteration every layer must offload at most what it was measured at; a layer that
 offloads more names what changed since (RoundingBuffers' overflow hint).
 """
@@ -279,23 +284,26 @@ class MemoRuntime:
             autocast = str(torch.get_autocast_dtype(kind)).removeprefix("torch.")
         key = (tuple(x.shape), x.dtype, x.device, offload_tokens(self.alpha, x.shape[0]), autocast)
         if self.buffers is not None:
-            if key != self._input_key:
-                old = self._input_key
+            old = self._input_key
+            if key[2] != old[2]:
                 raise MemoError(
-                    f"memo.runtime: the rounding buffers were sized for layer inputs of shape "
-                    f"{list(old[0])} {old[1]} on {old[2]} with autocast {old[4]}, this forward has "
-                    f"{list(x.shape)} {x.dtype} on {x.device} with autocast {autocast}; memo.unwrap and "
-                    "memo.wrap again for a new shape or autocast setting (the buffers are allocated once)"
-                )
-            if call.index == 0:
-                self.drop_abandoned()
-            if call.index == 0 and self._can_resize():
-                sigs = self._signatures()
-                if sigs != self._layer_sigs:
-                    from memo.allocator import unplanned
+                    f"memo.runtime: the rounding buffers live on {old[2]}, this forward runs on {x.device}; "
+                    "memo.unwrap and memo.wrap again after moving the model")
+            if call.index != 0:
+                if key != old:
+                    raise MemoError(
+                        f"memo.runtime: layer {call.index}'s input is {list(x.shape)} {x.dtype} with "
+                        f"autocast {autocast}, but this forward's first wrapped layer took {list(old[0])} "
+                        f"{old[1]} with autocast {old[4]}; memo needs every wrapped layer to take the "
+                        "shape of the first")
+                return
+            self.drop_abandoned()
+            sigs = self._signatures()
+            if key != old or sigs != self._layer_sigs:
+                from memo.allocator import unplanned
 
-                    with unplanned():
-                        self._resize(x, ctx, key, sigs)
+                with unplanned():
+                    self._refit(x, ctx, key, sigs)
             return
         from memo.allocator import unplanned
 
@@ -326,16 +334,29 @@ class MemoRuntime:
             tensors.append(what)
         return sizes, tensors
 
-    def _resize(self, x: torch.Tensor, ctx: Any, key: tuple[Any, ...], sigs: list[tuple[Any, ...]]) -> None:
-        """A layer's signature changed since the buffers were sized (NOTE [Sizing the host arena])."""
+    def _refit(self, x: torch.Tensor, ctx: Any, key: tuple[Any, ...], sigs: list[tuple[Any, ...]]) -> None:
+        """A forward whose input (a shorter last batch, another dtype or autocast) or whose layers'
+        signatures differ from what the buffers were sized for (NOTE [Sizing the host arena]): measure
+        it; go on when it fits, else size the buffers again where no forward is in flight."""
         sizes, tensors = self._measure_layers(x, ctx, key, sigs)
         if max(sizes) <= self.buffers.layer_bytes:
-            self.layer_sizes, self._layer_sigs = sizes, sigs
+            self.layer_sizes, self._layer_sigs, self._input_key = sizes, sigs, key
             return
-        changed = [f"layer {i}: {_signature_change(old, new)}"
-                   for i, (old, new) in enumerate(zip(self._layer_sigs, sigs, strict=True)) if old != new]
+        old = self._input_key
+        changed = [f"layer {i}: {_signature_change(a, b)}"
+                   for i, (a, b) in enumerate(zip(self._layer_sigs, sigs, strict=True)) if a != b]
+        if key != old:
+            changed.insert(0, f"the input went from {list(old[0])} {old[1]} (autocast {old[4]}) to "
+                              f"{list(key[0])} {key[1]} (autocast {key[4]})")
+        why = "; ".join(changed)
+        if not self._can_resize():
+            raise MemoError(
+                f"memo.runtime: this forward offloads {max(sizes):,} bytes per layer, more than the "
+                f"{self.buffers.layer_bytes:,} the rounding buffers hold ({why}), while "
+                f"{len(self.buffers.busy_flights())} earlier forward(s) await their backward in them; run "
+                "their backward first (the buffers grow only between iterations)")
         self._release()  # every layer is idle: nothing lives in the buffers
-        self._allocate_buffers(x, key, sizes, tensors, sigs, why="; ".join(changed))
+        self._allocate_buffers(x, key, sizes, tensors, sigs, why=why)
 
     def _allocate_buffers(self, x: torch.Tensor, key: tuple[Any, ...], sizes: list[int],
                           tensors: list[list[tuple[str, int]]], sigs: list[tuple[Any, ...]],
