@@ -1,6 +1,6 @@
 """Training reports: the versioned JSON that ``memo train --report`` writes, validated on load.
 
-Schema (version 1; docs/report.md has the prose)::
+Schema (version 1; docs/formats.md, "Training report", has the prose)::
 
     {
       "version": 1, "kind": "memo.report",
