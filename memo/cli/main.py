@@ -18,7 +18,7 @@ from memo.errors import MemoError
 __all__ = ["COMMANDS", "build_parser", "main"]
 
 #: Subcommand modules under memo.cli, in the order `memo --help` lists them.
-COMMANDS = ("env", "profile", "plan", "show", "plot", "train")
+COMMANDS = ("env", "profile", "plan", "show", "plot", "train", "estimate")
 
 
 class HelpFormatter(argparse.HelpFormatter):

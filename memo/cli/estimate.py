@@ -1,0 +1,423 @@
+"""``memo estimate``: per-GPU memory of a long-context job, and the best parallel layout, before any GPU.
+
+Examples::
+
+    memo estimate --model llama-3.1-8b --seq-len 8192 --gpus 8 --tp 4 --cp 1 --pp 2 \\
+        --micro-batch 1 --strategy none --method formula --json
+    memo estimate --model gpt-7b --seq-len 512K --gpus 8 --tp 8 --strategy memo
+    memo estimate --model gpt-7b --gpus 8 --device-mem-gb 80 --host-mem-gb 2048 --max-seq --search
+
+The estimate is of one GPU of the first pipeline stage: model states (the seed's closed form:
+bf16 weights, fp32 gradients and Adam states split by ZeRO-1 over d·c) plus activations, from the
+closed form (--method formula) or memo's meta-device profile of that rank (--method plan, the
+default). "fits" is the 80% rule: the total within 80% of --device-mem-gb. See docs/estimate.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from typing import Any
+
+from memo.cli.args import figure_path, fraction, positive_float, positive_int, seq_len
+from memo.errors import MemoError
+
+__all__ = ["add_parser", "run"]
+
+GiB = 2**30
+STRATEGY_CHOICES = ("none", "full-recompute", "memo")
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "estimate",
+        help="per-GPU memory of a job on a TP x CP x PP x DP layout; the best layout; the longest sequence",
+        description=__doc__,
+    )
+    p.add_argument("--model", required=True,
+                   help="registered config name (gpt-7b, llama-3.1-8b, ...) or a CONFIG.json")
+    p.add_argument("--seq-len", type=seq_len, default=None,
+                   help="tokens per sequence: 8192, 512K, 1M (K=1024); not needed with --max-seq")
+    job = p.add_argument_group("layout (the data-parallel size is N / (T·C·P))")
+    job.add_argument("--gpus", type=positive_int, default=1, help="N, all GPUs of the job")
+    job.add_argument("--tp", type=positive_int, default=1, help="tensor (+ sequence) parallel size T")
+    job.add_argument("--cp", type=positive_int, default=1, help="context parallel size C")
+    job.add_argument("--pp", type=positive_int, default=1, help="pipeline stages P (1F1B; first stage shown)")
+    job.add_argument("--micro-batch", type=positive_int, default=1,
+                     help="sequences per micro-batch B (--search also tries the powers of two below it)")
+    p.add_argument("--strategy", choices=STRATEGY_CHOICES, default=None,
+                   help="activation memory strategy (default: memo; --max-seq: all three)")
+    p.add_argument("--alpha", type=_alpha, default=None,
+                   help="memo's offloaded share in [0, 1] (default: solved by the LP, lowered until it fits)")
+    p.add_argument("--method", choices=("plan", "formula"), default="plan",
+                   help="plan: activations from memo's meta profile of the rank; formula: the seed's closed "
+                   "form (none and full-recompute only)")
+    p.add_argument("--model-states", choices=("formula", "mixed", "same"), default="formula",
+                   help="formula: the seed's closed form; mixed: the same bytes per parameter, parameters "
+                   "counted on memo's rank model; same: AdamW in --dtype as `memo train` runs")
+    p.add_argument("--dtype", default="bfloat16", help="model dtype of the profiled rank (plan method)")
+    m = p.add_argument_group("machine")
+    m.add_argument("--device-mem-gb", type=positive_float, default=80.0,
+                   help="memory of one GPU in GB (10^9 bytes, as memo profile takes it)")
+    m.add_argument("--fit-fraction", type=fraction, default=0.8,
+                   help="share of the GPU an estimate may fill and fit (the seed's 80%% rule)")
+    m.add_argument("--host-mem-gb", type=positive_float, default=2048.0, help="host memory of one node in GB")
+    m.add_argument("--gpus-per-node", type=positive_int, default=8, help="GPUs sharing a node's host memory")
+    m.add_argument("--host-safety", type=fraction, default=0.8, help="share of host memory memo may pin")
+    m.add_argument("--bandwidth-gbps", type=positive_float, default=32.0, help="host<->device GB/s per GPU")
+    m.add_argument("--layer-ms", type=positive_float, default=None,
+                   help="one rank's forward time of one layer in ms at --seq-len (or --layer-ms-at) on the "
+                   "given --tp x --cp; other lengths and layouts are scaled by FLOPs. Default: estimated "
+                   "from FLOPs on --gpu at --efficiency")
+    m.add_argument("--layer-ms-at", type=seq_len, default=None, help="tokens --layer-ms is for")
+    m.add_argument("--gpu", default="a800", help="GPU for the FLOP estimate of the layer time (the paper's)")
+    m.add_argument("--efficiency", type=fraction, default=0.5, help="share of --gpu's peak a layer reaches")
+    p.add_argument("--memo-keep-last", type=int, choices=(0, 2), default=0,
+                   help="layers at the end of a stage memo keeps whole: 0 (every layer offloads, memo's "
+                   "leanest policy) or 2 (the paper's fixed rule)")
+    s = p.add_argument_group("search")
+    s.add_argument("--search", action="store_true",
+                   help="every valid TP/CP/PP/DP/micro-batch layout of --gpus, ranked by fit, then fewest "
+                   "communicating ranks")
+    s.add_argument("--max-seq", action="store_true",
+                   help="the longest sequence that fits, per strategy (bisection on the estimate)")
+    s.add_argument("--granularity", type=seq_len, default=32 << 10,
+                   help="step of the longest-sequence search")
+    s.add_argument("--seq-cap", type=seq_len, default=16 << 20, help="longest sequence the search tries")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("--plot", type=figure_path, metavar="PATH",
+                   help="draw per-GPU memory vs sequence length per strategy, with the GPU's memory")
+    p.set_defaults(func=run)
+    return p
+
+
+def _alpha(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"alpha must be in [0, 1], got {text!r}")
+    return value
+
+
+def _gib(n: int | None) -> str:
+    if n is None:
+        return "-"
+    return f"{n / GiB:,.2f}" if n >= GiB / 100 else f"{n / GiB:.4f}"
+
+
+def _check(args: argparse.Namespace) -> None:
+    """Everything refusable before any profile, one line each."""
+    if args.seq_len is None and not args.max_seq:
+        raise MemoError("memo estimate: give --seq-len, or --max-seq for the longest sequence that fits")
+    if args.max_seq and args.seq_cap % args.granularity:
+        raise MemoError(f"memo estimate: --seq-cap {args.seq_cap:,} is not a multiple of --granularity "
+                        f"{args.granularity:,}")
+    if args.method == "formula" and args.strategy == "memo":
+        raise MemoError("memo estimate: the formula has no closed form for memo (its device share depends on "
+                        "alpha, host memory and the link); use --method plan")
+    if args.alpha is not None and args.max_seq:
+        raise MemoError("memo estimate: --alpha is fixed, but --max-seq lowers memo's alpha wherever a "
+                        "length needs it; leave --alpha out")
+    if args.alpha is not None and args.strategy not in (None, "memo"):
+        raise MemoError(f"memo estimate: --alpha is memo's; --strategy {args.strategy} has none")
+    if args.layer_ms_at is not None and args.layer_ms is None:
+        raise MemoError("memo estimate: --layer-ms-at says where --layer-ms was taken; give --layer-ms too")
+
+
+def _estimator(args: argparse.Namespace) -> Any:
+    from memo.estimate import Estimator, Machine
+
+    at = args.layer_ms_at or args.seq_len or (1 << 20)
+    machine = Machine(device_mem_gb=args.device_mem_gb, fit_fraction=args.fit_fraction,
+                      host_mem_gb=args.host_mem_gb, gpus_per_node=args.gpus_per_node,
+                      host_safety=args.host_safety, bandwidth_gbps=args.bandwidth_gbps,
+                      layer_ms=args.layer_ms,
+                      layer_ms_at=(at, args.tp * args.cp) if args.layer_ms is not None else None,
+                      gpu=args.gpu, efficiency=args.efficiency, memo_keep_last=args.memo_keep_last)
+    if args.layer_ms is None:
+        from memo.profiler import DTYPES, gpu_peak_flops
+
+        gpu_peak_flops(args.gpu, DTYPES.get(args.dtype, DTYPES["bfloat16"]))  # an unknown --gpu fails here
+    return Estimator(args.model, method=args.method, dtype=args.dtype, model_states=args.model_states,
+                     machine=machine, log=None)
+
+
+def _layout(args: argparse.Namespace) -> Any:
+    from memo.estimate import Layout
+
+    return Layout(args.gpus, args.tp, args.cp, args.pp, args.micro_batch)
+
+
+def _strategies(args: argparse.Namespace, estimator: Any) -> tuple[str, ...]:
+    if args.strategy is not None:
+        return (args.strategy,)
+    return estimator.strategies() if args.max_seq else ("memo",) if args.method == "plan" else ("none",)
+
+
+def run(args: argparse.Namespace) -> int:
+    from memo.jsonio import check_writable
+
+    _check(args)
+    if args.plot:
+        check_writable(args.plot, "memo estimate --plot")
+    est = _estimator(args)
+    start = time.perf_counter()
+    log = (lambda line: print(line, file=sys.stderr, flush=True)) if not args.json else (lambda _line: None)
+    if args.max_seq:
+        out = _run_max_seq(args, est, log)
+    elif args.search:
+        out = _run_search(args, est, log)
+    else:
+        out = _run_one(args, est)
+    if args.plot:
+        _plot(args, est, out)
+    if args.json:
+        print(json.dumps(out, indent=1))
+    else:
+        if args.method == "plan":
+            print(f"\n{est.profiler.profiles} meta profiles in {time.perf_counter() - start:.1f} s")
+        if args.plot:
+            print(f"plot: {args.plot}")
+    return 0
+
+
+# ---------------------------------------------------------------- one layout
+
+
+def _run_one(args: argparse.Namespace, est: Any) -> dict[str, Any]:
+    layout = _layout(args)
+    (strategy,) = _strategies(args, est)
+    e = est.estimate(args.seq_len, layout, strategy, args.alpha)
+    if not args.json:
+        print(_describe_one(e))
+    return e.to_dict()
+
+
+def _describe_one(e: Any) -> str:
+    how = ("(6 + 12/(d·c)) B per parameter" if e.model_states == "formula" else
+           f"counted on memo's rank model, {e.model_states} precision")
+    lines = [
+        f"memo estimate: {e.model}, {e.seq_len:,} tokens, {e.layout.gpus} GPUs as {e.layout.describe()}, "
+        f"strategy {e.strategy}, method {e.method}",
+        "",
+        "per GPU of the first pipeline stage      GiB",
+        f"  model states                   {_gib(e.model_states_bytes):>10}   weights, gradients, optimizer: "
+        f"{e.parameters:,} parameters, {how}",
+        f"  activations                    {_gib(e.activations_bytes):>10}",
+        f"  total                          {_gib(e.total_bytes):>10}",
+        f"fits: {'yes' if e.fits else 'NO'} (limit {e.fit_fraction:.0%} of {e.device_mem_gb:g} GB = "
+        f"{_gib(e.limit_bytes)} GiB)",
+    ]
+    if e.alpha is not None:
+        lines.append(f"memo: alpha {e.alpha:.4f} (binding: {e.alpha_binding}); pinned host memory "
+                     f"{_gib(e.host_bytes_per_process)} GiB per GPU, "
+                     f"{_gib(e.host_bytes_per_node)} GiB per node")
+    lines.extend(f"note: {n}" for n in e.notes)
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- --search
+
+
+def _micro_batches(args: argparse.Namespace) -> tuple[int, ...]:
+    out, b = [], 1
+    while b <= args.micro_batch:
+        out.append(b)
+        b *= 2
+    if args.micro_batch not in out:
+        out.append(args.micro_batch)
+    return tuple(out)
+
+
+def _run_search(args: argparse.Namespace, est: Any, log: Any) -> dict[str, Any]:
+    from memo.estimate import align, search_layouts
+
+    (strategy,) = _strategies(args, est)
+    log(f"memo estimate: every layout of {args.gpus} GPUs for {args.model} at {args.seq_len:,} tokens, "
+        f"strategy {strategy}, method {args.method}")
+    rows = search_layouts(est, args.seq_len, args.gpus, strategy, _micro_batches(args), log)
+    if not args.json:
+        table = [("rank", "TP", "CP", "PP", "DP", "B", "t·c·p", "states GiB", "activations GiB", "total GiB",
+                  "fits", "alpha")]
+        for i, r in enumerate(rows, 1):
+            lay, e = r["layout"], r["estimate"]
+            cells = (str(i), str(lay.tp), str(lay.cp), str(lay.pp), str(lay.dp), str(lay.micro_batch),
+                     str(lay.model_parallel))
+            if e is None:
+                table.append((*cells, "-", "-", "-", "cannot run", "-"))
+            else:
+                table.append((*cells, _gib(e.model_states_bytes), _gib(e.activations_bytes),
+                              _gib(e.total_bytes), "yes" if e.fits else "no",
+                              "-" if e.alpha is None else f"{e.alpha:.3f}"))
+        limit = est.machine.limit_bytes
+        print(f"\nLayouts of {args.gpus} GPUs for {args.model}, {args.seq_len:,} tokens, {strategy} "
+              f"({args.method}); fit limit {_gib(limit)} GiB per GPU; best first (fits, then fewest "
+              "communicating ranks t·c·p)\n")
+        print(align(table))
+        errors = [r for r in rows if r["error"]]
+        for r in errors:
+            print(f"cannot run {r['layout'].short()}: {r['error']}")
+    return {"version": 1, "kind": "memo.estimate.search", "model": args.model, "seq_len": args.seq_len,
+            "gpus": args.gpus, "strategy": strategy, "method": args.method,
+            "layouts": [{"rank": i, **r["layout"].to_dict(),
+                         "estimate": None if r["estimate"] is None else r["estimate"].to_dict(),
+                         "error": r["error"]} for i, r in enumerate(rows, 1)]}
+
+
+# ---------------------------------------------------------------- --max-seq
+
+
+def _run_max_seq(args: argparse.Namespace, est: Any, log: Any) -> dict[str, Any]:
+    from memo.estimate import align, longest_sequences, tokens, valid_layouts
+
+    strategies = _strategies(args, est)
+    if args.search:
+        layouts = valid_layouts(est.config, args.gpus, None, (args.micro_batch,), data_parallel_one=True)
+        layouts = [lay for lay in layouts if not lay.problems(est.config, args.granularity)]
+        if not layouts:
+            raise MemoError(f"memo estimate: no layout of {args.gpus} GPUs with DP 1 is valid for "
+                            f"{est.config.name} at a multiple of --granularity {args.granularity:,}")
+    else:
+        layout = _layout(args)
+        layout.check(est.config, args.granularity)  # every length tried is a multiple of the granularity
+        layouts = [layout]
+    log(f"memo estimate: longest sequence of {args.model} on {args.gpus} GPUs, {len(layouts)} layout(s) x "
+        f"{len(strategies)} strategies, method {args.method}, fit limit {_gib(est.machine.limit_bytes)} GiB")
+    results = longest_sequences(est, layouts, strategies, args.granularity, args.seq_cap, log=log)
+    if all(r["best"] is None for r in results):
+        smallest = _smallest_need(est, layouts, strategies, args.granularity)
+        raise MemoError(
+            f"memo estimate: no strategy fits even {args.granularity:,} tokens on {args.gpus} GPUs within "
+            f"{args.fit_fraction:.0%} of {args.device_mem_gb:g} GB ({_gib(est.machine.limit_bytes)} GiB): "
+            f"the smallest need is {smallest}; use more GPUs or more --device-mem-gb")
+    out_rows = []
+    for r in results:
+        b = r["best"]
+        out_rows.append({
+            "strategy": r["strategy"],
+            "longest": b["longest"] if b else 0,
+            "layout": b["layout"].to_dict() if b else None,
+            "capped_by_seq_cap": bool(b and b["capped_by_max_seq"]),
+            "estimate": b["estimate"].to_dict() if b and b["estimate"] else None,
+            "layouts": [{**x["layout"].to_dict(), "longest": x["longest"], "guess": x["guess"],
+                         "pruned": x["pruned"],
+                         "first_failure": x["first_failure"],
+                         "total_gib_at_longest": None if x["estimate"] is None else
+                         round(x["estimate"].total_bytes / GiB, 4)} for x in r["layouts"]],
+        })
+    if not args.json:
+        base = next((o["longest"] for o in out_rows if o["strategy"] == "full-recompute"), 0)
+        table = [("strategy", "longest seq", "tokens", "vs full recompute", "layout (TP CP PP DP)",
+                  "GiB per GPU there", "memo alpha", "host GiB/node")]
+        for o in out_rows:
+            e = o["estimate"]
+            lay = o["layout"]
+            table.append((
+                o["strategy"],
+                (tokens(o["longest"]) if o["longest"] else f"< {tokens(args.granularity)}")
+                + (" (cap)" if o["capped_by_seq_cap"] else ""),
+                f"{o['longest']:,}",
+                f"{o['longest'] / base:.2f}x" if base and o["longest"] else "-",
+                "-" if lay is None else f"{lay['tp']} {lay['cp']} {lay['pp']} {lay['dp']}",
+                "-" if e is None else f"{e['total_gib']:,.2f}",
+                "-" if e is None or e["alpha"] is None else f"{e['alpha']:.3f}",
+                "-" if e is None or e["host_gib_per_node"] is None else f"{e['host_gib_per_node']:,.0f}",
+            ))
+        print(f"\nLongest sequence per strategy, {args.model} on {args.gpus} GPUs of "
+              f"{args.device_mem_gb:g} GB "
+              f"(fit limit {args.fit_fraction:.0%}: {_gib(est.machine.limit_bytes)} GiB), host "
+              f"{args.host_mem_gb:g} GB per node of {args.gpus_per_node}, {args.bandwidth_gbps:g} GB/s; "
+              f"method {args.method}, model states {args.model_states}; to {tokens(args.granularity)}\n")
+        print(align(table))
+        if len(layouts) > 1:
+            head = ("layout (TP CP PP DP)",) + tuple(o["strategy"] for o in out_rows)
+            grid = [head]
+            for lay in layouts:
+                cells = []
+                for o in out_rows:
+                    x = next(y for y in o["layouts"]
+                             if (y["tp"], y["cp"], y["pp"]) == (lay.tp, lay.cp, lay.pp))
+                    cells.append(tokens(x["longest"]) if x["longest"] else
+                                 f"~{tokens(x['guess'])}*" if x["pruned"] else "-")
+                grid.append((f"{lay.tp} {lay.cp} {lay.pp} {lay.dp}", *cells))
+            print("\nLongest sequence per layout (DP 1: NOTE [Longest sequence layouts])\n")
+            print(align(grid))
+            print("* not searched: the line through two lengths ends more than 25% short of the best layout")
+        notes = {n for o in out_rows if o["estimate"] for n in o["estimate"]["notes"]}
+        for n in sorted(notes):
+            print(f"note: {n}")
+    return {"version": 1, "kind": "memo.estimate.longest", "model": args.model, "gpus": args.gpus,
+            "method": args.method, "model_states": args.model_states, "device_mem_gb": args.device_mem_gb,
+            "fit_fraction": args.fit_fraction, "host_mem_gb": args.host_mem_gb,
+            "gpus_per_node": args.gpus_per_node, "bandwidth_gbps": args.bandwidth_gbps,
+            "granularity": args.granularity, "seq_cap": args.seq_cap, "strategies": out_rows}
+
+
+def _smallest_need(est: Any, layouts: list[Any], strategies: tuple[str, ...], length: int) -> str:
+    best = None
+    for lay in layouts:
+        for s in strategies:
+            try:
+                e = est.estimate(length, lay, s)
+            except MemoError:
+                continue
+            if best is None or e.total_bytes < best.total_bytes:
+                best = e
+    if best is None:
+        return "unknown (no layout can run it)"
+    return (f"{_gib(best.total_bytes)} GiB per GPU ({best.strategy}, {best.layout.describe()}, "
+            f"{length:,} tokens)")
+
+
+# ---------------------------------------------------------------- --plot
+
+
+def _plot(args: argparse.Namespace, est: Any, out: dict[str, Any]) -> None:
+    """Per strategy, the total at lengths around what was asked, on the layout asked (or, after a
+    longest-sequence search, each strategy's best layout)."""
+    from memo.estimate import Layout
+    from memo.estimate.plot import plot_memory
+
+    series = []
+    if out["kind"] == "memo.estimate.longest":
+        top = max((s["longest"] for s in out["strategies"]), default=0) or args.granularity
+        fields = ("gpus", "tp", "cp", "pp", "micro_batch")
+        pairs = [(s["strategy"], Layout(**{k: s["layout"][k] for k in fields}))
+                 for s in out["strategies"] if s["layout"]]
+    else:
+        top = 2 * args.seq_len
+        pairs = [(s, _layout(args)) for s in est.strategies()]
+    g = args.granularity if args.max_seq else None
+    lengths = _plot_lengths(top, g, pairs, est)
+    for strategy, layout in pairs:
+        points = []
+        for n in lengths:
+            try:
+                e = est.estimate(n, layout, strategy)
+            except MemoError:
+                continue
+            points.append((n, e.total_bytes))
+        label = strategy if out["kind"] != "memo.estimate.longest" else f"{strategy} ({layout.short()})"
+        series.append({"label": label, "points": points})
+    title = (f"{est.config.name}, {args.gpus} GPUs, {args.method} method"
+             + ("" if out["kind"] == "memo.estimate.longest" else f", {_layout(args).describe()}"))
+    plot_memory(series, int(args.device_mem_gb * 1e9), est.machine.limit_bytes, title, args.plot)
+
+
+def _plot_lengths(top: int, granularity: int | None, pairs: list[tuple[str, Any]], est: Any) -> list[int]:
+    """Eight lengths, doubling up to ``top`` (rounded up), each valid for every layout drawn."""
+    from memo.profiler import token_multiple
+
+    step = math.lcm(*(token_multiple(lay.tp, lay.cp) for _, lay in pairs)) if pairs else 1
+    if granularity:
+        step = math.lcm(step, granularity)
+    lengths, n = [], max(step, (top >> 7) // step * step)
+    while n < 2 * top and len(lengths) < 9:
+        lengths.append(n)
+        n = -(-2 * n // step) * step
+    return lengths or [step]

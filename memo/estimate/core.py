@@ -1,0 +1,257 @@
+"""``memo.estimate(...)``: the per-GPU memory of one job on one parallel layout.
+
+The estimate is of one GPU of the first pipeline stage (the one that runs out of memory first):
+its model states (:mod:`memo.estimate.formula`, or counted from memo's rank model) plus its
+activations, from the seed's closed form (``method="formula"``) or from memo's meta-device profile
+of that rank (``method="plan"``, :mod:`memo.estimate.plan_method`). ``fits`` is the seed's 80%
+rule: the total within ``fit_fraction`` of the GPU's memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from memo.errors import MemoError
+from memo.estimate.formula import (
+    FormulaShape,
+    formula_activations,
+    formula_model_states,
+    formula_parameters,
+)
+from memo.estimate.layout import Layout
+from memo.estimate.plan_method import (
+    PLAN_STRATEGIES,
+    Machine,
+    RankProfiler,
+    counted_parameters,
+    memo_alpha_within,
+)
+
+__all__ = ["ESTIMATE_KIND", "ESTIMATE_VERSION", "METHODS", "MODEL_STATES", "Estimate", "Estimator",
+           "estimate"]
+
+ESTIMATE_KIND = "memo.estimate"
+ESTIMATE_VERSION = 1
+GiB = 2**30
+METHODS = ("plan", "formula")
+
+#: How model states are counted (NOTE [Estimate model states]).
+MODEL_STATES = ("formula", "mixed", "same")
+
+# NOTE [Estimate model states]
+# "formula" (the default, both methods): the seed's closed form, (6 + 12/(d·c)) bytes per parameter
+# of the first stage with its parameter count (NOTE [Estimator formula]). "mixed": the same bytes
+# per parameter (model-dtype weights, fp32 gradients, fp32 master weights and Adam moments split
+# over d·c), but the parameters counted on memo's rank model as built (GPT's position table,
+# biases, the vocabulary padded for TP). "same": torch's AdamW in the model's dtype, as `memo
+# train` runs (weights, gradients, two moments, the moments split over d·c; NOTE [Gradients in
+# the peak]), counted likewise: what the validation against `memo train` uses.
+
+
+@dataclass
+class Estimate:
+    """Per-GPU bytes of one job on one layout and strategy."""
+
+    model: str
+    seq_len: int
+    layout: Layout
+    strategy: str
+    method: str
+    dtype: str
+    model_states: str
+    parameters: int
+    model_states_bytes: int
+    activations_bytes: int
+    device_mem_gb: float
+    fit_fraction: float
+    alpha: float | None = None
+    alpha_binding: str | None = None
+    host_bytes_per_process: int | None = None
+    host_bytes_per_node: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.model_states_bytes + self.activations_bytes
+
+    @property
+    def limit_bytes(self) -> int:
+        return int(self.device_mem_gb * 1e9 * self.fit_fraction)
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.limit_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        def gib(n: int | None) -> float | None:
+            return None if n is None else round(n / GiB, 4)
+
+        return {
+            "version": ESTIMATE_VERSION, "kind": ESTIMATE_KIND,
+            "model": self.model, "seq_len": self.seq_len, **self.layout.to_dict(),
+            "strategy": self.strategy, "method": self.method, "dtype": self.dtype,
+            "model_states_counted_as": self.model_states, "parameters_per_gpu": self.parameters,
+            "model_states_gib": gib(self.model_states_bytes), "activations_gib": gib(self.activations_bytes),
+            "total_gib": gib(self.total_bytes),
+            "model_states_bytes": self.model_states_bytes, "activations_bytes": self.activations_bytes,
+            "total_bytes": self.total_bytes,
+            "device_mem_gb": self.device_mem_gb, "fit_fraction": self.fit_fraction,
+            "limit_gib": gib(self.limit_bytes), "fits": self.fits,
+            "alpha": self.alpha, "alpha_binding": self.alpha_binding,
+            "host_bytes_per_process": self.host_bytes_per_process,
+            "host_bytes_per_node": self.host_bytes_per_node,
+            "host_gib_per_node": gib(self.host_bytes_per_node),
+            "notes": list(self.notes),
+        }
+
+
+class Estimator:
+    """One model, dtype and machine; estimates any layout, length and strategy (profiles cached)."""
+
+    def __init__(self, model: str, *, method: str = "plan", dtype: str = "bfloat16",
+                 model_states: str = "formula", machine: Machine | None = None,
+                 log: Any = None) -> None:
+        from memo.models import get_config
+        from memo.profiler import DTYPES
+
+        if method not in METHODS:
+            raise MemoError(f"memo estimate: --method must be one of {', '.join(METHODS)}, got {method!r}")
+        if model_states not in MODEL_STATES:
+            raise MemoError(f"memo estimate: model states must be one of {', '.join(MODEL_STATES)}, "
+                            f"got {model_states!r}")
+        if dtype not in DTYPES:
+            raise MemoError(f"memo estimate: unknown --dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+        self.config = get_config(model)  # an unknown name fails here with the list of valid ones
+        self.model = model
+        self.method = method
+        self.dtype_name = dtype
+        self.dtype = DTYPES[dtype]
+        self.model_states = model_states
+        self.machine = machine or Machine()
+        self.shape = FormulaShape.of(self.config)
+        self.profiler = RankProfiler(self.config, model, self.dtype, self.machine, log)
+
+    def strategies(self) -> tuple[str, ...]:
+        return PLAN_STRATEGIES if self.method == "plan" else ("none", "full-recompute")
+
+    def states(self, layout: Layout, seq_len: int) -> tuple[int, int]:
+        """(parameters, model-state bytes) of one first-stage GPU (NOTE [Estimate model states])."""
+        if self.model_states == "formula":
+            return int(round(formula_parameters(self.shape, layout))), int(round(
+                formula_model_states(self.shape, layout)))
+        params, elem = counted_parameters(self.config, layout, seq_len, self.dtype)
+        shards = layout.dp * layout.cp
+        if self.model_states == "same":
+            return params, 2 * params * elem + -(-2 * params * elem // shards)
+        return params, params * elem + 4 * params + -(-12 * params // shards)
+
+    def estimate(self, seq_len: int, layout: Layout, strategy: str = "memo", alpha: float | None = None
+                 ) -> Estimate:
+        """The per-GPU estimate; a MemoError for a layout the job cannot take."""
+        if strategy not in PLAN_STRATEGIES:
+            raise MemoError(f"memo estimate: --strategy must be one of {', '.join(PLAN_STRATEGIES)}, "
+                            f"got {strategy!r}")
+        if alpha is not None and strategy != "memo":
+            raise MemoError(f"memo estimate: --alpha is memo's; strategy {strategy} has none")
+        layout.check(self.config, seq_len)
+        params, states = self.states(layout, seq_len)
+        m = self.machine
+        est = Estimate(model=self.config.name, seq_len=seq_len, layout=layout, strategy=strategy,
+                       method=self.method, dtype=self.dtype_name, model_states=self.model_states,
+                       parameters=params, model_states_bytes=states, activations_bytes=0,
+                       device_mem_gb=m.device_mem_gb, fit_fraction=m.fit_fraction)
+        if self.method == "formula":
+            est.activations_bytes = int(round(formula_activations(self.shape, layout, seq_len, strategy)))
+        elif strategy != "memo":
+            est.activations_bytes = self._activations(strategy, layout, seq_len, None)
+        else:
+            self._memo(est, alpha)
+        est.notes.extend(self._notes(layout, seq_len))
+        return est
+
+    def _activations(self, strategy: str, layout: Layout, seq_len: int, alpha: float | None) -> int:
+        """NOTE [Gradients in the peak] and [First stage under 1F1B] in memo/estimate/plan_method.py."""
+        n = self.profiler.numbers(strategy, layout, seq_len, alpha)
+        if layout.pp > 1:
+            return n.stage_activations + (layout.pp - 1) * n.held
+        if self.model_states == "same":
+            return n.iteration - n.gradients
+        return n.activations
+
+    def _memo(self, est: Estimate, alpha: float | None) -> None:
+        from memo.planner import evaluate_alpha
+
+        layout, seq_len = est.layout, est.seq_len
+        solution = self.profiler.alpha(layout, seq_len, alpha)  # MemoError: host too small at alpha 0
+
+        def total_at(a: float) -> int:
+            return est.model_states_bytes + self._activations("memo", layout, seq_len, a)
+
+        if alpha is None:  # NOTE [Memo's alpha in an estimate]
+            chosen, total, _ = memo_alpha_within(total_at, solution.alpha, est.limit_bytes)
+        else:
+            chosen, total = alpha, total_at(alpha)
+        binding = solution.binding if chosen == solution.alpha else "device memory"
+        est.activations_bytes = total - est.model_states_bytes
+        est.alpha, est.alpha_binding = chosen, binding
+        s_in, s_attn, s_oth = self.profiler.layer_sizes(layout, seq_len)
+        m = self.machine
+        depth = self.config.n_layers // layout.pp
+        layer_s = m.rank_layer_ms(self.config, layout, seq_len, self.dtype) / 1e3
+        # The LP's own solution where alpha was not lowered (re-evaluating it can miss the host
+        # constraint by the solver's rounding); a lowered alpha needs less host memory.
+        at = solution if chosen == solution.alpha else evaluate_alpha(
+            chosen, s_in, s_attn, s_oth, m.bandwidth_gbps * 1e9, layer_s, depth,
+            m.host_per_process() // layout.pp, offloaded_layers=self.profiler.offloaded_layers(layout))
+        # Each of the p micro-batches in flight on the first stage has its own offloaded layers.
+        est.host_bytes_per_process = int(at.host_bytes) * layout.pp
+        est.host_bytes_per_node = est.host_bytes_per_process * min(m.gpus_per_node, layout.gpus)
+        if not at.copies_hidden:
+            est.notes.append(f"memo: at alpha {chosen:.3f} one layer's copy ({at.copy_seconds * 1e3:,.0f} "
+                             f"ms) does not hide under its forward ({layer_s * 1e3:,.0f} ms): offload "
+                             "stalls compute")
+
+    def _notes(self, layout: Layout, seq_len: int) -> list[str]:
+        out = []
+        if self.model_states == "formula" and self.config.arch == "gpt":
+            from memo.models import DEFAULT_MAX_SEQ_LEN
+
+            rows = max(seq_len, DEFAULT_MAX_SEQ_LEN)
+            table = rows * self.config.hidden
+            out.append(f"memo's GPT also holds a learned position table of {rows:,} x {self.config.hidden} "
+                       f"parameters on the first stage ({table * 2 / GiB:,.2f} GiB in bf16, replicated, "
+                       "x9 with its gradient and optimizer states), which the seed's Llama formula has no "
+                       "term for; --model-states mixed counts it")
+        if layout.cp > 1 and self.method == "plan":
+            out.append("context parallel: ring attention's buffers (key/value chunks in flight) are not "
+                       "counted (NOTE [Context-parallel profile])")
+        if self.method == "formula" and self.dtype_name not in ("bfloat16", "bf16"):
+            out.append("the formula counts bf16 activations and weights whatever --dtype says")
+        out.extend(self.profiler.notes)
+        return out
+
+
+def estimate(model: str, seq_len: int, *, gpus: int = 1, tp: int = 1, cp: int = 1, pp: int = 1,
+             micro_batch: int = 1, strategy: str = "memo", method: str = "plan", dtype: str = "bfloat16",
+             model_states: str = "formula", alpha: float | None = None, machine: Machine | None = None,
+             **machine_fields: Any) -> Estimate:
+    """Per-GPU memory of training ``model`` on ``seq_len`` tokens with ``gpus`` GPUs as TP x CP x PP x DP.
+
+    Example::
+
+        >>> e = estimate("llama-3.1-8b", 8192, gpus=8, tp=4, pp=2, strategy="none",
+        ...                   method="formula")
+        >>> round(e.total_bytes / 2**30, 2), e.fits
+        (27.2, True)
+
+    ``machine_fields`` are :class:`memo.estimate.Machine`'s (``device_mem_gb``, ``host_mem_gb``,
+    ``gpus_per_node``, ``bandwidth_gbps``, ``layer_ms``, ...) when ``machine`` is not given.
+    """
+    if machine is None:
+        machine = Machine(**machine_fields)
+    elif machine_fields:
+        machine = dataclasses.replace(machine, **machine_fields)
+    est = Estimator(model, method=method, dtype=dtype, model_states=model_states, machine=machine)
+    return est.estimate(seq_len, Layout(gpus, tp, cp, pp, micro_batch), strategy, alpha)

@@ -1,0 +1,117 @@
+"""The closed-form per-GPU memory of the 4D-parallel estimator (``--method formula``).
+
+NOTE [Estimator formula]
+From the seed's derivation (../shared/seeds/000_memory_estimator.md, Section 3; equation numbers
+are its own), for the first pipeline stage, the one that runs out of memory first. Variables:
+a heads, k key/value heads, h hidden, h_ffn MLP size, L layers, v vocabulary, s sequence, b
+micro-batch, t/c/p/d tensor/context/pipeline/data parallel sizes. Bytes, GiB = 2^30.
+
+Model states (eq. 10; bf16 weights 2 B, fp32 gradients 4 B, fp32 master weights and Adam moments
+12 B, the latter split by ZeRO-1 / the distributed optimizer over d·c ranks)::
+
+    (6 + 12/(d·c)) · P_stage
+    P_stage = h·v/t + 2·(L/p)·h²·((1 + k/a + 3/2 · h_ffn/h)/t + 1/h)        (p > 1, eq. 7/10)
+    P_stage = 2·h·v/t + h + 2·L·h²·((1 + k/a + 3/2 · h_ffn/h)/t + 1/h)      (p = 1, eq. 6)
+
+With p = 1 the single stage holds the embedding, the untied LM head (the second h·v/t) and the
+final RMSNorm (h) besides the layers.
+
+Activations (eq. 17: FlashAttention, no dropout, sequence parallel; 1F1B, so the first stage
+holds p micro-batches of L/p layers, i.e. L layers' worth)::
+
+    s·b·h/(t·c) · ((12 + 4·k/a + 8·h_ffn/h)·L + 8·p + δ(p,1)·4·(1 + v/h))
+
+The seed writes the embedding term as 8·s·b·h·p (eq. 13) and the LM head's as 4·s·b·h·(1 + v/h)
+(eq. 14, p = 1 only); both are kept exactly as written.
+
+memo's reference GPT (the paper's models) differs from the seed's Llama in two places, which
+change the counts the same way the derivation would: its MLP is two matrices with GELU, not
+SwiGLU's three (3/2 · h_ffn/h becomes h_ffn/h in P; its skeletal MLP tensors are the input,
+the GELU input and the GELU output, 2sbh + 4sb·h_ffn, so 8·h_ffn/h becomes 4·h_ffn/h: with
+h_ffn = 4h, 16·s·b·h elements per layer, the paper's count), and its LM head is tied to the
+embedding (no second h·v/t). GPT's learned position table, biases and LayerNorm shifts are not
+terms of the seed's formula and are not counted here (``memo estimate`` prints their size).
+
+Strategies. The seed's activations are those of ``none``. ``full-recompute`` keeps only every
+layer's input (2·s·b·h/(t·c) bytes under sequence parallelism) and rebuilds one layer at a time
+in backward, so its layer term becomes ``2·L + (12 + 4·k/a + 8·h_ffn/h)``: an extension of the
+seed's counting, not in the seed. ``memo`` has no closed form here (its device share depends on
+alpha, the host memory and the link): use ``--method plan``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from memo.errors import MemoError
+from memo.estimate.layout import Layout
+
+__all__ = ["FORMULA_STRATEGIES", "FormulaShape", "formula_activations", "formula_model_states",
+           "formula_parameters"]
+
+#: Strategies the closed form covers (NOTE [Estimator formula]).
+FORMULA_STRATEGIES = ("none", "full-recompute")
+
+
+@dataclass(frozen=True)
+class FormulaShape:
+    """The seed's variables for one model, plus the two places memo's GPT differs (NOTE [Estimator
+    formula])."""
+
+    h: int
+    a: int
+    k: int
+    h_ffn: int
+    n_layers: int
+    v: int
+    mlp_matrices: int = 3
+    """3 for Llama's SwiGLU (up, gate, down), 2 for GPT's GELU MLP (fc1, fc2)."""
+    tied_head: bool = False
+    """The LM head shares the embedding's weights (GPT); Llama's is untied."""
+
+    @classmethod
+    def of(cls, config: Any) -> FormulaShape:
+        gpt = config.arch == "gpt"
+        return cls(h=config.hidden, a=config.n_heads, k=config.n_kv_heads, h_ffn=config.ffn_hidden,
+                   n_layers=config.n_layers, v=config.vocab_size, mlp_matrices=2 if gpt else 3,
+                   tied_head=config.tied_embeddings)
+
+    @property
+    def layer_activation_coefficient(self) -> float:
+        """``12 + 4·k/a + 8·h_ffn/h`` (Llama; 4·h_ffn/h for GPT's MLP): bytes per s·b·h of one layer."""
+        mlp = 8 if self.mlp_matrices == 3 else 4
+        return 12 + 4 * self.k / self.a + mlp * self.h_ffn / self.h
+
+
+def formula_parameters(shape: FormulaShape, layout: Layout) -> float:
+    """P_stage: the parameters one GPU of the first pipeline stage holds (NOTE [Estimator formula])."""
+    h, t, p = shape.h, layout.tp, layout.pp
+    if shape.n_layers % p:
+        raise MemoError(f"memo estimate: PP {p} does not divide {shape.n_layers} layers")
+    per_layer = 2 * h * h * ((1 + shape.k / shape.a + shape.mlp_matrices / 2 * shape.h_ffn / h) / t + 1 / h)
+    embedding = h * shape.v / t
+    total = embedding + shape.n_layers / p * per_layer
+    if p == 1:
+        # The single stage also holds the final RMSNorm and, when untied, the LM head (eq. 6).
+        total += h + (0 if shape.tied_head else embedding)
+    return total
+
+
+def formula_model_states(shape: FormulaShape, layout: Layout) -> float:
+    """Bytes of weights, gradients and optimizer states: ``(6 + 12/(d·c)) · P_stage`` (eq. 10)."""
+    return (6 + 12 / (layout.dp * layout.cp)) * formula_parameters(shape, layout)
+
+
+def formula_activations(shape: FormulaShape, layout: Layout, seq_len: int, strategy: str = "none") -> float:
+    """Activation bytes of the first stage (eq. 17 for ``none``; NOTE [Estimator formula] for
+    ``full-recompute``)."""
+    if strategy not in FORMULA_STRATEGIES:
+        raise MemoError(f"memo estimate: the formula has no closed form for strategy {strategy!r} (memo's "
+                        "device share depends on alpha, host memory and the link); use --method plan")
+    t, c, p = layout.tp, layout.cp, layout.pp
+    sbh = seq_len * layout.micro_batch * shape.h / (t * c)
+    layer = shape.layer_activation_coefficient
+    layers = layer * shape.n_layers if strategy == "none" else 2 * shape.n_layers + layer
+    head = 4 * (1 + shape.v / shape.h) if p == 1 else 0.0
+    return sbh * (layers + 8 * p + head)

@@ -1,0 +1,124 @@
+"""A parallel layout of one training job: N GPUs as TP x CP x PP x DP, and the micro-batch.
+
+NOTE [Valid layouts]
+A layout is valid for a model and a sequence when every size divides what it splits:
+
+* N = t·c·p·d: the data-parallel size d = N / (t·c·p) must be whole;
+* t divides the query heads, the key/value heads (megatron-core's ``num_query_groups``) and the
+  MLP size (column-parallel linear layers split them; memo's rank model refuses the rest);
+* p divides the layers (every stage holds L/p layers, as the seed's derivation assumes);
+* the sequence is a multiple of ``token_multiple(t, c)``: 2·c load-balanced context-parallel
+  chunks, and c·t ranks' shares of a layer's input under sequence parallelism.
+
+The vocabulary need not divide by t: Megatron pads it (memo's rank model does the same).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from memo.errors import MemoError
+
+__all__ = ["Layout", "divisors", "valid_layouts"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How N GPUs share one job."""
+
+    gpus: int
+    """N, all GPUs of the job."""
+    tp: int = 1
+    """t: tensor (+ sequence) parallel size."""
+    cp: int = 1
+    """c: context parallel size (megatron-core's load-balanced split of the sequence)."""
+    pp: int = 1
+    """p: pipeline stages (1F1B schedule; the estimate is the first stage's)."""
+    micro_batch: int = 1
+    """b: sequences per micro-batch."""
+
+    def __post_init__(self) -> None:
+        for name in ("gpus", "tp", "cp", "pp", "micro_batch"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise MemoError(f"memo estimate: {name} must be a positive integer, got {value!r}")
+        group = self.tp * self.cp * self.pp
+        if self.gpus % group:
+            raise MemoError(
+                f"memo estimate: TP {self.tp} x CP {self.cp} x PP {self.pp} = {group} GPUs does not divide "
+                f"the {self.gpus} GPUs, so the data-parallel size N / (T·C·P) is not whole; choose sizes "
+                f"whose product divides {self.gpus} (or --search for the valid ones)")
+
+    @property
+    def dp(self) -> int:
+        """d = N / (t·c·p)."""
+        return self.gpus // (self.tp * self.cp * self.pp)
+
+    @property
+    def model_parallel(self) -> int:
+        """t·c·p: the ranks one sequence is spread over, which talk to each other every micro-batch."""
+        return self.tp * self.cp * self.pp
+
+    def describe(self) -> str:
+        return (f"TP {self.tp} x CP {self.cp} x PP {self.pp} x DP {self.dp}"
+                + (f", micro-batch {self.micro_batch}" if self.micro_batch > 1 else ""))
+
+    def short(self) -> str:
+        return f"t{self.tp} c{self.cp} p{self.pp} d{self.dp} b{self.micro_batch}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "dp": self.dp}
+
+    def check(self, config: Any, seq_len: int | None = None) -> None:
+        """NOTE [Valid layouts]: refuse, in one line, a layout the model or the sequence cannot take."""
+        problems = self.problems(config, seq_len)
+        if problems:
+            raise MemoError(f"memo estimate: {self.describe()} does not fit {config.name}: "
+                            + "; ".join(problems))
+
+    def problems(self, config: Any, seq_len: int | None = None) -> list[str]:
+        """What NOTE [Valid layouts] refuses for this layout, one phrase each (empty: valid)."""
+        from memo.profiler import token_multiple
+
+        out = []
+        t = self.tp
+        for what, value in (("query heads", config.n_heads), ("key/value heads", config.n_kv_heads),
+                            ("MLP size", config.ffn_hidden)):
+            if value % t:
+                out.append(f"TP {t} does not divide its {value} {what}")
+        if config.n_layers % self.pp:
+            out.append(f"PP {self.pp} does not divide its {config.n_layers} layers")
+        if seq_len is not None:
+            m = token_multiple(t, self.cp)
+            if seq_len % m:
+                lower, upper = seq_len // m * m, (seq_len // m + 1) * m
+                nearest = f"{lower:,} or {upper:,}" if lower else f"{upper:,}"
+                out.append(f"seq len {seq_len:,} is not a multiple of {m} (TP {t} x CP {self.cp}: "
+                           f"{'2·c chunks and ' if self.cp > 1 else ''}c·t shares of a layer's input); "
+                           f"use {nearest}")
+        return out
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def valid_layouts(config: Any, gpus: int, seq_len: int | None = None, micro_batches: tuple[int, ...] = (1,),
+                  data_parallel_one: bool = False) -> list[Layout]:
+    """Every layout of ``gpus`` GPUs valid for ``config`` (and ``seq_len``), NOTE [Valid layouts].
+
+    ``data_parallel_one``: only layouts with d = 1 (the longest-sequence search: NOTE [Longest
+    sequence layouts] in memo/estimate/search.py)."""
+    out = []
+    for t in divisors(gpus):
+        for c in divisors(gpus // t):
+            for p in divisors(gpus // (t * c)):
+                if data_parallel_one and t * c * p != gpus:
+                    continue
+                for b in micro_batches:
+                    layout = Layout(gpus, t, c, p, b)
+                    if not layout.problems(config, seq_len):
+                        out.append(layout)
+    return out

@@ -1,0 +1,333 @@
+"""Per-GPU memory from memo's own meta-device profile of the rank (``--method plan``).
+
+NOTE [Estimate from a meta profile]
+One GPU of the first pipeline stage is profiled as ``memo profile`` profiles a rank: memo's
+reference model built on the meta device as one rank of t-way tensor + sequence parallelism
+(NOTE [Tensor-parallel rank] in memo/models/parallel.py), fed s/c tokens (NOTE [Context-parallel
+profile]), one iteration recorded by the dispatch recorder (NOTE [Sizes from meta]); no memory is
+allocated, so 7B at 1M tokens takes seconds. Per strategy:
+
+* ``none``: the plain model (pass 1 of the profile);
+* ``full-recompute``: the model with ``recompute="full"``, every layer under
+  ``torch.utils.checkpoint``, as ``memo train --strategy full-recompute`` runs it;
+* ``memo``: the model wrapped by memo's runtime with every layer under memo at the alpha the LP
+  gives for the stage's L/p layers (or ``--alpha``); where that does not fit the device limit,
+  alpha is lowered to the largest that does (NOTE [Memo's alpha in an estimate]).
+
+The iteration's device bytes (the trace's lower bound: what the plan's device total counts,
+NOTE [Device total]) are linear in the depth once a few layers exist: every layer adds what it
+keeps (none: its activations; full recompute: its input; memo: its parameters' gradients) and the
+peak stays in the same place. So the stage's L/p layers are not built: two depths
+(:data:`DEPTHS`) are recorded and the numbers extended linearly; a stage no deeper than that is
+recorded as it is. ``tests/test_estimate.py`` checks the extension against whole-depth profiles.
+
+NOTE [Gradients in the peak]
+``model_states="same"`` is torch's AdamW as ``memo train`` runs it: gradients are created during
+backward and freed between steps, so the iteration's peak counts those that exist at its moment,
+and the activations reported are that peak less all gradients (the total is exact: the peak plus
+parameters and optimizer states, as the plan's device total). The seed's states (and
+``"mixed"``) are Megatron's: fp32 main-gradient buffers live for the whole run, so the gradients
+are counted whole and the activations are the peak of everything else the iteration holds.
+
+NOTE [First stage under 1F1B]
+With p > 1 the first stage runs the embedding and L/p layers, not the LM head, and holds p
+micro-batches at once. Its activations are the peak of one micro-batch outside the head's phases
+plus (p - 1) times what one micro-batch keeps when its forward leaves the stage (the allocations
+live when the head's forward begins that are freed later). For memo the host memory of a process
+is shared by the p micro-batches in flight, so alpha is solved with M_CPU / p.
+
+NOTE [Memo's alpha in an estimate]
+``memo`` is every layer under memo at the LP's alpha, the last two included (the leanest policy
+memo's planner has; the paper's fixed rule keeps the last two whole, and the planner's per-layer
+choice of kept or fully recomputed layers only spends room a budget leaves, so neither decides a
+fit). All L/p layers offload, so the LP's host constraint counts all of them. ``memo_keep_last
+= 2`` estimates the paper's rule instead: the last two layers kept, the LP counting L/p - 2. When
+that does not fit the device limit, alpha is lowered (:func:`memo_alpha_within`): a lower alpha
+offloads less and recomputes more, so the device holds less. The memo profile records the
+wrapped model at a given alpha with a huge host memory and layer time: the real ones are
+checked by the LP here, for the stage's whole depth, not for the recorded depth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from memo.estimate.layout import Layout
+
+__all__ = ["DEPTHS", "PLAN_STRATEGIES", "Machine", "RankNumbers", "RankProfiler", "analyse_trace",
+           "counted_parameters"]
+
+GB = 10**9
+
+#: The depths recorded and extended linearly to a stage's L/p layers (NOTE [Estimate from a meta
+#: profile]). From three layers on, each added layer is a middle one: the first layer (its input
+#: comes from the embedding) and the last (its backward starts the prefetches) are already there.
+DEPTHS = (3, 4)
+
+PLAN_STRATEGIES = ("none", "full-recompute", "memo")
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The machine numbers memo's alpha needs, and the device budget."""
+
+    device_mem_gb: float = 80.0
+    """Memory of one GPU in GB (10^9 bytes), as ``memo profile --device-mem-gb`` takes it."""
+    fit_fraction: float = 0.8
+    """Share of the GPU an estimate may fill and still "fit": the seed's 80% rule."""
+    host_mem_gb: float = 2048.0
+    """Host memory of one node in GB."""
+    gpus_per_node: int = 8
+    """GPUs (processes) per node sharing its host memory."""
+    host_safety: float = 0.8
+    """Share of the node's host memory memo may pin."""
+    bandwidth_gbps: float = 32.0
+    """Host<->device GB/s per GPU."""
+    layer_ms: float | None = None
+    """One rank's forward time of one layer at ``layer_ms_at`` (tokens, t·c ranks); None: from FLOPs."""
+    layer_ms_at: tuple[int, int] | None = None
+    """(sequence length, t·c) ``layer_ms`` was given for."""
+    gpu: str = "a800"
+    """GPU whose peak FLOP/s estimate the layer time when ``layer_ms`` is None (the paper's A800)."""
+    efficiency: float = 0.5
+    """Share of the GPU's peak a layer's forward reaches, for that estimate."""
+    memo_keep_last: int = 0
+    """Layers at the end of a stage that memo keeps whole instead of offloading: 0 (memo's leanest
+    policy, the default) or 2 (the paper's fixed rule: their backward follows at once)."""
+
+    @property
+    def limit_bytes(self) -> int:
+        return int(self.device_mem_gb * GB * self.fit_fraction)
+
+    def host_per_process(self) -> int:
+        from memo.planner import host_memory_per_process
+
+        return host_memory_per_process(int(self.host_mem_gb * GB), self.gpus_per_node, self.host_safety)
+
+    def rank_layer_ms(self, config: Any, layout: Layout, seq_len: int, dtype: Any) -> float:
+        """T_layer of one rank: the given time scaled by forward FLOPs (length) and by t·c (how many
+        ranks share a layer's work), or the FLOP estimate on :attr:`gpu` split over t·c ranks."""
+        from memo.profiler import estimate_layer_ms, layer_forward_flops
+
+        b, tc = layout.micro_batch, layout.tp * layout.cp
+        if self.layer_ms is not None:
+            at, at_tc = self.layer_ms_at or (seq_len, tc)
+            scale = layer_forward_flops(config, seq_len, b) / layer_forward_flops(config, at, b)
+            return self.layer_ms * scale * at_tc / tc
+        return estimate_layer_ms(config, seq_len, b, self.gpu, dtype, self.efficiency).value / tc
+
+
+@dataclass(frozen=True)
+class RankNumbers:
+    """Bytes one recorded iteration holds (NOTE [Gradients in the peak], [First stage under 1F1B])."""
+
+    iteration: int
+    """Most bytes live at once: the trace's lower bound."""
+    activations: int
+    """Most bytes live at once, parameter gradients left out."""
+    stage_activations: int
+    """The same outside the LM head's phases."""
+    held: int
+    """Bytes live when the head's forward begins that are freed later: what a micro-batch keeps."""
+    gradients: int
+    """Parameter gradients: allocations made in backward and live at the end."""
+
+    def extend(self, other: RankNumbers, depth: int, other_depth: int, target: int) -> RankNumbers:
+        """Linear in depth through (depth, self) and (other_depth, other), at ``target``."""
+        f = (target - depth) / (other_depth - depth)
+        names = ("iteration", "activations", "stage_activations", "held", "gradients")
+        return RankNumbers(**{k: int(round(getattr(self, k) + f * (getattr(other, k) - getattr(self, k))))
+                              for k in names})
+
+
+def analyse_trace(trace: dict[str, Any]) -> RankNumbers:
+    """The numbers of :class:`RankNumbers` from a ``memo.trace`` dict (time = event index)."""
+    events = trace["events"]
+    freed = {e["id"] for e in events if e["op"] == "free"}
+    phase_of: dict[int, str] = {}
+    for e in events:
+        if e["op"] == "malloc":
+            phase_of[e["id"]] = str(e.get("phase") or "")
+    grads = {i for i, ph in phase_of.items() if i not in freed and ".bwd" in ph}
+    live: dict[int, int] = {}
+    total = other = peak = peak_other = peak_stage = 0
+    held = None
+    for e in events:
+        op = e["op"]
+        if op == "malloc":
+            phase = str(e.get("phase") or "")
+            if held is None and phase == "head.fwd":
+                held = sum(size for i, size in live.items() if i in freed)
+            size = int(e["size"])
+            live[e["id"]] = size
+            total += size
+            if e["id"] not in grads:
+                other += size
+            peak = max(peak, total)
+            peak_other = max(peak_other, other)
+            if not phase.startswith("head."):
+                peak_stage = max(peak_stage, other)
+        elif op == "free" and e["id"] in live:
+            size = live.pop(e["id"])
+            total -= size
+            if e["id"] not in grads:
+                other -= size
+    grad_bytes = sum(int(e["size"]) for e in events if e["op"] == "malloc" and e["id"] in grads)
+    return RankNumbers(iteration=peak, activations=peak_other, stage_activations=peak_stage,
+                       held=held or 0, gradients=grad_bytes)
+
+
+def _rank_model(config: Any, n_layers: int, layout: Layout, seq_len: int, dtype: Any, recompute: str) -> Any:
+    from memo.models import DEFAULT_MAX_SEQ_LEN, build_model
+
+    cfg = dataclasses.replace(config, n_layers=n_layers)
+    # GPT's position table as the profiler and training size it (build_profile_model).
+    kw = {"max_seq_len": max(seq_len, DEFAULT_MAX_SEQ_LEN)} if config.arch == "gpt" else {}
+    return build_model(cfg, device="meta", dtype=dtype, tensor_parallel=layout.tp, recompute=recompute, **kw)
+
+
+def counted_parameters(config: Any, layout: Layout, seq_len: int, dtype: Any) -> tuple[int, int]:
+    """(parameters, bytes per parameter) one GPU of the first stage holds in memo's reference rank
+    model: its embedding (and GPT's position table), L/p layers and, with p = 1, the final norm and
+    the LM head (once when tied). Counted on a meta model of two layers, extended by the depth."""
+    from memo.profiler import model_parts
+
+    model = _rank_model(config, 1, layout, seq_len, dtype, "none")
+    embedding, layers, head = model_parts(model)
+    seen: set[int] = set()
+
+    def count(module: Any) -> int:
+        n = 0
+        for p in module.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                n += p.numel()
+        return n
+
+    total = count(embedding) + config.n_layers // layout.pp * count(layers[0])
+    if layout.pp == 1:
+        total += count(head)
+        total += sum(p.numel() for p in model.parameters() if id(p) not in seen)  # final norm etc.
+    elem = next(model.parameters()).element_size()
+    return total, elem
+
+
+class RankProfiler:
+    """Meta profiles of first-stage ranks, cached by what they depend on."""
+
+    def __init__(self, config: Any, source: Any, dtype: Any, machine: Machine,
+                 log: Callable[[str], None] | None = None) -> None:
+        self.config = config
+        self.source = source
+        self.dtype = dtype
+        self.machine = machine
+        self.log = log or (lambda _line: None)
+        self.cache: dict[tuple, tuple[RankNumbers, Any]] = {}
+        self.profiles = 0
+        self.notes: list[str] = []
+
+    def _record(self, strategy: str, layout: Layout, seq_len: int, depth: int, alpha: float | None
+                ) -> tuple[RankNumbers, Any]:
+        key = (strategy, layout.tp, layout.cp, layout.micro_batch, seq_len, depth,
+               None if alpha is None else round(alpha, 6))
+        if key in self.cache:
+            return self.cache[key]
+        from memo.profiler import profile
+
+        recompute = "full" if strategy == "full-recompute" else "none"
+        model = _rank_model(self.config, depth, layout, seq_len, self.dtype, recompute)
+        common = {"tensor_parallel": layout.tp, "context_parallel": layout.cp}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the planner's notes on layer phases; alpha is checked here
+            if strategy == "memo":
+                m = self.machine
+                kept = min(m.memo_keep_last, depth)
+                result = profile(model, seq_len, layout.micro_batch, self.dtype, "meta",
+                                 policy=["memo"] * (depth - kept) + ["keep"] * kept, alpha=alpha,
+                                 bandwidth_gbps=m.bandwidth_gbps, layer_ms=1.0, host_mem_gb=1e6,
+                                 gpus_per_node=1, plan=False, **common)
+            else:
+                result = profile(model, seq_len, layout.micro_batch, self.dtype, "meta", solve=False,
+                                 **common)
+        self.profiles += 1
+        out = (analyse_trace(result.trace), result.layer_stats)
+        self.cache[key] = out
+        return out
+
+    def numbers(self, strategy: str, layout: Layout, seq_len: int, alpha: float | None = None) -> RankNumbers:
+        """The first stage's :class:`RankNumbers` at its L/p layers (NOTE [Estimate from a meta profile])."""
+        depth = self.config.n_layers // layout.pp
+        if depth <= DEPTHS[-1]:
+            return self._record(strategy, layout, seq_len, depth, alpha)[0]
+        lo, hi = DEPTHS[0], DEPTHS[-1]
+        a = self._record(strategy, layout, seq_len, lo, alpha)[0]
+        b = self._record(strategy, layout, seq_len, hi, alpha)[0]
+        return a.extend(b, lo, hi, depth)
+
+    def layer_sizes(self, layout: Layout, seq_len: int) -> tuple[int, int, int]:
+        """S_input, S_attn, S_others of one layer of the rank (pass 1 of the plain model)."""
+        depth = min(self.config.n_layers // layout.pp, DEPTHS[0])
+        stats = self._record("none", layout, seq_len, depth, None)[1]
+        return (max(s.s_input for s in stats), max(s.s_attn for s in stats), max(s.s_others for s in stats))
+
+    def offloaded_layers(self, layout: Layout) -> int:
+        """Memo layers of the stage that offload (NOTE [Memo's alpha in an estimate])."""
+        depth = self.config.n_layers // layout.pp
+        return depth - min(self.machine.memo_keep_last, depth)
+
+    def alpha(self, layout: Layout, seq_len: int, given: float | None) -> Any:
+        """The alpha LP for the stage's L/p layers with M_CPU / p (NOTE [First stage under 1F1B]):
+        an AlphaSolution, or a MemoError when the host cannot hold even alpha = 0."""
+        from memo.planner import evaluate_alpha, solve_alpha
+
+        m = self.machine
+        s_in, s_attn, s_oth = self.layer_sizes(layout, seq_len)
+        layer_s = m.rank_layer_ms(self.config, layout, seq_len, self.dtype) / 1e3
+        host = m.host_per_process() // layout.pp
+        depth = self.config.n_layers // layout.pp
+        args = (s_in, s_attn, s_oth, m.bandwidth_gbps * GB, layer_s, depth, host)
+        offloaded = self.offloaded_layers(layout)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            solution = (solve_alpha(*args, offloaded_layers=offloaded) if given is None
+                        else evaluate_alpha(given, *args, offloaded_layers=offloaded))
+        for w in caught:
+            note = str(w.message)
+            # memo's own warnings (a copy that stalls compute) are notes; a solver's deprecations not.
+            if note.startswith("memo") and note not in self.notes:
+                self.notes.append(note)
+        return solution
+
+
+def memo_alpha_within(total_at: Callable[[float], int], alpha: float, limit: int) -> tuple[float, int, bool]:
+    """NOTE [Memo's alpha in an estimate]: the largest alpha <= ``alpha`` whose total is within ``limit``.
+
+    ``total_at(alpha)`` is the recorded per-GPU total. It grows with alpha (the rounding buffers
+    hold alpha's share of S_others), so the alpha that fits is read off the straight line between
+    the best fitting and the least failing alpha, re-recorded, and corrected at most three times
+    (to a thousandth). Where even alpha = 0 does not fit, memo does not fit: alpha 0 is returned.
+    Returns (alpha, total, fits).
+    """
+    total = total_at(alpha)
+    if total <= limit or alpha <= 0:
+        return alpha, total, total <= limit
+    total0 = total_at(0.0)
+    if total0 > limit:
+        return 0.0, total0, False
+    lo, lo_total, hi, hi_total = 0.0, total0, alpha, total
+    for _ in range(3):
+        share = (limit - lo_total) / (hi_total - lo_total) if hi_total > lo_total else 0.0
+        guess = math.floor((lo + (hi - lo) * share) * 1000) / 1000
+        if guess <= lo:
+            break
+        t = total_at(guess)
+        if t <= limit:
+            lo, lo_total = guess, t
+        else:
+            hi, hi_total = guess, t
+    return lo, lo_total, True
