@@ -163,42 +163,12 @@ def search(bench: Bench, strategy: str) -> dict[str, Any]:
     Doubling from ``--search-start`` while it fits (halving while it does not), then bisection.
     Totals grow with the length for every strategy, which the bisection assumes.
     """
+    from memo.estimate import longest
+
     a = bench.args
-    g = a.granularity
-    tried: list[int] = []
-
-    def fits(length: int) -> bool:
-        tried.append(length)
-        return bool(bench.run(strategy, length)["fits"])
-
-    lo, hi = 0, None  # lo: the longest that fit; hi: the shortest that did not
-    length = a.search_start
-    if fits(length):
-        lo = length
-        while lo < a.max_seq:
-            length = min(lo * 2, a.max_seq)
-            if not fits(length):
-                hi = length
-                break
-            lo = length
-    else:
-        hi = length
-        while hi // 2 >= g and hi // 2 % g == 0:
-            length = hi // 2
-            if fits(length):
-                lo = length
-                break
-            hi = length
-    while hi is not None and hi - lo > g:
-        mid = (lo + hi) // 2 // g * g
-        if mid <= lo:
-            break
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
-    return {"strategy": strategy, "longest": lo, "first_failure": hi,
-            "capped_by_max_seq": hi is None, "tries": tried}
+    found = longest(lambda length: bool(bench.run(strategy, length)["fits"]), a.search_start, a.granularity,
+                    a.max_seq)
+    return {"strategy": strategy, **found}
 
 
 # ---------------------------------------------------------------- output
@@ -211,19 +181,15 @@ def _gib(n: int | None) -> str:
 
 
 def _tokens(n: int) -> str:
-    for unit, scale in (("M", 2**20), ("K", 2**10)):
-        if n >= scale and n % (scale // 4) == 0:
-            return f"{n / scale:g}{unit}"
-    return f"{n:,}"
+    from memo.estimate import tokens  # shared with `memo estimate`
+
+    return tokens(n)
 
 
 def _align(table: list[tuple[str, ...]]) -> str:
-    """The first column left-aligned, the rest right-aligned, a rule under the header."""
-    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
-    lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w)
-                       for i, (cell, w) in enumerate(zip(row, widths, strict=True))) for row in table]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    from memo.estimate import align  # shared with `memo estimate`
+
+    return align(table)
 
 
 def format_rows(rows: list[dict[str, Any]], budget: int, usable: int) -> str:

@@ -259,10 +259,12 @@ class RankProfiler:
         self.cache[key] = out
         return out
 
-    def numbers(self, strategy: str, layout: Layout, seq_len: int, alpha: float | None = None) -> RankNumbers:
-        """The first stage's :class:`RankNumbers` at its L/p layers (NOTE [Estimate from a meta profile])."""
+    def numbers(self, strategy: str, layout: Layout, seq_len: int, alpha: float | None = None,
+                whole_depth: bool = False) -> RankNumbers:
+        """The first stage's :class:`RankNumbers` at its L/p layers (NOTE [Estimate from a meta profile]);
+        ``whole_depth`` records all L/p layers instead of extending two depths (what the tests compare)."""
         depth = self.config.n_layers // layout.pp
-        if depth <= DEPTHS[-1]:
+        if depth <= DEPTHS[-1] or whole_depth:
             return self._record(strategy, layout, seq_len, depth, alpha)[0]
         lo, hi = DEPTHS[0], DEPTHS[-1]
         a = self._record(strategy, layout, seq_len, lo, alpha)[0]
