@@ -80,7 +80,9 @@ class PhaseTracker:
     Args:
         embedding: module whose forward is ``embed.fwd`` (token ids -> hidden states).
         layers: the transformer layers, in order; layer ``i`` is ``layer.fwd[i]``/``layer.bwd[i]``.
-        head: module whose forward is ``head.fwd`` (hidden states -> scalar loss).
+        head: module whose forward is ``head.fwd`` (hidden states -> scalar loss), or the modules
+            that together make the head (a final norm, then the LM head / loss module): each one's
+            forward is ``head.fwd`` and the gradient of each one's output opens ``head.bwd``.
         listeners: callables ``f(phase_or_None)`` called on every change.
 
     Use ``tracker.iteration()`` around forward + backward so the last backward
@@ -92,7 +94,7 @@ class PhaseTracker:
         self,
         embedding: nn.Module,
         layers: Sequence[nn.Module],
-        head: nn.Module,
+        head: nn.Module | Sequence[nn.Module],
         listeners: Sequence[PhaseListener] = (),
     ) -> None:
         self._listeners: list[PhaseListener] = list(listeners)
@@ -101,7 +103,8 @@ class PhaseTracker:
         self._hook("embed", None, embedding)
         for i, layer in enumerate(layers):
             self._hook("layer", i, layer)
-        self._hook("head", None, head)
+        for module in [head] if isinstance(head, nn.Module) else head:
+            self._hook("head", None, module)
 
     @property
     def current(self) -> str | None:

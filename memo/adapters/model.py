@@ -1,0 +1,146 @@
+"""Model adapters: where a model keeps its embedding, its layer stack and its head, and its loss.
+
+NOTE [Model adapters]
+memo's layer adapters (NOTE [Layer adapters]) say how one layer splits into pre / core / post.
+Profiling, planning and training also need the model around the layers: which module opens each
+phase of an iteration (NOTE [Phase boundaries] in memo/phases.py), and how to get a loss from a
+batch of token ids. A :class:`ModelAdapter` says exactly that, for one family of models:
+
+- ``parts(model) -> ModelParts``: the embedding module (phase ``embed``), the layers in forward
+  order (``layer.fwd[i]``), and the head modules (``head``: the final norm, the LM head or the
+  module that computes the loss from the last hidden states; one phase from the first one's
+  forward to the last one's);
+- ``loss(model, ids, labels) -> loss``: ``ids, labels: [b, s]`` int64, where ``labels[:, t]`` is the
+  token that should follow ``ids[:, t]`` (memo's convention: already shifted; ``-100`` is ignored),
+  and the loss is the mean over the counted tokens;
+- ``vocab_size(model)`` and ``check(model)`` (refuse, with the reason, a configuration the adapter
+  cannot profile or train, e.g. gradient checkpointing already turned on).
+
+Adapters are registered by the qualified name of the model class, so that registering the
+Hugging Face or megatron-core adapters imports neither library; :func:`find_model_adapter`
+walks the model's class hierarchy and loads the adapter the first time it is asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from memo.errors import MemoError
+
+__all__ = ["MemoModelAdapter", "ModelAdapter", "ModelParts", "find_model_adapter", "model_adapter_for",
+           "register_model_adapter", "registered_model_adapters", "unregister_model_adapter"]
+
+
+@dataclass(frozen=True)
+class ModelParts:
+    """The modules of one model that open its phases (NOTE [Model adapters])."""
+
+    embedding: nn.Module
+    layers: list[nn.Module]
+    head: list[nn.Module]
+
+
+class ModelAdapter:
+    """Where a family of models keeps its parts, and how it computes the loss (NOTE [Model adapters])."""
+
+    #: Short name for messages and reports.
+    name: str = "model"
+
+    def check(self, model: nn.Module) -> None:
+        """Raise :class:`MemoError` when memo cannot profile or train this model as configured."""
+
+    def parts(self, model: nn.Module) -> ModelParts:
+        raise MemoError(f"memo.adapters: {type(self).__name__} does not define parts()")
+
+    def loss(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        raise MemoError(f"memo.adapters: {type(self).__name__} does not define loss()")
+
+    def vocab_size(self, model: nn.Module) -> int:
+        raise MemoError(f"memo.adapters: {type(self).__name__} does not define vocab_size()")
+
+
+class MemoModelAdapter(ModelAdapter):
+    """memo's own models (:class:`memo.models.model.TransformerModel`): ``.embedding``, ``.layers``,
+    ``.head`` (the final norm and the chunked LM loss) and ``model(ids, labels) -> loss``."""
+
+    name = "memo"
+
+    def parts(self, model: nn.Module) -> ModelParts:
+        return ModelParts(model.embedding, list(model.layers), [model.head])
+
+    def loss(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return model(ids, labels)
+
+    def vocab_size(self, model: nn.Module) -> int:
+        return int(model.config.vocab_size)
+
+
+#: Qualified class name -> the adapter, or ``"module:attribute"`` to import on first use (other
+#: libraries' adapters are registered here by name, so that memo imports them only when needed).
+_REGISTRY: dict[str, ModelAdapter | str] = {
+    "memo.models.model.TransformerModel": MemoModelAdapter(),
+}
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def register_model_adapter(model_class: type | str, adapter: ModelAdapter | str) -> None:
+    """Use ``adapter`` for ``model_class`` and its subclasses. Either may be given by name: a class as
+    ``"package.module.Class"``, an adapter as ``"package.module:attribute"`` (imported on first use)."""
+    key = model_class if isinstance(model_class, str) else _qualname(model_class)
+    if not isinstance(adapter, (ModelAdapter, str)):
+        raise MemoError(f"memo.adapters: a model adapter is a ModelAdapter or 'module:attribute', got "
+                        f"{type(adapter).__name__}")
+    _REGISTRY[key] = adapter
+
+
+def unregister_model_adapter(model_class: type | str) -> None:
+    _REGISTRY.pop(model_class if isinstance(model_class, str) else _qualname(model_class), None)
+
+
+def registered_model_adapters() -> dict[str, ModelAdapter | str]:
+    return dict(_REGISTRY)
+
+
+def _load(key: str, entry: ModelAdapter | str) -> ModelAdapter:
+    if isinstance(entry, ModelAdapter):
+        return entry
+    module, _, attribute = entry.partition(":")
+    try:
+        adapter = getattr(importlib.import_module(module), attribute)
+    except (ImportError, AttributeError) as err:
+        raise MemoError(f"memo.adapters: the model adapter {entry!r} registered for {key} cannot be loaded "
+                        f"({err})") from None
+    adapter = adapter() if isinstance(adapter, type) else adapter
+    _REGISTRY[key] = adapter
+    return adapter
+
+
+def find_model_adapter(model: nn.Module) -> ModelAdapter | None:
+    """The adapter registered for the model's class or its nearest registered base class."""
+    for cls in type(model).__mro__:
+        entry = _REGISTRY.get(_qualname(cls))
+        if entry is not None:
+            return _load(_qualname(cls), entry)
+    return None
+
+
+def model_adapter_for(model: nn.Module, what: str = "memo") -> ModelAdapter:
+    """:func:`find_model_adapter`, checked; else a MemoError naming the class and what to write."""
+    adapter = find_model_adapter(model)
+    if adapter is None:
+        name = _qualname(type(model))
+        known = ", ".join(sorted(k.rsplit(".", 1)[-1] for k in _REGISTRY))
+        raise MemoError(
+            f"{what}: no model adapter for {name}; memo knows {known}. Write a memo.adapters.ModelAdapter "
+            "(parts: the embedding, the layers and the head modules; loss(model, ids, labels)) and "
+            f"register it with memo.adapters.register_model_adapter({type(model).__name__}, YourAdapter())")
+    adapter.check(model)
+    return adapter
+
