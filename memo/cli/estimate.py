@@ -348,9 +348,10 @@ def _run_max_seq(args: argparse.Namespace, est: Any, log: Any) -> dict[str, Any]
             print("\nLongest sequence per layout (DP 1: NOTE [Longest sequence layouts])\n")
             print(align(grid))
             print("* not searched: the line through two lengths ends more than 25% short of the best layout")
-        notes = {n for o in out_rows if o["estimate"] for n in o["estimate"]["notes"]}
-        for n in sorted(notes):
-            print(f"note: {n}")
+        # The notes of the longest row: the others say the same at other lengths.
+        top = max((o for o in out_rows if o["estimate"]), key=lambda o: o["longest"], default=None)
+        for n in top["estimate"]["notes"] if top else []:
+            print(f"note ({top['strategy']} at {tokens(top['longest'])}): {n}")
     return {"version": 1, "kind": "memo.estimate.longest", "model": args.model, "gpus": args.gpus,
             "method": args.method, "model_states": args.model_states, "device_mem_gb": args.device_mem_gb,
             "fit_fraction": args.fit_fraction, "host_mem_gb": args.host_mem_gb,
