@@ -46,6 +46,11 @@ void PlannedAllocator::retire_current_arena() {
 }
 
 void PlannedAllocator::load_plan(PhaseTables tables, std::size_t peak) {
+  // NOTE [Byte counts are bounded] (memo/units.py): with sizes, offsets and the peak at most 2**62
+  // bytes, no sum below can wrap around, whoever calls (the CUDA C API takes any uint64).
+  constexpr std::size_t kMaxBytes = std::size_t{1} << 62;
+  if (peak > kMaxBytes)
+    throw AllocatorError("memo allocator: plan peak " + std::to_string(peak) + " is beyond 2**62 bytes (4 EiB)");
   for (const auto& entry : tables) {
     const std::string& name = entry.first;
     const std::vector<PlanSlot>& table = entry.second;
@@ -59,6 +64,7 @@ void PlannedAllocator::load_plan(PhaseTables tables, std::size_t peak) {
         return os.str();
       };
       if (slot.size == 0) throw AllocatorError(where() + "size must be positive");
+      if (slot.size > kMaxBytes) throw AllocatorError(where() + "size is beyond 2**62 bytes (4 EiB)");
       if (slot.offset < -1) throw AllocatorError(where() + "offset must be >= 0, or None for unplanned");
       if (slot.offset >= 0) {
         auto off = static_cast<std::size_t>(slot.offset);
@@ -67,7 +73,7 @@ void PlannedAllocator::load_plan(PhaseTables tables, std::size_t peak) {
           os << "offset must be a multiple of " << kBlockAlignment << " bytes";
           throw AllocatorError(where() + os.str());
         }
-        if (off + slot.size > peak) {
+        if (slot.size > peak || off > peak - slot.size) {  // off + size > peak, without overflow
           std::ostringstream os;
           os << "offset + size = " << off + slot.size << " exceeds the plan's peak (arena) of " << peak
              << " bytes";

@@ -26,6 +26,16 @@ namespace {
 
 using core::PlannedAllocator;
 
+// The value of a Python int, or nullopt when it is not an int or does not fit 64 bits (pybind's
+// cast would throw an opaque "Unable to cast" RuntimeError).
+std::optional<long long> int64_of(const py::handle& value) {
+  if (!py::isinstance<py::int_>(value)) return std::nullopt;
+  int overflow = 0;
+  const long long v = PyLong_AsLongLongAndOverflow(value.ptr(), &overflow);
+  if (overflow != 0) return std::nullopt;
+  return v;
+}
+
 core::PhaseTables tables_from_python(const py::dict& tables) {
   core::PhaseTables out;
   for (auto item : tables) {
@@ -48,14 +58,15 @@ core::PhaseTables tables_from_python(const py::dict& tables) {
                                    " must list (size, offset-or-None) pairs, got " + std::string(py::repr(pair)));
       core::PlanSlot slot;
       py::object size = seq[0], offset = seq[1];
-      if (!py::isinstance<py::int_>(size) || size.cast<long long>() <= 0)
+      const auto size_value = int64_of(size), offset_value = int64_of(offset);
+      if (!size_value || *size_value <= 0)
         throw core::AllocatorError("memo allocator: table " + name + " entry " + std::to_string(slots.size()) +
-                                   ": size must be a positive int, got " + std::string(py::repr(size)));
-      slot.size = size.cast<std::size_t>();
+                                   ": size must be a positive int up to 2**62, got " + std::string(py::repr(size)));
+      slot.size = static_cast<std::size_t>(*size_value);
       if (offset.is_none()) {
         slot.offset = -1;
-      } else if (py::isinstance<py::int_>(offset) && offset.cast<long long>() >= 0) {
-        slot.offset = offset.cast<std::int64_t>();
+      } else if (offset_value && *offset_value >= 0) {
+        slot.offset = *offset_value;
       } else {
         throw core::AllocatorError("memo allocator: table " + name + " entry " + std::to_string(slots.size()) +
                                    ": offset must be an int >= 0 or None, got " + std::string(py::repr(offset)));
@@ -284,9 +295,12 @@ void bind_allocator(py::module_& m) {
            py::arg("min_segment") = PlannedAllocator::kDefaultMinSegment, py::arg("fallback_limit") = 0)
       .def(
           "load_plan",
-          [](PlannedAllocator& a, const py::dict& tables, long long peak) {
-            if (peak < 0) throw core::AllocatorError("memo allocator: plan peak must be >= 0, got " + std::to_string(peak));
-            a.load_plan(tables_from_python(tables), static_cast<std::size_t>(peak));
+          [](PlannedAllocator& a, const py::dict& tables, const py::object& peak) {
+            const auto value = int64_of(peak);
+            if (!value || *value < 0)
+              throw core::AllocatorError("memo allocator: plan peak must be an int >= 0, got " +
+                                         std::string(py::repr(peak)));
+            a.load_plan(tables_from_python(tables), static_cast<std::size_t>(*value));
           },
           py::arg("tables"), py::arg("peak"))
       .def("unload_plan", &PlannedAllocator::unload_plan)

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from memo.errors import MemoError
+from memo.units import MAX_BYTES
 
 __all__ = ["PhaseTables", "normalize_plan"]
 
@@ -36,6 +37,11 @@ def _check_tables(tables: Any, peak: int) -> PhaseTables:
                 raise MemoError(
                     f"memo.allocator: table {phase!r} entry {k}: size must be a positive int, got {size!r}"
                 )
+            if size >= MAX_BYTES or (offset is not None and not isinstance(offset, bool)
+                                     and isinstance(offset, int) and offset >= MAX_BYTES):
+                # NOTE [Byte counts are bounded] (memo/units.py): the native allocator adds them in 64 bits.
+                raise MemoError(f"memo.allocator: table {phase!r} entry {k}: size {size} or offset {offset} "
+                                "is not below 2**62 bytes (4 EiB)")
             if offset is not None:
                 if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
                     raise MemoError(
@@ -78,6 +84,6 @@ def normalize_plan(plan_or_tables: Any, peak: int | None = None) -> tuple[PhaseT
         )
     if peak is None:
         raise MemoError("memo.allocator: phase tables need the arena size: pass peak=<bytes>")
-    if isinstance(peak, bool) or not isinstance(peak, int) or peak < 0:
-        raise MemoError(f"memo.allocator: peak must be an int >= 0 (bytes), got {peak!r}")
+    if isinstance(peak, bool) or not isinstance(peak, int) or not 0 <= peak < MAX_BYTES:
+        raise MemoError(f"memo.allocator: peak must be an int >= 0 and below 2**62 (bytes), got {peak!r}")
     return _check_tables(tables, peak), peak
