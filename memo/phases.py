@@ -54,7 +54,8 @@ def layer_phase(direction: str, index: int) -> str:
 
 def parse_phase(name: str) -> tuple[str, int | None]:
     """Split a phase name into its kind and layer index: ``"layer.bwd[2]" -> ("layer.bwd", 2)``."""
-    match = _PHASE_RE.match(name)
+    # fullmatch: ``$`` alone also matches before a trailing newline, which let "embed.fwd\n" through.
+    match = _PHASE_RE.fullmatch(name) if isinstance(name, str) else None
     if match is None:
         raise MemoError(
             f"memo.phases: {name!r} is not a phase name; expected one of embed.fwd, layer.fwd[i], "

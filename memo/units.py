@@ -3,7 +3,16 @@ for the size at hand (exact byte counts belong in the JSON files, not on the scr
 
 from __future__ import annotations
 
-__all__ = ["format_bytes", "format_mib", "format_ms"]
+__all__ = ["MAX_BYTES", "format_bytes", "format_mib", "format_ms"]
+
+# NOTE [Byte counts are bounded]
+# The planner adds sizes and offsets in int64 (numpy, and the exact search in csrc/) and the
+# native allocator in 64-bit integers, so a trace or plan with sizes near 2**62 overflowed the
+# planner's clash check. Every byte count memo reads from a file or is given as a phase table (a
+# size, an offset, a peak) must be below MAX_BYTES, and so must a trace's total of all its
+# allocation sizes: then any offset + size a plan can hold stays below 2**63. 2**62 bytes is
+# 4 EiB, beyond any machine, so no real trace or plan is refused.
+MAX_BYTES = 2**62
 
 _UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
 

@@ -55,13 +55,12 @@ from .dsa import (
     require_solver,
 )
 from .dsa import lower_bound as _units_lower_bound
-from .plan import ALIGNMENT, Plan, validate_plan
+from .plan import ALIGNMENT, LAYER_KINDS, Plan, validate_plan
 from .search import count_overlapping_pairs, search
 from .trace import Allocation, Trace
 
 __all__ = ["lower_bound", "make_plan", "outliving", "plan_bilevel", "plan_heuristic", "plan_mip"]
 
-LAYER_KINDS = ("layer.fwd", "layer.bwd")
 #: Above this many overlapping pairs a MIP does not fit a minute of CBC; the heuristic stands.
 MAX_MIP_PAIRS = 40_000
 #: A heuristic this close to the lower bound (relative) is kept without any MIP.

@@ -18,9 +18,10 @@ from typing import Any
 from memo.errors import MemoError, PlanMismatchError
 from memo.jsonio import atomic_write, read_json
 from memo.phases import parse_phase, phase_kind
+from memo.units import MAX_BYTES
 
 from .dsa import Item, check_placement
-from .trace import Allocation, Trace
+from .trace import Allocation, Trace, validate_meta
 
 __all__ = ["ALIGNMENT", "PLAN_KIND", "PLAN_VERSION", "Plan", "load_plan", "offload_difference", "save_plan",
            "validate_plan"]
@@ -34,6 +35,8 @@ _MATCHED_FIELDS = ("fingerprint", "seq_len", "micro_batch", "dtype", "tensor_par
 _MATCHED_DEFAULTS = {"tensor_parallel": 1, "context_parallel": 1}
 # The unphased "phase" key in plan files (phase tables leave it out unless asked).
 UNPHASED = ""
+#: The phase kinds a level-1 layer block is planned for (planner/core.py).
+LAYER_KINDS = ("layer.fwd", "layer.bwd")
 
 
 # NOTE [Planned and actual offload]
@@ -43,6 +46,38 @@ UNPHASED = ""
 # runtime apply the same rule (NOTE [One truth for saved bytes] in memo/profiler/saved.py);
 # `memo show` and `memo train` warn, naming the largest tensors, when they differ by over 1%.
 OFFLOAD_KEYS = ("offloaded_layers", "planned_bytes_per_layer", "actual_bytes_per_layer")
+_DAMAGED = "the file is damaged or edited by hand: re-run `memo profile` (or `memo plan`)"
+
+
+def _bad(where: str, expected: str, value: Any) -> MemoError:
+    return MemoError(f"memo.plan: {where} must be {expected}, got {value!r:.80}; {_DAMAGED}")
+
+
+def _count(value: Any, where: str, low: int = 0) -> int:
+    """``value`` when it is an integer in [low, 2**62) (NOTE [Byte counts are bounded])."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise _bad(where, f"an integer >= {low}", value)
+    if value >= MAX_BYTES:
+        raise MemoError(f"memo.plan: {where} is {value}, not below 2**62 (4 EiB); {_DAMAGED}")
+    return value
+
+
+def _offset(value: Any, where: str) -> int | None:
+    return None if value is None else _count(value, where)
+
+
+def _phase(name: Any, where: str) -> str:
+    try:
+        parse_phase(name)
+    except MemoError as err:
+        raise MemoError(f"memo.plan: {where}: {err}") from None
+    return name
+
+
+def _object(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise _bad(where, "an object", value)
+    return value
 
 
 def _check_offload(value: Any) -> dict[str, Any] | None:
@@ -52,14 +87,12 @@ def _check_offload(value: Any) -> dict[str, Any] | None:
         raise MemoError(f"memo.plan: 'offload' must be an object, got {type(value).__name__}")
     out: dict[str, Any] = {}
     for key in OFFLOAD_KEYS:
-        v = value.get(key)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise MemoError(f"memo.plan: offload.{key} must be an int >= 0, got {v!r}; re-run `memo profile`")
-        out[key] = v
+        out[key] = _count(value.get(key), f"offload.{key}")
     tensors = value.get("tensors", [])
     if not isinstance(tensors, list) or not all(
             isinstance(t, (list, tuple)) and len(t) == 2 and isinstance(t[0], str)
-            and isinstance(t[1], int) and not isinstance(t[1], bool) for t in tensors):
+            and isinstance(t[1], int) and not isinstance(t[1], bool) and 0 <= t[1] < MAX_BYTES
+            for t in tensors):
         raise MemoError("memo.plan: offload.tensors must be a list of [description, bytes]; "
                         "re-run `memo profile`")
     out["tensors"] = [[str(t[0]), int(t[1])] for t in tensors]
@@ -83,20 +116,41 @@ def _check_device(value: Any) -> dict[str, Any] | None:
     if not isinstance(value, Mapping):
         raise MemoError(f"memo.plan: 'device' must be an object, got {type(value).__name__}")
     budget = value.get("budget_bytes")
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
-        raise MemoError(f"memo.plan: device.budget_bytes must be a positive int or null, got {budget!r}")
+    if budget is not None:
+        _count(budget, "device.budget_bytes", low=1)
     for key in ("activations_bytes", "total_bytes"):
-        v = value.get(key)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise MemoError(f"memo.plan: device.{key} must be an int >= 0, got {v!r}; re-run `memo profile`")
+        _count(value.get(key), f"device.{key}")
+    if value.get("iteration_peak_bytes") is not None:
+        _count(value["iteration_peak_bytes"], "device.iteration_peak_bytes")
     states = value.get("model_states")  # null: not known (`memo plan` of a trace that records none)
-    try:
-        for part in ("parameters", "gradients", "optimizer") if states is not None else ():
-            int(states[part]["bytes"])
-    except (KeyError, TypeError, ValueError):
-        raise MemoError("memo.plan: device.model_states must give parameters, gradients and optimizer "
-                        "bytes, or be null; re-run `memo profile`") from None
+    for part in ("parameters", "gradients", "optimizer") if states is not None else ():
+        entry = states.get(part) if isinstance(states, dict) else None
+        if not isinstance(entry, dict) or not isinstance(entry.get("dtype", ""), str):
+            raise MemoError("memo.plan: device.model_states must give parameters, gradients and optimizer "
+                            "bytes, or be null; re-run `memo profile`")
+        _count(entry.get("bytes"), f"device.model_states.{part}.bytes")
+    estimate = value.get("estimate")
+    if estimate is not None:
+        _object(estimate, "device.estimate")
+        if "full_recompute_bytes" in estimate:
+            _count(estimate["full_recompute_bytes"], "device.estimate.full_recompute_bytes")
+    if value.get("binding") is not None and not isinstance(value["binding"], str):
+        raise _bad("device.binding", "a string or null", value["binding"])
     return dict(value)
+
+
+def _check_solver(value: Any) -> dict[str, Any]:
+    """The solver record: free-form, but what `memo show` prints has the type it prints."""
+    solver = _object(value, "solver")
+    if not isinstance(solver.get("seconds", 0), (int, float)) or isinstance(solver.get("seconds"), bool):
+        raise _bad("solver.seconds", "a number", solver["seconds"])
+    stages = solver.get("stages") or ({"total": solver["total"]} if "total" in solver else {})
+    for name, stage in _object(stages, "solver.stages").items():
+        _object(stage, f"solver.stages[{name!r:.40}]")
+        gap = stage.get("gap_to_lower_bound", 0)
+        if isinstance(gap, bool) or not isinstance(gap, (int, float)):
+            raise _bad(f"solver.stages[{name!r:.40}].gap_to_lower_bound", "a number", gap)
+    return dict(solver)
 
 
 def offload_difference(offload: Mapping[str, Any] | None) -> str | None:
@@ -276,55 +330,9 @@ class Plan:
             raise MemoError(f"memo.plan: unknown plan version {data.get('version')!r}; this memo reads "
                             f"version {PLAN_VERSION}. Re-run `memo profile` (or `memo plan`).")
         if data.get("alignment", ALIGNMENT) != ALIGNMENT:
-            raise MemoError(f"memo.plan: plan alignment {data.get('alignment')} != {ALIGNMENT}")
+            raise MemoError(f"memo.plan: plan alignment {data.get('alignment')!r:.80} != {ALIGNMENT}")
         try:
-            phases = list(data["phases"])
-            for p in phases:
-                parse_phase(p)
-            level1 = {str(k): [None if o is None else int(o) for o in v] for k, v in data["level1"].items()}
-            level2 = {str(k): int(v) for k, v in data["level2"].items()}
-            items = {str(k): {int(r): (None if o is None else int(o)) for r, o in v.items()}
-                     for k, v in data["items"].items()}
-            allocations = []
-            for index, row in enumerate(data["allocations"]):
-                pi, request, size, start, end, ident = (int(v) for v in row)
-                phase = phases[pi] if pi >= 0 else None
-                allocations.append(Allocation(index, ident, size, start, end, phase, request, False))
-            offsets: list[int | None] = []
-            for a in allocations:
-                key = a.phase if a.phase is not None else UNPHASED
-                off = None
-                if a.phase in level2:
-                    table = level1[phase_kind(a.phase)]
-                    if a.request < len(table) and table[a.request] is not None:
-                        off = level2[a.phase] + table[a.request]
-                if off is None:
-                    if a.request not in items.get(key, {}):
-                        raise MemoError(f"memo.plan: no offset for request {a.request} of phase "
-                                        f"{key or '(unphased)'!r}")
-                    off = items[key][a.request]
-                offsets.append(off)
-            plan = cls(
-                meta=dict(data.get("meta") or {}),
-                allocations=allocations,
-                offsets=offsets,
-                peak=int(data["peak"]),
-                lower_bound=int(data["lower_bound"]),
-                no_reuse_bytes=int(data["no_reuse_bytes"]),
-                level1=level1,
-                level1_peak={str(k): int(v) for k, v in data.get("level1_peak", {}).items()},
-                level2=level2,
-                alpha=None if data.get("alpha") is None else float(data["alpha"]),
-                alpha_binding=data.get("alpha_binding"),
-                alpha_detail=data.get("alpha_detail"),
-                host_bytes=None if data.get("host_bytes") is None else int(data["host_bytes"]),
-                offload=_check_offload(data.get("offload")),
-                policy=_check_policy(data.get("policy")),
-                device=_check_device(data.get("device")),
-                solver=dict(data.get("solver") or {}),
-                warnings=list(data.get("warnings") or []),
-                end_time=int(data.get("end_time", 0)),
-            )
+            plan = cls._from_checked(data)
         except MemoError:
             raise
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as err:
@@ -333,19 +341,134 @@ class Plan:
         validate_plan(plan)
         return plan
 
+    @classmethod
+    def _from_checked(cls, data: Mapping[str, Any]) -> Plan:
+        """The plan of ``data``, every field checked for its type and range (a MemoError naming the
+        field); what no check here foresaw is a KeyError or TypeError that from_dict reports."""
+        for name in ("phases", "level1", "level2", "items", "allocations", "peak", "lower_bound",
+                     "no_reuse_bytes"):
+            if name not in data:
+                raise MemoError(f"memo.plan: no {name!r} field; {_DAMAGED}")
+        phases = data["phases"]
+        if not isinstance(phases, list) or not all(isinstance(p, str) for p in phases):
+            raise _bad("phases", "a list of phase names", phases)
+        for i, p in enumerate(phases):
+            _phase(p, f"phases[{i}]")
+        level1 = {}
+        for kind, table in _object(data["level1"], "level1").items():
+            if kind not in LAYER_KINDS:
+                raise _bad("a key of level1", f"one of {LAYER_KINDS}", kind)
+            if not isinstance(table, list):
+                raise _bad(f"level1.{kind}", "a list of offsets", table)
+            level1[kind] = [_offset(o, f"level1.{kind}[{r}]") for r, o in enumerate(table)]
+        level2 = {}
+        for p, o in _object(data["level2"], "level2").items():
+            level2[_phase(p, "a key of level2")] = _count(o, f"level2.{p}")
+        items: dict[str, dict[int, int | None]] = {}
+        for phase, table in _object(data["items"], "items").items():
+            if phase != UNPHASED:
+                _phase(phase, "a key of items")
+            requests = items[phase] = {}
+            for r, o in _object(table, f"items.{phase}").items():
+                if not (r.isascii() and r.isdigit()):
+                    raise _bad(f"items.{phase}", "an object keyed by request index", r)
+                requests[int(r)] = _offset(o, f"items.{phase}.{r}")
+        allocations = _allocations(data["allocations"], phases)
+        offsets = _offsets(allocations, level1, level2, items)
+        level1_peak = {}
+        for kind, height in _object(data.get("level1_peak", {}), "level1_peak").items():
+            if kind not in LAYER_KINDS:
+                raise _bad("a key of level1_peak", f"one of {LAYER_KINDS}", kind)
+            level1_peak[kind] = _count(height, f"level1_peak.{kind}")
+        alpha = data.get("alpha")
+        if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float))):
+            raise MemoError(f"memo.plan: alpha must be a number in [0, 1], got {alpha!r:.80}; {_DAMAGED}")
+        binding = data.get("alpha_binding")
+        if binding is not None and not isinstance(binding, str):
+            raise _bad("alpha_binding", "a string or null", binding)
+        detail = data.get("alpha_detail")
+        warnings = data.get("warnings") or []
+        if not isinstance(warnings, list) or not all(isinstance(w, str) for w in warnings):
+            raise _bad("warnings", "a list of strings", warnings)
+        return cls(
+            meta=validate_meta(data.get("meta") or {}, "memo.plan"),
+            allocations=allocations,
+            offsets=offsets,
+            peak=_count(data["peak"], "peak"),
+            lower_bound=_count(data["lower_bound"], "lower_bound"),
+            no_reuse_bytes=_count(data["no_reuse_bytes"], "no_reuse_bytes"),
+            level1=level1,
+            level1_peak=level1_peak,
+            level2=level2,
+            alpha=None if alpha is None else float(alpha),
+            alpha_binding=binding,
+            alpha_detail=None if detail is None else dict(_object(detail, "alpha_detail")),
+            host_bytes=None if data.get("host_bytes") is None else _count(data["host_bytes"], "host_bytes"),
+            offload=_check_offload(data.get("offload")),
+            policy=_check_policy(data.get("policy")),
+            device=_check_device(data.get("device")),
+            solver=_check_solver(data.get("solver") or {}),
+            warnings=list(warnings),
+            end_time=_count(data.get("end_time", 0), "end_time"),
+        )
+
+
+def _allocations(rows: Any, phases: list[str]) -> list[Allocation]:
+    """A plan's ``allocations`` rows, ``[phase index or -1, request, size, start, end, id]``, checked."""
+    if not isinstance(rows, list):
+        raise _bad("allocations", "a list", rows)
+    allocations = []
+    for index, row in enumerate(rows):
+        where = f"allocations[{index}]"
+        if not isinstance(row, list) or len(row) != 6:
+            raise _bad(where, "[phase index, request, size, start, end, id]", row)
+        # -1 is "unphased"; below it Python's negative indexing would pick another phase.
+        pi = _count(row[0], f"{where}[0] (phase index)", low=-1)
+        if pi >= len(phases):
+            raise _bad(f"{where}[0] (phase index)", f"below the {len(phases)} phases", pi)
+        request, start, end = (_count(row[i], f"{where}[{i}]") for i in (1, 3, 4))
+        size = _count(row[2], f"{where}[2] (size)", low=1)
+        if isinstance(row[5], bool) or not isinstance(row[5], int):
+            raise _bad(f"{where}[5] (id)", "an integer", row[5])
+        allocations.append(Allocation(index, row[5], size, start, end, phases[pi] if pi >= 0 else None,
+                                      request, False))
+    return allocations
+
+
+def _offsets(allocations: list[Allocation], level1: dict[str, list[int | None]], level2: dict[str, int],
+             items: dict[str, dict[int, int | None]]) -> list[int | None]:
+    """Every allocation's absolute offset: its layer block's plus its level-1 offset, or its own."""
+    offsets: list[int | None] = []
+    for a in allocations:
+        key = a.phase if a.phase is not None else UNPHASED
+        off = None
+        if a.phase in level2:
+            if phase_kind(a.phase) not in level1:
+                raise MemoError(f"memo.plan: level2 places phase {a.phase!r} as a layer block, but "
+                                f"level1 has no block for {phase_kind(a.phase)!r}; {_DAMAGED}")
+            table = level1[phase_kind(a.phase)]
+            if a.request < len(table) and table[a.request] is not None:
+                off = level2[a.phase] + table[a.request]
+        if off is None:
+            if a.request not in items.get(key, {}):
+                raise MemoError(f"memo.plan: no offset for request {a.request} of phase "
+                                f"{key or '(unphased)'!r}")
+            off = items[key][a.request]
+        offsets.append(off)
+    return offsets
+
 
 def _validate_numbers(plan: Plan) -> None:
-    """alpha a finite number in [0, 1], the byte counts and the end time integers >= 0."""
+    """alpha a finite number in [0, 1], the byte counts and the end time integers >= 0 and below
+    2**62 (NOTE [Byte counts are bounded] in memo/units.py)."""
     a = plan.alpha
     if a is not None and (isinstance(a, bool) or not isinstance(a, (int, float)) or not math.isfinite(a)
                           or not 0 <= a <= 1):
         raise MemoError(f"memo.plan: alpha must be a number in [0, 1], got {a!r}; the file is damaged or "
                         "edited by hand: re-run `memo profile`")
     for name in ("peak", "lower_bound", "no_reuse_bytes", "host_bytes", "end_time"):
-        v = getattr(plan, name)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-            raise MemoError(f"memo.plan: {name} must be an integer >= 0, got {v!r}; the file is damaged or "
-                            "edited by hand: re-run `memo profile`")
+        if getattr(plan, name) is not None:
+            _count(getattr(plan, name), name)
 
 
 def validate_plan(plan: Plan, trace: Trace | None = None) -> None:

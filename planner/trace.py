@@ -42,6 +42,7 @@ from typing import Any
 from memo.errors import MemoError
 from memo.jsonio import atomic_write, read_json
 from memo.phases import parse_phase
+from memo.units import MAX_BYTES
 
 __all__ = [
     "TRACE_KIND",
@@ -118,17 +119,19 @@ def _check_int(value: Any, where: str, name: str) -> int:
     return value
 
 
-def _validate_meta(meta: Any) -> dict[str, Any]:
+def validate_meta(meta: Any, subsystem: str = "memo.trace") -> dict[str, Any]:
+    """A copy of a trace's (or plan's) ``meta`` after checking the type of every known key;
+    raises a MemoError starting with ``subsystem``."""
     if not isinstance(meta, dict):
-        raise _fail("meta", f"must be an object, got {type(meta).__name__}")
+        raise MemoError(f"{subsystem}: meta: must be an object, got {type(meta).__name__}")
     for key, types in _META_TYPES.items():
         if key not in meta:
             continue
         value = meta[key]
         if isinstance(value, bool) or not isinstance(value, types):
-            raise _fail(f"meta.{key}", f"must be {types[0].__name__}, got {value!r}")
+            raise MemoError(f"{subsystem}: meta.{key}: must be {types[0].__name__}, got {value!r:.80}")
         if key in _POSITIVE_META and value <= 0:
-            raise _fail(f"meta.{key}", f"must be positive, got {value}")
+            raise MemoError(f"{subsystem}: meta.{key}: must be positive, got {value}")
     return dict(meta)
 
 
@@ -157,7 +160,7 @@ class Trace:
     end_time: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self.meta = _validate_meta(self.meta)
+        self.meta = validate_meta(self.meta)
         if self.layers is not None:
             self.layers = _validate_layers(self.layers)
         self._parse()
@@ -176,6 +179,7 @@ class Trace:
         runs: list[PhaseRun] = []
         current: str | None = None
         run_start = 0
+        total = 0
         for i, ev in enumerate(events):
             where = f"event {i}"
             if not isinstance(ev, dict):
@@ -196,6 +200,10 @@ class Trace:
                 size = _check_int(ev.get("size"), where, "size")
                 if size <= 0:
                     raise _fail(where, f"malloc of id {ident} has size {size}; sizes must be > 0")
+                if size >= MAX_BYTES:  # NOTE [Byte counts are bounded] in memo/units.py
+                    raise _fail(where, f"malloc of id {ident} has size {size}; sizes must be below 2**62 "
+                                "bytes (4 EiB): the trace is damaged")
+                total += size
                 if ident in live:
                     raise _fail(where, f"malloc of id {ident}, which is still live (allocated by event "
                                 f"{live[ident][1]} and not freed)")
@@ -223,6 +231,9 @@ class Trace:
                                 "(never allocated, or already freed: double free)")
                 index = live.pop(ident)[0]
                 done[index] = (i, len(runs))
+        if total >= MAX_BYTES:  # NOTE [Byte counts are bounded]: every offset + size stays below 2**63
+            raise _fail("events", f"the mallocs total {total} bytes; a trace must total below 2**62 bytes "
+                        "(4 EiB): the trace is damaged")
         runs.append(PhaseRun(current, run_start, end_time))
         allocations = []
         for index, ident, size, phase, start, request in pending:

@@ -137,7 +137,7 @@ def warning_lines(warnings: list[str]) -> list[str]:
               "planned one by one instead of as one layer block (nothing to do)"))
     out, rest = [], list(warnings)
     for needle, text in kinds:
-        hits = [w for w in rest if needle in w]
+        hits = [w for w in rest if needle in w and "phase " in w]  # the planner's form: "phase P ..."
         if hits:
             phases = ", ".join(w.split("phase ", 1)[1].split(" ", 1)[0] for w in hits)
             out.append(f"note          {phases} {text}")
