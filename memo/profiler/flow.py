@@ -42,6 +42,7 @@ from torch import nn
 import memo.planner  # noqa: F401  NOTE [Import PuLP early]: imported first inside profile(), it pins the model
 from memo.errors import MemoError
 from memo.phases import PhaseTracker
+from memo.profiler.bounds import check_least_memory, least_memory
 from memo.profiler.context_parallel import context_parallel_note, rank_tokens
 from memo.profiler.device import model_states
 from memo.profiler.measure import (
@@ -465,6 +466,9 @@ def profile(
     sizing = (build_profile_model(source, job_seq_len, dt, sized_on, tensor_parallel) if net is None
               else meta_copy(net))
     timings["build"] = time.perf_counter() - t0
+    # NOTE [Least memory, checked first]: a length the device cannot hold is refused before recording.
+    check_least_memory(least_memory(sizing, seq_len // tensor_parallel, micro_batch), dev, budget,
+                       "memo.profiler", job_seq_len)
     meta = {"model": name, "seq_len": job_seq_len, "context_parallel": context_parallel}
     if context_parallel > 1:
         notes.append(context_parallel_note(context_parallel, layer_ms is None))

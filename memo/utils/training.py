@@ -31,6 +31,7 @@ from memo.models import (
     list_configs,
 )
 from memo.models.model import TransformerModel
+from memo.profiler.bounds import check_least_memory, least_memory
 from memo.units import format_mib
 from memo.utils.flops import detect_peak_flops, flops_per_sample, mfu
 
@@ -324,6 +325,13 @@ def train(
     torch.manual_seed(config.seed)
     model_config = get_config(config.model)
     max_seq_len = max(config.seq_len, DEFAULT_MAX_SEQ_LEN) if model_config.arch == "gpt" else None
+    # NOTE [Least memory, checked first]: refuse a length the device cannot hold before building the
+    # model for real (GPT's position table alone can exceed the machine) or profiling it.
+    sizing = build_model(model_config, device="meta", dtype=dtype, max_seq_len=max_seq_len)
+    budget_gb = getattr(getattr(strategy, "options", None), "device_mem_gb", None)
+    check_least_memory(least_memory(sizing, config.seq_len, config.micro_batch), device,
+                       None if budget_gb is None else int(budget_gb * 1e9), "memo.train", config.seq_len)
+    del sizing
     model = build_model(
         model_config, device=device, dtype=dtype, recompute=config.recompute, max_seq_len=max_seq_len
     )
