@@ -61,7 +61,7 @@ def test_buffer_state_transitions_are_checked() -> None:
     with pytest.raises(MemoError, match="idle to ready"):
         slot.transition(BufferState.READY)
     slot.transition(BufferState.OFFLOADING)
-    with pytest.raises(MemoError, match="forward again while an earlier forward.s graph is still alive"):
+    with pytest.raises(MemoError, match="the layer ran twice within one forward of the model"):
         slot.transition(BufferState.OFFLOADING)
 
 
