@@ -511,6 +511,7 @@ class MemoRuntime:
         state = dict(self.__dict__)
         state.update(engine=None, buffers=None, layer_bytes=None, layer_tensors=[], layer_sizes=[],
                      _layer_sigs=[], _measured={}, _input_key=None, stats=RuntimeStats(), pending={},
+                     said=set(), flight=0,
                      _debug_skip_waits=set(self._debug_skip_waits))
         del state["anchor"]
         return state
