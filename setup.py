@@ -185,6 +185,8 @@ setup(
     ],
     extras_require={
         "megatron": ["megatron-core>=0.16"],
+        # Hugging Face causal LMs (memo.adapters.hf); tested with this version, written for 4.46+.
+        "hf": ["transformers==5.23.0"],
         "highs": ["highspy>=1.7"],
         "test": ["pytest>=7", "hypothesis>=6", "ruff>=0.5"],
     },

@@ -171,8 +171,8 @@ _BUILTIN_DONE: set[str] = set()
 
 
 def _load_builtin(module: nn.Module | None = None) -> None:
-    # The reference models are part of memo; megatron-core is optional and heavy, so its
-    # adapter is registered only when the model at hand comes from megatron.
+    # The reference models are part of memo; megatron-core and transformers are optional and
+    # heavy, so their adapters are registered only when the model at hand comes from them.
     if "reference" not in _BUILTIN_DONE:
         _BUILTIN_DONE.add("reference")
         from memo.models.layers import TransformerLayer
@@ -182,3 +182,9 @@ def _load_builtin(module: nn.Module | None = None) -> None:
             "megatron."):
         _BUILTIN_DONE.add("megatron")
         from memo.adapters import megatron  # noqa: F401  (registers TransformerLayer)
+    if module is not None and "transformers" not in _BUILTIN_DONE and type(module).__module__.startswith(
+            "transformers."):
+        _BUILTIN_DONE.add("transformers")
+        from memo.adapters.hf import register_layer_adapters
+
+        register_layer_adapters()

@@ -1,0 +1,680 @@
+"""Hugging Face ``transformers`` integration: decoder-layer adapters and a causal-LM model adapter.
+
+``memo.wrap(model, ...)`` of a ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` or ``MistralForCausalLM``
+finds their decoder layers through :class:`HFDecoderLayerAdapter` (registered the first time a
+``transformers`` module is met, NOTE [Layer adapters]); :class:`CausalLMAdapter` is their model
+adapter (NOTE [Model adapters]). Importing this module imports ``transformers``; memo does so only
+when a model from it is wrapped or profiled. Tested with transformers 5.23 (``pip install
+memo[hf]``); written against attributes, not versions, so that 4.4x layers (which return a tuple
+and take ``past_key_value``) work too.
+
+NOTE [HF decoder layer anatomy]
+An HF decoder layer (Llama, Qwen2, Mistral: the three are the same code) takes
+``hidden_states: [b, s, h]`` (batch first) and keyword arguments; memo splits it as
+
+- split_args: ``x = hidden_states.transpose(0, 1)`` (``[s, b, h]``, a view); the rotary
+  ``position_embeddings = (cos, sin)`` (``[B, s, d]``, B = 1 or b, the rows HF computed from
+  ``position_ids``) and the attention mask go into the context;
+- pre: ``input_layernorm`` -> ``q_proj``/``k_proj``/``v_proj`` (with their biases, Qwen2) ->
+  the family's own ``apply_rotary_pos_emb`` with the cos/sin rows of tokens
+  ``[offset:offset+t]``;
+- core: softmax attention with HF's scale (the attention module's ``scaling``, else
+  ``1/sqrt(head_dim)``), through memo's causal kernels when the mask is plain causal, else
+  through the masked attention below (NOTE [HF attention masks]);
+- post: ``o_proj`` -> residual -> ``post_attention_layernorm`` -> ``mlp`` -> residual;
+- pack_output: ``y.transpose(0, 1)``, as a 1-tuple where the layer's ``forward`` returns a tuple
+  (transformers 4.4x), else the tensor.
+
+Refused with a MemoError naming the layer class and the reason: a KV cache or ``use_cache=True``
+while training, ``output_attentions``, attention dropout > 0, an attention implementation other
+than ``eager``/``sdpa``, HF gradient checkpointing, flash-attention varlen arguments, a mask that is
+not ``[B, 1 or n, s, s]``, and an active sliding window without a mask that encodes it.
+
+NOTE [HF attention masks]
+HF's eager and sdpa paths build the whole ``[B, 1, s, s]`` mask in the model and hand it to every
+layer: ``None`` when sdpa can use ``is_causal`` (no padding), a boolean mask (sdpa, transformers
+5.x; True = attend) or an additive float mask (eager, and sdpa in 4.4x; 0 or the dtype's min). It
+already encodes everything HF does with masks: causality, left or right padding from a 2-D
+``attention_mask``, packed sequences (5.x: from ``position_ids`` resets) and sliding windows. memo
+uses the same mask the same way, so it computes what HF computes:
+
+- ``None``, or a mask that is exactly causal for every batch row (checked in row blocks): memo's
+  causal kernels (:mod:`memo.models.attention`);
+- any other mask: :func:`masked_attention_forward` / :func:`masked_attention_backward`, plain
+  matrix products over blocks of query rows in float32 (float64 for float64 inputs), forward and
+  backward without autograd. A boolean mask is applied as ``-inf`` and a query row with no key
+  left gets output 0 and gradient 0 (what ``torch.nn.functional.scaled_dot_product_attention``
+  does); a float mask is added to the scaled scores, as HF's eager attention does (a row whose
+  keys are all at the dtype's min then averages every key, as eager does).
+Such rows matter: with left padding the last padded position predicts the first real token, so
+unless its label is -100 its output reaches the loss. For them memo's gradient is the exact one of
+its forward. torch 2.13's CPU sdpa with a float mask is not (its forward averages every key, its
+backward does not), so with transformers 4.4x on CPU (float masks in sdpa) memo agrees with HF's
+eager there, not with HF's sdpa; 5.x hands sdpa a boolean mask and agrees with memo.
+The mask is kept in the context until the layer's backward (sdpa's own autograd keeps it too).
+Under autocast, attention runs in the autocast dtype (HF's sdpa and eager matmuls do too).
+
+Gradient checkpointing: 4.52+ flags each layer (``layer.gradient_checkpointing``), which the
+layer adapter refuses at wrap time and at every call; 4.4x before that flags only the base model,
+which :class:`CausalLMAdapter`'s check refuses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import math
+import sys
+import typing
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from memo.adapters.base import LayerAdapter, register_adapter, registered_adapters
+from memo.adapters.model import ModelAdapter, ModelParts
+from memo.errors import MemoError
+
+try:
+    import transformers  # noqa: F401  (fail here, clearly, when transformers is missing)
+except ImportError as e:  # pragma: no cover - exercised only without transformers
+    raise MemoError(
+        "memo.adapters.hf: transformers is not installed (pip install memo[hf], or pip install transformers)"
+    ) from e
+
+__all__ = [
+    "CausalLMAdapter",
+    "HFDecoderLayerAdapter",
+    "masked_attention_backward",
+    "masked_attention_forward",
+    "register_layer_adapters",
+]
+
+#: (module, class) of the decoder layers memo adapts.
+DECODER_LAYERS = (
+    ("transformers.models.llama.modeling_llama", "LlamaDecoderLayer"),
+    ("transformers.models.qwen2.modeling_qwen2", "Qwen2DecoderLayer"),
+    ("transformers.models.mistral.modeling_mistral", "MistralDecoderLayer"),
+)
+
+#: Attention implementations whose math memo reproduces (NOTE [HF attention masks]).
+SUPPORTED_ATTENTION = (None, "eager", "sdpa")
+
+#: Query rows per block of the masked attention: about this many float32 scores at a time.
+MASKED_BLOCK_SCORES = 1 << 22
+
+
+def register_layer_adapters() -> None:
+    """Register :class:`HFDecoderLayerAdapter` for the decoder layers of :data:`DECODER_LAYERS` that
+    this transformers version has (memo calls it when it first meets a transformers module)."""
+    import importlib
+
+    known = registered_adapters()
+    adapter = HFDecoderLayerAdapter()
+    for module_name, class_name in DECODER_LAYERS:
+        try:
+            cls = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError):
+            continue  # a family this transformers version does not have
+        if cls not in known:
+            register_adapter(cls, adapter)
+
+
+# ---------------------------------------------------------------------------------------------
+# Masked attention (NOTE [HF attention masks])
+
+
+def _layer_mask(mask: torch.Tensor, s: int, b: int, n: int, where: str) -> torch.Tensor:
+    """The layer's ``[B, 1 or n, s, s]`` mask; a wider one is cut to its first s keys, as HF's own
+    attention does (``attention_mask[:, :, :, :s]``; 4.4x eager masks have a spare column)."""
+    if mask.dim() != 4 or mask.shape[-2] != s or mask.shape[-1] < s or mask.shape[0] not in (1, b) or \
+            mask.shape[1] not in (1, n) or not (mask.dtype == torch.bool or mask.is_floating_point()):
+        got = f"{str(mask.dtype).removeprefix('torch.')} {tuple(mask.shape)}"
+        raise MemoError(
+            f"{where}: the attention mask must be a boolean or float [B, 1 or {n}, {s}, {s}] with B in "
+            f"(1, {b}) (the 4-D mask HF's eager/sdpa models build); got {got}. Pass the 2-D padding mask "
+            "to the model, not to the layers"
+        )
+    return mask[..., :s]
+
+
+def _no_autocast(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """The masked kernels compute in float32 on purpose: an ambient autocast would run their matmuls
+    in 16 bits and turn a float mask's float32 min into -inf."""
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def _block_rows(s: int, b: int, n: int) -> int:
+    return max(1, min(s, MASKED_BLOCK_SCORES // max(1, b * n * s)))
+
+
+def _stats(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _scores(q_blk: torch.Tensor, kb: torch.Tensor, mask: torch.Tensor, i0: int, i1: int, g: int,
+            scale: float) -> torch.Tensor:
+    """Scaled, masked scores of query rows ``[i0:i1]``: ``[b, n_kv, g * c, s]`` (rows ordered by
+    (group member, row))."""
+    c = i1 - i0
+    sc = torch.matmul(q_blk, kb.transpose(-1, -2)).mul_(scale)  # [b, n_kv, g*c, s]
+    m = mask[:, :, i0:i1]  # [B, 1 or n, c, s]
+    bsz, heads = m.shape[:2]
+    if heads == 1:
+        m = m.unsqueeze(2).expand(bsz, 1, g, c, m.shape[-1])
+    else:
+        m = m.reshape(bsz, heads // g, g, c, m.shape[-1])
+    m = m.reshape(bsz, m.shape[1], g * c, m.shape[-1])
+    if m.dtype == torch.bool:
+        sc.masked_fill_(~m, float("-inf"))
+    else:
+        sc.add_(m.to(sc.dtype))
+    return sc
+
+
+def _probs(sc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax of whole rows of scores (in place) and their log-sum-exp. Every block holds whole rows,
+    so backward recomputes the probabilities the same way instead of from the log-sum-exp: a row
+    whose float mask put every key at the dtype's min then gets eager's uniform weights, where
+    ``exp(score - lse)`` would not (``lse`` rounds to the min). A row a boolean mask leaves empty gets
+    0 (log-sum-exp ``-inf``)."""
+    mx = sc.amax(dim=-1, keepdim=True)
+    mx.masked_fill_(mx == float("-inf"), 0.0)
+    p = sc.sub_(mx).exp_()
+    total = p.sum(dim=-1, keepdim=True)
+    p.div_(total.masked_fill(total == 0, 1.0))
+    return p, mx + total.log()
+
+
+def _rows_of(t: torch.Tensor, i0: int, i1: int, n_kv: int, dtype: torch.dtype) -> torch.Tensor:
+    """``t[i0:i1]: [c, b, n, d]`` -> ``[b, n_kv, g * c, d]`` in ``dtype`` (head j = kv head j // g)."""
+    c, b, n, d = t[i0:i1].shape
+    g = n // n_kv
+    return t[i0:i1].to(dtype).permute(1, 2, 0, 3).reshape(b, n_kv, g * c, d)
+
+
+def _put_rows(dst: torch.Tensor, i0: int, i1: int, rows: torch.Tensor) -> None:
+    """Inverse of :func:`_rows_of`: ``rows [b, n_kv, g * c, d]`` -> ``dst[i0:i1]: [c, b, n, d]``."""
+    c = i1 - i0
+    b, n_kv, gc, d = rows.shape
+    dst[i0:i1] = rows.reshape(b, n_kv * (gc // c), c, d).permute(2, 0, 1, 3)
+
+
+def masked_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention under an explicit mask, without autograd (NOTE [HF attention masks]).
+
+    Args:
+        q: ``[s, b, n, d]``; k, v: ``[s, b, n_kv, d]`` with ``n % n_kv == 0``.
+        mask: ``[B, 1 or n, s, s]`` (B = 1 or b); boolean (True = attend) or additive float.
+        scale: softmax scale.
+
+    Returns:
+        ``o: [s, b, n, d]`` (q's dtype) and ``lse: [b, n, s]`` (float32, float64 for float64 inputs;
+        ``-inf`` for a row a boolean mask leaves empty).
+    """
+    s, b, n, d = q.shape
+    n_kv = k.shape[2]
+    g = n // n_kv
+    f = _stats(q.dtype)
+    with torch.no_grad(), _no_autocast(q.device):
+        kb = k.to(f).permute(1, 2, 0, 3)  # [b, n_kv, s, d]
+        vb = v.to(f).permute(1, 2, 0, 3)
+        o = torch.empty_like(q, memory_format=torch.contiguous_format)
+        lse = torch.empty(b, n, s, dtype=f, device=q.device)
+        step = _block_rows(s, b, n)
+        for i0 in range(0, s, step):
+            i1 = min(s, i0 + step)
+            p, m = _probs(_scores(_rows_of(q, i0, i1, n_kv, f), kb, mask, i0, i1, g, scale))
+            _put_rows(o, i0, i1, torch.matmul(p, vb).to(q.dtype))
+            lse[:, :, i0:i1] = m.view(b, n, i1 - i0)
+            del p, m
+    return o, lse
+
+
+def masked_attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              o: torch.Tensor, lse: torch.Tensor, mask: torch.Tensor,
+                              scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`masked_attention_forward`: ``grad_o: [s, b, n, d]`` -> ``dq: [s, b, n, d]``,
+    ``dk, dv: [s, b, n_kv, d]`` (grouped heads summed back), in the inputs' dtypes. The
+    probabilities are recomputed from whole rows of scores (:func:`_probs`), so ``lse`` is not read;
+    it is taken to keep the layer adapter's signature."""
+    s, b, n, d = q.shape
+    n_kv = k.shape[2]
+    g = n // n_kv
+    f = _stats(q.dtype)
+    with torch.no_grad(), _no_autocast(q.device):
+        kb = k.to(f).permute(1, 2, 0, 3)
+        vb = v.to(f).permute(1, 2, 0, 3)
+        # D_i = sum_j dO_ij O_ij, the softmax backward's row term.
+        delta = (grad_o.to(f) * o.to(f)).sum(-1)  # [s, b, n]
+        dq = torch.empty(s, b, n, d, dtype=q.dtype, device=q.device)
+        dk = torch.zeros(b, n_kv, s, d, dtype=f, device=q.device)
+        dv = torch.zeros(b, n_kv, s, d, dtype=f, device=q.device)
+        step = _block_rows(s, b, n)
+        for i0 in range(0, s, step):
+            i1 = min(s, i0 + step)
+            c = i1 - i0
+            q_blk = _rows_of(q, i0, i1, n_kv, f)
+            do_blk = _rows_of(grad_o, i0, i1, n_kv, f)
+            p, _ = _probs(_scores(q_blk, kb, mask, i0, i1, g, scale))  # [b, n_kv, g*c, s]
+            dv += torch.matmul(p.transpose(-1, -2), do_blk)
+            dp = torch.matmul(do_blk, vb.transpose(-1, -2))
+            delta_blk = delta[i0:i1].permute(1, 2, 0).reshape(b, n_kv, g * c, 1)
+            ds = p.mul_(dp.sub_(delta_blk))  # dS = P * (dP - D), in place of p
+            del dp
+            _put_rows(dq, i0, i1, torch.matmul(ds, kb).mul_(scale).to(q.dtype))
+            dk += torch.matmul(ds.transpose(-1, -2), q_blk).mul_(scale)
+            del p, ds, q_blk, do_blk
+    dk, dv = (t.permute(2, 0, 1, 3).to(k.dtype).contiguous() for t in (dk, dv))
+    return dq, dk, dv
+
+
+def _allowed(mask: torch.Tensor) -> torch.Tensor:
+    """Where a mask block lets a query see a key: True entries of a boolean mask, 0 of a float one."""
+    return mask if mask.dtype == torch.bool else mask == 0
+
+
+def _is_plain_causal(mask: torch.Tensor) -> bool:
+    """Whether ``mask [B, H, s, s]`` is exactly causal in every batch row and head: a float mask must
+    hold only 0 (allowed) and its dtype's min or -inf (masked), so that memo's causal kernels give
+    the same numbers (checked in blocks of rows, never an ``[s, s]`` temporary)."""
+    s = mask.shape[-1]
+    step = max(1, (1 << 24) // max(1, s * mask.shape[0] * mask.shape[1]))
+    cols = torch.arange(s, device=mask.device)
+    for i0 in range(0, s, step):
+        i1 = min(s, i0 + step)
+        blk = mask[:, :, i0:i1]
+        causal = cols[None, :] <= torch.arange(i0, i1, device=mask.device)[:, None]
+        if not torch.equal(_allowed(blk), causal.expand_as(blk)):
+            return False
+        if blk.dtype != torch.bool:
+            masked = blk[~causal.expand_as(blk)]
+            gone = (masked == torch.finfo(blk.dtype).min) | (masked == float("-inf"))
+            if not bool(gone.all()):
+                return False
+    return True
+
+
+class _MaskVerdicts:
+    """Remembers whether the last mask seen was plain causal: every layer of a forward gets the same
+    mask tensor from the model, and checking it once is enough (keyed by that tensor and its version)."""
+
+    def __init__(self) -> None:
+        self.last: tuple[Any, int, int, bool] | None = None
+
+    def plain_causal(self, given: torch.Tensor, mask: torch.Tensor) -> bool:
+        """``mask``: the layer's ``[B, H, s, s]`` cut of the tensor ``given`` to it."""
+        s = mask.shape[-1]
+        if self.last is not None and self.last[0]() is given and self.last[1:3] == (given._version, s):
+            return self.last[3]
+        verdict = _is_plain_causal(mask)
+        self.last = (weakref.ref(given), given._version, s, verdict)
+        return verdict
+
+
+# ---------------------------------------------------------------------------------------------
+# Layer adapter (NOTE [HF decoder layer anatomy])
+
+
+@dataclass
+class _Ctx:
+    """What one call of an HF decoder layer leaves to pre / core / post (NOTE [HF decoder layer anatomy])."""
+
+    #: ``[s, B, d]`` rotary rows (the layer's ``position_embeddings`` with tokens first).
+    cos: torch.Tensor
+    sin: torch.Tensor
+    #: The layer's attention mask when it is not plain causal (NOTE [HF attention masks]), else None.
+    mask: torch.Tensor | None
+    scale: float
+    as_tuple: bool
+    #: dtype attention ran in (the autocast dtype under autocast), set by core_forward.
+    attn_dtype: torch.dtype | None = None
+
+
+# Arguments HF's own model loop passes that do not change the layer's math.
+_IGNORED = {"position_ids", "cache_position", "output_hidden_states", "return_dict", "num_items_in_batch"}
+# Arguments that must be absent, None or False.
+_CACHE = ("past_key_values", "past_key_value", "layer_past")
+_REFUSED_IF_SET = {
+    "use_cache": "use_cache=True (pass use_cache=False or set model.config.use_cache = False to train)",
+    "output_attentions": "output_attentions=True (memo never forms the attention weights)",
+    **{name: f"{name} (flash-attention's packed-sequence arguments; use attn_implementation='sdpa' and "
+             "position_ids or an attention mask)" for name in
+       ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")},
+}
+
+
+@functools.cache
+def _signature(cls: type) -> inspect.Signature:
+    return inspect.signature(cls.forward)
+
+
+@functools.cache
+def _returns_tuple(cls: type) -> bool:
+    """Whether the layer class's ``forward`` returns a tuple (transformers 4.4x) or the tensor (>= 4.54)."""
+    sig = _signature(cls)
+    ann = sig.return_annotation
+    if isinstance(ann, str):
+        return ann.replace("typing.", "").lower().startswith("tuple")
+    if ann is not inspect.Signature.empty:
+        return typing.get_origin(ann) is tuple or ann is tuple
+    return "output_attentions" in sig.parameters
+
+
+@functools.cache
+def _rotary_fn(cls: type) -> Any:
+    """The ``apply_rotary_pos_emb`` of the layer's model family (its module, or a base class's)."""
+    for klass in cls.__mro__:
+        fn = getattr(sys.modules.get(klass.__module__), "apply_rotary_pos_emb", None)
+        if callable(fn):
+            return fn
+    return None
+
+
+def _attn_implementation(layer: nn.Module) -> str | None:
+    cfg = getattr(layer.self_attn, "config", None)
+    return getattr(cfg, "_attn_implementation", None)
+
+
+def _sliding_window(layer: nn.Module) -> int | None:
+    """The window the layer's attention would use, or None (Qwen2 5.x keeps it per layer; Mistral in
+    the config; Qwen2 4.4x in the config behind ``use_sliding_window``)."""
+    attn = layer.self_attn
+    if hasattr(attn, "sliding_window"):
+        return attn.sliding_window
+    cfg = attn.config
+    if hasattr(cfg, "use_sliding_window") and not cfg.use_sliding_window:
+        return None
+    return getattr(cfg, "sliding_window", None)
+
+
+def _scale(layer: nn.Module) -> float:
+    attn = layer.self_attn
+    scale = getattr(attn, "scaling", None)
+    return float(scale) if scale is not None else 1.0 / math.sqrt(attn.head_dim)
+
+
+def _rotary(layer: nn.Module, hidden: torch.Tensor, given: Any, position_ids: Any,
+            where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's rotary ``(cos, sin)``: what the model passed, else (the attention owns its rotary
+    embedding, as Mistral and Qwen2 in 4.4x) what the attention would compute from ``position_ids``,
+    in the dtype its value projection has (the autocast dtype under autocast)."""
+    if isinstance(given, (tuple, list)) and len(given) == 2:
+        return given[0], given[1]
+    rotary_emb = getattr(layer.self_attn, "rotary_emb", None)
+    if given is None and rotary_emb is not None and isinstance(position_ids, torch.Tensor):
+        device = hidden.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+        with torch.no_grad():
+            cos, sin = rotary_emb(torch.empty(0, dtype=dtype, device=hidden.device), position_ids)
+        return cos, sin
+    raise MemoError(f"{where}: memo needs the rotary position_embeddings=(cos, sin) that the model passes to "
+                    "its layers, or position_ids for the attention's own rotary embedding; got neither")
+
+
+class HFDecoderLayerAdapter(LayerAdapter):
+    """``LlamaDecoderLayer`` / ``Qwen2DecoderLayer`` / ``MistralDecoderLayer`` -> pre / core / post
+    (NOTE [HF decoder layer anatomy], NOTE [HF attention masks])."""
+
+    name = "hf"
+
+    def __init__(self) -> None:
+        self._verdicts = _MaskVerdicts()
+
+    def check(self, layer: nn.Module) -> None:
+        where = f"memo.adapters.hf: {type(layer).__name__}"
+        problems = []
+        attn = getattr(layer, "self_attn", None)
+        missing = [name for name in ("self_attn", "input_layernorm", "post_attention_layernorm", "mlp")
+                   if getattr(layer, name, None) is None]
+        missing += [f"self_attn.{name}" for name in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim")
+                    if attn is not None and getattr(attn, name, None) is None]
+        if missing:
+            problems.append(f"it has no {', '.join(missing)}")
+        elif getattr(attn, "q_norm", None) is not None or getattr(attn, "k_norm", None) is not None:
+            problems.append("its attention normalises q/k (a Qwen3/OLMo-style layer; no memo adapter for it)")
+        if _rotary_fn(type(layer)) is None:
+            problems.append("its module has no apply_rotary_pos_emb")
+        if attn is not None:
+            impl = _attn_implementation(layer)
+            if impl not in SUPPORTED_ATTENTION:
+                problems.append(f"its attention implementation is {impl!r}; memo reproduces 'eager' and "
+                                "'sdpa' (load the model with attn_implementation='sdpa')")
+            dropout = float(getattr(attn, "attention_dropout", 0.0) or 0.0)
+            if dropout > 0:
+                problems.append(f"attention_dropout={dropout}; memo's attention has no dropout (set "
+                                "config.attention_dropout = 0)")
+        problems += _gradient_checkpointing(layer)
+        if problems:
+            raise MemoError(f"{where}: memo cannot split this layer into pre/core/post because "
+                            + "; ".join(problems))
+
+    def split_args(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[
+            torch.Tensor, Any]:
+        cls = type(layer)
+        where = f"memo.adapters.hf: {cls.__name__}"
+        try:
+            bound = _signature(cls).bind(layer, *args, **kwargs)
+        except TypeError as e:
+            raise MemoError(f"{where}: unexpected arguments: {e}") from None
+        given = dict(bound.arguments)
+        for name, p in _signature(cls).parameters.items():
+            if p.kind is inspect.Parameter.VAR_KEYWORD:
+                given.update(given.pop(name, {}))
+        problems = _gradient_checkpointing(layer)
+        for name, value in given.items():
+            if name in ("self", "hidden_states", "attention_mask", "position_embeddings") or name in _IGNORED:
+                continue
+            if name in _CACHE:
+                if value is not None:
+                    problems.append(f"a KV cache ({name}={type(value).__name__}); memo trains without one "
+                                    "(pass use_cache=False or set model.config.use_cache = False)")
+            elif name in _REFUSED_IF_SET:
+                if value:
+                    problems.append(_REFUSED_IF_SET[name])
+            elif value is not None and value is not False:
+                problems.append(f"argument {name!r}, which memo does not know how to honour")
+        if problems:
+            raise MemoError(f"{where}: cannot run under memo's token-wise recompute: " + "; ".join(problems))
+
+        hidden = given.get("hidden_states")
+        if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
+            got = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
+            raise MemoError(f"{where}: hidden_states must be a [b, s, h] tensor, got {got}")
+        b, s, _ = hidden.shape
+        cos, sin = _rotary(layer, hidden, given.get("position_embeddings"), given.get("position_ids"), where)
+        if cos.dim() != 3 or cos.shape[1] != s or cos.shape[0] not in (1, b):
+            raise MemoError(f"{where}: position_embeddings must be [B, {s}, head_dim] with B in (1, {b}); "
+                            f"got {tuple(cos.shape)}")
+        attn = layer.self_attn
+        n = attn.q_proj.out_features // attn.head_dim
+        mask = given.get("attention_mask")
+        if mask is not None:
+            cut = _layer_mask(mask, s, b, n, where)
+            mask = None if self._verdicts.plain_causal(mask, cut) else cut
+        window = _sliding_window(layer)
+        if mask is None and window is not None and s > window:
+            raise MemoError(
+                f"{where}: sliding_window={window} is shorter than the sequence ({s} tokens) but the layer "
+                "got no attention mask that applies it; memo's causal attention would see every earlier "
+                "token. Call the model (with attn_implementation 'eager' or 'sdpa' its mask carries the "
+                f"window), or use sequences of at most {window} tokens")
+        ctx = _Ctx(cos=cos.transpose(0, 1), sin=sin.transpose(0, 1), mask=mask, scale=_scale(layer),
+                   as_tuple=_returns_tuple(cls))
+        return hidden.transpose(0, 1), ctx
+
+    def pre(self, layer: nn.Module, x: torch.Tensor, offset: int, ctx: _Ctx) -> tuple[
+            torch.Tensor, torch.Tensor, torch.Tensor]:
+        attn = layer.self_attn
+        t, b, _ = x.shape
+        d = attn.head_dim
+        h = layer.input_layernorm(x)
+        q = attn.q_proj(h).view(t, b, -1, d)
+        k = attn.k_proj(h).view(t, b, -1, d)
+        v = attn.v_proj(h).view(t, b, -1, d)
+        cos, sin = ctx.cos[offset:offset + t], ctx.sin[offset:offset + t]  # [t, B, d]
+        q, k = _rotary_fn(type(layer))(q, k, cos, sin, unsqueeze_dim=2)
+        return q, k, v
+
+    def post(self, layer: nn.Module, o: torch.Tensor, x: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
+        h = x + layer.self_attn.o_proj(o)
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def core_forward(self, layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     ctx: _Ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        device = q.device.type
+        if torch.is_autocast_enabled(device):
+            ctx.attn_dtype = torch.get_autocast_dtype(device)
+        else:
+            ctx.attn_dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+        dt = ctx.attn_dtype
+        q, k, v = q.to(dt), k.to(dt), v.to(dt)
+        s, b, n, d = q.shape
+        if ctx.mask is None:
+            from memo.models.attention import attention_forward
+
+            o, lse = attention_forward(_rescale(q, ctx.scale), k, v)
+        else:
+            o, lse = masked_attention_forward(q, k, v, ctx.mask, ctx.scale)
+        return o.view(s, b, n * d), lse
+
+    def core_backward(self, layer: nn.Module, grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, ctx: _Ctx) -> tuple[
+            torch.Tensor, torch.Tensor, torch.Tensor]:
+        dt = ctx.attn_dtype
+        s, b, n, d = q.shape
+        qc, kc, vc = q.to(dt), k.to(dt), v.to(dt)
+        grad_o = grad_o.reshape(s, b, n, d).to(dt)
+        if ctx.mask is None:
+            from memo.models.attention import attention_backward
+
+            factor = _factor(ctx.scale, d)
+            dq, dk, dv = attention_backward(grad_o, _rescale(qc, ctx.scale), kc, vc, o.view(s, b, n, d), lse)
+            if factor != 1.0:
+                dq = dq * factor
+        else:
+            dq, dk, dv = masked_attention_backward(grad_o, qc, kc, vc, o.view(s, b, n, d), lse, ctx.mask,
+                                                   ctx.scale)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+    def pack_output(self, layer: nn.Module, y: torch.Tensor, ctx: _Ctx) -> Any:
+        out = y.transpose(0, 1)
+        return (out,) if ctx.as_tuple else out
+
+
+def _factor(scale: float, d: int) -> float:
+    """memo's causal kernels scale by ``1/sqrt(d)``; q is multiplied by this to get HF's ``scale``."""
+    factor = scale * math.sqrt(d)
+    return 1.0 if abs(factor - 1.0) < 1e-12 else factor
+
+
+def _rescale(q: torch.Tensor, scale: float) -> torch.Tensor:
+    factor = _factor(scale, q.shape[-1])
+    return q if factor == 1.0 else q * factor
+
+
+_CHECKPOINTING_OFF = ("turn it off with model.activation_checkpointing_disable(), or "
+                      "gradient_checkpointing_disable() in older transformers; memo does the recomputation "
+                      "itself, token-wise")
+
+
+def _gradient_checkpointing(module: nn.Module) -> list[str]:
+    if getattr(module, "gradient_checkpointing", False):
+        return [f"HF gradient checkpointing is on ({_CHECKPOINTING_OFF})"]
+    return []
+
+
+# ---------------------------------------------------------------------------------------------
+# Model adapter (NOTE [Model adapters])
+
+
+class _ChunkedLossHead(nn.Module):
+    """The LM head and mean cross-entropy of an HF causal LM, chunked over tokens so that the
+    ``[b, s, V]`` logits never exist: ``(h [b, s, H] after the final norm, labels [b, s]) -> loss``.
+
+    Holds the model weakly and reads ``model.lm_head`` at each call (so a resized head is used); it is
+    not a submodule of the model, so the model's state dict is unchanged. Under autocast the head
+    runs in the autocast dtype, as HF's ``nn.Linear`` head does.
+    """
+
+    def __init__(self, model: nn.Module, chunk_tokens: int | None = None) -> None:
+        super().__init__()
+        self._model = weakref.ref(model)
+        self.chunk_tokens = chunk_tokens
+
+    def forward(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        from memo.models.loss import chunked_lm_loss
+
+        model = self._model()
+        if model is None:
+            raise MemoError("memo.adapters.hf: the model of this loss head was freed")
+        weight = model.lm_head.weight
+        device = h.device.type
+        if torch.is_autocast_enabled(device):
+            dt = torch.get_autocast_dtype(device)
+            h, weight = h.to(dt), weight.to(dt)
+        # chunked_lm_loss walks tokens in x's row-major order with labels transposed the same way;
+        # passing the batch-first h as "[b, s, H]" with labels.t() keeps h contiguous (no copy).
+        return chunked_lm_loss(h, weight, labels.t(), self.chunk_tokens)
+
+
+class CausalLMAdapter(ModelAdapter):
+    """``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``MistralForCausalLM``: ``model.model.embed_tokens``,
+    ``model.model.layers``, and a head of ``model.model.norm`` plus a chunked LM loss against
+    ``model.lm_head.weight`` (NOTE [Model adapters])."""
+
+    name = "hf-causal-lm"
+
+    def __init__(self) -> None:
+        self._heads: weakref.WeakKeyDictionary[nn.Module, _ChunkedLossHead] = weakref.WeakKeyDictionary()
+
+    def loss_head(self, model: nn.Module) -> nn.Module:
+        """The module computing ``model``'s loss from its final hidden states (the last head part)."""
+        head = self._heads.get(model)
+        if head is None:
+            head = self._heads[model] = _ChunkedLossHead(model)
+        return head
+
+    def check(self, model: nn.Module) -> None:
+        where = f"memo.adapters.hf: {type(model).__name__}"
+        problems = []
+        base = getattr(model, "model", None)
+        for name in ("embed_tokens", "layers", "norm"):
+            if getattr(base, name, None) is None:
+                problems.append(f"it has no model.{name}")
+        head = getattr(model, "lm_head", None)
+        if not isinstance(head, nn.Linear):
+            problems.append(f"its lm_head is {type(head).__name__}, not an nn.Linear")
+        elif head.bias is not None:
+            problems.append("its lm_head has a bias (memo's chunked loss has none)")
+        cfg = getattr(model, "config", None)
+        for attr in ("final_logit_softcapping", "logit_scale"):
+            if getattr(cfg, attr, None) not in (None, 1, 1.0):
+                problems.append(f"config.{attr}={getattr(cfg, attr)} changes the logits")
+        if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+            problems.append(f"HF gradient checkpointing is on ({_CHECKPOINTING_OFF})")
+        impl = getattr(cfg, "_attn_implementation", None)
+        if impl not in SUPPORTED_ATTENTION:
+            problems.append(f"its attention implementation is {impl!r} (memo reproduces 'eager' and 'sdpa')")
+        if problems:
+            raise MemoError(f"{where}: " + "; ".join(problems))
+
+    def parts(self, model: nn.Module) -> ModelParts:
+        base = model.model
+        return ModelParts(base.embed_tokens, list(base.layers), [base.norm, self.loss_head(model)])
+
+    def loss(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean next-token loss; ``labels[:, t]`` is the target of position t (already shifted, -100
+        ignored). Runs the base model (embedding, layers, final norm), then the chunked head."""
+        out = model.model(input_ids=ids, use_cache=False)
+        hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
+        return self.loss_head(model)(hidden, labels)
+
+    def vocab_size(self, model: nn.Module) -> int:
+        return int(model.lm_head.weight.shape[0])
