@@ -10,6 +10,11 @@ with an error that says why.
 from __future__ import annotations
 
 import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,6 +35,8 @@ from memo.adapters.hf import (  # noqa: E402  (after the importorskip)
     masked_attention_backward,
     masked_attention_forward,
 )
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 V = 128
 FAMILIES = ("llama", "qwen2", "mistral")
@@ -336,3 +343,18 @@ def test_unsupported_hf_model_names_the_class_and_the_adapter_to_write() -> None
     with pytest.raises(MemoError, match=r"no model adapter for transformers.models.bert.modeling_bert."
                                         r"BertModel.*register_model_adapter\(BertModel"):
         model_adapter_for(bert)
+
+
+def test_finetune_example_runs_two_steps() -> None:
+    root = Path(__file__).resolve().parents[1]
+    # This checkout's memo, whatever is installed; one thread suits the tiny shapes.
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    args = ["--steps", "2", "--seq-len", "257", "--layers", "2", "--hidden", "64", "--vocab", "128", "--bf16"]
+    example = str(root / "examples" / "finetune_hf.py")
+    out = subprocess.run([sys.executable, example, *args], capture_output=True, text=True, timeout=300,
+                         env=env)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert [line.split()[:2] for line in lines if line.startswith("step")] == [["step", "1"], ["step", "2"]]
+    described = json.loads(next(line for line in lines if line.startswith("memo:")).removeprefix("memo:"))
+    assert described["policy"] == ["memo", "memo"] and described["stats"]["layer_backwards"] == 4

@@ -3,9 +3,10 @@
 Model adapters (:mod:`memo.adapters.model`, NOTE [Model adapters]) say where a model keeps its
 embedding, layers and head, and how it computes its loss.
 
-Built in: memo's reference GPT/Llama layers (:class:`AnatomyAdapter`) and
+Built in: memo's reference GPT/Llama layers (:class:`AnatomyAdapter`),
 megatron-core's ``TransformerLayer`` (:mod:`memo.adapters.megatron`, loaded when a
-megatron model is wrapped).
+megatron model is wrapped) and Hugging Face's Llama/Qwen2/Mistral decoder layers and
+causal LMs (:mod:`memo.adapters.hf`, loaded when a transformers model is wrapped).
 """
 
 from memo.adapters.base import (

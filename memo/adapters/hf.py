@@ -493,7 +493,8 @@ class HFDecoderLayerAdapter(LayerAdapter):
             raise MemoError(f"{where}: position_embeddings must be [B, {s}, head_dim] with B in (1, {b}); "
                             f"got {tuple(cos.shape)}")
         attn = layer.self_attn
-        n = attn.q_proj.out_features // attn.head_dim
+        # Heads from the module or its config: q_proj may be a wrapper (LoRA) without out_features.
+        n = getattr(attn, "num_heads", None) or attn.config.num_attention_heads
         mask = given.get("attention_mask")
         if mask is not None:
             cut = _layer_mask(mask, s, b, n, where)

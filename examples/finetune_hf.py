@@ -1,0 +1,140 @@
+#!/usr/bin/env python
+"""Fine-tune a Hugging Face causal LM at long context with memo: LoRA-style, optionally in bf16.
+
+By default a tiny random Llama is built from a config (no download); ``--model-path DIR`` loads
+local weights instead (Llama, Qwen2 or Mistral; ``from_pretrained(DIR, local_files_only=True)``).
+Every weight is frozen except small low-rank adapters on the attention's q and v projections
+(a ten-line LoRA, no peft), the decoder layers are wrapped by memo (token-wise offload of
+``alpha`` of each layer's tokens, the rest recomputed in backward), and the loss is memo's
+chunked LM loss through the model adapter, so the ``[b, s, vocab]`` logits never exist.
+
+This is the plain path: ``memo.wrap`` + a training loop, no profile or plan.
+
+Examples:
+    python examples/finetune_hf.py --seq-len 2048 --steps 5
+    python examples/finetune_hf.py --model-path ./Llama-3.2-1B --seq-len 32K --device cuda --bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+import torch
+from torch import nn
+
+import memo
+from memo.adapters import model_adapter_for
+from memo.cli.args import positive_int, seq_len
+from memo.errors import MemoError
+from memo.runtime.wrap import runtime_of
+from memo.utils.training import SyntheticTokens
+
+
+class LoRALinear(nn.Module):
+    """``base(x) + (alpha / r) * x A^T B^T`` with ``base`` frozen; B starts at zero, so the model
+    starts exactly as loaded."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float = 16.0) -> None:
+        super().__init__()
+        self.base = base
+        self.lora_a = nn.Parameter(torch.empty(rank, base.in_features, device=base.weight.device,
+                                               dtype=base.weight.dtype))
+        self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank, device=base.weight.device,
+                                               dtype=base.weight.dtype))
+        nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
+        self.scale = alpha / rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (x @ self.lora_a.t() @ self.lora_b.t()) * self.scale
+
+
+def add_lora(model: nn.Module, rank: int) -> int:
+    """Freeze every parameter, put LoRA on each layer's q_proj and v_proj; returns trainable count."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        attn.q_proj = LoRALinear(attn.q_proj, rank)
+        attn.v_proj = LoRALinear(attn.v_proj, rank)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def build(args: argparse.Namespace) -> nn.Module:
+    import transformers
+
+    if args.model_path:
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            args.model_path, local_files_only=True, attn_implementation="sdpa", torch_dtype=torch.float32)
+    config = transformers.LlamaConfig(
+        hidden_size=args.hidden, intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
+        num_attention_heads=args.heads, num_key_value_heads=max(1, args.heads // 2), vocab_size=args.vocab,
+        max_position_embeddings=max(args.seq_len, 2048), attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-path", help="local directory of a Llama/Qwen2/Mistral checkpoint")
+    parser.add_argument("--seq-len", type=seq_len, default=2048, help="tokens per sequence: 2048, 32K")
+    parser.add_argument("--micro-batch", type=positive_int, default=1, help="sequences per step")
+    parser.add_argument("--steps", type=positive_int, default=5, help="optimizer steps")
+    parser.add_argument("--alpha", type=float, default=0.5, help="offloaded fraction of each layer's tokens")
+    parser.add_argument("--lora-rank", type=positive_int, default=8)
+    parser.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate")
+    parser.add_argument("--bf16", action="store_true", help="run forward under bfloat16 autocast")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--hidden", type=positive_int, default=128, help="tiny config: hidden size")
+    parser.add_argument("--layers", type=positive_int, default=4, help="tiny config: decoder layers")
+    parser.add_argument("--heads", type=positive_int, default=4, help="tiny config: attention heads")
+    parser.add_argument("--vocab", type=positive_int, default=512, help="tiny config: vocabulary")
+    args = parser.parse_args(argv)
+    try:
+        return finetune(args)
+    except MemoError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def finetune(args: argparse.Namespace) -> int:
+    device = torch.device(args.device)
+    model = build(args).to(device).train()
+    model.config.use_cache = False  # no KV cache while training (memo refuses one)
+    trainable = add_lora(model, args.lora_rank)
+    adapter = model_adapter_for(model, "finetune_hf")  # refuses what memo cannot train, with the reason
+    n_layers = len(model.model.layers)
+    precision = "bf16 autocast" if args.bf16 else "fp32"
+    print(f"{type(model).__name__}: {n_layers} layers, vocab {adapter.vocab_size(model)}, "
+          f"{trainable:,} trainable of {sum(p.numel() for p in model.parameters()):,} parameters; "
+          f"seq_len {args.seq_len}, alpha {args.alpha}, {precision} on {device}")
+
+    # Every decoder layer offloads alpha of its tokens and recomputes the rest in backward.
+    memo.wrap(model, alpha=args.alpha, policy=["memo"] * n_layers)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
+    data = iter(SyntheticTokens(adapter.vocab_size(model), args.seq_len, args.micro_batch, seed=0))
+    try:
+        for step in range(1, args.steps + 1):
+            ids, labels = (t.to(device) for t in next(data))
+            start = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
+                loss = adapter.loss(model, ids, labels)  # labels[:, t] is the token after ids[:, t]
+            loss.backward()
+            optimizer.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds = time.perf_counter() - start
+            print(f"step {step:>3}  loss {loss.item():.4f}  {seconds * 1e3:,.0f} ms  "
+                  f"{args.micro_batch * args.seq_len / seconds:,.0f} tok/s")
+        print("memo:", json.dumps(runtime_of(model).describe()))
+    finally:
+        memo.unwrap(model)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
