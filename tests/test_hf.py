@@ -150,6 +150,14 @@ def test_frozen_parameters_lora_style() -> None:
     assert all(p.grad is None for p in wrapped.parameters() if not p.requires_grad)
 
 
+def test_mixed_layer_policies() -> None:
+    model = _model("llama", layers=4)
+    wrapped = memo.wrap(copy.deepcopy(model), alpha=0.5, policy=["memo", "memo", "recompute", "keep"])
+    batch = _batch(37, "left")
+    assert_same_step(_step(wrapped, batch), _step(model, batch))
+    assert runtime_of(wrapped).stats.recomputed_layers == 1
+
+
 def test_tied_embeddings() -> None:
     model = _model("qwen2", tie_word_embeddings=True)
     assert model.lm_head.weight is model.model.embed_tokens.weight
@@ -255,6 +263,14 @@ def test_model_adapter_loss_and_parts(family: str) -> None:
     phases = [p for i, p in enumerate(opened) if i == 0 or p != opened[i - 1]]
     assert phases == ["embed.fwd", "layer.fwd[0]", "layer.fwd[1]", "head.fwd", "head.bwd", "layer.bwd[1]",
                       "layer.bwd[0]", "embed.bwd"]
+
+
+def test_model_adapter_refuses_the_meta_device() -> None:
+    with torch.device("meta"):
+        model = _model("llama")
+    ids, labels = _shifted(torch.zeros(1, 8, dtype=torch.long, device="meta"))
+    with pytest.raises(MemoError, match="LlamaForCausalLM cannot run on the meta device.*cpu or cuda"):
+        model_adapter_for(model).loss(model, ids, labels)
 
 
 def test_model_adapter_loss_under_memo() -> None:

@@ -673,6 +673,11 @@ class CausalLMAdapter(ModelAdapter):
     def loss(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean next-token loss; ``labels[:, t]`` is the target of position t (already shifted, -100
         ignored). Runs the base model (embedding, layers, final norm), then the chunked head."""
+        if ids.device.type == "meta":
+            raise MemoError(
+                f"memo.adapters.hf: {type(model).__name__} cannot run on the meta device: transformers "
+                "prepares its attention mask from tensor values (e.g. packed-sequence detection in "
+                "position_ids). Profile Hugging Face models on cpu or cuda")
         out = model.model(input_ids=ids, use_cache=False)
         hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
         return self.loss_head(model)(hidden, labels)
