@@ -86,14 +86,14 @@ import torch
 mode, seq, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 import memo.allocator as ma
 from memo.models import ModelConfig, build_model
-from memo.phases import PhaseTracker
+from memo.profiler import phase_tracker
 if mode == "memo":
     ma.install_cuda()
 torch.manual_seed(0)
 config = ModelConfig(name="bench-llama", arch="llama", n_layers=4, hidden=1024, n_heads=8, vocab_size=32000)
 model = build_model(config, device="cuda", dtype=torch.bfloat16)
 listeners = [ma.set_phase] if mode == "memo" else []
-tracker = PhaseTracker(model.embedding, model.layers, model.head, listeners=listeners)
+tracker = phase_tracker(model, listeners=listeners)  # on the parts the model adapter names
 ids = torch.randint(0, 32000, (1, seq), device="cuda")
 def step():
     for p in model.parameters():

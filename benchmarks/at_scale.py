@@ -2,8 +2,8 @@
 """Per-rank device memory of none, full recompute and memo at scale, and the longest sequence each fits.
 
 For every sequence length, one rank (tensor parallel t, context parallel c) is profiled on the meta
-device (``memo.profiler.profile(..., device="meta")``: no GPU and no memory; NOTE [Sizes from meta]
-in memo/profiler/flow.py) three times:
+device (``memo.pipeline.profile(..., device="meta")``: no GPU and no memory; NOTE [Sizes from meta]
+in memo/pipeline.py) three times:
 
 - **none**: every layer keeps its activations (the fixed layer policy all ``"keep"``);
 - **full recompute**: every layer recomputes in backward (all ``"recompute"``);
@@ -16,7 +16,7 @@ what ``memo show`` prints as ``device/rank``. Then, for each strategy, the longe
 total fits the budget: doubling from ``--search-start`` (halving when it does not fit), then
 bisection to ``--granularity`` tokens. A fixed policy fits when its recorded total is within the
 budget less the share every plan leaves free for allocator fragmentation (NOTE [Fallback
-headroom] in memo/profiler/flow.py); memo fits when the planner finds a policy (it raises
+headroom] in memo/pipeline.py); memo fits when the planner finds a policy (it raises
 DeviceBudgetError otherwise) and the recorded total is within the same.
 
 NOTE [At-scale layer time]
@@ -68,9 +68,9 @@ class Bench:
         self.args = args
         self.config = get_config(args.model)
         self.budget = int(args.device_mem_gb * GB)
-        # NOTE [Fallback headroom] (memo/profiler/flow.py): memo plans within the budget less a
+        # NOTE [Fallback headroom] (memo/pipeline.py): memo plans within the budget less a
         # share kept free for allocator fragmentation; every strategy is judged against the same.
-        from memo.profiler.flow import FALLBACK_HEADROOM
+        from memo.pipeline import FALLBACK_HEADROOM
 
         self.usable = int(self.budget * (1 - FALLBACK_HEADROOM))
         self.log = log
@@ -91,7 +91,7 @@ class Bench:
         key = (strategy if budgeted else f"{strategy} (no budget)", length)
         if key in self.cache:
             return self.cache[key]
-        from memo.profiler import profile
+        from memo.pipeline import profile
 
         a = self.args
         fixed = STRATEGIES[strategy]

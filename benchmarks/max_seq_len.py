@@ -28,7 +28,7 @@ that a real job does once, and may do on another device). ``--memo-profile model
 default) profiles the very model the step trains, as ``memo train`` does; its pass 1 runs the
 plain model on the device. On a real GPU that pass needs as much memory as ``none`` and would
 cap memo at none's length, so ``--memo-profile name`` (CUDA default) profiles by model name:
-pass 1 on the meta device (NOTE [Sizes from meta] in memo/profiler/flow.py), pass 2 wrapped on
+pass 1 on the meta device (NOTE [Sizes from meta] in memo/pipeline.py), pass 2 wrapped on
 the device, and the step loads the plan file. Below DEFAULT_MAX_SEQ_LEN (4096) tokens the
 by-name profile builds a smaller GPT position table than training does, so ``embed.bwd``
 deviates from the plan (served by the fallback, counted, warned about once).
@@ -56,7 +56,7 @@ import torch
 
 from memo.cli.args import positive_float, seq_len
 from memo.errors import DeviceBudgetError, MemoError
-from memo.phases import PhaseTracker
+from memo.session import Session
 from memo.strategies import Strategy, StrategyOptions
 
 # NOTE [Import pulp before the first model]
@@ -85,29 +85,19 @@ class DeviceMemoryFull(MemoError):
     """The device budget is used up before the step starts (parameters and plan arena)."""
 
 
-class _CappedMeter(Strategy):
-    """A strategy whose allocator context caps the fallback pool (NOTE [Emulated device memory on CPU]).
+class _CappedSession(Session):
+    """A Session whose fallback pool is capped by the whole device budget (parameters included)."""
 
-    ``device_bytes``: the whole device budget; ``None`` leaves the allocator uncapped.
-    """
-
-    device_bytes: int | None = None
-
-    def _start_meter(self) -> None:
-        from memo import allocator
-
-        if self.device_bytes is None or (self.device.type == "cuda" and not allocator.cuda_installed()):
-            # Uncapped, or PyTorch's CUDA allocator (capped by the memory fraction in _setup_cuda).
-            super()._start_meter()
-            return
-        use_plan = self.plan is not None and self.options.planned_allocator
-        table = self.plan if use_plan else {"tables": {}, "peak": 0}
-        arena = int(self.plan.peak) if use_plan else 0
-        limit = self.device_bytes - self.param_bytes - arena
+    def fallback_limit(self, table: Any) -> int | None:
+        if self.device_budget_bytes is None:
+            return None
+        param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        arena = int(table.peak if hasattr(table, "peak") else table.get("peak", 0))
+        limit = self.device_budget_bytes - param_bytes - arena
         if limit <= 0:
             raise DeviceMemoryFull(
-                f"max_seq_len: the device budget {self.device_bytes / 2**20:.1f} MiB is used up before the "
-                f"step: parameters {self.param_bytes / 2**20:.1f} MiB + plan arena {arena / 2**20:.1f} MiB"
+                f"max_seq_len: the device budget {self.device_budget_bytes / 2**20:.1f} MiB is used up "
+                f"before the step: parameters {param_bytes / 2**20:.1f} MiB + plan arena {arena / 2**20:.1f} MiB"
             )
         # The fallback pool is process-wide and keeps the segments it cached before this context
         # (memo's profiling passes run through it); the limit is only checked when a new segment is
@@ -116,18 +106,39 @@ class _CappedMeter(Strategy):
         # the step starts with zero_grad(set_to_none=True) anyway, so dropping them changes nothing.
         self.model.zero_grad(set_to_none=True)
         gc.collect()
-        allocator.empty_cache(self.device)
-        self._exit.enter_context(allocator.planned(table, device=self.device, fallback_limit=limit))
+        return limit
+
+
+class _CappedMeter(Strategy):
+    """A strategy whose Session caps the fallback pool (NOTE [Emulated device memory on CPU]).
+
+    ``device_bytes``: the whole device budget; ``None`` leaves the allocator uncapped.
+    """
+
+    device_bytes: int | None = None
+    session_class = _CappedSession
+
+    def _device_budget(self) -> int | None:
+        return self.device_bytes
+
+    def _start_meter(self) -> None:
+        from memo import allocator
+
+        if self.device_bytes is None or (self.device.type == "cuda" and not allocator.cuda_installed()):
+            # Uncapped, or PyTorch's CUDA allocator (capped by the memory fraction in _setup_cuda).
+            self.session_class = Session
+            super()._start_meter()
+            return
+        super()._start_meter()
+        use_plan = self.plan is not None and self.options.planned_allocator
+        limit = self.session.fallback_limit({"peak": int(self.plan.peak) if use_plan else 0})
         held = int(allocator.stats(self.device)["fallback"]["reserved_bytes"])
-        if held > limit:
+        if limit is not None and held > limit:
             raise MemoError(
                 f"max_seq_len: memo's fallback pool still holds {held / 2**20:.1f} MiB of segments with live "
                 f"blocks from before the step, more than its limit {limit / 2**20:.1f} MiB; the cap cannot "
                 "be enforced"
             )
-        self.tracker = PhaseTracker(self.model.embedding, self.model.layers, self.model.head,
-                                    listeners=[allocator.set_phase])
-        self._allocator_on = True
 
 
 class CappedStrategy(_CappedMeter):
@@ -158,7 +169,7 @@ def _memo_plan(args: argparse.Namespace, length: int, workdir: str) -> str:
     """Profile and plan memo for ``length`` tokens; returns the plan file (alpha solved, "auto")."""
     from memo.planner import save_plan
 
-    from memo.profiler import profile
+    from memo.pipeline import profile
     from memo.utils.training import DTYPES
 
     result = profile(args.model, length, 1, DTYPES[args.dtype], torch.device(args.device).type,

@@ -24,7 +24,7 @@ GiB = 2**30
 def record(model: str, seq: int) -> tuple[dict[str, Any], str]:
     """A trace dict for ``model`` at ``seq`` tokens, and where it came from."""
     try:
-        from memo.profiler import profile
+        from memo.pipeline import profile
     except ImportError:
         profile = None
     if profile is not None and model != "synthetic":

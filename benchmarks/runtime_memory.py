@@ -167,7 +167,7 @@ def skeletal_sizes(model: nn.Module, b: int, s: int) -> tuple[int, int, int]:
     These are the sizes the alpha LP and a plan's ``host_bytes`` are computed from; the
     runtime's own offloaded bytes must match them (checked in the table's last column).
     """
-    from memo.profiler import profile
+    from memo.pipeline import profile
 
     result = profile(model, s, b, device="cpu", solve=False, plan=False, wrap_pass=False,
                      bandwidth_gbps=1.0, layer_ms=1.0, host_mem_gb=1.0)

@@ -1,10 +1,11 @@
 #!/usr/bin/env python
 """Long-context training with memo, written out step by step (``memo train`` does the same).
 
-1. build the model;  2. profile one iteration: S_input/S_attn/S_others, alpha from the LP,
-and the trace of the model wrapped with that alpha;  3. plan it (bi-level MIP);  4. wrap the
-layers for token-wise offload/recompute;  5. train with memo's planned allocator serving
-every activation from its planned address.
+1. build the model;  2. the pipeline: profile one iteration (S_input/S_attn/S_others), alpha
+from the LP, the trace of the model wrapped with that alpha, and the plan (bi-level MIP);
+3. a memo.Session: the planned allocator, the layers wrapped for token-wise offload/recompute,
+the phases tracked and the host buffers sized before step 1;  4. train, every activation served
+from its planned address.
 
 Examples:
     python examples/train_long_context.py --model gpt-mini --seq-len 4K --steps 10
@@ -20,11 +21,11 @@ import time
 import torch
 
 import memo
-from memo import allocator, profiler
+from memo import allocator
 from memo.cli.args import positive_int, seq_len
 from memo.errors import MemoError
 from memo.models import DEFAULT_MAX_SEQ_LEN, build_model, get_config
-from memo.phases import PhaseTracker
+from memo.pipeline import profile
 from memo.utils.training import DTYPES, SyntheticTokens
 
 
@@ -58,44 +59,31 @@ def train(args: argparse.Namespace) -> int:
     data = iter(SyntheticTokens(config.vocab_size, args.seq_len, args.micro_batch, seed=0))
     ids, labels = (t.to(device) for t in next(data))
 
-    # 2 + 3. Profile (B and T_layer are measured on this device), solve alpha, plan.
-    result = profiler.profile(model, args.seq_len, args.micro_batch, device=device, recorder="allocator",
-                              time_limit=5.0, log=lambda line: print(f"profile: {line}"))
+    # 2. The pipeline: profile (B and T_layer are measured on this device), solve alpha, plan.
+    result = profile(model, args.seq_len, args.micro_batch, device=device, recorder="allocator",
+                     time_limit=5.0, log=lambda line: print(f"profile: {line}"))
     plan = result.plan
     for p in model.parameters():
         p.grad = None
     print(f"alpha {plan.alpha:.4f} ({plan.alpha_binding}); arena {plan.peak / 2**20:.1f} MiB, "
           f"lower bound {plan.lower_bound / 2**20:.1f} MiB, pinned host {plan.host_bytes / 2**20:.1f} MiB")
-
-    # 4. Token-wise offload/recompute in every layer but the last two.
-    memo.wrap(model, plan=plan)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
-    # 5. Train; the tracker tells the allocator which phase (and so which plan table) is open.
-    tracker = PhaseTracker(model.embedding, model.layers, model.head, listeners=[allocator.set_phase])
-    try:
-        with allocator.planned(plan, device=device):
-            for step in range(1, args.steps + 1):
-                start = time.perf_counter()
-                optimizer.zero_grad(set_to_none=True)
-                with tracker.iteration():
-                    loss = model(ids, labels)
-                    loss.backward()
-                optimizer.step()
-                # Drop the loss before the next forward: its planned slot is needed again then. (A
-                # tensor kept alive past its planned lifetime is safe: the allocator sees the slot
-                # busy and serves that request from its fallback, counted as a deviation.)
-                loss_value = loss.item()
-                del loss
-                seconds = time.perf_counter() - start
-                st = allocator.stats(device)
-                print(f"step {step:>3}  loss {loss_value:.4f}  {seconds * 1e3:,.0f} ms  "
-                      f"{args.micro_batch * args.seq_len / seconds:,.0f} tok/s  "
-                      f"planned {st['planned_hits']}  deviations {st['deviations']}")
-                ids, labels = (t.to(device) for t in next(data))
-    finally:
-        tracker.remove()
-        memo.unwrap(model)
+    # 3 + 4. A Session installs the planned allocator, wraps the layers (token-wise offload/recompute
+    # in every layer but the last two), tells the allocator which phase (and so which plan table) is
+    # open, sizes the host buffers now, and undoes it all when the block ends.
+    with memo.Session(model, plan, device=device, example=(ids, labels)) as session:
+        for step in range(1, args.steps + 1):
+            start = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            loss_value = session.step(ids, labels).item()
+            optimizer.step()
+            seconds = time.perf_counter() - start
+            st = allocator.stats(device)
+            print(f"step {step:>3}  loss {loss_value:.4f}  {seconds * 1e3:,.0f} ms  "
+                  f"{args.micro_batch * args.seq_len / seconds:,.0f} tok/s  "
+                  f"planned {st['planned_hits']}  deviations {st['deviations']}")
+            ids, labels = (t.to(device) for t in next(data))
     return 0
 
 

@@ -29,11 +29,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from memo import planner, profiler  # at import time: NOTE [Import PuLP early] in memo.planner
+from memo import pipeline, planner, profiler  # at import time: NOTE [Import PuLP early] in memo.planner
 from memo.errors import MemoError, PlanMismatchError
+from memo.machine import Machine
 from memo.phases import PhaseTracker
 from memo.report import STRATEGIES
 from memo.runtime.layer import offload_tokens as runtime_offload_tokens
+from memo.session import Session
 from memo.units import format_mib
 
 __all__ = ["STRATEGIES", "Strategy", "StrategyOptions", "make_strategy"]
@@ -69,6 +71,12 @@ class StrategyOptions:
     debug_copy_delay_us: int | None = None
     """CPU backend: random delay before each copy (tests)."""
     notes: list[str] = field(default_factory=list)
+
+    def machine(self) -> Machine:
+        """The :class:`~memo.machine.Machine` these options describe (its ``None`` fields are measured)."""
+        return Machine(bandwidth_gbps=self.bandwidth_gbps, layer_ms=self.layer_ms,
+                       host_mem_gb=self.host_mem_gb, gpus_per_node=self.gpus_per_node,
+                       host_safety=self.host_safety, device_mem_gb=self.device_mem_gb)
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -132,8 +140,9 @@ class Strategy:
         #: Layers memo's wrapper offloads (None without it); alpha means nothing when it is 0.
         self.offloaded_layers: int | None = None
         self.tracker: PhaseTracker | None = None
+        self.session: Session | None = None
         self.param_bytes = 0
-        self._exit = contextlib.ExitStack()
+        self._example: tuple[torch.Tensor, torch.Tensor] | None = None
         self._allocator_on = False
         self._peak = 0
         self._counts = {"planned": 0, "fallback": 0, "unplanned": 0}
@@ -144,6 +153,9 @@ class Strategy:
         self.offload: dict[str, Any] | None = None
 
     # Set-up -------------------------------------------------------------------------------------
+    #: The :class:`memo.Session` class the steps run in (benchmarks cap its fallback pool).
+    session_class: type[Session] = Session
+
     def prepare(
         self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, run: dict[str, Any],
         log: Callable[[str], None] = print,
@@ -152,23 +164,14 @@ class Strategy:
         self.model = model
         self.device = ids.device
         self.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self._example = (ids, labels)
         if self.name == "full-recompute":
-            model.recompute = "full"
+            _full_recompute(model)
         elif self.name == "full-offload":
-            self._wrap(1.0)
+            self.alpha = 1.0
         elif self.name == "memo":
             self._prepare_memo(model, ids, labels, run, log)
         self._start_meter()
-
-    def _wrap(self, alpha: float, plan: Any = None, policy: list[str] | None = None) -> None:
-        from memo import runtime
-
-        if plan is not None and getattr(plan, "policy", None):
-            policy = None  # the plan carries it
-        runtime.wrap(self.model, alpha=None if plan is not None else alpha, plan=plan,
-                     debug_copy_delay_us=self.options.debug_copy_delay_us, policy=policy)
-        self.alpha = alpha
-        self.offloaded_layers = runtime.runtime_of(self.model).n_offloaded
 
     def _prepare_memo(
         self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, run: dict[str, Any],
@@ -184,20 +187,17 @@ class Strategy:
             if plan.offload:
                 self.planned_offload_bytes = int(plan.offload["planned_bytes_per_layer"])
             log(f"memo: plan {opts.plan}: alpha {self.alpha:.4f}, arena {format_mib(plan.peak)}")
-            self._wrap(self.alpha, plan)
             return
         fixed = None if opts.alpha == "auto" else float(opts.alpha)
-        result = profiler.profile(
+        result = pipeline.profile(
             model, run["seq_len"], run["micro_batch"], device=ids.device,
+            machine=opts.machine(),
             # Without the planned allocator only alpha is needed: the dispatch recorder sizes the
             # layer on a meta copy, and memo's CUDA allocator need not be installed (it could not
             # be, with the model already on the GPU).
             recorder="allocator" if opts.planned_allocator else "dispatch",
             wrap_pass=None if opts.planned_allocator else False,
             time_limit=opts.time_limit, alpha=fixed,
-            bandwidth_gbps=opts.bandwidth_gbps, layer_ms=opts.layer_ms,
-            host_mem_gb=opts.host_mem_gb, gpus_per_node=opts.gpus_per_node, host_safety=opts.host_safety,
-            device_mem_gb=opts.device_mem_gb,
             plan=opts.planned_allocator, log=lambda line: log(f"memo profile: {line}"),
         )
         for note in result.notes:
@@ -212,69 +212,39 @@ class Strategy:
         if self.plan is not None:
             log(f"memo: alpha {self.alpha:.4f} ({self.alpha_binding}); "
                 f"plan arena {format_mib(self.plan.peak)}, lower bound {format_mib(self.plan.lower_bound)}")
-        self._wrap(self.alpha, self.plan, self.policy)
 
     # Steps --------------------------------------------------------------------------------------
-    def _start_meter(self) -> None:
-        """Enter the allocator context all steps run in (NOTE [Measuring device memory])."""
-        from memo import allocator
-
-        if self.device.type == "cuda" and not allocator.cuda_installed():
-            # PyTorch's own CUDA allocator measures baselines; memo's cannot be installed this late.
-            if self.name == "memo" and self.plan is not None:
-                raise MemoError(
-                    "memo.train: memo's CUDA allocator must be installed before the first CUDA tensor; "
-                    "call memo.allocator.install_cuda() first (memo train does this for --strategy memo)"
-                )
-            if self.options.device_mem_gb is not None:
-                # NOTE [Device budget] with PyTorch's own allocator: its per-process fraction cap.
-                index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-                total = torch.cuda.get_device_properties(index).total_memory
-                fraction = self.options.device_mem_gb * 1e9 / total
-                if fraction > 1:
-                    raise MemoError(f"memo.train: --device-mem-gb {self.options.device_mem_gb:g} is more "
-                                    f"than the device's {total / 1e9:.1f} GB")
-                torch.cuda.set_per_process_memory_fraction(fraction, index)
-            return
-        table = self.plan if (self.plan is not None and self.options.planned_allocator) else {"tables": {},
-                                                                                              "peak": 0}
-        limit = self._fallback_limit(table)
-        if limit is not None:
-            # Segments cached by an earlier run would serve requests past the budget: give them back.
-            allocator.empty_cache(self.device)
-        self._exit.enter_context(allocator.planned(table, device=self.device, fallback_limit=limit))
-        self.tracker = PhaseTracker(self.model.embedding, self.model.layers, self.model.head,
-                                    listeners=[allocator.set_phase])
-        self._allocator_on = True
-
-    def _fallback_limit(self, table: Any) -> int | None:
-        """NOTE [Device budget]: memo's allocator holds the plan's arena and a fallback pool; the
-        budget caps both. On CUDA it also holds the parameters (PyTorch's CUDA allocator for the
-        whole process); on CPU they were made before memo's allocator was swapped in, so the
-        budget's share for them is set aside here. What is left is the fallback pool's limit."""
+    def _device_budget(self) -> int | None:
+        """NOTE [Device budget]: ``--device-mem-gb`` in bytes, which the Session enforces."""
         gb = self.options.device_mem_gb
-        if gb is None:
-            return None
-        budget = int(gb * 1e9)
-        arena = int(table.peak if hasattr(table, "peak") else table.get("peak", 0))
-        params = 0 if self.device.type == "cuda" else self.param_bytes
-        limit = budget - arena - params
-        if limit <= 0:
-            raise MemoError(
-                f"memo.train: --device-mem-gb {gb:g} ({format_mib(budget)}) cannot hold the parameters "
-                f"({format_mib(self.param_bytes)}) and the plan's arena ({format_mib(arena)}); this run "
-                f"needs more than {format_mib(arena + self.param_bytes)} before any gradient, optimizer "
-                "state or temporary. Give a larger budget, a shorter --seq-len, or a smaller model"
-            )
-        return limit
+        return None if gb is None else int(gb * 1e9)
+
+    def _start_meter(self) -> None:
+        """Open the Session all steps run in (NOTE [Measuring device memory], NOTE [One construction
+        path] in memo/session.py): memo's allocator, the wrapped layers, phases, sized buffers."""
+        opts = self.options
+        plan = self.plan
+        self.session = self.session_class(
+            self.model, plan, alpha=None if plan is not None else self.alpha,
+            policy=None if plan is not None else self.policy,
+            planned_allocator=opts.planned_allocator, device=self.device,
+            device_budget_bytes=self._device_budget(),
+            example=self._example, debug_copy_delay_us=opts.debug_copy_delay_us)
+        self.session.__enter__()
+        self.tracker = self.session.tracker
+        self._allocator_on = self.session.allocator_on
+        if self.session.wrapped:
+            from memo import runtime
+
+            self.offloaded_layers = runtime.runtime_of(self.model).n_offloaded
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
-        """Run one training step (forward, backward, optimizer) inside this strategy's contexts."""
-        if self.tracker is None:
+        """Run one training step's forward and backward inside this strategy's Session."""
+        if self.session is None:
             yield
             return
-        with self.tracker.iteration():
+        with self.session.iteration():
             yield
 
     def step_stats(self) -> dict[str, Any]:
@@ -347,20 +317,28 @@ class Strategy:
         return int(runtime.runtime_of(self.model).host_bytes)
 
     def close(self) -> None:
-        """Leave the allocator context and unwrap the model."""
-        from memo import runtime
-
-        if self.tracker is not None:
-            self.tracker.remove()
-            self.tracker = None
-        self._exit.close()
+        """Close the Session: phases, wrap and allocator undone."""
+        if self.session is not None:
+            self.session.close()
+        self.tracker = None
         self._allocator_on = False
-        if self.model is not None and runtime.is_wrapped(self.model):
-            runtime.unwrap(self.model)
 
 
 def make_strategy(options: StrategyOptions) -> Strategy:
     return Strategy(options)
+
+
+def _full_recompute(model: nn.Module) -> None:
+    """Every layer recomputed in backward, the model's own way (``torch.utils.checkpoint`` per layer)."""
+    if isinstance(getattr(model, "recompute", None), str):
+        model.recompute = "full"  # memo's models
+    elif hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        raise MemoError(
+            f"memo.train: --strategy full-recompute does not know how to turn on full recomputation in "
+            f"{type(model).__name__}; build the model with it on (megatron-core: recompute_granularity="
+            "'full') and train it with --strategy none")
 
 
 

@@ -22,7 +22,7 @@ what the layers hold, the device needs:
   layer in n_chunks chunks, one at a time: NOTE [Chunked recompute] in memo/runtime/layer.py)
   plus what does not shrink with alpha or the chunks (q, k and v whole for attention's
   backward, their gradients, the gradient of o), which is not modelled: a recorded memo
-  iteration measures it (``memo_overhead``, NOTE [Calibrated policy] in memo/profiler/flow.py).
+  iteration measures it (``memo_overhead``, NOTE [Calibrated policy] in memo/pipeline.py).
 
 The memo layers come first, then the recomputed ones, then the kept ones (their backward
 follows their forward soonest). Layers are alike, so a policy is three counts and alpha; every
@@ -32,7 +32,7 @@ device cap is the budget when one is given (memory the user has is used to go fa
 layers need no recompute); without one it is what full recompute needs, so memo never needs
 more device memory than full recompute at the same sequence length. Where full recompute is
 faster within the cap, it is chosen for those layers. The estimate picks the policy; the plan's peak
-comes from the recorded trace of the wrapped model (memo/profiler/flow.py checks it).
+comes from the recorded trace of the wrapped model (memo/pipeline.py checks it).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class LayerCosts:
     bandwidth: float
     host_memory: int
     #: Bytes a recorded iteration with memo layers needed beyond this model (NOTE [Calibrated policy]
-    #: in memo/profiler/flow.py); added to every split that has memo layers. May be negative.
+    #: in memo/pipeline.py); added to every split that has memo layers. May be negative.
     memo_overhead: int = 0
     #: Bytes per unit of alpha that such a recording showed beyond the model's (the error of the
     #: model's slope in alpha: what the [0:a] sub-graphs hold in forward besides the buffers).
@@ -121,7 +121,7 @@ def device_need(c: LayerCosts, n_memo: int, n_fr: int, n_keep: int, alpha: float
         "recomputed layers' inputs": n_fr * c.s_input,
         "rounding buffers": 2 * int(math.ceil(c.copy_bytes(alpha))) if n_memo else 0,
         "one layer's backward": transient,
-        # NOTE [Calibrated policy] in memo/profiler/flow.py: what a recorded memo iteration showed
+        # NOTE [Calibrated policy] in memo/pipeline.py: what a recorded memo iteration showed
         # beyond (or below) the parts above.
         "measured correction": c.memo_overhead + int(alpha * c.memo_alpha_bytes) if n_memo else 0,
     }

@@ -15,7 +15,8 @@ from memo.planner import load_plan, save_plan
 
 from memo.cli.main import main
 from memo.errors import MemoError, PlanMismatchError
-from memo.profiler import profile, rank_tokens, token_multiple
+from memo.pipeline import profile
+from memo.profiler import rank_tokens, token_multiple
 
 _MACHINE = {"bandwidth_gbps": 32.0, "layer_ms": 5.0, "host_mem_gb": 64.0}
 _CLI_MACHINE = ["--bandwidth-gbps", "32", "--layer-ms", "5", "--host-mem-gb", "64"]

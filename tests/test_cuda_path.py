@@ -150,7 +150,7 @@ def test_profile_recorder_follows_the_planned_allocator_flag(monkeypatch, planne
         captured.update(kwargs)
         raise Stop
 
-    monkeypatch.setattr(strategies.profiler, "profile", fake_profile)
+    monkeypatch.setattr(strategies.pipeline, "profile", fake_profile)
     model = build_model("tiny", dtype=torch.float32)
     ids = torch.randint(0, 256, (1, 64))
     strategy = strategies.Strategy(strategies.StrategyOptions(planned_allocator=planned, alpha=0.5))
@@ -166,33 +166,33 @@ def test_profile_recorder_follows_the_planned_allocator_flag(monkeypatch, planne
 # 5. Pass 1 sizes a given model on a meta copy -------------------------------------------------
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_pass1_of_a_given_model_runs_on_meta(monkeypatch) -> None:
-    from memo import profiler
-    from memo.profiler import flow
+    from memo import pipeline
+    from memo.profiler import record
 
     model = build_model("tiny", dtype=torch.float32)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     devices: list[str] = []
-    real_record = flow._record
+    real_record = pipeline._record
 
     def spy(net, ids, labels, *args, **kwargs):
         devices.append(next(net.parameters()).device.type)
         return real_record(net, ids, labels, *args, **kwargs)
 
-    monkeypatch.setattr(flow, "_record", spy)
-    result = profiler.profile(model, 128, 1, device="cpu", bandwidth_gbps=10, layer_ms=1.0, host_mem_gb=8,
+    monkeypatch.setattr(pipeline, "_record", spy)
+    result = pipeline.profile(model, 128, 1, device="cpu", bandwidth_gbps=10, layer_ms=1.0, host_mem_gb=8,
                               plan=False, wrap_pass=False)
     assert devices == ["meta"]
     assert result.plain_trace["meta"]["device"] == "meta"
     assert all(p.device.type == "cpu" for p in model.parameters())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     # The same sizes as a real CPU pass: the LP's inputs do not depend on where pass 1 ran.
-    cpu_pass = flow.record(model, *(torch.zeros(1, 128, dtype=torch.long),) * 2)
+    cpu_pass = record(model, *(torch.zeros(1, 128, dtype=torch.long),) * 2)
     assert [(s.s_input, s.s_attn, s.s_others) for s in result.layer_stats] == [
         (s.s_input, s.s_attn, s.s_others) for s in cpu_pass.layer_stats]
 
 
 def test_meta_copy_shares_no_storage() -> None:
-    from memo.profiler.flow import meta_copy
+    from memo.profiler import meta_copy
 
     model = build_model("llama-tiny", dtype=torch.float32)
     copy = meta_copy(model)
@@ -235,7 +235,7 @@ def test_backend_for_cuda_without_index_is_the_current_device(monkeypatch) -> No
 # 9. The allocator trace is logged after one warm-up iteration ---------------------------------
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_allocator_trace_follows_a_warm_up_iteration(monkeypatch) -> None:
-    from memo.profiler import flow
+    from memo import pipeline
 
     model = build_model("tiny", dtype=torch.float32)
     forwards: list[str] = []
@@ -252,7 +252,7 @@ def test_allocator_trace_follows_a_warm_up_iteration(monkeypatch) -> None:
 
     monkeypatch.setattr(allocator, "logging", spy_logging)
     ids = torch.randint(0, 256, (1, 64))
-    trace = flow._record_allocator(model, ids, ids, {"model": "tiny"})
+    trace = pipeline._record_allocator(model, ids, ids, {"model": "tiny"})
     assert forwards == ["warm-up", "logged"]
     assert all(p.grad is None for p in model.parameters())  # the profile leaves no gradients behind
     mallocs = [e for e in trace["events"] if e["op"] == "malloc" and "phase" in e]

@@ -93,7 +93,7 @@ def test_a_budget_must_be_a_positive_number(command: str, bad: str, tmp_path: Pa
 @pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf"), True])
 def test_profile_api_refuses_a_budget_that_is_not_positive(bad: object) -> None:
     from memo.errors import MemoError
-    from memo.profiler import profile
+    from memo.pipeline import profile
 
     with pytest.raises(MemoError, match=r"--device-mem-gb\) must be a positive number of GB"):
         profile("tiny", 256, device="meta", bandwidth_gbps=32, layer_ms=1.0, host_mem_gb=64,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from memo.profiler import profile
+from memo.pipeline import profile
 
 MACHINE = {"bandwidth_gbps": 32, "layer_ms": 3.0, "host_mem_gb": 64, "time_limit": 2.0}
 

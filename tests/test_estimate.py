@@ -250,7 +250,7 @@ def test_plan_estimate_is_what_memo_train_measures(strategy: str, tmp_path: Path
     # the estimate describes, from a plan made for it.
     from memo.planner import save_plan
 
-    from memo.profiler import profile
+    from memo.pipeline import profile
 
     model, seq, alpha, budget = "gpt-mini", 2048, 0.25, 1.0
     machine = Machine(device_mem_gb=budget, bandwidth_gbps=32.0, layer_ms=3.0, host_mem_gb=64.0,

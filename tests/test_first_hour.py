@@ -42,7 +42,7 @@ def test_every_missing_machine_number_is_named_at_once(capsys: pytest.CaptureFix
 
 def test_expected_layer_differences_are_one_note_not_warnings() -> None:
     from memo.cli.show import format_plan
-    from memo.profiler import profile
+    from memo.pipeline import profile
 
     plan = profile("tiny", 256, 1, device="meta", bandwidth_gbps=32, layer_ms=1.0, host_mem_gb=64).plan
     plan.warnings = [
@@ -122,7 +122,7 @@ def test_memo_plan_says_each_thing_once(tmp_path) -> None:
 
     from memo.planner import Trace, save_trace
 
-    from memo.profiler import profile
+    from memo.pipeline import profile
 
     trace = profile("gpt-mini", 512, 1, device="meta", bandwidth_gbps=32, layer_ms=1.0, host_mem_gb=64,
                     plan=False).trace

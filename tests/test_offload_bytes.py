@@ -17,7 +17,7 @@ from torch import nn
 
 import memo.runtime as mr
 from memo.models import build_model, get_config
-from memo.profiler import profile
+from memo.pipeline import profile
 from memo.profiler.stats import summarise_layers
 
 ALPHAS = (0.0, 0.25, 0.5, 1.0)

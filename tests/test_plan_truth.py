@@ -2,7 +2,7 @@
 
 * the plan made on the meta device equals the plan made on CPU for the same job;
 * the plan's device total (iteration peak + parameters + optimizer states, NOTE [Device total]
-  in memo/profiler/flow.py; what `memo show` prints as device/rank) is within 3% of the device
+  in memo/pipeline.py; what `memo show` prints as device/rank) is within 3% of the device
   peak `memo train --report` measures for that plan.
 
 Nothing here is a hard-coded byte figure: memo's runtime changes what it holds, and the plan must
@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from memo.cli.main import main
-from memo.profiler import profile
+from memo.pipeline import profile
 
 MACHINE = {"bandwidth_gbps": 32.0, "host_mem_gb": 64.0}
 

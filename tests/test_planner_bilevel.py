@@ -75,11 +75,10 @@ def test_interrupted_layer_phase_is_planned_individually():
 
 
 def test_profiler_trace_plans_within_five_percent():
-    profiler = pytest.importorskip("memo.profiler")
-    if not hasattr(profiler, "profile"):
-        pytest.skip("memo.profiler.profile is not available")
-    result = profiler.profile("gpt-125m", 1024, device="meta", solve=False, plan=False, layer_ms=10.0,
-                              bandwidth_gbps=20.0, host_mem_gb=1000)
+    from memo.pipeline import profile
+
+    result = profile("gpt-125m", 1024, device="meta", solve=False, plan=False, layer_ms=10.0,
+                     bandwidth_gbps=20.0, host_mem_gb=1000)
     trace = Trace.from_dict(result.trace)
     plan = make_plan(trace, time_limit=10)
     validate_plan(plan, trace)

@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from memo.adapters import ModelAdapter, ModelParts, register_model_adapter
 from memo.phases import PhaseTracker, phase_kind
-from memo.profiler import profile as profile_api
+from memo.pipeline import profile as profile_api
 from memo.profiler import record, record_trace
 
 # ---------------------------------------------------------------------------- models
@@ -128,6 +129,25 @@ class _GPT(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return self.head(x, labels)
+
+
+class _ToyAdapter(ModelAdapter):
+    """The test models keep memo's layout: ``.embedding``, ``.layers``, ``.head``, ``model(ids, labels)``."""
+
+    name = "toy"
+
+    def parts(self, model: nn.Module) -> ModelParts:
+        return ModelParts(model.embedding, list(model.layers), [model.head])
+
+    def loss(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return model(ids, labels)
+
+    def vocab_size(self, model: nn.Module) -> int:
+        return model.embedding.word.num_embeddings
+
+
+for _cls in (_HandModel, _GPT):
+    register_model_adapter(_cls, _ToyAdapter())
 
 
 def _ids(vocab: int, b: int, s: int, device: str = "cpu") -> torch.Tensor:
@@ -299,7 +319,7 @@ def test_outside_tensors_are_not_recorded() -> None:
 
 @pytest.mark.parametrize("name", ["gpt-1.3b"])
 def test_meta_profile_long_sequence_is_fast_and_exact(name: str) -> None:
-    from memo.profiler import build_profile_model
+    from memo.pipeline import build_profile_model
 
     s, b = 262144, 1
     model = build_profile_model(name, s, torch.bfloat16, torch.device("meta"))
@@ -353,7 +373,7 @@ def test_trace_peak_equals_logging_allocator_peak(make) -> None:
 
 
 def test_profile_api_meta_sizes_exact() -> None:
-    from memo.profiler import profile
+    from memo.pipeline import profile
 
     s, b = 65536, 2
     result = profile("gpt-350m", s, b, "bfloat16", "meta", solve=False)
@@ -408,13 +428,16 @@ def test_two_pass_plans_from_the_wrapped_model(recorder: str) -> None:
 
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 def test_wrap_pass_switch(monkeypatch) -> None:
-    import memo.profiler.flow as flow
+    from memo import runtime
     from memo.errors import MemoError
 
-    monkeypatch.setattr(flow, "runtime_wrap", lambda: None)
+    def refuse(*_args, **_kwargs):
+        raise MemoError("memo.wrap: this model cannot be wrapped (test)")
+
+    monkeypatch.setattr(runtime, "wrap", refuse)
     result = profile_api(_tiny4(), 256, 1, device="cpu", plan=False, **_CPU_MACHINE)
     assert not result.wrapped and result.trace is result.plain_trace
-    assert any("not available" in note for note in result.notes)
+    assert any("could not run the wrapped model" in note for note in result.notes)
     with pytest.raises(MemoError, match="wrap"):
         profile_api(_tiny4(), 256, 1, device="cpu", plan=False, wrap_pass=True, **_CPU_MACHINE)
     monkeypatch.undo()

@@ -72,7 +72,7 @@ def test_cpu_backend_measures_memcpy_bandwidth_and_layer_time() -> None:
 
 
 def test_profile_on_cpu_measures_missing_numbers() -> None:
-    from memo.profiler import profile
+    from memo.pipeline import profile
 
     result = profile("tiny", 64, 1, "float32", "cpu", host_mem_gb=1, plan=False, recorder="dispatch")
     assert result.quantities["bandwidth_gbps"].source == "measured"
@@ -81,7 +81,7 @@ def test_profile_on_cpu_measures_missing_numbers() -> None:
 
 
 def test_profile_refuses_missing_numbers_before_recording() -> None:
-    from memo.profiler import profile
+    from memo.pipeline import profile
 
     with pytest.raises(MemoError, match="--layer-ms"):
         profile("gpt-7b", 1 << 20, device="meta", bandwidth_gbps=32)
@@ -91,7 +91,7 @@ def test_profile_refuses_missing_numbers_before_recording() -> None:
 
 @pytest.mark.gpu
 def test_cuda_measures_bandwidth_and_layer_time() -> None:
-    from memo.profiler import profile
+    from memo.pipeline import profile
 
     result = profile("tiny", 4096, 1, "bfloat16", "cuda", host_mem_gb=64, plan=False, recorder="dispatch")
     assert result.quantities["bandwidth_gbps"].source == "measured"

@@ -11,7 +11,7 @@
 
 Example (CPU)::
 
-    tracker = PhaseTracker(model.embedding, model.layers, model.head)
+    tracker = memo.profiler.phase_tracker(model)   # the model adapter's embedding, layers, head
     tracker.add_listener(memo.allocator.set_phase)
     with memo.allocator.logging() as trace:
         with tracker.iteration():
@@ -19,6 +19,8 @@ Example (CPU)::
     plan = memo.planner.make_plan(trace)
     with memo.allocator.planned(plan):
         ...  # later iterations: layer activations come from the arena
+
+``memo.Session(model, plan)`` does this (and wraps the layers) in one context.
 """
 
 from memo.allocator._api import (

@@ -140,7 +140,8 @@ def _estimator(args: argparse.Namespace) -> Any:
                       layer_ms_at=(at, args.tp * args.cp) if args.layer_ms is not None else None,
                       gpu=args.gpu, efficiency=args.efficiency, memo_keep_last=args.memo_keep_last)
     if args.layer_ms is None:
-        from memo.profiler import DTYPES, gpu_peak_flops
+        from memo.pipeline import DTYPES
+        from memo.profiler import gpu_peak_flops
 
         gpu_peak_flops(args.gpu, DTYPES.get(args.dtype, DTYPES["bfloat16"]))  # an unknown --gpu fails here
     return Estimator(args.model, method=args.method, dtype=args.dtype, model_states=args.model_states,

@@ -101,7 +101,7 @@ def _trace_model_states(meta: Mapping[str, Any]) -> dict[str, Any] | None:
 
 
 def device_need(trace: Trace, plan: Plan, budget_bytes: int | None = None) -> dict[str, Any]:
-    """One rank's device memory for ``plan`` (NOTE [Device total] in memo/profiler/flow.py), as
+    """One rank's device memory for ``plan`` (NOTE [Device total] in memo/pipeline.py), as
     ``Plan.device`` records it.
 
     The iteration needs the plan's arena, or the most bytes live at once in the whole trace when

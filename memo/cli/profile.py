@@ -21,6 +21,7 @@ import torch
 
 from memo.cli.args import add_machine_arguments, positive_float, positive_int, seq_len
 from memo.errors import MemoError
+from memo.machine import Machine
 
 __all__ = ["add_parser", "run"]
 
@@ -195,7 +196,8 @@ def _planner_io() -> tuple[Any, Any, Any]:
 
 def run(args: argparse.Namespace) -> int:
     from memo.jsonio import check_writable
-    from memo.profiler import DTYPES, profile, rank_tokens
+    from memo.pipeline import DTYPES, profile
+    from memo.profiler import rank_tokens
 
     check_writable(args.output, "memo profile -o")
     if args.trace_out:
@@ -251,16 +253,9 @@ def run(args: argparse.Namespace) -> int:
         args.micro_batch,
         dtype,
         args.device,
-        bandwidth_gbps=args.bandwidth_gbps,
-        layer_ms=args.layer_ms,
-        gpu=args.gpu,
-        efficiency=args.efficiency,
-        host_mem_gb=args.host_mem_gb,
-        gpus_per_node=args.gpus_per_node,
-        host_safety=args.host_safety,
+        machine=Machine.from_args(args),
         tensor_parallel=args.tensor_parallel,
         context_parallel=args.context_parallel,
-        device_mem_gb=args.device_mem_gb,
         optimizer_states=args.optimizer_states,
         recorder=args.recorder,
         wrap_pass=args.wrap_pass,

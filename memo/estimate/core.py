@@ -114,7 +114,7 @@ class Estimator:
                  model_states: str = "formula", machine: Machine | None = None,
                  log: Any = None) -> None:
         from memo.models import get_config
-        from memo.profiler import DTYPES
+        from memo.pipeline import DTYPES
 
         if method not in METHODS:
             raise MemoError(f"memo estimate: --method must be one of {', '.join(METHODS)}, got {method!r}")

@@ -198,7 +198,8 @@ def counted_parameters(config: Any, layout: Layout, seq_len: int, dtype: Any) ->
     from memo.profiler import model_parts
 
     model = _rank_model(config, 1, layout, seq_len, dtype, "none")
-    embedding, layers, head = model_parts(model)
+    parts = model_parts(model)
+    embedding, layers, head = parts.embedding, parts.layers, parts.head
     seen: set[int] = set()
 
     def count(module: Any) -> int:
@@ -211,7 +212,7 @@ def counted_parameters(config: Any, layout: Layout, seq_len: int, dtype: Any) ->
 
     total = count(embedding) + config.n_layers // layout.pp * count(layers[0])
     if layout.pp == 1:
-        total += count(head)
+        total += sum(count(module) for module in head)
         total += sum(p.numel() for p in model.parameters() if id(p) not in seen)  # final norm etc.
     elem = next(model.parameters()).element_size()
     return total, elem
@@ -237,7 +238,7 @@ class RankProfiler:
                None if alpha is None else round(alpha, 6))
         if key in self.cache:
             return self.cache[key]
-        from memo.profiler import profile
+        from memo.pipeline import profile
 
         recompute = "full" if strategy == "full-recompute" else "none"
         model = _rank_model(self.config, depth, layout, seq_len, self.dtype, recompute)

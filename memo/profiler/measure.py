@@ -29,10 +29,14 @@ __all__ = [
     "gpu_names",
     "gpu_peak_flops",
     "layer_forward_flops",
+    "check_machine",
     "machine_memory_bytes",
     "measure_bandwidth",
+    "measure_machine",
     "time_layer_forward",
 ]
+
+GB = 10**9
 
 
 @dataclass(frozen=True)
@@ -103,10 +107,12 @@ def _sync(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
-def time_layer_forward(layer: nn.Module, x: torch.Tensor, *, repeats: int = 3, warmup: int = 1) -> Quantity:
-    """Median forward time of ``layer(x)`` in ms.
+def time_layer_forward(layer: nn.Module, x: torch.Tensor, *args: Any, repeats: int = 3, warmup: int = 1,
+                       layer_kwargs: dict[str, Any] | None = None) -> Quantity:
+    """Median forward time of ``layer(x, *args, **layer_kwargs)`` in ms.
 
-    ``x: [s, b, h]`` on the device to time. The device is synchronised around
+    ``x: [s, b, h]`` on the device to time (or ``[b, s, h]``, as the layer takes it; ``args`` and
+    ``layer_kwargs``: the rest of what the model passes it). The device is synchronised around
     each run, so the time is the layer's, not the launch's. The forward runs
     without autograd: keeping tensors for backward costs no compute, and at a
     million tokens one layer's saved tensors alone would not fit on the GPU.
@@ -119,7 +125,7 @@ def time_layer_forward(layer: nn.Module, x: torch.Tensor, *, repeats: int = 3, w
         for k in range(warmup + repeats):
             sync()
             t0 = time.perf_counter()
-            y = layer(x)
+            y = layer(x, *args, **(layer_kwargs or {}))
             sync()
             if k >= warmup:
                 times.append((time.perf_counter() - t0) * 1e3)
@@ -185,3 +191,61 @@ def machine_memory_bytes() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         raise MemoError("memo.profiler: cannot read this machine's memory size; pass --host-mem-gb") from None
+
+
+def check_machine(machine: Any, device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse missing machine numbers (a :class:`memo.machine.Machine`) before a (possibly long)
+    recording, not after it: the meta device measures nothing."""
+    if machine.gpu is not None:
+        gpu_peak_flops(machine.gpu, dtype)
+    if device.type != "meta":
+        return  # cuda and cpu measure what is not given
+    missing = []  # every missing number at once, not one per try
+    if machine.bandwidth_gbps is None:
+        missing.append(
+            "the host<->device bandwidth: pass --bandwidth-gbps (e.g. 25 for PCIe 4.0 x16, 50 for PCIe 5.0 "
+            "x16; `memo env` measures it on a GPU)"
+        )
+    if machine.layer_ms is None and machine.gpu is None:
+        missing.append(
+            "a layer's forward time: pass --layer-ms, or --gpu (h100, a100, ...) with --efficiency to "
+            "estimate it from FLOPs"
+        )
+    if missing:
+        raise MemoError("memo.profiler: the meta device cannot measure " + "; and ".join(missing))
+
+
+def measure_machine(machine: Any, device: torch.device, dtype: torch.dtype, *,
+                    time_layer: Callable[[], Quantity], config: Any = None, seq_len: int = 0,
+                    micro_batch: int = 1) -> dict[str, Quantity]:
+    """B, T_layer and the node's host memory of ``machine`` (a :class:`memo.machine.Machine`): given,
+    measured on ``device`` (cpu/cuda; ``time_layer()`` times one layer there), or T_layer estimated
+    from FLOPs of the model ``config`` at ``seq_len`` x ``micro_batch`` on ``machine.gpu``."""
+    q: dict[str, Quantity] = {}
+    if machine.bandwidth_gbps is not None:
+        q["bandwidth_gbps"] = Quantity(float(machine.bandwidth_gbps), "given")
+    elif device.type in ("cuda", "cpu"):
+        q["bandwidth_gbps"] = measure_bandwidth(device)
+    else:
+        raise MemoError(
+            f"memo.profiler: the host<->device bandwidth cannot be measured on {device.type}; pass "
+            "--bandwidth-gbps (e.g. 25 for PCIe 4.0 x16, 50 for PCIe 5.0 x16; `memo env` measures it "
+            "on a GPU)"
+        )
+    if machine.layer_ms is not None:
+        q["layer_ms"] = Quantity(float(machine.layer_ms), "given")
+    elif machine.gpu is not None:
+        q["layer_ms"] = estimate_layer_ms(config, seq_len, micro_batch, machine.gpu, dtype,
+                                          machine.efficiency)
+    elif device.type in ("cuda", "cpu"):
+        q["layer_ms"] = time_layer()
+    else:
+        raise MemoError(
+            f"memo.profiler: a layer's forward time cannot be measured on {device.type}; pass --layer-ms, "
+            "or --gpu (h100, a100, ...) with --efficiency to estimate it from FLOPs"
+        )
+    if machine.host_mem_gb is not None:
+        q["host_memory_bytes"] = Quantity(float(machine.host_mem_gb) * GB, "given")
+    else:
+        q["host_memory_bytes"] = Quantity(float(machine_memory_bytes()), "measured", "this machine's RAM")
+    return q

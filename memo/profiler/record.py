@@ -5,16 +5,17 @@ under a :class:`~memo.profiler.recorder.DispatchRecorder` and returns the trace
 as a ``memo.trace`` version 1 dict (docs/formats.md), with per-layer
 statistics in ``"layers"`` (see :mod:`memo.profiler.stats`).
 
-The model must have memo's reference-model anatomy: ``model.embedding``,
-``model.layers`` (a sequence of layers taking ``[s, b, h]`` as first
-argument), ``model.head`` and ``model(ids, labels) -> loss``. A layer's
-attention is recognised by its ``core_attention`` submodule (optional: without
-it S_attn is 0 and everything skeletal counts as S_others).
+The model needs a model adapter (NOTE [Model adapters] in memo/adapters/model.py): it says
+which modules are the embedding, the layers (taking ``[s, b, h]`` as first argument) and the
+head, and how the loss is computed. A layer's attention is recognised by its ``core_attention``
+submodule (optional: without it S_attn is 0 and everything skeletal counts as S_others).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import itertools
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -23,13 +24,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from memo.adapters.model import ModelAdapter, ModelParts, model_adapter_for
 from memo.errors import MemoError
 from memo.phases import PhaseTracker
 from memo.profiler.recorder import RECORDER_NAME, DispatchRecorder
 from memo.profiler.saved import LayerSavedBytes
 from memo.profiler.stats import LayerStats, layer_stats, summarise_layers
 
-__all__ = ["Recording", "model_parts", "quiet_backward_hook_warning", "record", "record_trace"]
+__all__ = ["Recording", "layer_inputs", "meta_copy", "model_parts", "phase_tracker",
+           "quiet_backward_hook_warning", "record", "record_trace"]
 
 
 @dataclass
@@ -61,18 +64,76 @@ def quiet_backward_hook_warning() -> Iterator[None]:
         yield
 
 
-def model_parts(model: nn.Module) -> tuple[nn.Module, list[nn.Module], nn.Module]:
-    """``(embedding, layers, head)`` of a memo reference model, or a MemoError saying what is missing."""
-    missing = [name for name in ("embedding", "layers", "head") if not hasattr(model, name)]
-    if missing:
-        raise MemoError(
-            f"memo.profiler: {type(model).__name__} has no {', '.join(missing)}; the profiler needs a model "
-            "with .embedding, .layers and .head (memo.models.build_model builds one)"
-        )
-    return model.embedding, list(model.layers), model.head
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers live on the meta device.
+
+    No parameter or buffer data is copied (NOTE [Sizes from meta] in memo/pipeline.py): each one is
+    replaced by a meta tensor of the same shape, dtype and ``requires_grad`` before the module tree
+    is deep-copied, so even a model that fills a GPU can be copied for sizing.
+    """
+    replacements: dict[int, Any] = {}
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        if id(t) in replacements:
+            continue
+        fake = torch.empty_like(t, device="meta")
+        if isinstance(t, nn.Parameter):
+            fake = nn.Parameter(fake, requires_grad=t.requires_grad)
+        replacements[id(t)] = fake
+    return copy.deepcopy(model, replacements)
 
 
-def _model_meta(model: nn.Module, ids: torch.Tensor) -> dict[str, Any]:
+def model_parts(model: nn.Module) -> ModelParts:
+    """The embedding, layers and head modules of ``model``, from its model adapter (NOTE [Model
+    adapters]); a MemoError naming the class and the adapter to write when it has none."""
+    return model_adapter_for(model, "memo.profiler").parts(model)
+
+
+def phase_tracker(model: nn.Module, listeners: Any = ()) -> PhaseTracker:
+    """A :class:`PhaseTracker` on the parts the model's adapter names."""
+    parts = model_parts(model)
+    return PhaseTracker(parts.embedding, parts.layers, parts.head, listeners=listeners)
+
+
+class _Stop(Exception):
+    """Raised by :func:`layer_inputs`' hook to end a forward at the first layer."""
+
+
+def layer_inputs(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor
+                 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """What the model passes its first layer for ``ids, labels`` (``args, kwargs``), without grad.
+
+    NOTE [First layer's inputs]
+    A layer of another library takes more than the hidden states (megatron: the attention mask and
+    rotary embeddings; Hugging Face: position embeddings, a cache, a mask), in its own layout. Timing
+    a layer alone, or sizing memo's buffers before the first step, needs exactly those. So the
+    model's own forward runs until the first layer is called, and a hook there takes its
+    arguments and stops the forward: only the embedding (and whatever the model computes for its
+    layers, like the rotary tables) runs.
+    """
+    parts = model_parts(model)
+    adapter = model_adapter_for(model, "memo.profiler")
+    if not parts.layers:
+        raise MemoError(f"memo.profiler: {type(model).__name__} has no layers")
+    taken: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def take(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        taken.append((args, kwargs))
+        raise _Stop
+
+    handle = parts.layers[0].register_forward_pre_hook(take, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            adapter.loss(model, ids, labels)
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
+    if not taken:
+        raise MemoError(f"memo.profiler: a forward of {type(model).__name__} never called its first layer")
+    return taken[0]
+
+
+def _model_meta(model: nn.Module, ids: torch.Tensor, n_layers: int) -> dict[str, Any]:
     config = getattr(model, "config", None)
     meta: dict[str, Any] = {
         "model": str(getattr(config, "name", None) or type(model).__name__),
@@ -80,18 +141,17 @@ def _model_meta(model: nn.Module, ids: torch.Tensor) -> dict[str, Any]:
         "micro_batch": int(ids.shape[0]),
         "device": ids.device.type,
         "recorder": RECORDER_NAME,
-        "n_layers": len(model.layers),
+        "n_layers": n_layers,
     }
     param = next(model.parameters(), None)
     if param is not None:
         meta["dtype"] = str(param.dtype).removeprefix("torch.")
-    if config is not None:
-        try:
-            from memo.models import fingerprint
-        except ImportError:
-            fingerprint = None
-        if fingerprint is not None:
-            meta["fingerprint"] = str(fingerprint(config))
+    from memo.models import ModelConfig, fingerprint
+
+    if isinstance(config, ModelConfig):  # other libraries' configs are not memo's to fingerprint
+        meta["fingerprint"] = str(fingerprint(config))
+    elif config is not None and not isinstance(getattr(config, "name", None), str):
+        meta["model"] = type(model).__name__
     return meta
 
 
@@ -114,12 +174,14 @@ def record(
     the gradient allocations are part of the trace; they carry
     ``"param_grad": true`` because they are not activations.
     """
-    embedding, layers, head = model_parts(model)
+    adapter: ModelAdapter = model_adapter_for(model, "memo.profiler")
+    parts = adapter.parts(model)
+    layers = parts.layers
     if ids.dim() != 2:
         raise MemoError(f"memo.profiler: ids must be [b, s], got shape {tuple(ids.shape)}")
     own_tracker = tracker is None
     if tracker is None:
-        tracker = PhaseTracker(embedding, layers, head)
+        tracker = PhaseTracker(parts.embedding, layers, parts.head)
     rec = DispatchRecorder(lambda: tracker.current, device=ids.device)
     tracker.add_listener(rec.on_phase)
     inputs: dict[int, int] = {}
@@ -134,7 +196,7 @@ def record(
             tracker.iteration(), rec, quiet_backward_hook_warning(),
             torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack),
         ):
-            loss = model(ids, labels)
+            loss = adapter.loss(model, ids, labels)
             loss.backward()
         # Storages that die from here on outlived the iteration: they get no free event.
         rec.close()
@@ -151,7 +213,7 @@ def record(
     trace: dict[str, Any] = {
         "version": 1,
         "kind": "memo.trace",
-        "meta": {**_model_meta(model, ids), **(meta or {})},
+        "meta": {**_model_meta(model, ids, len(layers)), **(meta or {})},
         "layers": summarise_layers(stats),
         "events": events,
     }

@@ -1,0 +1,246 @@
+"""One context that runs a model under memo: allocator, wrap, phases, buffers, and undoes them all.
+
+NOTE [One construction path]
+Training with memo needs the same sequence everywhere (``memo train``, the examples, the
+benchmarks): memo's allocator serving the device (the plan's tables, or only its fallback pool
+when there is no plan, so that every strategy's memory is measured alike: NOTE [Measuring device
+memory] in memo/strategies.py), the layers wrapped with the plan's alpha and policy, a phase
+tracker on the model adapter's parts telling the allocator which plan table is open, and the
+runtime's buffers sized before the first step (DESIGN.md: "fail before training starts with the
+numbers"). :class:`Session` is that sequence, once; its exit undoes every part that was done, in
+reverse order, also when a step (or the set-up itself) raised.
+
+Order matters. The allocator is entered before the buffers are sized so that the buffers come
+from it (the plan's device total counts them: NOTE [Buffers made in the warm-up] in
+memo/pipeline.py); the phase tracker is attached last, so that the forward that finds the first
+layer's inputs (NOTE [First layer's inputs] in memo/profiler/record.py) opens no phase.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from memo.adapters.model import ModelAdapter, model_adapter_for
+from memo.errors import MemoError
+from memo.phases import PhaseTracker
+from memo.units import format_mib
+
+__all__ = ["Session"]
+
+
+def _has_tables(plan: Any) -> bool:
+    return plan is not None and hasattr(plan, "phase_tables")
+
+
+class Session:
+    """Run ``model`` under memo inside ``with memo.Session(model, plan) as s:``.
+
+    Args:
+        model: a model with a model adapter (NOTE [Model adapters]) on its device.
+        plan: a plan from :func:`memo.pipeline.profile` / ``memo profile`` (alpha, policy, host
+            bytes and the allocator's tables), or None.
+        alpha, policy: wrap the layers with these instead of a plan's (alpha alone: the default
+            policy). With neither and no plan the layers are not wrapped (a baseline).
+        planned_allocator: memo's allocator serves activations from the plan's tables (when the
+            plan has them); False leaves them to its fallback pool.
+        allocator: memo's allocator serves the device while the session is open (with
+            ``planned_allocator`` off or no plan, its fallback pool only, which measures any
+            strategy alike). On CUDA it must have been installed before the first CUDA tensor
+            (``memo.allocator.install_cuda()``); when it was not, a plan with tables is refused
+            and a baseline runs on PyTorch's own.
+        device: the model's device (default: its first parameter's).
+        device_budget_bytes: the device budget (NOTE [Device budget]): caps memo's fallback pool
+            (the budget less the plan's arena and, on CPU, the parameters), or on CUDA without
+            memo's allocator PyTorch's per-process memory fraction.
+        example: an example batch ``(ids, labels)``: the runtime's buffers are sized from it on
+            entry, before step 1 (without one, at the first forward).
+        debug_copy_delay_us: see :class:`memo.runtime.MemoRuntime` (tests).
+
+    ``s.step(ids, labels)`` runs forward + backward and returns the loss; ``with s.iteration():``
+    wraps a forward + backward written out by hand (the optimizer step belongs outside it).
+    """
+
+    def __init__(self, model: nn.Module, plan: Any = None, *, alpha: float | None = None,
+                 policy: list[str] | None = None, planned_allocator: bool = True, allocator: bool = True,
+                 device: torch.device | str | None = None, device_budget_bytes: int | None = None,
+                 example: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 debug_copy_delay_us: int | None = None) -> None:
+        self.model = model
+        self.plan = plan
+        self.alpha = alpha
+        self.policy = policy
+        self.planned_allocator = planned_allocator
+        self.use_allocator = allocator
+        if device is None:
+            param = next(model.parameters(), None)
+            device = param.device if param is not None else "cpu"
+        self.device = torch.device(device)
+        self.device_budget_bytes = device_budget_bytes
+        self.example = example
+        self.debug_copy_delay_us = debug_copy_delay_us
+        self.adapter: ModelAdapter = model_adapter_for(model, "memo.Session")
+        self.tracker: PhaseTracker | None = None
+        #: Whether memo's allocator serves this session's device (its stats are this run's).
+        self.allocator_on = False
+        #: Whether this session wrapped the model (and so unwraps it).
+        self.wrapped = False
+        self._stack = contextlib.ExitStack()
+        self._entered = False
+        self._open = False
+
+    # Entry and exit -----------------------------------------------------------------------------
+    def __enter__(self) -> Session:
+        if self._entered:
+            raise MemoError("memo.Session: this session is already open; a session is entered once")
+        self._entered = True
+        try:
+            self._enter_allocator()
+            self._wrap()
+            self._size_buffers()
+            self._track_phases()
+        except BaseException:
+            self.close()
+            raise
+        self._open = True
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Undo what entering did, last part first: phases, wrap, allocator. Safe to call twice."""
+        self._open = False
+        try:
+            if self.tracker is not None:
+                self.tracker.remove()
+                self.tracker = None
+            if self.wrapped:
+                from memo import runtime
+
+                self.wrapped = False
+                if runtime.is_wrapped(self.model):
+                    runtime.unwrap(self.model)
+        finally:
+            self.allocator_on = False
+            self._stack.close()
+
+    # Parts --------------------------------------------------------------------------------------
+    def _enter_allocator(self) -> None:
+        if not self.use_allocator:
+            return
+        from memo import allocator
+
+        dev = self.device
+        use_plan = self.planned_allocator and _has_tables(self.plan)
+        if dev.type == "cuda" and not allocator.cuda_installed():
+            # PyTorch's own CUDA allocator measures baselines; memo's cannot be installed this late.
+            if use_plan:
+                raise MemoError(
+                    "memo.train: memo's CUDA allocator must be installed before the first CUDA tensor; "
+                    "call memo.allocator.install_cuda() first (memo train does this for --strategy memo)"
+                )
+            if self.device_budget_bytes is not None:
+                self._cap_torch_cuda(self.device_budget_bytes)
+            return
+        table = self.plan if use_plan else {"tables": {}, "peak": 0}
+        limit = self.fallback_limit(table)
+        if limit is not None:
+            # Segments cached by an earlier run would serve requests past the budget: give them back.
+            allocator.empty_cache(dev)
+        self._stack.enter_context(allocator.planned(table, device=dev, fallback_limit=limit))
+        self.allocator_on = True
+
+    def _cap_torch_cuda(self, budget: int) -> None:
+        """NOTE [Device budget] with PyTorch's own allocator: its per-process fraction cap."""
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        total = torch.cuda.get_device_properties(index).total_memory
+        fraction = budget / total
+        if fraction > 1:
+            raise MemoError(f"memo.train: --device-mem-gb {budget / 1e9:g} is more than the device's "
+                            f"{total / 1e9:.1f} GB")
+        torch.cuda.set_per_process_memory_fraction(fraction, index)
+        self._stack.callback(torch.cuda.set_per_process_memory_fraction, 1.0, index)
+
+    def fallback_limit(self, table: Any) -> int | None:
+        """NOTE [Device budget]: memo's allocator holds the plan's arena and a fallback pool; the
+        budget caps both. On CUDA it also holds the parameters (PyTorch's CUDA allocator for the
+        whole process); on CPU they were made before memo's allocator was swapped in, so the
+        budget's share for them is set aside here. What is left is the fallback pool's limit."""
+        budget = self.device_budget_bytes
+        if budget is None:
+            return None
+        param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        arena = int(table.peak if hasattr(table, "peak") else table.get("peak", 0))
+        params = 0 if self.device.type == "cuda" else param_bytes
+        limit = budget - arena - params
+        if limit <= 0:
+            raise MemoError(
+                f"memo.train: --device-mem-gb {budget / 1e9:g} ({format_mib(budget)}) cannot hold the "
+                f"parameters ({format_mib(param_bytes)}) and the plan's arena ({format_mib(arena)}); this "
+                f"run needs more than {format_mib(arena + param_bytes)} before any gradient, optimizer "
+                "state or temporary. Give a larger budget, a shorter --seq-len, or a smaller model"
+            )
+        return limit
+
+    def _wrap(self) -> None:
+        if self.plan is None and self.alpha is None and not self.policy:
+            return
+        from memo import runtime
+
+        policy = None if (self.plan is not None and getattr(self.plan, "policy", None)) else self.policy
+        runtime.wrap(self.model, alpha=None if self.plan is not None else self.alpha, plan=self.plan,
+                     debug_copy_delay_us=self.debug_copy_delay_us, policy=policy)
+        self.wrapped = True
+
+    def _size_buffers(self) -> None:
+        """DESIGN.md: host buffers are sized before step 1; short host memory fails here, with the numbers."""
+        if not self.wrapped or self.example is None:
+            return
+        from memo import runtime
+        from memo.profiler.record import layer_inputs
+
+        rt = runtime.runtime_of(self.model)
+        if rt.n_offloaded == 0:
+            return
+        args, kwargs = layer_inputs(self.model, *self.example)
+        rt.allocate(*args, **kwargs)
+
+    def _track_phases(self) -> None:
+        if not self.allocator_on:
+            return  # phases tell memo's allocator which table is open; nothing else listens
+        from memo import allocator
+
+        parts = self.adapter.parts(self.model)
+        self.tracker = PhaseTracker(parts.embedding, parts.layers, parts.head,
+                                    listeners=[allocator.set_phase])
+
+    # Steps --------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def iteration(self) -> Iterator[None]:
+        """Wrap one forward + backward (not the optimizer step: it is no layer's work)."""
+        if self.tracker is None:
+            yield
+            return
+        with self.tracker.iteration():
+            yield
+
+    def step(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of one batch (``ids, labels: [b, s]``); returns the detached loss."""
+        if not self._open:
+            raise MemoError("memo.Session: step() needs an open session: use `with memo.Session(...) as s:`")
+        with self.iteration():
+            loss = self.adapter.loss(self.model, ids, labels)
+            loss.backward()
+        return loss.detach()
+
+    @property
+    def runtime(self) -> Any:
+        """The model's :class:`memo.runtime.MemoRuntime` while wrapped, else None."""
+        from memo import runtime
+
+        return runtime.runtime_of(self.model) if runtime.is_wrapped(self.model) else None
