@@ -97,7 +97,8 @@ class _CappedSession(Session):
         if limit <= 0:
             raise DeviceMemoryFull(
                 f"max_seq_len: the device budget {self.device_budget_bytes / 2**20:.1f} MiB is used up "
-                f"before the step: parameters {param_bytes / 2**20:.1f} MiB + plan arena {arena / 2**20:.1f} MiB"
+                f"before the step: parameters {param_bytes / 2**20:.1f} MiB + plan arena "
+                f"{arena / 2**20:.1f} MiB"
             )
         # The fallback pool is process-wide and keeps the segments it cached before this context
         # (memo's profiling passes run through it); the limit is only checked when a new segment is
