@@ -41,6 +41,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from memo.adapters.base import LayerAdapter, find_adapter, registered_adapters
+from memo.adapters.model import find_model_adapter
 from memo.errors import MemoError
 from memo.runtime.layer import LayerCall
 from memo.runtime.runtime import NOT_OFFLOADED_TAIL, MemoRuntime
@@ -199,6 +200,10 @@ def wrap(
                               host_memory_limit=host_memory_limit, policy=policy)
     elif alpha is not None or plan is not None or policy is not None:
         raise MemoError("memo.wrap: pass alpha/plan/policy either to MemoRuntime or to wrap, not both")
+    # The model's own settings too (e.g. gradient checkpointing flagged on an HF base model only).
+    model_adapter = find_model_adapter(model)
+    if model_adapter is not None:
+        model_adapter.check(model)
     layers = find_layers(model)
     for layer, adapter in layers:
         adapter.check(layer)
