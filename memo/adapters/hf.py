@@ -662,7 +662,8 @@ class CausalLMAdapter(ModelAdapter):
             problems.append(f"HF gradient checkpointing is on ({_CHECKPOINTING_OFF})")
         impl = getattr(cfg, "_attn_implementation", None)
         if impl not in SUPPORTED_ATTENTION:
-            problems.append(f"its attention implementation is {impl!r} (memo reproduces 'eager' and 'sdpa')")
+            problems.append(f"its attention implementation is {impl!r} (memo reproduces 'eager' and 'sdpa': "
+                            "load the model with attn_implementation='sdpa')")
         if problems:
             raise MemoError(f"{where}: " + "; ".join(problems))
 
