@@ -104,8 +104,13 @@ class PhaseTracker:
         self._hook("embed", None, embedding)
         for i, layer in enumerate(layers):
             self._hook("layer", i, layer)
-        for module in [head] if isinstance(head, nn.Module) else head:
-            self._hook("head", None, module)
+        heads = [head] if isinstance(head, nn.Module) else list(head)
+        for k, module in enumerate(heads):
+            # NOTE [One head phase]: head.fwd runs from the first head module's forward to the
+            # last one's. Closing it after each module would open it again at the next one, and
+            # every opening restarts the phase's request index (memo.allocator.set_phase): the
+            # plan, made from the whole phase, would no longer match its requests.
+            self._hook("head", None, module, closes=k == len(heads) - 1)
 
     @property
     def current(self) -> str | None:
@@ -152,7 +157,7 @@ class PhaseTracker:
             handle.remove()
         self._handles.clear()
 
-    def _hook(self, part: str, index: int | None, module: nn.Module) -> None:
+    def _hook(self, part: str, index: int | None, module: nn.Module, closes: bool = True) -> None:
         fwd = f"{part}.fwd" if index is None else layer_phase("fwd", index)
         bwd = f"{part}.bwd" if index is None else layer_phase("bwd", index)
 
@@ -168,7 +173,8 @@ class PhaseTracker:
         def close_fwd(_module: nn.Module, _args: object, out: object) -> None:
             if _in_backward():
                 return
-            self.set(None)
+            if closes:
+                self.set(None)
             output = _first_grad_tensor(out)
             if output is not None:
                 output.register_hook(open_bwd)

@@ -444,8 +444,16 @@ def _pass1(job: _Job, given: nn.Module | None, optimizer_states: str
     # keeps 4 TiB for backward), the sizes the dispatch recorder sees do not depend on the
     # device, and meta costs seconds.
     sized_on = torch.device("meta")
-    sizing = (build_profile_model(job.source, job.job_seq_len, job.dtype, sized_on, job.tp) if given is None
-              else meta_copy(given))
+    try:
+        sizing = (build_profile_model(job.source, job.job_seq_len, job.dtype, sized_on, job.tp)
+                  if given is None else meta_copy(given))
+    except (TypeError, RuntimeError) as err:
+        if given is None:
+            raise
+        # A model holding what cannot be copied (megatron-core's process groups): sized where it runs.
+        job.notes.append(f"pass 1 ran on {job.device.type}, not meta: the model cannot be copied to meta "
+                         f"({str(err).splitlines()[0] if str(err) else type(err).__name__})")
+        sized_on, sizing = job.device, given
     job.timings["build"] = time.perf_counter() - t0
     # NOTE [Least memory, checked first]: a length the device cannot hold is refused before recording.
     check_least_memory(least_memory(sizing, job.seq_len // job.tp, job.micro_batch), job.device,
@@ -456,10 +464,11 @@ def _pass1(job: _Job, given: nn.Module | None, optimizer_states: str
     job.say(f"pass 1 ({sized_on.type}): recording one iteration of the plain model ...")
     t0 = time.perf_counter()
     try:
-        ids, labels = example_batch(sizing, job.seq_len, job.micro_batch, sized_on)
+        ids, labels = job.inputs() if sizing is given else example_batch(sizing, job.seq_len, job.micro_batch,
+                                                                         sized_on)
         plain = _record(sizing, ids, labels, job.progress, "pass 1 (plain model)", job.meta)
     except (NotImplementedError, RuntimeError) as err:
-        if given is None or job.device.type == "meta":
+        if given is None or job.device.type == "meta" or sizing is given:
             raise
         # An op of a user's model without a meta kernel (or a library that insists on a real device
         # on the way): size it where it runs, and say so.

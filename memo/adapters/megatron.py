@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from memo.adapters.base import LayerAdapter, register_adapter
+from memo.adapters.model import ModelAdapter, ModelParts
 from memo.errors import MemoError
 
 try:
@@ -50,6 +51,7 @@ except ImportError as e:  # pragma: no cover - exercised only without megatron-c
     ) from e
 
 __all__ = [
+    "GPTModelAdapter",
     "MegatronLayerAdapter",
     "MemoCoreAttention",
     "get_memo_gpt_layer_local_spec",
@@ -199,3 +201,44 @@ class MegatronLayerAdapter(LayerAdapter):
 
 
 register_adapter(TransformerLayer, MegatronLayerAdapter())
+
+
+class GPTModelAdapter(ModelAdapter):
+    """megatron-core's ``GPTModel`` as a whole (NOTE [Model adapters] in memo/adapters/model.py).
+
+    Parts: ``model.embedding`` (word and position embeddings, ``[b, s] -> [s, b, h]``), the
+    decoder's layers, and the head: ``decoder.final_layernorm`` then ``output_layer``. The loss is
+    megatron's own: ``GPTModel.forward`` with ``labels`` returns the per-token cross entropy
+    ``[b, s]``; megatron's labels are the next tokens already, as memo's are, so they are passed
+    as they are. Tokens labelled ``-100`` (memo's "not counted", which megatron does not know)
+    get label 0 and weight 0, and the mean is over the counted tokens. Position ids are
+    ``0..s-1``; the attention mask is None (memo's core attention is causal).
+    """
+
+    name = "megatron-gpt"
+
+    def check(self, model: nn.Module) -> None:
+        if not (getattr(model, "pre_process", True) and getattr(model, "post_process", True)):
+            raise MemoError(
+                "memo.adapters.megatron: this GPTModel is one pipeline stage (pre_process="
+                f"{model.pre_process}, post_process={model.post_process}); memo profiles and trains a whole "
+                "GPTModel per process (pipeline_model_parallel_size=1)")
+        if getattr(model, "mtp_process", False):
+            raise MemoError("memo.adapters.megatron: multi-token prediction (mtp_num_layers) is not "
+                            "supported; build the GPTModel without it")
+
+    def parts(self, model: nn.Module) -> ModelParts:
+        decoder = model.decoder
+        head = [m for m in (getattr(decoder, "final_layernorm", None), model.output_layer) if m is not None]
+        return ModelParts(model.embedding, list(decoder.layers), head)
+
+    def loss(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        b, s = ids.shape
+        position_ids = torch.arange(s, device=ids.device).unsqueeze(0).expand(b, s)
+        counted = labels != -100
+        per_token = model(ids, position_ids, None, labels=torch.where(counted, labels, 0))
+        weight = counted.to(per_token.dtype)
+        return (per_token * weight).sum() / weight.sum().clamp(min=1)
+
+    def vocab_size(self, model: nn.Module) -> int:
+        return int(model.vocab_size)

@@ -83,6 +83,7 @@ class MemoModelAdapter(ModelAdapter):
 #: libraries' adapters are registered here by name, so that memo imports them only when needed).
 _REGISTRY: dict[str, ModelAdapter | str] = {
     "memo.models.model.TransformerModel": MemoModelAdapter(),
+    "megatron.core.models.gpt.gpt_model.GPTModel": "memo.adapters.megatron:GPTModelAdapter",
     "transformers.models.llama.modeling_llama.LlamaForCausalLM": "memo.adapters.hf:CausalLMAdapter",
     "transformers.models.qwen2.modeling_qwen2.Qwen2ForCausalLM": "memo.adapters.hf:CausalLMAdapter",
     "transformers.models.mistral.modeling_mistral.MistralForCausalLM": "memo.adapters.hf:CausalLMAdapter",
