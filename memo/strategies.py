@@ -143,6 +143,7 @@ class Strategy:
         self.session: Session | None = None
         self.param_bytes = 0
         self._example: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._recompute_policy: list[str] | None = None
         self._allocator_on = False
         self._peak = 0
         self._counts = {"planned": 0, "fallback": 0, "unplanned": 0}
@@ -166,7 +167,7 @@ class Strategy:
         self.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self._example = (ids, labels)
         if self.name == "full-recompute":
-            _full_recompute(model)
+            self._recompute_policy = _full_recompute(model)
         elif self.name == "full-offload":
             self.alpha = 1.0
         elif self.name == "memo":
@@ -224,9 +225,10 @@ class Strategy:
         path] in memo/session.py): memo's allocator, the wrapped layers, phases, sized buffers."""
         opts = self.options
         plan = self.plan
+        recompute = self._recompute_policy
         self.session = self.session_class(
-            self.model, plan, alpha=None if plan is not None else self.alpha,
-            policy=None if plan is not None else self.policy,
+            self.model, plan, alpha=None if plan is not None else (0.0 if recompute else self.alpha),
+            policy=None if plan is not None else (recompute or self.policy),
             planned_allocator=opts.planned_allocator, device=self.device,
             device_budget_bytes=self._device_budget(),
             example=self._example, debug_copy_delay_us=opts.debug_copy_delay_us)
@@ -328,17 +330,18 @@ def make_strategy(options: StrategyOptions) -> Strategy:
     return Strategy(options)
 
 
-def _full_recompute(model: nn.Module) -> None:
-    """Every layer recomputed in backward, the model's own way (``torch.utils.checkpoint`` per layer)."""
+def _full_recompute(model: nn.Module) -> list[str] | None:
+    """Every layer recomputed in backward. memo's models do it themselves (``torch.utils.checkpoint``
+    per layer: returns None); other models through memo's runtime with every layer on the
+    "recompute" policy (NOTE [Layer policy]; returns that policy), since their own switches (HF
+    gradient checkpointing, megatron's recompute_granularity) are not the same code path."""
     if isinstance(getattr(model, "recompute", None), str):
         model.recompute = "full"  # memo's models
-    elif hasattr(model, "gradient_checkpointing_enable"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        raise MemoError(
-            f"memo.train: --strategy full-recompute does not know how to turn on full recomputation in "
-            f"{type(model).__name__}; build the model with it on (megatron-core: recompute_granularity="
-            "'full') and train it with --strategy none")
+        return None
+    from memo.adapters.model import model_adapter_for
+
+    n = len(model_adapter_for(model, "memo.train").parts(model).layers)
+    return ["recompute"] * n
 
 
 

@@ -102,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         peak_tflops=args.peak_tflops,
         data=args.data,
+        engine=args.engine,
+        hf_config=args.hf_config,
     )
     if config.device.startswith("cuda") and args.strategy == "memo" and options.planned_allocator:
         from memo import allocator
@@ -188,6 +190,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--peak-tflops", type=positive_float, help="device peak TFLOPS for MFU (default: known GPUs)"
     )
     p.add_argument("--data", metavar="FILE", help="train on the bytes of FILE instead of synthetic tokens")
+    p.add_argument("--engine", choices=("memo", "megatron"), default="memo",
+                   help="who builds --model: memo's reference model, or a megatron-core GPTModel of the same "
+                   "shapes with memo's layer spec (one process); both go through the same profile, plan and "
+                   "training")
+    p.add_argument("--hf-config", metavar="PATH_OR_JSON",
+                   help="train a Hugging Face causal LM (Llama, Qwen2, Mistral) built from this config "
+                   "instead of --model: a config.json, a directory holding one (no weights are loaded), or "
+                   "inline JSON with a model_type; random weights, no download")
     p.add_argument("--strategy", choices=STRATEGIES, default="memo", help="activation-memory strategy")
     p.add_argument(
         "--alpha", type=_alpha, default="auto",

@@ -166,9 +166,12 @@ def train_step(
     ``iteration()`` wraps forward + backward only (a strategy's phase tracking): the
     optimizer step is no layer's work and must not be attributed to the last backward phase.
     """
+    from memo.adapters.model import model_adapter_for
+
+    adapter = model_adapter_for(model, "memo.train")
     optimizer.zero_grad(set_to_none=True)
     with iteration():
-        loss = model(ids, labels)
+        loss = adapter.loss(model, ids, labels)
         loss.backward()
     optimizer.step()
     return loss.detach()
@@ -200,9 +203,20 @@ class TrainConfig:
     """Peak TFLOPS for MFU; ``None`` looks the GPU up (unknown on CPU)."""
     data: str | None = None
     """Text file whose bytes are the tokens; ``None`` means synthetic tokens."""
+    engine: str = "memo"
+    """Who builds the model (NOTE [Training engines] in memo/engines.py): ``memo`` or ``megatron``."""
+    hf_config: str | None = None
+    """A Hugging Face causal-LM config (JSON file, directory or inline JSON) to train, not ``model``."""
 
     def __post_init__(self) -> None:
-        if self.model not in list_configs():
+        from memo.engines import ENGINES
+
+        if self.engine not in ENGINES:
+            raise MemoError(f"memo.train: --engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.hf_config is not None and self.engine != "memo":
+            raise MemoError("memo.train: --hf-config builds a Hugging Face model; it does not combine with "
+                            f"--engine {self.engine}")
+        if self.hf_config is None and self.model not in list_configs():
             get_config(self.model)  # raises the error listing valid names
         for name in ("seq_len", "micro_batch", "steps"):
             if getattr(self, name) < 1:
@@ -323,18 +337,7 @@ def train(
         raise MemoError(f"memo.train: --device {config.device} asked for CUDA, but torch sees no CUDA device")
     dtype = DTYPES[config.dtype]
     torch.manual_seed(config.seed)
-    model_config = get_config(config.model)
-    max_seq_len = max(config.seq_len, DEFAULT_MAX_SEQ_LEN) if model_config.arch == "gpt" else None
-    # NOTE [Least memory, checked first]: refuse a length the device cannot hold before building the
-    # model for real (GPT's position table alone can exceed the machine) or profiling it.
-    sizing = build_model(model_config, device="meta", dtype=dtype, max_seq_len=max_seq_len)
-    budget_gb = getattr(getattr(strategy, "options", None), "device_mem_gb", None)
-    check_least_memory(least_memory(sizing, config.seq_len, config.micro_batch), device,
-                       None if budget_gb is None else int(budget_gb * 1e9), "memo.train", config.seq_len)
-    del sizing
-    model = build_model(
-        model_config, device=device, dtype=dtype, recompute=config.recompute, max_seq_len=max_seq_len
-    )
+    model, model_config = _build(config, device, dtype, strategy)
     if model_hook is not None:
         model_hook(model)
     if config.data is not None:
@@ -364,7 +367,8 @@ def train(
         strategy=strategy,
     )
     emit(
-        f"memo.train: {config.model} ({result.num_parameters / 1e6:.2f}M params), seq {config.seq_len} x "
+        f"memo.train: {_model_name(config, model_config)} ({result.num_parameters / 1e6:.2f}M params), "
+        f"seq {config.seq_len} x "
         f"batch {config.micro_batch}, {config.dtype} on {device}, {_run_kind(config, strategy)}, "
         + ("MFU n/a (no peak FLOPS known for this device; --peak-tflops sets one)" if peak is None
            else f"MFU against a peak of {peak / 1e12:.0f} TFLOPS")
@@ -423,6 +427,52 @@ def train(
     if strategy is not None:
         strategy.close()
     return result
+
+
+def _build(config: TrainConfig, device: torch.device, dtype: torch.dtype, strategy: Any
+           ) -> tuple[torch.nn.Module, Any]:
+    """The model to train and a memo ModelConfig of its shapes (for FLOPs, the fingerprint and plans)."""
+    from memo import engines
+
+    if config.hf_config is not None:
+        hf = engines.hf_config(config.hf_config)
+        model = engines.build_hf_causal_lm(hf, device, dtype)
+        if config.recompute != "none":
+            raise MemoError("memo.train: --recompute applies to memo's models; use --strategy full-recompute")
+        return model, _hf_shapes(hf)
+    model_config = get_config(config.model)
+    max_seq_len = max(config.seq_len, DEFAULT_MAX_SEQ_LEN) if model_config.arch == "gpt" else None
+    # NOTE [Least memory, checked first]: refuse a length the device cannot hold before building the
+    # model for real (GPT's position table alone can exceed the machine) or profiling it.
+    sizing = build_model(model_config, device="meta", dtype=dtype, max_seq_len=max_seq_len)
+    budget_gb = getattr(getattr(strategy, "options", None), "device_mem_gb", None)
+    check_least_memory(least_memory(sizing, config.seq_len, config.micro_batch), device,
+                       None if budget_gb is None else int(budget_gb * 1e9), "memo.train", config.seq_len)
+    del sizing
+    if config.engine == "megatron":
+        model = engines.build_megatron_gpt(model_config, max_seq_len or config.seq_len, device, dtype)
+        return model, model_config
+    model = build_model(
+        model_config, device=device, dtype=dtype, recompute=config.recompute, max_seq_len=max_seq_len
+    )
+    return model, model_config
+
+
+def _model_name(config: TrainConfig, model_config: Any) -> str:
+    if config.hf_config is not None:
+        return f"{model_config.name} (Hugging Face)"
+    return config.model if config.engine == "memo" else f"{config.model} (megatron-core GPTModel)"
+
+
+def _hf_shapes(hf: Any) -> Any:
+    """memo's :class:`~memo.models.ModelConfig` with a Hugging Face decoder's shapes."""
+    from memo.models import ModelConfig
+
+    return ModelConfig(name=f"hf-{hf.model_type}", arch="llama", n_layers=hf.num_hidden_layers,
+                       hidden=hf.hidden_size, n_heads=hf.num_attention_heads,
+                       n_kv_heads=getattr(hf, "num_key_value_heads", None),
+                       ffn_hidden=getattr(hf, "intermediate_size", None), vocab_size=hf.vocab_size,
+                       norm_eps=float(getattr(hf, "rms_norm_eps", 1e-5)))
 
 
 def _run_kind(config: TrainConfig, strategy: Any) -> str:

@@ -1,0 +1,119 @@
+"""The models ``memo train`` can build: memo's own, megatron-core's ``GPTModel``, Hugging Face causal LMs.
+
+NOTE [Training engines]
+Every engine's model goes through the same pipeline and Session (its model adapter says where the
+embedding, layers and head are, and how the loss is computed); only how the model is built differs.
+
+- ``memo``: :func:`memo.models.build_model` from a registered name or CONFIG.json.
+- ``megatron``: a megatron-core ``GPTModel`` with memo's layer spec
+  (:func:`memo.adapters.megatron.get_memo_gpt_layer_local_spec`) and the same shapes as memo's
+  model of that name: layers, hidden, heads, query groups, MLP width, vocabulary; GPT configs get
+  LayerNorm, GELU, biases and learned positions, Llama configs RMSNorm, SwiGLU, no biases and
+  RoPE. One process: megatron's parallel state is set up over a world of one (gloo) when no
+  process group exists, as ``tests/test_megatron.py`` does.
+- ``--hf-config``: ``transformers.AutoModelForCausalLM.from_config`` of a config given as a
+  JSON file, a directory with ``config.json`` (no weights are loaded), or inline JSON with a
+  ``model_type``; randomly initialised, no download.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from memo.errors import MemoError
+
+__all__ = ["ENGINES", "build_hf_causal_lm", "build_megatron_gpt", "hf_config"]
+
+ENGINES = ("memo", "megatron")
+
+
+def _init_megatron_world() -> None:
+    """megatron's model-parallel state over one process (gloo), unless a process group exists."""
+    from megatron.core import parallel_state
+
+    if not torch.distributed.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+
+
+def build_megatron_gpt(config: Any, seq_len: int, device: torch.device | str, dtype: torch.dtype
+                       ) -> nn.Module:
+    """A megatron-core ``GPTModel`` with memo's layer spec shaped like memo's ``config`` (NOTE [Training
+    engines]); its position table (GPT) covers ``seq_len``."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed": expected here
+        try:
+            from megatron.core.models.gpt import GPTModel
+            from megatron.core.transformer.transformer_config import TransformerConfig
+
+            from memo.adapters.megatron import get_memo_gpt_layer_local_spec
+        except ImportError as err:
+            raise MemoError(f"memo.train: --engine megatron needs megatron-core ({err}); pip install "
+                            "megatron-core==0.16.1, or memo[megatron]") from None
+    _init_megatron_world()
+    gpt = config.arch == "gpt"
+    tc = TransformerConfig(
+        num_layers=config.n_layers, hidden_size=config.hidden, num_attention_heads=config.n_heads,
+        num_query_groups=config.n_kv_heads or config.n_heads, ffn_hidden_size=config.ffn_hidden or
+        (4 * config.hidden if gpt else None), layernorm_epsilon=config.norm_eps,
+        normalization="LayerNorm" if gpt else "RMSNorm", gated_linear_unit=not gpt,
+        activation_func=torch.nn.functional.gelu if gpt else torch.nn.functional.silu, add_bias_linear=gpt,
+        use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
+        params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
+    extra: dict[str, Any] = {"position_embedding_type": "learned_absolute" if gpt else "rope"}
+    if not gpt and config.rope_theta:
+        extra["rotary_base"] = int(config.rope_theta)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = GPTModel(config=tc, transformer_layer_spec=get_memo_gpt_layer_local_spec(),
+                         vocab_size=config.vocab_size, max_sequence_length=seq_len, **extra)
+    return model.to(device=device, dtype=dtype)
+
+
+def hf_config(text: str) -> Any:
+    """A transformers config from a JSON file, a directory holding ``config.json``, or inline JSON."""
+    try:
+        from transformers import AutoConfig
+    except ImportError as err:
+        raise MemoError(f"memo.train: --hf-config needs transformers ({err}); pip install memo[hf]") from None
+    if os.path.isdir(text):
+        text = os.path.join(text, "config.json")
+    if os.path.isfile(text):
+        with open(text) as f:
+            fields = json.load(f)
+    else:
+        try:
+            fields = json.loads(text)
+        except json.JSONDecodeError:
+            raise MemoError(f"memo.train: --hf-config {text!r} is neither a file, a directory with "
+                            "config.json, nor JSON; give e.g. '{\"model_type\": \"llama\", "
+                            "\"num_hidden_layers\": 2, ...}'") from None
+    if not isinstance(fields, dict) or "model_type" not in fields:
+        raise MemoError("memo.train: --hf-config must be a JSON object with a \"model_type\" (llama, qwen2, "
+                        "mistral)")
+    fields = dict(fields)
+    try:
+        return AutoConfig.for_model(fields.pop("model_type"), **fields)
+    except (ValueError, KeyError) as err:
+        raise MemoError(f"memo.train: --hf-config: {err}") from None
+
+
+def build_hf_causal_lm(config: Any, device: torch.device | str, dtype: torch.dtype) -> nn.Module:
+    """``AutoModelForCausalLM.from_config(config)`` (random weights) in ``dtype`` on ``device``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
+    return model.to(device=device)
