@@ -38,6 +38,49 @@ follow the Luby sequence (1, 1, 2, 1, 1, 2, 4, ... times a base), each after
 the first with a randomly perturbed "biggest first" order: the usual cure
 for such heavy tails. Only a run that finishes within its limit proves that
 no placement fits.
+
+NOTE [Offset-order search]
+A second exact search over the same canonical placements, after MiniMalloc's
+(Moffitt, ASPLOS 2023; memo's own code): every item goes to its lowest free
+offset (the top of the highest placed item it overlaps), one at a time, in
+increasing (offset, rank) order, so each canonical placement is reached along
+one path. Three things prune it:
+* dominance: no item may go at or above the top an unplaced item would have
+  at its own lowest offset (that one would fit below, in a gap left empty);
+* an item that overlaps no unplaced item, once its branch fails, ends the
+  node: placing others first cannot help it;
+* the section bound (NOTE [Section bound]) with each section's floor raised to
+  the lowest offset its unplaced items can take.
+When a placement leaves no unplaced item alive in two neighbouring sections,
+the two sides share nothing more: each is searched on its own (a failure on
+one side fails the node, with no backtracking across). Each new part orders
+its items afresh by what is left ("TWA": most unplaced demand in its sections,
+then longest lifetime, then largest area), so a part deep in the search is
+ordered by the demand it still has. On MiniMalloc's challenging suite this
+finds placements at the capacity that the skyline search (NOTE [Canonical
+placements]) misses in minutes; the skyline search is faster per node and
+stronger on memo's strip tilings, so the two share the time
+(NOTE [Two searches, one clock]).
+
+NOTE [Two searches, one clock]
+A round at one capacity (:func:`_round`) runs the three offset-order runs
+("WAT", "TAW", "TWA") with a node limit of the item count times 2**k in round
+k (as MiniMalloc's round robin), then skyline restarts (NOTE [Restarts]) for
+as long as that took: each search gets about half the time, whichever is the
+one that suits the instance; either proves infeasibility when a run ends
+within its limit. Offset-order runs keep a candidate list per level of the
+path, so above MAX_OFFSET_ORDER_ITEMS items only the skyline search runs.
+
+NOTE [Capacity ladder]
+How hard "does it fit in C?" is does not fall smoothly with C: on
+MiniMalloc's instance J a placement within 1024 units is found in 0.2 s while
+1039 runs out of 2.5 s. Bisection, which gives one capacity half the time
+left, can spend it all on such an unlucky one. So each round (doubling node
+limits) probes LADDER_PROBES capacities spread evenly from the largest not
+yet proven out of reach up to just below the best placement: easy
+capacities are found in the cheap early rounds, and the lower bound keeps
+being probed with growing limits until it is reached or proven out of reach.
+A target capacity is the only probe while it may still be reached.
 """
 
 from __future__ import annotations
@@ -57,6 +100,15 @@ __all__ = ["count_overlapping_pairs", "fits", "search"]
 
 #: Nodes per unit of the Luby sequence that limits each run (NOTE [Restarts]).
 LUBY_UNIT_NODES = 1000
+#: Above this many items only the skyline search runs (NOTE [Two searches, one clock]).
+MAX_OFFSET_ORDER_ITEMS = 2000
+#: The orders the offset-order runs give each part, round robin (NOTE [Offset-order search]):
+#: letters of T (unplaced demand in its sections), W (lifetime length), A (area), most first.
+OFFSET_ORDER_KEYS = ("WAT", "TAW", "TWA")
+#: The shortest slice of skyline restarts per round (seconds).
+MIN_SKYLINE_SLICE = 0.02
+#: Capacities probed per round of the ladder (NOTE [Capacity ladder]).
+LADDER_PROBES = 5
 
 
 @dataclass
@@ -112,9 +164,10 @@ class _Sections:
         neighbour_items = np.fromiter((j for nb in neighbours for j in nb), dtype=np.int64,
                                       count=int(neighbour_starts[-1]))
         # The run's state is all in the native object; these arrays are copied into it once.
+        self.length = end - start
         self.native = _C.planner.DsaSearch(self.size, self.first, self.last, self.by_section,
                                            self.section_starts, self.demand, neighbour_starts,
-                                           neighbour_items)
+                                           neighbour_items, self.length)
 
 
 def _run(sec: _Sections, capacity: int, rank: np.ndarray, deadline: float, node_limit: int | None
@@ -191,48 +244,146 @@ def fits(items: Sequence[Item], capacity: int, *, deadline: float, node_limit: i
     return _run(sec, capacity, _biggest_first(sec, rng), deadline, node_limit)
 
 
-def search(items: Sequence[Item], warm: DSAResult, *, time_limit: float, seed: int = 0) -> DSAResult:
-    """Smallest peak the canonical search finds between the lower bound and ``warm``'s peak.
+def _skyline(sec: _Sections, capacity: int, until: float, rng: random.Random, stats: dict[str, int],
+             restarts: list[int]) -> Outcome:
+    """Skyline restarts (NOTE [Restarts]) at ``capacity`` until one settles it or ``until``."""
+    nodes = 0
+    while time.perf_counter() < until:
+        rank = _biggest_first(sec, rng if restarts[0] else None)
+        out = _run(sec, capacity, rank, until, LUBY_UNIT_NODES * _luby(restarts[0] + 1))
+        nodes += out.nodes
+        restarts[0] += 1
+        stats["runs"] += 1
+        if out.offsets is not None or out.exhausted:
+            stats["nodes"] += nodes
+            return Outcome(out.offsets, out.exhausted, nodes)
+    stats["nodes"] += nodes
+    return Outcome(None, False, nodes)
 
-    Tries the lower bound first (on the instances where it matters the optimum is there),
-    then bisects between the largest capacity proven infeasible and the best placement.
-    Each capacity gets half the time left (all of it for the last candidate), in restarts
-    (NOTE [Restarts]). Never returns worse than ``warm``; ``optimal`` is True when the
-    result is proven minimal.
+
+def _round(sec: _Sections, capacity: int, k: int, until: float, rng: random.Random, stats: dict[str, int],
+           restarts: list[int]) -> Outcome:
+    """Round ``k`` at ``capacity`` (NOTE [Two searches, one clock]): the offset-order runs with
+    ``items << k`` nodes each, then skyline restarts for as long as they took."""
+    started = time.perf_counter()
+    ties = np.arange(sec.n, dtype=np.int64)
+    nodes = 0
+    for keys in OFFSET_ORDER_KEYS:
+        offsets, exhausted, n = sec.native.run_by_offset(capacity, ties, until - time.perf_counter(),
+                                                         sec.n << k, keys)
+        nodes += n
+        stats["nodes"] += n
+        stats["runs"] += 1
+        if offsets is not None or exhausted:
+            return Outcome(offsets, exhausted, nodes)
+        if time.perf_counter() >= until:
+            return Outcome(None, False, nodes)
+    slice_end = min(until, time.perf_counter() + max(MIN_SKYLINE_SLICE, time.perf_counter() - started))
+    out = _skyline(sec, capacity, slice_end, rng, stats, restarts)
+    return Outcome(out.offsets, out.exhausted, nodes + out.nodes)
+
+
+class _Bounds:
+    """What the search knows: the best placement, the largest capacity proven out of reach + 1."""
+
+    def __init__(self, items: Sequence[Item], warm: DSAResult) -> None:
+        self.items = items
+        self.offsets, self.peak = list(warm.offsets), warm.peak
+        self.proven = lower_bound(items)  # no capacity below this fits
+        self.untried = self.proven  # the smallest capacity worth a try
+
+    def found(self, offsets: list[int]) -> None:
+        peak = max(o + it.size for o, it in zip(offsets, self.items, strict=True))
+        if peak < self.peak:
+            self.offsets, self.peak = offsets, peak
+
+    def infeasible(self, capacity: int) -> None:
+        self.proven = max(self.proven, capacity + 1)
+        self.untried = max(self.untried, self.proven)
+
+
+def _bisect(sec: _Sections, b: _Bounds, capacity: int, deadline: float, rng: random.Random,
+            stats: dict[str, int], done) -> None:
+    """Skyline search alone, large instances: each capacity gets half the time left (all of it for
+    the last candidate), the lower bound first, then bisection towards the best placement."""
+    restarts = [0]
+    while b.untried < b.peak and not done() and time.perf_counter() < deadline:
+        left = deadline - time.perf_counter()
+        until = deadline if capacity == b.peak - 1 else time.perf_counter() + left / 2
+        restarts[0] = 0
+        out = _skyline(sec, capacity, until, rng, stats, restarts)
+        if out.offsets is not None:
+            b.found(out.offsets)
+        elif out.exhausted:
+            b.infeasible(capacity)
+        else:
+            b.untried = capacity + 1  # out of time: aim higher, where placements are easier to find
+        capacity = (b.untried + b.peak) // 2
+
+
+def _ladder(sec: _Sections, b: _Bounds, target: int | None, deadline: float, rng: random.Random,
+            stats: dict[str, int], done) -> None:
+    """NOTE [Capacity ladder]: rounds of doubling node limits; each round probes a few capacities
+    spread from the largest not yet proven out of reach to just below the best placement."""
+    restarts = [0]
+    k = 0
+    while b.untried < b.peak and not done() and time.perf_counter() < deadline:
+        k += 1
+        lo, hi = b.untried, b.peak - 1
+        if target is not None and lo <= target:
+            probes = [min(target, hi)]
+        else:
+            probes = sorted({lo + (hi - lo) * j // (LADDER_PROBES - 1) for j in range(LADDER_PROBES)})
+        for capacity in probes:
+            if capacity < b.untried or capacity >= b.peak:
+                continue
+            out = _round(sec, capacity, k, deadline, rng, stats, restarts)
+            if out.offsets is not None:
+                b.found(out.offsets)
+            elif out.exhausted:
+                b.infeasible(capacity)
+            if done() or time.perf_counter() >= deadline:
+                break
+
+
+def search(items: Sequence[Item], warm: DSAResult, *, time_limit: float, seed: int = 0,
+           target: int | None = None) -> DSAResult:
+    """Smallest peak the canonical searches find between the lower bound and ``warm``'s peak.
+
+    Up to MAX_OFFSET_ORDER_ITEMS items both searches probe a ladder of capacities (NOTE
+    [Capacity ladder]); above, the skyline search tries the lower bound first, then bisects
+    between the largest capacity proven infeasible and the best placement. Never returns
+    worse than ``warm``.
+
+    Args:
+        target: a capacity to reach rather than a peak to minimise: the only one tried while
+            it may be reached, and the search stops as soon as a placement fits it. When it is
+            proven out of reach, the search minimises above it as usual.
+
+    Returns a DSAResult whose ``optimal`` is True when the peak is proven minimal;
+    ``extra["bound"]`` is the largest peak proven necessary (the lower bound, or more where a
+    capacity was proven infeasible) and ``extra["gap"]`` the peak's relative distance to it.
     """
     _require_lifetimes(items)
     t0 = time.perf_counter()
     deadline = t0 + time_limit
     rng = random.Random(seed)
-    best_offsets, best_peak = list(warm.offsets), warm.peak
-    proven = lower_bound(items)  # no capacity below this fits
-    untried = proven  # the smallest capacity worth a try (above any that ran out of time)
-    capacity = proven
+    b = _Bounds(items, warm)
+    stats = {"nodes": 0, "runs": 0}
+
+    def done() -> bool:
+        return target is not None and b.peak <= target
+
     # The instance is only set up when there is a gap to search (warm starts often sit at the bound).
-    sec = _Sections(items) if proven < best_peak else None
-    nodes = runs = 0
-    while untried < best_peak and time.perf_counter() < deadline:
-        left = deadline - time.perf_counter()
-        until = deadline if capacity == best_peak - 1 else time.perf_counter() + left / 2
-        restart = 0
-        while True:
-            rank = _biggest_first(sec, rng if restart else None)
-            out = _run(sec, capacity, rank, until, LUBY_UNIT_NODES * _luby(restart + 1))
-            nodes += out.nodes
-            runs += 1
-            restart += 1
-            if out.offsets is not None or out.exhausted or time.perf_counter() >= until:
-                break
-        if out.offsets is not None:
-            best_offsets = out.offsets
-            best_peak = max(o + it.size for o, it in zip(out.offsets, items, strict=True))
-        elif out.exhausted:
-            proven = capacity + 1
-            untried = max(untried, proven)
+    if b.proven < b.peak and not done():
+        sec = _Sections(items)
+        if sec.n <= MAX_OFFSET_ORDER_ITEMS:
+            _ladder(sec, b, target, deadline, rng, stats, done)
         else:
-            untried = capacity + 1  # out of time: aim higher, where placements are easier to find
-        capacity = (untried + best_peak) // 2
-    optimal = best_peak <= proven
-    return DSAResult(best_offsets, best_peak, "search", time.perf_counter() - t0,
-                     status="optimal" if optimal else "time limit", optimal=optimal,
-                     extra={"fallback": False, "nodes": nodes, "runs": runs})
+            start = b.proven if target is None else max(b.proven, min(target, b.peak - 1))
+            _bisect(sec, b, start, deadline, rng, stats, done)
+    optimal = b.peak <= b.proven
+    status = "optimal" if optimal else ("target reached" if done() else "time limit")
+    gap = (b.peak - b.proven) / b.proven if b.proven else 0.0
+    return DSAResult(b.offsets, b.peak, "search", time.perf_counter() - t0, status=status,
+                     optimal=optimal, extra={"fallback": False, "bound": b.proven, "gap": gap, **stats})

@@ -115,15 +115,23 @@ def test_the_native_run_refuses_arrays_that_do_not_fit_together():
     zero = np.array([0], dtype=np.int64)
     none = np.array([], dtype=np.int64)
     with pytest.raises(ValueError, match="size, first and last must have one entry per item"):
-        native_search(one, zero, np.array([1, 1]), zero, zero, one, np.array([0, 0]), none)
+        native_search(one, zero, np.array([1, 1]), zero, zero, one, np.array([0, 0]), none, one)
     with pytest.raises(ValueError, match="item 0 spans sections \\[0, 2\\)"):
-        native_search(one, zero, np.array([2]), zero, zero, one, np.array([0, 0]), none)
+        native_search(one, zero, np.array([2]), zero, zero, one, np.array([0, 0]), none, one)
     with pytest.raises(ValueError, match="neighbour_items entry 0 is not an item index"):
-        native_search(one, zero, one, zero, zero, one, np.array([0, 1]), np.array([5]))
-    native = native_search(one, zero, one, zero, zero, one, np.array([0, 0]), none)
+        native_search(one, zero, one, zero, zero, one, np.array([0, 1]), np.array([5]), one)
+    with pytest.raises(ValueError, match="length must have one entry per item, got 0 for 1"):
+        native_search(one, zero, one, zero, zero, one, np.array([0, 0]), none, none)
+    native = native_search(one, zero, one, zero, zero, one, np.array([0, 0]), none, one)
     with pytest.raises(ValueError, match="rank must have one entry per item, got 2 for 1"):
         native.run(1, np.array([0, 1]), 1.0, None)
     with pytest.raises(ValueError, match="node_limit must be >= 0 or None"):
         native.run(1, zero, 1.0, -3)
+    with pytest.raises(ValueError, match="rank must have one entry per item, got 2 for 1"):
+        native.run_by_offset(1, np.array([0, 1]), 1.0, None)
+    with pytest.raises(ValueError, match="keys must be letters of TWAZ"):
+        native.run_by_offset(1, zero, 1.0, None, "TX")
     assert native.run(1, zero, 1.0, None) == ([0], False, 1)
+    assert native.run_by_offset(1, zero, 1.0, None, "TWA") == ([0], False, 2)  # the root and the leaf
+    assert native.run_by_offset(0, zero, 1.0, None) == (None, True, 0)
     assert native.run(0, zero, 1.0, None) == (None, True, 0)

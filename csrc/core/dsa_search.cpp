@@ -48,6 +48,8 @@ DsaSearch::DsaSearch(DsaInstance instance) : inst_(std::move(instance)) {
           "neighbour_starts must have items + 1 entries, got " + std::to_string(inst_.neighbour_starts.size()) +
               " for " + std::to_string(n) + " items");
   require(n == 0 || sections > 0, "an instance with items needs at least one section");
+  require(inst_.length.size() == n, "length must have one entry per item, got " + std::to_string(inst_.length.size()) +
+                                        " for " + std::to_string(n) + " items");
   for (std::size_t i = 0; i < n; ++i) {
     require(inst_.size[i] >= 0, "item " + std::to_string(i) + " has negative size");
     require(0 <= inst_.first[i] && inst_.first[i] < inst_.last[i] &&
@@ -273,6 +275,265 @@ DsaOutcome DsaSearch::run(i64 capacity, const std::vector<i64>& rank, double sec
   }
   out.exhausted = !stopped;
   out.nodes = nodes;
+  return out;
+}
+
+namespace {
+
+// One offset-order run (NOTE [Offset-order search] in planner/search.py). Recursive: a path is
+// at most one frame per item, and every frame keeps its own candidate list.
+class OffsetOrderRun {
+ public:
+  enum class Status : std::uint8_t { kFound, kNone, kStopped };
+
+  OffsetOrderRun(const DsaInstance& inst, i64 capacity, const std::vector<i64>& rank, double seconds,
+                 i64 node_limit, std::string keys)
+      : inst_(inst), capacity_(capacity), tiebreak_(rank), rank_(rank), keys_(std::move(keys)),
+        node_limit_(node_limit) {
+    const i64 n = static_cast<i64>(inst.size.size());
+    const i64 sections = static_cast<i64>(inst.demand.size());
+    timed_ = seconds < 1e9;
+    if (timed_)
+      deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+    off_.assign(n, -1);
+    solution_.assign(n, 0);
+    lowest_.assign(n, 0);
+    floor_.assign(sections, 0);
+    total_.assign(inst.demand.begin(), inst.demand.end());
+    stamp_.assign(sections, 0);
+    part_of_.assign(sections, 0);
+    least_.assign(sections, 0);
+    // cuts_[s]: unplaced items alive in both section s and section s + 1.
+    cuts_.assign(sections > 0 ? sections - 1 : 0, 0);
+    for (i64 i = 0; i < n; ++i)
+      for (i64 s = inst.first[i]; s + 1 < inst.last[i]; ++s) ++cuts_[s];
+  }
+
+  // Solves every independent part of the whole instance.
+  Status solve() {
+    const i64 sections = static_cast<i64>(floor_.size());
+    std::vector<i64> all(off_.size());
+    for (std::size_t i = 0; i < all.size(); ++i) all[i] = static_cast<i64>(i);
+    return solve_parts(all, 0, sections, [&](i64 s) { return cuts_[s] == 0; });
+  }
+
+  std::int64_t nodes() const { return nodes_; }
+  std::vector<i64>& solution() { return solution_; }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+
+  // Splits sections [lo, hi) where `cut(s)` says no unplaced item joins s and s + 1, and solves
+  // each part on its own: the parts share no unplaced item, so each either fits or the node fails.
+  template <typename Cut>
+  Status solve_parts(const std::vector<i64>& items, i64 lo, i64 hi, Cut cut) {
+    // part_of_[s]: the index of the part section s falls in; every unplaced item lies in one.
+    std::vector<i64> begins;
+    for (i64 s = lo; s < hi; ++s) {
+      if (s == lo || cut(s - 1)) begins.push_back(s);
+      part_of_[s] = static_cast<i64>(begins.size()) - 1;
+    }
+    std::vector<std::vector<i64>> parts(begins.size());
+    for (const i64 i : items)
+      if (off_[i] < 0) parts[part_of_[std::max(lo, inst_.first[i])]].push_back(i);
+    for (std::size_t k = 0; k < parts.size(); ++k) {
+      if (parts[k].empty()) continue;
+      const i64 end = k + 1 < begins.size() ? begins[k + 1] : hi;
+      std::vector<i64> saved;
+      saved.reserve(parts[k].size());
+      for (const i64 i : parts[k]) saved.push_back(rank_[i]);
+      rank_part(parts[k]);
+      const Status st = search(parts[k], begins[k], end, -1, -1);
+      for (std::size_t q = 0; q < parts[k].size(); ++q) rank_[parts[k][q]] = saved[q];
+      if (st != Status::kFound) return st;
+    }
+    return Status::kFound;
+  }
+
+  // Orders a new part by keys_ on what is left now (a part's demand is what its items still need).
+  void rank_part(const std::vector<i64>& part) {
+    if (keys_.empty()) return;
+    const i64 m = static_cast<i64>(part.size());
+    std::vector<i64> key(m * static_cast<i64>(keys_.size()));
+    for (i64 q = 0; q < m; ++q) {
+      const i64 i = part[q];
+      for (std::size_t c = 0; c < keys_.size(); ++c) {
+        i64 v = 0;
+        switch (keys_[c]) {
+          case 'T':
+            for (i64 s = inst_.first[i]; s < inst_.last[i]; ++s) v = std::max(v, total_[s]);
+            break;
+          case 'W': v = inst_.length[i]; break;
+          case 'A': v = inst_.size[i] * inst_.length[i]; break;
+          default: v = inst_.size[i]; break;  // 'Z'
+        }
+        key[q * keys_.size() + c] = v;
+      }
+    }
+    std::vector<i64> at(m);
+    for (i64 q = 0; q < m; ++q) at[q] = q;
+    const std::size_t width = keys_.size();
+    std::sort(at.begin(), at.end(), [&](i64 a, i64 b) {
+      for (std::size_t c = 0; c < width; ++c)
+        if (key[a * width + c] != key[b * width + c]) return key[a * width + c] > key[b * width + c];
+      return tiebreak_[part[a]] < tiebreak_[part[b]];
+    });
+    for (i64 q = 0; q < m; ++q) rank_[part[at[q]]] = q;
+  }
+
+  Status search(const std::vector<i64>& items, i64 lo, i64 hi, i64 min_off, i64 min_rank) {
+    ++nodes_;
+    if ((nodes_ & 63) == 0 &&
+        ((timed_ && Clock::now() > deadline_) || (node_limit_ >= 0 && nodes_ > node_limit_)))
+      stopped_ = true;
+    if (stopped_) return Status::kStopped;
+    // The unplaced items of this part, lowest offset first, rank breaking ties.
+    std::vector<i64> order;
+    order.reserve(items.size());
+    for (const i64 i : items)
+      if (off_[i] < 0) order.push_back(i);
+    if (order.empty()) return Status::kFound;
+    std::sort(order.begin(), order.end(), [this](i64 a, i64 b) {
+      return lowest_[a] != lowest_[b] ? lowest_[a] < lowest_[b] : rank_[a] < rank_[b];
+    });
+    // NOTE [Offset-order search], dominance: no item may start at or above the top of an
+    // unplaced item sitting at its own lowest offset (that one could drop into the gap).
+    i64 min_top = kNever;
+    for (const i64 i : order) min_top = std::min(min_top, lowest_[i] + inst_.size[i]);
+    for (const i64 b : order) {
+      const i64 o = lowest_[b];
+      if (o < min_off || (o == min_off && rank_[b] < min_rank)) continue;  // not in canonical order
+      if (o >= min_top) break;  // sorted by offset: every later candidate is dominated too
+      if (o + inst_.size[b] > capacity_) continue;
+      bool hatless = true;
+      const Status st = place_and_search(b, order, lo, hi, hatless);
+      if (st == Status::kFound) {
+        solution_[b] = o;
+        return st;
+      }
+      if (st == Status::kStopped) return st;
+      // Nothing unplaced meets b: placing another item first cannot help (b fits there anyway).
+      if (hatless) break;
+    }
+    return Status::kNone;
+  }
+
+  Status place_and_search(i64 b, const std::vector<i64>& order, i64 lo, i64 hi, bool& hatless) {
+    const auto& size = inst_.size;
+    const auto& first = inst_.first;
+    const auto& last = inst_.last;
+    const i64 o = lowest_[b];
+    const i64 top = o + size[b];
+    off_[b] = o;
+    const std::size_t lowest_mark = lowest_log_.size();
+    const std::size_t floor_mark = floor_log_.size();
+    const std::size_t min_mark = min_log_.size();
+    // least_[s], the lowest offset an unplaced item of s can take, only rises on a placement,
+    // and only where an item that held it left or rose: those sections are rescanned.
+    ++epoch_;
+    dirty_.clear();
+    auto held = [&](i64 item) {
+      for (i64 s = first[item]; s < last[item]; ++s)
+        if (least_[s] == lowest_[item] && stamp_[s] != epoch_) {
+          stamp_[s] = epoch_;
+          dirty_.push_back(s);
+        }
+    };
+    held(b);
+    for (i64 p = inst_.neighbour_starts[b]; p < inst_.neighbour_starts[b + 1]; ++p) {
+      const i64 j = inst_.neighbour_items[p];
+      if (off_[j] >= 0) continue;
+      hatless = false;
+      if (lowest_[j] >= top) continue;
+      held(j);
+      lowest_log_.emplace_back(j, lowest_[j]);
+      lowest_[j] = top;
+    }
+    for (i64 s = first[b]; s < last[b]; ++s) {
+      floor_log_.emplace_back(s, floor_[s]);
+      floor_[s] = top;  // items go in increasing offset: b is the highest one placed in s
+      total_[s] -= size[b];
+    }
+    for (const i64 s : dirty_) {
+      i64 low = kNever;
+      for (i64 q = inst_.section_starts[s]; q < inst_.section_starts[s + 1]; ++q) {
+        const i64 i = inst_.by_section[q];
+        if (off_[i] < 0) low = std::min(low, lowest_[i]);
+      }
+      min_log_.emplace_back(s, least_[s]);
+      least_[s] = low;
+    }
+    // NOTE [Section bound]: what a section still holds is stacked above its floor and above o.
+    bool ok = true;
+    for (i64 s = lo; s < hi && ok; ++s)
+      if (total_[s] > 0 && std::max({o, floor_[s], least_[s]}) + total_[s] > capacity_) ok = false;
+    Status st = Status::kNone;
+    if (ok) {
+      bool split = false;
+      for (i64 s = first[b]; s + 1 < last[b]; ++s)
+        if (--cuts_[s] == 0 && lo <= s && s + 1 < hi) split = true;
+      if (split) {
+        st = solve_parts(order, lo, hi, [&](i64 s) { return cuts_[s] == 0; });
+      } else {
+        st = search(order, lo, hi, o, rank_[b]);
+      }
+      for (i64 s = first[b]; s + 1 < last[b]; ++s) ++cuts_[s];
+    }
+    for (std::size_t k = floor_log_.size(); k > floor_mark; --k) floor_[floor_log_[k - 1].first] = floor_log_[k - 1].second;
+    floor_log_.resize(floor_mark);
+    for (i64 s = first[b]; s < last[b]; ++s) total_[s] += size[b];
+    for (std::size_t k = min_log_.size(); k > min_mark; --k) least_[min_log_[k - 1].first] = min_log_[k - 1].second;
+    min_log_.resize(min_mark);
+    for (std::size_t k = lowest_log_.size(); k > lowest_mark; --k)
+      lowest_[lowest_log_[k - 1].first] = lowest_log_[k - 1].second;
+    lowest_log_.resize(lowest_mark);
+    off_[b] = -1;
+    return st;
+  }
+
+  const DsaInstance& inst_;
+  const i64 capacity_;
+  const std::vector<i64>& tiebreak_;
+  std::vector<i64> rank_;  // per item: its place in its part's order (NOTE [Offset-order search])
+  const std::string keys_;
+  const i64 node_limit_;
+  bool timed_ = false;
+  Clock::time_point deadline_;
+  bool stopped_ = false;
+  i64 nodes_ = 0;
+  std::vector<i64> off_, solution_, lowest_, floor_, total_, cuts_, part_of_;
+  std::vector<std::uint64_t> stamp_;
+  std::uint64_t epoch_ = 0;
+  std::vector<std::pair<i64, i64>> lowest_log_, floor_log_, min_log_;
+  std::vector<i64> least_, dirty_;  // per section: lowest offset its unplaced items can take
+};
+
+}  // namespace
+
+DsaOutcome DsaSearch::run_by_offset(i64 capacity, const std::vector<i64>& rank, double seconds,
+                                    i64 node_limit, const std::string& keys) const {
+  const i64 n = num_items();
+  require(static_cast<i64>(rank.size()) == n,
+          "rank must have one entry per item, got " + std::to_string(rank.size()) + " for " + std::to_string(n));
+  require(!std::isnan(seconds), "the time left must be a number, got NaN");
+  DsaOutcome out;
+  if (n == 0) {
+    out.found = true;
+    return out;
+  }
+  if (*std::max_element(inst_.size.begin(), inst_.size.end()) > capacity ||
+      *std::max_element(inst_.demand.begin(), inst_.demand.end()) > capacity) {
+    out.exhausted = true;
+    return out;
+  }
+  require(keys.find_first_not_of("TWAZ") == std::string::npos,
+          "keys must be letters of TWAZ (demand, width, area, size), got '" + keys + "'");
+  OffsetOrderRun run(inst_, capacity, rank, seconds, node_limit, keys);
+  const OffsetOrderRun::Status st = run.solve();
+  out.nodes = run.nodes();
+  out.found = st == OffsetOrderRun::Status::kFound;
+  out.exhausted = st == OffsetOrderRun::Status::kNone;
+  if (out.found) out.offsets = std::move(run.solution());
   return out;
 }
 

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace memo::core {
@@ -19,6 +20,7 @@ struct DsaInstance {
   std::vector<std::int64_t> demand;          // per section: total size alive there
   std::vector<std::int64_t> neighbour_starts;  // per item + 1: CSR over neighbour_items
   std::vector<std::int64_t> neighbour_items;   // items that overlap each item in time
+  std::vector<std::int64_t> length;            // per item: its lifetime's length (end - start)
 };
 
 struct DsaOutcome {
@@ -37,6 +39,15 @@ class DsaSearch {
   // seconds: time left for the run (infinite allowed); node_limit < 0: none.
   DsaOutcome run(std::int64_t capacity, const std::vector<std::int64_t>& rank, double seconds,
                  std::int64_t node_limit) const;
+
+  // The same question answered by the offset-order search (NOTE [Offset-order search] in
+  // planner/search.py): items placed one at a time at their lowest free offset, in increasing
+  // (offset, rank) order, split into independent parts whenever no unplaced item joins them.
+  // keys: how each part orders its items (biggest first, `rank` breaking ties), one letter a
+  // key: 'T' the most unplaced demand in its sections, 'W' lifetime length, 'A' size x length,
+  // 'Z' size; empty: `rank` alone.
+  DsaOutcome run_by_offset(std::int64_t capacity, const std::vector<std::int64_t>& rank, double seconds,
+                           std::int64_t node_limit, const std::string& keys = "") const;
 
   std::int64_t num_items() const { return static_cast<std::int64_t>(inst_.size.size()); }
   std::int64_t num_sections() const { return static_cast<std::int64_t>(inst_.demand.size()); }

@@ -36,7 +36,8 @@ void bind_dsa_search(py::module_& m) {
                               "The depth-first run of memo.planner.search over one instance's sections.")
       .def(py::init([](const Int64Array& size, const Int64Array& first, const Int64Array& last,
                        const Int64Array& by_section, const Int64Array& section_starts, const Int64Array& demand,
-                       const Int64Array& neighbour_starts, const Int64Array& neighbour_items) {
+                       const Int64Array& neighbour_starts, const Int64Array& neighbour_items,
+                       const Int64Array& length) {
              core::DsaInstance inst;
              inst.size = to_vector(size, "size");
              inst.first = to_vector(first, "first");
@@ -46,10 +47,11 @@ void bind_dsa_search(py::module_& m) {
              inst.demand = to_vector(demand, "demand");
              inst.neighbour_starts = to_vector(neighbour_starts, "neighbour_starts");
              inst.neighbour_items = to_vector(neighbour_items, "neighbour_items");
+             inst.length = to_vector(length, "length");
              return core::DsaSearch(std::move(inst));
            }),
            py::arg("size"), py::arg("first"), py::arg("last"), py::arg("by_section"), py::arg("section_starts"),
-           py::arg("demand"), py::arg("neighbour_starts"), py::arg("neighbour_items"))
+           py::arg("demand"), py::arg("neighbour_starts"), py::arg("neighbour_items"), py::arg("length"))
       .def(
           "run",
           [](const core::DsaSearch& search, std::int64_t capacity, const Int64Array& rank, double seconds,
@@ -68,6 +70,25 @@ void bind_dsa_search(py::module_& m) {
           },
           py::arg("capacity"), py::arg("rank"), py::arg("seconds"), py::arg("node_limit"),
           "One run: (offsets or None, exhausted, nodes). seconds: the time left; node_limit: None for none.")
+      .def(
+          "run_by_offset",
+          [](const core::DsaSearch& search, std::int64_t capacity, const Int64Array& rank, double seconds,
+             std::optional<std::int64_t> node_limit, const std::string& keys) {
+            std::vector<std::int64_t> ranks = to_vector(rank, "rank");
+            if (node_limit && *node_limit < 0)
+              throw std::invalid_argument("memo.planner.search: node_limit must be >= 0 or None, got " +
+                                          std::to_string(*node_limit));
+            core::DsaOutcome out;
+            {
+              py::gil_scoped_release release;
+              out = search.run_by_offset(capacity, ranks, seconds, node_limit.value_or(-1), keys);
+            }
+            py::object offsets = out.found ? py::cast(out.offsets) : py::none();
+            return py::make_tuple(offsets, out.exhausted, out.nodes);
+          },
+          py::arg("capacity"), py::arg("rank"), py::arg("seconds"), py::arg("node_limit"), py::arg("keys") = "",
+          "One offset-order run, as run: (offsets or None, exhausted, nodes). keys: how each part is ordered "
+          "(letters of TWAZ: unplaced demand, lifetime length, area, size; rank breaks ties).")
       .def_property_readonly("num_items", &core::DsaSearch::num_items)
       .def_property_readonly("num_sections", &core::DsaSearch::num_sections);
 }
