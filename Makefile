@@ -20,11 +20,12 @@ STAMP  := build/.memo-installed
 NATIVE := setup.py pyproject.toml $(shell find csrc -type f 2>/dev/null)
 
 # Reinstall also when the memo Python imports is another checkout's (one environment, two clones).
+# torch first: memo._C links libtorch, and "import memo" alone no longer loads torch (lazy __init__).
 install: $(STAMP)
-	@(cd / && $(PYTHON) -c "import os, memo, memo._C, memo.planner as p; \
+	@(cd / && $(PYTHON) -c "import os, torch, memo, memo._C, memo.planner as p; \
 		assert all(os.path.realpath(m.__file__).startswith('$(CURDIR)/') for m in (memo, p))") \
 		2>/dev/null || { rm -f $(STAMP); $(MAKE) --no-print-directory $(STAMP); }
-	@$(PYTHON) -c "import memo, memo._C; print('memo installed:', memo._C.build_info())"
+	@$(PYTHON) -c "import torch, memo, memo._C; print('memo installed:', memo._C.build_info())"
 
 $(STAMP): $(NATIVE)
 	@if [ -n "$(TORCH_SPEC)" ]; then $(PIP) install -q "$(TORCH_SPEC)"; fi
@@ -52,7 +53,7 @@ gpu-check:
 	@$(PYTHON) benchmarks/gpu_check.py --preflight
 	@if [ -n "$(WHEELS)" ]; then $(PIP) install -q --no-index --no-deps $(WHEELS)/*.whl; fi
 	MEMO_BUILD_CUDA=1 $(PIP) install --no-build-isolation --no-deps -e .
-	$(PYTHON) -c "import memo, memo._C; print('memo installed:', memo._C.build_info())"
+	$(PYTHON) -c "import torch, memo, memo._C; print('memo installed:', memo._C.build_info())"
 	$(PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 bench: install

@@ -26,6 +26,11 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
+    if name == "_C":
+        # ``from memo import _C``: the extension links libtorch, whose libraries torch loads.
+        import torch  # noqa: F401
+
+        return importlib.import_module("memo._C")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'memo' has no attribute {name!r}")
