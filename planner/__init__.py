@@ -11,7 +11,15 @@ File formats: docs/formats.md.
 import pulp  # noqa: F401
 
 from .alpha import AlphaSolution, evaluate_alpha, host_memory_per_process, solve_alpha
-from .core import lower_bound, make_plan, plan_bilevel, plan_heuristic, plan_mip, without_unphased
+from .core import (
+    lower_bound,
+    make_plan,
+    plan_bilevel,
+    plan_heuristic,
+    plan_mip,
+    solve_items,
+    without_unphased,
+)
 from .plan import ALIGNMENT, Plan, load_plan, offload_difference, save_plan, validate_plan
 from .policy import (
     LayerCosts,
@@ -50,6 +58,7 @@ __all__ = [
     "save_plan",
     "save_trace",
     "solve_alpha",
+    "solve_items",
     "validate_plan",
     "without_unphased",
 ]

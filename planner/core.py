@@ -59,7 +59,8 @@ from .plan import ALIGNMENT, LAYER_KINDS, Plan, validate_plan
 from .search import count_overlapping_pairs, search
 from .trace import Allocation, Trace
 
-__all__ = ["lower_bound", "make_plan", "outliving", "plan_bilevel", "plan_heuristic", "plan_mip"]
+__all__ = ["lower_bound", "make_plan", "outliving", "plan_bilevel", "plan_heuristic", "plan_mip",
+           "solve_items"]
 
 #: Above this many overlapping pairs a MIP does not fit a minute of CBC; the heuristic stands.
 MAX_MIP_PAIRS = 40_000
@@ -103,31 +104,38 @@ def _progress(total: int, desc: str, enabled: bool | None):
 # in about a second, where the big-M MIP's weak relaxation leaves CBC blind past a few dozen
 # items. The MIP (whole, for small instances) and its neighbourhood search then refine
 # whatever the search left above the lower bound, warm-started from it.
-def _solve(items: Sequence[Item], *, use_mip: bool, time_limit: float, solver: str, threads: int
-           ) -> DSAResult:
+def _solve(items: Sequence[Item], *, use_mip: bool, time_limit: float, solver: str, threads: int,
+           target: int | None = None) -> DSAResult:
     """Heuristic, then the exact search and the MIP where they are worth it and fit (NOTE [Search
-    before MIP]); never worse than the heuristic."""
+    before MIP]); never worse than the heuristic. ``time_limit`` covers all of it, the heuristic
+    included. ``target`` (units): a peak to reach rather than minimise; the solve stops at the
+    first placement within it (NOTE [Capacity ladder] in search.py)."""
     if use_mip:
         require_solver(solver)
+    t0 = time.perf_counter()
+    deadline = t0 + time_limit
     warm = greedy(items)
-    if not use_mip or warm.optimal:
-        return warm
     lb = _units_lower_bound(items)
+    warm.extra["bound"] = lb
+    if not use_mip or warm.optimal or (target is not None and warm.peak <= target):
+        return warm
     if warm.peak - lb <= GAP_TOLERANCE * lb:
         return warm
-    t0 = time.perf_counter()
     result = warm
     pairs = count_overlapping_pairs(items)
     if pairs <= MAX_SEARCH_PAIRS:
-        result = search(items, warm, time_limit=time_limit / 2)
-    if not result.optimal and len(items) <= MAX_FULL_MIP_ITEMS and pairs <= MAX_MIP_PAIRS:
+        result = search(items, warm, time_limit=max(0.0, deadline - time.perf_counter()) / 2, target=target)
+    bound = result.extra.get("bound", lb)
+    reached = target is not None and result.peak <= target
+    if not reached and not result.optimal and len(items) <= MAX_FULL_MIP_ITEMS and pairs <= MAX_MIP_PAIRS:
         # Small instances: the whole MIP, given half the time left so the neighbourhood search can follow.
-        left = time_limit - (time.perf_counter() - t0)
+        left = deadline - time.perf_counter()
         whole = mip(items, time_limit=left / 2, solver=solver, threads=threads, warm=result)
         if whole.peak < result.peak or whole.optimal:
             result = whole
-    left = time_limit - (time.perf_counter() - t0)
-    if not result.optimal and result.peak - lb > GAP_TOLERANCE * lb and left > 1.0:
+    left = deadline - time.perf_counter()
+    reached = target is not None and result.peak <= target
+    if not reached and not result.optimal and result.peak - lb > GAP_TOLERANCE * lb and left > 1.0:
         lns = mip_neighbourhoods(items, result, time_limit=left, solver=solver, threads=threads,
                                  gap_tolerance=GAP_TOLERANCE)
         if lns.peak < result.peak:
@@ -137,14 +145,36 @@ def _solve(items: Sequence[Item], *, use_mip: bool, time_limit: float, solver: s
         result = warm
         result.status = "heuristic (search and MIP found nothing better within the time limit)"
         result.extra["fallback"] = True
-    result.seconds = time.perf_counter() - t0 + warm.seconds
+    # The largest peak proven necessary: the lower bound, or more where the search proved it.
+    result.extra["bound"] = result.peak if result.optimal else max(lb, bound)
+    result.seconds = time.perf_counter() - t0
     return result
+
+
+def solve_items(items: Sequence[Item], *, time_limit: float = 60.0, capacity: int | None = None,
+                solver: str = "cbc", threads: int = 2) -> DSAResult:
+    """The flat solve :func:`make_plan` runs on a trace's allocations (greedy, exact search, MIP),
+    on DSA items directly: sizes in any unit, lifetimes on any integer clock.
+
+    A trace only orders its events, so its lifetimes count events; items keep real durations
+    where the caller has them (MiniMalloc's CSVs do), and the exact search's item orders use
+    them (lifetime length, area; NOTE [Offset-order search] in search.py). ``capacity`` (same
+    unit as the sizes) as in :func:`make_plan`. ``extra["bound"]`` is the largest peak proven
+    necessary, so ``peak / bound - 1`` is the optimality gap left.
+    """
+    if not (isinstance(time_limit, (int, float)) and math.isfinite(time_limit) and time_limit > 0):
+        raise MemoError(f"memo.planner: time_limit must be a positive number of seconds, got {time_limit!r}")
+    return _solve(items, use_mip=True, time_limit=time_limit, solver=solver, threads=threads, target=capacity)
 
 
 def _record(result: DSAResult, lb_units: int) -> dict[str, Any]:
     gap = (result.peak - lb_units) / lb_units if lb_units else 0.0
+    bound = max(lb_units, int(result.extra.get("bound", lb_units)))
+    # optimality_gap: how far the peak may still be above the optimum (0 once proven optimal).
+    opt_gap = 0.0 if result.optimal else ((result.peak - bound) / bound if bound else 0.0)
     return {"method": result.method, "status": result.status, "seconds": round(result.seconds, 3),
             "gap_to_lower_bound": round(gap, 6), "optimal": bool(result.optimal),
+            "optimality_gap": round(opt_gap, 6),
             "heuristic_fallback": bool(result.extra.get("fallback", False)), "items": None}
 
 
@@ -176,15 +206,22 @@ def _left_out(t: Trace, outliving_to_fallback: bool) -> frozenset[int] | None:
     return frozenset(a.index for a in outliving(t)) if outliving_to_fallback else None
 
 
+def _target_units(capacity: int | None) -> int | None:
+    """A capacity in bytes as the most whole alignment units it holds (None: minimise)."""
+    return None if capacity is None else capacity // ALIGNMENT
+
+
 def _flat(t: Trace, *, use_mip: bool, time_limit: float, solver: str, threads: int,
-          progress: bool | None = False, outliving_to_fallback: bool = False) -> Plan:
+          progress: bool | None = False, outliving_to_fallback: bool = False, capacity: int | None = None
+          ) -> Plan:
     t0 = time.perf_counter()
     left_out = _left_out(t, outliving_to_fallback)
     planned = [a for a in t.allocations if not left_out or a.index not in left_out]
     items = [Item(_units(a.size), a.start, a.end) for a in planned]
     bar = _progress(1, "memo plan", progress)
     bar.set_postfix_str(f"flat ({len(items)} allocations, up to {time_limit:.0f} s)")
-    result = _solve(items, use_mip=use_mip, time_limit=time_limit, solver=solver, threads=threads)
+    result = _solve(items, use_mip=use_mip, time_limit=time_limit, solver=solver, threads=threads,
+                    target=_target_units(capacity))
     bar.update(1)
     bar.close()
     info = _record(result, _units_lower_bound(items))
@@ -209,11 +246,12 @@ def plan_heuristic(trace: Trace | Mapping[str, Any], *, outliving_to_fallback: b
 
 
 def plan_mip(trace: Trace | Mapping[str, Any], *, time_limit: float = 60.0, solver: str = "cbc",
-             threads: int = 2, outliving_to_fallback: bool = False) -> Plan:
-    """Flat plan: heuristic warm start refined by the DSA MIP within ``time_limit`` seconds
-    (``outliving_to_fallback`` as in :func:`plan_heuristic`)."""
+             threads: int = 2, outliving_to_fallback: bool = False, capacity: int | None = None) -> Plan:
+    """Flat plan: heuristic warm start refined by the exact search and the DSA MIP within
+    ``time_limit`` seconds (``outliving_to_fallback`` as in :func:`plan_heuristic`; ``capacity``
+    as in :func:`make_plan`)."""
     return _flat(_as_trace(trace), use_mip=True, time_limit=time_limit, solver=solver, threads=threads,
-                 outliving_to_fallback=outliving_to_fallback)
+                 outliving_to_fallback=outliving_to_fallback, capacity=capacity)
 
 
 # ------------------------------------------------------------------------------- bi-level
@@ -249,7 +287,7 @@ def _describe_difference(sig: tuple, ref: tuple) -> str:
 
 def plan_bilevel(trace: Trace | Mapping[str, Any], *, time_limit: float = 60.0, solver: str = "cbc",
                  threads: int = 2, use_mip: bool = True, progress: bool | None = None,
-                 outliving_to_fallback: bool = False) -> Plan:
+                 outliving_to_fallback: bool = False, capacity: int | None = None) -> Plan:
     """Bi-level plan (see NOTE [Bi-level plan]) within about ``time_limit`` seconds in all: every
     solve gets an equal share of the time left. ``outliving_to_fallback`` as in :func:`plan_heuristic`:
     allocations never freed are skeletal, so they are level-2 items, and those are left out."""
@@ -275,7 +313,7 @@ def plan_bilevel(trace: Trace | Mapping[str, Any], *, time_limit: float = 60.0, 
             layered[kind].append(phase)
     if not any(layered.values()):
         plan = _flat(t, use_mip=use_mip, time_limit=time_limit, solver=solver, threads=threads,
-                     progress=progress, outliving_to_fallback=outliving_to_fallback)
+                     progress=progress, outliving_to_fallback=outliving_to_fallback, capacity=capacity)
         plan.warnings.extend(notes)
         return plan
 
@@ -364,7 +402,8 @@ def plan_bilevel(trace: Trace | Mapping[str, Any], *, time_limit: float = 60.0, 
         rect = greedy(items2)
     else:
         share = max(0.5, deadline - time.perf_counter())
-        rect = _solve(items2, use_mip=use_mip, time_limit=share, solver=solver, threads=threads)
+        rect = _solve(items2, use_mip=use_mip, time_limit=share, solver=solver, threads=threads,
+                      target=_target_units(capacity))
     # The rectangles' placement, shapes dropped as low as they go, is never above the rectangles'.
     compacted = compact_groups(groups, rect.offsets)
     if compacted.peak < shaped.peak:
@@ -460,7 +499,8 @@ def without_unphased(trace: Trace | Mapping[str, Any]) -> tuple[Trace, int, int]
 
 def make_plan(trace: Trace | Mapping[str, Any], alpha_solution: Any = None, *, time_limit: float = 60.0,
               solver: str = "cbc", use_mip: bool = True, method: str = "auto", threads: int = 2,
-              host_bytes: int | None = None, progress: bool | None = None, unphased: str = "plan") -> Plan:
+              host_bytes: int | None = None, progress: bool | None = None, unphased: str = "plan",
+              capacity: int | None = None) -> Plan:
     """Plan a trace (a Trace or its JSON dict): the one call `memo profile` and `memo plan` make.
 
     Args:
@@ -480,7 +520,15 @@ def make_plan(trace: Trace | Mapping[str, Any], alpha_solution: Any = None, *, t
             allocations never freed in the trace, such as parameter gradients: their phase-table
             entries keep their request index with offset None
             (NOTE [Allocations that outlive the iteration]).
+        capacity: bytes the arena may take. None (default) minimises the peak; a capacity is a
+            target instead: the exact search stops at the first placement within it (a decision
+            is often much easier than the minimum; NOTE [Capacity ladder] in search.py), and
+            minimises as usual when it proves the capacity out of reach.
     """
+    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int)
+                                 or capacity <= 0):
+        raise MemoError("memo.planner: capacity must be a positive number of bytes (an int), "
+                        f"got {capacity!r}")
     if not (isinstance(time_limit, (int, float)) and math.isfinite(time_limit) and time_limit > 0):
         raise MemoError(f"memo.planner: time_limit must be a positive number of seconds, got {time_limit!r}")
     if use_mip or solver not in ("cbc", "highs"):
@@ -497,13 +545,13 @@ def make_plan(trace: Trace | Mapping[str, Any], alpha_solution: Any = None, *, t
         plan = plan_heuristic(t, outliving_to_fallback=replay)
     elif method == "flat":
         plan = _flat(t, use_mip=use_mip, time_limit=time_limit, solver=solver, threads=threads,
-                     progress=progress, outliving_to_fallback=replay)
+                     progress=progress, outliving_to_fallback=replay, capacity=capacity)
     elif method == "bilevel":
         plan = plan_bilevel(t, time_limit=time_limit, solver=solver, threads=threads, use_mip=use_mip,
-                            progress=progress, outliving_to_fallback=replay)
+                            progress=progress, outliving_to_fallback=replay, capacity=capacity)
     elif method == "auto":
         plan = plan_bilevel(t, time_limit=time_limit, solver=solver, threads=threads, use_mip=use_mip,
-                            progress=progress, outliving_to_fallback=replay)
+                            progress=progress, outliving_to_fallback=replay, capacity=capacity)
         # Blocks cost a little where skeletal tensors grow inside a pass; the flat heuristic
         # costs a second, so keep it when it is smaller (the allocator only needs phase tables).
         if plan.solver.get("kind") == "bilevel":

@@ -129,7 +129,7 @@ def test_the_native_run_refuses_arrays_that_do_not_fit_together():
         native.run(1, zero, 1.0, -3)
     with pytest.raises(ValueError, match="rank must have one entry per item, got 2 for 1"):
         native.run_by_offset(1, np.array([0, 1]), 1.0, None)
-    with pytest.raises(ValueError, match="keys must be letters of TWAZ"):
+    with pytest.raises(ValueError, match="keys must be letters of TWACZ"):
         native.run_by_offset(1, zero, 1.0, None, "TX")
     assert native.run(1, zero, 1.0, None) == ([0], False, 1)
     assert native.run_by_offset(1, zero, 1.0, None, "TWA") == ([0], False, 2)  # the root and the leaf

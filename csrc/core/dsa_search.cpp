@@ -364,6 +364,7 @@ class OffsetOrderRun {
             for (i64 s = inst_.first[i]; s < inst_.last[i]; ++s) v = std::max(v, total_[s]);
             break;
           case 'W': v = inst_.length[i]; break;
+          case 'C': v = inst_.last[i] - inst_.first[i]; break;
           case 'A': v = inst_.size[i] * inst_.length[i]; break;
           default: v = inst_.size[i]; break;  // 'Z'
         }
@@ -526,8 +527,8 @@ DsaOutcome DsaSearch::run_by_offset(i64 capacity, const std::vector<i64>& rank, 
     out.exhausted = true;
     return out;
   }
-  require(keys.find_first_not_of("TWAZ") == std::string::npos,
-          "keys must be letters of TWAZ (demand, width, area, size), got '" + keys + "'");
+  require(keys.find_first_not_of("TWACZ") == std::string::npos,
+          "keys must be letters of TWACZ (demand, width, area, sections, size), got '" + keys + "'");
   OffsetOrderRun run(inst_, capacity, rank, seconds, node_limit, keys);
   const OffsetOrderRun::Status st = run.solve();
   out.nodes = run.nodes();

@@ -45,7 +45,7 @@ class DsaSearch {
   // (offset, rank) order, split into independent parts whenever no unplaced item joins them.
   // keys: how each part orders its items (biggest first, `rank` breaking ties), one letter a
   // key: 'T' the most unplaced demand in its sections, 'W' lifetime length, 'A' size x length,
-  // 'Z' size; empty: `rank` alone.
+  // 'C' sections spanned, 'Z' size; empty: `rank` alone.
   DsaOutcome run_by_offset(std::int64_t capacity, const std::vector<std::int64_t>& rank, double seconds,
                            std::int64_t node_limit, const std::string& keys = "") const;
 

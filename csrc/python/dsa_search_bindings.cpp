@@ -88,7 +88,7 @@ void bind_dsa_search(py::module_& m) {
           },
           py::arg("capacity"), py::arg("rank"), py::arg("seconds"), py::arg("node_limit"), py::arg("keys") = "",
           "One offset-order run, as run: (offsets or None, exhausted, nodes). keys: how each part is ordered "
-          "(letters of TWAZ: unplaced demand, lifetime length, area, size; rank breaks ties).")
+          "(letters of TWACZ: unplaced demand, lifetime length, area, sections, size; rank breaks ties).")
       .def_property_readonly("num_items", &core::DsaSearch::num_items)
       .def_property_readonly("num_sections", &core::DsaSearch::num_sections);
 }
