@@ -6,7 +6,7 @@ PYTHON     ?= python3
 PIP        := $(PYTHON) -m pip
 TORCH_SPEC ?= torch==2.13.0
 DEMO_DIR   ?= demo_out
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= --durations=15
 
 WHEELS     ?=
 GPU_CHECK_ARGS ?=

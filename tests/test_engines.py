@@ -73,3 +73,27 @@ def test_hf_config_must_name_a_model_type(capsys) -> None:
     pytest.importorskip("transformers")
     assert main(["train", "--hf-config", '{"num_hidden_layers": 2}', "--steps", "1", *_MACHINE]) == 2
     assert "model_type" in capsys.readouterr().err
+
+
+def test_hf_config_memo_losses_equal_the_unwrapped_model_over_ten_steps(tmp_path) -> None:
+    """Issue 13: `memo train --hf-config` gives the unwrapped HF model's losses, step after step."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("memo.adapters.hf")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(_LLAMA))
+    losses = {}
+    # full-offload: memo's wrapper on every layer but the last two (at this length `memo` picks full
+    # recompute for all four layers, which test_hf_config_trains_with_every_strategy runs).
+    for strategy in ("none", "full-offload"):
+        report = tmp_path / f"{strategy}.json"
+        assert main(["train", "--hf-config", str(path), "--seq-len", "64", "--steps", "10", "--strategy",
+                     strategy, "--report", str(report), *_MACHINE]) == 0
+        data = json.loads(report.read_text())
+        losses[strategy] = [s["loss"] for s in data["steps"]]
+        if strategy == "full-offload":
+            assert data["offloaded_layers"] == 2  # the default policy: all but the last two layers
+    want = losses.pop("none")
+    assert len(want) == 10 and want[-1] < want[0]
+    for strategy, got in losses.items():
+        worst = max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True))
+        assert worst < 1e-5, (strategy, got, want)
