@@ -215,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None,
                    help="results file (default: benchmarks/results/gpu-check-<date>.json)")
     p.add_argument("--skip", nargs="*", default=[],
-                   choices=("pytest", "train", "benchmarks", "sanitizer"), help="check groups to leave out")
+                   choices=("pytest", "train", "benchmarks", "sanitizer", "hf"),
+                   help="check groups to leave out")
     args = p.parse_args(argv)
     status = preflight()
     if status or args.preflight:
@@ -283,6 +284,15 @@ def main(argv: list[str] | None = None) -> int:
         if max_json.exists():
             res = json.loads(max_json.read_text())["results"]
             c.numbers = {r["strategy"]: r["longest"] for r in res}
+        checks.append(c)
+
+    if "hf" not in args.skip:
+        # Issue 13: a Hugging Face Llama fine-tuned with memo in bf16 on the GPU (LoRA-style, 20 steps).
+        c = Check("examples/finetune_hf.py bf16 20 steps",
+                  [py, "examples/finetune_hf.py", "--device", "cuda", "--bf16", "--steps", "20",
+                   "--seq-len", "8K" if args.quick else "16K", "--hidden", "512", "--layers", "8",
+                   "--heads", "8"], 900)
+        c.run(logs)
         checks.append(c)
 
     results = _save(out, date, hw, args.quick, checks)
