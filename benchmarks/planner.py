@@ -83,14 +83,18 @@ def read_minimalloc_csv(path: str) -> list[tuple[str, int, int, int]]:
     return [(r["id"], int(r["lower"]), int(r["upper"]), int(r["size"])) for r in rows]
 
 
-def run_minimalloc(binary: str, path: str, capacity: int, timeout: float) -> tuple[int | None, float]:
-    """MiniMalloc's peak on one CSV (None when it found no placement) and its wall time."""
+def run_minimalloc(binary: str, path: str, capacity: int, timeout: float, minimise: bool
+                   ) -> tuple[int | None, float]:
+    """MiniMalloc's peak on one CSV (None when it found no placement) and its wall time; with
+    ``minimise``, its binary search for the smallest capacity up to ``capacity``."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.csv")
         t0 = time.perf_counter()
+        cmd = [binary, f"--capacity={capacity}", f"--input={path}", f"--output={out}"]
+        if minimise:
+            cmd.append("--minimize_capacity=true")
         try:
-            subprocess.run([binary, f"--capacity={capacity}", f"--input={path}", f"--output={out}"],
-                           check=False, capture_output=True, timeout=timeout)
+            subprocess.run(cmd, check=False, capture_output=True, timeout=timeout)
         except subprocess.TimeoutExpired:
             return None, time.perf_counter() - t0
         seconds = time.perf_counter() - t0
@@ -104,11 +108,12 @@ def run_minimalloc(binary: str, path: str, capacity: int, timeout: float) -> tup
 
 
 def minimalloc_suite(folder: str, capacity: int | None, time_limit: float, binary: str | None,
-                     via_trace: bool) -> None:
+                     via_trace: bool, minimise: bool) -> None:
     """Every MiniMalloc CSV in ``folder`` through memo's planner (and MiniMalloc, given its binary).
 
     By default the buffers go to ``solve_items`` with the CSV's lifetimes, as MiniMalloc sees
-    them; ``via_trace`` writes them as a trace first and plans it with ``make_plan``, as
+    them; ``minimise`` keeps ``capacity`` out of the search (it only says what fits).
+    ``via_trace`` writes them as a trace first and plans it with ``make_plan``, as
     ``memo plan --expand`` would: a trace keeps only the order of events, so lifetimes count
     events and the search's orders by lifetime length lose the real durations.
     """
@@ -119,7 +124,9 @@ def minimalloc_suite(folder: str, capacity: int | None, time_limit: float, binar
     paths = sorted(glob.glob(os.path.join(folder, "*.csv")))
     if not paths:
         raise SystemExit(f"benchmarks/planner.py: no .csv files in {folder}")
-    cap = f"capacity {capacity:,} bytes (the search's target)" if capacity else "no capacity (minimise)"
+    target = None if minimise else capacity
+    cap = (f"capacity {capacity:,} bytes ({'minimise, then check' if minimise else 'the target'})"
+           if capacity else "no capacity (minimise)")
     how = "as a trace through make_plan" if via_trace else "with their lifetimes through solve_items"
     print(f"MiniMalloc-format instances in {folder}, {how}: {cap}, --time-limit {time_limit:g} s each")
     head = (f"{'instance':<18} {'buffers':>7} {'LB bytes':>10} {'peak':>10} {'peak/LB':>8} {'t s':>6} "
@@ -135,14 +142,14 @@ def minimalloc_suite(folder: str, capacity: int | None, time_limit: float, binar
         lb = lower_bound(items)
         t0 = time.perf_counter()
         if via_trace:
-            plan = make_plan(items_to_trace(items, unit=1), time_limit=time_limit, capacity=capacity,
+            plan = make_plan(items_to_trace(items, unit=1), time_limit=time_limit, capacity=target,
                              progress=False)
             seconds = time.perf_counter() - t0
             total = plan.solver.get("total", {})
             peak, optimal, gap, status = (plan.peak, total.get("optimal", False),
                                           total.get("optimality_gap", 0.0), total.get("status", ""))
         else:
-            result = solve_items(items, time_limit=time_limit, capacity=capacity)
+            result = solve_items(items, time_limit=time_limit, capacity=target)
             seconds = time.perf_counter() - t0
             problem = check_placement(items, result.offsets, result.peak)
             if problem is not None:
@@ -157,7 +164,9 @@ def minimalloc_suite(folder: str, capacity: int | None, time_limit: float, binar
                 f"{seconds:6.2f} {'yes' if fits else 'no':>4} {'yes' if optimal else 'no':>7} "
                 f"{100 * gap:6.2f}%  {status}")
         if binary:
-            mm_peak, mm_seconds = run_minimalloc(binary, path, capacity or 2**62, max(60.0, 2 * time_limit))
+            # MiniMalloc decides the capacity given (its own use); with none, it minimises.
+            mm_peak, mm_seconds = run_minimalloc(binary, path, capacity or sum(it.size for it in items),
+                                                 max(60.0, 2 * time_limit), minimise=capacity is None)
             line += ("  | none found" if mm_peak is None else
                      f"  | {mm_peak / lb:.4f}, {'yes' if capacity is None or mm_peak <= capacity else 'no'}, "
                      f"{mm_seconds:.2f}")
@@ -174,6 +183,8 @@ def main() -> None:
                         help="bytes each --suite instance must fit (also the search's target)")
     parser.add_argument("--minimalloc", default=None, metavar="BIN",
                         help="a MiniMalloc binary to run on the --suite files too")
+    parser.add_argument("--minimise", action="store_true",
+                        help="with --capacity: minimise the peak anyway; the capacity only says what fits")
     parser.add_argument("--via-trace", action="store_true",
                         help="plan each --suite instance as a trace (event order only), as `memo plan` would")
     parser.add_argument("--models", nargs="+", default=["tiny", "gpt-125m", "gpt-1.3b", "gpt-7b", "gpt-65b",
@@ -188,7 +199,7 @@ def main() -> None:
         if args.suite[0] != "minimalloc":
             parser.error(f"unknown suite {args.suite[0]!r}; the one suite is 'minimalloc DIR'")
         minimalloc_suite(args.suite[1], args.capacity, args.time_limit or 10.0, args.minimalloc,
-                         args.via_trace)
+                         args.via_trace, args.minimise)
         return
     if args.time_limit is None:
         args.time_limit = 20.0
