@@ -9,11 +9,15 @@ agree on every "does it fit in C?" they both settle.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from memo.planner import solve_items
+from memo.planner import make_plan, solve_items
 from memo.planner.dsa import Item, check_placement, greedy, lower_bound
 from memo.planner.search import OFFSET_ORDER_KEYS, _Sections, search
+from memo.planner.synthetic import guillotine_instance, items_to_trace
+
+from memo.errors import MemoError
 
 # Items: (size, start, length); small enough that the searches finish, varied enough to need them.
 items_st = st.lists(st.tuples(st.integers(1, 9), st.integers(0, 12), st.integers(1, 8)),
@@ -64,3 +68,14 @@ def test_both_searches_agree_on_what_fits(items, delta):
         run = sec.native.run_by_offset
         by_offset = _decided(sec, capacity, lambda c, k=keys, run=run: run(c, ties, 10.0, None, k))
         assert by_offset == skyline, (keys, capacity, items)
+
+
+def test_make_plan_meets_a_capacity_target_and_refuses_a_bad_one():
+    items = guillotine_instance(40, seed=1)
+    trace = items_to_trace(items)
+    lb = lower_bound(items) * 512
+    plan = make_plan(trace, time_limit=10.0, capacity=lb)
+    assert plan.peak <= lb
+    assert plan.solver["total"]["optimal"] and plan.solver["total"]["optimality_gap"] == 0.0
+    with pytest.raises(MemoError, match="capacity must be a positive number of bytes"):
+        make_plan(trace, capacity=0)
