@@ -19,6 +19,13 @@ void require(bool ok, const std::string& what) {
   if (!ok) throw std::invalid_argument("memo.planner.search: " + what);
 }
 
+// The arguments both searches take: one rank per item, and a time that is a number.
+void require_run_arguments(i64 n, const std::vector<i64>& rank, double seconds) {
+  require(static_cast<i64>(rank.size()) == n,
+          "rank must have one entry per item, got " + std::to_string(rank.size()) + " for " + std::to_string(n));
+  require(!std::isnan(seconds), "the time left must be a number, got NaN");
+}
+
 // What a node did below itself, so that undo can take it back.
 enum class Change : std::uint8_t { kNone, kClose, kPlace };
 
@@ -84,9 +91,7 @@ DsaSearch::DsaSearch(DsaInstance instance) : inst_(std::move(instance)) {
 DsaOutcome DsaSearch::run(i64 capacity, const std::vector<i64>& rank, double seconds, i64 node_limit) const {
   const i64 n = num_items();
   const i64 sections = num_sections();
-  require(static_cast<i64>(rank.size()) == n,
-          "rank must have one entry per item, got " + std::to_string(rank.size()) + " for " + std::to_string(n));
-  require(!std::isnan(seconds), "the time left must be a number, got NaN");
+  require_run_arguments(n, rank, seconds);
   DsaOutcome out;
   if (n == 0) {
     out.found = true;
@@ -514,9 +519,7 @@ class OffsetOrderRun {
 DsaOutcome DsaSearch::run_by_offset(i64 capacity, const std::vector<i64>& rank, double seconds,
                                     i64 node_limit, const std::string& keys) const {
   const i64 n = num_items();
-  require(static_cast<i64>(rank.size()) == n,
-          "rank must have one entry per item, got " + std::to_string(rank.size()) + " for " + std::to_string(n));
-  require(!std::isnan(seconds), "the time left must be a number, got NaN");
+  require_run_arguments(n, rank, seconds);
   DsaOutcome out;
   if (n == 0) {
     out.found = true;

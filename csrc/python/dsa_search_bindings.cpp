@@ -30,6 +30,14 @@ std::vector<std::int64_t> to_vector(const Int64Array& a, const char* name) {
   return std::vector<std::int64_t>(a.data(), a.data() + a.shape(0));
 }
 
+// A run's node limit: None for none (-1 in the core), else a count >= 0.
+std::int64_t node_limit_of(const std::optional<std::int64_t>& node_limit) {
+  if (node_limit && *node_limit < 0)
+    throw std::invalid_argument("memo.planner.search: node_limit must be >= 0 or None, got " +
+                                std::to_string(*node_limit));
+  return node_limit.value_or(-1);
+}
+
 void bind_dsa_search(py::module_& m) {
   py::module_ sub = m.def_submodule("planner", "Native parts of memo.planner");
   py::class_<core::DsaSearch>(sub, "DsaSearch",
@@ -57,13 +65,11 @@ void bind_dsa_search(py::module_& m) {
           [](const core::DsaSearch& search, std::int64_t capacity, const Int64Array& rank, double seconds,
              std::optional<std::int64_t> node_limit) {
             std::vector<std::int64_t> ranks = to_vector(rank, "rank");
-            if (node_limit && *node_limit < 0)
-              throw std::invalid_argument("memo.planner.search: node_limit must be >= 0 or None, got " +
-                                          std::to_string(*node_limit));
+            const std::int64_t limit = node_limit_of(node_limit);
             core::DsaOutcome out;
             {
               py::gil_scoped_release release;
-              out = search.run(capacity, ranks, seconds, node_limit.value_or(-1));
+              out = search.run(capacity, ranks, seconds, limit);
             }
             py::object offsets = out.found ? py::cast(out.offsets) : py::none();
             return py::make_tuple(offsets, out.exhausted, out.nodes);
@@ -75,13 +81,11 @@ void bind_dsa_search(py::module_& m) {
           [](const core::DsaSearch& search, std::int64_t capacity, const Int64Array& rank, double seconds,
              std::optional<std::int64_t> node_limit, const std::string& keys) {
             std::vector<std::int64_t> ranks = to_vector(rank, "rank");
-            if (node_limit && *node_limit < 0)
-              throw std::invalid_argument("memo.planner.search: node_limit must be >= 0 or None, got " +
-                                          std::to_string(*node_limit));
+            const std::int64_t limit = node_limit_of(node_limit);
             core::DsaOutcome out;
             {
               py::gil_scoped_release release;
-              out = search.run_by_offset(capacity, ranks, seconds, node_limit.value_or(-1), keys);
+              out = search.run_by_offset(capacity, ranks, seconds, limit, keys);
             }
             py::object offsets = out.found ? py::cast(out.offsets) : py::none();
             return py::make_tuple(offsets, out.exhausted, out.nodes);
