@@ -5,6 +5,8 @@ A phase is one of ``embed.fwd``, ``layer.fwd[i]``, ``head.fwd``, ``head.bwd``,
 allocation with the phase it happened in, the planned allocator selects
 offsets by (phase, request index), and the runtime knows which layer it is
 moving. All of them learn the current phase from one :class:`PhaseTracker`.
+The names and their parsing are torch-free, in :mod:`memo.phase_names`; this
+module, which hooks modules and so needs torch, re-exports them.
 
 NOTE [Phase boundaries]
 Forward phases open in a module's forward pre-hook and close in its forward
@@ -21,13 +23,13 @@ run, which is the module that consumes it.
 from __future__ import annotations
 
 import contextlib
-import re
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
 
-from memo.errors import MemoError
+# The names live in a torch-free module (the planner reads them); re-exported here for callers.
+from memo.phase_names import PHASE_KINDS, layer_phase, parse_phase, phase_kind
 
 __all__ = [
     "PHASE_KINDS",
@@ -37,38 +39,7 @@ __all__ = [
     "phase_kind",
 ]
 
-#: Every phase kind, in the order they happen in one iteration.
-PHASE_KINDS = ("embed.fwd", "layer.fwd", "head.fwd", "head.bwd", "layer.bwd", "embed.bwd", "optimizer")
-
-_PHASE_RE = re.compile(r"^(embed\.fwd|head\.fwd|head\.bwd|embed\.bwd|optimizer|layer\.(?:fwd|bwd)\[(\d+)\])$")
-
 PhaseListener = Callable[[str | None], None]
-
-
-def layer_phase(direction: str, index: int) -> str:
-    """``layer_phase("fwd", 3) -> "layer.fwd[3]"``."""
-    if direction not in ("fwd", "bwd"):
-        raise ValueError(f"memo.phases: direction must be 'fwd' or 'bwd', got {direction!r}")
-    return f"layer.{direction}[{index}]"
-
-
-def parse_phase(name: str) -> tuple[str, int | None]:
-    """Split a phase name into its kind and layer index: ``"layer.bwd[2]" -> ("layer.bwd", 2)``."""
-    # fullmatch: ``$`` alone also matches before a trailing newline, which let "embed.fwd\n" through.
-    match = _PHASE_RE.fullmatch(name) if isinstance(name, str) else None
-    if match is None:
-        raise MemoError(
-            f"memo.phases: {name!r} is not a phase name; expected one of embed.fwd, layer.fwd[i], "
-            "head.fwd, head.bwd, layer.bwd[i], embed.bwd, optimizer"
-        )
-    if match.group(2) is None:
-        return name, None
-    return name.split("[", 1)[0], int(match.group(2))
-
-
-def phase_kind(name: str) -> str:
-    """``"layer.fwd[7]" -> "layer.fwd"``; non-layer phases are their own kind."""
-    return parse_phase(name)[0]
 
 
 def _in_backward() -> bool:

@@ -41,7 +41,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from memo.errors import MemoError
-from memo.phases import phase_kind
+from memo.phase_names import phase_kind
 
 from .dsa import (
     DSAResult,

@@ -17,7 +17,7 @@ from typing import Any
 
 from memo.errors import MemoError, PlanMismatchError
 from memo.jsonio import atomic_write, read_json
-from memo.phases import parse_phase, phase_kind
+from memo.phase_names import parse_phase, phase_kind
 from memo.units import MAX_BYTES
 
 from .dsa import Item, check_placement

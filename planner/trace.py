@@ -41,7 +41,7 @@ from typing import Any
 
 from memo.errors import MemoError
 from memo.jsonio import atomic_write, read_json
-from memo.phases import parse_phase
+from memo.phase_names import parse_phase
 from memo.units import MAX_BYTES
 
 __all__ = [

@@ -1,0 +1,48 @@
+"""Phase names: the labels of one training iteration's spans, and how to read them.
+
+A phase is one of ``embed.fwd``, ``layer.fwd[i]``, ``head.fwd``, ``head.bwd``,
+``layer.bwd[i]``, ``embed.bwd`` and ``optimizer``. Traces and plans key their
+events and offsets by these names, so the planner reads them; this module is
+torch-free so that ``memo.planner`` stays torch-free too (the seam in
+STYLE.md: planner (torch-free) <- profiler <- ...). The tracker that opens and
+closes phases on a running model is :class:`memo.phases.PhaseTracker`.
+"""
+
+from __future__ import annotations
+
+import re
+
+from memo.errors import MemoError
+
+__all__ = ["PHASE_KINDS", "layer_phase", "parse_phase", "phase_kind"]
+
+#: Every phase kind, in the order they happen in one iteration.
+PHASE_KINDS = ("embed.fwd", "layer.fwd", "head.fwd", "head.bwd", "layer.bwd", "embed.bwd", "optimizer")
+
+_PHASE_RE = re.compile(r"^(embed\.fwd|head\.fwd|head\.bwd|embed\.bwd|optimizer|layer\.(?:fwd|bwd)\[(\d+)\])$")
+
+
+def layer_phase(direction: str, index: int) -> str:
+    """``layer_phase("fwd", 3) -> "layer.fwd[3]"``."""
+    if direction not in ("fwd", "bwd"):
+        raise ValueError(f"memo.phases: direction must be 'fwd' or 'bwd', got {direction!r}")
+    return f"layer.{direction}[{index}]"
+
+
+def parse_phase(name: str) -> tuple[str, int | None]:
+    """Split a phase name into its kind and layer index: ``"layer.bwd[2]" -> ("layer.bwd", 2)``."""
+    # fullmatch: ``$`` alone also matches before a trailing newline, which let "embed.fwd\n" through.
+    match = _PHASE_RE.fullmatch(name) if isinstance(name, str) else None
+    if match is None:
+        raise MemoError(
+            f"memo.phases: {name!r} is not a phase name; expected one of embed.fwd, layer.fwd[i], "
+            "head.fwd, head.bwd, layer.bwd[i], embed.bwd, optimizer"
+        )
+    if match.group(2) is None:
+        return name, None
+    return name.split("[", 1)[0], int(match.group(2))
+
+
+def phase_kind(name: str) -> str:
+    """``"layer.fwd[7]" -> "layer.fwd"``; non-layer phases are their own kind."""
+    return parse_phase(name)[0]
