@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
 import time
 
@@ -91,8 +90,7 @@ def test_attention_saves_exactly_q_k_v_o_lse() -> None:
 def test_cuda_kernel_calls_have_the_right_arguments_on_meta(n_kv: int) -> None:
     # No GPU here: the aten CUDA flash kernels have meta implementations, so the argument
     # plumbing of the CUDA path (layouts, the backward's extra arguments) is checked on meta.
-    # memo.models re-exports the function ``attention``, which shadows the submodule's name.
-    attention_module = importlib.import_module("memo.models.attention")
+    from memo.models import causal_attention as attention_module
 
     q = torch.empty(64, 2, 8, 16, device="meta", dtype=torch.bfloat16)
     k = torch.empty(64, 2, n_kv, 16, device="meta", dtype=torch.bfloat16)

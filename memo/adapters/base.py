@@ -40,7 +40,7 @@ class LayerAdapter:
     """Maps one layer class onto pre / core / post (NOTE [Layer adapters]).
 
     The default ``core_forward``/``core_backward`` are memo's causal attention
-    (:mod:`memo.models.attention`, softmax scale ``1/sqrt(d)``); override them for
+    (:mod:`memo.models.causal_attention`, softmax scale ``1/sqrt(d)``); override them for
     a layer whose attention differs.
     """
 
@@ -67,7 +67,7 @@ class LayerAdapter:
     def core_forward(self, layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      ctx: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Causal attention without autograd: -> ``o: [s, b, n * d]``, ``lse: [b, n, s]`` (float32)."""
-        from memo.models.attention import attention_forward
+        from memo.models.causal_attention import attention_forward
 
         o, lse = attention_forward(q, k, v)
         s, b, n, d = o.shape
@@ -77,7 +77,7 @@ class LayerAdapter:
                       v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, ctx: Any) -> tuple[
             torch.Tensor, torch.Tensor, torch.Tensor]:
         """``grad_o: [s, b, n * d]`` -> ``dq: [s, b, n, d]``, ``dk, dv: [s, b, n_kv, d]``."""
-        from memo.models.attention import attention_backward
+        from memo.models.causal_attention import attention_backward
 
         s, b, n, d = q.shape
         return attention_backward(grad_o.reshape(s, b, n, d), q, k, v, o.view(s, b, n, d), lse)

@@ -39,7 +39,7 @@ already encodes everything HF does with masks: causality, left or right padding 
 uses the same mask the same way, so it computes what HF computes:
 
 - ``None``, or a mask that is exactly causal for every batch row (checked in row blocks): memo's
-  causal kernels (:mod:`memo.models.attention`);
+  causal kernels (:mod:`memo.models.causal_attention`);
 - any other mask: :func:`masked_attention_forward` / :func:`masked_attention_backward`, plain
   matrix products over blocks of query rows in float32 (float64 for float64 inputs), forward and
   backward without autograd. A boolean mask is applied as ``-inf`` and a query row with no key
@@ -538,7 +538,7 @@ class HFDecoderLayerAdapter(LayerAdapter):
         q, k, v = q.to(dt), k.to(dt), v.to(dt)
         s, b, n, d = q.shape
         if ctx.mask is None:
-            from memo.models.attention import attention_forward
+            from memo.models.causal_attention import attention_forward
 
             o, lse = attention_forward(_rescale(q, ctx.scale), k, v)
         else:
@@ -553,7 +553,7 @@ class HFDecoderLayerAdapter(LayerAdapter):
         qc, kc, vc = q.to(dt), k.to(dt), v.to(dt)
         grad_o = grad_o.reshape(s, b, n, d).to(dt)
         if ctx.mask is None:
-            from memo.models.attention import attention_backward
+            from memo.models.causal_attention import attention_backward
 
             factor = _factor(ctx.scale, d)
             dq, dk, dv = attention_backward(grad_o, _rescale(qc, ctx.scale), kc, vc, o.view(s, b, n, d), lse)

@@ -91,7 +91,7 @@ class MemoCoreAttention(nn.Module):
                             "packed sequences")
         if attn_mask_type is not None and attn_mask_type != AttnMaskType.causal:
             raise MemoError(f"memo.adapters.megatron: attention must be causal, not {attn_mask_type}")
-        from memo.models.attention import attention
+        from memo.models.causal_attention import attention
 
         o = attention(query, key, value)
         s, b, n, d = o.shape

@@ -1,14 +1,11 @@
 """Reference transformer models (GPT, Llama) with the pre / core / post layer anatomy.
 
 See :mod:`memo.models.model` for the structure memo's profiler and runtime rely on.
-
-Note: the package re-exports the function ``attention``, so ``memo.models.attention`` as an
-attribute is that function; ``from memo.models.attention import attention_forward`` still
-reaches the submodule (imports go through ``sys.modules``), and so does
-``importlib.import_module("memo.models.attention")``.
+``memo.models.attention`` is the function; its module is :mod:`memo.models.causal_attention`
+(a submodule of the same name would be shadowed by the function the package re-exports).
 """
 
-from memo.models.attention import attention, attention_backend, attention_backward, attention_forward
+from memo.models.causal_attention import attention, attention_backend, attention_backward, attention_forward
 from memo.models.config import (
     ModelConfig,
     fingerprint,

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memo.models.attention import attention
+from memo.models.causal_attention import attention
 from memo.models.config import ModelConfig
 from memo.models.parallel import column_parallel_linear, rank_shapes, row_parallel_linear
 
