@@ -1,6 +1,7 @@
 """memo on real megatron-core layers (CPU, gloo, world size 1), against the unwrapped layers.
 
-Skips when megatron-core is not importable (``pip install megatron-core==0.16.1``).
+megatron-core is a test dependency (``make test`` installs megatron-core==0.16.1): a broken import
+fails here, it is not skipped.
 """
 
 from __future__ import annotations
@@ -18,16 +19,11 @@ from memo.errors import MemoError
 pytestmark = pytest.mark.megatron
 
 with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    try:
-        import megatron.core  # noqa: F401
-        from megatron.core import parallel_state
-        from megatron.core.models.gpt import GPTModel
-        from megatron.core.transformer.transformer_block import TransformerBlock
-        from megatron.core.transformer.transformer_config import TransformerConfig
-    except ImportError as e:  # pragma: no cover
-        pytest.skip(f"megatron-core is not importable ({e}); pip install megatron-core==0.16.1",
-                    allow_module_level=True)
+    warnings.simplefilter("ignore")  # megatron warns on import that TransformerEngine and Apex are absent
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_block import TransformerBlock
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
 from memo.adapters.megatron import get_memo_gpt_layer_local_spec  # noqa: E402
 
@@ -178,6 +174,39 @@ def test_unsupported_megatron_arguments_are_refused() -> None:
     x = torch.randn(5, 1, 32, requires_grad=True)
     with pytest.raises(MemoError, match="context"):
         layer(x, attention_mask=None, context=torch.zeros(1))
+
+
+def test_core_attention_accepts_the_defaults_and_refuses_what_it_cannot_do() -> None:
+    """MemoCoreAttention takes DotProductAttention's arguments: their defaults (and megatron's own
+    pg_collection, whose cp group has one rank) build it; context parallelism, in any of the places
+    megatron states it, and arguments DotProductAttention does not take are refused, not ignored."""
+    from types import SimpleNamespace
+
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from memo.adapters.megatron import MemoCoreAttention
+
+    cfg = _config()
+    causal = AttnMaskType.causal
+    pgs = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
+    for kwargs in ({}, {"cp_comm_type": None, "pg_collection": None}, {"pg_collection": pgs}):
+        core = MemoCoreAttention(cfg, 1, causal, "self", **kwargs)
+        q = torch.randn(3, 1, 4, 8)
+        assert core(q, q, q, None).shape == (3, 1, 32)  # built and runs
+
+    with pytest.raises(MemoError, match=r"context parallelism .*cp_comm_type='p2p'.*context_parallel_size=1"):
+        MemoCoreAttention(cfg, 1, causal, "self", cp_comm_type="p2p")
+    two_ranks = SimpleNamespace(cp=SimpleNamespace(size=lambda: 2), tp=None)
+    with pytest.raises(MemoError, match=r"context-parallel group of 2 rank"):
+        MemoCoreAttention(cfg, 1, causal, "self", pg_collection=two_ranks)
+    with pytest.raises(MemoError, match=r"context_parallel_size=2"):
+        MemoCoreAttention(SimpleNamespace(**{**vars(cfg), "context_parallel_size": 2}), 1, causal, "self")
+    with pytest.raises(MemoError, match=r"got argument\(s\) window_size, which .*DotProductAttention"):
+        MemoCoreAttention(cfg, 1, causal, "self", window_size=(8, 0))
+    core = MemoCoreAttention(cfg, 1, causal, "self")
+    with pytest.raises(MemoError, match=r"forward got argument\(s\) inference_context"):
+        core(q, q, q, None, inference_context=object())
 
 
 def test_layer_offload_bytes_are_linear_in_offloaded_tokens() -> None:

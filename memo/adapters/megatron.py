@@ -44,6 +44,7 @@ try:
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_layer import TransformerLayer
+    from megatron.core.utils import get_pg_size
 except ImportError as e:  # pragma: no cover - exercised only without megatron-core
     raise MemoError(
         "memo.adapters.megatron: megatron-core is not installed (pip install megatron-core==0.16.1, or "
@@ -64,14 +65,23 @@ class MemoCoreAttention(nn.Module):
 
     Takes the constructor and forward arguments of megatron's ``DotProductAttention``;
     refuses what it does not implement (non-causal masks, attention bias, packed
-    sequences, a custom softmax scale, attention dropout) instead of ignoring it.
+    sequences, a custom softmax scale, attention dropout, context parallelism, arguments
+    ``DotProductAttention`` does not take) instead of ignoring it. ``pg_collection`` (megatron's
+    ``SelfAttention`` always passes one) is accepted when its context-parallel group has one rank.
     """
 
     def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection: Any = None, **_ignored: Any) -> None:
+                 cp_comm_type: str | None = None, pg_collection: Any = None, **unknown: Any) -> None:
         super().__init__()
         where = f"memo.adapters.megatron: MemoCoreAttention (layer {layer_number})"
+        if unknown:
+            raise MemoError(
+                f"{where}: got argument(s) {', '.join(sorted(unknown))}, which megatron-core 0.16's "
+                "DotProductAttention does not take and memo's attention does not implement; build this "
+                "spec with megatron's own core attention (without use_memo_core_attention), or drop them"
+            )
+        _check_no_context_parallel(where, config, cp_comm_type, pg_collection)
         if attn_mask_type != AttnMaskType.causal:
             raise MemoError(f"{where}: only causal self-attention is supported, got {attn_mask_type}")
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
@@ -85,7 +95,13 @@ class MemoCoreAttention(nn.Module):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any = None,
                 attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None,
-                **_ignored: Any) -> torch.Tensor:
+                **unknown: Any) -> torch.Tensor:
+        if unknown:
+            raise MemoError(
+                "memo.adapters.megatron: MemoCoreAttention.forward got argument(s) "
+                f"{', '.join(sorted(unknown))}, which DotProductAttention.forward does not take and memo's "
+                "attention does not implement; use megatron's own core attention for this model"
+            )
         if attention_bias is not None or packed_seq_params is not None:
             raise MemoError("memo.adapters.megatron: MemoCoreAttention supports neither attention_bias nor "
                             "packed sequences")
@@ -96,6 +112,23 @@ class MemoCoreAttention(nn.Module):
         o = attention(query, key, value)
         s, b, n, d = o.shape
         return o.view(s, b, n * d)
+
+
+def _check_no_context_parallel(where: str, config: Any, cp_comm_type: str | None, pg_collection: Any) -> None:
+    """memo's attention sees only its rank's tokens: refuse context parallelism, in any of the three
+    places megatron-core states it (the config, ``cp_comm_type``, the ``pg_collection``'s cp group)."""
+    cp_size = int(getattr(config, "context_parallel_size", 1) or 1)
+    cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+    group_size = get_pg_size(cp_group) if cp_group is not None else 1
+    if cp_comm_type is None and cp_size == 1 and group_size == 1:
+        return
+    raise MemoError(
+        f"{where}: context parallelism is not implemented by memo's attention (it attends over its "
+        f"rank's tokens only), got context_parallel_size={cp_size}, cp_comm_type={cp_comm_type!r}, "
+        f"a context-parallel group of {group_size} rank(s); expected 1, None and 1. Run with "
+        "context_parallel_size=1, or use megatron's TEDotProductAttention (a spec without "
+        "use_memo_core_attention)"
+    )
 
 
 def use_memo_core_attention(spec: ModuleSpec) -> ModuleSpec:
