@@ -19,8 +19,13 @@
 // per-device pool (cudaEventDisableTiming) and are recorded lazily, only on
 // cross-stream reuse. What stays invisible: a tensor also used on a third
 // stream, which only record_stream() would reveal. Its user must fence that
-// use before the tensor dies; memo's runtime does (its copy streams wait on
-// and record events, and its rounding buffers are allocated up front).
+// use before the tensor dies; memo's runtime does: its copy streams wait on
+// and record events, and its two device rounding buffers, which come from
+// this allocator too (made once on the compute stream and served by the
+// fallback: NOTE [One-time allocations inside a phase] in
+// memo/allocator/_api.py) and are read and written on the copy streams, are
+// freed only after the runtime has synchronized its copy streams
+// (MemoRuntime._release in memo/runtime/runtime.py).
 // Poisoning is enqueued on the freeing (= allocating) stream, so it runs
 // after the previous owner's kernels and before any later owner, which is
 // ordered after that stream. Phases are set from the host thread that
