@@ -54,10 +54,11 @@ class Recording:
 
 @contextlib.contextmanager
 def quiet_backward_hook_warning() -> Iterator[None]:
-    """Silence torch's warning that the embedding's full backward hook fires on output gradients.
+    """Silence torch's "Full backward hook is firing" warning.
 
-    Token ids never require grad, so the PhaseTracker's ``embed.bwd`` hook sees only the
-    gradient of the embedding's output; that is exactly what it wants.
+    Nothing in memo registers a module full backward hook any more (the PhaseTracker and the
+    runtime hook tensors, which never warn), so this silences nothing. Kept only while
+    memo/pipeline.py still imports it; delete it with those uses.
     """
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
@@ -193,7 +194,7 @@ def record(
         p.grad = None
     try:
         with (
-            tracker.iteration(), rec, quiet_backward_hook_warning(),
+            tracker.iteration(), rec,
             torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack),
         ):
             loss = adapter.loss(model, ids, labels)
