@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from memo.planner import make_plan as planner_make_plan
 
 import memo.allocator as ma
 from memo import _C
@@ -21,49 +22,8 @@ SEQ = 64
 BATCH = 2
 
 
-def first_fit_plan(trace: dict[str, Any]) -> dict[str, Any]:
-    """A simple planner for these tests (used while memo.planner has no make_plan):
-    every phased malloc gets the lowest 512-aligned offset free for its lifetime
-    ([malloc event, free event), or to the end when never freed)."""
-    events = trace["events"]
-    end_time = len(events)
-    start: dict[int, int] = {}
-    items: list[dict[str, Any]] = []
-    by_id: dict[int, dict[str, Any]] = {}
-    for t, ev in enumerate(events):
-        if ev["op"] == "malloc":
-            item = {"t0": t, "t1": end_time, "size": ev["size"], "phase": ev.get("phase")}
-            items.append(item)
-            by_id[ev["id"]] = item
-            start[ev["id"]] = t
-        elif ev["op"] == "free" and ev["id"] in by_id:
-            by_id.pop(ev["id"])["t1"] = t
-    placed: list[tuple[int, int, int, int]] = []  # t0, t1, offset, end
-    tables: dict[str, list[tuple[int, int | None]]] = {}
-    peak = 0
-    for item in items:
-        phase = item["phase"]
-        if phase is None:
-            continue
-        size = item["size"]
-        busy = sorted((o, e) for t0, t1, o, e in placed if t0 < item["t1"] and item["t0"] < t1)
-        offset = 0
-        for o, e in busy:
-            if offset + size <= o:
-                break
-            offset = max(offset, (e + ALIGN - 1) // ALIGN * ALIGN)
-        placed.append((item["t0"], item["t1"], offset, offset + size))
-        tables.setdefault(phase, []).append((size, offset))
-        peak = max(peak, offset + size)
-    return {"tables": tables, "peak": peak}
-
-
 def make_plan(trace: dict[str, Any]) -> Any:
     """memo.planner's bi-level plan (greedy levels: the MIP is the planner's own tests' business)."""
-    try:
-        from memo.planner import make_plan as planner_make_plan
-    except ImportError:
-        return first_fit_plan(trace)
     return planner_make_plan(trace, use_mip=False, progress=False, unphased="fallback")
 
 
@@ -84,7 +44,7 @@ class Run:
         self.seq = seq
         self.tracker = PhaseTracker(self.model.embedding, self.model.layers, self.model.head)
         self.tracker.add_listener(ma.set_phase)
-        vocab = self.model.head.weight.shape[0] if hasattr(self.model.head, "weight") else 512
+        vocab = self.model.head.weight.shape[0]
         gen = torch.Generator().manual_seed(1)
         self.batches = [
             (
