@@ -49,10 +49,29 @@ def test_gpu_names_and_errors() -> None:
         estimate_layer_ms(get_config("tiny"), 1024, 1, "h100", torch.bfloat16, 1.5)
 
 
-def test_time_layer_forward_on_cpu() -> None:
-    layer = nn.Sequential(nn.Linear(32, 32), nn.GELU())
-    q = time_layer_forward(layer, torch.randn(16, 2, 32))
-    assert q.source == "measured" and q.value > 0
+def test_time_layer_forward_is_the_median_of_the_timed_forwards(monkeypatch) -> None:
+    """On a scripted clock: warm-up runs are not counted, the value is the median of the rest in ms,
+    and every run gets the layer's arguments, without autograd."""
+    from types import SimpleNamespace
+
+    import memo.profiler.measure as measure
+
+    now = [0.0]
+    monkeypatch.setattr(measure, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    durations = iter([0.5, 0.005, 0.009, 0.007])  # seconds: one warm-up, three timed forwards
+    calls = []
+
+    class Scripted(nn.Module):
+        def forward(self, x: torch.Tensor, mask: torch.Tensor, *, scale: float) -> torch.Tensor:
+            calls.append((x.shape, mask.shape, scale, torch.is_grad_enabled()))
+            now[0] += next(durations)
+            return x * scale
+
+    x = torch.randn(16, 2, 32, requires_grad=True)
+    q = time_layer_forward(Scripted(), x, torch.ones(16), repeats=3, warmup=1, layer_kwargs={"scale": 2.0})
+    assert q.source == "measured" and "median of 3" in q.how
+    assert q.value == pytest.approx(7.0)  # median of 5, 9 and 7 ms; the 500 ms warm-up is left out
+    assert calls == [(x.shape, torch.Size([16]), 2.0, False)] * 4
 
 
 def test_meta_refuses_what_it_cannot_measure() -> None:
@@ -71,13 +90,19 @@ def test_cpu_backend_measures_memcpy_bandwidth_and_layer_time() -> None:
     assert layer_ms.source == "measured" and layer_ms.value > 0
 
 
+@pytest.mark.slow
 def test_profile_on_cpu_measures_missing_numbers() -> None:
+    from memo.machine import GB
     from memo.pipeline import profile
 
     result = profile("tiny", 64, 1, "float32", "cpu", host_mem_gb=1, plan=False, recorder="dispatch")
-    assert result.quantities["bandwidth_gbps"].source == "measured"
-    assert result.quantities["layer_ms"].source == "measured"
-    assert 0.0 <= result.alpha.alpha <= 1.0
+    bandwidth, layer_ms = result.quantities["bandwidth_gbps"], result.quantities["layer_ms"]
+    assert bandwidth.source == "measured" and layer_ms.source == "measured"
+    # The measured numbers are the ones the alpha LP was solved with.
+    sizes = result.plain_trace["layers"]
+    per_layer = sizes["S_input"] + sizes["S_attn"] + result.alpha.alpha * sizes["S_others"]
+    assert result.alpha.layer_time == pytest.approx(layer_ms.value / 1e3, rel=1e-12)
+    assert result.alpha.copy_seconds == pytest.approx(per_layer / (bandwidth.value * GB), rel=1e-12)
 
 
 def test_profile_refuses_missing_numbers_before_recording() -> None:
