@@ -22,11 +22,11 @@ def _steps(out: str) -> list[tuple[float, int, int, int]]:
 @pytest.fixture
 def _megatron_state():
     """memo train sets up megatron's parallel state for its process; leave none behind for other tests."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        pytest.importorskip("megatron.core")
     import torch
-    from megatron.core import parallel_state
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # megatron warns on import that TransformerEngine and Apex are absent
+        from megatron.core import parallel_state
 
     had_group = torch.distributed.is_initialized()
     yield
@@ -55,8 +55,6 @@ _LLAMA = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 64, "int
 
 @pytest.mark.parametrize("strategy", ["none", "full-recompute", "full-offload", "memo"])
 def test_hf_config_trains_with_every_strategy(strategy: str, tmp_path, capsys) -> None:
-    pytest.importorskip("transformers")
-    pytest.importorskip("memo.adapters.hf")
     path = tmp_path / "config.json"
     path.write_text(json.dumps(_LLAMA))
     assert main(["train", "--hf-config", str(path), "--seq-len", "96", "--steps", "2", "--strategy",
@@ -70,15 +68,12 @@ def test_hf_config_trains_with_every_strategy(strategy: str, tmp_path, capsys) -
 
 
 def test_hf_config_must_name_a_model_type(capsys) -> None:
-    pytest.importorskip("transformers")
     assert main(["train", "--hf-config", '{"num_hidden_layers": 2}', "--steps", "1", *_MACHINE]) == 2
     assert "model_type" in capsys.readouterr().err
 
 
 def test_hf_config_memo_losses_equal_the_unwrapped_model_over_ten_steps(tmp_path) -> None:
     """Issue 13: `memo train --hf-config` gives the unwrapped HF model's losses, step after step."""
-    pytest.importorskip("transformers")
-    pytest.importorskip("memo.adapters.hf")
     path = tmp_path / "config.json"
     path.write_text(json.dumps(_LLAMA))
     losses = {}

@@ -19,22 +19,20 @@ from typing import Any
 
 import pytest
 import torch
+import transformers
 from torch import nn
 
 import memo
 from memo.adapters import find_model_adapter, model_adapter_for
-from memo.errors import MemoError
-from memo.phases import PhaseTracker
-from memo.runtime.wrap import runtime_of
-from tests.grads import RTOL, assert_same_step, rel_err
-
-transformers = pytest.importorskip("transformers")
-
-from memo.adapters.hf import (  # noqa: E402  (after the importorskip)
+from memo.adapters.hf import (
     CausalLMAdapter,
     masked_attention_backward,
     masked_attention_forward,
 )
+from memo.errors import MemoError
+from memo.phases import PhaseTracker
+from memo.runtime.wrap import runtime_of
+from tests.grads import RTOL, assert_same_step, rel_err
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from memo import _C
 from memo.errors import MemoError
 from memo.runtime.buffers import BufferState, CpuCopyEngine, LayerSlot, RoundingBuffers, RuntimeStats
-
-_C = pytest.importorskip("memo._C")
 
 
 def test_copy_worker_copies_in_order_and_tickets_complete() -> None:

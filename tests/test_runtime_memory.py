@@ -9,8 +9,6 @@ import sys
 import pytest
 import torch
 
-pytest.importorskip("pulp")
-
 _PATH = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "runtime_memory.py"
 
 
