@@ -1,18 +1,25 @@
 """Build script for memo.
 
-Builds two native pieces:
+Builds three native pieces:
 
+* ``memo._planner_native`` -- the planner's exact DSA search (``csrc/core/dsa_*.cpp``)
+  and its binding (``csrc/planner/``), a plain setuptools extension against the
+  pybind11 package's headers. It links no libtorch, so ``memo.planner`` works where
+  torch is not installed (NOTE [A torch-free planner module] in
+  ``csrc/planner/module.cpp``). Always built, with or without torch.
 * ``memo._C`` -- a torch C++ extension (pybind11, ninja) holding the
   backend-neutral core (plan lookup, arena, fallback allocator, trace logging,
-  rounding buffers) and the CPU backend. Always built.
+  rounding buffers) and the CPU backend: every other C++ source under ``csrc/``.
+  Built when torch is installed; without torch, setup.py says so and builds the
+  planner alone (CI checks that ``memo.planner`` makes plans there).
 * ``memo/_lib/libmemo_cuda.so`` -- the CUDA backend as a standalone shared
   library compiled with plain ``nvcc``. It needs no torch headers (the
   functions ``torch.cuda.memory.CUDAPluggableAllocator`` loads are plain C),
   so it also builds against a CPU-only torch when asked to (``MEMO_BUILD_CUDA=1``);
   CI uses that to check that the CUDA sources compile and link.
 
-Both are compiled with hidden symbol visibility: the core's C++ symbols stay
-private to each binary (the extension exports ``PyInit__C``, which
+All are compiled with hidden symbol visibility: the core's C++ symbols stay
+private to each binary (each extension exports its ``PyInit_*``, which
 ``PYBIND11_MODULE`` marks visible; the CUDA library its C API, marked
 ``MEMO_CUDA_API``), so the dynamic linker can never bind one binary's calls to
 the other's copy of the core, and the export tables stay small.
@@ -32,15 +39,23 @@ Switches (one prefix, ``MEMO_``):
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 import re
 import shutil
 import subprocess
 import sys
 
-import torch
-from setuptools import find_packages, setup
-from torch.utils.cpp_extension import BuildExtension, CppExtension
+import pybind11
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+# torch is needed for memo._C only; the planner's module builds without it (see the docstring).
+# find_spec, not a caught ImportError: a torch that is installed but broken must fail loudly.
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
+if HAVE_TORCH:
+    import torch
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 VERSION = "0.1.0"
@@ -83,6 +98,11 @@ def _cuda_plan() -> tuple[str | None, str]:
     mode = os.environ.get("MEMO_BUILD_CUDA", "auto").lower()
     if mode not in ("auto", "0", "1"):
         raise SystemExit(f"memo setup: MEMO_BUILD_CUDA must be auto, 0 or 1, got {mode!r}")
+    if not HAVE_TORCH:
+        if mode == "1":
+            raise SystemExit("memo setup: MEMO_BUILD_CUDA=1 but torch is not installed; install torch first")
+        _log("CUDA backend: skipped (torch is not installed)")
+        return None, "none"
     if mode == "0":
         _log("CUDA backend: skipped (MEMO_BUILD_CUDA=0)")
         return None, "none"
@@ -105,9 +125,13 @@ def _cuda_plan() -> tuple[str | None, str]:
 
 NVCC, CUDA_VERSION = _cuda_plan()
 
+# The planner's sources: its binding and the core files it runs (the exact DSA search).
+PLANNER_SOURCES = sorted(glob.glob(os.path.join("csrc", "planner", "*.cpp"))
+                         + glob.glob(os.path.join("csrc", "core", "dsa_*.cpp")))
 
-class BuildWithCuda(BuildExtension):
-    """torch's BuildExtension, plus the standalone CUDA backend library."""
+
+class BuildWithCuda(BuildExtension if HAVE_TORCH else build_ext):
+    """torch's BuildExtension (plain build_ext without torch), plus the standalone CUDA backend library."""
 
     def run(self) -> None:
         super().run()
@@ -136,11 +160,23 @@ class BuildWithCuda(BuildExtension):
             subprocess.run(cmd, check=True)
 
 
-def _extension() -> CppExtension:
-    # Every C++ source under csrc/ except the CUDA backend, which is its own library.
+def _planner_extension() -> Extension:
+    # No torch headers and no libtorch: NOTE [A torch-free planner module] in csrc/planner/module.cpp.
+    return Extension(
+        name="memo._planner_native",
+        sources=PLANNER_SOURCES,
+        include_dirs=[os.path.join(ROOT, "csrc"), pybind11.get_include()],
+        language="c++",
+        extra_compile_args=["-O2", "-std=c++17", HIDDEN],
+    )
+
+
+def _torch_extension() -> CppExtension:
+    # Every other C++ source under csrc/: not the CUDA backend, which is its own library, nor the
+    # planner's, which are their own module.
     sources = sorted(
         p for p in glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True)
-        if not p.startswith(os.path.join("csrc", "cuda"))
+        if not p.startswith(os.path.join("csrc", "cuda")) and p not in PLANNER_SOURCES
     )
     defines = [("MEMO_VERSION", f'"{VERSION}"'), ("MEMO_CUDA_VERSION", f'"{CUDA_VERSION}"')]
     if NVCC is not None:
@@ -155,6 +191,13 @@ def _extension() -> CppExtension:
 
 
 _cap_jobs()
+if HAVE_TORCH:
+    EXTENSIONS = [_planner_extension(), _torch_extension()]
+else:
+    _log("memo._C: skipped (torch is not installed); building memo._planner_native alone, so "
+         "memo.planner works but the runtime, allocator and profiler do not: install torch and "
+         "build again for those")
+    EXTENSIONS = [_planner_extension()]
 
 packages = find_packages(include=["memo", "memo.*"])
 packages += ["memo.planner"] + [
@@ -172,8 +215,8 @@ setup(
     packages=packages,
     package_dir={"memo": "memo", "memo.planner": "planner"},
     package_data={"memo": ["_lib/*.so"]},
-    ext_modules=[_extension()],
-    cmdclass={"build_ext": BuildWithCuda.with_options(use_ninja=True)},
+    ext_modules=EXTENSIONS,
+    cmdclass={"build_ext": BuildWithCuda.with_options(use_ninja=True) if HAVE_TORCH else BuildWithCuda},
     install_requires=[
         "torch>=2.11,<2.14",  # tested: 2.13 (CPU, CI) and 2.11 + CUDA 13 (make gpu-check)
         "numpy>=1.24",

@@ -92,7 +92,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from memo import _C
+try:
+    # NOTE [A torch-free planner module] (csrc/planner/module.cpp): links no libtorch.
+    from memo import _planner_native
+except ImportError as err:
+    raise ImportError(f"memo.planner: its native search module memo._planner_native cannot be loaded "
+                      f"({err}); build it with `make install` (or `pip install --no-build-isolation "
+                      "--no-deps -e .`; torch is not needed for it)") from err
 
 from .dsa import DSAResult, Item, lower_bound, overlapping_pairs
 
@@ -165,15 +171,15 @@ class _Sections:
                                       count=int(neighbour_starts[-1]))
         # The run's state is all in the native object; these arrays are copied into it once.
         self.length = end - start
-        self.native = _C.planner.DsaSearch(self.size, self.first, self.last, self.by_section,
-                                           self.section_starts, self.demand, neighbour_starts,
-                                           neighbour_items, self.length)
+        self.native = _planner_native.DsaSearch(self.size, self.first, self.last, self.by_section,
+                                                self.section_starts, self.demand, neighbour_starts,
+                                                neighbour_items, self.length)
 
 
 def _run(sec: _Sections, capacity: int, rank: np.ndarray, deadline: float, node_limit: int | None
          ) -> Outcome:
     """One depth-first run (NOTE [Canonical placements]) with candidates tried in ``rank`` order."""
-    # The per-node loop is memo._C's (csrc/core/dsa_search.cpp): in numpy every node paid for
+    # The per-node loop is memo._planner_native's (csrc/core/dsa_search.cpp): in numpy every node paid for
     # whole-array passes and Python dispatch, about 30k nodes/s, and the restarts need many nodes.
     offsets, exhausted, nodes = sec.native.run(capacity, rank, deadline - time.perf_counter(), node_limit)
     return Outcome(offsets, exhausted, nodes)

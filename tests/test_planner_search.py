@@ -13,7 +13,7 @@ from memo.planner.dsa import DSAResult, Item, check_placement, greedy, lower_bou
 from memo.planner.search import count_overlapping_pairs, fits, search
 from memo.planner.synthetic import guillotine_instance
 
-from memo import _C
+from memo import _planner_native
 
 
 def brute_force_optimum(items: list[Item]) -> int:
@@ -110,7 +110,7 @@ def test_an_empty_lifetime_is_refused():
 
 
 def test_the_native_run_refuses_arrays_that_do_not_fit_together():
-    native_search = _C.planner.DsaSearch
+    native_search = _planner_native.DsaSearch
     one = np.array([1], dtype=np.int64)
     zero = np.array([0], dtype=np.int64)
     none = np.array([], dtype=np.int64)

@@ -1,6 +1,15 @@
-// pybind11 glue for the exact DSA search's depth-first run (core/dsa_search.h):
-// takes planner/search.py's numpy arrays, checks their shapes, and runs the
-// search with the GIL released.
+// memo._planner_native: the planner's own native module, pybind11 glue for the
+// exact DSA search's depth-first run (core/dsa_search.h). It takes
+// planner/search.py's numpy arrays, checks their shapes, and runs the search
+// with the GIL released.
+//
+// NOTE [A torch-free planner module]
+// The planner is the lowest layer (planner <- profiler <- pipeline <- runtime):
+// `import memo.planner` must work, and make plans, where torch is not
+// installed. So this module is built by setup.py as a plain setuptools
+// extension from this file and core/dsa_*.cpp only, against the pybind11
+// package's headers; it links no libtorch, and memo._C (which does) holds no
+// planner binding: one binding of the search, here.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -13,7 +22,6 @@
 #include <vector>
 
 #include "core/dsa_search.h"
-#include "python/registry.h"
 
 namespace py = pybind11;
 
@@ -39,8 +47,7 @@ std::int64_t node_limit_of(const std::optional<std::int64_t>& node_limit) {
 }
 
 void bind_dsa_search(py::module_& m) {
-  py::module_ sub = m.def_submodule("planner", "Native parts of memo.planner");
-  py::class_<core::DsaSearch>(sub, "DsaSearch",
+  py::class_<core::DsaSearch>(m, "DsaSearch",
                               "The depth-first run of memo.planner.search over one instance's sections.")
       .def(py::init([](const Int64Array& size, const Int64Array& first, const Int64Array& last,
                        const Int64Array& by_section, const Int64Array& section_starts, const Int64Array& demand,
@@ -101,4 +108,7 @@ void bind_dsa_search(py::module_& m) {
 
 }  // namespace memo::python
 
-MEMO_REGISTER_BINDINGS(planner, memo::python::bind_dsa_search)
+PYBIND11_MODULE(_planner_native, m) {
+  m.doc() = "memo.planner's native part: the exact DSA search's depth-first runs (no torch)";
+  memo::python::bind_dsa_search(m);
+}
