@@ -11,7 +11,7 @@ PYTEST_ARGS ?= --durations=15
 WHEELS     ?=
 GPU_CHECK_ARGS ?=
 
-.PHONY: install demo test lint bench clean gpu-check
+.PHONY: install demo test lint bench clean gpu-check notorch-check
 
 # The install runs again only when something native changed (the stamp is older than a
 # source under csrc/, setup.py or pyproject.toml) or memo cannot be imported: the Python
@@ -42,9 +42,28 @@ $(STAMP): $(NATIVE)
 demo: install
 	$(PYTHON) examples/demo.py --out $(DEMO_DIR)
 
-test: install
+test: install notorch-check
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
+
+# The planner is the lower, torch-free layer (issue 17): memo.planner must import and make plans
+# with its native exact search where torch is not installed. Checked in a venv without torch and
+# without the system site packages (made once, kept in build/notorch: a few seconds after that),
+# importing this checkout from PYTHONPATH with the memo/_planner_native*.so `install` built here.
+# The venv holds the planner's own requirements (setup.py's, less torch and matplotlib); it is
+# made again when this Makefile changes.
+NOTORCH := build/notorch
+$(NOTORCH)/.ready: Makefile
+	@echo "memo: making $(NOTORCH), a venv without torch, for the torch-free planner check"
+	@rm -rf $(NOTORCH)
+	$(PYTHON) -m venv $(NOTORCH)
+	$(NOTORCH)/bin/pip install -q numpy "pulp>=2.8,<4" tqdm
+	@touch $@
+
+notorch-check: install $(NOTORCH)/.ready
+	@cd $(NOTORCH) && PYTHONPATH=$(CURDIR) bin/python $(CURDIR)/tests/notorch_check.py || { \
+		echo "make test: memo.planner fails without torch (above); it must stay torch-free: NOTE [A" \
+			"torch-free planner module] in csrc/planner/module.cpp, check: tests/notorch_check.py"; exit 1; }
 
 # Every GPU check in one go, on a machine with its own CUDA build of torch and no network:
 #   make gpu-check WHEELS=dir   (dir holds PuLP, megatron-core, ... wheels; see README, "GPU checks")
@@ -60,4 +79,4 @@ bench: install
 	$(PYTHON) benchmarks/head_memory.py
 
 clean:
-	rm -rf build *.egg-info memo/_C*.so memo/_lib $(DEMO_DIR) $(STAMP)
+	rm -rf build *.egg-info memo/_C*.so memo/_planner_native*.so memo/_lib $(DEMO_DIR) $(STAMP)
