@@ -524,7 +524,7 @@ def _choose_policy(job: _Job, plain: Recording, states: dict[str, Any], layer_pa
     lp_inputs = (summary["S_input"], summary["S_attn"], summary["S_others"], q["bandwidth_gbps"].value * GB,
                  layer_s, len(stats), host)
     costs = _layer_costs(plain.trace, lp_inputs, job.seq_len, job.micro_batch, job.dtype.itemsize,
-                         layer_params, states)
+                         layer_params, states, job.device.type)
     can_wrap = wrap_pass is not False
     static = states["parameters"]["bytes"] + states["optimizer"]["bytes"]
     budget = job.machine.device_budget_bytes
@@ -732,8 +732,9 @@ def _alpha_of(chosen: Any, lp_inputs: tuple, alpha: float | None, evaluate_alpha
 
 
 def _layer_costs(trace: dict[str, Any], lp_inputs: tuple, seq_len: int, micro_batch: int, elem_size: int,
-                 layer_params: int, states: dict[str, Any]) -> Any:
-    """The per-rank numbers of NOTE [Policy cost model] from pass 1 (the plain model)."""
+                 layer_params: int, states: dict[str, Any], device_type: str) -> Any:
+    """The per-rank numbers of NOTE [Policy cost model] from pass 1 (the plain model); the recompute
+    chunks are those memo's runtime makes on ``device_type``, pass 2's device."""
     from memo.planner import LayerCosts, Trace, lower_bound
 
     s_input, s_attn, s_others, bandwidth, layer_s, n_layers, host = lp_inputs
@@ -751,8 +752,10 @@ def _layer_costs(trace: dict[str, Any], lp_inputs: tuple, seq_len: int, micro_ba
     # NOTE [Chunked recompute] (memo/runtime/layer.py): how many chunks a memo layer recomputes in.
     from memo.runtime.layer import token_chunks
 
-    layers = trace["layers"]
-    chunks = max(1, len(token_chunks(int(layers.get("rows", 0)))))
+    # The layer input is [rows, micro_batch, hidden]: its width per token gives the hidden size.
+    rows = int(trace["layers"].get("rows", 0))
+    hidden = int(s_input) // max(1, rows * micro_batch * elem_size)
+    chunks = max(1, len(token_chunks(rows, batch=micro_batch, hidden=hidden, device_type=device_type)))
     return LayerCosts(n_layers=n_layers, s_input=int(s_input), s_attn=int(s_attn), s_others=int(s_others),
                       layer_time=float(layer_s), attn_fraction=float(min(max(fraction, 0.0), 1.0)),
                       base_bytes=int(base + static), bandwidth=float(bandwidth), host_memory=int(host),

@@ -19,7 +19,13 @@ import memo.runtime as mr
 from memo.adapters import AnatomyAdapter, register_adapter, unregister_adapter
 from memo.errors import MemoError
 from memo.models import attention, build_model, get_config
-from memo.runtime.layer import MIN_CHUNK_TOKENS, RECOMPUTE_CHUNKS, token_chunks
+from memo.runtime.layer import (
+    MIN_CHUNK_WORK,
+    MIN_CPU_CHUNK_TOKENS,
+    RECOMPUTE_CHUNKS,
+    min_chunk_tokens,
+    token_chunks,
+)
 from tests.grads import assert_same_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -30,16 +36,34 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 def test_token_chunks_cover_every_token_once() -> None:
     for n in (1, 7, 255, 256, 257, 2048, 2049, 100_000):
         for size in (None, 1, 3, 1000):
-            chunks = token_chunks(n, size)
-            assert chunks[0][0] == 0 and chunks[-1][1] == n
-            assert all(prev[1] == nxt[0] for prev, nxt in zip(chunks, chunks[1:], strict=False))
-            if size is None:
-                assert len(chunks) <= RECOMPUTE_CHUNKS
-                assert all(c1 - c0 >= min(n, MIN_CHUNK_TOKENS) for c0, c1 in chunks[:-1])
-            else:
-                assert all(c1 - c0 == size for c0, c1 in chunks[:-1])
-    assert token_chunks(0) == []
-    assert len(token_chunks(1 << 20)) == RECOMPUTE_CHUNKS
+            shapes = ((1, 64, "cpu"), (1, 64, "cuda"), (2, 768, "meta"), (4, 8192, "cuda"))
+            for batch, hidden, device in shapes:
+                chunks = token_chunks(n, size, batch=batch, hidden=hidden, device_type=device)
+                assert chunks[0][0] == 0 and chunks[-1][1] == n
+                assert all(prev[1] == nxt[0] for prev, nxt in zip(chunks, chunks[1:], strict=False))
+                if size is None:
+                    assert len(chunks) <= RECOMPUTE_CHUNKS
+                    floor = min(n, min_chunk_tokens(batch, hidden, device))
+                    assert all(c1 - c0 >= floor for c0, c1 in chunks[:-1])
+                else:
+                    assert all(c1 - c0 == size for c0, c1 in chunks[:-1])
+    assert token_chunks(0, batch=1, hidden=64, device_type="cpu") == []
+
+
+def test_chunks_carry_enough_work() -> None:
+    """NOTE [How small a chunk]: on an accelerator (and on meta, which plans for one) a small layer
+    recomputes in one chunk and a large one at a long sequence in RECOMPUTE_CHUNKS chunks, the floor
+    being tokens x batch x hidden^2 of MIN_CHUNK_WORK; on the CPU the floor is MIN_CPU_CHUNK_TOKENS."""
+    assert min_chunk_tokens(1, 768, "cuda") == -(-MIN_CHUNK_WORK // 768**2) == 58_255
+    assert min_chunk_tokens(2, 768, "meta") == -(-MIN_CHUNK_WORK // (2 * 768**2))
+    assert min_chunk_tokens(1, 4096, "cuda") == 2048
+    assert min_chunk_tokens(1, 4096, "cpu") == MIN_CPU_CHUNK_TOKENS
+    assert len(token_chunks(7_000, batch=1, hidden=768, device_type="cuda")) == 1  # gpt-125m, 8K tokens
+    assert len(token_chunks(7_000, batch=1, hidden=768, device_type="cpu")) == RECOMPUTE_CHUNKS
+    assert len(token_chunks(60_000, batch=1, hidden=768, device_type="meta")) == 2
+    assert len(token_chunks(1 << 20, batch=1, hidden=4096, device_type="cuda")) == RECOMPUTE_CHUNKS  # 7B, 1M
+    assert len(token_chunks(5_000, batch=1, hidden=4096, device_type="cuda")) == 3  # 2,048-token chunks
+    assert len(token_chunks(500, batch=1, hidden=64, device_type="cpu")) == 2
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, "8"])

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["LayerDropout", "replay_rng", "rng_state"]
+__all__ = ["LayerDropout", "replay_rng", "rng_state", "same_rng_state"]
 
 _DROPOUTS = (F.dropout, torch.dropout)
 
@@ -48,6 +48,15 @@ def rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The global CPU generator's state, and ``device``'s where it is a CUDA device."""
     cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     return torch.get_rng_state(), cuda
+
+
+def same_rng_state(a: tuple[torch.Tensor, torch.Tensor | None],
+                   b: tuple[torch.Tensor, torch.Tensor | None]) -> bool:
+    """Whether two :func:`rng_state` results are equal: nothing drew random numbers in between
+    (generators only move forward)."""
+    if (a[1] is None) != (b[1] is None):
+        return False
+    return torch.equal(a[0], b[0]) and (a[1] is None or torch.equal(a[1], b[1]))
 
 
 @contextlib.contextmanager

@@ -55,8 +55,8 @@ The pack hook runs for every tensor an op of the ``[0:a]`` sub-graphs saves.
 NOTE [Chunked recompute]
 ``pre`` and ``post`` are token-wise (NOTE [Layer adapters]), so the recomputed
 range ``[a:s]`` need not exist all at once. It is split into chunks of tokens
-(:func:`token_chunks`: about RECOMPUTE_CHUNKS of them, none shorter than
-MIN_CHUNK_TOKENS) and each chunk is recomputed and back-propagated on its own:
+(:func:`token_chunks`: at most RECOMPUTE_CHUNKS of them, none with less work than
+MIN_CHUNK_WORK) and each chunk is recomputed and back-propagated on its own:
 ``post`` chunk by chunk (recompute, then backward), then q, k, v for attention's
 backward (recomputed without grad; attention needs every row at once), then
 ``pre`` chunk by chunk again. The backward thus holds one chunk's activations
@@ -67,6 +67,23 @@ in the same chunks and records the RNG state before each chunk's ``pre`` and
 ``post``, so that every recompute draws the dropout masks its forward drew. The
 gradients of ``o`` and ``x`` and the layer's q, k, v and output are tensors
 allocated once and filled chunk by chunk (:class:`_Rows`).
+
+NOTE [How small a chunk]
+Every chunk costs the same Python and kernel launches whatever its size: on a GPU a chunk of
+``pre`` + ``post`` is some hundred small kernels and three ``autograd.grad`` calls, about 1 ms
+of host time. gpt-125m at 8K tokens in eight chunks of ~900 tokens ran at 3.5x full
+recompute's step time on an H100, the GPU idle behind the host; in one chunk, at full
+recompute's (benchmarks/RESULTS.md, "Third make gpu-check"). So on an accelerator a chunk
+must carry enough work to hide that cost: tokens x batch x hidden^2 multiply-adds of at least
+MIN_CHUNK_WORK (2^35, ~2 ms of ``pre`` + ``post`` at the H100's dense bf16 rate). Small
+models then recompute in one chunk (a hidden size of 768 chunks only past ~58K tokens, 4096
+past ~2K), where their activations are small anyway; the memory saving of chunks matters for
+large layers at long sequences, where the floor is far below ``s / RECOMPUTE_CHUNKS``. The
+meta device plans for an accelerator and follows the same rule. On the CPU the kernels are
+a thousand times slower and hide the host's cost at any size, so there the floor stays
+MIN_CPU_CHUNK_TOKENS. The policy's cost model counts the chunks of the device pass 2 runs on
+(``_layer_costs`` in memo/pipeline.py), which is the device whose runtime runs them, so the
+plan and the runtime agree.
 """
 
 from __future__ import annotations
@@ -86,27 +103,43 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from memo.errors import MemoError, internal_assert
 from memo.profiler.saved import SavedStorages, storage_id
 from memo.runtime.buffers import SLOT_ALIGNMENT, align_up
-from memo.runtime.dropout import LayerDropout, replay_rng, rng_state
+from memo.runtime.dropout import LayerDropout, replay_rng, rng_state, same_rng_state
 
 if TYPE_CHECKING:
     from memo.adapters.base import LayerAdapter
     from memo.runtime.runtime import MemoRuntime
 
-__all__ = ["LayerCall", "MIN_CHUNK_TOKENS", "RECOMPUTE_CHUNKS", "offload_tokens", "token_chunks"]
+__all__ = [
+    "LayerCall", "MIN_CHUNK_WORK", "MIN_CPU_CHUNK_TOKENS", "RECOMPUTE_CHUNKS", "min_chunk_tokens",
+    "offload_tokens", "token_chunks",
+]
 
 
-#: The recomputed ``[a:s]`` range runs in about this many token chunks (NOTE [Chunked recompute]) ...
+#: The recomputed ``[a:s]`` range runs in at most this many token chunks (NOTE [Chunked recompute]) ...
 RECOMPUTE_CHUNKS = 8
-#: ... none shorter than this many tokens (shorter chunks make slow kernels).
-MIN_CHUNK_TOKENS = 256
+#: ... none with less work than this on an accelerator (or meta, which plans for one): tokens x
+#: batch x hidden^2 multiply-adds, about 2 ms of ``pre`` + ``post`` on an H100 ...
+MIN_CHUNK_WORK = 1 << 35
+#: ... and none shorter than this many tokens on the CPU (NOTE [How small a chunk]).
+MIN_CPU_CHUNK_TOKENS = 256
 
 
-def token_chunks(n: int, chunk_tokens: int | None = None) -> list[tuple[int, int]]:
-    """``[start, end)`` ranges that split ``n`` tokens into chunks of ``chunk_tokens`` (None:
-    about RECOMPUTE_CHUNKS chunks of at least MIN_CHUNK_TOKENS tokens; NOTE [Chunked recompute])."""
+def min_chunk_tokens(batch: int, hidden: int, device_type: str) -> int:
+    """The fewest tokens a recompute chunk of a layer with input ``[s, batch, hidden]`` holds on
+    a device of ``device_type`` (NOTE [How small a chunk])."""
+    if device_type == "cpu":
+        return MIN_CPU_CHUNK_TOKENS
+    return max(1, -(-MIN_CHUNK_WORK // max(1, batch * hidden * hidden)))
+
+
+def token_chunks(n: int, chunk_tokens: int | None = None, *, batch: int, hidden: int,
+                 device_type: str) -> list[tuple[int, int]]:
+    """``[start, end)`` ranges that split ``n`` tokens into chunks of ``chunk_tokens`` (None: at most
+    RECOMPUTE_CHUNKS chunks, each of at least :func:`min_chunk_tokens`; NOTE [Chunked recompute])."""
     if n <= 0:
         return []
-    size = chunk_tokens if chunk_tokens else max(min(n, MIN_CHUNK_TOKENS), -(-n // RECOMPUTE_CHUNKS))
+    floor = min_chunk_tokens(batch, hidden, device_type)
+    size = chunk_tokens if chunk_tokens else max(min(n, floor), -(-n // RECOMPUTE_CHUNKS))
     return [(i, min(n, i + size)) for i in range(0, n, size)]
 
 
@@ -411,7 +444,9 @@ class LayerCall:
         if a > 0:
             for rows, t in zip(qkv, (q_a, k_a, v_a), strict=True):
                 rows.put(0, t.detach())
-        rec.chunks = token_chunks(s - a, rt.recompute_chunk_tokens)
+        hidden = xc.shape[-1]
+        rec.chunks = token_chunks(s - a, rt.recompute_chunk_tokens, batch=xc[0].numel() // max(1, hidden),
+                                  hidden=hidden, device_type=xc.device.type)
         for c0, c1 in rec.chunks:
             rec.rng_pre.append(rng_state(xc.device))
             with torch.no_grad(), rec.scope("pre", a + c0, a + c1):
@@ -447,6 +482,10 @@ class LayerCall:
             rec.rng_post.append(rng_state(xc.device))
             with torch.no_grad(), rec.scope("post", a + c0, a + c1):
                 y.put(a + c0, adapter.post(layer, o[ag + c0 * g:ag + c1 * g], xc[a + c0:a + c1], ctx))
+        if rec.chunks and same_rng_state(rec.rng_pre[0], rng_state(xc.device)):
+            # Nothing from the first chunk's pre to the last chunk's post drew random numbers: the
+            # recompute has no state to replay, and a generator fork per chunk costs host time.
+            rec.rng_pre = rec.rng_post = [None] * len(rec.chunks)
         packer.end_pass()
         if rec.dropout is not None:
             rec.dropout.end_forward()
@@ -500,14 +539,23 @@ class LayerCall:
         if a > 0:
             for rows, slot in zip(qkv, rec.qkv_slots, strict=True):
                 rows.put(0, buffers.view(i, slot, f))
-        for (c0, c1), rng in zip(rec.chunks, rec.rng_pre, strict=True):
-            with torch.no_grad(), rec.autocast.replay(), replay_rng(rng, device), \
-                    rec.scope("pre", a + c0, a + c1):
-                parts = adapter.pre(layer, x_dev[a + c0:a + c1], a + c0, ctx)
+        # The last chunk runs with grad and its graph is kept for step 3, so that pre runs twice on
+        # its tokens, not three times (one chunk: as full recompute; NOTE [Chunked recompute]).
+        last = len(rec.chunks) - 1
+        kept: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = None
+        for n, ((c0, c1), rng) in enumerate(zip(rec.chunks, rec.rng_pre, strict=True)):
+            x_c = x_dev[a + c0:a + c1].detach()
+            grad_mode = torch.enable_grad() if n == last else torch.no_grad()
+            if n == last:
+                x_c.requires_grad_()
+            with grad_mode, rec.autocast.replay(), replay_rng(rng, device), rec.scope("pre", a + c0, a + c1):
+                parts = tuple(adapter.pre(layer, x_c, a + c0, ctx))
             self._check_recomputed_dtypes(rec, *parts)
             for rows, t in zip(qkv, parts, strict=True):
-                rows.put(ag + c0 * gather, t)
-            del parts
+                rows.put(ag + c0 * gather, t.detach())
+            if n == last:
+                kept = (x_c, parts)
+            del parts, x_c
         q, k, v = (rows.take() for rows in qkv)
         del qkv
         dq, dk, dv = adapter.core_backward(layer, grad_o, q, k, v, o_dev, lse, ctx)
@@ -520,11 +568,15 @@ class LayerCall:
             run([edge for _, edge in rec.pre_edges], [full[j][:ag] for j, _ in rec.pre_edges])
         if a > 0:
             _copy_or_zero(grad_x[:a], rec.taps.pop("x"))
-        for (c0, c1), rng in zip(rec.chunks, rec.rng_pre, strict=True):
-            x_c = x_dev[a + c0:a + c1].detach().requires_grad_()
-            with torch.enable_grad(), rec.autocast.replay(), replay_rng(rng, device), \
-                    rec.scope("pre", a + c0, a + c1):
-                parts = adapter.pre(layer, x_c, a + c0, ctx)
+        for n, ((c0, c1), rng) in enumerate(zip(rec.chunks, rec.rng_pre, strict=True)):
+            if n == last:
+                internal_assert(kept is not None, "the last chunk's pre graph was not kept")
+                (x_c, parts), kept = kept, None
+            else:
+                x_c = x_dev[a + c0:a + c1].detach().requires_grad_()
+                with torch.enable_grad(), rec.autocast.replay(), replay_rng(rng, device), \
+                        rec.scope("pre", a + c0, a + c1):
+                    parts = adapter.pre(layer, x_c, a + c0, ctx)
             roots = [_edge(t) for t in parts if t.requires_grad]
             grads = [d[ag + c0 * gather:ag + c1 * gather] for t, d in zip(parts, full, strict=True)
                      if t.requires_grad]

@@ -172,7 +172,8 @@ class MemoRuntime:
         policy: what each layer does, one of :data:`LAYER_POLICIES` per layer (NOTE [Layer
             policy]); default: the plan's ``policy``, else :func:`default_policy`.
         recompute_chunk_tokens: tokens per chunk of the recomputed token range (NOTE [Chunked
-            recompute] in memo/runtime/layer.py); default: about eight chunks of at least 256 tokens.
+            recompute] in memo/runtime/layer.py); default: at most eight chunks, none smaller than NOTE
+            [How small a chunk] allows.
     """
 
     def __init__(
