@@ -480,11 +480,6 @@ def _solver_cmd(solver: str, time_limit: float, threads: int, msg: bool):
     return pulp.HiGHS(msg=msg, timeLimit=time_limit, threads=threads, warmStart=True, gapRel=0.0)
 
 
-def units(nbytes: int, alignment: int) -> int:
-    """Bytes -> whole alignment units, rounded up."""
-    return math.ceil(nbytes / alignment)
-
-
 # ------------------------------------------------------------------------------- rigid groups
 #: A rigid group: members ``(relative offset, item)``; the group placed at ``o`` puts each at ``o + rel``.
 Group = Sequence[tuple[int, Item]]
