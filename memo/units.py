@@ -3,7 +3,18 @@ for the size at hand (exact byte counts belong in the JSON files, not on the scr
 
 from __future__ import annotations
 
-__all__ = ["MAX_BYTES", "format_bytes", "format_mib", "format_ms"]
+__all__ = ["ALIGNMENT", "MAX_BYTES", "format_bytes", "format_mib", "format_ms"]
+
+# NOTE [Block alignment]
+# Every planned offset, and every size the planner places, is a multiple of ALIGNMENT bytes:
+# the planner works in these units (memo.planner), the plan files record it and refuse another
+# (planner/plan.py), the allocator refuses offsets off it (memo/allocator/_tables.py), and the
+# synthetic traces count sizes in it (planner/synthetic.py). 512 is what PyTorch's CUDA caching
+# allocator hands out, so kernels may assume it. Defined here once, in a module that imports
+# nothing, for all of them; the native allocator's own constant (kBlockAlignment in
+# csrc/core/alloc_backend.h, exposed as memo._C.allocator.BLOCK_ALIGNMENT) is checked equal to it
+# by tests/test_one_alignment.py.
+ALIGNMENT = 512
 
 # NOTE [Byte counts are bounded]
 # The planner adds sizes and offsets in int64 (numpy, and the exact search in csrc/) and the

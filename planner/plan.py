@@ -18,7 +18,7 @@ from typing import Any
 from memo.errors import MemoError, PlanMismatchError
 from memo.jsonio import atomic_write, read_json
 from memo.phase_names import parse_phase, phase_kind
-from memo.units import MAX_BYTES
+from memo.units import ALIGNMENT, MAX_BYTES  # NOTE [Block alignment]
 
 from .dsa import Item, check_placement
 from .trace import Allocation, Trace, validate_meta
@@ -28,8 +28,6 @@ __all__ = ["ALIGNMENT", "PLAN_KIND", "PLAN_VERSION", "Plan", "load_plan", "offlo
 
 PLAN_VERSION = 1
 PLAN_KIND = "memo.plan"
-#: Every planned offset is a multiple of this many bytes (the planner works in these units).
-ALIGNMENT = 512
 _MATCHED_FIELDS = ("fingerprint", "seq_len", "micro_batch", "dtype", "tensor_parallel", "context_parallel")
 #: Matched fields a plan may lack: a plan without them was profiled unsharded.
 _MATCHED_DEFAULTS = {"tensor_parallel": 1, "context_parallel": 1}

@@ -15,6 +15,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from memo.units import ALIGNMENT
+
 from .dsa import Item
 
 __all__ = ["guillotine_instance", "items_to_trace", "layered_trace"]
@@ -138,7 +140,7 @@ def layered_trace(n_layers: int = 4, *, hidden: int = 64, seq: int = 128, odd_la
     return {"version": 1, "kind": "memo.trace", "meta": base_meta, "events": events}
 
 
-def items_to_trace(items: list[Item], *, unit: int = 512, phase: str | None = None) -> dict[str, Any]:
+def items_to_trace(items: list[Item], *, unit: int = ALIGNMENT, phase: str | None = None) -> dict[str, Any]:
     """A flat trace whose allocations are ``items`` (sizes in ``unit`` bytes).
 
     Events are ordered by time with frees before mallocs at the same instant, so two

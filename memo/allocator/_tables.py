@@ -6,14 +6,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from memo.errors import MemoError
+from memo.units import ALIGNMENT as BLOCK_ALIGNMENT  # NOTE [Block alignment]
 from memo.units import MAX_BYTES
 
 __all__ = ["PhaseTables", "normalize_plan"]
 
 #: phase instance name -> [(size bytes, arena offset or None), ...] over request index k.
 PhaseTables = dict[str, list[tuple[int, int | None]]]
-
-BLOCK_ALIGNMENT = 512
 
 
 def _check_tables(tables: Any, peak: int) -> PhaseTables:
