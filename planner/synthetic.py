@@ -18,6 +18,7 @@ from typing import Any
 from memo.units import ALIGNMENT
 
 from .dsa import Item
+from .trace import TraceBuilder
 
 __all__ = ["guillotine_instance", "items_to_trace", "layered_trace"]
 
@@ -56,21 +57,17 @@ def layered_trace(n_layers: int = 4, *, hidden: int = 64, seq: int = 128, odd_la
     tensors and makes 8 transients. ``odd_layer`` gets one extra transient in its forward
     (a layer whose phase trace differs from the others).
     """
-    events: list[dict[str, Any]] = []
+    trace = TraceBuilder()
     next_id = [1]
     act = seq * hidden * dtype_bytes
 
     def malloc(size: int, phase: str | None) -> int:
         ident = next_id[0]
         next_id[0] += 1
-        ev: dict[str, Any] = {"op": "malloc", "id": ident, "size": int(size)}
-        if phase is not None:
-            ev["phase"] = phase
-        events.append(ev)
+        trace.malloc(ident, int(size), phase)
         return ident
 
-    def free(ident: int) -> None:
-        events.append({"op": "free", "id": ident})
+    free = trace.free
 
     weights = [malloc(hidden * hidden * 12 * dtype_bytes, None) for _ in range(2)]
     x = malloc(act, "embed.fwd")
@@ -131,13 +128,13 @@ def layered_trace(n_layers: int = 4, *, hidden: int = 64, seq: int = 128, odd_la
     free(loss)
     opt = malloc(hidden * hidden * 12 * dtype_bytes, "optimizer")
     free(opt)
-    events.append({"op": "end"})
     del weights
     base_meta = {"model": "synthetic", "fingerprint": f"synthetic-{n_layers}-{hidden}-{seq}",
                  "seq_len": seq, "micro_batch": 1, "dtype": "bfloat16" if dtype_bytes == 2 else "float32",
                  "n_layers": n_layers}
     base_meta.update(meta or {})
-    return {"version": 1, "kind": "memo.trace", "meta": base_meta, "events": events}
+    trace.meta = base_meta
+    return trace.finish()
 
 
 def items_to_trace(items: list[Item], *, unit: int = ALIGNMENT, phase: str | None = None) -> dict[str, Any]:
@@ -151,13 +148,10 @@ def items_to_trace(items: list[Item], *, unit: int = ALIGNMENT, phase: str | Non
         points.append((it.start, 1, k))
         points.append((it.end, 0, k))
     points.sort()
-    events: list[dict[str, Any]] = []
+    trace = TraceBuilder()
     for _, is_malloc, k in points:
         if is_malloc:
-            ev: dict[str, Any] = {"op": "malloc", "id": k, "size": items[k].size * unit}
-            if phase is not None:
-                ev["phase"] = phase
-            events.append(ev)
+            trace.malloc(k, items[k].size * unit, phase)
         else:
-            events.append({"op": "free", "id": k})
-    return {"version": 1, "events": events}
+            trace.free(k)
+    return trace.finish()
