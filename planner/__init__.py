@@ -30,7 +30,7 @@ from .policy import (
     full_recompute_need,
     given_policy,
 )
-from .trace import Allocation, Trace, load_trace, save_trace
+from .trace import Allocation, Trace, TraceBuilder, load_trace, save_trace
 
 __all__ = [
     "ALIGNMENT",
@@ -40,6 +40,7 @@ __all__ = [
     "Plan",
     "PolicySolution",
     "Trace",
+    "TraceBuilder",
     "choose_policy",
     "describe_policy",
     "device_need",
