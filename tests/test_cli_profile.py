@@ -58,7 +58,7 @@ def test_allocator_recorder_refused_on_meta(tmp_path, capsys) -> None:
     assert "meta" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("device", ["meta", "cpu"])
+@pytest.mark.parametrize("device", ["meta", pytest.param("cpu", marks=pytest.mark.slow)])
 def test_profile_writes_a_plan_that_loads(device: str, tmp_path, capsys) -> None:
     from memo.planner import load_plan, load_trace, validate_plan
 

@@ -57,6 +57,7 @@ def test_the_plan_records_the_job_and_the_rank() -> None:
     assert result.layer_stats[0].s_input * 2 == single.layer_stats[0].s_input
 
 
+@pytest.mark.slow
 def test_parameters_are_not_divided_by_cp() -> None:
     # CP replicates the weights; GPT's position table still covers every position of the job.
     one = profile("tiny", 8192, 1, "float32", "meta", **_MACHINE).model_states
@@ -64,6 +65,7 @@ def test_parameters_are_not_divided_by_cp() -> None:
     assert one["parameters"] == two["parameters"] and one["optimizer"] == two["optimizer"]
 
 
+@pytest.mark.slow
 def test_cpu_profile_of_a_cp_rank() -> None:
     result = profile("llama-tiny", 256, 1, "float32", "cpu", context_parallel=2, recorder="allocator",
                      time_limit=2.0, **_MACHINE)

@@ -36,6 +36,7 @@ def _megatron_state():
         torch.distributed.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_megatron_gpt_model_is_profiled_planned_and_trained(_megatron_state, capsys) -> None:
     assert main(["train", "--engine", "megatron", "--model", "tiny", "--seq-len", "128", "--steps", "3",
                  *_MACHINE]) == 0
@@ -53,7 +54,8 @@ _LLAMA = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 64, "int
           "max_position_embeddings": 512}
 
 
-@pytest.mark.parametrize("strategy", ["none", "full-recompute", "full-offload", "memo"])
+@pytest.mark.parametrize("strategy", ["none", "full-recompute", "full-offload",
+                                      pytest.param("memo", marks=pytest.mark.slow)])
 def test_hf_config_trains_with_every_strategy(strategy: str, tmp_path, capsys) -> None:
     path = tmp_path / "config.json"
     path.write_text(json.dumps(_LLAMA))
@@ -72,6 +74,7 @@ def test_hf_config_must_name_a_model_type(capsys) -> None:
     assert "model_type" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_hf_config_memo_losses_equal_the_unwrapped_model_over_ten_steps(tmp_path) -> None:
     """Issue 13: `memo train --hf-config` gives the unwrapped HF model's losses, step after step."""
     path = tmp_path / "config.json"

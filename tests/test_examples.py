@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_train_long_context_replays_its_plan_exactly() -> None:
     out = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "train_long_context.py"), "--model", "tiny",

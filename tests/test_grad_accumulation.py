@@ -198,6 +198,7 @@ def _reference(name: str) -> list[list[torch.Tensor]]:
         run.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny", "llama-tiny"])
 def test_gradient_accumulation_replays_the_plan(name: str) -> None:
     want = _reference(name)

@@ -361,6 +361,7 @@ def test_unsupported_hf_model_names_the_class_and_the_adapter_to_write() -> None
         model_adapter_for(bert)
 
 
+@pytest.mark.slow
 def test_finetune_example_runs_two_steps() -> None:
     root = Path(__file__).resolve().parents[1]
     # This checkout's memo, whatever is installed; one thread suits the tiny shapes.

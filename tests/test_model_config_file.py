@@ -18,6 +18,7 @@ def _write(tmp_path, data, name="deep-narrow.json"):
     return str(path)
 
 
+@pytest.mark.slow
 def test_a_json_config_builds_profiles_and_trains(tmp_path) -> None:
     path = _write(tmp_path, {"arch": "llama", "n_layers": 6, "hidden": 64, "n_heads": 4, "n_kv_heads": 1,
                              "vocab_size": 300})

@@ -48,6 +48,7 @@ def _comparable(plan: Any) -> dict[str, Any]:
     # The planner's own choice (policy, alpha and the calibration passes behind them).
     ("gpt-mini", 1024, 0.3, None, None),
 ])
+@pytest.mark.slow
 def test_the_plan_made_on_meta_is_the_plan_made_on_cpu(model: str, seq: int, layer_ms: float,
                                                        policy: list[str] | None, alpha: float | None) -> None:
     # The dispatch recorder on both: it sees the storages torch creates, on any device. (The
@@ -73,6 +74,7 @@ def test_the_plan_made_on_meta_is_the_plan_made_on_cpu(model: str, seq: int, lay
         assert meta.plan.policy == policy and "memo" in policy and meta.plan.host_bytes > 0
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize(("model", "seq"), [("tiny", 2048), ("gpt-mini", 2048)])

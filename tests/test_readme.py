@@ -10,6 +10,7 @@ import pytest
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("one_thread")
 def test_readme_python_snippets_run_verbatim(capsys: pytest.CaptureFixture[str]) -> None:
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), flags=re.S)

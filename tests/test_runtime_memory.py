@@ -28,6 +28,7 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.slow
 def test_memo_device_bytes_within_full_recompute_and_host_bytes_as_planned() -> None:
     bench = _load()
     rows = bench.measure(n_layers=56, s=64, b=1, host_fraction=0.4,
