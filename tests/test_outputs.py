@@ -74,7 +74,8 @@ def test_ctrl_c_is_one_line(monkeypatch, capsys) -> None:
 
     parser = cli.build_parser()
     args = parser.parse_args(["show", "x.json"])
-    monkeypatch.setattr(cli, "build_parser", lambda: type("P", (), {"parse_args": lambda self, a: args})())
+    fake = type("P", (), {"parse_args": lambda self, a: args})()
+    monkeypatch.setattr(cli, "build_parser", lambda only=None: fake)
     args.func = interrupted
     assert cli.main(["show", "x.json"]) == 130
     assert capsys.readouterr().err == "memo: interrupted\n"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 from memo.errors import MemoError
 
@@ -76,6 +77,23 @@ def positive_int(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def byte_count(text: str) -> int:
+    """A positive number of bytes: ``1048576``, ``1MiB``, ``1.5 GiB``, ``80GB`` (GB = 10^9, GiB = 2^30)."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _BYTE_UNITS:
+        raise argparse.ArgumentTypeError(f"must be a number of bytes such as 1048576, 1MiB or 80GB, "
+                                         f"got {text!r}")
+    value = int(float(match.group(1)) * _BYTE_UNITS[unit])
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least one byte, got {text!r}")
     return value
 
 

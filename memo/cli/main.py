@@ -11,6 +11,7 @@ import argparse
 import importlib
 import sys
 import textwrap
+import time
 from collections.abc import Sequence
 
 from memo.errors import MemoError
@@ -59,7 +60,10 @@ class ArgumentParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line, or with ``only`` just that subcommand's parser: each subcommand's
+    module imports what it needs (torch for most), and ``memo plan`` needs no torch, so the
+    seconds of importing it would count against ``--time-limit`` for nothing."""
     parser = ArgumentParser(
         prog="memo",
         description="memo: train transformers on million-token sequences on few GPUs "
@@ -67,13 +71,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=ArgumentParser)
     sub.required = True
-    for name in COMMANDS:
+    for name in COMMANDS if only is None else (only,):
         importlib.import_module(f"memo.cli.{name}").add_parser(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    # When the command started: a subcommand with a time limit (memo plan) counts from here.
+    started = time.monotonic()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    only = argv[0] if argv and argv[0] in COMMANDS else None
+    args = build_parser(only).parse_args(argv)
+    args.started = started
     try:
         return int(args.func(args) or 0)
     except MemoError as err:

@@ -3,6 +3,12 @@
     memo plan trace.json -o plan.json [--time-limit S] [--solver cbc|highs] [--no-mip]
     memo plan trace.json -o plan.json --device-mem-gb 80
     memo plan trace.json --expand -o addresses.json
+    memo plan trace.json -o plan.json --capacity 1MiB --time-limit 10
+
+``--capacity`` turns the search from minimising into a decision: the first placement within
+that many bytes is kept (often far sooner than the minimum is proven), and the command exits 1
+when none was found in time, with the numbers. ``--time-limit`` counts from the command's
+start, so the whole command, start-up and reading the trace included, keeps to it.
 
 ``--expand`` writes ``{"peak", "lower_bound", "addresses": {"<id>": offset}}`` for
 every allocation instead of the plan (an id reused after a free gets the keys
@@ -20,11 +26,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+import time
 import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from memo.cli.args import positive_float
+from memo.cli.args import byte_count, positive_float
 from memo.cli.show import device_lines, warning_lines
 from memo.errors import MemoError
 from memo.jsonio import atomic_write, check_writable
@@ -42,7 +50,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("trace", help="trace JSON (memo.trace, version 1; see docs/formats.md)")
     parser.add_argument("-o", "--output", required=True, help="where to write the plan (or the addresses)")
     parser.add_argument("--time-limit", type=float, default=60.0,
-                        help="seconds the whole plan may take (exact search and MIP share them); default 60")
+                        help="seconds the whole command may take, counted from its start (reading the "
+                        "trace, exact search and MIP share them); default 60")
+    parser.add_argument("--capacity", type=byte_count, default=None, metavar="BYTES",
+                        help="bytes the arena may take (1048576, 1MiB, 80GB): the search stops at the first "
+                        "placement within them instead of minimising further, and memo plan exits 1, after "
+                        "writing the best plan it found, when none fits within --time-limit. Default: "
+                        "minimise the peak")
     parser.add_argument("--solver", choices=("cbc", "highs"), default="cbc",
                         help="MIP solver: cbc (bundled with PuLP, default) or highs (needs highspy)")
     parser.add_argument("--no-mip", action="store_true",
@@ -74,6 +88,11 @@ def format_summary(plan: Plan) -> str:
         f"solver        {s.get('kind')} {s.get('solver') or 'heuristic only'}, {s.get('seconds', 0):.2f} s"
         + (", heuristic fallback" if s.get("heuristic_fallback") else ""),
     ]
+    total = s.get("total") if isinstance(s.get("total"), dict) else s
+    if "optimal" in total:
+        gap = 100 * total.get("optimality_gap", 0)
+        proven = "yes (proven)" if total["optimal"] else f"not proven; at most {gap:.2f}% above"
+        lines.append(f"optimal       {proven}")
     if "unphased_left_to_fallback" in s:
         left = s["unphased_left_to_fallback"]
         lines.append(f"not planned   {left['allocations']} allocations outside phases "
@@ -144,9 +163,9 @@ def run(args: argparse.Namespace) -> int:
     with warnings.catch_warnings():
         # The planner's warnings are in plan.warnings, which the summary prints once.
         warnings.filterwarnings("ignore", message=r"memo\.planner: ", category=UserWarning)
-        plan = make_plan(trace, time_limit=args.time_limit, solver=args.solver, use_mip=not args.no_mip,
+        plan = make_plan(trace, time_limit=_time_left(args), solver=args.solver, use_mip=not args.no_mip,
                          method="flat" if args.flat else "auto",
-                         unphased="fallback" if args.for_allocator else "plan")
+                         unphased="fallback" if args.for_allocator else "plan", capacity=args.capacity)
     if args.device_mem_gb is not None:
         # The same record as `memo profile --device-mem-gb` (Plan.device), checked before writing.
         plan.device = device_need(trace, plan, int(args.device_mem_gb * GB))
@@ -166,4 +185,24 @@ def run(args: argparse.Namespace) -> int:
                   "addresses too; `memo profile` plans for memo's allocator, which serves those from its "
                   "fallback: add --for-allocator for the same plan")
     print(f"wrote {args.output}")
+    if args.capacity is not None and plan.peak > args.capacity:
+        print(f"memo plan: the plan needs {format_bytes(plan.peak)} ({plan.peak:,} bytes), over the capacity "
+              f"of {format_bytes(args.capacity)} ({args.capacity:,} bytes); the lower bound is "
+              f"{format_bytes(plan.lower_bound)}. Give more --time-limit, or more capacity", file=sys.stderr)
+        return 1
     return 0
+
+
+#: Seconds kept back from --time-limit for writing the plan and printing the summary.
+_WRITE_RESERVE = 0.2
+
+
+def _time_left(args: argparse.Namespace) -> float:
+    """--time-limit less what the command has already spent (start-up, reading the trace)."""
+    started = getattr(args, "started", None)
+    spent = 0.0 if started is None else time.monotonic() - started
+    left = args.time_limit - spent - _WRITE_RESERVE
+    if left <= 0:
+        raise MemoError(f"memo plan: --time-limit {args.time_limit:g} s was spent before planning began "
+                        f"({spent:.1f} s reading the trace); give more")
+    return left
