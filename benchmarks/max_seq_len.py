@@ -8,7 +8,7 @@ from ``--start`` until a step fails, then bisection down to ``--granularity`` to
 
 NOTE [Emulated device memory on CPU]
 On CPU the device is memo's CPU allocator (NOTE [Measuring device memory] in
-memo/strategies.py), capped at ``--device-mem-mb``: the parameters are allocated before the
+memo/train/strategies.py), capped at ``--device-mem-mb``: the parameters are allocated before the
 allocator context, memo's plan arena is reserved when it opens, and the fallback allocator
 may reserve what is left (``memo.allocator.planned(..., fallback_limit=...)``). Every other
 allocation of the step (activations, gradients, AdamW state, memo's rounding buffers) comes
@@ -53,28 +53,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _common import ROWS, add_device_arguments, build_strategy, resolve_device
 
 from memo.cli.args import positive_float, seq_len
 from memo.errors import DeviceBudgetError, MemoError
+from memo.estimate import align
 from memo.session import Session
-from memo.strategies import Strategy, StrategyOptions
+from memo.train.strategies import MemoryMeter, Wrapping
 
-# NOTE [Import pulp before the first model]
-# memo's planner imports pulp lazily, inside the first memo step's set-up. pulp's optional solver
-# modules (copt_api, cplex_api) keep the exceptions they catch at import time, and those
-# tracebacks' frames chain (f_back) up to whoever imported pulp: Strategy.prepare and train(),
-# whose locals are that run's model and optimizer. Imported here, before any model exists, the
-# chain ends in this module instead, and no measured run keeps an earlier run's memory alive.
-try:
-    import pulp  # noqa: F401
-except ImportError:  # memo's planner reports a missing pulp itself, with what to install
-    pass
-
-# benchmarks/ is not a package: the save_on_cpu baseline is shared with strategies.py by path.
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from strategies import ROWS, SaveOnCpuStrategy, add_device_arguments, align, resolve_device  # noqa: E402
-
-__all__ = ["CappedSaveOnCpu", "CappedStrategy", "main", "search", "try_length"]
+__all__ = ["CappedMeter", "main", "search", "try_length"]
 
 BENCH_KIND = "memo.benchmark.max_seq_len"
 BENCH_VERSION = 1
@@ -110,44 +97,39 @@ class _CappedSession(Session):
         return limit
 
 
-class _CappedMeter(Strategy):
-    """A strategy whose Session caps the fallback pool (NOTE [Emulated device memory on CPU]).
+class CappedMeter(MemoryMeter):
+    """A meter whose Session caps the fallback pool by the whole device budget, parameters included
+    (NOTE [Emulated device memory on CPU]); ``device_budget_bytes`` None leaves it uncapped."""
 
-    ``device_bytes``: the whole device budget; ``None`` leaves the allocator uncapped.
-    """
-
-    device_bytes: int | None = None
-    session_class = _CappedSession
-
-    def _device_budget(self) -> int | None:
-        return self.device_bytes
-
-    def _start_meter(self) -> None:
+    def make_session(self, model: torch.nn.Module, wrapping: Wrapping, device: torch.device,
+                     example: tuple[torch.Tensor, torch.Tensor]) -> Session:
         from memo import allocator
 
-        if self.device_bytes is None or (self.device.type == "cuda" and not allocator.cuda_installed()):
+        if self.device_budget_bytes is None or (device.type == "cuda" and not allocator.cuda_installed()):
             # Uncapped, or PyTorch's CUDA allocator (capped by the memory fraction in _setup_cuda).
-            self.session_class = Session
-            super()._start_meter()
-            return
-        super()._start_meter()
-        use_plan = self.plan is not None and self.options.planned_allocator
-        limit = self.session.fallback_limit({"peak": int(self.plan.peak) if use_plan else 0})
-        held = int(allocator.stats(self.device)["fallback"]["reserved_bytes"])
+            return super().make_session(model, wrapping, device, example)
+        return _CappedSession(model, wrapping.plan, alpha=wrapping.alpha, policy=wrapping.policy,
+                              planned_allocator=wrapping.planned_allocator, device=device,
+                              device_budget_bytes=self.device_budget_bytes, example=example,
+                              debug_copy_delay_us=wrapping.debug_copy_delay_us)
+
+    def open(self, model: torch.nn.Module, wrapping: Wrapping, device: torch.device,
+             example: tuple[torch.Tensor, torch.Tensor]) -> Session:
+        from memo import allocator
+
+        session = super().open(model, wrapping, device, example)
+        if not isinstance(session, _CappedSession):
+            return session
+        use_plan = wrapping.plan is not None and wrapping.planned_allocator
+        limit = session.fallback_limit({"peak": int(wrapping.plan.peak) if use_plan else 0})
+        held = int(allocator.stats(device)["fallback"]["reserved_bytes"])
         if limit is not None and held > limit:
             raise MemoError(
                 f"max_seq_len: memo's fallback pool still holds {held / 2**20:.1f} MiB of segments with live "
                 f"blocks from before the step, more than its limit {limit / 2**20:.1f} MiB; the cap cannot "
                 "be enforced"
             )
-
-
-class CappedStrategy(_CappedMeter):
-    """none / full-recompute / full-offload / memo under a device budget."""
-
-
-class CappedSaveOnCpu(_CappedMeter, SaveOnCpuStrategy):
-    """PyTorch's save_on_cpu baseline under a device budget."""
+        return session
 
 
 def _is_oom(err: BaseException | None) -> bool:
@@ -171,7 +153,7 @@ def _memo_plan(args: argparse.Namespace, length: int, workdir: str) -> str:
     from memo.planner import save_plan
 
     from memo.pipeline import profile
-    from memo.utils.training import DTYPES
+    from memo.train import DTYPES
 
     result = profile(args.model, length, 1, DTYPES[args.dtype], torch.device(args.device).type,
                      recorder="allocator", time_limit=args.time_limit, device_mem_gb=_budget_gb(args))
@@ -188,39 +170,30 @@ def _budget_gb(args: argparse.Namespace) -> float | None:
 def try_length(name: str, length: int, args: argparse.Namespace, workdir: str) -> tuple[bool, str]:
     """Train one step of ``name`` at ``length`` tokens under the budget; (fits, what happened)."""
     from memo import allocator
-    from memo.utils.training import TrainConfig, train
+    from memo.train import TrainConfig, train
 
-    budget = None if args.device_mem_mb is None else int(args.device_mem_mb * 2**20)
-    strategy: _CappedMeter
+    meter = CappedMeter(None if args.device_mem_mb is None else int(args.device_mem_mb * 2**20))
     plan_s = 0.0
-    if name == "save-on-cpu":
-        strategy = CappedSaveOnCpu()
-    elif name == "memo" and args.memo_profile == "name":
+    if name == "memo" and args.memo_profile == "name":
         start = time.perf_counter()
         plan = _memo_plan(args, length, workdir)
         plan_s = time.perf_counter() - start
-        strategy = CappedStrategy(StrategyOptions(strategy="memo", plan=plan, time_limit=args.time_limit))
-    elif name == "memo":
-        # Strategy.prepare profiles and plans this model (alpha "auto", the layer policy for the
-        # budget) before the capped meter starts.
-        strategy = CappedStrategy(StrategyOptions(strategy="memo", time_limit=args.time_limit,
-                                                  device_mem_gb=_budget_gb(args)))
+        strategy = build_strategy(name, meter, plan=plan, time_limit=args.time_limit)
     else:
-        strategy = CappedStrategy(StrategyOptions(strategy=name))
-    strategy.device_bytes = budget
+        # The memo row's prepare() profiles and plans this model (alpha "auto", the layer policy for
+        # the budget) before the capped meter opens.
+        strategy = build_strategy(name, meter, time_limit=args.time_limit, device_mem_gb=_budget_gb(args))
     config = TrainConfig(model=args.model, seq_len=length, micro_batch=1, steps=1, device=args.device,
                          dtype=args.dtype, seed=0)
     start = time.perf_counter()
     try:
-        result = train(config, progress=False, log=lambda _line: None, strategy=strategy)
+        result = train(config, progress=False, log=lambda _line: None, strategy=strategy)  # closes it
         peak = result.steps[-1].peak_memory_bytes
         outcome = (True, f"fits, peak {peak / 2**20:.1f} MiB" if peak is not None else "fits")
     except Exception as err:  # classified just below: only out-of-memory means "does not fit"
         if not _is_oom(err):
             raise
         outcome = (False, "out of memory: " + str(err).strip().splitlines()[0][:300])
-    finally:
-        strategy.close()
     gc.collect()
     device_type = torch.device(args.device).type
     if device_type == "cuda" and not allocator.cuda_installed():

@@ -18,22 +18,16 @@ allocations, and ratios to full recompute.
 
 NOTE [Same meter for every row]
 The in-process rows all run under one memo.allocator context per row (see NOTE [Measuring
-device memory] in memo/strategies.py): the peak is memo's allocator's peak of bytes in use plus
-the parameters. ``save-on-cpu`` is a :class:`memo.strategies.Strategy` subclass so that it
-gets exactly this meter. On CUDA memo's allocator is installed before the first CUDA tensor
-(memo's row needs it), so the in-process baselines are served by memo's fallback caching
+device memory] in memo/train/strategies.py): the peak is memo's allocator's peak of bytes in use
+plus the parameters. Every row, ``save-on-cpu`` (:class:`memo.train.SaveOnCpu`) included, is
+given its own :class:`memo.train.MemoryMeter`. On CUDA memo's allocator is installed before the
+first CUDA tensor (memo's row needs it), so the in-process baselines are served by memo's fallback caching
 allocator; the extra subprocess rows measure PyTorch's allocators with
 ``torch.cuda.max_memory_allocated``, which counts the same bytes (live tensors, parameters
 included).
 
-NOTE [save_on_cpu on the CPU backend]
-On a CPU device ``save_on_cpu`` moves nothing: ``tensor.cpu()`` of a CPU tensor is the tensor
-itself. memo's CPU backend emulates a device whose memory is what memo's allocator serves and a
-host whose memory is outside it (memo's host arena). The CPU row therefore keeps
-``save_on_cpu``'s data flow (copy every saved tensor to host when it is saved, copy it back
-when backward unpacks it) and puts the host copies in memory that is not the device
-allocator's, as memo's own offload does. On CUDA the row is ``torch.autograd.graph.save_on_cpu``
-itself, unchanged (its pack hook is only wrapped to count the host bytes it holds).
+The CPU ``save-on-cpu`` row emulates host memory: NOTE [save_on_cpu on the CPU backend] in
+memo/train/strategies.py.
 
 Usage::
 
@@ -44,151 +38,31 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import os
 import subprocess
 import sys
 import time
-import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import torch
+from _common import ROWS, add_device_arguments, build_strategy, resolve_device
 
 from memo.cli.args import positive_float, positive_int, seq_len
 from memo.errors import MemoError
-from memo.strategies import Strategy, StrategyOptions, make_strategy
+from memo.estimate import align
+from memo.train.strategies import MemoryMeter
 from memo.units import format_mib
 
-# NOTE [Import pulp before the first model]
-# memo's planner imports pulp lazily, inside the first memo step's set-up. pulp's optional solver
-# modules (copt_api, cplex_api) keep the exceptions they catch at import time, and those
-# tracebacks' frames chain (f_back) up to whoever imported pulp: Strategy.prepare and train(),
-# whose locals are that run's model and optimizer. Imported here, before any model exists, the
-# chain ends in this module instead, and no measured run keeps an earlier run's memory alive.
-try:
-    import pulp  # noqa: F401
-except ImportError:  # memo's planner reports a missing pulp itself, with what to install
-    pass
+__all__ = ["format_table", "main", "run_row"]
 
-__all__ = [
-    "ROWS",
-    "HostBytesMeter",
-    "SaveOnCpuStrategy",
-    "build_strategy",
-    "format_table",
-    "main",
-    "run_row",
-]
-
-#: In-process rows, in table order.
-ROWS = ("none", "full-recompute", "full-offload", "memo", "save-on-cpu")
 #: Rows that also run under PyTorch's own CUDA allocators (subprocesses, CUDA only).
 TORCH_ALLOCATOR_ROWS = ("none", "full-recompute")
 TORCH_ALLOCATORS = {"caching": None, "expandable": "expandable_segments:True"}
 BENCH_KIND = "memo.benchmark.strategies"
 BENCH_VERSION = 1
 _ROW_PREFIX = "ROW-JSON "
-
-
-# ---------------------------------------------------------------- save_on_cpu baseline
-
-
-class HostBytesMeter:
-    """Live and peak bytes of the host copies a saved-tensor hook holds.
-
-    A copy counts from the moment it is packed until autograd drops it (after backward used it,
-    or when the graph is freed); ``weakref.finalize`` on the host tensor sees that moment.
-    """
-
-    def __init__(self) -> None:
-        self.live = 0
-        self.peak = 0
-
-    def add(self, host: torch.Tensor) -> None:
-        nbytes = host.numel() * host.element_size()
-        self.live += nbytes
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(host, self._drop, nbytes)
-
-    def _drop(self, nbytes: int) -> None:
-        self.live -= nbytes
-
-
-def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of a CPU tensor in memory that memo's CPU allocator does not serve.
-
-    ``torch.frombuffer`` wraps a Python ``bytearray`` without calling c10's CPU allocator, so the
-    copy is "host" memory for the emulated device (NOTE [save_on_cpu on the CPU backend]).
-    """
-    nbytes = tensor.numel() * tensor.element_size()
-    if nbytes == 0:
-        return tensor.detach().clone()
-    raw = torch.frombuffer(bytearray(nbytes), dtype=torch.uint8)
-    host = raw.view(tensor.dtype).view(tensor.shape)
-    host.copy_(tensor)
-    return host
-
-
-class SaveOnCpuStrategy(Strategy):
-    """``torch.autograd.graph.save_on_cpu`` around forward + backward of the plain model.
-
-    It is a ``none`` strategy (no recompute, no wrapper) whose steps run under the saved-tensor
-    hooks; subclassing :class:`Strategy` gives it the same device-memory meter as every other
-    row (NOTE [Same meter for every row]). ``host_pinned_bytes`` is the peak of host copies held.
-    """
-
-    def __init__(self) -> None:
-        super().__init__(StrategyOptions(strategy="none"))
-        self.name = "save-on-cpu"
-        self.meter = HostBytesMeter()
-
-    def _hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
-        if self.device.type == "cuda":
-            hooks = torch.autograd.graph.save_on_cpu(pin_memory=True)
-            pack = hooks.pack_hook
-
-            def counted_pack(tensor: torch.Tensor) -> Any:
-                packed = pack(tensor)
-                self.meter.add(packed[1])
-                return packed
-
-            # saved_tensors_hooks.__enter__ pushes self.pack_hook: wrapping it keeps torch's
-            # own pack/unpack and only counts what they hold on the host.
-            hooks.pack_hook = counted_pack
-            return hooks
-        if self.device.type != "cpu":
-            raise MemoError(f"benchmarks/strategies: save-on-cpu runs on cpu or cuda, not {self.device.type}")
-
-        def pack_to_host(tensor: torch.Tensor) -> torch.Tensor:
-            host = _host_copy(tensor)
-            self.meter.add(host)
-            return host
-
-        def unpack_to_device(host: torch.Tensor) -> torch.Tensor:
-            # Back into device memory (memo's allocator), as save_on_cpu's tensor.to(device) does.
-            return host.clone()
-
-        return torch.autograd.graph.saved_tensors_hooks(pack_to_host, unpack_to_device)
-
-    @contextlib.contextmanager
-    def step(self) -> Iterator[None]:
-        with self._hooks(), super().step():
-            yield
-
-    def host_pinned_bytes(self) -> int:
-        return self.meter.peak
-
-
-def build_strategy(name: str, time_limit: float) -> Strategy:
-    """The strategy object of one row; ``time_limit``: seconds per MIP solve of memo's planner."""
-    if name == "save-on-cpu":
-        return SaveOnCpuStrategy()
-    options = StrategyOptions(strategy=name, time_limit=time_limit) if name == "memo" else \
-        StrategyOptions(strategy=name)
-    return make_strategy(options)
 
 
 # ---------------------------------------------------------------- one row
@@ -199,19 +73,15 @@ def run_row(name: str, args: argparse.Namespace, allocator: str = "memo") -> dic
 
     ``allocator``: ``"memo"`` (in-process rows) or the PyTorch CUDA allocator of a subprocess row.
     """
-    from memo.utils.training import TrainConfig, summarize, train
+    from memo.train import TrainConfig, summarize, train
 
     config = TrainConfig(model=args.model, seq_len=args.seq_len, micro_batch=args.micro_batch,
                          steps=args.steps, device=args.device, dtype=args.dtype, seed=args.seed,
                          peak_tflops=args.peak_tflops)
-    strategy = build_strategy(name, args.time_limit)
+    strategy = build_strategy(name, MemoryMeter(), time_limit=args.time_limit)
     lines: list[str] = []
     start = time.perf_counter()
-    try:
-        result = train(config, progress=False, log=lines.append, strategy=strategy)
-    finally:
-        # train() closes the strategy only when it finishes; leave no allocator context behind.
-        strategy.close()
+    result = train(config, progress=False, log=lines.append, strategy=strategy)  # closes the strategy
     wall = time.perf_counter() - start
     summary = summarize(result)
     last = result.steps[-1].extras
@@ -294,16 +164,6 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return align(table)
 
 
-def align(table: list[tuple[str, ...]]) -> str:
-    """Rows of cells as text columns: the first left-aligned, the rest right-aligned, and a rule
-    under the header row."""
-    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
-    lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in
-                       enumerate(zip(row, widths, strict=True))) for row in table]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
 # ---------------------------------------------------------------- main
 
 
@@ -328,39 +188,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--child-row", choices=TORCH_ALLOCATOR_ROWS, help=argparse.SUPPRESS)
     p.add_argument("--child-allocator", choices=sorted(TORCH_ALLOCATORS), help=argparse.SUPPRESS)
     return p
-
-
-def add_device_arguments(p: argparse.ArgumentParser) -> None:
-    """--model, --device, --dtype and --threads, which :func:`resolve_device` fills in."""
-    from memo.models import list_configs
-    from memo.utils.training import DTYPES
-
-    p.add_argument("--model", default=None,
-                   help=f"model (default: gpt-mini on CPU, gpt-1.3b on CUDA): {', '.join(list_configs())}")
-    p.add_argument("--device", default=None, help="cpu or cuda[:i] (default: cuda when present)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                   help="default: float32 on CPU, bfloat16 on CUDA")
-    p.add_argument("--threads", type=int, default=1,
-                   help="CPU: torch intra-op threads (1; 0 keeps torch's default). On a shared machine more "
-                   "OpenMP threads than free cores spin at every barrier and steps get many times slower")
-
-
-def resolve_device(args: argparse.Namespace, prog: str) -> bool:
-    """Device, CPU threads, model and dtype defaults the benchmarks share; returns whether on CUDA."""
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    cuda = torch.device(args.device).type == "cuda"
-    if args.threads < 0:
-        raise MemoError(f"{prog}: --threads must be >= 0, got {args.threads}")
-    if not cuda and args.threads > 0:
-        torch.set_num_threads(args.threads)
-    if cuda and not torch.cuda.is_available():
-        raise MemoError(f"{prog}: --device {args.device} but torch sees no CUDA device")
-    if not cuda and args.device != "cpu":
-        raise MemoError(f"{prog}: --device must be cpu or cuda[:i], got {args.device!r}")
-    args.model = args.model or ("gpt-1.3b" if cuda else "gpt-mini")
-    args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
-    return cuda
 
 
 def _defaults(args: argparse.Namespace) -> None:

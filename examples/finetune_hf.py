@@ -31,7 +31,7 @@ from memo.adapters import model_adapter_for
 from memo.cli.args import positive_int, seq_len
 from memo.errors import MemoError
 from memo.runtime.wrap import runtime_of
-from memo.utils.training import SyntheticTokens
+from memo.train.loop import SyntheticTokens
 
 
 class LoRALinear(nn.Module):

@@ -26,7 +26,7 @@ from memo.cli.args import positive_int, seq_len
 from memo.errors import MemoError
 from memo.models import DEFAULT_MAX_SEQ_LEN, build_model, get_config
 from memo.pipeline import profile
-from memo.utils.training import DTYPES, SyntheticTokens
+from memo.train.loop import DTYPES, SyntheticTokens
 
 
 def main(argv: list[str] | None = None) -> int:

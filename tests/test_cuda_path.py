@@ -102,7 +102,7 @@ def _torch_counters_raise(monkeypatch) -> None:
 
 
 def test_peak_memory_reads_memo_counters_under_memo_allocator(monkeypatch) -> None:
-    from memo.utils import training
+    from memo.train import loop as training
 
     _torch_counters_raise(monkeypatch)
     calls: list[tuple[str, torch.device]] = []
@@ -117,27 +117,27 @@ def test_peak_memory_reads_memo_counters_under_memo_allocator(monkeypatch) -> No
 
 
 def test_strategy_peak_on_cuda_counts_parameters_once(monkeypatch) -> None:
-    from memo.strategies import Strategy, StrategyOptions
+    from memo.train import MemoryMeter
 
     _torch_counters_raise(monkeypatch)
     seen: list[Any] = []
     stats = {"peak_bytes_in_use": 5000, "planned_hits": 3, "fallback_requests": 2, "unplanned_requests": 1,
              "segment_allocs": 4}
     monkeypatch.setattr(allocator, "stats", lambda device: seen.append(device) or stats)
-    strategy = Strategy(StrategyOptions(strategy="none"))
-    strategy.device, strategy.param_bytes, strategy._allocator_on = torch.device("cuda", 1), 777, True
-    out = strategy.step_stats()
+    meter = MemoryMeter()
+    meter.device, meter.param_bytes, meter.allocator_on = torch.device("cuda", 1), 777, True
+    out = meter.read()
     # memo's CUDA allocator served the parameters as well: its peak already holds them.
     assert out["peak_device_bytes"] == 5000 and out["peak_device_kind"] == "memo_allocator_peak_in_use"
     assert seen == [torch.device("cuda", 1)]
-    strategy.device = torch.device("cpu")
-    assert strategy.step_stats()["peak_device_bytes"] == 5000 + 777
+    meter.device = torch.device("cpu")
+    assert meter.read()["peak_device_bytes"] == 5000 + 777
 
 
 # 4. --no-planned-allocator profiles without memo's allocator ----------------------------------
 @pytest.mark.parametrize("planned", [True, False])
 def test_profile_recorder_follows_the_planned_allocator_flag(monkeypatch, planned: bool) -> None:
-    from memo import strategies
+    from memo.train import strategies
 
     captured: dict[str, Any] = {}
 
@@ -151,7 +151,7 @@ def test_profile_recorder_follows_the_planned_allocator_flag(monkeypatch, planne
     monkeypatch.setattr(strategies.pipeline, "profile", fake_profile)
     model = build_model("tiny", dtype=torch.float32)
     ids = torch.randint(0, 256, (1, 64))
-    strategy = strategies.Strategy(strategies.StrategyOptions(planned_allocator=planned, alpha=0.5))
+    strategy = strategies.MemoStrategy(strategies.StrategyOptions(planned_allocator=planned, alpha=0.5))
     with pytest.raises(Stop):
         strategy.prepare(model, ids, ids,
                          {"model": "tiny", "seq_len": 64, "micro_batch": 1, "dtype": "float32"})
@@ -202,7 +202,7 @@ def test_meta_copy_shares_no_storage() -> None:
 
 # 8. The device index reaches the allocator -----------------------------------------------------
 def test_strategy_keeps_the_device_index(monkeypatch) -> None:
-    from memo.strategies import Strategy, StrategyOptions
+    from memo.train.strategies import MemoryMeter, Wrapping
 
     entered: list[Any] = []
 
@@ -213,11 +213,9 @@ def test_strategy_keeps_the_device_index(monkeypatch) -> None:
 
     monkeypatch.setattr(allocator, "cuda_installed", lambda: True)
     monkeypatch.setattr(allocator, "planned", fake_planned)
-    strategy = Strategy(StrategyOptions(strategy="none"))
-    strategy.model = build_model("tiny", dtype=torch.float32)
-    strategy.device = torch.device("cuda", 3)
-    strategy._start_meter()
-    strategy.close()
+    meter = MemoryMeter()
+    meter.open(build_model("tiny", dtype=torch.float32), Wrapping(), torch.device("cuda", 3), None)
+    meter.close()
     assert entered == [torch.device("cuda", 3)]
 
 
@@ -262,17 +260,14 @@ def test_device_budget_caps_pytorchs_cuda_allocator_too(monkeypatch) -> None:
     from types import SimpleNamespace
 
     from memo.errors import MemoError
-    from memo.strategies import Strategy, StrategyOptions
+    from memo.train.strategies import MemoryMeter, Wrapping
 
     calls: list[tuple[float, int]] = []
     monkeypatch.setattr(allocator, "cuda_installed", lambda: False)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(total_memory=80e9))
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, i: calls.append((f, i)))
-    strategy = Strategy(StrategyOptions(strategy="full-recompute", device_mem_gb=20))
-    strategy.model, strategy.device = build_model("tiny", dtype=torch.float32), torch.device("cuda", 1)
-    strategy._start_meter()
+    model, device = build_model("tiny", dtype=torch.float32), torch.device("cuda", 1)
+    MemoryMeter(device_budget_bytes=20 * 10**9).open(model, Wrapping(), device, None)
     assert calls == [(0.25, 1)]
-    strategy = Strategy(StrategyOptions(strategy="none", device_mem_gb=100))
-    strategy.model, strategy.device = build_model("tiny", dtype=torch.float32), torch.device("cuda", 1)
     with pytest.raises(MemoError, match="more than the device's 80.0 GB"):
-        strategy._start_meter()
+        MemoryMeter(device_budget_bytes=100 * 10**9).open(model, Wrapping(), device, None)

@@ -7,8 +7,7 @@ import json
 import pytest
 
 from memo.cli.main import main
-from memo.strategies import StrategyOptions, make_strategy
-from memo.utils.training import TrainConfig, train
+from memo.train import StrategyOptions, TrainConfig, make_strategy, train
 
 
 @pytest.mark.parametrize(("strategy", "alpha", "expected"), [

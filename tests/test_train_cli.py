@@ -4,6 +4,7 @@ and bad flags are refused with clear messages."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 
@@ -12,7 +13,8 @@ import torch
 
 from memo.cli.main import main
 from memo.errors import MemoError
-from memo.report import load_report, validate_report
+from memo.models import fingerprint, get_config
+from memo.train import load_report, validate_report
 
 STEPS = 50
 COMMON = ["--model", "tiny", "--seq-len", "64", "--micro-batch", "2", "--steps", str(STEPS), "--no-progress",
@@ -143,6 +145,14 @@ def test_plan_for_another_model_or_length_is_refused(
                  "--plan", str(plan)]) == 2
     err = capsys.readouterr().err
     assert "model=tiny" in err and "model=llama-tiny" in err and "memo profile" in err
+    tiny, llama = (fingerprint(get_config(name)) for name in ("tiny", "llama-tiny"))
+    assert f"fingerprint {tiny}" in err and f"fingerprint {llama}" in err
+    # The fingerprint decides, not the name: the same shapes under another name replay the plan.
+    renamed = tmp_path / "tiny-copy.json"
+    renamed.write_text(json.dumps({**dataclasses.asdict(get_config("tiny")), "name": "tiny-copy"}))
+    assert main(["train", "--model", str(renamed), "--seq-len", "64", "--steps", "1", "--no-progress",
+                 "--plan", str(plan)]) == 0
+    capsys.readouterr()
     assert main(["train", "--model", "tiny", "--seq-len", "128", "--steps", "1", "--no-progress",
                  "--plan", str(plan)]) == 2
     assert "seq_len=64" in capsys.readouterr().err

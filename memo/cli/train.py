@@ -26,48 +26,18 @@ from memo.cli.args import (
     train_device,
 )
 from memo.errors import MemoError
-from memo.report import STRATEGIES, build_report, load_report, save_report
+from memo.train import STRATEGIES
+from memo.train.report import build_report, load_report, save_report
 from memo.units import format_mib
 
-__all__ = ["add_parser", "plot_losses", "run"]
-
-
-def plot_losses(reports: list[dict[str, Any]], path: str) -> None:
-    """Loss curves of several reports on one figure (the paper's Figure 12d)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    styles = ["-", "--", ":", "-."]
-    for i, rep in enumerate(reports):
-        label = rep["strategy"] if rep["alpha"] is None else f"{rep['strategy']} (alpha={rep['alpha']:.3g})"
-        xs = [s["step"] for s in rep["steps"]]
-        ys = [s["loss"] for s in rep["steps"]]
-        ax.plot(xs, ys, styles[i % len(styles)], linewidth=2.2 - 0.3 * (i % 4), label=label)
-    first = reports[0]
-    ax.set_title(f"{first['model']}, seq {first['seq_len']:,} x {first['micro_batch']}, {first['dtype']}")
-    ax.set_xlabel("step")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
-    ax.set_ylabel("training loss")
-    curves = [[s["loss"] for s in rep["steps"]] for rep in reports]
-    if len(curves) > 1 and all(c == curves[0] for c in curves[1:]):
-        # Identical losses draw one line; say so, or a reader looks for the missing curves.
-        ax.text(0.02, 0.03, "all curves coincide (identical losses)", transform=ax.transAxes,
-                fontsize="small", color="dimgray")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+__all__ = ["add_parser", "run"]
 
 
 def run(args: argparse.Namespace) -> int:
     from memo.jsonio import check_writable
-    from memo.strategies import StrategyOptions, make_strategy
-    from memo.utils.training import TrainConfig, train
+    from memo.train.loop import TrainConfig, train
+    from memo.train.plots import plot_losses
+    from memo.train.strategies import StrategyOptions, make_strategy
 
     if args.data and not os.path.isfile(args.data):
         raise MemoError(f"memo train: --data {args.data!r} is not a file; give a text or binary file to "
@@ -146,23 +116,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 
-def _alpha(text: str) -> str:
-    if text == "auto":
-        return text
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be 'auto' or a number in [0, 1], got {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(
-            f"must be in [0, 1] (the fraction of tokens offloaded instead of recomputed), got {text!r}"
-        )
-    return text
-
-
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     from memo.models import list_configs
-    from memo.utils.training import DTYPES, TrainConfig
+    from memo.train.loop import DTYPES, TrainConfig
 
     d = TrainConfig()
     p = subparsers.add_parser(
@@ -200,7 +156,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    "inline JSON with a model_type; random weights, no download")
     p.add_argument("--strategy", choices=STRATEGIES, default="memo", help="activation-memory strategy")
     p.add_argument(
-        "--alpha", type=_alpha, default="auto",
+        "--alpha", default="auto",
         help="'auto' solves the alpha LP from measured (or given) machine numbers; or a number in [0, 1]",
     )
     p.add_argument("--plan", metavar="PLAN.json", help="use a plan from `memo profile` instead of profiling")

@@ -11,7 +11,7 @@ Schema (version 1; docs/formats.md, "Training report", has the prose)::
       "steps": [{"step": int, "loss": float, "step_time_s": float, "tgs": float,
                  "mfu": float | null, "peak_device_bytes": int | null}, ...],
       "peak_device_bytes": int | null,       # max over steps
-      "peak_device_kind": str,               # what was measured (see memo.train)
+      "peak_device_kind": str,               # what was measured (NOTE [Measuring device memory])
       "host_pinned_bytes": int,              # rounding-buffer host arena (0 without memo)
       "allocator": {"planned": int, "fallback": int},
       ...                                    # more keys are allowed and kept
@@ -28,14 +28,12 @@ from typing import Any
 
 from memo.errors import MemoError
 from memo.jsonio import atomic_write, read_json
+from memo.train import STRATEGIES
 
-__all__ = ["REPORT_KIND", "REPORT_VERSION", "STRATEGIES", "build_report", "load_report", "save_report",
-           "validate_report"]
+__all__ = ["REPORT_KIND", "REPORT_VERSION", "build_report", "load_report", "save_report", "validate_report"]
 
 REPORT_VERSION = 1
 REPORT_KIND = "memo.report"
-#: Activation-memory strategies ``memo train`` knows, in the order tables list them.
-STRATEGIES = ("none", "full-recompute", "full-offload", "memo")
 
 _INT = (int,)
 _NUM = (int, float)
@@ -113,12 +111,11 @@ def validate_report(report: Any) -> dict[str, Any]:
 
 
 def build_report(result: Any) -> dict[str, Any]:
-    """The versioned ``memo.report`` dict of a finished :class:`memo.utils.training.TrainResult`.
+    """The versioned ``memo.report`` dict of a finished :class:`memo.train.TrainResult`.
 
-    ``memo train`` and examples/train_gpt.py both write it. A run without a strategy object
-    is "full-recompute" when it checkpointed every layer (``--recompute full``), else "none".
+    ``memo train`` and examples/train_gpt.py both write it.
     """
-    from memo.utils.training import summarize
+    from memo.train.loop import summarize
 
     cfg, strategy = result.config, result.strategy
     last = result.steps[-1].extras if result.steps else {}
@@ -138,7 +135,7 @@ def build_report(result: Any) -> dict[str, Any]:
         for s in result.steps
     ]
     peaks = [s.peak_memory_bytes for s in result.steps if s.peak_memory_bytes is not None]
-    plan = strategy.plan if strategy is not None else None
+    plan = strategy.plan
     report = {
         "version": REPORT_VERSION,
         "kind": REPORT_KIND,
@@ -151,12 +148,10 @@ def build_report(result: Any) -> dict[str, Any]:
         "lr": cfg.lr,
         "seed": cfg.seed,
         "data": cfg.data if cfg.data is not None else "synthetic",
-        "strategy": strategy.name if strategy is not None else
-        ("full-recompute" if cfg.recompute == "full" else "none"),
-        "recompute": cfg.recompute,
-        "alpha": strategy.alpha if strategy is not None else None,
-        "alpha_binding": strategy.alpha_binding if strategy is not None else None,
-        "offloaded_layers": getattr(strategy, "offloaded_layers", None),
+        "strategy": strategy.name,
+        "alpha": strategy.alpha,
+        "alpha_binding": strategy.alpha_binding,
+        "offloaded_layers": strategy.offloaded_layers,
         "num_parameters": result.num_parameters,
         "flops_per_sample": result.flops_per_sample,
         "peak_flops": result.peak_flops,
@@ -168,7 +163,7 @@ def build_report(result: Any) -> dict[str, Any]:
         "segment_allocs": last.get("segment_allocs"),
         "plan": None if plan is None else {"peak": plan.peak, "lower_bound": plan.lower_bound},
         # NOTE [Planned and actual offload] in memo/planner/plan.py
-        "offload": getattr(strategy, "offload", None),
+        "offload": strategy.offload,
     }
     report["summary"] = summarize(result)
     return report

@@ -1,8 +1,8 @@
-"""Reusable pieces of a training run: data sources, one step, metrics, the loop, the report.
+"""The pieces of a training run: data sources, one step, metrics, the measured loop.
 
 ``examples/train_gpt.py`` is a thin shell around :func:`add_train_arguments`,
-:func:`train_config_from_args` and :func:`train`; a ``memo train`` command can reuse
-the same three.
+:func:`train_config_from_args` and :func:`train`; ``memo train`` (memo/cli/train.py) builds a
+:class:`TrainConfig` and a strategy (memo/train/strategies.py) and calls :func:`train`.
 """
 
 from __future__ import annotations
@@ -22,15 +22,7 @@ from typing import Any
 import torch
 
 from memo.errors import MemoError
-from memo.models import (
-    DEFAULT_MAX_SEQ_LEN,
-    RECOMPUTE_MODES,
-    build_model,
-    fingerprint,
-    get_config,
-    list_configs,
-)
-from memo.models.model import TransformerModel
+from memo.models import DEFAULT_MAX_SEQ_LEN, build_model, fingerprint, get_config, list_configs
 from memo.profiler.bounds import check_least_memory, least_memory
 from memo.units import format_mib
 from memo.utils.flops import detect_peak_flops, flops_per_sample, mfu
@@ -193,8 +185,6 @@ class TrainConfig:
     """``cpu`` or ``cuda[:i]``."""
     dtype: str = "float32"
     """Parameter, activation and optimizer-state dtype (no float32 master copy)."""
-    recompute: str = "none"
-    """``none`` or ``full`` activation recomputation."""
     lr: float = 1e-3
     """AdamW learning rate (constant)."""
     seed: int = 0
@@ -225,10 +215,6 @@ class TrainConfig:
                 )
         if self.dtype not in DTYPES:
             raise MemoError(f"memo.train: --dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.recompute not in RECOMPUTE_MODES:
-            raise MemoError(
-                f"memo.train: --recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}"
-            )
         if not self.lr > 0:
             raise MemoError(f"memo.train: --lr must be > 0, got {self.lr}")
         if self.peak_tflops is not None and not self.peak_tflops > 0:
@@ -263,7 +249,7 @@ class TrainResult:
     peak_memory_kind: str = "unavailable"
     model_fingerprint: str = ""
     strategy: Any = None
-    """The :class:`memo.strategies.Strategy` the run used, if any."""
+    """The :class:`memo.train.Strategy` the run used."""
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -279,12 +265,6 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         choices=sorted(DTYPES),
         default=d.dtype,
         help="dtype of parameters, activations and AdamW state (no float32 master weights)",
-    )
-    parser.add_argument(
-        "--recompute",
-        choices=RECOMPUTE_MODES,
-        default=d.recompute,
-        help="'full' recomputes each layer in backward (torch.utils.checkpoint) to save memory",
     )
     parser.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate (constant)")
     parser.add_argument("--seed", type=int, default=d.seed, help="seed for initialisation and data")
@@ -316,7 +296,6 @@ def train(
     *,
     log: Callable[[str], None] | None = None,
     progress: bool = True,
-    model_hook: Callable[[TransformerModel], None] | None = None,
     strategy: Any = None,
 ) -> TrainResult:
     """Train ``config.model`` for ``config.steps`` steps with AdamW and measure every step.
@@ -325,21 +304,22 @@ def train(
         config: the run.
         log: where per-step lines go (default: ``tqdm.write`` so they do not break the bar).
         progress: show a tqdm progress bar (on stderr).
-        model_hook: called with the model before the first step (a place to wrap it with memo).
-        strategy: a :class:`memo.strategies.Strategy`; it prepares the model (recompute,
-            wrapping, profiling and planning), wraps every step, and its measurements replace
-            the generic peak-memory number.
+        strategy: a :class:`memo.train.Strategy` (default: :class:`memo.train.NoStrategy`); it
+            prepares the model (recompute, wrapping, profiling and planning), wraps every step and
+            measures it. It is closed when training ends, also when a step fails.
     """
     from tqdm import tqdm
 
+    if strategy is None:
+        from memo.train.strategies import NoStrategy
+
+        strategy = NoStrategy()
     device = torch.device(config.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise MemoError(f"memo.train: --device {config.device} asked for CUDA, but torch sees no CUDA device")
     dtype = DTYPES[config.dtype]
     torch.manual_seed(config.seed)
-    model, model_config = _build(config, device, dtype, strategy)
-    if model_hook is not None:
-        model_hook(model)
+    model, model_config = _build(config, device, dtype, strategy.device_budget_bytes)
     if config.data is not None:
         source: SyntheticTokens | ByteFileTokens = ByteFileTokens(
             config.data, model_config.vocab_size, config.seq_len, config.micro_batch, config.seed
@@ -349,27 +329,38 @@ def train(
     batches = iter(source)
     first = tuple(t.to(device) for t in next(batches))
     emit = log if log is not None else tqdm.write
-    iteration: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-    if strategy is not None:
-        run = {"model": model_config.name, "seq_len": config.seq_len, "micro_batch": config.micro_batch,
-               "dtype": config.dtype}
-        strategy.prepare(model, first[0], first[1], run, log=emit)
-        iteration = strategy.step
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
-    per_sample = flops_per_sample(model_config, config.seq_len)
-    peak = detect_peak_flops(device, dtype, None if config.peak_tflops is None else config.peak_tflops * 1e12)
     result = TrainResult(
         config=config,
         num_parameters=sum(p.numel() for p in model.parameters()),
-        flops_per_sample=per_sample,
-        peak_flops=peak,
+        flops_per_sample=flops_per_sample(model_config, config.seq_len),
+        peak_flops=detect_peak_flops(device, dtype,
+                                     None if config.peak_tflops is None else config.peak_tflops * 1e12),
         model_fingerprint=fingerprint(model_config),
         strategy=strategy,
     )
+    run = {"model": model_config.name, "fingerprint": result.model_fingerprint, "seq_len": config.seq_len,
+           "micro_batch": config.micro_batch, "dtype": config.dtype}
+    try:
+        strategy.prepare(model, first[0], first[1], run, log=emit)
+        _steps(config, model, model_config, strategy, result, batches, first, emit, progress)
+    finally:
+        strategy.close()
+    return result
+
+
+def _steps(config: TrainConfig, model: torch.nn.Module, model_config: Any, strategy: Any,
+           result: TrainResult, batches: Iterator[Batch], first: Batch | None, emit: Callable[[str], None],
+           progress: bool) -> None:
+    """The measured steps of :func:`train`, inside the prepared strategy."""
+    from tqdm import tqdm
+
+    device = first[0].device
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    peak = result.peak_flops
     emit(
         f"memo.train: {_model_name(config, model_config)} ({result.num_parameters / 1e6:.2f}M params), "
         f"seq {config.seq_len} x "
-        f"batch {config.micro_batch}, {config.dtype} on {device}, {_run_kind(config, strategy)}, "
+        f"batch {config.micro_batch}, {config.dtype} on {device}, {_run_kind(strategy)}, "
         + ("MFU n/a (no peak FLOPS known for this device; --peak-tflops sets one)" if peak is None
            else f"MFU against a peak of {peak / 1e12:.0f} TFLOPS")
     )
@@ -385,7 +376,7 @@ def train(
         _synchronize(device)
         start = time.perf_counter()
         try:
-            loss = train_step(model, optimizer, ids, labels, iteration).float().item()  # .item() waits
+            loss = train_step(model, optimizer, ids, labels, strategy.step).float().item()  # .item() waits
         except RuntimeError as err:
             if "memo allocator:" not in str(err) and not isinstance(err, torch.cuda.OutOfMemoryError):
                 raise
@@ -402,17 +393,17 @@ def train(
             raise MemoError(
                 f"memo.train: loss became {loss} at step {step}; lower --lr or use --dtype float32/bfloat16"
             )
-        extras = strategy.step_stats() if strategy is not None else {}
-        if "peak_device_bytes" in extras:
+        extras = strategy.step_stats()
+        if extras.get("peak_device_bytes") is not None:
             mem, result.peak_memory_kind = extras["peak_device_bytes"], extras["peak_device_kind"]
-        else:
+        else:  # a strategy that cannot measure the device: the process's own numbers
             mem, result.peak_memory_kind = peak_memory(device)
         metrics = StepMetrics(
             step=step,
             loss=loss,
             step_time_s=seconds,
             tgs=config.micro_batch * config.seq_len / seconds,
-            mfu=mfu(per_sample, config.micro_batch, seconds, peak),
+            mfu=mfu(result.flops_per_sample, config.micro_batch, seconds, peak),
             peak_memory_bytes=mem,
             extras=extras,
         )
@@ -424,12 +415,9 @@ def train(
             f"mfu {mfu_text}  peak mem {format_mib(mem)} ({result.peak_memory_kind})" + _extras_text(extras)
         )
     bar.close()
-    if strategy is not None:
-        strategy.close()
-    return result
 
 
-def _build(config: TrainConfig, device: torch.device, dtype: torch.dtype, strategy: Any
+def _build(config: TrainConfig, device: torch.device, dtype: torch.dtype, budget_bytes: int | None
            ) -> tuple[torch.nn.Module, Any]:
     """The model to train and a memo ModelConfig of its shapes (for FLOPs, the fingerprint and plans)."""
     from memo import engines
@@ -437,23 +425,20 @@ def _build(config: TrainConfig, device: torch.device, dtype: torch.dtype, strate
     if config.hf_config is not None:
         hf = engines.hf_config(config.hf_config)
         model = engines.build_hf_causal_lm(hf, device, dtype)
-        if config.recompute != "none":
-            raise MemoError("memo.train: --recompute applies to memo's models; use --strategy full-recompute")
         return model, _hf_shapes(hf)
     model_config = get_config(config.model)
     max_seq_len = max(config.seq_len, DEFAULT_MAX_SEQ_LEN) if model_config.arch == "gpt" else None
     # NOTE [Least memory, checked first]: refuse a length the device cannot hold before building the
     # model for real (GPT's position table alone can exceed the machine) or profiling it.
     sizing = build_model(model_config, device="meta", dtype=dtype, max_seq_len=max_seq_len)
-    budget_gb = getattr(getattr(strategy, "options", None), "device_mem_gb", None)
-    check_least_memory(least_memory(sizing, config.seq_len, config.micro_batch), device,
-                       None if budget_gb is None else int(budget_gb * 1e9), "memo.train", config.seq_len)
+    check_least_memory(least_memory(sizing, config.seq_len, config.micro_batch), device, budget_bytes,
+                       "memo.train", config.seq_len)
     del sizing
     if config.engine == "megatron":
         model = engines.build_megatron_gpt(model_config, max_seq_len or config.seq_len, device, dtype)
         return model, model_config
     model = build_model(
-        model_config, device=device, dtype=dtype, recompute=config.recompute, max_seq_len=max_seq_len
+        model_config, device=device, dtype=dtype, max_seq_len=max_seq_len
     )
     return model, model_config
 
@@ -475,14 +460,12 @@ def _hf_shapes(hf: Any) -> Any:
                        norm_eps=float(getattr(hf, "rms_norm_eps", 1e-5)))
 
 
-def _run_kind(config: TrainConfig, strategy: Any) -> str:
+def _run_kind(strategy: Any) -> str:
     """What the header says about activation memory: the strategy, with its alpha when it has one."""
-    if strategy is None:
-        return "strategy full-recompute" if config.recompute == "full" else "strategy none"
-    alpha = getattr(strategy, "alpha", None)
+    alpha = strategy.alpha
     if alpha is None:
         return f"strategy {strategy.name}"
-    if getattr(strategy, "offloaded_layers", None) == 0:
+    if strategy.offloaded_layers == 0:
         return f"strategy {strategy.name} (no layer offloads: alpha {alpha:.4f} has no effect)"
     return f"strategy {strategy.name} (alpha {alpha:.4f})"
 

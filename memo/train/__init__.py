@@ -1,0 +1,46 @@
+"""Training with memo: the loop, the activation-memory strategies, the report and its plots.
+
+* :mod:`memo.train.loop` -- data sources, one step, the measured loop (:func:`train`).
+* :mod:`memo.train.strategies` -- one class per strategy behind the :class:`Strategy` protocol,
+  the :class:`MemoryMeter` they are measured with.
+* :mod:`memo.train.report` -- the versioned JSON report ``memo train --report`` writes.
+* :mod:`memo.train.plots` -- loss curves of reports.
+
+The names below are imported from those modules on first use: ``memo train``'s parser needs
+only :data:`STRATEGIES`, and the strategies import the planner (and PuLP) when they load.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+#: Activation-memory strategies ``memo train --strategy`` knows, in the order tables list them.
+STRATEGIES = ("none", "full-recompute", "full-offload", "memo")
+
+_EXPORTS = {
+    "loop": ("DTYPES", "ByteFileTokens", "StepMetrics", "SyntheticTokens", "TrainConfig", "TrainResult",
+             "add_train_arguments", "peak_memory", "reset_peak_memory", "summarize", "train",
+             "train_config_from_args", "train_step"),
+    "strategies": ("FullOffload", "FullRecompute", "MemoStrategy", "MemoryMeter", "NoStrategy", "SaveOnCpu",
+                   "Strategy", "StrategyOptions", "Wrapping", "make_strategy"),
+    "report": ("REPORT_KIND", "REPORT_VERSION", "build_report", "load_report", "save_report",
+               "validate_report"),
+    "plots": ("plot_losses",),
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+
+__all__ = ["STRATEGIES", *sorted(_WHERE)]
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'memo.train' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"memo.train.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))

@@ -1,0 +1,637 @@
+"""Activation-memory strategies for a training run, one class each, measured the same way side by side.
+
+* :class:`NoStrategy` (``none``) -- plain autograd: every activation stays on the device.
+* :class:`FullRecompute` (``full-recompute``) -- each layer recomputed in backward: only layer
+  inputs stay.
+* :class:`FullOffload` (``full-offload``) -- memo's wrapper with alpha = 1: every skeletal tensor
+  goes to pinned host memory, nothing is recomputed (the "full swap" baseline of the paper).
+* :class:`MemoStrategy` (``memo``) -- memo's wrapper with a solved (or given) alpha, plus the
+  planned allocator.
+* :class:`SaveOnCpu` (``save-on-cpu``, benchmarks only) -- PyTorch's
+  ``torch.autograd.graph.save_on_cpu`` around forward + backward of the plain model.
+
+Each is a :class:`Strategy` (the protocol :func:`memo.train.train` uses). The first four are
+``memo train --strategy`` (:data:`memo.train.STRATEGIES`); :func:`make_strategy` builds one from
+:class:`StrategyOptions`. Every strategy takes its :class:`MemoryMeter` as an object.
+
+NOTE [Measuring device memory]
+Every strategy runs its steps inside one memo.allocator context on the model's device, so
+device bytes are measured by the same allocator for all of them: ``memo`` replays its plan,
+the others use an empty plan (everything through the fallback caching allocator). The peak
+reported is the allocator's peak of bytes in use during the steps (activations, gradients,
+optimizer state, temporaries and memo's two device rounding buffers) plus the parameters,
+which exist before the first step. On CUDA memo's allocator, once installed, is PyTorch's CUDA
+allocator for the whole process (NOTE [Allocator state is process-wide]), so it has served the
+parameters too and its peak already counts them. On CUDA with PyTorch's own allocator
+(baselines run without memo), torch's ``max_memory_allocated`` is the same quantity; with a
+pluggable allocator torch's counters raise, so memo's are read instead.
+:class:`MemoryMeter` opens that context (a :class:`memo.Session`) and reads it.
+
+NOTE [save_on_cpu on the CPU backend]
+On a CPU device ``save_on_cpu`` moves nothing: ``tensor.cpu()`` of a CPU tensor is the tensor
+itself. memo's CPU backend emulates a device whose memory is what memo's allocator serves and a
+host whose memory is outside it (memo's host arena). The CPU :class:`SaveOnCpu` therefore keeps
+``save_on_cpu``'s data flow (copy every saved tensor to host when it is saved, copy it back
+when backward unpacks it) and puts the host copies in memory that is not the device
+allocator's, as memo's own offload does. On CUDA it is ``torch.autograd.graph.save_on_cpu``
+itself, unchanged (its pack hook is only wrapped to count the host bytes it holds).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from memo import pipeline, planner, profiler  # at import time: NOTE [Import PuLP early] in memo.planner
+from memo.errors import MemoError, PlanMismatchError
+from memo.machine import Machine
+from memo.runtime.layer import offload_tokens as runtime_offload_tokens
+from memo.session import Session
+from memo.train import STRATEGIES
+from memo.units import format_mib
+
+__all__ = [
+    "STRATEGIES",
+    "FullOffload",
+    "FullRecompute",
+    "HostBytesMeter",
+    "MemoStrategy",
+    "MemoryMeter",
+    "NoStrategy",
+    "SaveOnCpu",
+    "Strategy",
+    "StrategyOptions",
+    "Wrapping",
+    "make_strategy",
+]
+
+Log = Callable[[str], None]
+
+
+@runtime_checkable
+class Strategy(Protocol):
+    """What :func:`memo.train.train` needs of a strategy.
+
+    Use::
+
+        strategy.prepare(model, ids, labels, run)   # before the optimizer is built
+        try:
+            for ...:
+                with strategy.step():
+                    loss = train_step(...)
+                strategy.step_stats()
+        finally:
+            strategy.close()
+    """
+
+    name: str
+    """What reports and tables call it (one of :data:`STRATEGIES`, or ``save-on-cpu``)."""
+    alpha: float | None
+    """memo's alpha while the wrapper runs, else None."""
+    alpha_binding: str | None
+    plan: Any
+    offloaded_layers: int | None
+    """Layers memo's wrapper offloads (None without it); alpha means nothing when it is 0."""
+    offload: dict[str, Any] | None
+    """Planned vs actual offload per layer (NOTE [Planned and actual offload]), once known."""
+    device_budget_bytes: int | None
+    """NOTE [Device budget]: the budget the run is held to (its meter's), or None."""
+
+    def prepare(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, run: dict[str, Any],
+                log: Log = print) -> None:
+        """Make ``model`` use this strategy and open the meter. ``run``: model, fingerprint, seq_len,
+        micro_batch, dtype."""
+
+    def step(self) -> contextlib.AbstractContextManager[None]:
+        """Wraps one forward + backward (not the optimizer step)."""
+
+    def step_stats(self) -> dict[str, Any]:
+        """What the last step measured: device peak, host bytes, allocator counters, copies."""
+
+    def close(self) -> None:
+        """Undo :meth:`prepare` (safe to call twice, and after a failed :meth:`prepare`)."""
+
+
+# ---------------------------------------------------------------------------------------- options
+
+
+@dataclass
+class StrategyOptions:
+    """How the activation memory of a run is handled (the ``memo train`` flags)."""
+
+    strategy: str = "memo"
+    """One of :data:`STRATEGIES`."""
+    alpha: float | str = "auto"
+    """``"auto"`` solves the alpha LP; a number in [0, 1] (or its text) fixes it (``memo`` only)."""
+    plan: str | None = None
+    """A plan file from ``memo profile``; checked against the run (model, seq_len, ...)."""
+    planned_allocator: bool = True
+    """Replay the plan with memo's allocator (``memo`` strategy); off keeps the fallback only."""
+    bandwidth_gbps: float | None = None
+    """Host<->device GB/s for alpha; measured when None (CPU backend: the memcpy rate)."""
+    layer_ms: float | None = None
+    """Forward ms of one layer for alpha; measured when None."""
+    host_mem_gb: float | None = None
+    """Host memory of the node in GB for alpha; this machine's when None."""
+    gpus_per_node: int = 1
+    """Processes sharing the node's host memory."""
+    host_safety: float = 0.8
+    """Fraction of a process's share of host memory it may pin."""
+    time_limit: float = 5.0
+    """Seconds the planner's MIP stages may take in all (the greedy plan is ready at once)."""
+    device_mem_gb: float | None = None
+    """Device memory budget in GB (10^9 bytes), enforced by memo's allocator: a request beyond it is
+    a real out-of-memory error (NOTE [Device budget]). None: the device's own memory."""
+    debug_copy_delay_us: int | None = None
+    """CPU backend: random delay before each copy (tests)."""
+    notes: list[str] = field(default_factory=list)
+
+    def machine(self) -> Machine:
+        """The :class:`~memo.machine.Machine` these options describe (its ``None`` fields are measured)."""
+        return Machine(bandwidth_gbps=self.bandwidth_gbps, layer_ms=self.layer_ms,
+                       host_mem_gb=self.host_mem_gb, gpus_per_node=self.gpus_per_node,
+                       host_safety=self.host_safety, device_mem_gb=self.device_mem_gb)
+
+    def device_budget_bytes(self) -> int | None:
+        """NOTE [Device budget]: ``--device-mem-gb`` in bytes, or None."""
+        return None if self.device_mem_gb is None else int(self.device_mem_gb * 1e9)
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise MemoError(
+                f"memo.train: --strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}"
+            )
+        if isinstance(self.alpha, str) and self.alpha != "auto":
+            try:
+                self.alpha = float(self.alpha)
+            except ValueError:
+                raise MemoError(
+                    f"memo.train: --alpha must be 'auto' or a number in [0, 1], got {self.alpha!r}"
+                ) from None
+        if not isinstance(self.alpha, str):
+            # The one check of alpha (memo.runtime's), made here so that a bad value fails before training.
+            from memo.runtime import validate_alpha
+
+            try:
+                self.alpha = validate_alpha(self.alpha)
+            except MemoError as err:
+                raise MemoError(f"memo.train: --alpha {self.alpha}: {err}") from None
+        if self.strategy != "memo" and (self.alpha != "auto" or self.plan is not None):
+            raise MemoError(
+                f"memo.train: --alpha and --plan apply to --strategy memo only, not to {self.strategy!r}"
+            )
+        if self.plan is not None and self.alpha != "auto":
+            raise MemoError("memo.train: give --plan (which carries alpha) or --alpha, not both")
+        if self.gpus_per_node < 1:
+            raise MemoError(f"memo.train: --gpus-per-node must be >= 1, got {self.gpus_per_node}")
+        if self.device_mem_gb is not None and not (isinstance(self.device_mem_gb, (int, float))
+                                                   and 0 < self.device_mem_gb < float("inf")):
+            raise MemoError(
+                f"memo.train: --device-mem-gb must be a positive number of GB, got {self.device_mem_gb!r}")
+        if not 0 < self.host_safety <= 1:
+            raise MemoError(f"memo.train: --host-safety must be in (0, 1], got {self.host_safety}")
+
+
+# ---------------------------------------------------------------------------------------- meter
+
+
+@dataclass
+class Wrapping:
+    """What a strategy's :class:`memo.Session` wraps the model with (all None: a plain model)."""
+
+    plan: Any = None
+    alpha: float | None = None
+    policy: list[str] | None = None
+    planned_allocator: bool = True
+    debug_copy_delay_us: int | None = None
+
+
+class MemoryMeter:
+    """Opens the :class:`memo.Session` a strategy's steps run in and reads its device memory
+    (NOTE [Measuring device memory]).
+
+    ``device_budget_bytes``: NOTE [Device budget], enforced by the Session (None: the device's own
+    memory). A meter with another budget rule (benchmarks/max_seq_len.py) returns its own Session
+    from :meth:`make_session`.
+    """
+
+    def __init__(self, device_budget_bytes: int | None = None) -> None:
+        self.device_budget_bytes = device_budget_bytes
+        self.device = torch.device("cpu")
+        #: Bytes of the parameters, which exist before the meter opens.
+        self.param_bytes = 0
+        #: Whether memo's allocator serves the device (its counters are this run's).
+        self.allocator_on = False
+        self.session: Session | None = None
+        self._peak = 0
+        self._counts = {"planned": 0, "fallback": 0, "unplanned": 0}
+
+    def make_session(self, model: nn.Module, wrapping: Wrapping, device: torch.device,
+                     example: tuple[torch.Tensor, torch.Tensor]) -> Session:
+        """The Session (not yet entered) the steps run in (NOTE [One construction path])."""
+        return Session(model, wrapping.plan, alpha=wrapping.alpha, policy=wrapping.policy,
+                       planned_allocator=wrapping.planned_allocator, device=device,
+                       device_budget_bytes=self.device_budget_bytes, example=example,
+                       debug_copy_delay_us=wrapping.debug_copy_delay_us)
+
+    def open(self, model: nn.Module, wrapping: Wrapping, device: torch.device,
+             example: tuple[torch.Tensor, torch.Tensor]) -> Session:
+        """Enter the Session: memo's allocator, the wrapped layers, phases, sized buffers."""
+        self.device = device
+        self.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.session = self.make_session(model, wrapping, device, example)
+        self.session.__enter__()
+        self.allocator_on = self.session.allocator_on
+        return self.session
+
+    def read(self) -> dict[str, Any]:
+        """The running device peak and what it is, and the allocator's counters."""
+        from memo import allocator
+
+        out: dict[str, Any] = {}
+        if self.allocator_on:
+            st = allocator.stats(self.device)
+            self._peak = max(self._peak, int(st["peak_bytes_in_use"]))
+            # "fallback": requests the plan covered but could not serve (deviations, busy slots);
+            # "unplanned": requests outside planned phases (optimizer, data), fallback by design.
+            self._counts = {"planned": int(st["planned_hits"]),
+                            "fallback": int(st["fallback_requests"]) - int(st["unplanned_requests"]),
+                            "unplanned": int(st["unplanned_requests"])}
+            out["segment_allocs"] = int(st["segment_allocs"])
+            if self.device.type == "cuda":  # the allocator served the parameters too
+                out["peak_device_bytes"] = self._peak
+                out["peak_device_kind"] = "memo_allocator_peak_in_use"
+            else:
+                out["peak_device_bytes"] = self.param_bytes + self._peak
+                out["peak_device_kind"] = "memo_allocator_peak_in_use+params"
+        elif self.device.type == "cuda":
+            out["peak_device_bytes"] = int(torch.cuda.max_memory_allocated(self.device))
+            out["peak_device_kind"] = "cuda_max_memory_allocated"
+        else:
+            out["peak_device_bytes"], out["peak_device_kind"] = None, "unavailable"
+        out["allocator"] = dict(self._counts)
+        return out
+
+    def close(self) -> None:
+        """Close the Session: phases, wrap and allocator undone. Safe to call twice."""
+        if self.session is not None:
+            self.session.close()
+        self.allocator_on = False
+
+
+# ---------------------------------------------------------------------------------------- strategies
+
+
+class _Metered:
+    """What every strategy shares: the meter's Session around the steps, and the per-step stats.
+
+    A strategy says how the model is wrapped in :meth:`wrapping`; the rest is here.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, meter: MemoryMeter | None = None) -> None:
+        self.meter = meter if meter is not None else MemoryMeter()
+        self.model: nn.Module | None = None
+        self.alpha: float | None = None
+        self.alpha_binding: str | None = None
+        self.plan: Any = None
+        self.offloaded_layers: int | None = None
+        self.offload: dict[str, Any] | None = None
+        #: Bytes per offloaded layer the profile counted (NOTE [Planned and actual offload]).
+        self.planned_offload_bytes: int | None = None
+        self._last_copy: dict[str, int] = {}
+
+    @property
+    def device_budget_bytes(self) -> int | None:
+        return self.meter.device_budget_bytes
+
+    def wrapping(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, run: dict[str, Any],
+                 log: Log) -> Wrapping:
+        """How this strategy runs ``model`` (called once, before the meter opens)."""
+        return Wrapping()
+
+    def prepare(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, run: dict[str, Any],
+                log: Log = print) -> None:
+        self.model = model
+        wrapping = self.wrapping(model, ids, labels, run, log)
+        session = self.meter.open(model, wrapping, ids.device, (ids, labels))
+        if session.runtime is not None:
+            self.offloaded_layers = session.runtime.n_offloaded
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """Run one training step's forward and backward inside this strategy's Session."""
+        if self.meter.session is None:
+            yield
+            return
+        with self.meter.session.iteration():
+            yield
+
+    def step_stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"host_pinned_bytes": self.host_pinned_bytes()}
+        out.update(self._copy_stats())
+        self._note_offload()
+        out.update(self.meter.read())
+        return out
+
+    def _runtime(self) -> Any:
+        from memo import runtime
+
+        if self.model is None or not runtime.is_wrapped(self.model):
+            return None
+        return runtime.runtime_of(self.model)
+
+    def host_pinned_bytes(self) -> int:
+        """Host bytes this strategy holds for the device: memo's host arena (0 without the wrapper)."""
+        rt = self._runtime()
+        return 0 if rt is None else int(rt.host_bytes)
+
+    def _copy_stats(self) -> dict[str, Any]:
+        """This step's rounding-buffer traffic, and how long compute waited for it.
+
+        ``copy_wait_s`` is host time the compute thread spent blocked on copies (CPU backend);
+        on CUDA the waits are stream waits on the device and it stays 0.
+        """
+        rt = self._runtime()
+        if rt is None:
+            return {}
+        st = rt.stats.as_dict()
+        last, self._last_copy = self._last_copy, st
+        delta = {k: st[k] - last.get(k, 0) for k in ("bytes_offloaded", "bytes_prefetched", "copy_wait_ns",
+                                                       "recomputed_tokens")}
+        return {"bytes_offloaded": delta["bytes_offloaded"], "bytes_prefetched": delta["bytes_prefetched"],
+                "recomputed_tokens": delta["recomputed_tokens"], "copy_wait_s": delta["copy_wait_ns"] / 1e9}
+
+    def _note_offload(self) -> None:
+        """Planned vs actual bytes per offloaded layer (NOTE [Planned and actual offload])."""
+        rt = self._runtime()
+        if self.offload is not None or rt is None or rt.layer_bytes is None:
+            return
+        self.offload = {"offloaded_layers": rt.n_offloaded,
+                        "planned_bytes_per_layer": self.planned_offload_bytes,
+                        "actual_bytes_per_layer": int(rt.layer_bytes),
+                        "tensors": [list(t) for t in rt.layer_tensors]}
+
+    def close(self) -> None:
+        self.meter.close()
+
+
+class NoStrategy(_Metered):
+    """``none``: plain autograd, measured by the meter like every other strategy."""
+
+    name = "none"
+
+
+class FullRecompute(_Metered):
+    """``full-recompute``: every layer recomputed in backward.
+
+    memo's models do it themselves (``torch.utils.checkpoint`` per layer, ``model.recompute =
+    "full"``); other models through memo's runtime with every layer on the "recompute" policy
+    (NOTE [Layer policy]), since their own switches (HF gradient checkpointing, megatron's
+    recompute_granularity) are not the same code path.
+    """
+
+    name = "full-recompute"
+
+    def wrapping(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, run: dict[str, Any],
+                 log: Log) -> Wrapping:
+        if isinstance(getattr(model, "recompute", None), str):
+            model.recompute = "full"  # memo's models
+            return Wrapping()
+        from memo.adapters.model import model_adapter_for
+
+        n = len(model_adapter_for(model, "memo.train").parts(model).layers)
+        return Wrapping(alpha=0.0, policy=["recompute"] * n)
+
+
+class FullOffload(_Metered):
+    """``full-offload``: memo's wrapper with alpha = 1 (every skeletal tensor to host)."""
+
+    name = "full-offload"
+
+    def wrapping(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, run: dict[str, Any],
+                 log: Log) -> Wrapping:
+        self.alpha = 1.0
+        return Wrapping(alpha=1.0)
+
+
+class MemoStrategy(_Metered):
+    """``memo``: the plan from ``--plan``, or a profile of this model (alpha solved or given, the
+    layer policy, and the planned allocator's tables)."""
+
+    name = "memo"
+
+    def __init__(self, options: StrategyOptions, meter: MemoryMeter | None = None) -> None:
+        super().__init__(meter)
+        self.options = options
+        self.policy: list[str] | None = None
+
+    def wrapping(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, run: dict[str, Any],
+                 log: Log) -> Wrapping:
+        opts = self.options
+        if opts.plan is not None:
+            plan = planner.load_plan(opts.plan)
+            _check_plan(plan, run)
+            _check_plan_budget(plan, opts.device_mem_gb)
+            self.plan = plan
+            self.alpha, self.alpha_binding = float(plan.alpha), getattr(plan, "alpha_binding", None)
+            if plan.offload:
+                self.planned_offload_bytes = int(plan.offload["planned_bytes_per_layer"])
+            log(f"memo: plan {opts.plan}: alpha {self.alpha:.4f}, arena {format_mib(plan.peak)}")
+            return Wrapping(plan=plan, planned_allocator=opts.planned_allocator,
+                            debug_copy_delay_us=opts.debug_copy_delay_us)
+        result = pipeline.profile(
+            model, run["seq_len"], run["micro_batch"], device=ids.device,
+            machine=opts.machine(),
+            # Without the planned allocator only alpha is needed: the dispatch recorder sizes the
+            # layer on a meta copy, and memo's CUDA allocator need not be installed (it could not
+            # be, with the model already on the GPU).
+            recorder="allocator" if opts.planned_allocator else "dispatch",
+            wrap_pass=None if opts.planned_allocator else False,
+            time_limit=opts.time_limit, alpha=None if opts.alpha == "auto" else float(opts.alpha),
+            plan=opts.planned_allocator, log=lambda line: log(f"memo profile: {line}"),
+        )
+        for note in result.notes:
+            log(f"memo profile: note: {note}")
+        for p in model.parameters():  # profiling ran a backward; training starts from no gradients
+            p.grad = None
+        self.alpha, self.alpha_binding = float(result.alpha.alpha), str(result.alpha.binding)
+        self.plan = result.plan
+        self.policy = list(result.policy.policy)
+        a = runtime_offload_tokens(self.alpha, run["seq_len"])
+        self.planned_offload_bytes = profiler.offloaded_bytes(result.plain_trace["layers"], a, run["seq_len"])
+        if self.plan is not None:
+            log(f"memo: alpha {self.alpha:.4f} ({self.alpha_binding}); "
+                f"plan arena {format_mib(self.plan.peak)}, lower bound {format_mib(self.plan.lower_bound)}")
+            return Wrapping(plan=self.plan, planned_allocator=opts.planned_allocator,
+                            debug_copy_delay_us=opts.debug_copy_delay_us)
+        return Wrapping(alpha=self.alpha, policy=self.policy, planned_allocator=opts.planned_allocator,
+                        debug_copy_delay_us=opts.debug_copy_delay_us)
+
+
+class HostBytesMeter:
+    """Live and peak bytes of the host copies a saved-tensor hook holds.
+
+    A copy counts from the moment it is packed until autograd drops it (after backward used it,
+    or when the graph is freed); ``weakref.finalize`` on the host tensor sees that moment.
+    """
+
+    def __init__(self) -> None:
+        self.live = 0
+        self.peak = 0
+
+    def add(self, host: torch.Tensor) -> None:
+        nbytes = host.numel() * host.element_size()
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(host, self._drop, nbytes)
+
+    def _drop(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of a CPU tensor in memory that memo's CPU allocator does not serve.
+
+    ``torch.frombuffer`` wraps a Python ``bytearray`` without calling c10's CPU allocator, so the
+    copy is "host" memory for the emulated device (NOTE [save_on_cpu on the CPU backend]).
+    """
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return tensor.detach().clone()
+    raw = torch.frombuffer(bytearray(nbytes), dtype=torch.uint8)
+    host = raw.view(tensor.dtype).view(tensor.shape)
+    host.copy_(tensor)
+    return host
+
+
+class SaveOnCpu(_Metered):
+    """``save-on-cpu``: ``torch.autograd.graph.save_on_cpu`` around forward + backward of the plain
+    model (the baseline a PyTorch user would otherwise pick; benchmarks, not ``memo train``).
+
+    The plain model, no wrapper, its steps under the saved-tensor hooks, measured by the same
+    meter as every other strategy. ``host_pinned_bytes`` is the peak of host copies held.
+    """
+
+    name = "save-on-cpu"
+
+    def __init__(self, meter: MemoryMeter | None = None) -> None:
+        super().__init__(meter)
+        self.host = HostBytesMeter()
+
+    def _hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        device = self.meter.device
+        if device.type == "cuda":
+            hooks = torch.autograd.graph.save_on_cpu(pin_memory=True)
+            pack = hooks.pack_hook
+
+            def counted_pack(tensor: torch.Tensor) -> Any:
+                packed = pack(tensor)
+                self.host.add(packed[1])
+                return packed
+
+            # saved_tensors_hooks.__enter__ pushes self.pack_hook: wrapping it keeps torch's
+            # own pack/unpack and only counts what they hold on the host.
+            hooks.pack_hook = counted_pack
+            return hooks
+        if device.type != "cpu":
+            raise MemoError(f"memo.train: save-on-cpu runs on cpu or cuda, not {device.type}")
+
+        def pack_to_host(tensor: torch.Tensor) -> torch.Tensor:
+            host = _host_copy(tensor)
+            self.host.add(host)
+            return host
+
+        def unpack_to_device(host: torch.Tensor) -> torch.Tensor:
+            # Back into device memory (memo's allocator), as save_on_cpu's tensor.to(device) does.
+            return host.clone()
+
+        return torch.autograd.graph.saved_tensors_hooks(pack_to_host, unpack_to_device)
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        with self._hooks(), super().step():
+            yield
+
+    def host_pinned_bytes(self) -> int:
+        return self.host.peak
+
+
+_CLASSES: dict[str, type[_Metered]] = {c.name: c for c in (NoStrategy, FullRecompute, FullOffload,
+                                                            MemoStrategy)}
+
+
+def make_strategy(options: StrategyOptions, meter: MemoryMeter | None = None) -> Strategy:
+    """The strategy ``options.strategy`` names, measured by ``meter`` (default: a
+    :class:`MemoryMeter` with ``options``' device budget)."""
+    if meter is None:
+        meter = MemoryMeter(options.device_budget_bytes())
+    if options.strategy == "memo":
+        return MemoStrategy(options, meter)
+    return _CLASSES[options.strategy](meter)
+
+
+# ---------------------------------------------------------------------------------------- plan checks
+
+
+def _check_plan(plan: Any, run: dict[str, Any]) -> None:
+    """A plan made for another job is refused with the field that differs."""
+    meta = getattr(plan, "meta", {}) or {}
+    made, this = meta.get("fingerprint"), run.get("fingerprint")
+    if made is not None and this is not None:
+        # The architecture decides every planned size; the name does not (a renamed copy of a config
+        # plans the same, and one name may be given to another config file).
+        if str(made) != str(this):
+            raise PlanMismatchError(
+                f"memo.train: the plan was made for model={meta.get('model')} (fingerprint {made}), this run "
+                f"has model={run.get('model')} (fingerprint {this}); their shapes differ. Re-run `memo "
+                "profile` for this model, or drop --plan"
+            )
+    elif meta.get("model") is not None and run.get("model") is not None \
+            and str(meta["model"]) != str(run["model"]):
+        # Plans of models memo cannot fingerprint (not a memo ModelConfig) carry the name only.
+        raise PlanMismatchError(
+            f"memo.train: the plan was made for model={meta['model']}, this run has model={run['model']}; "
+            "re-run `memo profile` for this run, or drop --plan"
+        )
+    for key in ("seq_len", "micro_batch", "dtype"):
+        expected, actual = run.get(key), meta.get(key)
+        if actual is not None and expected is not None and str(actual) != str(expected):
+            raise PlanMismatchError(
+                f"memo.train: the plan was made for {key}={actual}, this run has {key}={expected}; "
+                "re-run `memo profile` for this run, or drop --plan"
+            )
+    # A plan for one rank of a tensor- or context-parallel group describes that rank's shard
+    # (NOTE [Tensor-parallel rank], NOTE [Context-parallel profile]); a run that is not sharded the
+    # same way would replay it on other shapes. Plans without the field are from unsharded profiles.
+    for key, flag in (("tensor_parallel", "--tensor-parallel"), ("context_parallel", "--context-parallel")):
+        expected, actual = run.get(key, 1), meta.get(key, 1)
+        if str(actual) != str(expected):
+            raise PlanMismatchError(
+                f"memo.train: the plan was made for one rank of {key}={actual}, this run has {key}="
+                f"{expected}; its sizes are that rank's shard. Re-run `memo profile` with {flag} "
+                f"{expected} for this run, or drop --plan"
+            )
+
+
+def _check_plan_budget(plan: Any, device_mem_gb: float | None) -> None:
+    """A plan chosen for another device budget is refused: its layer policy fits that budget only."""
+    if device_mem_gb is None:
+        return
+    device = getattr(plan, "device", None) or {}
+    planned = device.get("budget_bytes")
+    wanted = int(device_mem_gb * 1e9)
+    if planned is None or abs(int(planned) - wanted) > 0.001 * wanted:
+        made = "no device budget" if planned is None else f"--device-mem-gb {int(planned) / 1e9:g}"
+        raise PlanMismatchError(
+            f"memo.train: the plan was made for {made}, this run has --device-mem-gb {device_mem_gb:g}; its "
+            "layer policy and alpha were chosen to fit that budget. Re-run `memo profile --device-mem-gb "
+            f"{device_mem_gb:g}` for this run, or drop --device-mem-gb"
+        )
