@@ -74,8 +74,13 @@ def test_max_seq_len_orders_strategies(tmp_path: Path) -> None:
     assert report["kind"] == "memo.benchmark.max_seq_len"
     longest = {r["strategy"]: r["longest"] for r in report["results"]}
     assert set(longest) == set(ALL_ROWS)
-    assert longest["none"] <= longest["full-recompute"], longest
-    assert longest["none"] > 0 and longest["full-recompute"] > 0, longest
+    assert 0 < longest["none"] <= longest["full-recompute"], longest
+    assert longest["none"] <= longest["save-on-cpu"], longest
+    # memo trains longer sequences than keeping every activation, or than offloading all of them
+    # (16 MiB: none and full-offload 512, memo 1,536). It does not reach full recompute's 2,048 here:
+    # at 2,048 memo's planner finds no layer policy within the budget (its smallest need, every layer
+    # at alpha 0, keeps more than each layer's input), so that is not asserted.
+    assert longest["memo"] > longest["none"] and longest["memo"] > longest["full-offload"], longest
     for r in report["results"]:
         # The search is consistent: the longest length fit, and the first failure did not.
         fits = {t["seq_len"]: t["fits"] for t in r["tries"]}
