@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 import torch
 from torch import nn
 
 import memo.runtime as mr
-from memo.adapters import AnatomyAdapter, register_adapter, unregister_adapter
+from memo.adapters import AnatomyAdapter, find_adapter, register_adapter, unregister_adapter
 from memo.errors import MemoError, PlanMismatchError
 from memo.models import attention, build_model, get_config
 from memo.runtime import BufferState
@@ -416,3 +418,25 @@ def test_a_model_whose_layers_all_stay_says_so() -> None:
     mr.unwrap(model)
     mr.wrap(model, alpha=1.0, policy=["memo"] * 2)  # asked for: no warning
     assert mr.runtime_of(model).n_offloaded == 2
+
+
+def test_layer_adapters_of_other_libraries_are_registered_by_name_and_loaded_on_first_use() -> None:
+    # NOTE [Layer adapters]: importing memo.adapters imports neither megatron nor transformers nor
+    # their adapters' modules; the registry names them, and find_adapter loads them when met.
+    code = ("import sys, memo.adapters\n"
+            "print(sorted(m for m in ('memo.adapters.megatron', 'memo.adapters.hf', 'megatron', "
+            "'transformers') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+    from memo.adapters import base
+
+    assert base._ADAPTERS["megatron.core.transformer.transformer_layer.TransformerLayer"] == \
+        "memo.adapters.megatron:MegatronLayerAdapter"
+    register_adapter("tests.nowhere.Layer", "memo.adapters.base:AnatomyAdapter")
+    try:
+        fake = type("Layer", (torch.nn.Module,), {"__module__": "tests.nowhere", "__qualname__": "Layer"})
+        assert isinstance(find_adapter(fake()), AnatomyAdapter)
+        assert find_adapter(fake()) is find_adapter(fake())
+    finally:
+        unregister_adapter("tests.nowhere.Layer")
+    assert find_adapter(fake()) is None

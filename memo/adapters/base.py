@@ -19,12 +19,14 @@ which maps the layer onto the anatomy of DESIGN.md ("layer anatomy"):
 Token-wise means token t of the output depends only on token t of the inputs;
 the runtime relies on it to recompute ``pre``/``post`` on the token slice
 ``[a:s]`` and to run them on ``[0:a]`` separately. An adapter for a new layer
-class is registered with :func:`register_adapter`.
+class is registered with :func:`register_adapter`, by class or by qualified class name
+(built-in adapters for other libraries are registered by name and imported on first use).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
+import sys
 from typing import Any
 
 import torch
@@ -120,14 +122,33 @@ class AnatomyAdapter(LayerAdapter):
         return layer.post(o, x)
 
 
-# Registry: layer class -> adapter. Looked up along the MRO, so a subclass of a
-# registered class is served by its parent's adapter unless it has its own.
-_ADAPTERS: dict[type, LayerAdapter] = {}
-_LAZY: list[Callable[[], None]] = []
+# Registry: qualified class name -> the adapter, or "module:attribute" to import on first use (the
+# megatron-core and Hugging Face adapters are registered here by name, so that memo imports neither
+# library, nor their adapters' modules, until a layer of theirs is met; the same scheme as
+# memo.adapters.model). Looked up along the MRO, so a subclass of a registered class is served by
+# its parent's adapter unless it has its own.
+_ADAPTERS: dict[str, LayerAdapter | str] = {
+    "memo.models.layers.TransformerLayer": AnatomyAdapter(),
+    "megatron.core.transformer.transformer_layer.TransformerLayer":
+        "memo.adapters.megatron:MegatronLayerAdapter",
+    "transformers.models.llama.modeling_llama.LlamaDecoderLayer": "memo.adapters.hf:HFDecoderLayerAdapter",
+    "transformers.models.qwen2.modeling_qwen2.Qwen2DecoderLayer": "memo.adapters.hf:HFDecoderLayerAdapter",
+    "transformers.models.mistral.modeling_mistral.MistralDecoderLayer":
+        "memo.adapters.hf:HFDecoderLayerAdapter",
+}
+#: "module:attribute" -> the adapter loaded from it; one instance however many classes name it.
+_LOADED: dict[str, LayerAdapter] = {}
 
 
-def register_adapter(layer_class: type, adapter: LayerAdapter) -> None:
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def register_adapter(layer_class: type | str, adapter: LayerAdapter | str) -> None:
     """Let :func:`memo.wrap` wrap layers of ``layer_class`` (and its subclasses) through ``adapter``.
+
+    Either may be given by name: the class as ``"package.module.Class"``, the adapter as
+    ``"package.module:attribute"`` (a LayerAdapter instance or class, imported on first use).
 
     Example::
 
@@ -137,54 +158,66 @@ def register_adapter(layer_class: type, adapter: LayerAdapter) -> None:
             def post(self, layer, o, x, ctx): ...       # -> y
         memo.adapters.register_adapter(MyLayer, MyAdapter())
     """
-    if not isinstance(layer_class, type) or not issubclass(layer_class, nn.Module):
+    if isinstance(layer_class, str):
+        key = layer_class
+    elif isinstance(layer_class, type) and issubclass(layer_class, nn.Module):
+        key = _qualname(layer_class)
+    else:
         raise MemoError(f"memo.adapters: register_adapter needs an nn.Module subclass, got {layer_class!r}")
-    if not isinstance(adapter, LayerAdapter):
+    if not isinstance(adapter, (LayerAdapter, str)):
         raise MemoError(
-            f"memo.adapters: adapter for {layer_class.__name__} must be a LayerAdapter, got {type(adapter)}"
+            f"memo.adapters: adapter for {key} must be a LayerAdapter or 'module:attribute', "
+            f"got {type(adapter)}"
         )
-    _ADAPTERS[layer_class] = adapter
+    _ADAPTERS[key] = adapter
 
 
-def unregister_adapter(layer_class: type) -> None:
+def unregister_adapter(layer_class: type | str) -> None:
     """Remove ``layer_class``'s adapter (a missing one is not an error)."""
-    _ADAPTERS.pop(layer_class, None)
+    _ADAPTERS.pop(layer_class if isinstance(layer_class, str) else _qualname(layer_class), None)
 
 
 def registered_adapters() -> dict[type, LayerAdapter]:
-    """A copy of the registry (after loading the built-in adapters)."""
-    _load_builtin()
-    return dict(_ADAPTERS)
+    """The layer classes that can be wrapped now, with their adapters: those of memo and those of the
+    libraries already imported (a class of a library not imported yet cannot be at hand, and is not
+    listed, so that listing imports no library)."""
+    found: dict[type, LayerAdapter] = {}
+    for key, entry in list(_ADAPTERS.items()):
+        module_name, _, class_name = key.rpartition(".")
+        if module_name.split(".", 1)[0] not in sys.modules:
+            continue
+        try:
+            cls = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError):
+            continue  # e.g. a model family this version of the library does not have
+        found[cls] = _load(key, entry)
+    return found
 
 
 def find_adapter(module: nn.Module) -> LayerAdapter | None:
     """The adapter serving ``type(module)`` (nearest registered class in its MRO), or ``None``."""
-    _load_builtin(module)
     for cls in type(module).__mro__:
-        adapter = _ADAPTERS.get(cls)
-        if adapter is not None:
-            return adapter
+        key = _qualname(cls)
+        entry = _ADAPTERS.get(key)
+        if entry is not None:
+            return _load(key, entry)
     return None
 
 
-_BUILTIN_DONE: set[str] = set()
-
-
-def _load_builtin(module: nn.Module | None = None) -> None:
-    # The reference models are part of memo; megatron-core and transformers are optional and
-    # heavy, so their adapters are registered only when the model at hand comes from them.
-    if "reference" not in _BUILTIN_DONE:
-        _BUILTIN_DONE.add("reference")
-        from memo.models.layers import TransformerLayer
-
-        _ADAPTERS.setdefault(TransformerLayer, AnatomyAdapter())
-    if module is not None and "megatron" not in _BUILTIN_DONE and type(module).__module__.startswith(
-            "megatron."):
-        _BUILTIN_DONE.add("megatron")
-        from memo.adapters import megatron  # noqa: F401  (registers TransformerLayer)
-    if module is not None and "transformers" not in _BUILTIN_DONE and type(module).__module__.startswith(
-            "transformers."):
-        _BUILTIN_DONE.add("transformers")
-        from memo.adapters.hf import register_layer_adapters
-
-        register_layer_adapters()
+def _load(key: str, entry: LayerAdapter | str) -> LayerAdapter:
+    if isinstance(entry, LayerAdapter):
+        return entry
+    adapter = _LOADED.get(entry)
+    if adapter is None:
+        module, _, attribute = entry.partition(":")
+        try:
+            adapter = getattr(importlib.import_module(module), attribute)
+        except (ImportError, AttributeError) as err:
+            raise MemoError(f"memo.adapters: the layer adapter {entry!r} registered for {key} cannot be "
+                            f"loaded ({err})") from None
+        adapter = adapter() if isinstance(adapter, type) else adapter
+        if not isinstance(adapter, LayerAdapter):
+            raise MemoError(f"memo.adapters: {entry!r} (registered for {key}) is a {type(adapter).__name__}, "
+                            "not a LayerAdapter")
+        _LOADED[entry] = adapter
+    return adapter

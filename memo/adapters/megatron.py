@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memo.adapters.base import LayerAdapter, register_adapter
+from memo.adapters.base import LayerAdapter
 from memo.adapters.model import ModelAdapter, ModelParts
 from memo.errors import MemoError
 
@@ -232,8 +232,6 @@ class MegatronLayerAdapter(LayerAdapter):
     def pack_output(self, layer: nn.Module, y: torch.Tensor, ctx: Any) -> Any:
         return y, None  # (hidden_states, context); no cross attention, so no context
 
-
-register_adapter(TransformerLayer, MegatronLayerAdapter())
 
 
 class GPTModelAdapter(ModelAdapter):
