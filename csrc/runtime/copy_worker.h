@@ -13,7 +13,7 @@
 // and shows up as a wrong gradient in CPU tests. An optional random delay
 // before each job (debug switch) widens every race window.
 //
-// This file is independent of PyTorch; python bindings live in bindings.cpp.
+// This file is independent of PyTorch; its Python bindings live in python/rounding_bindings.cpp.
 #pragma once
 
 #include <condition_variable>
