@@ -55,7 +55,7 @@ from .dsa import (
     require_solver,
 )
 from .dsa import lower_bound as _units_lower_bound
-from .plan import ALIGNMENT, LAYER_KINDS, Plan, validate_plan
+from .plan import ALIGNMENT, LAYER_KINDS, UNPHASED_MODES, Plan, validate_plan, without_unphased
 from .search import MAX_OFFSET_ORDER_ITEMS, count_overlapping_pairs, search
 from .trace import Allocation, Trace
 
@@ -452,53 +452,27 @@ def plan_bilevel(trace: Trace | Mapping[str, Any], *, time_limit: float = 60.0, 
                    level2=level2, warnings=notes)
 
 
-def without_unphased(trace: Trace | Mapping[str, Any]) -> tuple[Trace, int, int]:
-    """The trace without allocations made outside every phase; also their count and bytes.
-
-    NOTE [Unphased allocations are not planned for replay]
-    memo's allocator serves a request from the arena only inside a phase (it selects the
-    offset by phase and request index); everything else (parameters, optimizer state, data,
-    the runtime's one-time buffers) goes to its fallback. Placing those in the plan would only
-    make the arena bigger than anything it ever hands out.
-    """
-    t = _as_trace(trace)
-    data = t.to_dict()
-    dropped: set[Any] = set()
-    events, count, nbytes = [], 0, 0
-    for ev in data["events"]:
-        if ev["op"] == "malloc" and ev.get("phase") is None:
-            dropped.add(ev["id"])
-            count, nbytes = count + 1, nbytes + int(ev["size"])
-            continue
-        if ev["op"] == "free" and ev["id"] in dropped:
-            dropped.discard(ev["id"])
-            continue
-        events.append(ev)
-    data["events"] = events
-    return Trace.from_dict(data), count, nbytes
-
-
 # NOTE [Allocations that outlive the iteration]
 # A plan made for replay (make_plan(..., unphased="fallback")) gives no arena offset to a phased
 # allocation that is never freed before the end of the trace (:func:`outliving`). Those are model
-# states, not activations: chiefly the parameter gradients AccumulateGrad makes in
-# ``layer.bwd[i]``, ``embed.bwd`` and ``head.bwd`` (and, when the traced iteration is the first,
-# optimizer state made in ``optimizer``); they live until the optimizer step and zero_grad, past
-# the iteration. An arena slot is handed out again every iteration to the same (phase, request
-# index). A gradient placed in one would still own it when the next iteration makes the requests
-# planned over those bytes, and under gradient accumulation (K micro-batches, forward + backward
-# each, with no zero_grad between) that is the very next micro-batch: every such request would find
-# its slot busy and go to the fallback as a deviation. So, like unphased allocations (NOTE
-# [Unphased allocations are not planned for replay]), they are served by the fallback allocator by
-# design and take no arena space: the plan's peak, lower bound and no-reuse size count only the
-# planned allocations. They are not dropped from the trace: the allocator counts requests per
-# phase, so they keep their request index and their phase-table entry reads (size, None); every
-# later request of the phase keeps its index and its offset. In micro-batch 2 and later the same
-# request is AccumulateGrad's incoming gradient, which it adds into ``.grad`` in place and frees:
-# served by the fallback too, and correct either way. ``plan.solver["persistent_left_to_fallback"]``
-# records their count and bytes; validate_plan checks that exactly these have no offset. The trace
-# must start with the gradients set to None (the profiler does, as zero_grad(set_to_none=True)
-# does), as the first micro-batch of a step sees them.
+# states, not activations: chiefly the parameter gradients AccumulateGrad makes in ``layer.bwd[i]``,
+# ``embed.bwd`` and ``head.bwd`` (and, when the traced iteration is the first, optimizer state made
+# in ``optimizer``); they live until the optimizer step and zero_grad, past the iteration. An arena
+# slot is handed out again every iteration to the same (phase, request index). A gradient placed in
+# one would still own it when the next iteration makes the requests planned over those bytes, and
+# under gradient accumulation (K micro-batches, forward + backward each, with no zero_grad between)
+# that is the very next micro-batch: every such request would find its slot busy and go to the
+# fallback as a deviation. So, like unphased allocations (NOTE [Unphased allocations are not planned
+# for replay] in planner/plan.py), they are served by the fallback allocator by design and take no
+# arena space: the plan's peak, lower bound and no-reuse size count only the planned allocations.
+# They are not dropped from the trace: the allocator counts requests per phase, so they keep their
+# request index and their phase-table entry reads (size, None); every later request of the phase
+# keeps its index and its offset. In micro-batch 2 and later the same request is AccumulateGrad's
+# incoming gradient, which it adds into ``.grad`` in place and frees: served by the fallback too,
+# and correct either way. ``plan.solver["persistent_left_to_fallback"]`` records their count and
+# bytes; validate_plan checks that exactly these have no offset. The trace must start with the
+# gradients set to None (the profiler does, as zero_grad(set_to_none=True) does), as the first
+# micro-batch of a step sees them.
 
 
 def make_plan(trace: Trace | Mapping[str, Any], alpha_solution: Any = None, *, time_limit: float = 60.0,
@@ -520,9 +494,9 @@ def make_plan(trace: Trace | Mapping[str, Any], alpha_solution: Any = None, *, t
         host_bytes: pinned host bytes the runtime needs (defaults to the alpha solution's).
         unphased: "plan" gives allocations outside phases an address too (any DSA instance);
             "fallback" leaves them out, for plans memo's allocator replays
-            (NOTE [Unphased allocations are not planned for replay]), and with them the phased
-            allocations never freed in the trace, such as parameter gradients: their phase-table
-            entries keep their request index with offset None
+            (NOTE [Unphased allocations are not planned for replay] in planner/plan.py), and with
+            them the phased allocations never freed in the trace, such as parameter gradients: their
+            phase-table entries keep their request index with offset None
             (NOTE [Allocations that outlive the iteration]).
         capacity: bytes the arena may take. None (default) minimises the peak; a capacity is a
             target instead: the exact search stops at the first placement within it (a decision
@@ -537,7 +511,7 @@ def make_plan(trace: Trace | Mapping[str, Any], alpha_solution: Any = None, *, t
         raise MemoError(f"memo.planner: time_limit must be a positive number of seconds, got {time_limit!r}")
     if use_mip or solver not in ("cbc", "highs"):
         require_solver(solver)
-    if unphased not in ("plan", "fallback"):
+    if unphased not in UNPHASED_MODES:
         raise MemoError(f"memo.planner: unphased must be 'plan' or 'fallback', got {unphased!r}")
     t = _as_trace(trace)
     left_out = None
@@ -576,6 +550,7 @@ def make_plan(trace: Trace | Mapping[str, Any], alpha_solution: Any = None, *, t
         if host_bytes is None:
             host_bytes = int(alpha_solution.host_bytes)
     plan.host_bytes = host_bytes
+    plan.unphased = unphased
     if left_out is not None:
-        plan.solver["unphased_left_to_fallback"] = left_out
+        plan.solver["unphased_left_to_fallback"] = left_out  # what `memo plan` reports
     return plan

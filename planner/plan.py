@@ -23,8 +23,8 @@ from memo.units import ALIGNMENT, MAX_BYTES  # NOTE [Block alignment]
 from .dsa import Item, check_placement
 from .trace import Allocation, Trace, validate_meta
 
-__all__ = ["ALIGNMENT", "PLAN_KIND", "PLAN_VERSION", "Plan", "load_plan", "offload_difference", "save_plan",
-           "validate_plan"]
+__all__ = ["ALIGNMENT", "PLAN_KIND", "PLAN_VERSION", "UNPHASED_MODES", "Plan", "load_plan",
+           "offload_difference", "save_plan", "validate_plan", "without_unphased"]
 
 PLAN_VERSION = 1
 PLAN_KIND = "memo.plan"
@@ -33,6 +33,10 @@ _MATCHED_FIELDS = ("fingerprint", "seq_len", "micro_batch", "dtype", "tensor_par
 _MATCHED_DEFAULTS = {"tensor_parallel": 1, "context_parallel": 1}
 # The unphased "phase" key in plan files (phase tables leave it out unless asked).
 UNPHASED = ""
+#: ``Plan.unphased``: "plan" places the allocations made outside every phase too; "fallback" (a plan
+#: for memo's allocator to replay) leaves them out (NOTE [Unphased allocations are not planned for
+#: replay]).
+UNPHASED_MODES = ("plan", "fallback")
 #: The phase kinds a level-1 layer block is planned for (planner/core.py).
 LAYER_KINDS = ("layer.fwd", "layer.bwd")
 
@@ -190,7 +194,13 @@ class Plan:
             ``model_states`` (None: not known, the total is the iteration's alone), ``activations_bytes``
             (= ``peak``), ``total_bytes``, the policy's ``estimate`` and the ``binding`` constraint
             (these two only from ``memo profile``).
-        solver: how the plan was found (method, status, seconds, gap, heuristic_fallback, ...).
+        solver: how the plan was found (method, status, seconds, gap, heuristic_fallback, ...); a
+            record for people, which no check branches on.
+        unphased: "plan" when the allocations outside every phase are planned (and are in
+            ``allocations``); "fallback" when the plan is for memo's allocator to replay and leaves
+            them out (NOTE [Unphased allocations are not planned for replay]): checked against a
+            trace, the trace is compared without them. Plan files written before this field read
+            as "fallback" when their solver record says unphased allocations were left out.
         warnings: what the planner noticed (e.g. a layer phase that differs from the others).
     """
 
@@ -213,6 +223,7 @@ class Plan:
     solver: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     end_time: int = 0
+    unphased: str = "plan"
 
     # ------------------------------------------------------------- contract
     def phase_tables(self, include_unphased: bool = False) -> dict[str, list[tuple[int, int | None]]]:
@@ -311,6 +322,7 @@ class Plan:
             "items": items,
             "phases": phases,
             "end_time": self.end_time,
+            "unphased": self.unphased,
             # [phase index or -1, request index, size, start, end, trace id], in malloc order.
             "allocations": [[phase_index.get(a.phase, -1), a.request, a.size, a.start, a.end, a.id]
                             for a in self.allocations],
@@ -388,6 +400,11 @@ class Plan:
         warnings = data.get("warnings") or []
         if not isinstance(warnings, list) or not all(isinstance(w, str) for w in warnings):
             raise _bad("warnings", "a list of strings", warnings)
+        solver = _check_solver(data.get("solver") or {})
+        # Plans written before the field said so only in their solver record.
+        unphased = data.get("unphased", "fallback" if "unphased_left_to_fallback" in solver else "plan")
+        if unphased not in UNPHASED_MODES:
+            raise _bad("unphased", "'plan' or 'fallback'", unphased)
         return cls(
             meta=validate_meta(data.get("meta") or {}, "memo.plan"),
             allocations=allocations,
@@ -405,9 +422,10 @@ class Plan:
             offload=_check_offload(data.get("offload")),
             policy=_check_policy(data.get("policy")),
             device=_check_device(data.get("device")),
-            solver=_check_solver(data.get("solver") or {}),
+            solver=solver,
             warnings=list(warnings),
             end_time=_count(data.get("end_time", 0), "end_time"),
+            unphased=unphased,
         )
 
 
@@ -475,11 +493,11 @@ def validate_plan(plan: Plan, trace: Trace | None = None) -> None:
     With ``trace``, also check the plan was made for exactly these allocations.
     Raises MemoError naming the first violation.
     """
+    if plan.unphased not in UNPHASED_MODES:
+        raise MemoError(f"memo.plan: unphased must be 'plan' or 'fallback', got {plan.unphased!r}")
     if trace is not None:
-        if "unphased_left_to_fallback" in plan.solver:
-            from .core import without_unphased
-
-            # NOTE [Unphased allocations are not planned for replay] (planner/core.py).
+        if plan.unphased == "fallback":
+            # NOTE [Unphased allocations are not planned for replay].
             trace = without_unphased(trace)[0]
         mine = [(a.size, a.start, a.end, a.phase, a.request) for a in plan.allocations]
         theirs = [(a.size, a.start, a.end, a.phase, a.request) for a in trace.allocations]
@@ -532,6 +550,32 @@ def _validate_left_out(plan: Plan) -> None:
     if not isinstance(record, Mapping) or record.get("allocations") != count or record.get("bytes") != nbytes:
         raise MemoError(f"memo.plan: solver.persistent_left_to_fallback is {record!r}, but the plan leaves "
                         f"{count} allocations ({nbytes} bytes) to the fallback allocator")
+
+
+def without_unphased(trace: Trace | Mapping[str, Any]) -> tuple[Trace, int, int]:
+    """The trace without allocations made outside every phase; also their count and bytes.
+
+    NOTE [Unphased allocations are not planned for replay]
+    memo's allocator serves a request from the arena only inside a phase (it selects the
+    offset by phase and request index); everything else (parameters, optimizer state, data,
+    the runtime's one-time buffers) goes to its fallback. Placing those in the plan would only
+    make the arena bigger than anything it ever hands out.
+    """
+    t = trace if isinstance(trace, Trace) else Trace.from_dict(trace)
+    data = t.to_dict()
+    dropped: set[Any] = set()
+    events, count, nbytes = [], 0, 0
+    for ev in data["events"]:
+        if ev["op"] == "malloc" and ev.get("phase") is None:
+            dropped.add(ev["id"])
+            count, nbytes = count + 1, nbytes + int(ev["size"])
+            continue
+        if ev["op"] == "free" and ev["id"] in dropped:
+            dropped.discard(ev["id"])
+            continue
+        events.append(ev)
+    data["events"] = events
+    return Trace.from_dict(data), count, nbytes
 
 
 def save_plan(plan: Plan, path: str | os.PathLike[str]) -> None:

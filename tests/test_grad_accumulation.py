@@ -85,6 +85,38 @@ def test_old_plan_files_without_the_key_still_load() -> None:
     assert old.phase_tables()["layer.bwd[0]"][0] == (1 << 20, plan.peak)
 
 
+def test_the_unphased_mode_is_a_field_of_the_plan_and_of_its_file() -> None:
+    trace = Trace.from_dict(_small_trace())
+    replay = make_plan(trace, use_mip=False, unphased="fallback")
+    whole = make_plan(trace, use_mip=False)
+    assert (replay.unphased, whole.unphased) == ("fallback", "plan")
+    assert Plan.from_dict(replay.to_dict()).unphased == "fallback"
+    assert Plan.from_dict(whole.to_dict()).unphased == "plan"
+    # Checked against a trace, validation branches on the field, not on the solver record.
+    validate_plan(whole, trace)
+    record_only = copy.deepcopy(whole)
+    record_only.solver["unphased_left_to_fallback"] = {"allocations": 1, "bytes": 100_000}
+    validate_plan(record_only, trace)
+    wrong = copy.deepcopy(replay)
+    wrong.unphased = "plan"
+    with pytest.raises(MemoError, match="does not match the trace"):
+        validate_plan(wrong, trace)
+    wrong.unphased = "sometimes"
+    with pytest.raises(MemoError, match="unphased must be"):
+        validate_plan(wrong)
+    data = replay.to_dict()
+    data["unphased"] = "sometimes"
+    with pytest.raises(MemoError, match="unphased"):
+        Plan.from_dict(data)
+    # Files from before the field: the mode is read from the solver record they carry.
+    for plan, mode in ((replay, "fallback"), (whole, "plan")):
+        data = plan.to_dict()
+        del data["unphased"]
+        old = Plan.from_dict(data)
+        assert old.unphased == mode
+        validate_plan(old, trace)
+
+
 def test_validation_catches_a_wrong_record() -> None:
     trace = Trace.from_dict(_small_trace())
     plan = make_plan(trace, use_mip=False, unphased="fallback")
