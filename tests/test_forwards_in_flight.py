@@ -17,7 +17,8 @@ import memo.runtime as mr
 from memo.errors import MemoError
 from memo.models import build_model, get_config
 from memo.runtime import BufferState
-from memo.runtime.buffers import CpuCopyEngine, RoundingBuffers, RuntimeStats
+from memo.runtime.buffers import RoundingBuffers, RuntimeStats
+from memo.runtime.copy_engines import CpuCopyEngine
 from tests.grads import assert_same_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py

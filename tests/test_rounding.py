@@ -7,7 +7,8 @@ import torch
 
 from memo import _C
 from memo.errors import MemoError
-from memo.runtime.buffers import BufferState, CpuCopyEngine, LayerSlot, RoundingBuffers, RuntimeStats
+from memo.runtime.buffers import BufferState, LayerSlot, RoundingBuffers, RuntimeStats
+from memo.runtime.copy_engines import CpuCopyEngine
 
 
 def test_copy_worker_copies_in_order_and_tickets_complete() -> None:
