@@ -16,7 +16,7 @@ A phase instance that appears in more than one run is planned as flat items.
 Level 2 places each block twice and keeps the lower peak: as a rectangle (height =
 level-1 peak, through the MIP where it is worth it) and as its exact shape, a rigid
 group of its transients at their level-1 offsets, each alive only for its own
-lifetime (:func:`~memo.planner.dsa.greedy_groups`). The rectangle alone wastes
+lifetime (:func:`~memo.planner.groups.greedy_groups`). The rectangle alone wastes
 memory where a pass's transient usage grows while the live skeletal tensors
 shrink, as in a backward pass that frees its layer's activations as it goes: the
 rectangle reserves the pass's highest transient usage from its first malloc to its
@@ -25,7 +25,7 @@ tensors still need it. The shape leaves those holes to other items, which is wha
 brings the plan near the lower bound (tiny at 1M tokens: 1.057 x the lower bound
 with rectangles, 1.001 with shapes). The rectangles are still solved because the
 MIP works on them: their placement, with each shape then dropped as low as it goes
-(:func:`~memo.planner.dsa.compact_groups`), is never worse than the rectangles and
+(:func:`~memo.planner.groups.compact_groups`), is never worse than the rectangles and
 sometimes better than the shaped greedy. Either way every shared pass keeps the
 same relative offsets, so the plan stores one base offset per block.
 """
@@ -43,20 +43,13 @@ from typing import Any
 from memo.errors import MemoError
 from memo.phase_names import phase_kind
 
-from .dsa import (
-    DSAResult,
-    Item,
-    compact_groups,
-    expand_groups,
-    greedy,
-    greedy_groups,
-    mip,
-    mip_neighbourhoods,
-    require_solver,
-)
+from .dsa import DSAResult, Item, greedy
 from .dsa import lower_bound as _units_lower_bound
+from .dsa_mip import mip, mip_neighbourhoods
+from .groups import compact_groups, expand_groups, greedy_groups
 from .plan import ALIGNMENT, LAYER_KINDS, UNPHASED_MODES, Plan, validate_plan, without_unphased
 from .search import MAX_OFFSET_ORDER_ITEMS, count_overlapping_pairs, search
+from .solvers import require_solver
 from .trace import Allocation, Trace
 
 __all__ = ["lower_bound", "make_plan", "outliving", "plan_bilevel", "plan_heuristic", "plan_mip",
@@ -67,7 +60,7 @@ MAX_MIP_PAIRS = 40_000
 #: A heuristic this close to the lower bound (relative) is kept without any MIP.
 GAP_TOLERANCE = 1e-3
 #: Up to this many items the whole DSA MIP is tried before the neighbourhood search
-#: (see NOTE [Why neighbourhoods] in dsa.py).
+#: (see NOTE [Why neighbourhoods] in dsa_mip.py).
 MAX_FULL_MIP_ITEMS = 40
 #: Above this many overlapping pairs the exact search's per-node work is too slow to pay off.
 MAX_SEARCH_PAIRS = 200_000

@@ -19,8 +19,9 @@ from memo.planner import (
     save_plan,
     validate_plan,
 )
-from memo.planner.dsa import check_placement, greedy, mip
+from memo.planner.dsa import check_placement, greedy
 from memo.planner.dsa import lower_bound as units_lower_bound
+from memo.planner.dsa_mip import mip
 from memo.planner.synthetic import guillotine_instance, items_to_trace, layered_trace
 
 from memo.errors import MemoError, PlanMismatchError
@@ -210,14 +211,14 @@ def test_highs_without_highspy_is_a_clear_error():
 
 def test_solver_failure_keeps_the_heuristic_flagged(monkeypatch):
     import memo.planner.core as core
-    import memo.planner.dsa as dsa
+    import memo.planner.solvers as solvers
     import pulp
 
     class Broken:
         def actualSolve(self, *args, **kwargs):  # noqa: N802 - PuLP's solver interface
             raise pulp.PulpSolverError("solver binary missing")
 
-    monkeypatch.setattr(dsa, "_solver_cmd", lambda *args: Broken())
+    monkeypatch.setattr(solvers, "solver_command", lambda *args: Broken())
     # The exact search would find the tiling before any MIP runs: take it out of the way.
     monkeypatch.setattr(core, "search", lambda items, warm, **kwargs: warm)
     items = guillotine_instance(32, seed=11)

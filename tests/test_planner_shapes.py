@@ -7,8 +7,9 @@ import random
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from memo.planner import ALIGNMENT, Trace, lower_bound, plan_bilevel, validate_plan
-from memo.planner.dsa import Item, check_placement, compact_groups, expand_groups, greedy, greedy_groups
+from memo.planner.dsa import Item, check_placement, greedy
 from memo.planner.dsa import lower_bound as units_lower_bound
+from memo.planner.groups import compact_groups, expand_groups, greedy_groups
 
 
 def _random_groups(rng: random.Random, n_groups: int) -> list[list[tuple[int, Item]]]:
