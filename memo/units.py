@@ -1,5 +1,7 @@
-"""Human-readable byte counts and durations for what memo prints: one unit per quantity, chosen
-for the size at hand (exact byte counts belong in the JSON files, not on the screen)."""
+"""Byte units: the block alignment and the byte bound every part of memo agrees on, and
+human-readable byte counts and durations for what memo prints (one unit per quantity, chosen for
+the size at hand; exact byte counts belong in the JSON files, not on the screen). Parsing counts
+such as ``128K`` from the command line is :mod:`memo.profiler.counts`."""
 
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ See docs/profiling.md.
 """
 
 from memo.profiler.context_parallel import check_context_parallel, rank_tokens, token_multiple
+from memo.profiler.counts import parse_count
 from memo.profiler.measure import (
     Quantity,
     check_machine,
@@ -33,7 +34,6 @@ from memo.profiler.record import (
 )
 from memo.profiler.recorder import RECORDER_NAME, Allocation, DispatchRecorder
 from memo.profiler.stats import LayerStats, layer_stats, offloaded_bytes, summarise_layers
-from memo.profiler.units import parse_count
 
 __all__ = [
     "RECORDER_NAME",

@@ -1,4 +1,5 @@
-"""Parsing of human-sized counts such as ``--seq-len 128K``."""
+"""Parsing of human-sized counts such as ``--seq-len 128K`` (byte counts and durations for the screen
+are in :mod:`memo.units`)."""
 
 from __future__ import annotations
 
