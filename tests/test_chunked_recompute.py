@@ -51,16 +51,20 @@ def test_token_chunks_cover_every_token_once() -> None:
 
 
 def test_chunks_carry_enough_work() -> None:
-    """NOTE [How small a chunk]: on an accelerator (and on meta, which plans for one) a small layer
-    recomputes in one chunk and a large one at a long sequence in RECOMPUTE_CHUNKS chunks, the floor
-    being tokens x batch x hidden^2 of MIN_CHUNK_WORK; on the CPU the floor is MIN_CPU_CHUNK_TOKENS."""
+    """NOTE [How small a chunk]: on an accelerator a small layer recomputes in one chunk and a large
+    one at a long sequence in RECOMPUTE_CHUNKS chunks, the floor being tokens x batch x hidden^2 of
+    MIN_CHUNK_WORK; on the CPU and on meta the floor is MIN_CPU_CHUNK_TOKENS."""
     assert min_chunk_tokens(1, 768, "cuda") == -(-MIN_CHUNK_WORK // 768**2) == 58_255
-    assert min_chunk_tokens(2, 768, "meta") == -(-MIN_CHUNK_WORK // (2 * 768**2))
+    assert min_chunk_tokens(2, 768, "cuda") == -(-MIN_CHUNK_WORK // (2 * 768**2))
+    assert min_chunk_tokens(2, 768, "meta") == MIN_CPU_CHUNK_TOKENS
     assert min_chunk_tokens(1, 4096, "cuda") == 2048
     assert min_chunk_tokens(1, 4096, "cpu") == MIN_CPU_CHUNK_TOKENS
     assert len(token_chunks(7_000, batch=1, hidden=768, device_type="cuda")) == 1  # gpt-125m, 8K tokens
     assert len(token_chunks(7_000, batch=1, hidden=768, device_type="cpu")) == RECOMPUTE_CHUNKS
-    assert len(token_chunks(60_000, batch=1, hidden=768, device_type="meta")) == 2
+    assert len(token_chunks(60_000, batch=1, hidden=768, device_type="cuda")) == 2
+    # Where meta is used (a 7B layer at long sequences) it chunks as the GPU does.
+    assert token_chunks(30_000, batch=1, hidden=4096, device_type="meta") == \
+        token_chunks(30_000, batch=1, hidden=4096, device_type="cuda")
     assert len(token_chunks(1 << 20, batch=1, hidden=4096, device_type="cuda")) == RECOMPUTE_CHUNKS  # 7B, 1M
     assert len(token_chunks(5_000, batch=1, hidden=4096, device_type="cuda")) == 3  # 2,048-token chunks
     assert len(token_chunks(500, batch=1, hidden=64, device_type="cpu")) == 2

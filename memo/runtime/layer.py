@@ -78,12 +78,14 @@ must carry enough work to hide that cost: tokens x batch x hidden^2 multiply-add
 MIN_CHUNK_WORK (2^35, ~2 ms of ``pre`` + ``post`` at the H100's dense bf16 rate). Small
 models then recompute in one chunk (a hidden size of 768 chunks only past ~58K tokens, 4096
 past ~2K), where their activations are small anyway; the memory saving of chunks matters for
-large layers at long sequences, where the floor is far below ``s / RECOMPUTE_CHUNKS``. The
-meta device plans for an accelerator and follows the same rule. On the CPU the kernels are
-a thousand times slower and hide the host's cost at any size, so there the floor stays
-MIN_CPU_CHUNK_TOKENS. The policy's cost model counts the chunks of the device pass 2 runs on
-(``_layer_costs`` in memo/pipeline.py), which is the device whose runtime runs them, so the
-plan and the runtime agree.
+large layers at long sequences, where the floor is far below ``s / RECOMPUTE_CHUNKS``. On the
+CPU the kernels are a thousand times slower and hide the host's cost at any size, so there the
+floor stays MIN_CPU_CHUNK_TOKENS; meta follows the CPU, so that a plan made on meta is the plan
+made on the CPU (tests/test_plan_truth.py). At the lengths meta is for (a 7B layer past ~20K
+tokens) both floors are below ``s / RECOMPUTE_CHUNKS`` and a meta plan chunks as the GPU does;
+a short meta plan replayed on a GPU chunks differently, and its allocator counts and says the
+allocations that miss the plan. The policy's cost model counts the chunks of the device pass 2
+runs on (``_layer_costs`` in memo/pipeline.py), the device whose runtime runs them.
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ import warnings
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -107,27 +109,27 @@ from memo.runtime.dropout import LayerDropout, replay_rng, rng_state, same_rng_s
 
 if TYPE_CHECKING:
     from memo.adapters.base import LayerAdapter
-    from memo.runtime.runtime import MemoRuntime
+    from memo.runtime.buffers import RoundingBuffers, RuntimeStats
 
 __all__ = [
-    "LayerCall", "MIN_CHUNK_WORK", "MIN_CPU_CHUNK_TOKENS", "RECOMPUTE_CHUNKS", "min_chunk_tokens",
-    "offload_tokens", "token_chunks",
+    "LayerCall", "LayerContext", "MIN_CHUNK_WORK", "MIN_CPU_CHUNK_TOKENS", "RECOMPUTE_CHUNKS",
+    "min_chunk_tokens", "offload_tokens", "token_chunks",
 ]
 
 
 #: The recomputed ``[a:s]`` range runs in at most this many token chunks (NOTE [Chunked recompute]) ...
 RECOMPUTE_CHUNKS = 8
-#: ... none with less work than this on an accelerator (or meta, which plans for one): tokens x
-#: batch x hidden^2 multiply-adds, about 2 ms of ``pre`` + ``post`` on an H100 ...
+#: ... none with less work than this on an accelerator: tokens x batch x hidden^2 multiply-adds,
+#: about 2 ms of ``pre`` + ``post`` on an H100 ...
 MIN_CHUNK_WORK = 1 << 35
-#: ... and none shorter than this many tokens on the CPU (NOTE [How small a chunk]).
+#: ... and none shorter than this many tokens on the CPU and on meta (NOTE [How small a chunk]).
 MIN_CPU_CHUNK_TOKENS = 256
 
 
 def min_chunk_tokens(batch: int, hidden: int, device_type: str) -> int:
     """The fewest tokens a recompute chunk of a layer with input ``[s, batch, hidden]`` holds on
     a device of ``device_type`` (NOTE [How small a chunk])."""
-    if device_type == "cpu":
+    if device_type in ("cpu", "meta"):
         return MIN_CPU_CHUNK_TOKENS
     return max(1, -(-MIN_CHUNK_WORK // max(1, batch * hidden * hidden)))
 
@@ -203,7 +205,7 @@ class _CountingSink:
 class _BufferSink:
     """Packs into layer ``index``'s rounding buffer."""
 
-    def __init__(self, runtime: MemoRuntime, index: int, flight: int) -> None:
+    def __init__(self, runtime: LayerContext, index: int, flight: int) -> None:
         self.buffers = runtime.buffers
         self.index = index
         self.flight = flight
@@ -376,10 +378,50 @@ def _edge(t: torch.Tensor) -> GradientEdge:
     return get_gradient_edge(t)
 
 
-class LayerCall:
-    """One wrapped layer: its adapter, its index, and the forward/backward of NOTE [Token-wise recompute]."""
+class LayerContext(Protocol):
+    """What a :class:`LayerCall` uses of the runtime that serves it, and nothing more.
 
-    def __init__(self, runtime: MemoRuntime, layer: nn.Module, adapter: LayerAdapter, index: int) -> None:
+    NOTE [Layer context]
+    A wrapped layer's forward and backward need a few things shared by all the layers of one model:
+    alpha, the rounding buffers, the counters, the forwards awaiting their backward, the anchor,
+    the flight being recorded, and the warnings already given. They are state the runtime
+    changes as it goes (``flight`` at every forward, ``pending`` and ``anchor`` replaced, the
+    buffers reallocated), so a LayerCall reads them from the runtime when it needs them (a copy
+    taken once would go stale), through this protocol: :class:`memo.runtime.MemoRuntime` is the
+    one implementation, and layer.py never imports runtime.py (tests/test_runtime.py checks both).
+    """
+
+    alpha: float
+    """Fraction of each layer's tokens whose skeletal tensors are offloaded (NOTE [Token-wise recompute])."""
+    recompute_chunk_tokens: int | None
+    """Tokens per recompute chunk, or None for the default (NOTE [Chunked recompute])."""
+    buffers: RoundingBuffers | None
+    """The rounding buffers; allocated by the runtime before any layer's forward runs."""
+    stats: RuntimeStats
+    """The runtime's counters (layer forwards and backwards, offloaded and recomputed tokens)."""
+    pending: dict[tuple[int, int], Any]
+    """``(flight, layer index)`` -> weak reference to the record of a forward awaiting its backward."""
+    anchor: torch.Tensor
+    """The empty tensor every wrapped layer's node takes as input, so that backward reaches it."""
+    flight: int
+    """The flight the current forward records into (NOTE [Forwards in flight])."""
+    said: set[str]
+    """Topics already warned about, once per runtime."""
+
+    def begin_forward(self) -> None:
+        """Called by the first layer's forward: choose the flight this forward records into."""
+
+    def reset(self) -> None:
+        """Drop an abandoned iteration: wait for copies, set every layer idle, forget what is pending."""
+
+
+class LayerCall:
+    """One wrapped layer: its adapter, its index, and the forward/backward of NOTE [Token-wise recompute].
+
+    ``runtime`` is the :class:`LayerContext` it runs in (NOTE [Layer context]).
+    """
+
+    def __init__(self, runtime: LayerContext, layer: nn.Module, adapter: LayerAdapter, index: int) -> None:
         self.runtime = runtime
         self.layer = layer
         self.adapter = adapter
