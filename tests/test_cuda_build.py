@@ -18,6 +18,8 @@ import pytest
 import torch
 
 import memo.allocator as ma
+import memo.allocator._backends as backends
+from memo import _C
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NVCC = shutil.which("nvcc")
@@ -31,7 +33,7 @@ EXPORTS = (
     "memo_cuda_empty_cache",
     "memo_cuda_reset_stats", "memo_cuda_stats", "memo_cuda_deviation", "memo_cuda_start_logging",
     "memo_cuda_stop_logging", "memo_cuda_read_log", "memo_cuda_log_phase_count", "memo_cuda_log_phase_name",
-    "memo_cuda_runtime_version",
+    "memo_cuda_runtime_version", "memo_cuda_stat_count", "memo_cuda_stat_name",
 )
 
 
@@ -97,6 +99,33 @@ def test_c_api_without_a_device(fresh_library: str) -> None:
     assert rc == 0
     lib.memo_cuda_set_phase(b"layer.fwd[0]")
     stats = (c.c_uint64 * 64)()
-    assert lib.memo_cuda_stats(0, stats, 64) == len(ma._backends.CUDA_STAT_FIELDS)
+    assert lib.memo_cuda_stats(0, stats, 64) == len(_C.allocator.stat_names())
     lib.memo_cuda_set_phase(None)
     assert lib.memo_cuda_unload_plan(0) == 0
+
+
+def _flat_keys(stats: dict) -> set[str]:
+    """The stats dict's keys, "fallback.x" for the nested ones (NOTE [Stat names])."""
+    keys: set[str] = set()
+    for key, value in stats.items():
+        if isinstance(value, dict) and key != "first_deviation":
+            keys |= {f"{key}.{field}" for field in value}
+        else:
+            keys.add(key)
+    return keys
+
+
+def test_cuda_stats_keys_are_the_library_names(fresh_library: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA library names its counters from the core's one list, and memo.allocator's dict uses them."""
+    try:
+        ctypes.CDLL(fresh_library)
+    except OSError as exc:  # libcudart not on the loader path
+        pytest.skip(f"cannot load the CUDA library here: {exc}")
+    monkeypatch.setattr(backends, "cuda_library_path", lambda: fresh_library)
+    monkeypatch.setattr(backends, "_cuda_lib", None)
+    backend = backends.CudaBackend(0)  # no device touched: no arena, no plan
+    names = backends.cuda_stat_names(backend._lib)
+    assert names == list(_C.allocator.stat_names())  # the same list, in the same order
+    stats = backend.stats()
+    assert _flat_keys(stats) == set(names) | {"first_deviation"}
+    assert stats["requests"] == 0 and stats["fallback"]["segments"] == 0 and stats["first_deviation"] is None

@@ -17,7 +17,65 @@ std::size_t total_bytes(const std::map<std::size_t, std::size_t>& ranges) {
   for (const auto& [begin, end] : ranges) n += end - begin;
   return n;
 }
+// NOTE [Stat names] in planned_allocator.h: the one list of counter names, each with its value.
+struct StatField {
+  const char* name;
+  std::uint64_t (*value)(const AllocatorStats&);
+};
+const StatField kStatFields[] = {
+    {"requests", [](const AllocatorStats& s) -> std::uint64_t { return s.requests; }},
+    {"planned_hits", [](const AllocatorStats& s) -> std::uint64_t { return s.planned_hits; }},
+    {"fallback_requests", [](const AllocatorStats& s) -> std::uint64_t { return s.fallback_requests; }},
+    {"unplanned_requests", [](const AllocatorStats& s) -> std::uint64_t { return s.unplanned_requests; }},
+    {"deviations", [](const AllocatorStats& s) -> std::uint64_t { return s.deviations; }},
+    {"slot_busy", [](const AllocatorStats& s) -> std::uint64_t { return s.slot_busy; }},
+    {"slot_lent", [](const AllocatorStats& s) -> std::uint64_t { return s.slot_lent; }},
+    {"other_thread_requests", [](const AllocatorStats& s) -> std::uint64_t { return s.other_thread_requests; }},
+    {"frees", [](const AllocatorStats& s) -> std::uint64_t { return s.frees; }},
+    {"invalid_frees", [](const AllocatorStats& s) -> std::uint64_t { return s.invalid_frees; }},
+    {"bytes_in_use", [](const AllocatorStats& s) -> std::uint64_t { return s.bytes_in_use; }},
+    {"peak_bytes_in_use", [](const AllocatorStats& s) -> std::uint64_t { return s.peak_bytes_in_use; }},
+    {"borrowed_allocs", [](const AllocatorStats& s) -> std::uint64_t { return s.borrowed_allocs; }},
+    {"borrowed_blocks", [](const AllocatorStats& s) -> std::uint64_t { return s.borrowed_blocks; }},
+    {"borrowed_bytes", [](const AllocatorStats& s) -> std::uint64_t { return s.borrowed_bytes; }},
+    {"peak_borrowed_bytes", [](const AllocatorStats& s) -> std::uint64_t { return s.peak_borrowed_bytes; }},
+    {"device_reserved_bytes", [](const AllocatorStats& s) -> std::uint64_t { return s.device_reserved_bytes; }},
+    {"peak_device_reserved_bytes", [](const AllocatorStats& s) -> std::uint64_t { return s.peak_device_reserved_bytes; }},
+    {"arena_bytes", [](const AllocatorStats& s) -> std::uint64_t { return s.arena_bytes; }},
+    {"arena_in_use", [](const AllocatorStats& s) -> std::uint64_t { return s.arena_in_use; }},
+    {"arena_high_water", [](const AllocatorStats& s) -> std::uint64_t { return s.arena_high_water; }},
+    {"arena_reservations", [](const AllocatorStats& s) -> std::uint64_t { return s.arena_reservations; }},
+    {"arena_releases", [](const AllocatorStats& s) -> std::uint64_t { return s.arena_releases; }},
+    {"retired_arenas", [](const AllocatorStats& s) -> std::uint64_t { return s.retired_arenas; }},
+    {"events_recorded", [](const AllocatorStats& s) -> std::uint64_t { return s.streams.events_recorded; }},
+    {"stream_waits", [](const AllocatorStats& s) -> std::uint64_t { return s.streams.stream_waits; }},
+    {"fallback.allocated_bytes", [](const AllocatorStats& s) -> std::uint64_t { return s.fallback.allocated_bytes; }},
+    {"fallback.reserved_bytes", [](const AllocatorStats& s) -> std::uint64_t { return s.fallback.reserved_bytes; }},
+    {"fallback.peak_allocated_bytes", [](const AllocatorStats& s) -> std::uint64_t { return s.fallback.peak_allocated_bytes; }},
+    {"fallback.peak_reserved_bytes", [](const AllocatorStats& s) -> std::uint64_t { return s.fallback.peak_reserved_bytes; }},
+    {"fallback.live_blocks", [](const AllocatorStats& s) -> std::uint64_t { return s.fallback.live_blocks; }},
+    {"fallback.free_blocks", [](const AllocatorStats& s) -> std::uint64_t { return s.fallback.free_blocks; }},
+    {"fallback.largest_free_block", [](const AllocatorStats& s) -> std::uint64_t { return s.fallback.largest_free_block; }},
+    {"fallback.num_allocs", [](const AllocatorStats& s) -> std::uint64_t { return s.fallback.num_allocs; }},
+    {"fallback.num_frees", [](const AllocatorStats& s) -> std::uint64_t { return s.fallback.num_frees; }},
+    {"fallback.segment_allocs", [](const AllocatorStats& s) -> std::uint64_t { return s.fallback.segment_allocs; }},
+    {"fallback.segment_releases", [](const AllocatorStats& s) -> std::uint64_t { return s.fallback.segment_releases; }},
+    {"fallback.segments", [](const AllocatorStats& s) -> std::uint64_t { return s.fallback.segments; }},
+    {"segment_allocs", [](const AllocatorStats& s) -> std::uint64_t { return s.fallback.segment_allocs; }},
+    {"segment_releases", [](const AllocatorStats& s) -> std::uint64_t { return s.fallback.segment_releases; }},
+};
+constexpr std::size_t kStatFieldCount = sizeof(kStatFields) / sizeof(kStatFields[0]);
 }  // namespace
+
+std::size_t stat_count() { return kStatFieldCount; }
+
+const char* stat_name(std::size_t i) { return i < kStatFieldCount ? kStatFields[i].name : nullptr; }
+
+std::size_t stat_values(const AllocatorStats& s, std::uint64_t* out, std::size_t n) {
+  const std::size_t count = std::min(n, kStatFieldCount);
+  for (std::size_t i = 0; i < count; ++i) out[i] = kStatFields[i].value(s);
+  return count;
+}
 
 PlannedAllocator::PlannedAllocator(RawBackend* backend, std::size_t min_segment, std::size_t fallback_limit)
     : backend_(backend), order_(backend), fallback_(backend, &order_, min_segment, fallback_limit) {}

@@ -172,6 +172,23 @@ struct AllocatorStats {
   FallbackStats fallback;
 };
 
+// NOTE [Stat names]
+// The counters of AllocatorStats by name, in one table (kStatFields in
+// planned_allocator.cpp) that every binding reads: the pybind glue
+// (python/allocator_bindings.cpp) and the CUDA library's C API
+// (memo_cuda_stat_count / memo_cuda_stat_name / memo_cuda_stats) give the
+// names with the values, and the Python dicts are built from those names,
+// never from a list kept in step by hand. "fallback.x" is field x of
+// AllocatorStats::fallback (the Python dict nests it under "fallback");
+// "segment_allocs" and "segment_releases" repeat the fallback's counters at
+// the top level. first_deviation is not a counter: the bindings report it
+// beside the table.
+std::size_t stat_count();
+// The name of counter `i`; nullptr when i >= stat_count().
+const char* stat_name(std::size_t i);
+// Writes the first min(n, stat_count()) counters of `s` in stat_name order; returns how many.
+std::size_t stat_values(const AllocatorStats& s, std::uint64_t* out, std::size_t n);
+
 struct TraceEvent {
   bool is_malloc = true;
   std::uint64_t id = 0;

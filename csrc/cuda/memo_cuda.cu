@@ -375,28 +375,22 @@ MEMO_CUDA_API int memo_cuda_reset_stats(int device) {
   return memo::cuda::guarded([&] { s->alloc.reset_stats(); });
 }
 
-// Writes the counters in the order of CUDA_STAT_FIELDS (memo/allocator/_backends.py);
-// returns how many were written.
+// NOTE [Stat names] (core/planned_allocator.h): the counters' names, in the order memo_cuda_stats
+// writes their values; memo.allocator builds its stats dict from them.
+MEMO_CUDA_API int memo_cuda_stat_count() { return static_cast<int>(memo::core::stat_count()); }
+
+// The name of counter `i`; "" when i is out of range.
+MEMO_CUDA_API const char* memo_cuda_stat_name(int i) {
+  const char* name = i < 0 ? nullptr : memo::core::stat_name(static_cast<std::size_t>(i));
+  return name == nullptr ? "" : name;
+}
+
+// Writes up to `n` counters in memo_cuda_stat_name order; returns how many were written.
 MEMO_CUDA_API int memo_cuda_stats(int device, uint64_t* out, int n) {
   auto* s = state(device);
   if (s == nullptr) return -1;
-  const memo::core::AllocatorStats st = s->alloc.stats();
-  const memo::core::FallbackStats& f = st.fallback;
-  const uint64_t values[] = {
-      st.requests, st.planned_hits, st.fallback_requests, st.unplanned_requests, st.deviations, st.slot_busy,
-      st.other_thread_requests, st.frees, st.invalid_frees, st.bytes_in_use, st.peak_bytes_in_use,
-      st.arena_bytes, st.arena_in_use, st.arena_high_water, st.arena_reservations, st.arena_releases,
-      st.retired_arenas, f.allocated_bytes, f.reserved_bytes, f.peak_allocated_bytes, f.peak_reserved_bytes,
-      f.live_blocks, f.free_blocks, f.largest_free_block, f.num_allocs, f.num_frees, f.segment_allocs,
-      f.segment_releases, f.segments, st.streams.events_recorded, st.streams.stream_waits,
-      // NOTE [One device pool] (core/planned_allocator.h)
-      st.slot_lent, st.borrowed_allocs, st.borrowed_blocks, st.borrowed_bytes, st.peak_borrowed_bytes,
-      st.device_reserved_bytes, st.peak_device_reserved_bytes,
-  };
-  const int count = static_cast<int>(sizeof(values) / sizeof(values[0]));
-  int written = 0;
-  for (; written < n && written < count; ++written) out[written] = values[written];
-  return written;
+  if (n < 0) n = 0;
+  return static_cast<int>(memo::core::stat_values(s->alloc.stats(), out, static_cast<std::size_t>(n)));
 }
 
 // take != 0: the report-once deviation (for the warning); take == 0: the first deviation

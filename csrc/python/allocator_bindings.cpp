@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <optional>
@@ -78,23 +79,6 @@ core::PhaseTables tables_from_python(const py::dict& tables) {
   return out;
 }
 
-py::dict fallback_dict(const core::FallbackStats& f) {
-  py::dict d;
-  d["allocated_bytes"] = f.allocated_bytes;
-  d["reserved_bytes"] = f.reserved_bytes;
-  d["peak_allocated_bytes"] = f.peak_allocated_bytes;
-  d["peak_reserved_bytes"] = f.peak_reserved_bytes;
-  d["live_blocks"] = f.live_blocks;
-  d["free_blocks"] = f.free_blocks;
-  d["largest_free_block"] = f.largest_free_block;
-  d["num_allocs"] = f.num_allocs;
-  d["num_frees"] = f.num_frees;
-  d["segment_allocs"] = f.segment_allocs;
-  d["segment_releases"] = f.segment_releases;
-  d["segments"] = f.segments;
-  return d;
-}
-
 py::object deviation_obj(const core::Deviation& dev) {
   py::dict d;
   d["phase"] = dev.phase;
@@ -105,38 +89,30 @@ py::object deviation_obj(const core::Deviation& dev) {
   return std::move(d);
 }
 
+std::vector<std::string> stat_names() {
+  std::vector<std::string> names;
+  for (std::size_t i = 0; i < core::stat_count(); ++i) names.emplace_back(core::stat_name(i));
+  return names;
+}
+
+// The counters under the core's own names (NOTE [Stat names]): "fallback.x" nests as d["fallback"]["x"].
 py::dict stats_dict(const core::AllocatorStats& s) {
+  std::vector<std::uint64_t> values(core::stat_count());
+  core::stat_values(s, values.data(), values.size());
   py::dict d;
-  d["requests"] = s.requests;
-  d["planned_hits"] = s.planned_hits;
-  d["fallback_requests"] = s.fallback_requests;
-  d["unplanned_requests"] = s.unplanned_requests;
-  d["deviations"] = s.deviations;
-  d["slot_busy"] = s.slot_busy;
-  d["slot_lent"] = s.slot_lent;
-  d["other_thread_requests"] = s.other_thread_requests;
-  d["frees"] = s.frees;
-  d["invalid_frees"] = s.invalid_frees;
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    const std::string name = core::stat_name(i);
+    const std::size_t dot = name.find('.');
+    if (dot == std::string::npos) {
+      d[py::str(name)] = values[i];
+      continue;
+    }
+    const py::str group(name.substr(0, dot));
+    if (!d.contains(group)) d[group] = py::dict();
+    py::dict sub = d[group];
+    sub[py::str(name.substr(dot + 1))] = values[i];
+  }
   d["first_deviation"] = s.has_deviation ? deviation_obj(s.first_deviation) : py::none();
-  d["bytes_in_use"] = s.bytes_in_use;
-  d["peak_bytes_in_use"] = s.peak_bytes_in_use;
-  d["borrowed_allocs"] = s.borrowed_allocs;
-  d["borrowed_blocks"] = s.borrowed_blocks;
-  d["borrowed_bytes"] = s.borrowed_bytes;
-  d["peak_borrowed_bytes"] = s.peak_borrowed_bytes;
-  d["device_reserved_bytes"] = s.device_reserved_bytes;
-  d["peak_device_reserved_bytes"] = s.peak_device_reserved_bytes;
-  d["arena_bytes"] = s.arena_bytes;
-  d["arena_in_use"] = s.arena_in_use;
-  d["arena_high_water"] = s.arena_high_water;
-  d["arena_reservations"] = s.arena_reservations;
-  d["arena_releases"] = s.arena_releases;
-  d["retired_arenas"] = s.retired_arenas;
-  d["events_recorded"] = s.streams.events_recorded;
-  d["stream_waits"] = s.streams.stream_waits;
-  d["fallback"] = fallback_dict(s.fallback);
-  d["segment_allocs"] = s.fallback.segment_allocs;
-  d["segment_releases"] = s.fallback.segment_releases;
   return d;
 }
 
@@ -353,6 +329,9 @@ void bind_allocator(py::module_& m) {
   sub.def("uninstall_cpu", &cpu::uninstall_cpu_allocator, "Restore PyTorch's previous CPU allocator.");
   sub.def("cpu_installed", &cpu::cpu_allocator_installed);
   sub.attr("BLOCK_ALIGNMENT") = core::kBlockAlignment;
+  sub.def("stat_names", &stat_names,
+          "The names of the counters stats() reports, in the core's order (NOTE [Stat names]); "
+          "'fallback.x' is stats()['fallback']['x'].");
   bind_stream_test_harness(sub);
 }
 

@@ -145,21 +145,18 @@ class CpuBackend(Backend):
             self._mod.uninstall_cpu()
 
 
-# Order of the counters memo_cuda_stats writes (csrc/cuda/memo_cuda.cu, kStatFields).
-CUDA_STAT_FIELDS = (
-    "requests", "planned_hits", "fallback_requests", "unplanned_requests", "deviations", "slot_busy",
-    "other_thread_requests", "frees", "invalid_frees",
-    "bytes_in_use", "peak_bytes_in_use", "arena_bytes", "arena_in_use",
-    "arena_high_water", "arena_reservations", "arena_releases", "retired_arenas",
-    "fallback.allocated_bytes", "fallback.reserved_bytes", "fallback.peak_allocated_bytes",
-    "fallback.peak_reserved_bytes", "fallback.live_blocks", "fallback.free_blocks",
-    "fallback.largest_free_block", "fallback.num_allocs", "fallback.num_frees",
-    "fallback.segment_allocs", "fallback.segment_releases", "fallback.segments",
-    "events_recorded", "stream_waits",
-    # NOTE [One device pool] (csrc/core/planned_allocator.h): borrowed idle arena ranges.
-    "slot_lent", "borrowed_allocs", "borrowed_blocks", "borrowed_bytes", "peak_borrowed_bytes",
-    "device_reserved_bytes", "peak_device_reserved_bytes",
-)
+def stats_dict(names: list[str], values: Any, first_deviation: dict[str, Any] | None) -> dict[str, Any]:
+    """The stats dict from the core's counter names and values (NOTE [Stat names] in
+    csrc/core/planned_allocator.h): ``"fallback.x"`` nests as ``out["fallback"]["x"]``."""
+    out: dict[str, Any] = {}
+    for name, value in zip(names, values, strict=True):
+        group, dot, field = name.partition(".")
+        if dot:
+            out.setdefault(group, {})[field] = int(value)
+        else:
+            out[name] = int(value)
+    out["first_deviation"] = first_deviation
+    return out
 
 
 def cuda_library_path() -> str:
@@ -205,6 +202,8 @@ def _load_cuda_library() -> ctypes.CDLL:
         "memo_cuda_set_fallback_limit": (c.c_int, [c.c_int, c.c_uint64]),
         "memo_cuda_empty_cache": (c.c_uint64, [c.c_int]),
         "memo_cuda_reset_stats": (c.c_int, [c.c_int]),
+        "memo_cuda_stat_count": (c.c_int, []),
+        "memo_cuda_stat_name": (c.c_char_p, [c.c_int]),
         "memo_cuda_stats": (c.c_int, [c.c_int, c.POINTER(c.c_uint64), c.c_int]),
         "memo_cuda_deviation": (c.c_int, [c.c_int, c.c_int, c.c_char_p, c.c_int, c.POINTER(c.c_int64),
                                           c.POINTER(c.c_uint64), c.POINTER(c.c_uint64), c.c_char_p, c.c_int]),
@@ -239,6 +238,11 @@ def _load_cuda_library() -> ctypes.CDLL:
             )
     _cuda_lib = lib
     return lib
+
+
+def cuda_stat_names(lib: ctypes.CDLL) -> list[str]:
+    """The counter names the CUDA library reports, in the order ``memo_cuda_stats`` writes them."""
+    return [lib.memo_cuda_stat_name(i).decode() for i in range(lib.memo_cuda_stat_count())]
 
 
 def cuda_installed() -> bool:
@@ -344,18 +348,10 @@ class CudaBackend(Backend):
                 "actual": actual.value, "reason": reason.value.decode()}
 
     def stats(self) -> dict[str, Any]:
-        buf = (ctypes.c_uint64 * len(CUDA_STAT_FIELDS))()
+        names = cuda_stat_names(self._lib)
+        buf = (ctypes.c_uint64 * len(names))()
         self._check(0 if self._lib.memo_cuda_stats(self._dev, buf, len(buf)) == len(buf) else -1, "stats")
-        out: dict[str, Any] = {"fallback": {}}
-        for name, value in zip(CUDA_STAT_FIELDS, buf, strict=True):
-            if name.startswith("fallback."):
-                out["fallback"][name.split(".", 1)[1]] = int(value)
-            else:
-                out[name] = int(value)
-        out["first_deviation"] = self._deviation(take=False)
-        out["segment_allocs"] = out["fallback"]["segment_allocs"]
-        out["segment_releases"] = out["fallback"]["segment_releases"]
-        return out
+        return stats_dict(names, buf, self._deviation(take=False))
 
     def reset_stats(self) -> None:
         self._check(self._lib.memo_cuda_reset_stats(self._dev), "reset_stats")
