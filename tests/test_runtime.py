@@ -440,3 +440,38 @@ def test_layer_adapters_of_other_libraries_are_registered_by_name_and_loaded_on_
     finally:
         unregister_adapter("tests.nowhere.Layer")
     assert find_adapter(fake()) is None
+
+
+def test_layer_call_uses_only_its_narrow_context() -> None:
+    # NOTE [Layer context]: layer.py does not import runtime.py (not even for types), every
+    # attribute LayerCall reads from its runtime is declared by LayerContext, and MemoRuntime has
+    # them all.
+    import ast
+    import inspect
+    import typing
+
+    import memo.runtime.layer as layer_module
+    from memo.runtime.layer import LayerContext
+
+    tree = ast.parse(inspect.getsource(layer_module))
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                 for alias in node.names}
+    assert "memo.runtime.runtime" not in imported and "MemoRuntime" not in {
+        n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    declared = set(typing.get_type_hints(LayerContext, localns={"RoundingBuffers": object,
+                                                                  "RuntimeStats": object}))
+    declared |= {name for name, value in vars(LayerContext).items() if callable(value)
+                 and not name.startswith("_")}
+
+    def runtime_expr(node: ast.AST) -> bool:  # rt, self.runtime, runtime, ctx.call.runtime
+        return (isinstance(node, ast.Name) and node.id in ("rt", "runtime")) or (
+            isinstance(node, ast.Attribute) and node.attr == "runtime")
+
+    used = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+            and runtime_expr(node.value)}
+    assert used and used <= declared, sorted(used - declared)
+    model = mr.wrap(build_model(get_config("tiny")), alpha=0.5)
+    rt = mr.runtime_of(model)
+    assert all(hasattr(rt, name) for name in declared), sorted(n for n in declared if not hasattr(rt, n))
+    assert all(call.runtime is rt for call in rt.calls)
