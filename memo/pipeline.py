@@ -59,7 +59,6 @@ from memo.profiler.record import (
     meta_copy,
     model_parts,
     phase_tracker,
-    quiet_backward_hook_warning,
     record,
 )
 from memo.profiler.stats import LayerStats, offloaded_bytes, summarise_layers
@@ -142,7 +141,7 @@ def build_profile_model(name: str, seq_len: int, dtype: torch.dtype, device: tor
 
     config = get_config(name)
     # GPT's learned position table bounds the length (NOTE [GPT position table] in memo.models.model).
-    # Size it as training does (memo.utils.training), so the profiled requests are the ones a
+    # Size it as training does (memo.train.loop), so the profiled requests are the ones a
     # training step makes: the table's gradient is one of them.
     kw = {"max_seq_len": max(seq_len, DEFAULT_MAX_SEQ_LEN)} if config.arch == "gpt" else {}
     return build_model(config, device=device, dtype=dtype, tensor_parallel=tensor_parallel, **kw)
@@ -211,8 +210,7 @@ def _record_allocator(
     # kernels their lazily built caches. Logged in the first iteration they would take request
     # indices that no later iteration makes, and every later request of that phase would
     # deviate. So one iteration runs unlogged first.
-    with quiet_backward_hook_warning():
-        adapter.loss(model, ids, labels).backward()
+    adapter.loss(model, ids, labels).backward()
     if ids.device.type == "cuda":
         torch.cuda.synchronize(ids.device)
     tracker = phase_tracker(model, listeners=[allocator.set_phase])
@@ -222,7 +220,6 @@ def _record_allocator(
         with (
             allocator.logging(device=ids.device, meta=meta) as trace,
             tracker.iteration(),
-            quiet_backward_hook_warning(),
         ):
             adapter.loss(model, ids, labels).backward()
     finally:

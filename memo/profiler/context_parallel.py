@@ -28,7 +28,7 @@ T_layer is short; give ``--layer-ms`` with one rank's real forward time.
 
 The plan's meta records ``context_parallel`` (beside ``tensor_parallel``); its ``seq_len`` is the
 job's whole sequence. ``memo train`` runs one unsharded process, so it refuses a plan made for
-c > 1 (or t > 1): memo/strategies.py ``_check_plan``; ``memo.planner.load_plan`` matches both
+c > 1 (or t > 1): memo/train/strategies.py ``_check_plan``; ``memo.planner.load_plan`` matches both
 when asked.
 """
 

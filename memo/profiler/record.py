@@ -13,11 +13,8 @@ submodule (optional: without it S_attn is 0 and everything skeletal counts as S_
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import itertools
-import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +29,7 @@ from memo.profiler.saved import LayerSavedBytes
 from memo.profiler.stats import LayerStats, layer_stats, summarise_layers
 
 __all__ = ["Recording", "layer_inputs", "meta_copy", "model_parts", "phase_tracker",
-           "quiet_backward_hook_warning", "record", "record_trace"]
+           "record", "record_trace"]
 
 
 @dataclass
@@ -50,19 +47,6 @@ class Recording:
     layer_stats: list[LayerStats]
     recorder: DispatchRecorder = field(repr=False)
     seconds: float = 0.0
-
-
-@contextlib.contextmanager
-def quiet_backward_hook_warning() -> Iterator[None]:
-    """Silence torch's "Full backward hook is firing" warning.
-
-    Nothing in memo registers a module full backward hook any more (the PhaseTracker and the
-    runtime hook tensors, which never warn), so this silences nothing. Kept only while
-    memo/pipeline.py still imports it; delete it with those uses.
-    """
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Full backward hook is firing")
-        yield
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
