@@ -74,7 +74,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memo.adapters.base import LayerAdapter, register_adapter, registered_adapters
+from memo.adapters.base import LayerAdapter
 from memo.adapters.model import ModelAdapter, ModelParts
 from memo.errors import MemoError
 
@@ -90,7 +90,6 @@ __all__ = [
     "HFDecoderLayerAdapter",
     "masked_attention_backward",
     "masked_attention_forward",
-    "register_layer_adapters",
 ]
 
 #: (module, class) of the decoder layers memo adapts.
@@ -105,22 +104,6 @@ SUPPORTED_ATTENTION = (None, "eager", "sdpa")
 
 #: Query rows per block of the masked attention: about this many float32 scores at a time.
 MASKED_BLOCK_SCORES = 1 << 22
-
-
-def register_layer_adapters() -> None:
-    """Register :class:`HFDecoderLayerAdapter` for the decoder layers of :data:`DECODER_LAYERS` that
-    this transformers version has (memo calls it when it first meets a transformers module)."""
-    import importlib
-
-    known = registered_adapters()
-    adapter = HFDecoderLayerAdapter()
-    for module_name, class_name in DECODER_LAYERS:
-        try:
-            cls = getattr(importlib.import_module(module_name), class_name)
-        except (ImportError, AttributeError):
-            continue  # a family this transformers version does not have
-        if cls not in known:
-            register_adapter(cls, adapter)
 
 
 # ---------------------------------------------------------------------------------------------
