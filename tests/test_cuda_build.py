@@ -20,6 +20,7 @@ import torch
 import memo.allocator as ma
 import memo.allocator._backends as backends
 from memo import _C
+from memo.errors import MemoError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NVCC = shutil.which("nvcc")
@@ -33,7 +34,7 @@ EXPORTS = (
     "memo_cuda_empty_cache",
     "memo_cuda_reset_stats", "memo_cuda_stats", "memo_cuda_deviation", "memo_cuda_start_logging",
     "memo_cuda_stop_logging", "memo_cuda_read_log", "memo_cuda_log_phase_count", "memo_cuda_log_phase_name",
-    "memo_cuda_runtime_version", "memo_cuda_stat_count", "memo_cuda_stat_name",
+    "memo_cuda_runtime_version", "memo_cuda_stat_count", "memo_cuda_stat_name", "memo_cuda_check_plan",
 )
 
 
@@ -84,18 +85,19 @@ def test_c_api_without_a_device(fresh_library: str) -> None:
     lib.memo_malloc.restype = c.c_void_p
     lib.memo_malloc.argtypes = [c.c_ssize_t, c.c_int, c.c_void_p]
     lib.memo_cuda_load_plan.argtypes = [c.c_int, c.c_int, c.POINTER(c.c_char_p), c.POINTER(c.c_int64),
-                                        c.POINTER(c.c_uint64), c.POINTER(c.c_int64), c.c_uint64]
+                                        c.POINTER(c.c_int64), c.POINTER(c.c_int64), c.POINTER(c.c_uint8),
+                                        c.c_int64]
     lib.memo_cuda_set_phase.argtypes = [c.c_char_p]
     lib.memo_cuda_stats.argtypes = [c.c_int, c.POINTER(c.c_uint64), c.c_int]
 
     # A bad table is refused with the native message.
     names = (c.c_char_p * 1)(b"layer.fwd[0]")
-    rc = lib.memo_cuda_load_plan(0, 1, names, (c.c_int64 * 1)(1), (c.c_uint64 * 1)(4096),
-                                 (c.c_int64 * 1)(100), 8192)
+    rc = lib.memo_cuda_load_plan(0, 1, names, (c.c_int64 * 1)(1), (c.c_int64 * 1)(4096),
+                                 (c.c_int64 * 1)(100), (c.c_uint8 * 1)(1), 8192)
     assert rc == -1 and b"multiple of 512" in lib.memo_cuda_last_error()
     # An all-unplanned table needs no arena, so it loads without a device.
-    rc = lib.memo_cuda_load_plan(0, 1, names, (c.c_int64 * 1)(1), (c.c_uint64 * 1)(4096),
-                                 (c.c_int64 * 1)(-1), 0)
+    rc = lib.memo_cuda_load_plan(0, 1, names, (c.c_int64 * 1)(1), (c.c_int64 * 1)(4096),
+                                 (c.c_int64 * 1)(0), (c.c_uint8 * 1)(0), 0)
     assert rc == 0
     lib.memo_cuda_set_phase(b"layer.fwd[0]")
     stats = (c.c_uint64 * 64)()
@@ -129,3 +131,33 @@ def test_cuda_stats_keys_are_the_library_names(fresh_library: str, monkeypatch: 
     stats = backend.stats()
     assert _flat_keys(stats) == set(names) | {"first_deviation"}
     assert stats["requests"] == 0 and stats["fallback"]["segments"] == 0 and stats["first_deviation"] is None
+
+
+@pytest.mark.parametrize(
+    ("tables", "peak", "pattern"),
+    [
+        ({"layer.fwd[0]": [(0, 0)]}, 4096, "size must be a positive int"),
+        ({"layer.fwd[0]": [(4096, 100)]}, 8192, "multiple of 512"),
+        ({"layer.fwd[0]": [(4096, 4096)]}, 6000, "exceeds the plan's peak"),
+        ({"layer.fwd[0]": [(4096, -5)]}, 8192, "offset must be an int >= 0"),
+        ({"": [(4096, 0)]}, 8192, "non-empty phase names"),
+        ({"layer.fwd[0]": [(4096, 0)]}, -1, "peak must be"),
+    ],
+)
+def test_cuda_tables_are_checked_by_the_core(fresh_library: str, monkeypatch: pytest.MonkeyPatch,
+                                            tables: dict, peak: int, pattern: str) -> None:
+    """NOTE [Plan tables are checked in the core]: the CUDA C API gives the CPU path's messages."""
+    try:
+        ctypes.CDLL(fresh_library)
+    except OSError as exc:  # libcudart not on the loader path
+        pytest.skip(f"cannot load the CUDA library here: {exc}")
+    monkeypatch.setattr(backends, "cuda_library_path", lambda: fresh_library)
+    monkeypatch.setattr(backends, "_cuda_lib", None)
+    cuda, cpu = backends.CudaBackend(0), backends.CpuBackend()
+    with pytest.raises(MemoError, match=pattern) as on_cuda:
+        cuda.check_plan(tables, peak)
+    with pytest.raises(MemoError) as on_cpu:
+        cpu.check_plan(tables, peak)
+    assert str(on_cuda.value) == str(on_cpu.value)
+    with pytest.raises(MemoError, match=pattern):
+        cuda.load_plan(tables, peak)  # no device is touched: the check comes first

@@ -103,43 +103,85 @@ void PlannedAllocator::retire_current_arena() {
   arena_ = nullptr;
 }
 
-void PlannedAllocator::load_plan(PhaseTables tables, std::size_t peak) {
-  // NOTE [Byte counts are bounded] (memo/units.py): with sizes, offsets and the peak at most 2**62
-  // bytes, no sum below can wrap around, whoever calls (the CUDA C API takes any uint64).
-  constexpr std::size_t kMaxBytes = std::size_t{1} << 62;
-  if (peak > kMaxBytes)
-    throw AllocatorError("memo allocator: plan peak " + std::to_string(peak) + " is beyond 2**62 bytes (4 EiB)");
-  for (const auto& entry : tables) {
-    const std::string& name = entry.first;
-    const std::vector<PlanSlot>& table = entry.second;
-    if (name.empty()) throw AllocatorError("memo allocator: a phase table has an empty phase name");
-    for (std::size_t k = 0; k < table.size(); ++k) {
-      const PlanSlot& slot = table[k];
-      auto where = [&] {
+PhaseTables check_plan(const PlanInput& tables, std::int64_t peak) {
+  // NOTE [Plan tables are checked in the core]; NOTE [Byte counts are bounded] (memo/units.py): with
+  // sizes, offsets and the peak below 2**62 bytes, no sum the allocator makes can wrap around.
+  constexpr std::int64_t kMaxBytes = std::int64_t{1} << 62;
+  if (peak < 0 || peak >= kMaxBytes)
+    throw AllocatorError("memo allocator: plan peak must be an int >= 0 and below 2**62 (bytes), got " +
+                         std::to_string(peak) + "; pass the plan's peak (Plan.peak), the arena's size in bytes");
+  PhaseTables out;
+  for (const PlanTableInput& table : tables) {
+    const std::string& name = table.phase;
+    if (name.empty())
+      throw AllocatorError("memo allocator: phase table keys must be non-empty phase names, got an empty "
+                           "name; name each table by its phase instance, e.g. 'layer.fwd[3]'");
+    std::vector<PlanSlot> slots;
+    slots.reserve(table.entries.size());
+    for (std::size_t k = 0; k < table.entries.size(); ++k) {
+      const PlanEntry& e = table.entries[k];
+      auto bad = [&](const std::string& what) {
         std::ostringstream os;
-        os << "memo allocator: bad plan table entry " << name << "[" << k << "] (size " << slot.size
-           << ", offset " << slot.offset << "): ";
-        return os.str();
-      };
-      if (slot.size == 0) throw AllocatorError(where() + "size must be positive");
-      if (slot.size > kMaxBytes) throw AllocatorError(where() + "size is beyond 2**62 bytes (4 EiB)");
-      if (slot.offset < -1) throw AllocatorError(where() + "offset must be >= 0, or None for unplanned");
-      if (slot.offset >= 0) {
-        auto off = static_cast<std::size_t>(slot.offset);
-        if (off % kBlockAlignment != 0) {
-          std::ostringstream os;
-          os << "offset must be a multiple of " << kBlockAlignment << " bytes";
-          throw AllocatorError(where() + os.str());
+        os << "memo allocator: bad plan table entry " << name << "[" << k << "] (size " << e.size << ", offset ";
+        if (e.planned) {
+          os << e.offset;
+        } else {
+          os << "None";
         }
-        if (slot.size > peak || off > peak - slot.size) {  // off + size > peak, without overflow
+        os << "): " << what;
+        return AllocatorError(os.str());
+      };
+      if (e.size <= 0) throw bad("size must be a positive int (bytes); re-plan (memo plan) or fix the table");
+      if (e.size >= kMaxBytes) throw bad("size is not below 2**62 bytes (4 EiB)");
+      if (e.planned) {
+        if (e.offset < 0) throw bad("offset must be an int >= 0, or None for an unplanned request");
+        if (e.offset >= kMaxBytes) throw bad("offset is not below 2**62 bytes (4 EiB)");
+        if (e.offset % static_cast<std::int64_t>(kBlockAlignment) != 0) {
           std::ostringstream os;
-          os << "offset + size = " << off + slot.size << " exceeds the plan's peak (arena) of " << peak
-             << " bytes";
-          throw AllocatorError(where() + os.str());
+          os << "offset must be a multiple of " << kBlockAlignment << " bytes; re-plan with alignment "
+             << kBlockAlignment;
+          throw bad(os.str());
+        }
+        if (e.offset + e.size > peak) {  // both below 2**62: no overflow
+          std::ostringstream os;
+          os << "offset + size = " << e.offset + e.size << " exceeds the plan's peak (arena) of " << peak
+             << " bytes; pass the peak of the plan these tables come from";
+          throw bad(os.str());
         }
       }
+      slots.push_back(PlanSlot{static_cast<std::size_t>(e.size), e.planned ? e.offset : -1});
+    }
+    if (!out.emplace(name, std::move(slots)).second)
+      throw AllocatorError("memo allocator: phase " + name + " has two tables; give each phase instance one");
+  }
+  return out;
+}
+
+PlanInput plan_from_arrays(int n_phases, const char* const* names, const std::int64_t* counts,
+                           const std::int64_t* sizes, const std::int64_t* offsets, const std::uint8_t* planned) {
+  if (n_phases < 0)
+    throw AllocatorError("memo allocator: a plan has " + std::to_string(n_phases) + " phase tables; expected >= 0");
+  PlanInput out(static_cast<std::size_t>(n_phases));
+  std::size_t at = 0;
+  for (int i = 0; i < n_phases; ++i) {
+    out[i].phase = names[i] == nullptr ? std::string() : std::string(names[i]);
+    if (counts[i] < 0)
+      throw AllocatorError("memo allocator: phase table " + out[i].phase + " has " + std::to_string(counts[i]) +
+                           " entries; expected >= 0");
+    out[i].entries.resize(static_cast<std::size_t>(counts[i]));
+    for (PlanEntry& e : out[i].entries) {
+      e = PlanEntry{sizes[at], offsets[at], planned[at] != 0};
+      ++at;
     }
   }
+  return out;
+}
+
+void PlannedAllocator::load_plan(const PlanInput& tables, std::int64_t peak) {
+  install_plan(check_plan(tables, peak), static_cast<std::size_t>(peak));
+}
+
+void PlannedAllocator::install_plan(PhaseTables tables, std::size_t peak) {
   std::lock_guard<std::mutex> lock(mutex_);
   // Reserve before dropping the old plan, so a failure leaves the old one usable.
   Arena* fresh = nullptr;

@@ -126,6 +126,34 @@ struct PlanSlot {
 
 using PhaseTables = std::unordered_map<std::string, std::vector<PlanSlot>>;
 
+// NOTE [Plan tables are checked in the core]
+// The tables a caller hands in are checked in one place, check_plan below:
+// phase names non-empty and unique; sizes > 0; offsets >= 0 (or unplanned)
+// and multiples of kBlockAlignment; offset + size within the peak; sizes,
+// offsets and the peak below 2**62 (NOTE [Byte counts are bounded] in
+// memo/units.py). The bindings only convert (pybind: Python ints and None;
+// the CUDA C API: flat arrays, plan_from_arrays) and hand on the core's
+// AllocatorError, whose text names the entry and what to do; memo.allocator
+// raises it as a MemoError. The input is signed, so a negative size or
+// offset reaches the check instead of wrapping around to a huge one.
+struct PlanEntry {
+  std::int64_t size = 0;
+  std::int64_t offset = 0;
+  bool planned = false;  // false: the request is not planned (the fallback serves it); offset is ignored
+};
+struct PlanTableInput {
+  std::string phase;
+  std::vector<PlanEntry> entries;
+};
+using PlanInput = std::vector<PlanTableInput>;
+
+// Checks the tables and the peak (AllocatorError naming the bad entry) and returns them as PhaseTables.
+PhaseTables check_plan(const PlanInput& tables, std::int64_t peak);
+// The C API's flat shape: phase i has counts[i] entries, stored one after another in sizes,
+// offsets and planned (nonzero: planned at offsets[j]). Throws AllocatorError for a negative count.
+PlanInput plan_from_arrays(int n_phases, const char* const* names, const std::int64_t* counts,
+                           const std::int64_t* sizes, const std::int64_t* offsets, const std::uint8_t* planned);
+
 struct Deviation {
   std::string phase;
   std::int64_t index = -1;
@@ -206,9 +234,9 @@ class PlannedAllocator {
   PlannedAllocator(const PlannedAllocator&) = delete;
   PlannedAllocator& operator=(const PlannedAllocator&) = delete;
 
-  // Validates the tables (AllocatorError naming the bad entry) and reserves
+  // Checks the tables (check_plan: AllocatorError naming the bad entry) and reserves
   // the arena (OutOfMemory with the numbers). Replaces any loaded plan.
-  void load_plan(PhaseTables tables, std::size_t peak);
+  void load_plan(const PlanInput& tables, std::int64_t peak);
   void unload_plan();
   bool has_plan() const;
 
@@ -272,6 +300,7 @@ class PlannedAllocator {
     bool borrowed;
   };
 
+  void install_plan(PhaseTables tables, std::size_t peak);
   void* allocate_locked(std::size_t bytes, StreamId stream);
   void* fallback_locked(std::size_t bytes, StreamId stream);
   // An idle range of the current arena for a request the fallback refused; nullptr when none holds it.

@@ -296,23 +296,25 @@ MEMO_CUDA_API int memo_cuda_runtime_version() {
   return version;
 }
 
+// Phase i has counts[i] entries, one after another in sizes, offsets and planned (nonzero: planned at
+// that offset). The core checks them (NOTE [Plan tables are checked in the core]); -1 and its message
+// in memo_cuda_last_error() when they are wrong.
 MEMO_CUDA_API int memo_cuda_load_plan(int device, int n_phases, const char* const* names, const int64_t* counts,
-                                      const uint64_t* sizes, const int64_t* offsets, uint64_t peak) {
+                                      const int64_t* sizes, const int64_t* offsets, const uint8_t* planned,
+                                      int64_t peak) {
   auto* s = state(device);
   if (s == nullptr) return -1;
   return memo::cuda::guarded([&] {
-    memo::core::PhaseTables tables;
-    std::size_t at = 0;
-    for (int i = 0; i < n_phases; ++i) {
-      std::vector<memo::core::PlanSlot> slots(static_cast<std::size_t>(counts[i]));
-      for (auto& slot : slots) {
-        slot.size = sizes[at];
-        slot.offset = offsets[at];
-        ++at;
-      }
-      tables.emplace(names[i], std::move(slots));
-    }
-    s->alloc.load_plan(std::move(tables), peak);
+    s->alloc.load_plan(memo::core::plan_from_arrays(n_phases, names, counts, sizes, offsets, planned), peak);
+  });
+}
+
+// Checks tables (memo_cuda_load_plan's arguments) as loading them would, touching no device.
+MEMO_CUDA_API int memo_cuda_check_plan(int n_phases, const char* const* names, const int64_t* counts,
+                                       const int64_t* sizes, const int64_t* offsets, const uint8_t* planned,
+                                       int64_t peak) {
+  return memo::cuda::guarded([&] {
+    memo::core::check_plan(memo::core::plan_from_arrays(n_phases, names, counts, sizes, offsets, planned), peak);
   });
 }
 

@@ -37,14 +37,17 @@ std::optional<long long> int64_of(const py::handle& value) {
   return v;
 }
 
-core::PhaseTables tables_from_python(const py::dict& tables) {
-  core::PhaseTables out;
+// Converts only: Python ints (64-bit) and None into the core's input; the core checks the values
+// (NOTE [Plan tables are checked in the core]).
+core::PlanInput tables_from_python(const py::dict& tables) {
+  core::PlanInput out;
   for (auto item : tables) {
     if (!py::isinstance<py::str>(item.first))
       throw core::AllocatorError("memo allocator: phase table keys must be phase names (str), got " +
                                  std::string(py::str(py::type::of(item.first))));
-    auto name = item.first.cast<std::string>();
-    std::vector<core::PlanSlot> slots;
+    core::PlanTableInput table;
+    table.phase = item.first.cast<std::string>();
+    const std::string& name = table.phase;
     for (auto entry : py::iter(item.second)) {
       auto pair = py::reinterpret_borrow<py::object>(entry);
       py::sequence seq;
@@ -57,26 +60,35 @@ core::PhaseTables tables_from_python(const py::dict& tables) {
       if (py::len(seq) != 2)
         throw core::AllocatorError("memo allocator: table " + name +
                                    " must list (size, offset-or-None) pairs, got " + std::string(py::repr(pair)));
-      core::PlanSlot slot;
+      core::PlanEntry e;
       py::object size = seq[0], offset = seq[1];
-      const auto size_value = int64_of(size), offset_value = int64_of(offset);
-      if (!size_value || *size_value <= 0)
-        throw core::AllocatorError("memo allocator: table " + name + " entry " + std::to_string(slots.size()) +
+      const auto size_value = int64_of(size);
+      if (!size_value)
+        throw core::AllocatorError("memo allocator: table " + name + " entry " + std::to_string(table.entries.size()) +
                                    ": size must be a positive int up to 2**62, got " + std::string(py::repr(size)));
-      slot.size = static_cast<std::size_t>(*size_value);
-      if (offset.is_none()) {
-        slot.offset = -1;
-      } else if (offset_value && *offset_value >= 0) {
-        slot.offset = *offset_value;
-      } else {
-        throw core::AllocatorError("memo allocator: table " + name + " entry " + std::to_string(slots.size()) +
-                                   ": offset must be an int >= 0 or None, got " + std::string(py::repr(offset)));
+      e.size = *size_value;
+      if (!offset.is_none()) {
+        const auto offset_value = int64_of(offset);
+        if (!offset_value)
+          throw core::AllocatorError("memo allocator: table " + name + " entry " +
+                                     std::to_string(table.entries.size()) +
+                                     ": offset must be an int >= 0 or None, got " + std::string(py::repr(offset)));
+        e.offset = *offset_value;
+        e.planned = true;
       }
-      slots.push_back(slot);
+      table.entries.push_back(e);
     }
-    out.emplace(std::move(name), std::move(slots));
+    out.push_back(std::move(table));
   }
   return out;
+}
+
+std::int64_t peak_from_python(const py::object& peak) {
+  const auto value = int64_of(peak);
+  if (!value)
+    throw core::AllocatorError("memo allocator: plan peak must be an int >= 0 and below 2**62 (bytes), got " +
+                               std::string(py::repr(peak)));
+  return *value;
 }
 
 py::object deviation_obj(const core::Deviation& dev) {
@@ -216,8 +228,8 @@ void bind_stream_test_harness(py::module_& sub) {
            py::arg("fallback_limit") = 0)
       .def(
           "load_plan",
-          [](StreamTestHarness& h, const py::dict& tables, std::size_t peak) {
-            h.alloc.load_plan(tables_from_python(tables), peak);
+          [](StreamTestHarness& h, const py::dict& tables, const py::object& peak) {
+            h.alloc.load_plan(tables_from_python(tables), peak_from_python(peak));
           },
           py::arg("tables"), py::arg("peak"))
       .def(
@@ -272,11 +284,7 @@ void bind_allocator(py::module_& m) {
       .def(
           "load_plan",
           [](PlannedAllocator& a, const py::dict& tables, const py::object& peak) {
-            const auto value = int64_of(peak);
-            if (!value || *value < 0)
-              throw core::AllocatorError("memo allocator: plan peak must be an int >= 0, got " +
-                                         std::string(py::repr(peak)));
-            a.load_plan(tables_from_python(tables), static_cast<std::size_t>(*value));
+            a.load_plan(tables_from_python(tables), peak_from_python(peak));
           },
           py::arg("tables"), py::arg("peak"))
       .def("unload_plan", &PlannedAllocator::unload_plan)
@@ -329,6 +337,14 @@ void bind_allocator(py::module_& m) {
   sub.def("uninstall_cpu", &cpu::uninstall_cpu_allocator, "Restore PyTorch's previous CPU allocator.");
   sub.def("cpu_installed", &cpu::cpu_allocator_installed);
   sub.attr("BLOCK_ALIGNMENT") = core::kBlockAlignment;
+  sub.def(
+      "check_plan",
+      [](const py::dict& tables, const py::object& peak) {
+        core::check_plan(tables_from_python(tables), peak_from_python(peak));
+      },
+      py::arg("tables"), py::arg("peak"),
+      "Check plan tables and their peak as load_plan does, loading nothing: AllocatorError naming the bad "
+      "entry (NOTE [Plan tables are checked in the core]).");
   sub.def("stat_names", &stat_names,
           "The names of the counters stats() reports, in the core's order (NOTE [Stat names]); "
           "'fallback.x' is stats()['fallback']['x'].");

@@ -164,6 +164,7 @@ def planned(
     if fallback_limit is not None and (not isinstance(fallback_limit, int) or fallback_limit < 0):
         raise MemoError(f"memo.allocator: fallback_limit must be an int >= 0 or None, got {fallback_limit!r}")
     backend = backend_for(device)
+    backend.check_plan(tables, arena)  # before anything changes: the core's check, as load_plan makes it
     _claim(backend, "planned")
     try:
         backend.prepare()

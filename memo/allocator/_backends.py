@@ -42,6 +42,10 @@ class Backend(abc.ABC):
     """The one device this backend serves (``cuda:N`` for CUDA, every CPU tensor for ``cpu``)."""
 
     @abc.abstractmethod
+    def check_plan(self, tables: PhaseTables, peak: int) -> None:
+        """Check the tables as :meth:`load_plan` would, loading nothing (the core's check: NOTE [Plan
+        tables are checked in the core] in csrc/core/planned_allocator.h); MemoError with its message."""
+    @abc.abstractmethod
     def load_plan(self, tables: PhaseTables, peak: int) -> None: ...
     @abc.abstractmethod
     def unload_plan(self) -> None: ...
@@ -95,6 +99,10 @@ class CpuBackend(Backend):
 
         self._mod = _C.allocator
         self._core = _C.allocator.cpu_allocator()
+
+    def check_plan(self, tables: PhaseTables, peak: int) -> None:
+        with _as_memo_error():
+            self._mod.check_plan(tables, peak)
 
     def load_plan(self, tables: PhaseTables, peak: int) -> None:
         with _as_memo_error():
@@ -193,8 +201,12 @@ def _load_cuda_library() -> ctypes.CDLL:
     sigs: dict[str, tuple[Any, list[Any]]] = {
         "memo_cuda_last_error": (c.c_char_p, []),
         "memo_cuda_runtime_version": (c.c_int, []),
+        "memo_cuda_check_plan": (c.c_int, [c.c_int, c.POINTER(c.c_char_p), c.POINTER(c.c_int64),
+                                           c.POINTER(c.c_int64), c.POINTER(c.c_int64), c.POINTER(c.c_uint8),
+                                           c.c_int64]),
         "memo_cuda_load_plan": (c.c_int, [c.c_int, c.c_int, c.POINTER(c.c_char_p), c.POINTER(c.c_int64),
-                                          c.POINTER(c.c_uint64), c.POINTER(c.c_int64), c.c_uint64]),
+                                          c.POINTER(c.c_int64), c.POINTER(c.c_int64), c.POINTER(c.c_uint8),
+                                          c.c_int64]),
         "memo_cuda_unload_plan": (c.c_int, [c.c_int]),
         "memo_cuda_set_phase": (None, [c.c_char_p]),
         "memo_cuda_suspend_phase": (None, [c.c_int]),
@@ -238,6 +250,20 @@ def _load_cuda_library() -> ctypes.CDLL:
             )
     _cuda_lib = lib
     return lib
+
+
+def _plan_arrays(tables: PhaseTables) -> tuple[Any, ...]:
+    """The tables in the CUDA C API's flat shape: (n_phases, names, counts, sizes, offsets, planned).
+    Values pass through unchecked: the core checks them (memo_cuda_check_plan / memo_cuda_load_plan)."""
+    names = list(tables)
+    counts = [len(tables[n]) for n in names]
+    sizes = [s for n in names for s, _ in tables[n]]
+    offsets = [0 if o is None else o for n in names for _, o in tables[n]]
+    planned = [0 if o is None else 1 for n in names for _, o in tables[n]]
+    c = ctypes
+    return (len(names), (c.c_char_p * len(names))(*[n.encode() for n in names]),
+            (c.c_int64 * len(counts))(*counts), (c.c_int64 * len(sizes))(*sizes),
+            (c.c_int64 * len(offsets))(*offsets), (c.c_uint8 * len(planned))(*planned))
 
 
 def cuda_stat_names(lib: ctypes.CDLL) -> list[str]:
@@ -290,18 +316,11 @@ class CudaBackend(Backend):
             msg = (self._lib.memo_cuda_last_error() or b"").decode()
             raise MemoError(msg or f"memo.allocator: {what} failed on cuda:{self._dev}")
 
+    def check_plan(self, tables: PhaseTables, peak: int) -> None:
+        self._check(self._lib.memo_cuda_check_plan(*_plan_arrays(tables), peak), "checking the plan")
+
     def load_plan(self, tables: PhaseTables, peak: int) -> None:
-        names = list(tables)
-        counts = [len(tables[n]) for n in names]
-        sizes = [s for n in names for s, _ in tables[n]]
-        offsets = [-1 if o is None else o for n in names for _, o in tables[n]]
-        c = ctypes
-        rc = self._lib.memo_cuda_load_plan(
-            self._dev, len(names), (c.c_char_p * len(names))(*[n.encode() for n in names]),
-            (c.c_int64 * len(counts))(*counts), (c.c_uint64 * len(sizes))(*sizes),
-            (c.c_int64 * len(offsets))(*offsets), peak,
-        )
-        self._check(rc, "loading the plan")
+        self._check(self._lib.memo_cuda_load_plan(self._dev, *_plan_arrays(tables), peak), "loading the plan")
 
     def unload_plan(self) -> None:
         self._check(self._lib.memo_cuda_unload_plan(self._dev), "unloading the plan")

@@ -1,4 +1,11 @@
-"""Turn what callers pass to :func:`memo.allocator.planned` into (tables, peak)."""
+"""Turn what callers pass to :func:`memo.allocator.planned` into (tables, peak).
+
+Only the shape is handled here: which object holds the tables and the peak, and the tables as plain
+Python ints and ``None``, which is what the native allocators can take. Whether the values make a plan
+(sizes > 0, aligned offsets within the peak, byte counts below 2**62) is checked in one place, the
+native core (NOTE [Plan tables are checked in the core] in csrc/core/planned_allocator.h), whose
+message memo.allocator raises as a :class:`~memo.errors.MemoError`.
+"""
 
 from __future__ import annotations
 
@@ -6,24 +13,29 @@ from collections.abc import Mapping
 from typing import Any
 
 from memo.errors import MemoError
-from memo.units import ALIGNMENT as BLOCK_ALIGNMENT  # NOTE [Block alignment]
-from memo.units import MAX_BYTES
 
 __all__ = ["PhaseTables", "normalize_plan"]
 
 #: phase instance name -> [(size bytes, arena offset or None), ...] over request index k.
 PhaseTables = dict[str, list[tuple[int, int | None]]]
 
+_INT64 = 1 << 63  # what the native allocators take: signed 64-bit byte counts
 
-def _check_tables(tables: Any, peak: int) -> PhaseTables:
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _as_tables(tables: Any) -> PhaseTables:
+    """The tables as a dict of lists of (int, int-or-None), every int within 64 bits."""
     if not isinstance(tables, Mapping):
         raise MemoError(
             f"memo.allocator: phase tables must be a dict of phase -> list, got {type(tables).__name__}"
         )
     out: PhaseTables = {}
     for phase, entries in tables.items():
-        if not isinstance(phase, str) or not phase:
-            raise MemoError(f"memo.allocator: phase table keys must be non-empty phase names, got {phase!r}")
+        if not isinstance(phase, str):
+            raise MemoError(f"memo.allocator: phase table keys must be phase names (str), got {phase!r}")
         rows: list[tuple[int, int | None]] = []
         for k, entry in enumerate(entries):
             try:
@@ -32,31 +44,12 @@ def _check_tables(tables: Any, peak: int) -> PhaseTables:
                 raise MemoError(
                     f"memo.allocator: table {phase!r} entry {k} must be (size, offset-or-None), got {entry!r}"
                 ) from None
-            if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
-                raise MemoError(
-                    f"memo.allocator: table {phase!r} entry {k}: size must be a positive int, got {size!r}"
-                )
-            if size >= MAX_BYTES or (offset is not None and not isinstance(offset, bool)
-                                     and isinstance(offset, int) and offset >= MAX_BYTES):
-                # NOTE [Byte counts are bounded] (memo/units.py): the native allocator adds them in 64 bits.
-                raise MemoError(f"memo.allocator: table {phase!r} entry {k}: size {size} or offset {offset} "
-                                "is not below 2**62 bytes (4 EiB)")
-            if offset is not None:
-                if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
-                    raise MemoError(
-                        f"memo.allocator: table {phase!r} entry {k}: "
-                        f"offset must be an int >= 0 or None, got {offset!r}"
-                    )
-                if offset % BLOCK_ALIGNMENT:
-                    raise MemoError(
-                        f"memo.allocator: table {phase!r} entry {k}: offset {offset} is not a multiple of "
-                        f"{BLOCK_ALIGNMENT} bytes; re-plan with alignment {BLOCK_ALIGNMENT}"
-                    )
-                if offset + size > peak:
-                    raise MemoError(
-                        f"memo.allocator: table {phase!r} entry {k}: offset {offset} + size {size} = "
-                        f"{offset + size} exceeds the plan's peak of {peak} bytes"
-                    )
+            if not _is_int(size) or not -_INT64 <= size < _INT64:
+                raise MemoError(f"memo.allocator: table {phase!r} entry {k}: size must be a positive int "
+                                f"below 2**62 (bytes), got {size!r}")
+            if offset is not None and (not _is_int(offset) or not -_INT64 <= offset < _INT64):
+                raise MemoError(f"memo.allocator: table {phase!r} entry {k}: offset must be an int >= 0 "
+                                f"below 2**62 (bytes) or None, got {offset!r}")
             rows.append((size, offset))
         out[phase] = rows
     return out
@@ -83,6 +76,6 @@ def normalize_plan(plan_or_tables: Any, peak: int | None = None) -> tuple[PhaseT
         )
     if peak is None:
         raise MemoError("memo.allocator: phase tables need the arena size: pass peak=<bytes>")
-    if isinstance(peak, bool) or not isinstance(peak, int) or not 0 <= peak < MAX_BYTES:
+    if not _is_int(peak) or not -_INT64 <= peak < _INT64:
         raise MemoError(f"memo.allocator: peak must be an int >= 0 and below 2**62 (bytes), got {peak!r}")
-    return _check_tables(tables, peak), peak
+    return _as_tables(tables), peak
