@@ -56,7 +56,9 @@ def test_strategies_measurements_agree(strategies_run: tuple[dict, str]) -> None
     # Only the strategies that move activations hold host bytes.
     assert rows["none"]["host_bytes"] == 0 and rows["full-recompute"]["host_bytes"] == 0
     assert rows["full-offload"]["host_bytes"] > 0 and rows["save-on-cpu"]["host_bytes"] > 0
-    assert rows["full-offload"]["alpha"] == 1.0 and 0.0 <= rows["memo"]["alpha"] <= 1.0
+    assert rows["full-offload"]["alpha"] == 1.0
+    # Without a budget memo's policy is capped at full recompute's need: far below keeping everything.
+    assert peak["memo"] < peak["none"], peak
     assert rows["memo"]["planned"] > 0
     # The same seed and data: every strategy computes the same first loss (fp32 on CPU).
     first = rows["none"]["first_loss"]
