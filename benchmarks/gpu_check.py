@@ -33,7 +33,6 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_KIND = "memo.gpu_check"
 RESULTS_VERSION = 1
-STRATEGIES = ("none", "full-recompute", "full-offload", "memo")
 
 
 def preflight() -> int:
@@ -241,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if "train" not in args.skip:
         memo_run = None
+        from memo.train import STRATEGIES  # `memo train`'s own list (imports no torch)
+
         for strategy in STRATEGIES:
             report = work / f"train-{strategy}.json"
             c = Check(f"memo train {strategy} gpt-125m {seq} bf16",
