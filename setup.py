@@ -7,16 +7,30 @@ Builds three native pieces:
   pybind11 package's headers. It links no libtorch, so ``memo.planner`` works where
   torch is not installed (NOTE [A torch-free planner module] in
   ``csrc/planner/module.cpp``). Always built, with or without torch.
-* ``memo._C`` -- a torch C++ extension (pybind11, ninja) holding the
-  backend-neutral core (plan lookup, arena, fallback allocator, trace logging,
-  rounding buffers) and the CPU backend: every other C++ source under ``csrc/``.
-  Built when torch is installed; without torch, setup.py says so and builds the
-  planner alone (CI checks that ``memo.planner`` makes plans there).
+* ``libmemo_core.a`` (in the build directory, not installed) -- the
+  backend-neutral allocator core (plan lookup, arena, fallback allocator,
+  stream ordering, trace logging, stats): ``csrc/core/*.cpp`` but the
+  planner's ``dsa_*.cpp``. Plain C++17, no torch or CUDA headers; compiled
+  once, with the compiler the extensions use, and linked into both binaries
+  below (NOTE [The core is built once]).
+* ``memo._C`` -- a torch C++ extension (pybind11, ninja) holding the CPU
+  backend, the rounding buffers' copy worker and the bindings (every other C++
+  source under ``csrc/``), linked with the core archive. Built when torch is
+  installed; without torch, setup.py says so and builds the planner alone (CI
+  checks that ``memo.planner`` makes plans there).
 * ``memo/_lib/libmemo_cuda.so`` -- the CUDA backend as a standalone shared
-  library compiled with plain ``nvcc``. It needs no torch headers (the
-  functions ``torch.cuda.memory.CUDAPluggableAllocator`` loads are plain C),
-  so it also builds against a CPU-only torch when asked to (``MEMO_BUILD_CUDA=1``);
-  CI uses that to check that the CUDA sources compile and link.
+  library: ``csrc/cuda/*.cu`` compiled with plain ``nvcc`` and linked with the
+  core archive. It needs no torch headers (the functions
+  ``torch.cuda.memory.CUDAPluggableAllocator`` loads are plain C), so it also
+  builds against a CPU-only torch when asked to (``MEMO_BUILD_CUDA=1``); CI uses
+  that to check that the CUDA sources compile and link.
+
+NOTE [The core is built once]
+Both binaries reach the core through its C++ API (``core/*.h``): ``memo._C``
+through pybind, the CUDA library through its ``extern "C"`` functions. The core
+is one set of objects, archived and linked into each, never a ``.cpp`` that
+another file ``#include``s (tests/test_cuda_build.py checks). Each binary
+holds its own copy of the archive's code, which is why visibility matters:
 
 All are compiled with hidden symbol visibility: the core's C++ symbols stay
 private to each binary (each extension exports its ``PyInit_*``, which
@@ -128,15 +142,42 @@ NVCC, CUDA_VERSION = _cuda_plan()
 # The planner's sources: its binding and the core files it runs (the exact DSA search).
 PLANNER_SOURCES = sorted(glob.glob(os.path.join("csrc", "planner", "*.cpp"))
                          + glob.glob(os.path.join("csrc", "core", "dsa_*.cpp")))
+# The allocator core, archived once and linked into memo._C and the CUDA library
+# (NOTE [The core is built once]).
+CORE_SOURCES = sorted(p for p in glob.glob(os.path.join("csrc", "core", "*.cpp")) if p not in PLANNER_SOURCES)
+CORE_FLAGS = ["-O2", "-std=c++17", HIDDEN]
 
 
 class BuildWithCuda(BuildExtension if HAVE_TORCH else build_ext):
-    """torch's BuildExtension (plain build_ext without torch), plus the standalone CUDA backend library."""
+    """torch's BuildExtension (plain build_ext without torch), plus the core archive both native
+    backends link (NOTE [The core is built once]) and the standalone CUDA backend library."""
+
+    core_archive: str | None = None
+
+    def build_extensions(self) -> None:
+        if HAVE_TORCH:
+            self.core_archive = self._build_core_archive()
+            for ext in self.extensions:
+                if ext.name == "memo._C":
+                    ext.extra_objects = [*ext.extra_objects, self.core_archive]
+                    ext.depends = [*ext.depends, self.core_archive]  # relink when the core changes
+        super().build_extensions()
 
     def run(self) -> None:
         super().run()
         if NVCC is not None:
             self._build_cuda_library()
+
+    def _build_core_archive(self) -> str:
+        # The extensions' own compiler (before BuildExtension hands it to ninja), so both binaries get
+        # the same objects; -fPIC comes with it, as the archive goes into shared objects.
+        out_dir = os.path.join(self.build_temp, "memo_core")
+        objects = self.compiler.compile(CORE_SOURCES, output_dir=out_dir,
+                                        include_dirs=[os.path.join(ROOT, "csrc")], extra_postargs=CORE_FLAGS)
+        self.compiler.create_static_lib(objects, "memo_core", output_dir=out_dir)
+        archive = os.path.join(out_dir, self.compiler.library_filename("memo_core"))
+        _log(f"core: {len(objects)} objects archived in {archive}, linked into memo._C and the CUDA library")
+        return archive
 
     def _build_cuda_library(self) -> None:
         sources = sorted(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))
@@ -155,7 +196,8 @@ class BuildWithCuda(BuildExtension if HAVE_TORCH else build_ext):
             os.makedirs(out_dir, exist_ok=True)
             target = os.path.join(out_dir, "libmemo_cuda.so")
             cmd = [NVCC, "-O2", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-Xcompiler", HIDDEN,
-                   "-cudart", "shared", f"-I{os.path.join(ROOT, 'csrc')}", *gencode, *sources, "-o", target]
+                   "-cudart", "shared", f"-I{os.path.join(ROOT, 'csrc')}", *gencode, *sources,
+                   self.core_archive, "-o", target]
             _log("nvcc: " + " ".join(cmd))
             subprocess.run(cmd, check=True)
 
@@ -173,10 +215,12 @@ def _planner_extension() -> Extension:
 
 def _torch_extension() -> CppExtension:
     # Every other C++ source under csrc/: not the CUDA backend, which is its own library, nor the
-    # planner's, which are their own module.
+    # planner's, which are their own module, nor the core's, which come as the archive
+    # (BuildWithCuda.build_extensions).
     sources = sorted(
         p for p in glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True)
-        if not p.startswith(os.path.join("csrc", "cuda")) and p not in PLANNER_SOURCES
+        if not p.startswith(os.path.join("csrc", "cuda"))
+        and p not in PLANNER_SOURCES and p not in CORE_SOURCES
     )
     defines = [("MEMO_VERSION", f'"{VERSION}"'), ("MEMO_CUDA_VERSION", f'"{CUDA_VERSION}"')]
     if NVCC is not None:

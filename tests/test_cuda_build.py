@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import glob
 import os
+import re
 import shutil
 import subprocess
 
@@ -38,6 +39,24 @@ EXPORTS = (
 )
 
 
+def core_sources() -> list[str]:
+    """What setup.py archives as the core: csrc/core/*.cpp but the planner's dsa_*.cpp."""
+    return sorted(p for p in glob.glob(os.path.join(ROOT, "csrc", "core", "*.cpp"))
+                  if not os.path.basename(p).startswith("dsa_"))
+
+
+def test_no_source_includes_another_cpp() -> None:
+    """NOTE [The core is built once] (setup.py): the core is linked, never #include'd as a .cpp/.cu."""
+    offenders = []
+    for path in glob.glob(os.path.join(ROOT, "csrc", "**", "*.*"), recursive=True):
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if re.match(r'\s*#\s*include\s*["<][^">]*\.(cpp|cc|cu)[">]', line):
+                    offenders.append(f"{os.path.relpath(path, ROOT)}:{n}: {line.strip()}")
+    assert not offenders, offenders
+    assert "planned_allocator.cpp" in {os.path.basename(p) for p in core_sources()}
+
+
 def exported(path: str) -> set[str]:
     cmd = [NM or "nm", "-D", "--defined-only", path]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
@@ -46,9 +65,10 @@ def exported(path: str) -> set[str]:
 
 @pytest.fixture(scope="module")
 def fresh_library(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """Compile the current sources (one architecture, to keep it quick) exactly as setup.py does."""
+    """Compile the current sources (one architecture, to keep it quick) with setup.py's flags; the core's
+    sources go in as their own translation units, as setup.py's core archive does."""
     out = str(tmp_path_factory.mktemp("cuda") / "libmemo_cuda.so")
-    sources = sorted(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))
+    sources = sorted(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu"))) + core_sources()
     cmd = [NVCC, "-O2", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden",
            "-cudart", "shared",
            f"-I{os.path.join(ROOT, 'csrc')}", "-gencode", "arch=compute_90,code=sm_90", *sources, "-o", out]

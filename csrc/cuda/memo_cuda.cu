@@ -3,9 +3,10 @@
 // torch.cuda.memory.CUDAPluggableAllocator(path, "memo_malloc", "memo_free"),
 // plus a small C API that memo.allocator calls through ctypes.
 //
-// The backend-neutral core is plain C++17; it is compiled into this library
-// from its own sources (included below) so the extension (memo._C) and this
-// library share code without sharing an object file or torch headers.
+// The backend-neutral core is plain C++17, compiled once into an archive
+// that this library and the extension (memo._C) both link (NOTE [The core is
+// built once] in setup.py); this file reaches it through its headers, as the
+// pybind glue does, and shares no torch headers with the extension.
 //
 // NOTE [CUDA streams and frees]
 // PyTorch's pluggable allocator hands memo_malloc the stream of the
@@ -53,9 +54,9 @@
 // torch.cuda.empty_cache() does not reach us: use memo.allocator.stats()
 // and memo.allocator.empty_cache("cuda").
 //
-// Symbols: the library is built with -fvisibility=hidden (setup.py), so the
-// core compiled in stays private and only the C API below, marked
-// MEMO_CUDA_API, is exported.
+// Symbols: the library and the core archive are built with
+// -fvisibility=hidden (setup.py), so the core linked in stays private and only
+// the C API below, marked MEMO_CUDA_API, is exported.
 #include <cuda_runtime.h>
 
 #include <sys/types.h>
@@ -70,9 +71,8 @@
 #include <string>
 #include <vector>
 
-#include "core/fallback_allocator.cpp"
-#include "core/planned_allocator.cpp"
-#include "core/stream_order.cpp"
+#include "core/alloc_backend.h"
+#include "core/planned_allocator.h"
 
 #define MEMO_CUDA_API __attribute__((visibility("default")))
 
