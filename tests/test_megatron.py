@@ -209,6 +209,25 @@ def test_core_attention_accepts_the_defaults_and_refuses_what_it_cannot_do() -> 
         core(q, q, q, None, inference_context=object())
 
 
+def test_a_core_attention_memo_would_not_run_is_refused() -> None:
+    """NOTE [Only memo's core attention]: a layer built with megatron's own core attention (here with
+    a sliding window, whose result differs from causal attention) is refused by memo.wrap, naming
+    the class and the fix, and the layer is left as it was; memo's spec wraps and runs."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    cfg = _config(n_layers=2)
+    cfg.window_size = (3, 0)
+    block = TransformerBlock(cfg, spec=get_gpt_layer_local_spec())
+    # (megatron's windowed attention runs on CUDA only: the refusal comes before any forward)
+    with pytest.raises(MemoError, match=r"core attention is DotProductAttention, which memo would not run.*"
+                                        r"get_memo_gpt_layer_local_spec"):
+        mr.wrap(block, alpha=0.5)
+    assert not mr.is_wrapped(block)
+    ok = TransformerBlock(_config(n_layers=2), spec=get_memo_gpt_layer_local_spec())
+    mr.wrap(ok, alpha=0.5)
+    assert mr.is_wrapped(ok)
+
+
 def test_layer_offload_bytes_are_linear_in_offloaded_tokens() -> None:
     """alpha = 0 moves the input, the attention output and its log-sum-exp; more alpha moves
     proportionally more; alpha = 1 moves at most what autograd keeps (tests/test_offload_bytes.py)."""

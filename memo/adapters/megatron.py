@@ -179,6 +179,17 @@ class MegatronLayerAdapter(LayerAdapter):
             problems.append(f"its attention mask type is {layer.self_attention.attn_mask_type}")
         if not hasattr(layer.self_attention, "get_query_key_value_tensors"):
             problems.append("its self attention has no get_query_key_value_tensors")
+        core = getattr(layer.self_attention, "core_attention", None)
+        if not isinstance(core, MemoCoreAttention):
+            # NOTE [Only memo's core attention]: memo computes attention itself (causal softmax,
+            # 1/sqrt(head_dim), the log-sum-exp its backward needs) and never calls the layer's
+            # core attention; with any other one the wrapped layer would silently compute something
+            # else (a sliding window, context parallelism, another scale or mask).
+            problems.append(
+                f"its core attention is {type(core).__name__}, which memo would not run (memo computes "
+                "causal attention itself; with another core attention the layer would silently compute "
+                "something else). Build the layers with get_memo_gpt_layer_local_spec(), or convert the "
+                "spec with use_memo_core_attention(spec), where causal attention is what the layer computes")
         if problems:
             raise MemoError(f"{where}: cannot be split into pre/core/post because " + "; ".join(problems))
 
