@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memo.adapters._lazy import load_qualified
 from memo.errors import MemoError
 
 __all__ = ["LayerAdapter", "AnatomyAdapter", "register_adapter", "unregister_adapter", "find_adapter",
@@ -209,13 +210,7 @@ def _load(key: str, entry: LayerAdapter | str) -> LayerAdapter:
         return entry
     adapter = _LOADED.get(entry)
     if adapter is None:
-        module, _, attribute = entry.partition(":")
-        try:
-            adapter = getattr(importlib.import_module(module), attribute)
-        except (ImportError, AttributeError) as err:
-            raise MemoError(f"memo.adapters: the layer adapter {entry!r} registered for {key} cannot be "
-                            f"loaded ({err})") from None
-        adapter = adapter() if isinstance(adapter, type) else adapter
+        adapter = load_qualified(entry, "layer adapter", key)
         if not isinstance(adapter, LayerAdapter):
             raise MemoError(f"memo.adapters: {entry!r} (registered for {key}) is a {type(adapter).__name__}, "
                             "not a LayerAdapter")

@@ -23,12 +23,12 @@ walks the model's class hierarchy and loads the adapter the first time it is ask
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from memo.adapters._lazy import load_qualified
 from memo.errors import MemoError
 
 __all__ = ["MemoModelAdapter", "ModelAdapter", "ModelParts", "find_model_adapter", "model_adapter_for",
@@ -115,13 +115,7 @@ def registered_model_adapters() -> dict[str, ModelAdapter | str]:
 def _load(key: str, entry: ModelAdapter | str) -> ModelAdapter:
     if isinstance(entry, ModelAdapter):
         return entry
-    module, _, attribute = entry.partition(":")
-    try:
-        adapter = getattr(importlib.import_module(module), attribute)
-    except (ImportError, AttributeError) as err:
-        raise MemoError(f"memo.adapters: the model adapter {entry!r} registered for {key} cannot be loaded "
-                        f"({err})") from None
-    adapter = adapter() if isinstance(adapter, type) else adapter
+    adapter = load_qualified(entry, "model adapter", key)
     _REGISTRY[key] = adapter
     return adapter
 
