@@ -38,6 +38,7 @@ import time
 import warnings
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from memo.errors import MemoError
@@ -282,21 +283,35 @@ def _describe_difference(sig: tuple, ref: tuple) -> str:
     return f"the pass has {len(sig)} events where the others have {len(ref)}"
 
 
-def plan_bilevel(trace: Trace | Mapping[str, Any], *, time_limit: float = 60.0, solver: str = "cbc",
-                 threads: int = 2, use_mip: bool = True, progress: bool | None = None,
-                 outliving_to_fallback: bool = False, capacity: int | None = None) -> Plan:
-    """Bi-level plan (see NOTE [Bi-level plan]) within about ``time_limit`` seconds in all: every
-    solve gets an equal share of the time left. ``outliving_to_fallback`` as in :func:`plan_heuristic`:
-    allocations never freed are skeletal, so they are level-2 items, and those are left out."""
-    t = _as_trace(trace)
-    t0 = time.perf_counter()
-    left_out = _left_out(t, outliving_to_fallback)
+@dataclass
+class _Level1:
+    """What the level-1 solves hand to level 2 (NOTE [Bi-level plan]); offsets relative to a block."""
+
+    #: Layer kind -> the shared solution's offsets (bytes) of each allocation of the pass (None: skeletal).
+    level1: dict[str, list[int | None]] = field(default_factory=dict)
+    #: Layer kind -> the shared solution's peak (bytes).
+    level1_peak: dict[str, int] = field(default_factory=dict)
+    #: Phase instance -> its block height (units).
+    block_height: dict[str, int] = field(default_factory=dict)
+    #: Phases planned on their own -> their relative offsets (units).
+    own_offsets: dict[str, list[int | None]] = field(default_factory=dict)
+
+    def relative_units(self, phase: str) -> list[int | None]:
+        """The offsets (units) of ``phase``'s allocations within its block: its own or its kind's."""
+        if phase in self.own_offsets:
+            return self.own_offsets[phase]
+        return [None if o is None else o // ALIGNMENT for o in self.level1[phase_kind(phase)]]
+
+
+def _layer_passes(t: Trace, notes: list[str]) -> tuple[dict[str, list[Allocation]], dict[str, list[str]]]:
+    """Each phase's allocations, and per layer kind the passes planned as blocks: those run once
+    that have transients. A pass interrupted by other phases is noted in ``notes``; its
+    allocations are planned as individual items."""
     by_phase: dict[str, list[Allocation]] = {}
     for a in t.allocations:
         if a.phase is not None:
             by_phase.setdefault(a.phase, []).append(a)
     run_count = Counter(r.phase for r in t.runs if r.phase is not None)
-    notes: list[str] = []
     layered: dict[str, list[str]] = {k: [] for k in LAYER_KINDS}
     for phase in by_phase:
         kind = phase_kind(phase)
@@ -308,21 +323,16 @@ def plan_bilevel(trace: Trace | Mapping[str, Any], *, time_limit: float = 60.0, 
             continue
         if any(a.transient for a in by_phase[phase]):
             layered[kind].append(phase)
-    if not any(layered.values()):
-        plan = _flat(t, use_mip=use_mip, time_limit=time_limit, solver=solver, threads=threads,
-                     progress=progress, outliving_to_fallback=outliving_to_fallback, capacity=capacity)
-        plan.warnings.extend(notes)
-        return plan
+    return by_phase, layered
 
-    signatures = {p: _phase_events(t, by_phase[p]) for ps in layered.values() for p in ps}
-    level1: dict[str, list[int | None]] = {}
-    level1_peak: dict[str, int] = {}
-    block_height: dict[str, int] = {}  # phase instance -> block height (units)
-    own_offsets: dict[str, list[int | None]] = {}  # phases planned on their own: relative offsets (units)
+
+def _share_passes(layered: dict[str, list[str]], signatures: dict[str, tuple[tuple, list[Item]]],
+                  notes: list[str]) -> tuple[dict[str, list[str]], list[tuple[str, str, str]]]:
+    """Which passes share one level-1 solution (those with their kind's most common signature), and
+    the level-1 solves to run as (kind, key, sample phase): key is the kind for the shared solution,
+    or the phase for a pass that differs, which is warned about and noted in ``notes``."""
     shared: dict[str, list[str]] = {}
-    stats: dict[str, Any] = {}
-    # Which passes share one level-1 solution, and which differ and are planned on their own.
-    all_groups: list[tuple[str, str, str]] = []  # (kind, key, sample phase)
+    all_groups: list[tuple[str, str, str]] = []
     for kind, phases in layered.items():
         if not phases:
             continue
@@ -333,15 +343,26 @@ def plan_bilevel(trace: Trace | Mapping[str, Any], *, time_limit: float = 60.0, 
             if signatures[p][0] != ref_sig:
                 msg = (f"memo.planner: phase {p} differs from the other {kind} passes "
                        f"({_describe_difference(signatures[p][0], ref_sig)}); it is planned on its own")
-                warnings.warn(msg, stacklevel=2)
+                # stacklevel 3: the warning points at plan_bilevel's caller.
+                warnings.warn(msg, stacklevel=3)
                 notes.append(msg)
         all_groups += [(kind, kind, shared[kind][0])]
         all_groups += [(kind, p, p) for p in phases if signatures[p][0] != ref_sig]
-    # time_limit is for the whole plan: every solve (level 1 groups, then level 2) gets an equal
-    # share of what is left, so a trace with many distinct passes still plans in time.
-    deadline = t0 + time_limit
+    return shared, all_groups
+
+
+def _solve_level1(all_groups: list[tuple[str, str, str]], by_phase: dict[str, list[Allocation]],
+                  signatures: dict[str, tuple[tuple, list[Item]]], shared: dict[str, list[str]],
+                  stats: dict[str, Any], bar: Any, *, deadline: float, use_mip: bool, solver: str,
+                  threads: int) -> _Level1:
+    """Solve each level-1 group's transients on the pass's own event order; record each solve in
+    ``stats`` and tick ``bar``.
+
+    time_limit is for the whole plan: every solve (level 1 groups, then level 2) gets an equal
+    share of what is left, so a trace with many distinct passes still plans in time.
+    """
+    lv = _Level1()
     n_left = len(all_groups) + 1
-    bar = _progress(n_left, "memo plan", progress)
     for kind, key, sample in all_groups:
         allocs = by_phase[sample]
         items = signatures[sample][1]
@@ -359,27 +380,33 @@ def plan_bilevel(trace: Trace | Mapping[str, Any], *, time_limit: float = 60.0, 
         stats[f"level1 {key}"] = info
         bar.update(1)
         if key == kind:
-            level1[kind] = [None if o is None else o * ALIGNMENT for o in rel]
-            level1_peak[kind] = result.peak * ALIGNMENT
+            lv.level1[kind] = [None if o is None else o * ALIGNMENT for o in rel]
+            lv.level1_peak[kind] = result.peak * ALIGNMENT
             for p in shared[kind]:
-                block_height[p] = result.peak
+                lv.block_height[p] = result.peak
         else:
-            own_offsets[key] = rel
-            block_height[key] = result.peak
+            lv.own_offsets[key] = rel
+            lv.block_height[key] = result.peak
+    return lv
 
-    # Level 2 (NOTE [Bi-level plan]): each layer pass is a block, as a rectangle and as its exact
-    # shape; every other allocation is an item of its own. Both are placed; the lower peak wins.
-    blocked = sorted(block_height, key=lambda p: by_phase[p][0].index)
+
+def _level2_items(t: Trace, by_phase: dict[str, list[Allocation]], lv: _Level1,
+                  left_out: frozenset[int] | None
+                  ) -> tuple[list[list[tuple[int, Item]]], list[Item], list[tuple[str, Any]]]:
+    """Level 2's instance (NOTE [Bi-level plan]): each layer pass as a block, both as a group of its
+    transients at their relative offsets (its shape) and as one rectangle item; every other
+    allocation not left out as an item (and a group) of its own. Returns the groups, the
+    rectangle items and each one's owner: ("block", phase) or ("alloc", allocation index)."""
+    blocked = sorted(lv.block_height, key=lambda p: by_phase[p][0].index)
     groups: list[list[tuple[int, Item]]] = []
     items2: list[Item] = []
     owner: list[tuple[str, Any]] = []  # ("block", phase) or ("alloc", allocation index)
     for p in blocked:
-        rel_units = own_offsets[p] if p in own_offsets else \
-            [None if o is None else o // ALIGNMENT for o in level1[phase_kind(p)]]
+        rel_units = lv.relative_units(p)
         members = [(r, Item(_units(a.size), a.start, a.end))
                    for a, r in zip(by_phase[p], rel_units, strict=True) if r is not None]
         groups.append(members)
-        items2.append(Item(block_height[p], min(it.start for _, it in members),
+        items2.append(Item(lv.block_height[p], min(it.start for _, it in members),
                            max(it.end for _, it in members)))
         owner.append(("block", p))
     blocked_set = set(blocked)
@@ -390,7 +417,14 @@ def plan_bilevel(trace: Trace | Mapping[str, Any], *, time_limit: float = 60.0, 
         groups.append([(0, item)])
         items2.append(item)
         owner.append(("alloc", a.index))
-    bar.set_postfix_str(f"level 2 ({len(items2)} items)")
+    return groups, items2, owner
+
+
+def _solve_level2(groups: list[list[tuple[int, Item]]], items2: list[Item], *, deadline: float,
+                  use_mip: bool, solver: str, threads: int, capacity: int | None
+                  ) -> tuple[DSAResult, dict[str, Any]]:
+    """Place the level-2 blocks as shapes and as rectangles (NOTE [Bi-level plan]) and keep the
+    lower peak; returns that placement and its record for the plan's stats."""
     shaped = greedy_groups(groups)
     members_lb = _units_lower_bound(expand_groups(groups, shaped.offsets)[0])
     rect_lb = _units_lower_bound(items2)
@@ -413,24 +447,63 @@ def plan_bilevel(trace: Trace | Mapping[str, Any], *, time_limit: float = 60.0, 
     info2 = _record(result2, members_lb if use_shapes else rect_lb)
     info2.update(items=len(items2), shapes=use_shapes, shaped_peak=shaped.peak * ALIGNMENT,
                  rectangle_peak=rect.peak * ALIGNMENT)
-    stats["level2"] = info2
-    bar.update(1)
-    bar.close()
+    return result2, info2
 
+
+def _bilevel_offsets(t: Trace, by_phase: dict[str, list[Allocation]], lv: _Level1,
+                     owner: list[tuple[str, Any]], placed: Sequence[int]
+                     ) -> tuple[list[int | None], dict[str, int]]:
+    """Every allocation's offset (bytes) from level 2's placement (units) of blocks and items, and
+    the base offset (bytes) of each block that shares its kind's level-1 solution."""
     offsets: list[int | None] = [None] * len(t.allocations)
     level2: dict[str, int] = {}
-    for (what, key), off in zip(owner, result2.offsets, strict=True):
+    for (what, key), off in zip(owner, placed, strict=True):
         if what == "alloc":
             offsets[key] = off * ALIGNMENT
             continue
-        if key in own_offsets:
-            rel = own_offsets[key]
-        else:
+        if key not in lv.own_offsets:
             level2[key] = off * ALIGNMENT
-            rel = [None if o is None else o // ALIGNMENT for o in level1[phase_kind(key)]]
-        for a, r in zip(by_phase[key], rel, strict=True):
+        for a, r in zip(by_phase[key], lv.relative_units(key), strict=True):
             if r is not None:
                 offsets[a.index] = (off + r) * ALIGNMENT
+    return offsets, level2
+
+
+def plan_bilevel(trace: Trace | Mapping[str, Any], *, time_limit: float = 60.0, solver: str = "cbc",
+                 threads: int = 2, use_mip: bool = True, progress: bool | None = None,
+                 outliving_to_fallback: bool = False, capacity: int | None = None) -> Plan:
+    """Bi-level plan (see NOTE [Bi-level plan]) within about ``time_limit`` seconds in all: every
+    solve gets an equal share of the time left. ``outliving_to_fallback`` as in :func:`plan_heuristic`:
+    allocations never freed are skeletal, so they are level-2 items, and those are left out."""
+    t = _as_trace(trace)
+    t0 = time.perf_counter()
+    left_out = _left_out(t, outliving_to_fallback)
+    notes: list[str] = []
+    by_phase, layered = _layer_passes(t, notes)
+    if not any(layered.values()):
+        plan = _flat(t, use_mip=use_mip, time_limit=time_limit, solver=solver, threads=threads,
+                     progress=progress, outliving_to_fallback=outliving_to_fallback, capacity=capacity)
+        plan.warnings.extend(notes)
+        return plan
+
+    signatures = {p: _phase_events(t, by_phase[p]) for ps in layered.values() for p in ps}
+    shared, all_groups = _share_passes(layered, signatures, notes)
+    stats: dict[str, Any] = {}
+    deadline = t0 + time_limit
+    bar = _progress(len(all_groups) + 1, "memo plan", progress)
+    lv = _solve_level1(all_groups, by_phase, signatures, shared, stats, bar, deadline=deadline,
+                       use_mip=use_mip, solver=solver, threads=threads)
+
+    # Level 2 (NOTE [Bi-level plan]): each layer pass is a block, as a rectangle and as its exact
+    # shape; every other allocation is an item of its own. Both are placed; the lower peak wins.
+    groups, items2, owner = _level2_items(t, by_phase, lv, left_out)
+    bar.set_postfix_str(f"level 2 ({len(items2)} items)")
+    result2, stats["level2"] = _solve_level2(groups, items2, deadline=deadline, use_mip=use_mip,
+                                             solver=solver, threads=threads, capacity=capacity)
+    bar.update(1)
+    bar.close()
+
+    offsets, level2 = _bilevel_offsets(t, by_phase, lv, owner, result2.offsets)
     fallback = any(s.get("heuristic_fallback") for s in stats.values())
     solver_info = {
         "kind": "bilevel",
@@ -438,11 +511,11 @@ def plan_bilevel(trace: Trace | Mapping[str, Any], *, time_limit: float = 60.0, 
         "seconds": round(time.perf_counter() - t0, 3),
         "heuristic_fallback": fallback,
         "shared_phases": {k: len(v) for k, v in shared.items()},
-        "own_phases": sorted(own_offsets),
+        "own_phases": sorted(lv.own_offsets),
         "stages": stats,
     }
-    return _finish(t, offsets, solver_info, left_out=left_out, level1=level1, level1_peak=level1_peak,
-                   level2=level2, warnings=notes)
+    return _finish(t, offsets, solver_info, left_out=left_out, level1=lv.level1,
+                   level1_peak=lv.level1_peak, level2=level2, warnings=notes)
 
 
 # NOTE [Allocations that outlive the iteration]
