@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from . import solvers
 from .dsa import (
@@ -164,6 +165,77 @@ def _neighbourhood_mip(items: Sequence[Item], offsets: list[int], free: list[int
     return [int(round(x[i].varValue)) for i in free]
 
 
+def _restart(items: Sequence[Item], arrays: tuple, order: list[int], order_peak: int, offsets: list[int],
+             peak: int, rng: Any) -> tuple[list[int], int, list[int], int, int]:
+    """A new starting point for the search once its neighbourhoods look exhausted.
+
+    NOTE [Restarts]: the neighbourhoods around this placement look exhausted. A hill
+    climb on the greedy's placement order (move a few items earlier) gives the search
+    a new starting point whenever it is at least as good as the current placement.
+    Returns the (possibly better) order and its peak, the placement and its peak, and
+    the number of orders tried.
+    """
+    size_a, start_a, end_a = arrays
+    n = len(items)
+    tries = 0
+    for _ in range(40):
+        # Hill-climb on the greedy's placement order: move a few items earlier.
+        cand = list(order)
+        for _ in range(rng.randint(1, 3)):
+            a = rng.randrange(n)
+            item = cand.pop(a)
+            cand.insert(rng.randrange(a + 1), item)
+        cand_offsets, cand_peak = _greedy_order(items, cand, size_a, start_a, end_a)
+        tries += 1
+        if cand_peak <= order_peak:
+            order, order_peak = cand, cand_peak
+        if cand_peak <= peak:
+            offsets, peak = cand_offsets, cand_peak
+            break
+    return order, order_peak, offsets, peak, tries
+
+
+def _window(items: Sequence[Item], offsets: list[int], peak: int, neighbours: list[list[int]], window: int,
+            column: bool, rng: Any) -> list[int]:
+    """The items freed in one neighbourhood: a random item at the peak and about ``window`` of its
+    neighbours, chosen as a column (``column``) or from its top region, then at random."""
+    critical = [i for i in range(len(items)) if offsets[i] + items[i].size == peak]
+    c = rng.choice(critical)
+    k = max(2, window - rng.randint(0, window // 3))
+    if column:
+        # A column: the items alive at one instant of the critical item's life, plus
+        # random neighbours of the critical item; a column can be re-stacked as a whole.
+        t = rng.randrange(items[c].start, items[c].end)
+        col = [j for j in neighbours[c] if items[j].start <= t < items[j].end]
+        rng.shuffle(col)
+        free = [c] + col[: k - 1]
+    else:
+        # The critical item, the neighbours sharing its top region first, then random neighbours.
+        cand = sorted(neighbours[c], key=lambda j: (-(offsets[j] + items[j].size), rng.random()))
+        free = [c] + cand[: k // 2]
+    rest = [j for j in neighbours[c] if j not in free]
+    rng.shuffle(rest)
+    free += rest[: max(0, k - len(free))]
+    return free
+
+
+def _placed_window(items: Sequence[Item], offsets: list[int], free: list[int], new: list[int],
+                   pairs: list[tuple[int, int]]) -> tuple[list[int], int] | None:
+    """The placement with the window's items at their new offsets, compacted, and its peak; None
+    when the window's new top is above its old one."""
+    old_top = max(offsets[i] + items[i].size for i in free)
+    trial = list(offsets)
+    for i, o in zip(free, new, strict=True):
+        trial[i] = o
+    new_top = max(trial[i] + items[i].size for i in free)
+    if new_top > old_top:
+        return None
+    # _compact keeps the trial's vertical order and is valid by construction, so no full
+    # placement check is needed here (the plan is validated once at the end).
+    compacted = _compact(items, trial, pairs)
+    return compacted, max(o + it.size for o, it in zip(compacted, items, strict=True))
+
+
 def mip_neighbourhoods(items: Sequence[Item], warm: DSAResult, *, time_limit: float = 60.0,
                        solver: str = "cbc", threads: int = 2, window: int = 10, seed: int = 0,
                        gap_tolerance: float = 0.0) -> DSAResult:
@@ -190,48 +262,20 @@ def mip_neighbourhoods(items: Sequence[Item], warm: DSAResult, *, time_limit: fl
         neighbours[j].append(i)
     peak = max(o + it.size for o, it in zip(offsets, items, strict=True))
     solves = improved = restarts = stuck = failures = skipped = 0
-    size_a, start_a, end_a = _arrays(items)
+    arrays = _arrays(items)
+    size_a, start_a, end_a = arrays
     order = sorted(range(n), key=lambda i: (-size_a[i], start_a[i]))
     order_peak = _greedy_order(items, order, size_a, start_a, end_a)[1]
     while peak - lb > gap_tolerance * lb and time.perf_counter() - t0 < time_limit - 0.5:
         if stuck >= 2 * window:
-            # NOTE [Restarts]: the neighbourhoods around this placement look exhausted. A hill
-            # climb on the greedy's placement order (move a few items earlier) gives the search
-            # a new starting point whenever it is at least as good as the current placement.
             stuck = 0
-            for _ in range(40):
-                # Hill-climb on the greedy's placement order: move a few items earlier.
-                cand = list(order)
-                for _ in range(rng.randint(1, 3)):
-                    a = rng.randrange(n)
-                    item = cand.pop(a)
-                    cand.insert(rng.randrange(a + 1), item)
-                cand_offsets, cand_peak = _greedy_order(items, cand, size_a, start_a, end_a)
-                restarts += 1
-                if cand_peak <= order_peak:
-                    order, order_peak = cand, cand_peak
-                if cand_peak <= peak:
-                    improved += cand_peak < peak
-                    offsets, peak = cand_offsets, cand_peak
-                    break
+            old_peak = peak
+            order, order_peak, offsets, peak, tries = _restart(items, arrays, order, order_peak, offsets,
+                                                               peak, rng)  # NOTE [Restarts]
+            restarts += tries
+            improved += peak < old_peak
             continue
-        critical = [i for i in range(n) if offsets[i] + items[i].size == peak]
-        c = rng.choice(critical)
-        k = max(2, window - rng.randint(0, window // 3))
-        if solves % 2:
-            # A column: the items alive at one instant of the critical item's life, plus
-            # random neighbours of the critical item; a column can be re-stacked as a whole.
-            t = rng.randrange(items[c].start, items[c].end)
-            column = [j for j in neighbours[c] if items[j].start <= t < items[j].end]
-            rng.shuffle(column)
-            free = [c] + column[: k - 1]
-        else:
-            # The critical item, the neighbours sharing its top region first, then random neighbours.
-            cand = sorted(neighbours[c], key=lambda j: (-(offsets[j] + items[j].size), rng.random()))
-            free = [c] + cand[: k // 2]
-        rest = [j for j in neighbours[c] if j not in free]
-        rng.shuffle(rest)
-        free += rest[: max(0, k - len(free))]
+        free = _window(items, offsets, peak, neighbours, window, bool(solves % 2), rng)
         if sum(len(neighbours[i]) for i in free) > MAX_WINDOW_PAIRS:
             # NOTE [Window size]: an item alive for the whole iteration overlaps every other one,
             # so freeing it would make a model with tens of thousands of binaries, on which CBC
@@ -239,7 +283,6 @@ def mip_neighbourhoods(items: Sequence[Item], warm: DSAResult, *, time_limit: fl
             skipped += 1
             stuck += 1
             continue
-        old_top = max(offsets[i] + items[i].size for i in free)
         budget = min(5.0, max(0.5, time_limit - (time.perf_counter() - t0) - 0.5))
         new = _neighbourhood_mip(items, offsets, free, neighbours, peak, solver, threads, budget)
         solves += 1
@@ -247,22 +290,13 @@ def mip_neighbourhoods(items: Sequence[Item], warm: DSAResult, *, time_limit: fl
         if new is None:
             failures += 1
             continue
-        trial = list(offsets)
-        for i, o in zip(free, new, strict=True):
-            trial[i] = o
-        new_top = max(trial[i] + items[i].size for i in free)
-        if new_top > old_top:
+        placed = _placed_window(items, offsets, free, new, pairs)
+        if placed is None or placed[1] > peak:
             continue
-        # _compact keeps the trial's vertical order and is valid by construction, so no full
-        # placement check is needed here (the plan is validated once at the end).
-        compacted = _compact(items, trial, pairs)
-        new_peak = max(o + it.size for o, it in zip(compacted, items, strict=True))
-        if new_peak > peak:
-            continue
-        if new_peak < peak:
+        if placed[1] < peak:
             improved += 1
             stuck = 0
-        offsets, peak = compacted, new_peak
+        offsets, peak = placed
     seconds = time.perf_counter() - t0
     optimal = peak == lb
     # Every neighbourhood solve failed: the solver does not work here, whatever the restarts found.
