@@ -34,6 +34,30 @@ def test_copy_worker_dependency_on_other_worker() -> None:
     assert torch.equal(out, a)
 
 
+def test_a_queued_job_outlives_the_worker_it_depends_on() -> None:
+    """NOTE [Copy worker lifetimes]: the job holds the other worker's progress, not the worker, and a
+    worker's destructor completes every ticket it issued before its members go."""
+    for seed in range(20):
+        slow = _C.rounding.CopyWorker("slow", 5000, seed)
+        fast = _C.rounding.CopyWorker("fast", 5000, seed + 100)
+        a, mid, out = torch.arange(4096.0) + seed, torch.zeros(4096), torch.zeros(4096)
+        scratch, ones = torch.zeros(16), torch.ones(16)
+        first = fast.submit(scratch, ones)  # fast's thread is busy (a delay) ...
+        t1 = slow.submit(mid, a)
+        t2 = fast.submit(out, mid, slow, t1)  # ... while its next job, waiting on slow, is queued
+        del slow  # drains slow's queue (t1 completes) and joins its thread
+        fast.wait(t2)
+        assert fast.query(first) and torch.equal(out, a)
+
+
+def test_a_dependency_on_a_ticket_never_issued_is_refused_at_submit() -> None:
+    # It would wait forever on the worker's thread; refused on the caller's instead.
+    other, worker = _C.rounding.CopyWorker("other", 0, 0), _C.rounding.CopyWorker("t", 0, 0)
+    with pytest.raises(RuntimeError, match="ticket 5 that worker 'other' never issued"):
+        worker.submit(torch.zeros(4), torch.ones(4), other, 5)
+    assert worker.submitted == 0
+
+
 def test_copy_worker_rejects_bad_copies() -> None:
     worker = _C.rounding.CopyWorker("t", 0, 0)
     with pytest.raises(RuntimeError, match="bytes"):

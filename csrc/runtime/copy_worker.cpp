@@ -15,6 +15,7 @@ CopyWorker::CopyWorker(std::string name, uint64_t max_delay_us, uint64_t seed)
   thread_ = std::thread([this] { run(); });
 }
 
+// Drains, then joins, before any member dies (NOTE [Copy worker lifetimes]).
 CopyWorker::~CopyWorker() {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -24,39 +25,52 @@ CopyWorker::~CopyWorker() {
   if (thread_.joinable()) thread_.join();
 }
 
-uint64_t CopyWorker::submit(void* dst, const void* src, size_t nbytes, CopyWorker* dep_worker,
+uint64_t CopyWorker::submit(void* dst, const void* src, size_t nbytes, const CopyWorker* dep_worker,
                             uint64_t dep_ticket) {
-  if (dep_worker == this) {
-    // Same queue: FIFO order already guarantees the dependency.
-    dep_worker = nullptr;
+  // Same queue: FIFO order already guarantees the dependency. Another worker: hold its progress,
+  // not the worker (NOTE [Copy worker lifetimes]).
+  std::shared_ptr<Progress> dep;
+  if (dep_worker != nullptr && dep_worker != this) {
+    std::lock_guard<std::mutex> lock(dep_worker->mu_);
+    if (dep_ticket >= dep_worker->next_ticket_)
+      throw std::runtime_error("memo.rounding: a copy depends on ticket " + std::to_string(dep_ticket) +
+                               " that worker '" + dep_worker->name_ + "' never issued");
+    dep = dep_worker->progress_;
   }
   uint64_t ticket;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stop_) throw std::runtime_error("memo.rounding: copy worker '" + name_ + "' is stopped");
     ticket = next_ticket_++;
-    queue_.push_back(Job{ticket, dst, src, nbytes, dep_worker, dep_ticket});
+    queue_.push_back(Job{ticket, dst, src, nbytes, std::move(dep), dep_ticket});
   }
   cv_work_.notify_one();
   return ticket;
 }
 
+void CopyWorker::Progress::wait(uint64_t ticket) {
+  std::unique_lock<std::mutex> lock(mu);
+  cv_done.wait(lock, [&] { return completed >= ticket; });
+}
+
 uint64_t CopyWorker::wait(uint64_t ticket) {
   auto start = std::chrono::steady_clock::now();
-  std::unique_lock<std::mutex> lock(mu_);
-  if (ticket >= next_ticket_) {
-    throw std::runtime_error("memo.rounding: wait on ticket " + std::to_string(ticket) +
-                             " that worker '" + name_ + "' never issued");
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (ticket >= next_ticket_) {
+      throw std::runtime_error("memo.rounding: wait on ticket " + std::to_string(ticket) +
+                               " that worker '" + name_ + "' never issued");
+    }
   }
-  cv_done_.wait(lock, [&] { return completed_ >= ticket; });
+  progress_->wait(ticket);
   return static_cast<uint64_t>(
       std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
           .count());
 }
 
 bool CopyWorker::query(uint64_t ticket) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return completed_ >= ticket;
+  std::lock_guard<std::mutex> lock(progress_->mu);
+  return progress_->completed >= ticket;
 }
 
 void CopyWorker::synchronize() {
@@ -79,8 +93,8 @@ uint64_t CopyWorker::max_delay_us() const {
 }
 
 uint64_t CopyWorker::completed() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return completed_;
+  std::lock_guard<std::mutex> lock(progress_->mu);
+  return progress_->completed;
 }
 
 uint64_t CopyWorker::submitted() const {
@@ -89,8 +103,8 @@ uint64_t CopyWorker::submitted() const {
 }
 
 uint64_t CopyWorker::bytes_copied() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return bytes_copied_;
+  std::lock_guard<std::mutex> lock(progress_->mu);
+  return progress_->bytes_copied;
 }
 
 void CopyWorker::run() {
@@ -106,16 +120,19 @@ void CopyWorker::run() {
         delay_us = std::uniform_int_distribution<uint64_t>(0, max_delay_us_)(rng_);
       }
     }
-    if (job.dep_worker != nullptr) job.dep_worker->wait(job.dep_ticket);
+    if (job.dep != nullptr) job.dep->wait(job.dep_ticket);
     if (delay_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
     if (job.nbytes > 0) std::memcpy(job.dst, job.src, job.nbytes);
     {
       std::lock_guard<std::mutex> lock(mu_);
       queue_.pop_front();
-      completed_ = job.ticket;
-      bytes_copied_ += job.nbytes;
     }
-    cv_done_.notify_all();
+    {
+      std::lock_guard<std::mutex> lock(progress_->mu);
+      progress_->completed = job.ticket;
+      progress_->bytes_copied += job.nbytes;
+    }
+    progress_->cv_done.notify_all();
   }
 }
 

@@ -13,6 +13,19 @@
 // and shows up as a wrong gradient in CPU tests. An optional random delay
 // before each job (debug switch) widens every race window.
 //
+// NOTE [Copy worker lifetimes]
+// Safe by construction, whatever order Python drops things in:
+// * A job that depends on another worker holds that worker's Progress (its
+//   completed-ticket count, mutex and condition variable) by shared_ptr, never
+//   the worker itself: the other worker may be destroyed while the job is
+//   queued, and its Progress stays valid for as long as the job needs it.
+// * The destructor drains: it stops new submissions, lets the thread finish
+//   every queued job, then joins it, before any member dies. So every ticket a
+//   worker issued is completed before it goes, and a job waiting on the
+//   Progress of a destroyed worker never waits forever.
+// * The bytes a job copies (dst, src) are the caller's: it keeps them alive
+//   until the ticket completes (wait/synchronize), as with a CUDA stream.
+//
 // This file is independent of PyTorch; its Python bindings live in python/rounding_bindings.cpp.
 #pragma once
 
@@ -20,6 +33,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <memory>
 #include <mutex>
 #include <random>
 #include <string>
@@ -37,7 +51,7 @@ class CopyWorker {
 
   // Queue memcpy(dst, src, nbytes); if dep_worker is given, the copy starts only
   // once dep_worker has completed dep_ticket. Returns this job's ticket (>= 1).
-  uint64_t submit(void* dst, const void* src, size_t nbytes, CopyWorker* dep_worker = nullptr,
+  uint64_t submit(void* dst, const void* src, size_t nbytes, const CopyWorker* dep_worker = nullptr,
                   uint64_t dep_ticket = 0);
   // Block until the job with this ticket is done; returns nanoseconds spent waiting.
   uint64_t wait(uint64_t ticket);
@@ -54,28 +68,35 @@ class CopyWorker {
   const std::string& name() const { return name_; }
 
  private:
+  // What waiting on a worker's tickets needs, shared with the jobs of other workers that depend on
+  // them (NOTE [Copy worker lifetimes]).
+  struct Progress {
+    mutable std::mutex mu;
+    std::condition_variable cv_done;
+    uint64_t completed = 0;  // tickets are completed in order: every ticket <= completed is done
+    uint64_t bytes_copied = 0;
+    void wait(uint64_t ticket);
+  };
   struct Job {
     uint64_t ticket;
     void* dst;
     const void* src;
     size_t nbytes;
-    CopyWorker* dep_worker;
+    std::shared_ptr<Progress> dep;  // the other worker's progress, or null
     uint64_t dep_ticket;
   };
   void run();
 
   std::string name_;
-  mutable std::mutex mu_;
+  const std::shared_ptr<Progress> progress_ = std::make_shared<Progress>();
+  mutable std::mutex mu_;  // the queue, tickets issued, delay and stop flag
   std::condition_variable cv_work_;
-  mutable std::condition_variable cv_done_;
   std::deque<Job> queue_;
   uint64_t next_ticket_ = 1;
-  uint64_t completed_ = 0;  // tickets are completed in order: every ticket <= completed_ is done
-  uint64_t bytes_copied_ = 0;
   uint64_t max_delay_us_;
   std::mt19937_64 rng_;
   bool stop_ = false;
-  std::thread thread_;
+  std::thread thread_;  // last: started after, and joined (in ~CopyWorker) before, every other member
 };
 
 // Host arena: one aligned allocation holding the offloaded bytes of all layers.
