@@ -42,6 +42,7 @@ from typing import Any
 from memo.errors import MemoError
 from memo.jsonio import atomic_write, read_json
 from memo.phase_names import parse_phase
+from memo.trace_format import TRACE_KIND, TRACE_VERSION, TraceBuilder
 from memo.units import MAX_BYTES
 
 __all__ = [
@@ -55,8 +56,8 @@ __all__ = [
     "save_trace",
 ]
 
-TRACE_VERSION = 1
-TRACE_KIND = "memo.trace"
+# The format's version and kind, and the builder every producer writes traces with, live in the
+# torch-free memo.trace_format, so that the profiler and the allocator need not import the planner.
 
 # Known meta keys and the type each must have when present; anything else in meta is kept as is.
 _META_TYPES: dict[str, tuple[type, ...]] = {
@@ -147,43 +148,6 @@ def _validate_layers(layers: Any) -> dict[str, Any]:
                 or value < 0:
             raise _fail(f"layers.{key}", f"must be a finite number >= 0, got {value!r}")
     return dict(layers)
-
-
-class TraceBuilder:
-    """Writes a ``memo.trace`` dict event by event: the one place a trace's header and events are
-    spelt out, for whatever produces one (the synthetic traces here; the format: docs/formats.md)::
-
-        b = TraceBuilder(meta={"model": "synthetic"})
-        b.malloc(7, 4096, "layer.fwd[0]")
-        b.free(7)
-        b.finish()  # {"version": 1, "kind": "memo.trace", "meta": {...}, "events": [..., {"op": "end"}]}
-
-    It checks nothing: :meth:`Trace.from_dict` validates what is read.
-    """
-
-    def __init__(self, meta: Mapping[str, Any] | None = None) -> None:
-        self.meta: dict[str, Any] = dict(meta or {})
-        self.events: list[dict[str, Any]] = []
-
-    def malloc(self, ident: int, size: int, phase: str | None = None) -> None:
-        """An allocation of ``size`` bytes with id ``ident``; ``phase`` None outside every phase."""
-        event: dict[str, Any] = {"op": "malloc", "id": ident, "size": size}
-        if phase is not None:
-            event["phase"] = phase
-        self.events.append(event)
-
-    def free(self, ident: int) -> None:
-        """The free of the live allocation ``ident``."""
-        self.events.append({"op": "free", "id": ident})
-
-    def finish(self, layers: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """The trace dict, its events closed by the end marker (NOTE [Trace time]); ``layers``: the
-        per-layer statistics the profiler adds (docs/formats.md)."""
-        out: dict[str, Any] = {"version": TRACE_VERSION, "kind": TRACE_KIND, "meta": self.meta}
-        if layers is not None:
-            out["layers"] = dict(layers)
-        out["events"] = [*self.events, {"op": "end"}]
-        return out
 
 
 @dataclass

@@ -40,3 +40,34 @@ def test_layered_trace_round_trips() -> None:
     data = layered_trace(2)
     assert data["events"][-1] == {"op": "end"}
     assert Trace.from_dict(data).to_dict() == data
+
+
+def test_every_producer_writes_traces_with_the_one_builder() -> None:
+    """The profiler's recorder, memo's allocator's logging and the synthetic traces all go through
+    memo.trace_format.TraceBuilder (issue 17): no producer spells out a trace header itself."""
+    import ast
+    import inspect
+
+    import memo.allocator._api as api
+    import memo.profiler.record as record
+    import planner.synthetic as synthetic
+    from memo import trace_format
+
+    def header_literals(source: str) -> list[int]:
+        """Lines of dict literals that spell out a trace header ("kind": "memo.trace" or TRACE_KIND)."""
+        found = []
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Dict):
+                for key, value in zip(node.keys, node.values, strict=True):
+                    if isinstance(key, ast.Constant) and key.value == "kind" and (
+                            (isinstance(value, ast.Constant) and value.value == "memo.trace")
+                            or (isinstance(value, ast.Name) and value.id == "TRACE_KIND")):
+                        found.append(node.lineno)
+        return found
+
+    for module in (api, record, synthetic):
+        source = inspect.getsource(module)
+        assert "TraceBuilder(" in source, module.__name__
+        assert header_literals(source) == [], module.__name__
+    assert header_literals('t = {"version": 1, "kind": "memo.trace"}') == [1]  # the check can fail
+    assert TraceBuilder is trace_format.TraceBuilder and TRACE_KIND == trace_format.TRACE_KIND

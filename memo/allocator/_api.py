@@ -23,6 +23,7 @@ import torch
 from memo.allocator._backends import Backend, backend_for, loaded_backends
 from memo.allocator._tables import PhaseTables, normalize_plan
 from memo.errors import MemoError, internal_assert
+from memo.trace_format import TraceBuilder
 
 __all__ = [
     "PlanDeviationWarning",
@@ -35,8 +36,6 @@ __all__ = [
     "unplanned",
 ]
 
-TRACE_VERSION = 1
-TRACE_KIND = "memo.trace"
 # The deviation reason of a planned request whose slot is lent to a borrowed block
 # (kReasonSlotLent, NOTE [One device pool] in csrc/core/planned_allocator.h).
 SLOT_LENT = "arena range lent to an unplanned request"
@@ -206,12 +205,9 @@ def logging(
     """
     backend = backend_for(device)
     _claim(backend, "logging")
-    trace: dict[str, Any] = {
-        "version": TRACE_VERSION,
-        "kind": TRACE_KIND,
-        "meta": {"recorder": "allocator", "device": backend.device_type, **(meta or {})},
-        "events": [],
-    }
+    builder = TraceBuilder(meta={"recorder": "allocator", "device": backend.device_type, **(meta or {})})
+    # The header now, the events when the ``with`` ends.
+    trace: dict[str, Any] = {**builder.finish(), "events": []}
     try:
         backend.prepare()
         backend.start_logging()
@@ -223,16 +219,12 @@ def logging(
                 backend.deactivate()
         finally:
             raw, names = backend.stop_logging()
-        events = trace["events"]
         for is_malloc, ident, size, phase in raw:
             if is_malloc:
-                event: dict[str, Any] = {"op": "malloc", "id": ident, "size": size}
-                if phase >= 0:
-                    event["phase"] = names[phase]
-                events.append(event)
+                builder.malloc(ident, size, names[phase] if phase >= 0 else None)
             else:
-                events.append({"op": "free", "id": ident})
-        events.append({"op": "end"})
+                builder.free(ident)
+        trace.update(builder.finish())
     finally:
         _release(backend)
 

@@ -27,6 +27,7 @@ from memo.phases import PhaseTracker
 from memo.profiler.recorder import RECORDER_NAME, DispatchRecorder
 from memo.profiler.saved import LayerSavedBytes
 from memo.profiler.stats import LayerStats, layer_stats, summarise_layers
+from memo.trace_format import TraceBuilder
 
 __all__ = ["Recording", "layer_inputs", "meta_copy", "model_parts", "phase_tracker",
            "record", "record_trace"]
@@ -192,16 +193,10 @@ def record(
         if own_tracker:
             tracker.remove()
     _tag_param_grads(rec, params)
-    events = rec.events
-    events.append({"op": "end"})
     stats = layer_stats(rec, len(layers), inputs, outputs, saved.others, saved.rows)
-    trace: dict[str, Any] = {
-        "version": 1,
-        "kind": "memo.trace",
-        "meta": {**_model_meta(model, ids, len(layers)), **(meta or {})},
-        "layers": summarise_layers(stats),
-        "events": events,
-    }
+    builder = TraceBuilder(meta={**_model_meta(model, ids, len(layers)), **(meta or {})})
+    builder.events = rec.events  # the recorder wrote them as it saw the storages come and go
+    trace = builder.finish(layers=summarise_layers(stats))
     return Recording(trace=trace, layer_stats=stats, recorder=rec, seconds=rec.seconds)
 
 
