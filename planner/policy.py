@@ -152,6 +152,98 @@ def _seconds(c: LayerCosts, n_memo: int, n_fr: int, alpha: float) -> float:
     return n_fr * c.layer_time + n_memo * memo
 
 
+def _split_alpha(c: LayerCosts, n_memo: int, n_fr: int, n_keep: int, cap: float,
+                 alpha: float | None) -> tuple[float, str] | None:
+    """The alpha of one split (memo / full-recompute / keep layer counts) and what binds it: the
+    given one, or the largest every hard bound allows; None when no alpha fits in host memory."""
+    if not n_memo:
+        # no memo layer: alpha does nothing, but a given one is kept (it is what was asked)
+        return (0.0 if alpha is None else alpha), "device_memory" if n_keep < c.n_layers else "none"
+    bounds = _alpha_upper(c, n_memo, n_fr, n_keep, cap)
+    if bounds["host_memory"] < 0:
+        return None  # not even alpha = 0 fits in host memory
+    if alpha is not None:
+        a, why = alpha, "given"
+    else:
+        # bandwidth is soft: below alpha = 0 the copies stall compute (counted in time)
+        hard = {k: v for k, v in bounds.items() if k != "bandwidth" or v >= 0}
+        why = min(hard, key=hard.__getitem__)
+        a = min(1.0, hard[why])
+        if a >= 1.0:
+            a, why = 1.0, "alpha<=1"
+        a = max(a, 0.0)
+    if n_memo * c.copy_bytes(a) > c.host_memory:
+        return None
+    return a, why
+
+
+def _search_splits(c: LayerCosts, cap: float, alpha: float | None
+                   ) -> tuple[tuple[float, int, int, int, int, float, str] | None,
+                              tuple[int, int, int, int, float] | None]:
+    """Every split of the layers into memo, full-recompute and kept ones, each at its alpha: the
+    fastest that fits ``cap`` as (seconds, need, n_memo, n_fr, n_keep, alpha, binding), and the
+    one of smallest need as (need, n_memo, n_fr, n_keep, alpha); None where there is none."""
+    best: tuple[float, int, int, int, int, float, str] | None = None
+    smallest: tuple[int, int, int, int, float] | None = None
+    n = c.n_layers
+    for n_memo in range(n + 1):
+        for n_keep in range(n - n_memo + 1):
+            n_fr = n - n_memo - n_keep
+            found = _split_alpha(c, n_memo, n_fr, n_keep, cap, alpha)
+            if found is None:
+                continue
+            a, why = found
+            need = sum(device_need(c, n_memo, n_fr, n_keep, a).values())
+            if smallest is None or need < smallest[0]:
+                smallest = (need, n_memo, n_fr, n_keep, a)
+            if need > cap + 2:  # alpha at its device bound: the two buffers round up by a byte each
+                continue
+            key = (_seconds(c, n_memo, n_fr, a), need, n_memo, n_fr, n_keep, a, why)
+            if best is None or key[:2] < best[:2]:
+                best = key
+    return best, smallest
+
+
+def _no_fit_error(c: LayerCosts, smallest: tuple[int, int, int, int, float], cap: float,
+                  device_budget: int | None, headroom: float) -> DeviceBudgetError:
+    """The error when no split fits: the budget (and its usable part), the smallest need with its
+    parts, and what to give more of."""
+    need, n_memo, n_fr, n_keep, a = smallest
+    parts = device_need(c, n_memo, n_fr, n_keep, a)
+    detail = ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items())
+    what = _describe(n_memo, n_fr, n_keep, a)
+    return DeviceBudgetError(
+        "memo.policy: no layer policy fits the device budget of "
+        f"{format_bytes(cap if device_budget is None else device_budget)} per rank"
+        + (f" ({format_bytes(cap)} of it usable, {headroom:.0%} being kept free for the fallback "
+           "allocator)" if device_budget is not None and headroom else "") + "; the "
+        f"smallest need is {format_bytes(need)} ({what}): {detail}. Give more device memory "
+        + (f"(a budget of at least {format_bytes(math.ceil(need / (1 - headroom)))} with the headroom, "
+           "--device-mem-gb)" if device_budget is not None and headroom else "(--device-mem-gb)")
+        + ", more host memory, more tensor/context parallelism, or a shorter sequence")
+
+
+def _lp_alpha(c: LayerCosts, n_memo: int, n_fr: int, n_keep: int, cap: float, a: float, why: str
+              ) -> tuple[float, str, AlphaSolution]:
+    """The chosen split's alpha from the LP itself (NOTE [Policy cost model]): the same bound.
+    Returns the alpha and what binds it (the LP's where it differs, bandwidth aside) and the LP's
+    solution."""
+    fixed_other = c.base_bytes + n_keep * c.keep_bytes + n_fr * c.s_input + c.memo_overhead
+    linear = 2 * (c.s_input + c.s_attn)
+    slope = 2 * c.s_others + max(0, c.memo_alpha_bytes)
+    r = c.recompute_bytes
+    if not n_fr:  # (1 - a) R can be the larger backward term; the LP takes the linear bound of it
+        linear, slope = linear + r, slope - r
+    else:
+        linear += max(c.keep_bytes, r)
+    solution = solve_alpha(c.s_input, c.s_attn, c.s_others, c.bandwidth, c.layer_time, c.n_layers,
+                           c.host_memory, offloaded_layers=n_memo, device_memory=cap,
+                           device_fixed=fixed_other + linear, device_per_alpha=slope)
+    if abs(solution.alpha - a) > 1e-6 and why != "bandwidth":
+        a, why = min(a, solution.alpha), solution.binding
+    return a, why, solution
+
+
 def choose_policy(c: LayerCosts, device_budget: int | None = None,
                   alpha: float | None = None, headroom: float = 0.0) -> PolicySolution:
     """The fastest policy within ``device_budget`` (bytes per rank; None: full recompute's need),
@@ -174,72 +266,15 @@ def choose_policy(c: LayerCosts, device_budget: int | None = None,
         n_keep = min(2, c.n_layers)
         return given_policy(c, _policy(c.n_layers - n_keep, 0, n_keep), alpha)
     cap = full_recompute if device_budget is None else int(device_budget * (1 - headroom))
-    best: tuple[float, int, int, int, int, float, str] | None = None
-    smallest: tuple[int, int, int, int, float] | None = None
-    n = c.n_layers
-    for n_memo in range(n + 1):
-        for n_keep in range(n - n_memo + 1):
-            n_fr = n - n_memo - n_keep
-            if n_memo:
-                bounds = _alpha_upper(c, n_memo, n_fr, n_keep, cap)
-                if bounds["host_memory"] < 0:
-                    continue  # not even alpha = 0 fits in host memory
-                if alpha is not None:
-                    a, why = alpha, "given"
-                else:
-                    # bandwidth is soft: below alpha = 0 the copies stall compute (counted in time)
-                    hard = {k: v for k, v in bounds.items() if k != "bandwidth" or v >= 0}
-                    why = min(hard, key=hard.__getitem__)
-                    a = min(1.0, hard[why])
-                    if a >= 1.0:
-                        a, why = 1.0, "alpha<=1"
-                    a = max(a, 0.0)
-                if n_memo * c.copy_bytes(a) > c.host_memory:
-                    continue
-            else:
-                # no memo layer: alpha does nothing, but a given one is kept (it is what was asked)
-                a, why = (0.0 if alpha is None else alpha), "device_memory" if n_keep < n else "none"
-            need = sum(device_need(c, n_memo, n_fr, n_keep, a).values())
-            if smallest is None or need < smallest[0]:
-                smallest = (need, n_memo, n_fr, n_keep, a)
-            if need > cap + 2:  # alpha at its device bound: the two buffers round up by a byte each
-                continue
-            key = (_seconds(c, n_memo, n_fr, a), need, n_memo, n_fr, n_keep, a, why)
-            if best is None or key[:2] < best[:2]:
-                best = key
+    best, smallest = _search_splits(c, cap, alpha)
     if best is None:
         assert smallest is not None
-        need, n_memo, n_fr, n_keep, a = smallest
-        parts = device_need(c, n_memo, n_fr, n_keep, a)
-        detail = ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items())
-        what = _describe(n_memo, n_fr, n_keep, a)
-        raise DeviceBudgetError(
-            "memo.policy: no layer policy fits the device budget of "
-            f"{format_bytes(cap if device_budget is None else device_budget)} per rank"
-            + (f" ({format_bytes(cap)} of it usable, {headroom:.0%} being kept free for the fallback "
-               "allocator)" if device_budget is not None and headroom else "") + "; the "
-            f"smallest need is {format_bytes(need)} ({what}): {detail}. Give more device memory "
-            + (f"(a budget of at least {format_bytes(math.ceil(need / (1 - headroom)))} with the headroom, "
-               "--device-mem-gb)" if device_budget is not None and headroom else "(--device-mem-gb)")
-            + ", more host memory, more tensor/context parallelism, or a shorter sequence")
+        raise _no_fit_error(c, smallest, cap, device_budget, headroom)
     seconds, need, n_memo, n_fr, n_keep, a, why = best
     solution = None
     if n_memo and alpha is None:
-        # The chosen split's alpha from the LP itself (NOTE [Policy cost model]): the same bound.
-        fixed_other = c.base_bytes + n_keep * c.keep_bytes + n_fr * c.s_input + c.memo_overhead
-        linear = 2 * (c.s_input + c.s_attn)
-        slope = 2 * c.s_others + max(0, c.memo_alpha_bytes)
-        r = c.recompute_bytes
-        if not n_fr:  # (1 - a) R can be the larger backward term; the LP takes the linear bound of it
-            linear, slope = linear + r, slope - r
-        else:
-            linear += max(c.keep_bytes, r)
-        solution = solve_alpha(c.s_input, c.s_attn, c.s_others, c.bandwidth, c.layer_time, n, c.host_memory,
-                               offloaded_layers=n_memo, device_memory=cap, device_fixed=fixed_other + linear,
-                               device_per_alpha=slope)
-        if abs(solution.alpha - a) > 1e-6 and why != "bandwidth":
-            a, why = min(a, solution.alpha), solution.binding
-    if n_memo == 0 and n_keep < n:
+        a, why, solution = _lp_alpha(c, n_memo, n_fr, n_keep, cap, a, why)
+    if n_memo == 0 and n_keep < c.n_layers:
         why = "device_memory"
     parts = device_need(c, n_memo, n_fr, n_keep, a)
     return PolicySolution(policy=_policy(n_memo, n_fr, n_keep), alpha=float(a), binding=why,
