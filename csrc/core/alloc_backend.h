@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -66,6 +67,24 @@ class RawBackend {
   // The core holds `event` no longer; waits already queued on it still hold.
   virtual void destroy_event(EventId /*event*/) {}
 };
+
+// Owns a region from RawBackend::raw_alloc: gives it back to its backend when
+// it dies (unique_ptr's deleter), so arenas and segments cannot leak or be
+// freed twice. The backend must outlive the region (the allocators that hold
+// regions keep a pointer to a backend that outlives them).
+struct RawFree {
+  RawBackend* backend = nullptr;
+  std::size_t bytes = 0;
+  void operator()(char* ptr) const {
+    if (ptr != nullptr) backend->raw_free(ptr, bytes);
+  }
+};
+using RawRegion = std::unique_ptr<char, RawFree>;
+
+// Takes ownership of `bytes` at `ptr` from `backend` (nullptr: an empty region).
+inline RawRegion own_region(RawBackend* backend, void* ptr, std::size_t bytes) {
+  return RawRegion(static_cast<char*>(ptr), RawFree{backend, bytes});
+}
 
 // Every block the allocators hand out is aligned to this (c10's default CPU
 // alignment is 64, CUDA's caching allocator uses 512): planned offsets are

@@ -13,21 +13,10 @@ FallbackAllocator::FallbackAllocator(RawBackend* backend, StreamOrder* order, st
   set_min_segment(min_segment);
 }
 
-FallbackAllocator::~FallbackAllocator() {
-  // Live blocks at destruction would dangle; the owner never destroys a
-  // FallbackAllocator with live blocks (process-lifetime objects), so only
-  // whole segments are returned here.
-  for (Segment* seg : segments_) {
-    Block* b = seg->first;
-    while (b != nullptr) {
-      Block* next = b->next;
-      delete b;
-      b = next;
-    }
-    backend_->raw_free(seg->base, seg->size);
-    delete seg;
-  }
-}
+// Live blocks at destruction would dangle; the owner never destroys a
+// FallbackAllocator with live blocks (process-lifetime objects). The segments
+// give their memory back as they die (Segment::base, a RawRegion).
+FallbackAllocator::~FallbackAllocator() = default;
 
 void FallbackAllocator::set_min_segment(std::size_t bytes) {
   min_segment_ = round_up(std::max<std::size_t>(bytes, kBlockAlignment), kBlockAlignment);
@@ -77,10 +66,12 @@ FallbackAllocator::Block* FallbackAllocator::new_segment(std::size_t bytes, Fall
       return nullptr;
     }
   }
-  auto* seg = new Segment{static_cast<char*>(base), seg_bytes, nullptr};
-  auto* block = new Block{seg->base, seg_bytes, false, nullptr, nullptr, seg, kDefaultStream, {}};
-  seg->first = block;
-  segments_.push_back(seg);
+  auto seg = std::make_unique<Segment>();
+  seg->base = own_region(backend_, base, seg_bytes);
+  seg->size = seg_bytes;
+  seg->first.reset(new Block{seg->base.get(), seg_bytes, false, nullptr, nullptr, seg.get(), kDefaultStream, {}});
+  Block* block = seg->first.get();
+  segments_.push_back(std::move(seg));
   stats_.reserved_bytes += seg_bytes;
   stats_.peak_reserved_bytes = std::max(stats_.peak_reserved_bytes, stats_.reserved_bytes);
   stats_.segment_allocs += 1;
@@ -110,14 +101,14 @@ void* FallbackAllocator::try_allocate(std::size_t bytes, StreamId stream, Fallba
   // any of its bytes: the new owner's stream waits for them.
   for (const StreamUse& use : block->uses) order_->order_after(stream, use);
   if (block->size - size >= kBlockAlignment) {
-    auto* rest = new Block{block->ptr + size, block->size - size, false, block, block->next, block->segment,
-                           kDefaultStream, block->uses};
+    std::unique_ptr<Block> rest(new Block{block->ptr + size, block->size - size, false, block,
+                                          std::move(block->next), block->segment, kDefaultStream, block->uses});
     // Only `stream` waited: the remainder keeps every use for its own next owner.
     order_->prune(&rest->uses);
-    if (block->next != nullptr) block->next->prev = rest;
-    block->next = rest;
+    if (rest->next != nullptr) rest->next->prev = rest.get();
     block->size = size;
-    free_.insert(rest);
+    free_.insert(rest.get());
+    block->next = std::move(rest);
   }
   block->uses.clear();
   block->stream = stream;
@@ -140,21 +131,19 @@ bool FallbackAllocator::free(void* ptr) {
   stats_.num_frees += 1;
   // Coalescing merges the neighbours' uses: the merged block's next owner
   // waits for every stream that used any of its bytes.
-  if (Block* next = block->next; next != nullptr && !next->allocated) {
+  if (Block* next = block->next.get(); next != nullptr && !next->allocated) {
     free_.erase(next);
     for (const StreamUse& use : next->uses) merge_use(&block->uses, use);
     block->size += next->size;
-    block->next = next->next;
     if (next->next != nullptr) next->next->prev = block;
-    delete next;
+    block->next = std::move(next->next);  // `next` dies here
   }
   if (Block* prev = block->prev; prev != nullptr && !prev->allocated) {
     free_.erase(prev);
     for (const StreamUse& use : block->uses) merge_use(&prev->uses, use);
     prev->size += block->size;
-    prev->next = block->next;
     if (block->next != nullptr) block->next->prev = prev;
-    delete block;
+    prev->next = std::move(block->next);  // `block` dies here
     block = prev;
   }
   order_->prune(&block->uses);
@@ -162,32 +151,28 @@ bool FallbackAllocator::free(void* ptr) {
   return true;
 }
 
-void FallbackAllocator::release_segment(Segment* seg) {
-  Block* b = seg->first;  // a wholly free segment is exactly one free block
-  free_.erase(b);
-  delete b;
-  backend_->raw_free(seg->base, seg->size);
+void FallbackAllocator::release_segment(std::unique_ptr<Segment> seg) {
+  free_.erase(seg->first.get());  // a wholly free segment is exactly one free block
   stats_.reserved_bytes -= seg->size;
   stats_.segment_releases += 1;
-  delete seg;
 }
 
 std::size_t FallbackAllocator::free_segment_bytes() const {
   std::size_t n = 0;
-  for (const Segment* seg : segments_)
+  for (const auto& seg : segments_)
     if (!seg->first->allocated && seg->first->next == nullptr) n += seg->size;
   return n;
 }
 
 std::size_t FallbackAllocator::empty_cache() {
   std::size_t released = 0;
-  std::vector<Segment*> kept;
-  for (Segment* seg : segments_) {
+  std::vector<std::unique_ptr<Segment>> kept;
+  for (auto& seg : segments_) {
     if (!seg->first->allocated && seg->first->next == nullptr) {
       released += seg->size;
-      release_segment(seg);
+      release_segment(std::move(seg));
     } else {
-      kept.push_back(seg);
+      kept.push_back(std::move(seg));
     }
   }
   segments_.swap(kept);

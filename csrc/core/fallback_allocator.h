@@ -29,6 +29,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <set>
 #include <string>
 #include <unordered_map>
@@ -99,21 +100,29 @@ class FallbackAllocator {
   void reset_stats();
 
  private:
+  // Ownership (RAII): segments_ owns the segments; a segment owns its memory
+  // (a RawRegion, given back to the backend when the segment dies) and its
+  // first block; each block owns the next one in address order. free_ and
+  // live_ only point at blocks.
   struct Segment;
   struct Block {
     char* ptr;
     std::size_t size;
     bool allocated;
-    Block* prev;  // address neighbours inside the segment
-    Block* next;
+    Block* prev;                 // address neighbours inside the segment (prev: not owned)
+    std::unique_ptr<Block> next;
     Segment* segment;
     StreamId stream = kDefaultStream;  // live: the stream it was allocated on
     std::vector<StreamUse> uses;       // free: streams whose frees it holds, one entry each
   };
   struct Segment {
-    char* base;
+    RawRegion base;
     std::size_t size;
-    Block* first;
+    std::unique_ptr<Block> first;
+    // Unlinks the blocks one by one: a long chain must not recurse once per block.
+    ~Segment() {
+      while (first != nullptr) first = std::move(first->next);
+    }
   };
   struct BySizeThenAddr {
     bool operator()(const Block* a, const Block* b) const {
@@ -123,7 +132,8 @@ class FallbackAllocator {
 
   // nullptr (and `failure` filled) when the limit or the backend refuses.
   Block* new_segment(std::size_t bytes, FallbackFailure* failure);
-  void release_segment(Segment* seg);
+  // Counts the release; the segment (and with it its memory) dies with `seg`.
+  void release_segment(std::unique_ptr<Segment> seg);
   // Bytes of the segments that are entirely free (what empty_cache() would release).
   std::size_t free_segment_bytes() const;
 
@@ -133,7 +143,7 @@ class FallbackAllocator {
   std::size_t limit_;
   std::set<Block*, BySizeThenAddr> free_;
   std::unordered_map<void*, Block*> live_;
-  std::vector<Segment*> segments_;
+  std::vector<std::unique_ptr<Segment>> segments_;
   FallbackStats stats_;
 };
 

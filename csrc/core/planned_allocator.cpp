@@ -80,25 +80,21 @@ std::size_t stat_values(const AllocatorStats& s, std::uint64_t* out, std::size_t
 PlannedAllocator::PlannedAllocator(RawBackend* backend, std::size_t min_segment, std::size_t fallback_limit)
     : backend_(backend), order_(backend), fallback_(backend, &order_, min_segment, fallback_limit) {}
 
-PlannedAllocator::~PlannedAllocator() {
-  if (arena_ != nullptr) release_arena(arena_);
-  for (Arena* a : retired_) release_arena(a);
-}
+// The arenas give their reservations back as they die (Arena::base, a RawRegion).
+PlannedAllocator::~PlannedAllocator() = default;
 
-void PlannedAllocator::release_arena(Arena* arena) {
-  if (arena->base != nullptr) backend_->raw_free(arena->base, arena->bytes);
+void PlannedAllocator::release_arena(std::unique_ptr<Arena> arena) {
   arena_reserved_bytes_ -= arena->bytes;
   stats_.arena_releases += 1;
-  delete arena;
 }
 
 void PlannedAllocator::retire_current_arena() {
   if (arena_ == nullptr) return;
   if (arena_->live == 0) {
-    release_arena(arena_);
+    release_arena(std::move(arena_));
   } else {
     arena_->retired = true;
-    retired_.push_back(arena_);
+    retired_.push_back(std::move(arena_));
   }
   arena_ = nullptr;
 }
@@ -184,7 +180,7 @@ void PlannedAllocator::load_plan(const PlanInput& tables, std::int64_t peak) {
 void PlannedAllocator::install_plan(PhaseTables tables, std::size_t peak) {
   std::lock_guard<std::mutex> lock(mutex_);
   // Reserve before dropping the old plan, so a failure leaves the old one usable.
-  Arena* fresh = nullptr;
+  std::unique_ptr<Arena> fresh;
   const std::size_t arena_bytes = round_up(peak, kSegmentAlignment);
   const bool reuse = arena_ != nullptr && arena_->live == 0 && arena_->bytes == arena_bytes;
   if (!reuse && arena_bytes > 0) {
@@ -202,15 +198,15 @@ void PlannedAllocator::install_plan(PhaseTables tables, std::size_t peak) {
          << " bytes. Free memory, or plan for a shorter sequence.";
       throw OutOfMemory(os.str());
     }
-    fresh = new Arena;
-    fresh->base = static_cast<char*>(base);
+    fresh = std::make_unique<Arena>();
+    fresh->base = own_region(backend_, base, arena_bytes);
     fresh->bytes = arena_bytes;
     arena_reserved_bytes_ += arena_bytes;
     stats_.arena_reservations += 1;
   }
   if (!reuse) {
     retire_current_arena();
-    arena_ = fresh;
+    arena_ = std::move(fresh);
   }
   note_peaks();
   tables_ = std::move(tables);
@@ -320,11 +316,11 @@ void* PlannedAllocator::borrow_locked(std::size_t bytes, StreamId stream) {
   });
   if (!found) return nullptr;
   const std::size_t end = best + size;
-  claim_freed(arena_, best, end, stream);
+  claim_freed(arena_.get(), best, end, stream);
   arena_->lent.emplace(best, end);
   arena_->live += 1;
-  void* p = arena_->base + best;
-  arena_live_.emplace(p, ArenaBlock{arena_, best, size, stream, true});
+  void* p = arena_->base.get() + best;
+  arena_live_.emplace(p, ArenaBlock{arena_.get(), best, size, stream, true});
   borrowed_bytes_ += size;
   borrowed_blocks_ += 1;
   stats_.borrowed_allocs += 1;
@@ -414,11 +410,11 @@ void* PlannedAllocator::allocate_locked(std::size_t bytes, StreamId stream) {
       stats_.slot_busy += 1;
       deviate(bytes, bytes, "slot busy");
     } else {
-      claim_freed(arena_, begin, end, stream);
-      p = arena_->base + begin;
+      claim_freed(arena_.get(), begin, end, stream);
+      p = arena_->base.get() + begin;
       arena_->live_ranges.emplace(begin, end);
       arena_->live += 1;
-      arena_live_.emplace(p, ArenaBlock{arena_, begin, bytes, stream, false});
+      arena_live_.emplace(p, ArenaBlock{arena_.get(), begin, bytes, stream, false});
       planned_bytes_ += bytes;
       stats_.planned_hits += 1;
       stats_.arena_high_water = std::max(stats_.arena_high_water, end);
@@ -477,8 +473,11 @@ void PlannedAllocator::free(void* ptr) noexcept {
       stats_.frees += 1;
       if (arena->retired) {
         if (arena->live == 0) {
-          retired_.erase(std::find(retired_.begin(), retired_.end(), arena));
-          release_arena(arena);
+          auto owner = std::find_if(retired_.begin(), retired_.end(),
+                                    [arena](const std::unique_ptr<Arena>& a) { return a.get() == arena; });
+          std::unique_ptr<Arena> done = std::move(*owner);
+          retired_.erase(owner);
+          release_arena(std::move(done));
         }
       } else {
         if (poison_) backend_->fill(ptr, block.size, kPoisonByte);  // queued on the freeing stream
@@ -505,14 +504,14 @@ bool PlannedAllocator::owns(const void* ptr) const {
 std::pair<std::uintptr_t, std::size_t> PlannedAllocator::arena_extent() const {
   std::lock_guard<std::mutex> lock(mutex_);
   if (arena_ == nullptr) return {0, 0};
-  return {reinterpret_cast<std::uintptr_t>(arena_->base), arena_->bytes};
+  return {reinterpret_cast<std::uintptr_t>(arena_->base.get()), arena_->bytes};
 }
 
 void PlannedAllocator::set_poison(bool on) {
   std::lock_guard<std::mutex> lock(mutex_);
   poison_ = on;
   // Poison the idle arena too, so reads of never-written planned memory show up.
-  if (on && arena_ != nullptr && arena_->live == 0) backend_->fill(arena_->base, arena_->bytes, kPoisonByte);
+  if (on && arena_ != nullptr && arena_->live == 0) backend_->fill(arena_->base.get(), arena_->bytes, kPoisonByte);
 }
 
 void PlannedAllocator::set_fallback_limit(std::size_t bytes) {

@@ -282,7 +282,7 @@ class PlannedAllocator {
   };
   using Ranges = std::map<std::size_t, std::size_t>;  // offset -> end, disjoint
   struct Arena {
-    char* base = nullptr;
+    RawRegion base;  // owns the reservation: given back to the backend when the arena dies
     std::size_t bytes = 0;
     std::size_t live = 0;  // live blocks, planned and borrowed
     bool retired = false;
@@ -293,7 +293,7 @@ class PlannedAllocator {
     std::map<std::size_t, FreedRange> freed;
   };
   struct ArenaBlock {
-    Arena* arena;
+    Arena* arena;  // not owned: arena_ or one of retired_
     std::size_t offset;
     std::size_t size;  // planned: the requested size; borrowed: rounded to kBlockAlignment
     StreamId stream;
@@ -315,7 +315,8 @@ class PlannedAllocator {
   void claim_freed(Arena* arena, std::size_t begin, std::size_t end, StreamId stream);
   void deviate(std::size_t expected, std::size_t actual, const char* reason);
   void retire_current_arena();
-  void release_arena(Arena* arena);
+  // Counts the release; the arena (and with it its reservation) dies with `arena`.
+  void release_arena(std::unique_ptr<Arena> arena);
   std::int32_t phase_id(const std::string& name);
 
   mutable std::mutex mutex_;
@@ -326,8 +327,8 @@ class PlannedAllocator {
   PhaseTables tables_;
   bool has_plan_ = false;
   std::size_t peak_ = 0;
-  Arena* arena_ = nullptr;
-  std::vector<Arena*> retired_;
+  std::unique_ptr<Arena> arena_;
+  std::vector<std::unique_ptr<Arena>> retired_;
   std::size_t arena_reserved_bytes_ = 0;  // current and retired arenas
   std::unordered_map<void*, ArenaBlock> arena_live_;  // planned and borrowed blocks
   std::size_t planned_bytes_ = 0;

@@ -140,14 +140,11 @@ HostArena::HostArena(size_t nbytes) : nbytes_(nbytes) {
   if (nbytes == 0) return;
   constexpr size_t kAlign = 4096;
   size_t rounded = (nbytes + kAlign - 1) / kAlign * kAlign;
-  if (posix_memalign(&data_, kAlign, rounded) != 0 || data_ == nullptr) {
-    data_ = nullptr;
-    throw std::bad_alloc();
-  }
+  void* p = nullptr;
+  if (posix_memalign(&p, kAlign, rounded) != 0 || p == nullptr) throw std::bad_alloc();
+  data_.reset(p);
   // Touch every page so the memory is committed now, not at the first offload.
-  std::memset(data_, 0, rounded);
+  std::memset(p, 0, rounded);
 }
-
-HostArena::~HostArena() { std::free(data_); }
 
 }  // namespace memo::runtime

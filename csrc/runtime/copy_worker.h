@@ -32,6 +32,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <deque>
 #include <memory>
 #include <mutex>
@@ -105,14 +106,14 @@ class CopyWorker {
 class HostArena {
  public:
   explicit HostArena(size_t nbytes);
-  ~HostArena();
-  HostArena(const HostArena&) = delete;
-  HostArena& operator=(const HostArena&) = delete;
-  void* data() const { return data_; }
+  void* data() const { return data_.get(); }
   size_t nbytes() const { return nbytes_; }
 
  private:
-  void* data_ = nullptr;
+  struct Free {
+    void operator()(void* p) const { std::free(p); }  // the posix_memalign'ed block
+  };
+  std::unique_ptr<void, Free> data_;
   size_t nbytes_ = 0;
 };
 
