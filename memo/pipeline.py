@@ -358,24 +358,9 @@ def profile(
         progress: show a progress bar per recorded pass on stderr.
         log: called with one line per stage (e.g. ``print``).
     """
-    if machine is None:
-        machine = Machine(**machine_fields)
-    elif machine_fields:
-        machine = machine.replace(**machine_fields)
-    if batch is not None:
-        ids, labels = batch
-        if ids.dim() != 2 or labels.shape != ids.shape:
-            raise MemoError(f"memo.profiler: the example batch must be ids, labels of one shape [b, s], got "
-                            f"{tuple(ids.shape)} and {tuple(labels.shape)}")
-        micro_batch, seq_len = int(ids.shape[0]), int(ids.shape[1]) * context_parallel
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
-        raise MemoError(f"memo.profiler: seq_len must be a positive integer, got {seq_len!r}")
-    if not isinstance(micro_batch, int) or micro_batch < 1:
-        raise MemoError(f"memo.profiler: micro_batch must be a positive integer, got {micro_batch!r}")
-    if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
-        raise MemoError(f"memo.profiler: tensor_parallel must be a positive integer, got {tensor_parallel!r}")
-    if recorder not in ("dispatch", "allocator"):
-        raise MemoError(f"memo.profiler: recorder must be 'dispatch' or 'allocator', got {recorder!r}")
+    machine = _machine(machine, machine_fields)
+    seq_len, micro_batch = _checked_sizes(seq_len, micro_batch, batch, tensor_parallel, context_parallel,
+                                          recorder)
     job = _job(model, seq_len, micro_batch, _dtype(dtype), torch.device(device), machine, tensor_parallel,
                context_parallel, recorder, progress, log or (lambda _line: None))
     job.batch = batch
@@ -394,14 +379,49 @@ def profile(
     chosen, lp_inputs, evaluate_alpha = _choose_policy(job, plain, states, layer_params, alpha, policy,
                                                        wrap_pass, result)
     wrapped = _pass2(job, plain, chosen, wrap_pass, plan, result)
+    _record_choice(job, result, chosen, states)
+    if plan:
+        _plan(job, result, chosen, states, wrapped, time_limit, solver)
+    return result
+
+
+def _machine(machine: Machine | None, machine_fields: dict[str, Any]) -> Machine:
+    """The machine given, with any fields given as keywords replaced (or made of those alone)."""
+    if machine is None:
+        return Machine(**machine_fields)
+    if machine_fields:
+        return machine.replace(**machine_fields)
+    return machine
+
+
+def _checked_sizes(seq_len: int | None, micro_batch: int, batch: tuple[torch.Tensor, torch.Tensor] | None,
+                   tensor_parallel: int, context_parallel: int, recorder: str) -> tuple[int, int]:
+    """``seq_len`` and ``micro_batch`` (from the example batch's shape when one is given), with
+    the arguments :func:`profile` takes checked before anything is built or recorded."""
+    if batch is not None:
+        ids, labels = batch
+        if ids.dim() != 2 or labels.shape != ids.shape:
+            raise MemoError(f"memo.profiler: the example batch must be ids, labels of one shape [b, s], got "
+                            f"{tuple(ids.shape)} and {tuple(labels.shape)}")
+        micro_batch, seq_len = int(ids.shape[0]), int(ids.shape[1]) * context_parallel
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise MemoError(f"memo.profiler: seq_len must be a positive integer, got {seq_len!r}")
+    if not isinstance(micro_batch, int) or micro_batch < 1:
+        raise MemoError(f"memo.profiler: micro_batch must be a positive integer, got {micro_batch!r}")
+    if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
+        raise MemoError(f"memo.profiler: tensor_parallel must be a positive integer, got {tensor_parallel!r}")
+    if recorder not in ("dispatch", "allocator"):
+        raise MemoError(f"memo.profiler: recorder must be 'dispatch' or 'allocator', got {recorder!r}")
+    return seq_len, micro_batch
+
+
+def _record_choice(job: _Job, result: ProfileResult, chosen: Any, states: dict[str, Any]) -> None:
+    """The chosen alpha, tensor parallelism, policy and model states in the trace's meta."""
     result.trace["meta"]["alpha"] = float(result.alpha.alpha)
     result.trace["meta"]["tensor_parallel"] = job.tp
     result.trace["meta"]["policy"] = list(chosen.policy)
     # `memo plan --device-mem-gb` re-plans this trace: the rank's total needs the model states.
     result.trace["meta"]["model_states"] = states
-    if plan:
-        _plan(job, result, chosen, states, wrapped, time_limit, solver)
-    return result
 
 
 def _job(model: str | nn.Module, seq_len: int, micro_batch: int, dt: torch.dtype, device: torch.device,
@@ -504,9 +524,36 @@ def _choose_policy(job: _Job, plain: Recording, states: dict[str, Any], layer_pa
                    alpha: float | None, policy: list[str] | None, wrap_pass: bool | None,
                    result: ProfileResult) -> tuple[Any, tuple, Any]:
     """The layer policy and alpha (NOTE [Calibrated policy]), probed against a recorded iteration."""
-    from memo.planner import choose_policy, describe_policy, evaluate_alpha, full_recompute_need
+    from memo.planner import choose_policy, evaluate_alpha
 
-    q = result.quantities
+    n_layers = len(plain.layer_stats)
+    t0 = time.perf_counter()
+    lp_inputs, costs = _policy_costs(job, plain, states, layer_params, result.quantities)
+    can_wrap = wrap_pass is not False
+    static = states["parameters"]["bytes"] + states["optimizer"]["bytes"]
+    net = job.built()
+    budget = job.machine.device_budget_bytes
+    ids, labels = job.inputs()
+    if policy is not None:
+        from memo.planner import given_policy
+        from memo.runtime import validate_policy
+
+        chosen = given_policy(costs, validate_policy(policy, n_layers), alpha, budget)
+    else:
+        if can_wrap:
+            costs, can_wrap = _calibrated_costs(job, costs, net, ids, labels, plain, static, wrap_pass)
+        chosen = choose_policy(costs, budget, alpha, FALLBACK_HEADROOM)
+    result.policy = chosen
+    result.model_states = states
+    job.timings["alpha"] = time.perf_counter() - t0
+    probe = _ProbeContext(net, ids, labels, plain, static, alpha, lp_inputs, evaluate_alpha)
+    chosen = _recorded_choice(job, chosen, costs, probe, can_wrap and policy is None, result)
+    return chosen, lp_inputs, evaluate_alpha
+
+
+def _policy_costs(job: _Job, plain: Recording, states: dict[str, Any], layer_params: int,
+                  q: dict[str, Any]) -> tuple[tuple, Any]:
+    """The alpha LP's inputs and the layer policy's cost model, from pass 1 and the machine."""
     stats = plain.layer_stats
     host = job.machine.host_per_process(int(q["host_memory_bytes"].value))
     summary = plain.trace["layers"]
@@ -517,55 +564,71 @@ def _choose_policy(job: _Job, plain: Recording, states: dict[str, Any], layer_pa
     layer_s = q["layer_ms"].value / 1e3
     if job.tp > 1 and q["layer_ms"].source == "estimated":
         layer_s /= job.tp
-    t0 = time.perf_counter()
     lp_inputs = (summary["S_input"], summary["S_attn"], summary["S_others"], q["bandwidth_gbps"].value * GB,
                  layer_s, len(stats), host)
     costs = _layer_costs(plain.trace, lp_inputs, job.seq_len, job.micro_batch, job.dtype.itemsize,
                          layer_params, states, job.device.type)
-    can_wrap = wrap_pass is not False
-    static = states["parameters"]["bytes"] + states["optimizer"]["bytes"]
-    budget = job.machine.device_budget_bytes
-    net = job.built()
-    ids, labels = job.inputs()
-    if policy is not None:
-        from memo.planner import given_policy
-        from memo.runtime import validate_policy
+    return lp_inputs, costs
 
-        chosen = given_policy(costs, validate_policy(policy, len(stats)), alpha, budget)
-    else:
-        if can_wrap:
-            # NOTE [Calibrated policy]: the cost model's full-recompute need is checked against a
-            # recorded full-recompute iteration, and its constant part corrected by the difference,
-            # so that "never more than full recompute" compares memo with a measured figure; then
-            # its memo need likewise, against a recorded iteration of every layer under memo at
-            # alpha = 0 (_calibrate_memo). The chosen policy is recorded once more below.
-            try:
-                fr_trace, _ = _wrapped_pass(job, net, ids, labels, 0.0, False, plain,
-                                            ["recompute"] * len(stats))
-            except MemoError:
-                if wrap_pass:
-                    raise
-                can_wrap = False  # the runtime refuses this model: pass 2 says so, in a note
-        if can_wrap:
-            fr_total = _iteration_total(fr_trace, static)
-            estimate = full_recompute_need(costs)
-            costs = dataclasses.replace(costs, base_bytes=max(0, costs.base_bytes + fr_total - estimate))
-            costs = _calibrate_memo(job, costs, net, ids, labels, plain, static)
-        chosen = choose_policy(costs, budget, alpha, FALLBACK_HEADROOM)
-    result.policy = chosen
-    result.model_states = states
-    job.timings["alpha"] = time.perf_counter() - t0
 
-    # The chosen policy recorded once: an estimate short of the cap is corrected and chosen again.
+def _calibrated_costs(job: _Job, costs: Any, net: nn.Module, ids: torch.Tensor, labels: torch.Tensor,
+                      plain: Recording, static: int, wrap_pass: bool | None) -> tuple[Any, bool]:
+    """The cost model calibrated against recorded iterations, and whether the runtime can wrap the
+    model (False: it refused, and ``costs`` is returned as it came).
+
+    NOTE [Calibrated policy]: the cost model's full-recompute need is checked against a
+    recorded full-recompute iteration, and its constant part corrected by the difference,
+    so that "never more than full recompute" compares memo with a measured figure; then
+    its memo need likewise, against a recorded iteration of every layer under memo at
+    alpha = 0 (_calibrate_memo). The chosen policy is recorded once more (_recorded_choice).
+    """
+    from memo.planner import full_recompute_need
+
+    try:
+        fr_trace, _ = _wrapped_pass(job, net, ids, labels, 0.0, False, plain,
+                                    ["recompute"] * len(plain.layer_stats))
+    except MemoError:
+        if wrap_pass:
+            raise
+        return costs, False  # the runtime refuses this model: pass 2 says so, in a note
+    fr_total = _iteration_total(fr_trace, static)
+    estimate = full_recompute_need(costs)
+    costs = dataclasses.replace(costs, base_bytes=max(0, costs.base_bytes + fr_total - estimate))
+    return _calibrate_memo(job, costs, net, ids, labels, plain, static), True
+
+
+@dataclass
+class _ProbeContext:
+    """What :func:`_recorded_choice` needs to record an iteration and to say the alpha."""
+
+    net: nn.Module
+    ids: torch.Tensor
+    labels: torch.Tensor
+    plain: Recording
+    #: Bytes of parameters and optimizer state, added to a recorded iteration's peak.
+    static: int
+    #: The alpha given by the caller (None: solved).
+    alpha: float | None
+    lp_inputs: tuple
+    evaluate_alpha: Any
+
+
+def _recorded_choice(job: _Job, chosen: Any, costs: Any, probe: _ProbeContext, may_probe: bool,
+                     result: ProfileResult) -> Any:
+    """The chosen policy recorded once (when ``may_probe`` and it has memo layers): an estimate
+    short of the cap is corrected (:func:`_corrected_costs`) and chosen again, up to five times."""
+    from memo.planner import choose_policy, describe_policy
+
     for attempt in range(5):
-        result.alpha = _alpha_of(chosen, lp_inputs, alpha, evaluate_alpha)
+        result.alpha = _alpha_of(chosen, probe.lp_inputs, probe.alpha, probe.evaluate_alpha)
         job.say(f"policy: {describe_policy(chosen.policy)}; alpha = {result.alpha.alpha:.4f} "
                 f"(binding: {result.alpha.binding}); device need {format_bytes(chosen.device_bytes)} per "
                 f"rank, estimated (full recompute {format_bytes(chosen.full_recompute_bytes)})")
-        if not can_wrap or policy is not None or not chosen.counts.get("memo"):
+        if not may_probe or not chosen.counts.get("memo"):
             break
-        probe, _ = _wrapped_pass(job, net, ids, labels, result.alpha.alpha, False, plain, chosen.policy)
-        total = _iteration_total(probe, static)
+        trace, _ = _wrapped_pass(job, probe.net, probe.ids, probe.labels, result.alpha.alpha, False,
+                                 probe.plain, chosen.policy)
+        total = _iteration_total(trace, probe.static)
         if total <= chosen.device_cap:
             break
         if attempt == 4:
@@ -574,24 +637,31 @@ def _choose_policy(job: _Job, plain: Recording, states: dict[str, Any], layer_pa
                 f"{result.alpha.alpha:.4f}) needs {format_bytes(total)} per rank when recorded, over the cap "
                 f"of {format_bytes(chosen.device_cap)}, after every correction of the estimate; give a fixed "
                 "--alpha, or more --device-mem-gb")
-        # The estimate was short. At alpha = 0 it was measured (_calibrate_memo), so the error is in
-        # its slope in alpha: correct that (or, at alpha = 0, its constant part) and choose again.
-        # The recorded peak moves in steps of whole allocations, so a correction that lands exactly
-        # on the cap tends to miss it by part of one: overshoot by a quarter. Where three
-        # corrections did not land, alpha > 0 is given up: memo at alpha = 0 was recorded.
-        error = (total - chosen.device_bytes) * 5 // 4
-        if attempt == 2:
-            costs = dataclasses.replace(costs, memo_alpha_bytes=1 << 62)
-        elif chosen.alpha > 1e-6:
-            costs = dataclasses.replace(costs, memo_alpha_bytes=costs.memo_alpha_bytes + int(
-                math.ceil(error / chosen.alpha)))
-        else:
-            costs = dataclasses.replace(costs, memo_overhead=costs.memo_overhead + error)
+        costs = _corrected_costs(costs, chosen, total, attempt)
         job.say(f"policy: the recorded iteration needs {format_bytes(total)}, over the cap of "
                 f"{format_bytes(chosen.device_cap)}; choosing again")
-        chosen = choose_policy(costs, budget, alpha, FALLBACK_HEADROOM)
+        chosen = choose_policy(costs, job.machine.device_budget_bytes, probe.alpha, FALLBACK_HEADROOM)
         result.policy = chosen
-    return chosen, lp_inputs, evaluate_alpha
+    return chosen
+
+
+def _corrected_costs(costs: Any, chosen: Any, total: int, attempt: int) -> Any:
+    """The cost model corrected after a recorded iteration of ``chosen`` needed ``total`` bytes,
+    over the cap.
+
+    The estimate was short. At alpha = 0 it was measured (_calibrate_memo), so the error is in
+    its slope in alpha: correct that (or, at alpha = 0, its constant part) and choose again.
+    The recorded peak moves in steps of whole allocations, so a correction that lands exactly
+    on the cap tends to miss it by part of one: overshoot by a quarter. Where three
+    corrections did not land, alpha > 0 is given up: memo at alpha = 0 was recorded.
+    """
+    error = (total - chosen.device_bytes) * 5 // 4
+    if attempt == 2:
+        return dataclasses.replace(costs, memo_alpha_bytes=1 << 62)
+    if chosen.alpha > 1e-6:
+        return dataclasses.replace(costs, memo_alpha_bytes=costs.memo_alpha_bytes + int(
+            math.ceil(error / chosen.alpha)))
+    return dataclasses.replace(costs, memo_overhead=costs.memo_overhead + error)
 
 
 def _pass2(job: _Job, plain: Recording, chosen: Any, wrap_pass: bool | None, plan: bool,
