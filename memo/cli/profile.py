@@ -36,6 +36,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "S_others per layer, solve alpha, trace the wrapped model and write the memory plan. "
         "--device meta profiles any length in seconds without allocating memory.",
     )
+    _add_run_arguments(p)
+    _add_rank_arguments(p)
+    _add_planning_arguments(p)
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+    return p
+
+
+def _add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """What is profiled and where: model, sizes, dtype, device, outputs and recorder."""
     p.add_argument("--model", required=True,
                    help="registered config name (gpt-7b, llama-3.1-8b, tiny, ...) or a CONFIG.json with "
                    "memo.models.ModelConfig's fields (arch, n_layers, hidden, n_heads, ...)")
@@ -61,6 +71,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="trace to plan from. dispatch: every storage torch creates (any device, the default on "
         "meta); allocator: the real requests through memo.allocator.logging (cpu/cuda, their default)",
     )
+
+
+def _add_rank_arguments(p: argparse.ArgumentParser) -> None:
+    """The machine, the parallelism that makes the profiled rank, its device budget and how its
+    model states are counted."""
     add_machine_arguments(
         p, "processes sharing the host memory (default: the CUDA devices here; 1 on cpu/meta)"
     )
@@ -91,6 +106,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="how model states are counted: same (AdamW in the model dtype, as memo train runs; default) "
         "or mixed (Megatron mixed precision: fp32 main grads, master weights and Adam moments)",
     )
+
+
+def _add_planning_arguments(p: argparse.ArgumentParser) -> None:
+    """The "planning" group: the planner's time and solver, and whether pass 2 runs."""
     s = p.add_argument_group("planning")
     s.add_argument(
         "--time-limit", type=positive_float, default=30.0,
@@ -110,9 +129,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     wrap.add_argument(
         "--no-wrap-pass", dest="wrap_pass", action="store_false", help="plan from the plain model's trace"
     )
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=run)
-    return p
 
 
 def _default_device() -> str:
@@ -194,10 +210,57 @@ def _planner_io() -> tuple[Any, Any, Any]:
     return planner.save_plan, planner.save_trace, planner.Trace
 
 
+def _fill_defaults(args: argparse.Namespace) -> tuple[dict[str, str], int]:
+    """Fill in the defaults of ``args`` in place, refusing a --device not here or a length the ranks
+    cannot share. Returns where the tensor-parallel, context-parallel and GPUs-per-node numbers
+    came from, and the tokens the profiled rank runs."""
+    from memo.profiler import rank_tokens
+
+    if args.device is None:
+        args.device = _default_device()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise MemoError("memo profile: --device cuda given but torch sees no CUDA device; use --device meta")
+    if args.recorder is None:
+        # Plans are replayed by (phase, request index), so on a real device the trace should be the
+        # allocator's own requests (docs/profiling.md, "Which recorder"); meta has only dispatch.
+        args.recorder = "dispatch" if args.device == "meta" else "allocator"
+    sources = {"tp": "given", "cp": "given", "gpus": "given"}
+    if args.tensor_parallel is None:
+        # The profile is of one rank as given: no sharding unless asked for (the paper's 1M-token
+        # runs split each layer over the node's 8 GPUs: --tensor-parallel 8).
+        args.tensor_parallel, sources["tp"] = 1, "default"
+    if args.context_parallel is None:
+        args.context_parallel, sources["cp"] = 1, "default"
+    group = args.tensor_parallel * args.context_parallel
+    # A length the ranks cannot share is refused before anything is built.
+    rank_seq = rank_tokens(args.seq_len, args.tensor_parallel, args.context_parallel)
+    if args.gpus_per_node is None:
+        # Every GPU of the node is one process sharing its host memory. Without CUDA here, assume
+        # the profiled rank's TP x CP group fills the node (fewer host bytes per process than
+        # one process alone would claim: the safe side); --gpus-per-node says otherwise.
+        if args.device == "cuda":
+            args.gpus_per_node, sources["gpus"] = torch.cuda.device_count(), "the CUDA devices here"
+        else:
+            args.gpus_per_node = group
+            sources["gpus"] = ("default: one process" if group == 1 else
+                               f"assumed: the TP x CP group of {group} ranks on one node; "
+                               "pass --gpus-per-node")
+    return sources, rank_seq
+
+
+def _print_rank(args: argparse.Namespace, sources: dict[str, str], rank_seq: int) -> None:
+    """The host share, tensor and context parallelism of the profiled rank, and where each came from."""
+    print(f"M_CPU    host memory x {args.host_safety:g} / {args.gpus_per_node} GPU(s) per node "
+          f"[{sources['gpus']}]")
+    print(f"TP       {args.tensor_parallel}-way tensor+sequence parallel per layer [{sources['tp']}]")
+    print(f"CP       {args.context_parallel}-way context parallel [{sources['cp']}]: the rank runs "
+          f"{rank_seq:,} of {args.seq_len:,} tokens, its layer input holds "
+          f"{rank_seq // args.tensor_parallel:,}")
+
+
 def run(args: argparse.Namespace) -> int:
     from memo.jsonio import check_writable
     from memo.pipeline import DTYPES, profile
-    from memo.profiler import rank_tokens
 
     check_writable(args.output, "memo profile -o")
     if args.trace_out:
@@ -208,36 +271,8 @@ def run(args: argparse.Namespace) -> int:
     from memo.models import get_config
 
     config = get_config(args.model)  # unknown names fail here with the list of valid ones
-    if args.device is None:
-        args.device = _default_device()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise MemoError("memo profile: --device cuda given but torch sees no CUDA device; use --device meta")
-    if args.recorder is None:
-        # Plans are replayed by (phase, request index), so on a real device the trace should be the
-        # allocator's own requests (docs/profiling.md, "Which recorder"); meta has only dispatch.
-        args.recorder = "dispatch" if args.device == "meta" else "allocator"
-    tp_source = "given"
-    if args.tensor_parallel is None:
-        # The profile is of one rank as given: no sharding unless asked for (the paper's 1M-token
-        # runs split each layer over the node's 8 GPUs: --tensor-parallel 8).
-        args.tensor_parallel, tp_source = 1, "default"
-    cp_source = "given"
-    if args.context_parallel is None:
-        args.context_parallel, cp_source = 1, "default"
+    sources, rank_seq = _fill_defaults(args)
     group = args.tensor_parallel * args.context_parallel
-    # A length the ranks cannot share is refused before anything is built.
-    rank_seq = rank_tokens(args.seq_len, args.tensor_parallel, args.context_parallel)
-    gpus_source = "given"
-    if args.gpus_per_node is None:
-        # Every GPU of the node is one process sharing its host memory. Without CUDA here, assume
-        # the profiled rank's TP x CP group fills the node (fewer host bytes per process than
-        # one process alone would claim: the safe side); --gpus-per-node says otherwise.
-        if args.device == "cuda":
-            args.gpus_per_node, gpus_source = torch.cuda.device_count(), "the CUDA devices here"
-        else:
-            args.gpus_per_node = group
-            gpus_source = ("default: one process" if group == 1 else
-                           f"assumed: the TP x CP group of {group} ranks on one node; pass --gpus-per-node")
     save_plan, save_trace, trace_cls = _planner_io()
     dtype = DTYPES[args.dtype]
     start = time.perf_counter()
@@ -267,12 +302,7 @@ def run(args: argparse.Namespace) -> int:
     for line in _report(result, rank_seq // args.tensor_parallel, args.micro_batch, config.hidden, dtype,
                         group):
         print(line)
-    print(f"M_CPU    host memory x {args.host_safety:g} / {args.gpus_per_node} GPU(s) per node "
-          f"[{gpus_source}]")
-    print(f"TP       {args.tensor_parallel}-way tensor+sequence parallel per layer [{tp_source}]")
-    print(f"CP       {args.context_parallel}-way context parallel [{cp_source}]: the rank runs "
-          f"{rank_seq:,} of {args.seq_len:,} tokens, its layer input holds "
-          f"{rank_seq // args.tensor_parallel:,}")
+    _print_rank(args, sources, rank_seq)
     for note in result.notes:
         print(f"note: {note}")
     if args.trace_out:
