@@ -320,24 +320,10 @@ def train(
     dtype = DTYPES[config.dtype]
     torch.manual_seed(config.seed)
     model, model_config = _build(config, device, dtype, strategy.device_budget_bytes)
-    if config.data is not None:
-        source: SyntheticTokens | ByteFileTokens = ByteFileTokens(
-            config.data, model_config.vocab_size, config.seq_len, config.micro_batch, config.seed
-        )
-    else:
-        source = SyntheticTokens(model_config.vocab_size, config.seq_len, config.micro_batch, config.seed)
-    batches = iter(source)
+    batches = iter(_token_source(config, model_config))
     first = tuple(t.to(device) for t in next(batches))
     emit = log if log is not None else tqdm.write
-    result = TrainResult(
-        config=config,
-        num_parameters=sum(p.numel() for p in model.parameters()),
-        flops_per_sample=flops_per_sample(model_config, config.seq_len),
-        peak_flops=detect_peak_flops(device, dtype,
-                                     None if config.peak_tflops is None else config.peak_tflops * 1e12),
-        model_fingerprint=fingerprint(model_config),
-        strategy=strategy,
-    )
+    result = _new_result(config, model, model_config, device, dtype, strategy)
     run = {"model": model_config.name, "fingerprint": result.model_fingerprint, "seq_len": config.seq_len,
            "micro_batch": config.micro_batch, "dtype": config.dtype}
     try:
@@ -375,46 +361,91 @@ def _steps(config: TrainConfig, model: torch.nn.Module, model_config: Any, strat
             ids, labels = (t.to(device, non_blocking=True) for t in next(batches))
         _synchronize(device)
         start = time.perf_counter()
-        try:
-            loss = train_step(model, optimizer, ids, labels, strategy.step).float().item()  # .item() waits
-        except RuntimeError as err:
-            if "memo allocator:" not in str(err) and not isinstance(err, torch.cuda.OutOfMemoryError):
-                raise
-            # memo's allocator refused a request (its budget, NOTE [Device budget], or the device):
-            # one line with its numbers, not a traceback from deep inside autograd.
-            message = str(err).splitlines()[0]
-            if "fallback limit" in message:
-                message += (" (with --device-mem-gb the limit is the budget less the parameters and the "
-                            "plan's arena: give a larger budget or a shorter sequence)")
-            raise MemoError(f"memo.train: step {step} ran out of device memory: {message}") from None
+        loss = _run_step(model, optimizer, ids, labels, strategy, step)
         _synchronize(device)
         seconds = time.perf_counter() - start
         if not math.isfinite(loss):
             raise MemoError(
                 f"memo.train: loss became {loss} at step {step}; lower --lr or use --dtype float32/bfloat16"
             )
-        extras = strategy.step_stats()
-        if extras.get("peak_device_bytes") is not None:
-            mem, result.peak_memory_kind = extras["peak_device_bytes"], extras["peak_device_kind"]
-        else:  # a strategy that cannot measure the device: the process's own numbers
-            mem, result.peak_memory_kind = peak_memory(device)
-        metrics = StepMetrics(
-            step=step,
-            loss=loss,
-            step_time_s=seconds,
-            tgs=config.micro_batch * config.seq_len / seconds,
-            mfu=mfu(result.flops_per_sample, config.micro_batch, seconds, peak),
-            peak_memory_bytes=mem,
-            extras=extras,
-        )
+        metrics = _step_metrics(config, strategy, result, step, loss, seconds, device)
         result.steps.append(metrics)
         bar.set_postfix(loss=f"{loss:.3f}")
-        mfu_text = "n/a" if metrics.mfu is None else f"{100 * metrics.mfu:.1f}%"
-        emit(
-            f"step {step:>4}  loss {loss:.4f}  time {seconds * 1e3:.0f} ms  tgs {metrics.tgs:,.0f} tok/s  "
-            f"mfu {mfu_text}  peak mem {format_mib(mem)} ({result.peak_memory_kind})" + _extras_text(extras)
-        )
+        emit(_step_line(metrics, result.peak_memory_kind))
     bar.close()
+
+
+def _run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor,
+              labels: torch.Tensor, strategy: Any, step: int) -> float:
+    """One training step under the strategy, its loss as a float (``.item()`` waits for the step).
+
+    A request memo's allocator refused (its budget, NOTE [Device budget], or the device) is
+    raised as one MemoError line with its numbers, not a traceback from deep inside autograd.
+    """
+    try:
+        return train_step(model, optimizer, ids, labels, strategy.step).float().item()  # .item() waits
+    except RuntimeError as err:
+        if "memo allocator:" not in str(err) and not isinstance(err, torch.cuda.OutOfMemoryError):
+            raise
+        # memo's allocator refused a request (its budget, NOTE [Device budget], or the device):
+        # one line with its numbers, not a traceback from deep inside autograd.
+        message = str(err).splitlines()[0]
+        if "fallback limit" in message:
+            message += (" (with --device-mem-gb the limit is the budget less the parameters and the "
+                        "plan's arena: give a larger budget or a shorter sequence)")
+        raise MemoError(f"memo.train: step {step} ran out of device memory: {message}") from None
+
+
+def _step_metrics(config: TrainConfig, strategy: Any, result: TrainResult, step: int, loss: float,
+                  seconds: float, device: torch.device) -> StepMetrics:
+    """The measurements of one step; the peak memory is the strategy's where it measures the
+    device, else the process's own (``result.peak_memory_kind`` says which)."""
+    extras = strategy.step_stats()
+    if extras.get("peak_device_bytes") is not None:
+        mem, result.peak_memory_kind = extras["peak_device_bytes"], extras["peak_device_kind"]
+    else:  # a strategy that cannot measure the device: the process's own numbers
+        mem, result.peak_memory_kind = peak_memory(device)
+    return StepMetrics(
+        step=step,
+        loss=loss,
+        step_time_s=seconds,
+        tgs=config.micro_batch * config.seq_len / seconds,
+        mfu=mfu(result.flops_per_sample, config.micro_batch, seconds, result.peak_flops),
+        peak_memory_bytes=mem,
+        extras=extras,
+    )
+
+
+def _step_line(metrics: StepMetrics, memory_kind: str) -> str:
+    """The log line of one step."""
+    mfu_text = "n/a" if metrics.mfu is None else f"{100 * metrics.mfu:.1f}%"
+    return (
+        f"step {metrics.step:>4}  loss {metrics.loss:.4f}  time {metrics.step_time_s * 1e3:.0f} ms  "
+        f"tgs {metrics.tgs:,.0f} tok/s  mfu {mfu_text}  peak mem {format_mib(metrics.peak_memory_bytes)} "
+        f"({memory_kind})" + _extras_text(metrics.extras)
+    )
+
+
+def _token_source(config: TrainConfig, model_config: Any) -> SyntheticTokens | ByteFileTokens:
+    """The batches: the bytes of ``config.data``, or synthetic tokens."""
+    if config.data is not None:
+        return ByteFileTokens(config.data, model_config.vocab_size, config.seq_len, config.micro_batch,
+                              config.seed)
+    return SyntheticTokens(model_config.vocab_size, config.seq_len, config.micro_batch, config.seed)
+
+
+def _new_result(config: TrainConfig, model: torch.nn.Module, model_config: Any, device: torch.device,
+                dtype: torch.dtype, strategy: Any) -> TrainResult:
+    """The run's result before any step: the model's size and FLOPs, the device's peak FLOPS."""
+    return TrainResult(
+        config=config,
+        num_parameters=sum(p.numel() for p in model.parameters()),
+        flops_per_sample=flops_per_sample(model_config, config.seq_len),
+        peak_flops=detect_peak_flops(device, dtype,
+                                     None if config.peak_tflops is None else config.peak_tflops * 1e12),
+        model_fingerprint=fingerprint(model_config),
+        strategy=strategy,
+    )
 
 
 def _build(config: TrainConfig, device: torch.device, dtype: torch.dtype, budget_bytes: int | None
