@@ -25,11 +25,11 @@ void check_copy(const at::Tensor& dst, const at::Tensor& src) {
 }
 
 at::Tensor arena_tensor(const std::shared_ptr<HostArena>& arena) {
-  // The tensor's deleter holds a reference, so the arena lives as long as any view of it.
-  auto* keep = new std::shared_ptr<HostArena>(arena);
+  // The tensor's deleter owns a reference (its captured shared_ptr), so the arena lives as long as any
+  // view of it and goes with the storage.
   return torch::from_blob(
       arena->data(), {static_cast<int64_t>(arena->nbytes())},
-      [keep](void*) { delete keep; }, torch::TensorOptions().dtype(torch::kUInt8));
+      [keep = arena](void*) mutable { keep.reset(); }, torch::TensorOptions().dtype(torch::kUInt8));
 }
 
 void bind_rounding(py::module_& m) {
