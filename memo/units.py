@@ -10,7 +10,8 @@ __all__ = ["ALIGNMENT", "MAX_BYTES", "format_bytes", "format_mib", "format_ms"]
 # NOTE [Block alignment]
 # Every planned offset, and every size the planner places, is a multiple of ALIGNMENT bytes:
 # the planner works in these units (memo.planner), the plan files record it and refuse another
-# (planner/plan.py), the allocator refuses offsets off it (memo/allocator/_tables.py), and the
+# (planner/plan.py), the allocator's core refuses offsets off it (NOTE [Plan tables are checked in the
+# core] in csrc/core/planned_allocator.h), and the
 # synthetic traces count sizes in it (planner/synthetic.py). 512 is what PyTorch's CUDA caching
 # allocator hands out, so kernels may assume it. Defined here once, in a module that imports
 # nothing, for all of them; the native allocator's own constant (kBlockAlignment in
