@@ -541,6 +541,50 @@ def plan_bilevel(trace: Trace | Mapping[str, Any], *, time_limit: float = 60.0, 
 # micro-batch of a step sees them.
 
 
+def _check_plan_arguments(capacity: int | None, time_limit: float, use_mip: bool, solver: str,
+                          unphased: str) -> None:
+    """Refuse :func:`make_plan`'s arguments that are out of range before any work (a missing
+    solver too, where one is asked for)."""
+    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int)
+                                 or capacity <= 0):
+        raise MemoError("memo.planner: capacity must be a positive number of bytes (an int), "
+                        f"got {capacity!r}")
+    if not (isinstance(time_limit, (int, float)) and math.isfinite(time_limit) and time_limit > 0):
+        raise MemoError(f"memo.planner: time_limit must be a positive number of seconds, got {time_limit!r}")
+    if use_mip or solver not in ("cbc", "highs"):
+        require_solver(solver)
+    if unphased not in UNPHASED_MODES:
+        raise MemoError(f"memo.planner: unphased must be 'plan' or 'fallback', got {unphased!r}")
+
+
+def _smaller_of_flat(plan: Plan, t: Trace, replay: bool) -> Plan:
+    """The bi-level ``plan``, or the flat heuristic's plan of ``t`` where that is smaller.
+
+    Blocks cost a little where skeletal tensors grow inside a pass; the flat heuristic
+    costs a second, so keep it when it is smaller (the allocator only needs phase tables).
+    The flat plan kept carries the bi-level plan's warnings and a record of what it replaced.
+    """
+    flat = plan_heuristic(t, outliving_to_fallback=replay)
+    if flat.peak >= plan.peak:
+        return plan
+    flat.warnings.extend(plan.warnings)
+    flat.solver["replaced"] = {"kind": "bilevel", "peak": plan.peak, "seconds":
+                               plan.solver.get("seconds"), "stages": plan.solver.get("stages")}
+    flat.solver["note"] = (f"flat heuristic peak {flat.peak} < bi-level peak {plan.peak}; "
+                           "kept the flat plan")
+    return flat
+
+
+def _record_alpha(plan: Plan, alpha_solution: Any, host_bytes: int | None) -> int | None:
+    """Record the alpha solution in ``plan``; returns the host bytes: those given, else its own."""
+    plan.alpha = float(alpha_solution.alpha)
+    plan.alpha_binding = str(alpha_solution.binding)
+    plan.alpha_detail = alpha_solution.to_dict()
+    if host_bytes is None:
+        host_bytes = int(alpha_solution.host_bytes)
+    return host_bytes
+
+
 def make_plan(trace: Trace | Mapping[str, Any], alpha_solution: Any = None, *, time_limit: float = 60.0,
               solver: str = "cbc", use_mip: bool = True, method: str = "auto", threads: int = 2,
               host_bytes: int | None = None, progress: bool | None = None, unphased: str = "plan",
@@ -569,16 +613,7 @@ def make_plan(trace: Trace | Mapping[str, Any], alpha_solution: Any = None, *, t
             is often much easier than the minimum; NOTE [Capacity ladder] in search.py), and
             minimises as usual when it proves the capacity out of reach.
     """
-    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int)
-                                 or capacity <= 0):
-        raise MemoError("memo.planner: capacity must be a positive number of bytes (an int), "
-                        f"got {capacity!r}")
-    if not (isinstance(time_limit, (int, float)) and math.isfinite(time_limit) and time_limit > 0):
-        raise MemoError(f"memo.planner: time_limit must be a positive number of seconds, got {time_limit!r}")
-    if use_mip or solver not in ("cbc", "highs"):
-        require_solver(solver)
-    if unphased not in UNPHASED_MODES:
-        raise MemoError(f"memo.planner: unphased must be 'plan' or 'fallback', got {unphased!r}")
+    _check_plan_arguments(capacity, time_limit, use_mip, solver, unphased)
     t = _as_trace(trace)
     left_out = None
     replay = unphased == "fallback"
@@ -596,25 +631,12 @@ def make_plan(trace: Trace | Mapping[str, Any], alpha_solution: Any = None, *, t
     elif method == "auto":
         plan = plan_bilevel(t, time_limit=time_limit, solver=solver, threads=threads, use_mip=use_mip,
                             progress=progress, outliving_to_fallback=replay, capacity=capacity)
-        # Blocks cost a little where skeletal tensors grow inside a pass; the flat heuristic
-        # costs a second, so keep it when it is smaller (the allocator only needs phase tables).
         if plan.solver.get("kind") == "bilevel":
-            flat = plan_heuristic(t, outliving_to_fallback=replay)
-            if flat.peak < plan.peak:
-                flat.warnings.extend(plan.warnings)
-                flat.solver["replaced"] = {"kind": "bilevel", "peak": plan.peak, "seconds":
-                                           plan.solver.get("seconds"), "stages": plan.solver.get("stages")}
-                flat.solver["note"] = (f"flat heuristic peak {flat.peak} < bi-level peak {plan.peak}; "
-                                       "kept the flat plan")
-                plan = flat
+            plan = _smaller_of_flat(plan, t, replay)
     else:
         raise MemoError(f"memo.planner: unknown method {method!r}; choose auto, bilevel, flat or heuristic")
     if alpha_solution is not None:
-        plan.alpha = float(alpha_solution.alpha)
-        plan.alpha_binding = str(alpha_solution.binding)
-        plan.alpha_detail = alpha_solution.to_dict()
-        if host_bytes is None:
-            host_bytes = int(alpha_solution.host_bytes)
+        host_bytes = _record_alpha(plan, alpha_solution, host_bytes)
     plan.host_bytes = host_bytes
     plan.unphased = unphased
     if left_out is not None:
