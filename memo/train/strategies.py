@@ -40,6 +40,7 @@ itself, unchanged (its pack hook is only wrapped to count the host bytes it hold
 from __future__ import annotations
 
 import contextlib
+import gc
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -245,6 +246,10 @@ class MemoryMeter:
         """Enter the Session: memo's allocator, the wrapped layers, phases, sized buffers."""
         self.device = device
         self.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        # Garbage of earlier work in this process (a model in a reference cycle, its gradients) may
+        # still hold blocks of memo's allocator; they would count in this run's peak until the
+        # collector happens to run. Collect now, so that the peak is this run's.
+        gc.collect()
         self.session = self.make_session(model, wrapping, device, example)
         self.session.__enter__()
         self.allocator_on = self.session.allocator_on
