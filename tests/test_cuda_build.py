@@ -22,6 +22,8 @@ import memo.allocator as ma
 import memo.allocator._backends as backends
 from memo import _C
 from memo.errors import MemoError
+from tests.test_allocator_core import CORE_TABLE_ERRORS
+from tests.test_allocator_stat_names import _flat_keys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NVCC = shutil.which("nvcc")
@@ -126,25 +128,21 @@ def test_c_api_without_a_device(fresh_library: str) -> None:
     assert lib.memo_cuda_unload_plan(0) == 0
 
 
-def _flat_keys(stats: dict) -> set[str]:
-    """The stats dict's keys, "fallback.x" for the nested ones (NOTE [Stat names])."""
-    keys: set[str] = set()
-    for key, value in stats.items():
-        if isinstance(value, dict) and key != "first_deviation":
-            keys |= {f"{key}.{field}" for field in value}
-        else:
-            keys.add(key)
-    return keys
-
-
-def test_cuda_stats_keys_are_the_library_names(fresh_library: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CUDA library names its counters from the core's one list, and memo.allocator's dict uses them."""
+@pytest.fixture
+def cuda_library(fresh_library: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """memo.allocator's CUDA backend pointed at the freshly built library (skips where it cannot load)."""
     try:
         ctypes.CDLL(fresh_library)
     except OSError as exc:  # libcudart not on the loader path
         pytest.skip(f"cannot load the CUDA library here: {exc}")
     monkeypatch.setattr(backends, "cuda_library_path", lambda: fresh_library)
     monkeypatch.setattr(backends, "_cuda_lib", None)
+    return fresh_library
+
+
+@pytest.mark.usefixtures("cuda_library")
+def test_cuda_stats_keys_are_the_library_names() -> None:
+    """The CUDA library names its counters from the core's one list, and memo.allocator's dict uses them."""
     backend = backends.CudaBackend(0)  # no device touched: no arena, no plan
     names = backends.cuda_stat_names(backend._lib)
     assert names == list(_C.allocator.stat_names())  # the same list, in the same order
@@ -153,26 +151,10 @@ def test_cuda_stats_keys_are_the_library_names(fresh_library: str, monkeypatch: 
     assert stats["requests"] == 0 and stats["fallback"]["segments"] == 0 and stats["first_deviation"] is None
 
 
-@pytest.mark.parametrize(
-    ("tables", "peak", "pattern"),
-    [
-        ({"layer.fwd[0]": [(0, 0)]}, 4096, "size must be a positive int"),
-        ({"layer.fwd[0]": [(4096, 100)]}, 8192, "multiple of 512"),
-        ({"layer.fwd[0]": [(4096, 4096)]}, 6000, "exceeds the plan's peak"),
-        ({"layer.fwd[0]": [(4096, -5)]}, 8192, "offset must be an int >= 0"),
-        ({"": [(4096, 0)]}, 8192, "non-empty phase names"),
-        ({"layer.fwd[0]": [(4096, 0)]}, -1, "peak must be"),
-    ],
-)
-def test_cuda_tables_are_checked_by_the_core(fresh_library: str, monkeypatch: pytest.MonkeyPatch,
-                                            tables: dict, peak: int, pattern: str) -> None:
+@pytest.mark.usefixtures("cuda_library")
+@pytest.mark.parametrize(("tables", "peak", "pattern"), CORE_TABLE_ERRORS)
+def test_cuda_tables_are_checked_by_the_core(tables: dict, peak: int, pattern: str) -> None:
     """NOTE [Plan tables are checked in the core]: the CUDA C API gives the CPU path's messages."""
-    try:
-        ctypes.CDLL(fresh_library)
-    except OSError as exc:  # libcudart not on the loader path
-        pytest.skip(f"cannot load the CUDA library here: {exc}")
-    monkeypatch.setattr(backends, "cuda_library_path", lambda: fresh_library)
-    monkeypatch.setattr(backends, "_cuda_lib", None)
     cuda, cpu = backends.CudaBackend(0), backends.CpuBackend()
     with pytest.raises(MemoError, match=pattern) as on_cuda:
         cuda.check_plan(tables, peak)
