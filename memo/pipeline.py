@@ -64,7 +64,8 @@ from memo.profiler.record import (
 from memo.profiler.stats import LayerStats, offloaded_bytes, summarise_layers
 from memo.units import format_bytes
 
-__all__ = ["DTYPES", "FALLBACK_HEADROOM", "ProfileResult", "build_profile_model", "example_batch", "profile"]
+__all__ = ["DTYPES", "FALLBACK_HEADROOM", "FALLBACK_SEGMENT_BYTES", "ProfileResult", "build_profile_model",
+           "example_batch", "fallback_headroom", "profile"]
 
 #: dtype names accepted by :func:`profile` and ``memo profile --dtype``.
 DTYPES: dict[str, torch.dtype] = {
@@ -84,8 +85,22 @@ DTYPES: dict[str, torch.dtype] = {
 # budget to the byte can thus fail on a later step, once the optimizer states live through the
 # iteration. The policy is therefore chosen within the budget less this share of it, as a user
 # of PyTorch's allocator leaves room between "allocated" and "reserved"; the plan still records
-# the whole budget, which `memo train` enforces.
+# the whole budget, which `memo train` enforces. The share is at least one segment of the pool
+# (FALLBACK_SEGMENT_BYTES): under a small budget 5% is less than one segment's rounding, and a
+# plan that "fits" then fails in step 2 (tiny at 1,024 tokens under 16 MiB did).
 FALLBACK_HEADROOM = 0.05
+#: The fallback pool's segment granularity: kSegmentGranularity in csrc/core/fallback_allocator.h
+#: (tests/test_layer_policy.py reads it there).
+FALLBACK_SEGMENT_BYTES = 2 << 20
+
+
+def fallback_headroom(budget_bytes: int | None) -> float:
+    """The share of a device budget the policy leaves free for the fallback pool (NOTE [Fallback
+    headroom]): FALLBACK_HEADROOM, or one segment where that is more; the policy's own rule
+    (``choose_policy(..., FALLBACK_HEADROOM, FALLBACK_SEGMENT_BYTES)``), as a share."""
+    if not budget_bytes:
+        return FALLBACK_HEADROOM
+    return min(1.0, max(FALLBACK_HEADROOM, FALLBACK_SEGMENT_BYTES / budget_bytes))
 
 
 @dataclass
@@ -542,7 +557,7 @@ def _choose_policy(job: _Job, plain: Recording, states: dict[str, Any], layer_pa
     else:
         if can_wrap:
             costs, can_wrap = _calibrated_costs(job, costs, net, ids, labels, plain, static, wrap_pass)
-        chosen = choose_policy(costs, budget, alpha, FALLBACK_HEADROOM)
+        chosen = choose_policy(costs, budget, alpha, FALLBACK_HEADROOM, FALLBACK_SEGMENT_BYTES)
     result.policy = chosen
     result.model_states = states
     job.timings["alpha"] = time.perf_counter() - t0
@@ -640,7 +655,8 @@ def _recorded_choice(job: _Job, chosen: Any, costs: Any, probe: _ProbeContext, m
         costs = _corrected_costs(costs, chosen, total, attempt)
         job.say(f"policy: the recorded iteration needs {format_bytes(total)}, over the cap of "
                 f"{format_bytes(chosen.device_cap)}; choosing again")
-        chosen = choose_policy(costs, job.machine.device_budget_bytes, probe.alpha, FALLBACK_HEADROOM)
+        budget = job.machine.device_budget_bytes
+        chosen = choose_policy(costs, budget, probe.alpha, FALLBACK_HEADROOM, FALLBACK_SEGMENT_BYTES)
         result.policy = chosen
     return chosen
 

@@ -205,7 +205,7 @@ def _search_splits(c: LayerCosts, cap: float, alpha: float | None
 
 
 def _no_fit_error(c: LayerCosts, smallest: tuple[int, int, int, int, float], cap: float,
-                  device_budget: int | None, headroom: float) -> DeviceBudgetError:
+                  device_budget: int | None, headroom: float, headroom_bytes: int = 0) -> DeviceBudgetError:
     """The error when no split fits: the budget (and its usable part), the smallest need with its
     parts, and what to give more of."""
     need, n_memo, n_fr, n_keep, a = smallest
@@ -215,11 +215,12 @@ def _no_fit_error(c: LayerCosts, smallest: tuple[int, int, int, int, float], cap
     return DeviceBudgetError(
         "memo.policy: no layer policy fits the device budget of "
         f"{format_bytes(cap if device_budget is None else device_budget)} per rank"
-        + (f" ({format_bytes(cap)} of it usable, {headroom:.0%} being kept free for the fallback "
-           "allocator)" if device_budget is not None and headroom else "") + "; the "
+        + (f" ({format_bytes(cap)} of it usable, {1 - cap / device_budget:.0%} being kept free for the "
+           "fallback allocator)" if device_budget and cap < device_budget else "") + "; the "
         f"smallest need is {format_bytes(need)} ({what}): {detail}. Give more device memory "
-        + (f"(a budget of at least {format_bytes(math.ceil(need / (1 - headroom)))} with the headroom, "
-           "--device-mem-gb)" if device_budget is not None and headroom else "(--device-mem-gb)")
+        + (f"(a budget of at least {format_bytes(_budget_for(need, headroom, headroom_bytes))} with the "
+           "headroom, --device-mem-gb)" if device_budget is not None and (headroom or headroom_bytes)
+           else "(--device-mem-gb)")
         + ", more host memory, more tensor/context parallelism, or a shorter sequence")
 
 
@@ -244,12 +245,13 @@ def _lp_alpha(c: LayerCosts, n_memo: int, n_fr: int, n_keep: int, cap: float, a:
     return a, why, solution
 
 
-def choose_policy(c: LayerCosts, device_budget: int | None = None,
-                  alpha: float | None = None, headroom: float = 0.0) -> PolicySolution:
+def choose_policy(c: LayerCosts, device_budget: int | None = None, alpha: float | None = None,
+                  headroom: float = 0.0, headroom_bytes: int = 0) -> PolicySolution:
     """The fastest policy within ``device_budget`` (bytes per rank; None: full recompute's need),
     the host memory and the link. ``alpha``: fixed instead of solved; without a budget it also
     fixes the paper's policy (all layers but the last two offload). ``headroom``: the share of
-    the budget left free (NOTE [Fallback headroom]).
+    the budget left free, and ``headroom_bytes`` at least that many bytes of it (NOTE [Fallback
+    headroom] in memo/pipeline.py).
 
     Raises:
         MemoError: when no policy fits the budget, with the smallest need and its parts.
@@ -265,11 +267,11 @@ def choose_policy(c: LayerCosts, device_budget: int | None = None,
         # last two offloads at that alpha, the last two are kept (no cap to choose against).
         n_keep = min(2, c.n_layers)
         return given_policy(c, _policy(c.n_layers - n_keep, 0, n_keep), alpha)
-    cap = full_recompute if device_budget is None else int(device_budget * (1 - headroom))
+    cap = full_recompute if device_budget is None else _usable(device_budget, headroom, headroom_bytes)
     best, smallest = _search_splits(c, cap, alpha)
     if best is None:
         assert smallest is not None
-        raise _no_fit_error(c, smallest, cap, device_budget, headroom)
+        raise _no_fit_error(c, smallest, cap, device_budget, headroom, headroom_bytes)
     seconds, need, n_memo, n_fr, n_keep, a, why = best
     solution = None
     if n_memo and alpha is None:
@@ -282,6 +284,16 @@ def choose_policy(c: LayerCosts, device_budget: int | None = None,
                           device_cap=int(cap),
                           device_budget=device_budget, full_recompute_bytes=int(full_recompute),
                           alpha_solution=solution, counts={"memo": n_memo, "recompute": n_fr, "keep": n_keep})
+
+
+def _usable(budget: int, headroom: float, headroom_bytes: int) -> int:
+    """The budget less its headroom: ``headroom`` of it, at least ``headroom_bytes``."""
+    return max(0, budget - max(int(budget * headroom), headroom_bytes))
+
+
+def _budget_for(need: float, headroom: float, headroom_bytes: int) -> int:
+    """The smallest budget whose usable part (:func:`_usable`) holds ``need`` bytes."""
+    return int(max(math.ceil(need / (1 - headroom)), need + headroom_bytes))
 
 
 def full_recompute_need(c: LayerCosts) -> int:

@@ -173,3 +173,21 @@ def test_full_recompute_wins_where_it_is_faster() -> None:
     # A link so slow that memo's copies stall far longer than recomputing the layer.
     sol = choose_policy(_costs(bandwidth=1e6), device_budget=None)
     assert sol.counts["memo"] == 0 and sol.counts["recompute"] == 12
+
+
+def test_fallback_headroom_is_at_least_one_segment() -> None:
+    """NOTE [Fallback headroom]: 5% of the budget, or one segment of the fallback pool where that is
+    more (under 16 MiB, 5% is less than one segment's rounding); the segment is the core's."""
+    import re
+    from pathlib import Path
+
+    from memo.pipeline import FALLBACK_HEADROOM, FALLBACK_SEGMENT_BYTES, fallback_headroom
+
+    header = (Path(__file__).resolve().parent.parent / "csrc/core/fallback_allocator.h").read_text()
+    match = re.search(r"kSegmentGranularity = (\d+)u << (\d+);", header)
+    assert match and int(match.group(1)) << int(match.group(2)) == FALLBACK_SEGMENT_BYTES
+    assert fallback_headroom(None) == FALLBACK_HEADROOM
+    assert fallback_headroom(80 * 10**9) == FALLBACK_HEADROOM
+    assert fallback_headroom(16 << 20) == 0.125  # 2 MiB of 16 MiB
+    assert fallback_headroom(40 << 20) == FALLBACK_HEADROOM  # where the two meet
+    assert fallback_headroom(1 << 20) == 1.0  # a budget below one segment leaves nothing usable
