@@ -70,9 +70,9 @@ class Bench:
         self.budget = int(args.device_mem_gb * GB)
         # NOTE [Fallback headroom] (memo/pipeline.py): memo plans within the budget less a
         # share kept free for allocator fragmentation; every strategy is judged against the same.
-        from memo.pipeline import fallback_headroom
+        from memo.pipeline import usable_device_bytes
 
-        self.usable = int(self.budget * (1 - fallback_headroom(self.budget)))
+        self.usable = usable_device_bytes(self.budget)
         self.log = log
         self.cache: dict[tuple[str, int], dict[str, Any]] = {}
         self.profiles = 0

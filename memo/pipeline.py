@@ -65,7 +65,7 @@ from memo.profiler.stats import LayerStats, offloaded_bytes, summarise_layers
 from memo.units import format_bytes
 
 __all__ = ["DTYPES", "FALLBACK_HEADROOM", "FALLBACK_SEGMENT_BYTES", "ProfileResult", "build_profile_model",
-           "example_batch", "fallback_headroom", "profile"]
+           "example_batch", "profile", "usable_device_bytes"]
 
 #: dtype names accepted by :func:`profile` and ``memo profile --dtype``.
 DTYPES: dict[str, torch.dtype] = {
@@ -94,13 +94,12 @@ FALLBACK_HEADROOM = 0.05
 FALLBACK_SEGMENT_BYTES = 2 << 20
 
 
-def fallback_headroom(budget_bytes: int | None) -> float:
-    """The share of a device budget the policy leaves free for the fallback pool (NOTE [Fallback
-    headroom]): FALLBACK_HEADROOM, or one segment where that is more; the policy's own rule
-    (``choose_policy(..., FALLBACK_HEADROOM, FALLBACK_SEGMENT_BYTES)``), as a share."""
-    if not budget_bytes:
-        return FALLBACK_HEADROOM
-    return min(1.0, max(FALLBACK_HEADROOM, FALLBACK_SEGMENT_BYTES / budget_bytes))
+def usable_device_bytes(budget_bytes: int) -> int:
+    """The part of a device budget the policy plans within (NOTE [Fallback headroom]): the policy's
+    own rule, ``usable_budget`` with FALLBACK_HEADROOM and FALLBACK_SEGMENT_BYTES."""
+    from memo.planner.policy import usable_budget
+
+    return usable_budget(budget_bytes, FALLBACK_HEADROOM, FALLBACK_SEGMENT_BYTES)
 
 
 @dataclass

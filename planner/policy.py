@@ -47,7 +47,7 @@ from memo.units import format_bytes
 from .alpha import AlphaSolution, solve_alpha
 
 __all__ = ["LayerCosts", "PolicySolution", "choose_policy", "describe_policy", "device_need",
-           "full_recompute_need", "given_policy"]
+           "full_recompute_need", "given_policy", "usable_budget"]
 
 
 @dataclass(frozen=True)
@@ -267,7 +267,7 @@ def choose_policy(c: LayerCosts, device_budget: int | None = None, alpha: float 
         # last two offloads at that alpha, the last two are kept (no cap to choose against).
         n_keep = min(2, c.n_layers)
         return given_policy(c, _policy(c.n_layers - n_keep, 0, n_keep), alpha)
-    cap = full_recompute if device_budget is None else _usable(device_budget, headroom, headroom_bytes)
+    cap = full_recompute if device_budget is None else usable_budget(device_budget, headroom, headroom_bytes)
     best, smallest = _search_splits(c, cap, alpha)
     if best is None:
         assert smallest is not None
@@ -286,13 +286,13 @@ def choose_policy(c: LayerCosts, device_budget: int | None = None, alpha: float 
                           alpha_solution=solution, counts={"memo": n_memo, "recompute": n_fr, "keep": n_keep})
 
 
-def _usable(budget: int, headroom: float, headroom_bytes: int) -> int:
+def usable_budget(budget: int, headroom: float, headroom_bytes: int) -> int:
     """The budget less its headroom: ``headroom`` of it, at least ``headroom_bytes``."""
     return max(0, budget - max(int(budget * headroom), headroom_bytes))
 
 
 def _budget_for(need: float, headroom: float, headroom_bytes: int) -> int:
-    """The smallest budget whose usable part (:func:`_usable`) holds ``need`` bytes."""
+    """The smallest budget whose usable part (:func:`usable_budget`) holds ``need`` bytes."""
     return int(max(math.ceil(need / (1 - headroom)), need + headroom_bytes))
 
 

@@ -181,13 +181,12 @@ def test_fallback_headroom_is_at_least_one_segment() -> None:
     import re
     from pathlib import Path
 
-    from memo.pipeline import FALLBACK_HEADROOM, FALLBACK_SEGMENT_BYTES, fallback_headroom
+    from memo.pipeline import FALLBACK_SEGMENT_BYTES, usable_device_bytes
 
     header = (Path(__file__).resolve().parent.parent / "csrc/core/fallback_allocator.h").read_text()
     match = re.search(r"kSegmentGranularity = (\d+)u << (\d+);", header)
     assert match and int(match.group(1)) << int(match.group(2)) == FALLBACK_SEGMENT_BYTES
-    assert fallback_headroom(None) == FALLBACK_HEADROOM
-    assert fallback_headroom(80 * 10**9) == FALLBACK_HEADROOM
-    assert fallback_headroom(16 << 20) == 0.125  # 2 MiB of 16 MiB
-    assert fallback_headroom(40 << 20) == FALLBACK_HEADROOM  # where the two meet
-    assert fallback_headroom(1 << 20) == 1.0  # a budget below one segment leaves nothing usable
+    assert usable_device_bytes(80 * 10**9) == 76 * 10**9  # 5% kept free
+    assert usable_device_bytes(16 << 20) == 14 << 20  # 2 MiB of 16 MiB: one segment, 12.5%
+    assert usable_device_bytes(40 << 20) == 38 << 20  # where the two meet
+    assert usable_device_bytes(1 << 20) == 0  # a budget below one segment leaves nothing usable
