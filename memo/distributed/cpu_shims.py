@@ -90,6 +90,19 @@ def install_cpu_shims() -> None:
     _patch(mutils, "get_default_causal_mask", _cpu_causal_mask)
     _patch(fused_softmax, "get_default_causal_mask", _cpu_causal_mask)
 
+    # NOTE [CPU context-parallel RoPE rows]: under CP megatron's RotaryEmbedding keeps the table
+    # rows of this rank's positions (load-balanced causal layout: chunks r and 2c-1-r of 2c) with
+    # ``get_pos_emb_on_this_cp_rank``, which builds its index in pinned memory and moves it to
+    # CUDA. Three modules imported it by name.
+    from megatron.core.models.common.embeddings import (
+        rope_utils,
+        rotary_pos_embedding,
+        yarn_rotary_pos_embedding,
+    )
+
+    for module in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding):
+        _patch(module, "get_pos_emb_on_this_cp_rank", _cpu_pos_emb_on_this_cp_rank)
+
 
 def remove_cpu_shims() -> None:
     """Restore everything :func:`install_cpu_shims` patched (in reverse order). Idempotent."""
@@ -154,6 +167,16 @@ def _cpu_tracker_fork(self: Any, name: str = "model-parallel-rng") -> Iterator[N
 
 def _cpu_causal_mask(sq: int) -> torch.Tensor:
     return torch.triu(torch.ones(sq, sq, device="cpu"), diagonal=1).bool()
+
+
+def _cpu_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group: Any) -> torch.Tensor:
+    """megatron's ``get_pos_emb_on_this_cp_rank`` with a CPU index: rows of chunks r and 2c-1-r."""
+    if cp_group is None:
+        raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+    c, r = cp_group.size(), cp_group.rank()
+    chunks = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * c, -1, *pos_emb.shape[seq_dim + 1:])
+    picked = chunks.index_select(seq_dim, torch.tensor([r, 2 * c - r - 1]))
+    return picked.view(*picked.shape[:seq_dim], -1, *picked.shape[seq_dim + 2:])
 
 
 class TorchNorm:
