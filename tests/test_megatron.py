@@ -178,8 +178,8 @@ def test_unsupported_megatron_arguments_are_refused() -> None:
 
 def test_core_attention_accepts_the_defaults_and_refuses_what_it_cannot_do() -> None:
     """MemoCoreAttention takes DotProductAttention's arguments: their defaults (and megatron's own
-    pg_collection, whose cp group has one rank) build it; context parallelism, in any of the places
-    megatron states it, and arguments DotProductAttention does not take are refused, not ignored."""
+    pg_collection, whose cp group has one rank) build it; a context-parallel size that is not its
+    group's, and arguments DotProductAttention does not take, are refused, not ignored."""
     from types import SimpleNamespace
 
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -195,12 +195,12 @@ def test_core_attention_accepts_the_defaults_and_refuses_what_it_cannot_do() -> 
         q = torch.randn(3, 1, 4, 8)
         assert core(q, q, q, None).shape == (3, 1, 32)  # built and runs
 
-    with pytest.raises(MemoError, match=r"context parallelism .*cp_comm_type='p2p'.*context_parallel_size=1"):
-        MemoCoreAttention(cfg, 1, causal, "self", cp_comm_type="p2p")
+    # cp_comm_type matters only with a context-parallel group (memo's attention all-gathers K/V)
+    assert MemoCoreAttention(cfg, 1, causal, "self", cp_comm_type="p2p").cp_group is None
     two_ranks = SimpleNamespace(cp=SimpleNamespace(size=lambda: 2), tp=None)
-    with pytest.raises(MemoError, match=r"context-parallel group of 2 rank"):
+    with pytest.raises(MemoError, match=r"context_parallel_size=1 but the context-parallel group has 2 rank"):
         MemoCoreAttention(cfg, 1, causal, "self", pg_collection=two_ranks)
-    with pytest.raises(MemoError, match=r"context_parallel_size=2"):
+    with pytest.raises(MemoError, match=r"context_parallel_size=2 but the context-parallel group has 1 rank"):
         MemoCoreAttention(SimpleNamespace(**{**vars(cfg), "context_parallel_size": 2}), 1, causal, "self")
     with pytest.raises(MemoError, match=r"got argument\(s\) window_size, which .*DotProductAttention"):
         MemoCoreAttention(cfg, 1, causal, "self", window_size=(8, 0))
@@ -209,23 +209,61 @@ def test_core_attention_accepts_the_defaults_and_refuses_what_it_cannot_do() -> 
         core(q, q, q, None, inference_context=object())
 
 
-def test_a_core_attention_memo_would_not_run_is_refused() -> None:
-    """NOTE [Only memo's core attention]: a layer built with megatron's own core attention (here with
-    a sliding window, whose result differs from causal attention) is refused by memo.wrap, naming
-    the class and the fix, and the layer is left as it was; memo's spec wraps and runs."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+class SlidingWindowAttention(torch.nn.Module):
+    """A core attention memo does not know: causal within a window of WINDOW keys, plain torch ops
+    (it saves its scores, probabilities and expanded heads), DotProductAttention's signature."""
 
-    cfg = _config(n_layers=2)
-    cfg.window_size = (3, 0)
-    block = TransformerBlock(cfg, spec=get_gpt_layer_local_spec())
-    # (megatron's windowed attention runs on CUDA only: the refusal comes before any forward)
-    with pytest.raises(MemoError, match=r"core attention is DotProductAttention, which memo would not run.*"
-                                        r"get_memo_gpt_layer_local_spec"):
-        mr.wrap(block, alpha=0.5)
-    assert not mr.is_wrapped(block)
-    ok = TransformerBlock(_config(n_layers=2), spec=get_memo_gpt_layer_local_spec())
-    mr.wrap(ok, alpha=0.5)
-    assert mr.is_wrapped(ok)
+    WINDOW = 4
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None) -> torch.Tensor:
+        self.calls += 1
+        s, b, n, d = query.shape
+        group = n // key.shape[2]
+        k, v = (t.repeat_interleave(group, dim=2) for t in (key, value))
+        scores = torch.einsum("ibnd,jbnd->bnij", query, k) / d ** 0.5
+        i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
+        scores = scores.masked_fill((j > i) | (i - j >= self.WINDOW), float("-inf"))
+        return torch.einsum("bnij,jbnd->ibnd", scores.softmax(-1), v).reshape(s, b, n * d)
+
+
+def _sliding_window_spec():
+    spec = get_memo_gpt_layer_local_spec()
+    spec.submodules.self_attention.submodules.core_attention = SlidingWindowAttention
+    return spec
+
+
+@pytest.mark.parametrize("alpha,chunk", [(0.0, 3), (0.5, 2), (1.0, None)])
+def test_a_black_box_core_attention_is_followed_exactly(alpha: float, chunk: int | None) -> None:
+    """NOTE [Black-box core attention]: a core attention that is not memo's (a sliding window, whose
+    result differs from causal attention) runs as the layer's own, once per forward, with its own
+    backward: loss, input and parameter gradients equal the unwrapped block's, recomputed chunks or
+    not, and differ from what causal attention would give."""
+    cfg = lambda: _config(n_layers=2)  # noqa: E731
+    ref = _twin(lambda: TransformerBlock(cfg(), spec=_sliding_window_spec()))
+    model = _twin(lambda: TransformerBlock(cfg(), spec=_sliding_window_spec()), ref)
+    causal = _twin(lambda: TransformerBlock(cfg(), spec=get_memo_gpt_layer_local_spec()), ref)
+    mr.wrap(model, runtime=mr.MemoRuntime(alpha, recompute_chunk_tokens=chunk))
+    s, b = 11, 2
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(s, b, 32, generator=g), torch.randn(s, b, 32, generator=g)
+    outs, grads = [], []
+    for m in (model, ref, causal):
+        inp = x.clone().requires_grad_()
+        y = m(hidden_states=inp, attention_mask=None, rotary_pos_emb=_rope(s, 8))
+        (y * w).sum().backward()
+        outs.append((y.detach(), inp.grad))
+        grads.append(_grads(m))
+    assert _rel_err(outs[0][0], outs[1][0]) < RTOL and _rel_err(outs[0][1], outs[1][1]) < RTOL
+    _compare(grads[0], grads[1])
+    assert _rel_err(outs[2][0], outs[1][0]) > 100 * RTOL  # the window matters: this is not causal attention
+    cores = [layer.self_attention.core_attention for layer in model.layers]
+    assert [c.calls for c in cores] == [1, 1]  # run once, never recomputed
 
 
 def test_layer_offload_bytes_are_linear_in_offloaded_tokens() -> None:

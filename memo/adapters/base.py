@@ -67,6 +67,24 @@ class LayerAdapter:
         """``o: [t, b, n * d]``, ``x: [t, b, h]`` -> ``y: [t, b, h]``."""
         raise MemoError(f"memo.adapters: {type(self).__name__} does not define post")
 
+    #: How ``pre`` lays out the attention-side rows of a token slice when ``sequence_gather`` is g > 1:
+    #: ``"token-major"`` (rows ``j·g … j·g+g-1`` are local token j's: memo's emulated rank, NOTE
+    #: [Tensor-parallel rank]) or ``"rank-major"`` (the g ranks' slices one after another: megatron's
+    #: sequence-parallel all-gather). The runtime puts rank-major rows in sequence order around the
+    #: core attention (NOTE [Gathered rows in sequence order] in memo/runtime/layer.py).
+    gather_layout: str = "token-major"
+
+    def sequence_gather(self, layer: nn.Module) -> int:
+        """Attention-side rows per layer-input token: 1, or t for a rank of a tensor + sequence parallel
+        group whose ``pre`` gathers the sequence (NOTE [Tensor-parallel rank])."""
+        return int(getattr(layer, "sequence_gather", 1))
+
+    def core_function(self, layer: nn.Module, ctx: Any) -> Any:
+        """The layer's own core attention as a differentiable ``(q, k, v) -> o [s, b, n * d]``, to run
+        as a black box (NOTE [Black-box core attention] in memo/runtime/layer.py), or None when
+        :meth:`core_forward` / :meth:`core_backward` compute what the layer computes."""
+        return None
+
     def core_forward(self, layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      ctx: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Causal attention without autograd: -> ``o: [s, b, n * d]``, ``lse: [b, n, s]`` (float32)."""

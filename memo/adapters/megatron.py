@@ -18,7 +18,11 @@ GPT layer (no cross attention) memo splits it as
 - pre:  ``input_layernorm`` -> ``self_attention.get_query_key_value_tensors``
   (QKV projection, optional q/k layernorm) -> rotary on ``q`` and ``k`` with the
   ``rotary_pos_emb`` rows of the slice's absolute positions;
-- core: causal attention, scale ``1/sqrt(head_dim)``;
+- core: the layer's core attention. memo's own (:class:`MemoCoreAttention`, causal, scale
+  ``1/sqrt(head_dim)``, context parallel by all-gather) runs as memo's core, once, without
+  autograd; any other core attention (a sliding window, a custom mask, TransformerEngine's) runs
+  as a black box, once, with autograd, its saved tensors offloaded (NOTE [Black-box core
+  attention] in memo/runtime/layer.py). memo never substitutes its attention for another one;
 - post: ``self_attention.linear_proj`` -> ``self_attn_bda`` (bias, dropout,
   residual ``x``) -> ``_forward_mlp`` (pre-MLP norm, MLP, bias-dropout-add).
 Everything in pre and post is token-wise. Layers with cross attention, MoE,
@@ -64,10 +68,16 @@ class MemoCoreAttention(nn.Module):
     """Causal attention for megatron-core specs: ``(q [s,b,np,hn], k, v [s,b,ng,hn]) -> [s, b, np*hn]``.
 
     Takes the constructor and forward arguments of megatron's ``DotProductAttention``;
-    refuses what it does not implement (non-causal masks, attention bias, packed
-    sequences, a custom softmax scale, attention dropout, context parallelism, arguments
-    ``DotProductAttention`` does not take) instead of ignoring it. ``pg_collection`` (megatron's
-    ``SelfAttention`` always passes one) is accepted when its context-parallel group has one rank.
+    refuses what it does not implement (non-causal masks, attention bias, packed sequences, a
+    custom softmax scale, attention dropout, a context-parallel communication other than
+    all-gather, arguments ``DotProductAttention`` does not take) instead of ignoring it.
+
+    Context parallelism (``context_parallel_size > 1``): K and V are all-gathered over the
+    context-parallel group (their gradients reduce-scattered back) and each rank's queries, in
+    megatron's load-balanced causal layout, attend to the keys before them (NOTE
+    [Context-parallel attention] in memo/models/cp_attention.py). The group is the
+    ``pg_collection``'s ``cp`` (megatron's ``SelfAttention`` always passes one), else megatron's
+    global context-parallel group.
     """
 
     def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str,
@@ -81,7 +91,6 @@ class MemoCoreAttention(nn.Module):
                 "DotProductAttention does not take and memo's attention does not implement; build this "
                 "spec with megatron's own core attention (without use_memo_core_attention), or drop them"
             )
-        _check_no_context_parallel(where, config, cp_comm_type, pg_collection)
         if attn_mask_type != AttnMaskType.causal:
             raise MemoError(f"{where}: only causal self-attention is supported, got {attn_mask_type}")
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
@@ -92,6 +101,8 @@ class MemoCoreAttention(nn.Module):
             raise MemoError(f"{where}: a custom softmax scale is not supported (memo uses 1/sqrt(head_dim))")
         self.config = config
         self.layer_number = layer_number
+        #: The context-parallel group when it has more than one rank, else None.
+        self.cp_group = _context_parallel_group(where, config, cp_comm_type, pg_collection)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any = None,
                 attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None,
@@ -107,28 +118,64 @@ class MemoCoreAttention(nn.Module):
                             "packed sequences")
         if attn_mask_type is not None and attn_mask_type != AttnMaskType.causal:
             raise MemoError(f"memo.adapters.megatron: attention must be causal, not {attn_mask_type}")
-        from memo.models.causal_attention import attention
+        if self.cp_group is not None:
+            from memo.models.cp_attention import cp_attention
 
-        o = attention(query, key, value)
+            o = cp_attention(query, key, value, self.cp_group)
+        else:
+            from memo.models.causal_attention import attention
+
+            o = attention(query, key, value)
         s, b, n, d = o.shape
         return o.view(s, b, n * d)
 
+    def attention_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[
+            torch.Tensor, torch.Tensor]:
+        """:meth:`forward` without autograd -> ``(o [s, b, n, d], lse)`` (memo's runtime calls it)."""
+        if self.cp_group is not None:
+            from memo.models.cp_attention import cp_attention_forward
 
-def _check_no_context_parallel(where: str, config: Any, cp_comm_type: str | None, pg_collection: Any) -> None:
-    """memo's attention sees only its rank's tokens: refuse context parallelism, in any of the three
-    places megatron-core states it (the config, ``cp_comm_type``, the ``pg_collection``'s cp group)."""
+            return cp_attention_forward(q, k, v, self.cp_group)
+        from memo.models.causal_attention import attention_forward
+
+        return attention_forward(q, k, v)
+
+    def attention_backward(self, grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           o: torch.Tensor, lse: torch.Tensor) -> tuple[
+            torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The gradients of :meth:`attention_forward`, from its inputs and outputs."""
+        if self.cp_group is not None:
+            from memo.models.cp_attention import cp_attention_backward
+
+            return cp_attention_backward(grad_o, q, k, v, o, lse, self.cp_group)
+        from memo.models.causal_attention import attention_backward
+
+        return attention_backward(grad_o, q, k, v, o, lse)
+
+
+#: Context-parallel communication memo's attention implements (None: megatron's default, unset).
+_CP_COMM_TYPES = (None, "all_gather")
+
+
+def _context_parallel_group(where: str, config: Any, cp_comm_type: Any, pg_collection: Any) -> Any:
+    """The context-parallel group of a core attention, or None when it has one rank."""
     cp_size = int(getattr(config, "context_parallel_size", 1) or 1)
-    cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
-    group_size = get_pg_size(cp_group) if cp_group is not None else 1
-    if cp_comm_type is None and cp_size == 1 and group_size == 1:
-        return
-    raise MemoError(
-        f"{where}: context parallelism is not implemented by memo's attention (it attends over its "
-        f"rank's tokens only), got context_parallel_size={cp_size}, cp_comm_type={cp_comm_type!r}, "
-        f"a context-parallel group of {group_size} rank(s); expected 1, None and 1. Run with "
-        "context_parallel_size=1, or use megatron's TEDotProductAttention (a spec without "
-        "use_memo_core_attention)"
-    )
+    group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+    if group is None and cp_size > 1:
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_context_parallel_group()
+    group_size = get_pg_size(group) if group is not None else 1
+    if group_size != cp_size:
+        raise MemoError(f"{where}: context_parallel_size={cp_size} but the context-parallel group has "
+                        f"{group_size} rank(s); initialise megatron's parallel state with the config's "
+                        "layout")
+    if group_size > 1 and cp_comm_type not in _CP_COMM_TYPES:
+        raise MemoError(
+            f"{where}: cp_comm_type={cp_comm_type!r}; memo's context-parallel attention all-gathers K and V "
+            "(\"all_gather\"). Set cp_comm_type to None or \"all_gather\", or use TransformerEngine's "
+            "attention (a spec without use_memo_core_attention)")
+    return group if group_size > 1 else None
 
 
 def use_memo_core_attention(spec: ModuleSpec) -> ModuleSpec:
@@ -179,17 +226,8 @@ class MegatronLayerAdapter(LayerAdapter):
             problems.append(f"its attention mask type is {layer.self_attention.attn_mask_type}")
         if not hasattr(layer.self_attention, "get_query_key_value_tensors"):
             problems.append("its self attention has no get_query_key_value_tensors")
-        core = getattr(layer.self_attention, "core_attention", None)
-        if not isinstance(core, MemoCoreAttention):
-            # NOTE [Only memo's core attention]: memo computes attention itself (causal softmax,
-            # 1/sqrt(head_dim), the log-sum-exp its backward needs) and never calls the layer's
-            # core attention; with any other one the wrapped layer would silently compute something
-            # else (a sliding window, context parallelism, another scale or mask).
-            problems.append(
-                f"its core attention is {type(core).__name__}, which memo would not run (memo computes "
-                "causal attention itself; with another core attention the layer would silently compute "
-                "something else). Build the layers with get_memo_gpt_layer_local_spec(), or convert the "
-                "spec with use_memo_core_attention(spec), where causal attention is what the layer computes")
+        if getattr(cfg, "sequence_parallel", False) and int(getattr(cfg, "tensor_model_parallel_size", 1)) < 2:
+            problems.append("sequence_parallel is on with tensor_model_parallel_size 1")
         if problems:
             raise MemoError(f"{where}: cannot be split into pre/core/post because " + "; ".join(problems))
 
@@ -214,7 +252,25 @@ class MegatronLayerAdapter(LayerAdapter):
             q_pos, k_pos = rotary
         else:
             q_pos = k_pos = rotary
-        return given["hidden_states"], {"q_pos": q_pos, "k_pos": k_pos}
+        x = given["hidden_states"]
+        return x, {"q_pos": q_pos, "k_pos": k_pos, "tokens": x.shape[0],
+                   "attention_mask": given.get("attention_mask")}
+
+    # NOTE [Megatron sequence parallelism]
+    # With sequence_parallel a tensor-parallel rank holds s/t tokens of the layer input and its QKV
+    # projection (a column-parallel linear) all-gathers its input over the group: pre on local tokens
+    # [o:o+n] yields q, k, v rows of the t ranks' tokens [o:o+n] one rank after the other, that is of
+    # sequence positions r·s/t + o .. r·s/t + o+n-1 for r = 0 .. t-1 (gather_layout "rank-major").
+    # The rotary rows are those positions'. The attention output's rows for the slice go back
+    # through the output projection's reduce-scatter, which hands each rank its own n tokens, so
+    # post stays token-wise on local slices. Every rank runs the same slices in the same order
+    # (alpha, the chunks and the sequence length are the same on all of them), so the collectives
+    # inside pre and post (and their backward) match up across the group.
+    gather_layout = "rank-major"
+
+    def sequence_gather(self, layer: nn.Module) -> int:
+        cfg = layer.config
+        return int(cfg.tensor_model_parallel_size) if getattr(cfg, "sequence_parallel", False) else 1
 
     def pre(self, layer: nn.Module, x: torch.Tensor, offset: int, ctx: Any) -> tuple[
             torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -223,14 +279,42 @@ class MegatronLayerAdapter(LayerAdapter):
         attn = layer.self_attention
         qkv = attn.get_query_key_value_tensors(layer.input_layernorm(x))
         q, k, v = qkv[0], qkv[1], qkv[2]
-        t = x.shape[0]
+        if ctx["q_pos"] is None and ctx["k_pos"] is None:
+            return q, k, v
         kw = {"config": layer.config, "cp_group": getattr(getattr(attn, "pg_collection", None), "cp", None)}
-        # Rotary rows of the slice's absolute positions offset .. offset+t-1.
+        rows = _rotary_rows(offset, x.shape[0], ctx["tokens"], self.sequence_gather(layer), q.device)
         if ctx["q_pos"] is not None:
-            q = apply_rotary_pos_emb(q, ctx["q_pos"][offset:offset + t], **kw)
+            q = apply_rotary_pos_emb(q, ctx["q_pos"][rows], **kw)
         if ctx["k_pos"] is not None:
-            k = apply_rotary_pos_emb(k, ctx["k_pos"][offset:offset + t], **kw)
+            k = apply_rotary_pos_emb(k, ctx["k_pos"][rows], **kw)
         return q, k, v
+
+    def core_function(self, layer: nn.Module, ctx: Any) -> Any:
+        attn = layer.self_attention
+        core = attn.core_attention
+        if isinstance(core, MemoCoreAttention):
+            return None
+
+        # NOTE [Black-box core attention] (memo/runtime/layer.py): the layer's own core attention,
+        # called as megatron's SelfAttention calls it.
+        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return core(q, k, v, ctx["attention_mask"], attn_mask_type=attn.attn_mask_type,
+                        attention_bias=None, packed_seq_params=None)
+
+        return run
+
+    def core_forward(self, layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     ctx: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        o, lse = layer.self_attention.core_attention.attention_forward(q, k, v)
+        s, b, n, d = o.shape
+        return o.view(s, b, n * d), lse
+
+    def core_backward(self, layer: nn.Module, grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, ctx: Any) -> tuple[
+            torch.Tensor, torch.Tensor, torch.Tensor]:
+        s, b, n, d = q.shape
+        return layer.self_attention.core_attention.attention_backward(
+            grad_o.reshape(s, b, n, d), q, k, v, o.view(s, b, n, d), lse)
 
     def post(self, layer: nn.Module, o: torch.Tensor, x: torch.Tensor, ctx: Any) -> torch.Tensor:
         out_with_bias = layer.self_attention.linear_proj(o)
@@ -243,6 +327,15 @@ class MegatronLayerAdapter(LayerAdapter):
     def pack_output(self, layer: nn.Module, y: torch.Tensor, ctx: Any) -> Any:
         return y, None  # (hidden_states, context); no cross attention, so no context
 
+
+
+def _rotary_rows(offset: int, n: int, tokens: int, gather: int, device: torch.device) -> Any:
+    """Rows of the rotary table for pre's output on local tokens ``[offset:offset+n]`` of ``tokens``
+    (NOTE [Megatron sequence parallelism]): a slice when nothing is gathered."""
+    if gather == 1:
+        return slice(offset, offset + n)
+    ranks = torch.arange(gather, device=device)[:, None] * tokens
+    return (ranks + torch.arange(offset, offset + n, device=device)).reshape(-1)
 
 
 class GPTModelAdapter(ModelAdapter):

@@ -168,32 +168,34 @@ def attention_backward(
 
 
 def _forward_kernels(
-    backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``causal=False`` lets every query see every key (``k`` may be longer or shorter than ``q``): the
+    off-diagonal blocks of context-parallel attention (memo/models/cp_attention.py)."""
     scale = 1.0 / math.sqrt(q.shape[-1])
     if backend == "flash_attn":
         fa = _flash_attn_module()
         # flash-attn is batch-first [b, s, n, d] and handles n_kv < n itself.
         bq, bk, bv = (t.transpose(0, 1) for t in (q, k, v))
         out, lse, _, _ = fa._flash_attn_forward(  # type: ignore[attr-defined]
-            bq, bk, bv, 0.0, scale, True, -1, -1, 0.0, None, False
+            bq, bk, bv, 0.0, scale, causal, -1, -1, 0.0, None, False
         )  # fmt: skip
         return out.transpose(0, 1).contiguous(), lse
     n = q.shape[2]
     kx, vx = _expand_heads(k, n), _expand_heads(v, n)
     if backend == "aten_cuda" and q.dtype in _FLASH_DTYPES:
         result = torch.ops.aten._scaled_dot_product_flash_attention(
-            _bnsd(q), _bnsd(kx), _bnsd(vx), 0.0, True, False, scale=scale
+            _bnsd(q), _bnsd(kx), _bnsd(vx), 0.0, causal, False, scale=scale
         )
         out, lse = result[0], result[1]
     elif backend == "aten_cuda":
         # NOTE [fp32 attention on CUDA]
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
-            _bnsd(q), _bnsd(kx), _bnsd(vx), None, True, 0.0, True, scale=scale
+            _bnsd(q), _bnsd(kx), _bnsd(vx), None, True, 0.0, causal, scale=scale
         )[:2]
     else:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            _bnsd(q), _bnsd(kx), _bnsd(vx), 0.0, True, scale=scale
+            _bnsd(q), _bnsd(kx), _bnsd(vx), 0.0, causal, scale=scale
         )
     del kx, vx
     return _sbnd(out), lse
@@ -207,6 +209,7 @@ def _backward_kernels(
     v: torch.Tensor,
     o: torch.Tensor,
     lse: torch.Tensor,
+    causal: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     scale = 1.0 / math.sqrt(q.shape[-1])
     n, n_kv = q.shape[2], k.shape[2]
@@ -215,7 +218,7 @@ def _backward_kernels(
         bq, bk, bv, bo, bg = (t.transpose(0, 1).contiguous() for t in (q, k, v, o, grad_o))
         dq, dk, dv = torch.empty_like(bq), torch.empty_like(bk), torch.empty_like(bv)
         fa._flash_attn_backward(  # type: ignore[attr-defined]
-            bg, bq, bk, bv, bo, lse, dq, dk, dv, 0.0, scale, True, -1, -1, 0.0, None, False, None
+            bg, bq, bk, bv, bo, lse, dq, dk, dv, 0.0, scale, causal, -1, -1, 0.0, None, False, None
         )  # fmt: skip
         return tuple(t.transpose(0, 1).contiguous() for t in (dq, dk, dv))  # type: ignore[return-value]
     kx, vx = _expand_heads(k, n), _expand_heads(v, n)
@@ -226,20 +229,19 @@ def _backward_kernels(
         # reads the philox seed/offset, so nothing beyond q, k, v, o, lse has to be saved
         # (NOTE [Attention saved tensors]).
         seed = _no_philox(q.device, torch.uint64)
-        s = q.shape[0]
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            _bnsd(grad_o), _bnsd(q), _bnsd(kx), _bnsd(vx), _bnsd(o), lse, None, None, s, s,
-            0.0, True, seed, seed, scale=scale,
+            _bnsd(grad_o), _bnsd(q), _bnsd(kx), _bnsd(vx), _bnsd(o), lse, None, None, q.shape[0], k.shape[0],
+            0.0, causal, seed, seed, scale=scale,
         )  # fmt: skip
     elif backend == "aten_cuda":
         seed = _no_philox(q.device, torch.int64)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
             _bnsd(grad_o), _bnsd(q), _bnsd(kx), _bnsd(vx), None, _bnsd(o), lse, seed, seed,
-            0.0, [True, True, True, False], True, scale=scale,
+            0.0, [True, True, True, False], causal, scale=scale,
         )[:3]  # fmt: skip
     else:
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            _bnsd(grad_o), _bnsd(q), _bnsd(kx), _bnsd(vx), _bnsd(o), lse, 0.0, True, scale=scale
+            _bnsd(grad_o), _bnsd(q), _bnsd(kx), _bnsd(vx), _bnsd(o), lse, 0.0, causal, scale=scale
         )
     del kx, vx
     return _sbnd(dq), _reduce_heads(_sbnd(dk), n_kv), _reduce_heads(_sbnd(dv), n_kv)

@@ -9,7 +9,21 @@ forward
      ``saved_tensors_hooks`` that copy every tensor it saves into the rounding
      buffer (NOTE [What the pack hook keeps]); on ``[a:s]`` it runs under
      ``no_grad`` with ``offset`` at each chunk's first token (RoPE positions), so
-     nothing is saved (NOTE [Chunked recompute]).
+     nothing is saved (NOTE [Black-box core attention]
+memo never replaces a layer's attention by its own. Where the adapter computes the layer's core
+attention itself (``core_forward`` / ``core_backward``: memo's models, megatron layers built with
+memo's spec) attention runs once without autograd and its backward is memo's, from the saved o
+and lse. Any other core attention (``adapter.core_function`` returns it: a sliding window, a
+custom mask, TransformerEngine's attention, a context-parallel implementation memo does not know)
+is a black box: it runs once, on all tokens, with autograd, on q, k, v fed through taps; every
+tensor it saves goes through the layer's pack hook into the rounding buffer, like the ``[0:a]``
+sub-graphs' (packed after the call, so that a saved output refers to the copy of o already in the
+buffer instead of being copied twice). In backward its own graph runs once from the gradient of o
+and the taps hand back dq, dk, dv; nothing of it is recomputed. The price: it offloads what it
+saves (typically q, k, v of all tokens, not only ``[0:a]``'s), and q, k, v of ``[a:s]`` are not
+recomputed for attention, only for pre's own backward.
+
+NOTE [Chunked recompute]).
   3. Attention runs once on all tokens without autograd (``adapter.core_forward``);
      ``o`` and its log-sum-exp go whole into the buffer, and ``q, k, v`` of
      tokens ``[0:a]`` (the attention's own skeletal inputs) too.
@@ -251,11 +265,22 @@ class _Packer:
         self.storages.add_base(tensor, slot)
         return self.pack(t)  # now a view into the whole copy
 
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[_Deferred]:
+        """Hooks that only note what is saved; ``resolve()`` packs it later, once the bases its views
+        may refer to are known (NOTE [Black-box core attention])."""
+        later = _Deferred(self)
+        with torch.autograd.graph.saved_tensors_hooks(later.note, self.unpack):
+            yield later
+
     def end_pass(self) -> None:
         self.storages.clear()  # handles carry their slots; drop the references to x, o and the rest
 
     def unpack(self, handle: tuple[Any, ...]) -> torch.Tensor:
         kind = handle[0]
+        if kind == "later":
+            internal_assert(handle[1][0] is not None, "a saved tensor of the core attention was never packed")
+            return self.unpack(handle[1][0])
         if kind == "keep":
             return handle[1]
         internal_assert(self.resolve_slot is not None, "saved tensor unpacked outside the layer's backward")
@@ -264,6 +289,62 @@ class _Packer:
         _, slot, shape, stride, rel = handle
         base = self.resolve_slot(slot)
         return base.as_strided(shape, stride, base.storage_offset() + rel)
+
+
+class _Deferred:
+    """Saved tensors noted by :meth:`_Packer.deferred`, packed by :meth:`resolve`."""
+
+    def __init__(self, packer: _Packer) -> None:
+        self.packer = packer
+        self.cells: list[list[Any]] = []
+
+    def note(self, t: torch.Tensor) -> tuple[str, list[Any]]:
+        cell: list[Any] = [None, t]  # [handle once packed, the tensor until then]
+        self.cells.append(cell)
+        return ("later", cell)
+
+    def resolve(self) -> None:
+        for cell in self.cells:
+            cell[0], cell[1] = self.packer.pack(cell[1]), None
+        self.cells.clear()
+
+
+# NOTE [Gathered rows in sequence order]
+# A rank of a tensor + sequence parallel group holds s/t tokens of the layer's input, and its pre
+# gathers each token slice over the group (g = t attention-side rows per token). memo runs pre on
+# slices ([0:a], then the recompute chunks), so the gathered rows come slice by slice. Where the
+# gather lays out a slice rank-major (megatron's all-gather: the t ranks' slices one after the
+# other), the rows of several slices are not in sequence order: rank 1's [0:a] rows come before
+# rank 0's [a:s] rows. Attention needs sequence order (its causal mask is over positions), post
+# needs the rows' (each slice's rows go back through the reduce-scatter that undoes the gather).
+# So the core attention sees q, k, v, o and their gradients permuted into sequence order and its
+# outputs are permuted back: transient copies of the attention-side tensors, made only when there
+# are two or more slices (one slice in rank-major order is the sequence order).
+class _SequenceOrder:
+    """The permutation between the rows memo's slices produce and sequence order (identity: None)."""
+
+    def __init__(self, to_sequence: torch.Tensor | None = None, to_rows: torch.Tensor | None = None) -> None:
+        self._seq, self._rows = to_sequence, to_rows
+
+    @classmethod
+    def of(cls, adapter: LayerAdapter, rec: _Record, device: torch.device) -> _SequenceOrder:
+        layout = adapter.gather_layout
+        if layout not in ("token-major", "rank-major"):
+            raise MemoError(f"memo.runtime: {type(adapter).__name__}.gather_layout is {layout!r}; expected "
+                            "'token-major' or 'rank-major'")
+        g, a, s = rec.g, rec.a, rec.s
+        slices = ([(0, a)] if a else []) + [(a + c0, a + c1) for c0, c1 in rec.chunks]
+        if g == 1 or layout == "token-major" or len(slices) <= 1:
+            return cls()
+        ranks = torch.arange(g)[:, None] * s
+        rows_seq = torch.cat([(ranks + torch.arange(b0, e0)).reshape(-1) for b0, e0 in slices])
+        return cls(torch.argsort(rows_seq).to(device), rows_seq.to(device))
+
+    def to_sequence(self, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return ts if self._seq is None else tuple(t.index_select(0, self._seq) for t in ts)
+
+    def to_rows(self, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return ts if self._rows is None else tuple(t.index_select(0, self._rows) for t in ts)
 
 
 @dataclass
@@ -295,6 +376,12 @@ class _Record:
     flight: int = 0
     #: Full-sequence dropout masks (NOTE [Dropout as unwrapped]); None for a layer in eval mode.
     dropout: LayerDropout | None = None
+    #: The attention-side rows in sequence order (NOTE [Gathered rows in sequence order]).
+    order: _SequenceOrder | None = None
+    #: The black-box core attention's graph (NOTE [Black-box core attention]); None otherwise.
+    core_edge: GradientEdge | None = None
+    #: q, k, v's shapes past their first dimension (zero gradients for inputs a black box ignores).
+    qkv_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def scope(self, phase: str, t0: int, t1: int) -> contextlib.AbstractContextManager[None]:
         """Where ``pre``/``post`` runs on tokens ``[t0:t1]``: dropout draws full-sequence masks."""
@@ -465,7 +552,7 @@ class LayerCall:
         rt, layer, adapter = self.runtime, self.layer, self.adapter
         s = x.shape[0]
         a = offload_tokens(rt.alpha, s)
-        g = int(getattr(layer, "sequence_gather", 1))
+        g = adapter.sequence_gather(layer)
         ag = a * g
         xc = x.detach().contiguous()
         packer = _Packer(sink, self._keep_storages(), xc.device)
@@ -498,17 +585,24 @@ class LayerCall:
             del parts
         q, k, v = (rows.take() for rows in qkv)
         rec.qkv_dtypes = (q.dtype, k.dtype, v.dtype)
-        with torch.no_grad():
-            o, lse = adapter.core_forward(layer, q, k, v, ctx)
-        o = o.contiguous()
-        if a > 0:
-            rec.qkv_slots = tuple(sink.pack(t[:ag], f"{name}[:{ag}]")
-                                  for name, t in zip("qkv", (q, k, v), strict=True))
-        del q, k, v
-        rec.o_slot = sink.pack(o, "attention output o")
-        rec.lse_slot = sink.pack(lse, "attention log-sum-exp")
-        packer.add_base(o, rec.o_slot)
-        del lse
+        rec.order = _SequenceOrder.of(adapter, rec, xc.device)
+        rec.qkv_shapes = {name: tuple(t.shape[1:]) for name, t in zip("qkv", (q, k, v), strict=True)}
+        core = adapter.core_function(layer, ctx)
+        if core is None:
+            if a > 0:
+                rec.qkv_slots = tuple(sink.pack(t[:ag], f"{name}[:{ag}]")
+                                      for name, t in zip("qkv", (q, k, v), strict=True))
+            with torch.no_grad():
+                o, lse = adapter.core_forward(layer, *rec.order.to_sequence(q, k, v), ctx)
+            del q, k, v
+            (o,) = rec.order.to_rows(o.contiguous())
+            rec.o_slot = sink.pack(o, "attention output o")
+            rec.lse_slot = sink.pack(lse, "attention log-sum-exp")
+            packer.add_base(o, rec.o_slot)
+            del lse
+        else:
+            o = self._black_box_forward(core, rec, q, k, v)
+            del q, k, v
 
         y = _Rows(s)
         if a > 0:
@@ -545,12 +639,11 @@ class LayerCall:
         buffers = rt.buffers
         buffers.begin_backward(i, f)
         rec.packer.resolve_slot = lambda slot: buffers.view(i, slot, f)
-        a, s, ctx = rec.a, rec.s, rec.ctx
+        a, ctx = rec.a, rec.ctx
         ag = a * rec.g
         grad_y = grad_y.contiguous()
         x_dev = buffers.view(i, rec.x_slot, f)
         o_dev = buffers.view(i, rec.o_slot, f)
-        lse = buffers.view(i, rec.lse_slot, f)
         device = x_dev.device
 
         # 1. post: backward of the [0:a] sub-graph, then recompute + backward of [a:s] chunk by
@@ -575,33 +668,14 @@ class LayerCall:
         if rec.dropout is not None:
             rec.dropout.end_phase()
 
-        # 2. q, k, v: the saved [0:a] rows and [a:s] recomputed without grad, chunk by chunk;
-        # attention backward from the saved o and lse.
-        qkv = [_Rows(s * gather) for _ in range(3)]
-        if a > 0:
-            for rows, slot in zip(qkv, rec.qkv_slots, strict=True):
-                rows.put(0, buffers.view(i, slot, f))
-        # The last chunk runs with grad and its graph is kept for step 3, so that pre runs twice on
-        # its tokens, not three times (one chunk: as full recompute; NOTE [Chunked recompute]).
-        last = len(rec.chunks) - 1
+        # 2. attention's backward: the black box's own (NOTE [Black-box core attention]), or from the
+        # saved o and lse with q, k, v the saved [0:a] rows and [a:s] recomputed without grad.
         kept: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = None
-        for n, ((c0, c1), rng) in enumerate(zip(rec.chunks, rec.rng_pre, strict=True)):
-            x_c = x_dev[a + c0:a + c1].detach()
-            grad_mode = torch.enable_grad() if n == last else torch.no_grad()
-            if n == last:
-                x_c.requires_grad_()
-            with grad_mode, rec.autocast.replay(), replay_rng(rng, device), rec.scope("pre", a + c0, a + c1):
-                parts = tuple(adapter.pre(layer, x_c, a + c0, ctx))
-            self._check_recomputed_dtypes(rec, *parts)
-            for rows, t in zip(qkv, parts, strict=True):
-                rows.put(ag + c0 * gather, t.detach())
-            if n == last:
-                kept = (x_c, parts)
-            del parts, x_c
-        q, k, v = (rows.take() for rows in qkv)
-        del qkv
-        dq, dk, dv = adapter.core_backward(layer, grad_o, q, k, v, o_dev, lse, ctx)
-        del q, k, v, grad_o
+        if rec.core_edge is not None:
+            dq, dk, dv = self._black_box_backward(rec, run, grad_o)
+        else:
+            kept, (dq, dk, dv) = self._core_backward(rec, x_dev, o_dev, grad_o)
+        del grad_o
 
         # 3. pre: backward of the [0:a] sub-graph, then recompute + backward of [a:s] chunk by
         # chunk, as post -> grad of x.
@@ -610,9 +684,9 @@ class LayerCall:
             run([edge for _, edge in rec.pre_edges], [full[j][:ag] for j, _ in rec.pre_edges])
         if a > 0:
             _copy_or_zero(grad_x[:a], rec.taps.pop("x"))
+        last = len(rec.chunks) - 1
         for n, ((c0, c1), rng) in enumerate(zip(rec.chunks, rec.rng_pre, strict=True)):
-            if n == last:
-                internal_assert(kept is not None, "the last chunk's pre graph was not kept")
+            if n == last and kept is not None:
                 (x_c, parts), kept = kept, None
             else:
                 x_c = x_dev[a + c0:a + c1].detach().requires_grad_()
@@ -638,6 +712,82 @@ class LayerCall:
         buffers.end_backward(i, f)
         rt.stats.layer_backwards += 1
         return grad_x, run.sums
+
+    def _core_backward(self, rec: _Record, x_dev: torch.Tensor, o_dev: torch.Tensor,
+                       grad_o: torch.Tensor) -> tuple[Any, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Attention's backward from the saved o and lse: q, k, v are the saved ``[0:a]`` rows and the
+        ``[a:s]`` rows recomputed chunk by chunk; -> (the last chunk's pre graph, kept for step 3 of
+        the backward, or None), ``(dq, dk, dv)`` in the rows' layout."""
+        layer, adapter, buffers, i, f = self.layer, self.adapter, self.runtime.buffers, self.index, rec.flight
+        a, s, ctx, gather = rec.a, rec.s, rec.ctx, rec.g
+        ag, device = a * gather, x_dev.device
+        qkv = [_Rows(s * gather) for _ in range(3)]
+        if a > 0:
+            for rows, slot in zip(qkv, rec.qkv_slots, strict=True):
+                rows.put(0, buffers.view(i, slot, f))
+        # The last chunk runs with grad and its graph is kept for step 3, so that pre runs twice on
+        # its tokens, not three times (one chunk: as full recompute; NOTE [Chunked recompute]).
+        last = len(rec.chunks) - 1
+        kept = None
+        for n, ((c0, c1), rng) in enumerate(zip(rec.chunks, rec.rng_pre, strict=True)):
+            x_c = x_dev[a + c0:a + c1].detach()
+            grad_mode = torch.enable_grad() if n == last else torch.no_grad()
+            if n == last:
+                x_c.requires_grad_()
+            with grad_mode, rec.autocast.replay(), replay_rng(rng, device), rec.scope("pre", a + c0, a + c1):
+                parts = tuple(adapter.pre(layer, x_c, a + c0, ctx))
+            self._check_recomputed_dtypes(rec, *parts)
+            for rows, t in zip(qkv, parts, strict=True):
+                rows.put(ag + c0 * gather, t.detach())
+            if n == last:
+                kept = (x_c, parts)
+            del parts, x_c
+        q, k, v = (rows.take() for rows in qkv)
+        del qkv
+        order = rec.order
+        lse = buffers.view(i, rec.lse_slot, f)
+        grads = adapter.core_backward(layer, *order.to_sequence(grad_o), *order.to_sequence(q, k, v),
+                                      *order.to_sequence(o_dev), lse, ctx)
+        return kept, order.to_rows(*grads)
+
+    def _black_box_forward(self, core: Any, rec: _Record, q: torch.Tensor, k: torch.Tensor,
+                           v: torch.Tensor) -> torch.Tensor:
+        """Runs the layer's own core attention once, with autograd, every tensor it saves sent to the
+        rounding buffer (NOTE [Black-box core attention]); -> o in the rows' layout."""
+        rt, packer = self.runtime, rec.packer
+        q, k, v = rec.order.to_sequence(q, k, v)
+        with torch.enable_grad():
+            ins = [_Tap.apply(rec.taps, name, rt.anchor, t) for name, t in zip("qkv", (q, k, v), strict=True)]
+            with packer.deferred() as later:
+                out = core(*ins)
+            del ins, q, k, v
+            if not isinstance(out, torch.Tensor) or out.dim() != 3:
+                raise MemoError(
+                    f"memo.runtime: layer {self.index}'s core attention returned "
+                    f"{type(out).__name__}{list(out.shape) if isinstance(out, torch.Tensor) else ''}; memo "
+                    "needs one tensor [s, b, heads * head_dim] (megatron's core attention contract)")
+            rec.core_edge = _edge(out) if out.requires_grad else None
+        (o,) = rec.order.to_rows(out.detach().contiguous())
+        rec.o_slot = packer.sink.pack(o, "attention output o")
+        packer.add_base(o, rec.o_slot)
+        later.resolve()  # after o is a base: a core that saves its output refers to that copy
+        del out
+        return o
+
+    def _black_box_backward(self, rec: _Record, run: _SubGraphs, grad_o: torch.Tensor) -> tuple[
+            torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The black box's own backward (NOTE [Black-box core attention]) -> dq, dk, dv in the rows'
+        layout (zeros for an input the core does not use)."""
+        (grad_seq,) = rec.order.to_sequence(grad_o)
+        run([rec.core_edge], [grad_seq])
+        rec.core_edge = None
+        s, dtypes = rec.s * rec.g, rec.qkv_dtypes
+        grads = []
+        for name, dtype in zip("qkv", dtypes, strict=True):
+            d = rec.taps.pop(name)
+            grads.append(d if d is not None else torch.zeros((s, *rec.qkv_shapes[name]), dtype=dtype,
+                                                            device=grad_o.device))
+        return rec.order.to_rows(*grads)
 
     def _say(self, topic: str, text: str) -> None:
         """Warn about ``topic`` once per runtime (NOTE [Dropout as unwrapped])."""
