@@ -215,8 +215,9 @@ def sequence_parallel_norms(layer_spec: Any, config: Any) -> Any:
     ``layer_spec``: a TransformerLayer ``ModuleSpec`` (e.g. ``get_memo_gpt_layer_local_spec()``); a
     copy of it gets :class:`TorchNorm` wherever it had megatron's ``WrappedTorchNorm`` (input,
     pre-MLP, q/k norms). Returns ``TransformerBlockSubmodules`` with as many layers as megatron's
-    ``get_num_layers_to_build(config)`` and a :class:`TorchNorm` final norm: pass it as
-    ``TransformerBlock(config, spec=...)`` or ``GPTModel(transformer_layer_spec=...)``.
+    ``get_num_layers_to_build(config)`` (``config.num_layers`` without pipeline parallelism) and a
+    :class:`TorchNorm` final norm: pass it as ``TransformerBlock(config, spec=...)`` or
+    ``GPTModel(transformer_layer_spec=...)``.
     """
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_block import (
@@ -236,5 +237,8 @@ def sequence_parallel_norms(layer_spec: Any, config: Any) -> Any:
         for field in ("input_layernorm", "pre_mlp_layernorm", "q_layernorm", "k_layernorm"):
             if holder is not None and getattr(holder, field, None) is WrappedTorchNorm:
                 setattr(holder, field, TorchNorm)
-    n = get_num_layers_to_build(config)
+    if config.pipeline_model_parallel_size == 1 and config.pipeline_model_parallel_layout is None:
+        n = config.num_layers  # what get_num_layers_to_build answers, without megatron's parallel state
+    else:
+        n = get_num_layers_to_build(config)
     return TransformerBlockSubmodules(layer_specs=[spec] * n, layer_norm=TorchNorm)
