@@ -10,7 +10,11 @@ embedding, layers and head are, and how the loss is computed); only how the mode
   model of that name: layers, hidden, heads, query groups, MLP width, vocabulary; GPT configs get
   LayerNorm, GELU, biases and learned positions, Llama configs RMSNorm, SwiGLU, no biases and
   RoPE. One process: megatron's parallel state is set up over a world of one (gloo) when no
-  process group exists, as ``tests/test_megatron.py`` does.
+  process group exists, as ``tests/test_megatron.py`` does. Several (``torchrun``, NOTE [Parallel
+  layout] in memo/distributed/layout.py): the caller has set up the parallel state of its
+  ``ParallelLayout`` and the model is one rank's (tensor, sequence and context parallel); the
+  vocabulary is padded the same way for every layout, so the shards are slices of the
+  single-process model.
 - ``--hf-config``: ``transformers.AutoModelForCausalLM.from_config`` of a config given as a
   JSON file, a directory with ``config.json`` (no weights are loaded), or inline JSON with a
   ``model_type``; randomly initialised, no download.
@@ -49,10 +53,13 @@ def _init_megatron_world() -> None:
         parallel_state.initialize_model_parallel(1, 1)
 
 
-def build_megatron_gpt(config: Any, seq_len: int, device: torch.device | str, dtype: torch.dtype
-                       ) -> nn.Module:
+def build_megatron_gpt(config: Any, seq_len: int, device: torch.device | str, dtype: torch.dtype,
+                       layout: Any = None) -> nn.Module:
     """A megatron-core ``GPTModel`` with memo's layer spec shaped like memo's ``config`` (NOTE [Training
-    engines]); its position table (GPT) covers ``seq_len``."""
+    engines]); its position table (GPT) covers ``seq_len``.
+
+    ``layout``: a :class:`memo.distributed.layout.ParallelLayout` whose parallel state is set up
+    (``ParallelRun.start``); the model is then this rank's. None: one process."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed": expected here
         try:
@@ -63,7 +70,12 @@ def build_megatron_gpt(config: Any, seq_len: int, device: torch.device | str, dt
         except ImportError as err:
             raise MemoError(f"memo.train: --engine megatron needs megatron-core ({err}); pip install "
                             "megatron-core==0.16.1, or memo[megatron]") from None
-    _init_megatron_world()
+    from memo.distributed.layout import ParallelLayout, padded_vocab_size
+
+    if layout is None:
+        _init_megatron_world()
+        layout = ParallelLayout()
+    tp, cp = layout.tensor_parallel, layout.context_parallel
     gpt = config.arch == "gpt"
     tc = TransformerConfig(
         num_layers=config.n_layers, hidden_size=config.hidden, num_attention_heads=config.n_heads,
@@ -72,14 +84,23 @@ def build_megatron_gpt(config: Any, seq_len: int, device: torch.device | str, dt
         normalization="LayerNorm" if gpt else "RMSNorm", gated_linear_unit=not gpt,
         activation_func=torch.nn.functional.gelu if gpt else torch.nn.functional.silu, add_bias_linear=gpt,
         use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
-        params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
+        params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        tensor_model_parallel_size=tp, context_parallel_size=cp, sequence_parallel=layout.sequence_parallel)
+    spec = get_memo_gpt_layer_local_spec()
+    if layout.sequence_parallel:
+        from memo.distributed.cpu_shims import sequence_parallel_norms
+
+        spec = sequence_parallel_norms(spec, tc)  # norms that accept SP (NOTE [Sequence-parallel norm])
     extra: dict[str, Any] = {"position_embedding_type": "learned_absolute" if gpt else "rope"}
     if not gpt and config.rope_theta:
         extra["rotary_base"] = int(config.rope_theta)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = GPTModel(config=tc, transformer_layer_spec=get_memo_gpt_layer_local_spec(),
-                         vocab_size=config.vocab_size, max_sequence_length=seq_len, **extra)
+        model = GPTModel(config=tc, transformer_layer_spec=spec,
+                         vocab_size=padded_vocab_size(config.vocab_size, tp), max_sequence_length=seq_len,
+                         **extra)
+    # memo's pipeline profiles a model "as one rank runs it" (NOTE [Per-rank sizes]) when told so.
+    model.tensor_parallel = tp
     return model.to(device=device, dtype=dtype)
 
 

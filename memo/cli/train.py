@@ -9,6 +9,12 @@ Examples::
     memo train --model tiny --seq-len 1K --steps 20 --report memo.json
     memo train --model tiny --seq-len 1K --steps 20 --strategy full-recompute --report base.json \\
         --plot loss.png --compare memo.json
+    torchrun --standalone --nproc-per-node 2 -m memo train --engine megatron --tp 2 --sp --model tiny \\
+        --seq-len 2K --steps 10 --report tp2.json
+
+Several processes (``torchrun``): NOTE [Parallel layout] in memo/distributed/layout.py. Every rank
+profiles and plans its own shard and trains; only rank 0 prints and writes the report, which
+records the layout and every rank's device peak and host bytes.
 """
 
 from __future__ import annotations
@@ -74,6 +80,10 @@ def run(args: argparse.Namespace) -> int:
         data=args.data,
         engine=args.engine,
         hf_config=args.hf_config,
+        tensor_parallel=args.tp,
+        context_parallel=args.cp,
+        data_parallel=args.dp,
+        sequence_parallel=args.sp,
     )
     if config.device.startswith("cuda") and args.strategy == "memo" and options.planned_allocator:
         from memo import allocator
@@ -82,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
         if not allocator.cuda_installed():
             allocator.install_cuda()
     result = train(config, progress=not args.no_progress, strategy=make_strategy(options))
+    if result.parallel is not None and result.parallel["ranks"][0]["rank"] != _rank():
+        return 0  # NOTE [Parallel layout]: rank 0 prints and writes the report
     report = build_report(result)
     s = report["summary"]
     print(
@@ -105,6 +117,12 @@ def run(args: argparse.Namespace) -> int:
             warning = offload_difference(offload)
             if warning is not None:
                 print(f"warning: {warning}")
+    if result.parallel is not None:
+        par = result.parallel
+        print(f"memo train: {par['world']} ranks (tp={par['tp']} cp={par['cp']} dp={par['dp']}"
+              f"{' sp' if par['sp'] else ''}): "
+              + ", ".join(f"rank {r['rank']} peak device {format_mib(r['peak_device_bytes'])} host pinned "
+                          f"{format_mib(r['host_pinned_bytes'])}" for r in par["ranks"]))
     if args.report:
         save_report(report, args.report)
         print(f"report written to {args.report}")
@@ -114,6 +132,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rank() -> int:
+    from memo.distributed.layout import LaunchEnv
+
+    return LaunchEnv.from_environ().rank
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -150,6 +172,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="who builds --model: memo's reference model, or a megatron-core GPTModel of the same "
                    "shapes with memo's layer spec (one process); both go through the same profile, plan and "
                    "training")
+    par = p.add_argument_group("several processes (launch with torchrun; --engine megatron)")
+    par.add_argument("--tp", type=positive_int, default=1,
+                     help="tensor-parallel ranks: each layer's weights split over this many processes (1)")
+    par.add_argument("--cp", type=positive_int, default=1,
+                     help="context-parallel ranks: each sequence split over this many processes in "
+                     "megatron's load-balanced causal layout (1)")
+    par.add_argument("--dp", type=positive_int, default=None,
+                     help="data-parallel ranks: --micro-batch (the global batch) split over this many model "
+                     "replicas (default: WORLD_SIZE / (tp·cp))")
+    par.add_argument("--sp", action="store_true",
+                     help="megatron sequence parallelism inside each tensor-parallel group (needs --tp > 1)")
     p.add_argument("--hf-config", metavar="PATH_OR_JSON",
                    help="train a Hugging Face causal LM (Llama, Qwen2, Mistral) built from this config "
                    "instead of --model: a config.json, a directory holding one (no weights are loaded), or "

@@ -152,21 +152,34 @@ def train_step(
     ids: torch.Tensor,
     labels: torch.Tensor,
     iteration: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    step_loss: Any = None,
 ) -> torch.Tensor:
     """One forward + backward + optimizer step; returns the (detached) loss.
 
     ``iteration()`` wraps forward + backward only (a strategy's phase tracking): the
     optimizer step is no layer's work and must not be attributed to the last backward phase.
+    ``step_loss``: one rank's share of a parallel job (NOTE [Parallel layout]): its ``loss(model,
+    ids, labels)`` gives ``(to_backward, global_loss)``, ``zero_grads()`` and ``finish_grads(model)``
+    bracket the gradients; None: the model adapter's loss, one process.
     """
-    from memo.adapters.model import model_adapter_for
+    if step_loss is None:
+        from memo.adapters.model import model_adapter_for
 
-    adapter = model_adapter_for(model, "memo.train")
+        adapter = model_adapter_for(model, "memo.train")
+        optimizer.zero_grad(set_to_none=True)
+        with iteration():
+            loss = adapter.loss(model, ids, labels)
+            loss.backward()
+        optimizer.step()
+        return loss.detach()
     optimizer.zero_grad(set_to_none=True)
+    step_loss.zero_grads()
     with iteration():
-        loss = adapter.loss(model, ids, labels)
-        loss.backward()
+        to_backward, loss = step_loss.loss(model, ids, labels)
+        to_backward.backward()
+    step_loss.finish_grads(model)
     optimizer.step()
-    return loss.detach()
+    return loss
 
 
 @dataclass
@@ -197,6 +210,14 @@ class TrainConfig:
     """Who builds the model (NOTE [Training engines] in memo/engines.py): ``memo`` or ``megatron``."""
     hf_config: str | None = None
     """A Hugging Face causal-LM config (JSON file, directory or inline JSON) to train, not ``model``."""
+    tensor_parallel: int = 1
+    """``--tp``: megatron tensor-parallel ranks (NOTE [Parallel layout] in memo/distributed/layout.py)."""
+    context_parallel: int = 1
+    """``--cp``: megatron context-parallel ranks (load-balanced causal layout)."""
+    data_parallel: int | None = None
+    """``--dp``: data-parallel ranks; None is world / (tp·cp). ``micro_batch`` is the global batch."""
+    sequence_parallel: bool = False
+    """``--sp``: megatron sequence parallelism inside the tensor-parallel group."""
 
     def __post_init__(self) -> None:
         from memo.engines import ENGINES
@@ -219,6 +240,14 @@ class TrainConfig:
             raise MemoError(f"memo.train: --lr must be > 0, got {self.lr}")
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise MemoError(f"memo.train: --peak-tflops must be > 0, got {self.peak_tflops}")
+        parallel = (self.tensor_parallel, self.context_parallel, self.data_parallel or 1)
+        if (max(parallel) > 1 or self.sequence_parallel) and (self.engine != "megatron"
+                                                              or self.hf_config is not None):
+            what = "--hf-config" if self.hf_config is not None else f"--engine {self.engine}"
+            raise MemoError(
+                f"memo.train: {what} builds a single-process model; --tp/--cp/--dp > 1 and --sp need "
+                "megatron-core's parallel layers: use --engine megatron, or run with --tp/--cp/--dp 1 and "
+                "no --sp")
 
 
 @dataclass
@@ -250,6 +279,11 @@ class TrainResult:
     model_fingerprint: str = ""
     strategy: Any = None
     """The :class:`memo.train.Strategy` the run used."""
+    world: int = 1
+    """Processes (devices) the job's tokens are shared by: TGS is per device."""
+    parallel: dict[str, Any] | None = None
+    """A parallel run's layout (tp, cp, sp, dp, world) and every rank's device peak and host bytes
+    (``ranks``); None for one process."""
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -318,26 +352,137 @@ def train(
     if device.type == "cuda" and not torch.cuda.is_available():
         raise MemoError(f"memo.train: --device {config.device} asked for CUDA, but torch sees no CUDA device")
     dtype = DTYPES[config.dtype]
-    torch.manual_seed(config.seed)
-    model, model_config = _build(config, device, dtype, strategy.device_budget_bytes)
-    batches = iter(_token_source(config, model_config))
-    first = tuple(t.to(device) for t in next(batches))
-    emit = log if log is not None else tqdm.write
-    result = _new_result(config, model, model_config, device, dtype, strategy)
-    run = {"model": model_config.name, "fingerprint": result.model_fingerprint, "seq_len": config.seq_len,
-           "micro_batch": config.micro_batch, "dtype": config.dtype}
+    parallel = _start_parallel(config)  # None: one process, as before
     try:
-        strategy.prepare(model, first[0], first[1], run, log=emit)
-        _steps(config, model, model_config, strategy, result, batches, first, emit, progress)
+        if parallel is not None:
+            device = parallel.device
+            if not parallel.is_first:
+                log, progress = (lambda _line: None), False  # NOTE [Parallel layout]: rank 0 speaks
+        torch.manual_seed(config.seed)
+        model, model_config = _build(config, device, dtype, strategy.device_budget_bytes, parallel)
+        batches = iter(_token_source(config, model_config))
+        if parallel is not None:
+            parallel.wrap(model)
+            batches = _Sharded(batches, parallel)
+        first = tuple(t.to(device) for t in next(batches))
+        emit = log if log is not None else tqdm.write
+        result = _new_result(config, model, model_config, device, dtype, strategy)
+        result.world = 1 if parallel is None else parallel.layout.world
+        run = {"model": model_config.name, "fingerprint": result.model_fingerprint, "seq_len": config.seq_len,
+               "micro_batch": config.micro_batch, "dtype": config.dtype}
+        if parallel is not None:
+            run.update(micro_batch=config.micro_batch // parallel.layout.data_parallel,
+                       tensor_parallel=parallel.layout.tensor_parallel,
+                       context_parallel=parallel.layout.context_parallel, parallel=parallel)
+        try:
+            strategy.prepare(model, first[0], first[1], run, log=emit)
+            if parallel is not None:
+                _agree(parallel, strategy, emit)
+            _steps(config, model, model_config, strategy, result, batches, first, emit, progress, parallel)
+        finally:
+            strategy.close()
+        if parallel is not None:
+            result.parallel = _parallel_record(parallel, result)
     finally:
-        strategy.close()
+        if parallel is not None:
+            parallel.close()
     return result
+
+
+def _start_parallel(config: TrainConfig) -> Any:
+    """This rank's :class:`memo.distributed.layout.ParallelRun`, or None for a single-process run.
+
+    Every check is made from the arguments and the launch environment before any process group
+    exists (NOTE [Checks before any process group]).
+    """
+    from memo.distributed.layout import LaunchEnv, ParallelRun, check_layout, resolve_layout
+
+    launch = LaunchEnv.from_environ()
+    layout = resolve_layout(config.tensor_parallel, config.context_parallel, config.data_parallel,
+                            config.sequence_parallel, launch.world_size)
+    if layout.world == 1 and not layout.sequence_parallel:
+        return None  # one process, as before (megatron's world of one: memo/engines.py)
+    if config.engine != "megatron" or config.hf_config is not None:  # refused first by check_layout
+        check_layout(layout, engine="hf" if config.hf_config is not None else config.engine, n_heads=1,
+                     n_query_groups=1, vocab_size=1, seq_len=1, micro_batch=1)
+    shapes = get_config(config.model)
+    check_layout(layout, engine=config.engine, n_heads=shapes.n_heads,
+                 n_query_groups=shapes.n_kv_heads or shapes.n_heads, vocab_size=shapes.vocab_size,
+                 seq_len=config.seq_len, micro_batch=config.micro_batch)
+    return ParallelRun.start(layout, launch, config.device, config.seed)
+
+
+@dataclass
+class _ParallelLoss:
+    """One step's loss and gradients on a rank of a parallel job (NOTE [Parallel layout])."""
+
+    parallel: Any
+    positions: torch.Tensor
+    global_count: int
+
+    def loss(self, model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.parallel.loss(model, ids, labels, self.positions, self.global_count)
+
+    def zero_grads(self) -> None:
+        self.parallel.zero_grads()
+
+    def finish_grads(self, model: torch.nn.Module) -> None:
+        self.parallel.finish_grads(model)
+
+
+class _Sharded:
+    """The global batches of a token source, each cut to this rank's share (NOTE [Parallel layout]):
+    yields ``(ids, labels, position_ids)`` and keeps the global batch's counted tokens in ``count``."""
+
+    def __init__(self, batches: Iterator[Batch], parallel: Any) -> None:
+        self.batches, self.parallel = batches, parallel
+        self.count = 0
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, ...]:
+        ids, labels = next(self.batches)
+        self.count = int((labels != -100).sum())
+        return self.parallel.shard(ids, labels)
+
+
+def _agree(parallel: Any, strategy: Any, emit: Callable[[str], None]) -> None:
+    """Every rank runs the same strategy, alpha, layer policy and plan, or every rank stops
+    (NOTE [Checks before any process group])."""
+    from memo.distributed.layout import plan_fingerprint, requests_fingerprint
+
+    policy = getattr(strategy, "policy", None)
+    record = {"layout": parallel.layout.as_dict(), "strategy": strategy.name,
+              "alpha": None if strategy.alpha is None else round(float(strategy.alpha), 12),
+              "policy": None if policy is None else list(policy),
+              "plan": plan_fingerprint(strategy.plan)}
+    if getattr(getattr(strategy, "options", None), "plan", None) is None:
+        # each rank profiled: its plan is its own shard's (a --plan file must be the same everywhere)
+        record["plan_made_from"] = requests_fingerprint(strategy.plan)
+    parallel.agree(record)
+    emit(f"memo.distributed: {parallel.layout.world} ranks ({parallel.layout}) agree on strategy "
+         f"{strategy.name}" + ("" if strategy.alpha is None else f", alpha {strategy.alpha:.4f}")
+         + ("" if strategy.plan is None else f", plan {plan_fingerprint(strategy.plan)}"))
+
+
+def _parallel_record(parallel: Any, result: TrainResult) -> dict[str, Any]:
+    """The layout and every rank's device peak and host bytes, gathered on every rank (a collective)."""
+    extras = result.steps[-1].extras if result.steps else {}
+    peak = max((s.peak_memory_bytes or 0) for s in result.steps) if result.steps else None
+    mine = {"rank": parallel.rank, "tp_rank": parallel.tp_rank, "cp_rank": parallel.cp_rank,
+            "dp_rank": parallel.dp_rank, "peak_device_bytes": peak,
+            "peak_device_kind": result.peak_memory_kind,
+            "host_pinned_bytes": int(extras.get("host_pinned_bytes", 0))}
+    return {**parallel.layout.as_dict(), "ranks": parallel.gather(mine)}
 
 
 def _steps(config: TrainConfig, model: torch.nn.Module, model_config: Any, strategy: Any,
            result: TrainResult, batches: Iterator[Batch], first: Batch | None, emit: Callable[[str], None],
-           progress: bool) -> None:
-    """The measured steps of :func:`train`, inside the prepared strategy."""
+           progress: bool, parallel: Any = None) -> None:
+    """The measured steps of :func:`train`, inside the prepared strategy (``parallel``: this rank's
+    :class:`memo.distributed.layout.ParallelRun`, whose batches are ``(ids, labels, positions)``)."""
     from tqdm import tqdm
 
     device = first[0].device
@@ -347,6 +492,7 @@ def _steps(config: TrainConfig, model: torch.nn.Module, model_config: Any, strat
         f"memo.train: {_model_name(config, model_config)} ({result.num_parameters / 1e6:.2f}M params), "
         f"seq {config.seq_len} x "
         f"batch {config.micro_batch}, {config.dtype} on {device}, {_run_kind(strategy)}, "
+        + ("" if parallel is None else f"{parallel.layout.world} ranks ({parallel.layout}), ")
         + ("MFU n/a (no peak FLOPS known for this device; --peak-tflops sets one)" if peak is None
            else f"MFU against a peak of {peak / 1e12:.0f} TFLOPS")
     )
@@ -356,12 +502,14 @@ def _steps(config: TrainConfig, model: torch.nn.Module, model_config: Any, strat
                disable=not progress or not sys.stderr.isatty())
     for step in bar:
         if first is not None:
-            (ids, labels), first = first, None
+            batch, first = first, None
         else:
-            ids, labels = (t.to(device, non_blocking=True) for t in next(batches))
+            batch = tuple(t.to(device, non_blocking=True) for t in next(batches))
+        ids, labels = batch[0], batch[1]
+        step_loss = None if parallel is None else _ParallelLoss(parallel, batch[2], batches.count)
         _synchronize(device)
         start = time.perf_counter()
-        loss = _run_step(model, optimizer, ids, labels, strategy, step)
+        loss = _run_step(model, optimizer, ids, labels, strategy, step, step_loss)
         _synchronize(device)
         seconds = time.perf_counter() - start
         if not math.isfinite(loss):
@@ -376,14 +524,14 @@ def _steps(config: TrainConfig, model: torch.nn.Module, model_config: Any, strat
 
 
 def _run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor,
-              labels: torch.Tensor, strategy: Any, step: int) -> float:
+              labels: torch.Tensor, strategy: Any, step: int, step_loss: Any = None) -> float:
     """One training step under the strategy, its loss as a float (``.item()`` waits for the step).
 
     A request memo's allocator refused (its budget, NOTE [Device budget], or the device) is
     raised as one MemoError line with its numbers, not a traceback from deep inside autograd.
     """
     try:
-        return train_step(model, optimizer, ids, labels, strategy.step).float().item()  # .item() waits
+        return train_step(model, optimizer, ids, labels, strategy.step, step_loss).float().item()  # waits
     except RuntimeError as err:
         if "memo allocator:" not in str(err) and not isinstance(err, torch.cuda.OutOfMemoryError):
             raise
@@ -409,7 +557,7 @@ def _step_metrics(config: TrainConfig, strategy: Any, result: TrainResult, step:
         step=step,
         loss=loss,
         step_time_s=seconds,
-        tgs=config.micro_batch * config.seq_len / seconds,
+        tgs=config.micro_batch * config.seq_len / seconds / result.world,
         mfu=mfu(result.flops_per_sample, config.micro_batch, seconds, result.peak_flops),
         peak_memory_bytes=mem,
         extras=extras,
@@ -448,8 +596,8 @@ def _new_result(config: TrainConfig, model: torch.nn.Module, model_config: Any, 
     )
 
 
-def _build(config: TrainConfig, device: torch.device, dtype: torch.dtype, budget_bytes: int | None
-           ) -> tuple[torch.nn.Module, Any]:
+def _build(config: TrainConfig, device: torch.device, dtype: torch.dtype, budget_bytes: int | None,
+           parallel: Any = None) -> tuple[torch.nn.Module, Any]:
     """The model to train and a memo ModelConfig of its shapes (for FLOPs, the fingerprint and plans)."""
     from memo import engines
 
@@ -461,12 +609,14 @@ def _build(config: TrainConfig, device: torch.device, dtype: torch.dtype, budget
     max_seq_len = max(config.seq_len, DEFAULT_MAX_SEQ_LEN) if model_config.arch == "gpt" else None
     # NOTE [Least memory, checked first]: refuse a length the device cannot hold before building the
     # model for real (GPT's position table alone can exceed the machine) or profiling it.
-    sizing = build_model(model_config, device="meta", dtype=dtype, max_seq_len=max_seq_len)
-    check_least_memory(least_memory(sizing, config.seq_len, config.micro_batch), device, budget_bytes,
-                       "memo.train", config.seq_len)
-    del sizing
+    if parallel is None:  # a rank of a parallel job: its profile checks its own shard
+        sizing = build_model(model_config, device="meta", dtype=dtype, max_seq_len=max_seq_len)
+        check_least_memory(least_memory(sizing, config.seq_len, config.micro_batch), device, budget_bytes,
+                           "memo.train", config.seq_len)
+        del sizing
     if config.engine == "megatron":
-        model = engines.build_megatron_gpt(model_config, max_seq_len or config.seq_len, device, dtype)
+        model = engines.build_megatron_gpt(model_config, max_seq_len or config.seq_len, device, dtype,
+                                           None if parallel is None else parallel.layout)
         return model, model_config
     model = build_model(
         model_config, device=device, dtype=dtype, max_seq_len=max_seq_len

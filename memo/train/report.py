@@ -14,6 +14,9 @@ Schema (version 1; docs/formats.md, "Training report", has the prose)::
       "peak_device_kind": str,               # what was measured (NOTE [Measuring device memory])
       "host_pinned_bytes": int,              # rounding-buffer host arena (0 without memo)
       "allocator": {"planned": int, "fallback": int},
+      "parallel": {"tp": int, "cp": int, "sp": bool, "dp": int, "world": int,   # torchrun runs only
+                   "ranks": [{"rank": int, "peak_device_bytes": int | null, "host_pinned_bytes": int,
+                              ...}, ...]},
       ...                                    # more keys are allowed and kept
     }
 """
@@ -165,6 +168,10 @@ def build_report(result: Any) -> dict[str, Any]:
         # NOTE [Planned and actual offload] in memo/planner/plan.py
         "offload": strategy.offload,
     }
+    if getattr(result, "parallel", None) is not None:
+        # NOTE [Parallel layout] in memo/distributed/layout.py: the loss is the global batch's; the peak
+        # and host bytes above are rank 0's, every rank's are in "ranks"
+        report["parallel"] = result.parallel
     report["summary"] = summarize(result)
     return report
 

@@ -452,9 +452,15 @@ class MemoStrategy(_Metered):
             log(f"memo: plan {opts.plan}: alpha {self.alpha:.4f}, arena {format_mib(plan.peak)}")
             return Wrapping(plan=plan, planned_allocator=opts.planned_allocator,
                             debug_copy_delay_us=opts.debug_copy_delay_us)
+        parallel = run.get("parallel")
+        machine = opts.machine() if parallel is None else _agreed_machine(opts, parallel, model, ids, labels)
+        sharded: dict[str, Any] = {} if parallel is None else {
+            # NOTE [Parallel layout]: this rank's shard, profiled where its collectives run
+            "batch": (ids, labels), "tensor_parallel": run["tensor_parallel"],
+            "context_parallel": run["context_parallel"]}
         result = pipeline.profile(
-            model, run["seq_len"], run["micro_batch"], device=ids.device,
-            machine=opts.machine(),
+            model, None if parallel is not None else run["seq_len"], run["micro_batch"], device=ids.device,
+            machine=machine, **sharded,
             # Without the planned allocator only alpha is needed: the dispatch recorder sizes the
             # layer on a meta copy, and memo's CUDA allocator need not be installed (it could not
             # be, with the model already on the GPU).
@@ -468,7 +474,7 @@ class MemoStrategy(_Metered):
         for p in model.parameters():  # profiling ran a backward; training starts from no gradients
             p.grad = None
         self.alpha, self.alpha_binding = float(result.alpha.alpha), str(result.alpha.binding)
-        self.plan = result.plan
+        self.plan = result.plan if parallel is None else _shared_plan(parallel, result.plan, log)
         self.policy = list(result.policy.policy)
         a = runtime_offload_tokens(self.alpha, run["seq_len"])
         self.planned_offload_bytes = profiler.offloaded_bytes(result.plain_trace["layers"], a, run["seq_len"])
@@ -479,6 +485,48 @@ class MemoStrategy(_Metered):
                             debug_copy_delay_us=opts.debug_copy_delay_us)
         return Wrapping(alpha=self.alpha, policy=self.policy, planned_allocator=opts.planned_allocator,
                         debug_copy_delay_us=opts.debug_copy_delay_us)
+
+
+def _agreed_machine(opts: StrategyOptions, parallel: Any, model: nn.Module, ids: torch.Tensor,
+                    labels: torch.Tensor) -> Machine:
+    """The machine every rank of a parallel job plans with: B and T_layer as given, else measured on
+    every rank and agreed (the slowest of each), so that every rank solves the same alpha LP
+    (NOTE [Checks before any process group] in memo/distributed/layout.py)."""
+    from memo.profiler.measure import measure_bandwidth, time_layer_forward
+    from memo.profiler.record import layer_inputs, model_parts
+
+    bandwidth, layer_ms = opts.bandwidth_gbps, opts.layer_ms
+    if bandwidth is None:
+        bandwidth = float(measure_bandwidth(ids.device).value)
+    if layer_ms is None:  # every rank times its first layer together (its collectives pair up)
+        args, kwargs = layer_inputs(model, ids, labels)
+        if not args:  # megatron passes the hidden states by keyword
+            kwargs = dict(kwargs)
+            args = (kwargs.pop("hidden_states"),)
+        layer_ms = float(time_layer_forward(model_parts(model).layers[0], *args, layer_kwargs=kwargs).value)
+    bandwidth, layer_ms = parallel.agree_machine(bandwidth, layer_ms)
+    return opts.machine().replace(bandwidth_gbps=bandwidth, layer_ms=layer_ms)
+
+
+def _shared_plan(parallel: Any, plan: Any, log: Log) -> Any:
+    """Rank 0's plan where every rank recorded the same iteration (its requests' fingerprint), so that
+    the job runs one plan whatever the planner's time-limited search found on each rank; else each
+    rank's own plan."""
+    from memo.distributed.layout import plan_fingerprint, requests_fingerprint
+
+    if plan is None:
+        return None
+    made_from = parallel.gather(requests_fingerprint(plan))
+    if any(f != made_from[0] for f in made_from):
+        log(f"memo.distributed: the ranks recorded different iterations ({', '.join(made_from)}); each "
+            "runs its own plan")
+        return plan
+    shared = parallel.gather(plan.to_dict() if parallel.rank == 0 else None)[0]
+    adopted = type(plan).from_dict(shared)
+    if requests_fingerprint(adopted) != made_from[parallel.rank]:  # internal: rank 0 sent its own plan
+        raise MemoError("memo.distributed: rank 0's plan does not describe this rank's iteration; re-run")
+    log(f"memo.distributed: every rank runs rank 0's plan {plan_fingerprint(adopted)}")
+    return adopted
 
 
 class HostBytesMeter:

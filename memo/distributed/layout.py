@@ -1,0 +1,410 @@
+"""``memo train`` over several processes: the parallel layout, its checks, and one rank's part.
+
+NOTE [Parallel layout]
+A job of ``world`` processes (launched by ``torchrun``) is a grid of tensor-parallel (``tp``),
+context-parallel (``cp``) and data-parallel (``dp``) ranks, ``tp · cp · dp == world``, in
+megatron-core's order (TP fastest, then CP, then DP: ``parallel_state.initialize_model_parallel``).
+With ``--sp`` the TP group also splits the tokens between its layers' tensor-parallel blocks
+(megatron's sequence parallelism). Every rank builds the same megatron-core ``GPTModel`` from
+the same seed on the CPU (``use_cpu_initialization``), so its TP shard is a slice of the
+single-process weights, and reads the same global batch (same seed):
+
+- DP rank d keeps batch rows ``d·b/dp .. (d+1)·b/dp``;
+- CP rank r keeps chunks r and 2c-1-r of the sequence cut into 2c chunks (megatron's
+  load-balanced causal layout, NOTE [Context-parallel profile]); labels and position ids the same;
+- TP ranks keep the same tokens.
+
+The loss is the mean over the counted tokens of the *global* batch: each rank sums its tokens'
+losses, the sums are all-reduced over the DP x CP ranks and divided by the global count, so it is
+the single-process loss. megatron's ``DistributedDataParallel`` averages gradients over the
+DP x CP group (it scales them by ``1/(dp·cp)``), so a rank back-propagates its sum over the global
+count times ``dp·cp``, and the averaged gradient is the single-process one.
+
+NOTE [Checks before any process group]
+Every check of a layout reads only the command line and the launch environment, which every rank
+has, and runs before ``init_process_group``: a bad layout raises the same MemoError on every rank
+and none is left waiting in a collective for one that has gone. What only the ranks together know
+(the alpha and plan each one chose) is compared by :meth:`ParallelRun.agree`, one
+``all_gather_object`` that every rank makes and every rank judges the same way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from memo.errors import MemoError
+
+__all__ = [
+    "VOCAB_MULTIPLE",
+    "LaunchEnv",
+    "ParallelLayout",
+    "ParallelRun",
+    "check_layout",
+    "padded_vocab_size",
+    "plan_fingerprint",
+    "resolve_layout",
+]
+
+#: megatron's ``make_vocab_size_divisible_by`` default: the vocabulary is padded to a multiple of it
+#: for every layout alike, so a TP run and a single-process run build the same model.
+VOCAB_MULTIPLE = 128
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How a job's ranks split the work (NOTE [Parallel layout])."""
+
+    tensor_parallel: int = 1
+    """Ranks a layer's weights are split over (megatron's TP)."""
+    context_parallel: int = 1
+    """Ranks a sequence is split over (megatron's CP, load-balanced causal layout)."""
+    data_parallel: int = 1
+    """Ranks the batch rows are split over."""
+    sequence_parallel: bool = False
+    """megatron's sequence parallelism inside each TP group (needs tensor_parallel > 1)."""
+
+    @property
+    def world(self) -> int:
+        return self.tensor_parallel * self.context_parallel * self.data_parallel
+
+    def as_dict(self) -> dict[str, Any]:
+        """What reports record: ``tp, cp, sp, dp, world``."""
+        return {"tp": self.tensor_parallel, "cp": self.context_parallel, "sp": self.sequence_parallel,
+                "dp": self.data_parallel, "world": self.world}
+
+    def __str__(self) -> str:
+        return (f"tp={self.tensor_parallel} cp={self.context_parallel} dp={self.data_parallel}"
+                + (" sp" if self.sequence_parallel else ""))
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """This process's place in the launch, from ``torchrun``'s environment (one process without it)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> LaunchEnv:
+        """``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` (torchrun sets them all)."""
+        env = os.environ if environ is None else environ
+        values = {}
+        for field, name, default in (("rank", "RANK", 0), ("world_size", "WORLD_SIZE", 1),
+                                     ("local_rank", "LOCAL_RANK", None), ("local_world_size",
+                                                                          "LOCAL_WORLD_SIZE", None)):
+            text = env.get(name)
+            if text is None:
+                values[field] = default
+                continue
+            try:
+                values[field] = int(text)
+            except ValueError:
+                raise MemoError(f"memo.distributed: {name}={text!r} in the environment is not an integer; "
+                                "launch with torchrun, which sets it") from None
+        if values["local_rank"] is None:
+            values["local_rank"] = values["rank"]
+        if values["local_world_size"] is None:
+            values["local_world_size"] = values["world_size"]
+        launch = cls(**values)
+        if launch.world_size < 1 or not 0 <= launch.rank < launch.world_size:
+            raise MemoError(f"memo.distributed: RANK={launch.rank} and WORLD_SIZE={launch.world_size} in the "
+                            "environment do not make a rank of a world; launch with torchrun")
+        if launch.world_size > 1 and ("MASTER_ADDR" not in env or "MASTER_PORT" not in env):
+            raise MemoError("memo.distributed: WORLD_SIZE > 1 but MASTER_ADDR or MASTER_PORT is not set; "
+                            "launch with torchrun (--standalone, or --rdzv-endpoint)")
+        return launch
+
+
+def resolve_layout(tensor_parallel: int = 1, context_parallel: int = 1, data_parallel: int | None = None,
+                   sequence_parallel: bool = False, world_size: int = 1) -> ParallelLayout:
+    """The layout of ``world_size`` processes; ``data_parallel`` None is ``world / (tp·cp)``.
+
+    Raises a MemoError when the layout does not make up the world (NOTE [Checks before any process
+    group]).
+    """
+    for name, value in (("--tp", tensor_parallel), ("--cp", context_parallel), ("--dp", data_parallel)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise MemoError(f"memo.distributed: {name} must be a positive integer, got {value!r}")
+    model = tensor_parallel * context_parallel
+    if data_parallel is None:
+        if world_size % model:
+            raise MemoError(
+                f"memo.distributed: --tp {tensor_parallel} x --cp {context_parallel} = {model} ranks per "
+                f"model replica does not divide the world of {world_size} process(es) (WORLD_SIZE); launch "
+                f"a multiple of {model} processes (torchrun --nproc-per-node {model}), or change --tp/--cp")
+        data_parallel = world_size // model
+    layout = ParallelLayout(tensor_parallel, context_parallel, data_parallel, bool(sequence_parallel))
+    if layout.world != world_size:
+        raise MemoError(
+            f"memo.distributed: --tp {tensor_parallel} x --cp {context_parallel} x --dp {data_parallel} = "
+            f"{layout.world} ranks, but {world_size} process(es) were launched (WORLD_SIZE); launch "
+            f"torchrun --nproc-per-node {layout.world} (on one node), or leave --dp out to use "
+            "world / (tp·cp)")
+    return layout
+
+
+def padded_vocab_size(vocab_size: int, tensor_parallel: int = 1) -> int:
+    """The vocabulary megatron's model is built with: ``vocab_size`` rounded up to a multiple of
+    :data:`VOCAB_MULTIPLE`, the same for every layout (checked divisible by ``tensor_parallel``)."""
+    padded = -(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    if padded % tensor_parallel:
+        raise MemoError(
+            f"memo.distributed: the padded vocabulary ({vocab_size} -> {padded}, a multiple of "
+            f"{VOCAB_MULTIPLE}) cannot be split over --tp {tensor_parallel} ranks (megatron's vocab-parallel "
+            f"embedding gives each an equal share); use a --tp that divides {padded}")
+    return padded
+
+
+def check_layout(layout: ParallelLayout, *, engine: str, n_heads: int, n_query_groups: int,
+                 vocab_size: int, seq_len: int, micro_batch: int) -> None:
+    """Refuse a layout this job cannot run, from the arguments alone (NOTE [Checks before any
+    process group]). ``micro_batch`` is the global batch (every DP rank keeps its share)."""
+    from memo.profiler.context_parallel import token_multiple
+
+    tp, cp, dp, sp = (layout.tensor_parallel, layout.context_parallel, layout.data_parallel,
+                      layout.sequence_parallel)
+    if engine != "megatron" and (layout.world > 1 or sp):
+        raise MemoError(
+            f"memo.train: --engine {engine} builds one process's model; {layout} needs megatron-core's "
+            "parallel layers: use --engine megatron (or run memo's model with --tp/--cp/--dp 1 and no --sp)")
+    if sp and tp == 1:
+        raise MemoError("memo.distributed: --sp (sequence parallelism) splits the tokens between the "
+                        "ranks of a tensor-parallel group, and megatron-core refuses it without one; give "
+                        "--tp 2 or more, or drop --sp")
+    for what, count in (("attention heads", n_heads), ("query groups (key/value heads)", n_query_groups)):
+        if count % tp:
+            raise MemoError(f"memo.distributed: the model has {count} {what}, which --tp {tp} cannot split "
+                            f"evenly (each tensor-parallel rank holds a whole number of them); use a --tp "
+                            f"that divides {count}")
+    padded_vocab_size(vocab_size, tp)
+    # memo's profile of a rank (NOTE [Context-parallel profile]) takes seq_len / (c·t) tokens per
+    # layer input under TP, with or without --sp, and 2c load-balanced chunks under CP.
+    multiple = token_multiple(tp, cp)
+    if seq_len % multiple:
+        why = []
+        if cp > 1:
+            why.append(f"--cp {cp} cuts it into 2·cp = {2 * cp} load-balanced chunks")
+        if tp > 1:
+            why.append(f"each of the cp·tp = {cp * tp} ranks of a replica holds seq_len/(cp·tp) tokens of a "
+                       "layer's input" + ("" if sp else " in memo's profile of a rank"))
+        lower, upper = seq_len // multiple * multiple, (seq_len // multiple + 1) * multiple
+        raise MemoError(
+            f"memo.distributed: --seq-len {seq_len:,} cannot be split by {layout}: {' and '.join(why)}, so "
+            f"it must be a multiple of {multiple}; use {f'{lower:,} or ' if lower else ''}{upper:,}")
+    if micro_batch % dp:
+        raise MemoError(
+            f"memo.distributed: --micro-batch {micro_batch} (the global batch) cannot be split over --dp "
+            f"{dp} data-parallel ranks; give a multiple of {dp}")
+
+
+def plan_fingerprint(plan: Any) -> str | None:
+    """A short hash of a plan's JSON (None without a plan): equal plans, equal fingerprints."""
+    if plan is None:
+        return None
+    text = json.dumps(plan.to_dict(), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def requests_fingerprint(plan: Any) -> str | None:
+    """A short hash of what a plan was made from (its requests: sizes, phases, lifetimes): two ranks
+    whose plans share it recorded the same iteration and may run one plan."""
+    if plan is None:
+        return None
+    data = plan.to_dict()
+    text = json.dumps([data["allocations"], data["phases"], data["policy"], data["alpha"]], default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+class ParallelRun:
+    """One rank of a parallel ``memo train`` job: its process groups, its share of the data, the
+    global loss, the gradient reduction and the start-up agreement (NOTE [Parallel layout]).
+
+    Made by :meth:`start` after :func:`check_layout`; :meth:`close` destroys what it set up.
+    """
+
+    def __init__(self, layout: ParallelLayout, launch: LaunchEnv, device: torch.device) -> None:
+        self.layout, self.launch, self.device = layout, launch, device
+        self.tp_rank = self.cp_rank = self.dp_rank = 0
+        self.ddp: Any = None
+        self._owns_group = False
+
+    @property
+    def rank(self) -> int:
+        return self.launch.rank
+
+    @property
+    def is_first(self) -> bool:
+        """Rank 0, the one that prints and writes the report."""
+        return self.launch.rank == 0
+
+    # ------------------------------------------------------------------------ start and stop
+    @classmethod
+    def start(cls, layout: ParallelLayout, launch: LaunchEnv, device: str, seed: int) -> ParallelRun:
+        """Join the process group (gloo on CPU, nccl on CUDA), install the CPU shims where there is no
+        CUDA, and set up megatron's parallel state and RNG tracker for ``layout``."""
+        import warnings
+
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            dev = torch.device("cuda", launch.local_rank)
+            torch.cuda.set_device(dev)
+        run = cls(layout, launch, dev)
+        if not torch.distributed.is_initialized():
+            if launch.world_size == 1:
+                os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+                os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            torch.distributed.init_process_group("nccl" if dev.type == "cuda" else "gloo",
+                                                 rank=launch.rank, world_size=launch.world_size)
+            run._owns_group = True
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed": expected
+            from megatron.core import parallel_state
+            from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+            from memo.distributed.cpu_shims import install_cpu_shims
+        install_cpu_shims()  # nothing where CUDA is usable
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=layout.tensor_parallel,
+                                                 context_parallel_size=layout.context_parallel)
+        model_parallel_cuda_manual_seed(seed)
+        run.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        run.cp_rank = parallel_state.get_context_parallel_rank()
+        run.dp_rank = parallel_state.get_data_parallel_rank()
+        return run
+
+    def close(self) -> None:
+        """Destroy megatron's parallel state and (when this run made it) the process group."""
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        if self._owns_group and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        self._owns_group = False
+
+    # ------------------------------------------------------------------------ data
+    def shard(self, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
+                                                                      torch.Tensor]:
+        """This rank's ``(ids, labels, position_ids)`` of a global batch ``ids, labels: [b, s]``
+        (NOTE [Parallel layout]): rows of its DP rank, chunks r and 2c-1-r of its CP rank."""
+        b, s = ids.shape
+        dp, cp = self.layout.data_parallel, self.layout.context_parallel
+        rows = slice(self.dp_rank * b // dp, (self.dp_rank + 1) * b // dp)
+        positions = torch.arange(s).unsqueeze(0).expand(b, s)
+        if cp > 1:
+            chunk = s // (2 * cp)
+            r = self.cp_rank
+            keep = torch.cat([torch.arange(r * chunk, (r + 1) * chunk),
+                              torch.arange((2 * cp - 1 - r) * chunk, (2 * cp - r) * chunk)])
+        else:
+            keep = torch.arange(s)
+        return tuple(t[rows][:, keep].contiguous() for t in (ids, labels, positions))
+
+    # ------------------------------------------------------------------------ loss and gradients
+    def loss(self, model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor,
+             global_count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(to_backward, global_loss)`` of one step (NOTE [Parallel layout]).
+
+        ``ids, labels, positions``: this rank's shard; ``global_count``: the counted tokens
+        (label != -100) of the global batch. ``global_loss`` (detached) is the single-process
+        loss; ``to_backward`` is the share whose DDP-averaged gradient is the single-process one.
+        """
+        from megatron.core import parallel_state
+
+        counted = labels != -100
+        per_token = model(ids, positions, None, labels=torch.where(counted, labels, 0))
+        local = (per_token * counted.to(per_token.dtype)).sum()
+        total = local.detach().clone()
+        if self.layout.data_parallel * self.layout.context_parallel > 1:
+            torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group(
+                with_context_parallel=True))
+        count = max(global_count, 1)
+        scale = self.layout.data_parallel * self.layout.context_parallel
+        return local * (scale / count), total / count
+
+    def wrap(self, model: torch.nn.Module) -> None:
+        """Wrap ``model`` in megatron-core's ``DistributedDataParallel`` (gradient buffers, the reduction
+        over DP x CP and, in ``finalize_model_grads``, the SP norms' all-reduce over TP)."""
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        self.ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+
+    def zero_grads(self) -> None:
+        if self.ddp is not None:
+            self.ddp.zero_grad_buffer()
+
+    def finish_grads(self, model: torch.nn.Module) -> None:
+        """Reduce the gradients (``finalize_model_grads``) and hand them to the torch optimizer."""
+        if self.ddp is None:
+            return
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads([self.ddp])
+        for p in model.parameters():
+            if getattr(p, "main_grad", None) is not None:
+                p.grad = p.main_grad
+
+    # ------------------------------------------------------------------------ agreement
+    def gather(self, obj: Any) -> list[Any]:
+        """``obj`` of every rank, in rank order (a collective: every rank must call it)."""
+        out: list[Any] = [None] * self.launch.world_size
+        torch.distributed.all_gather_object(out, obj)
+        return out
+
+    def agree(self, record: dict[str, Any]) -> list[dict[str, Any]]:
+        """Compare ``record`` (layout, strategy, alpha, layer policy, plan fingerprint) across ranks;
+        every rank raises the same MemoError when they differ (NOTE [Checks before any process group]).
+
+        ``record["plan_made_from"]``, when present, is what each rank's own plan was made from
+        (:func:`requests_fingerprint`): ranks that recorded different iterations may run different
+        plans (the addresses are each rank's own; alpha and the layer policy, which decide the
+        collectives, must still agree), ranks that recorded the same one must run the same plan.
+        """
+        records = self.gather(record)
+        first = records[0]
+        for key in first:
+            if key == "plan_made_from":
+                continue
+            groups = [r.get("plan_made_from") for r in records] if key == "plan" else [None] * len(records)
+            values = [r.get(key) for r in records]
+            n = len(values)
+            if any(values[i] != values[j] for i in range(n) for j in range(i) if groups[i] == groups[j]):
+                table = ", ".join(f"rank {i}: {v}" for i, v in enumerate(values))
+                hint = {"alpha": "give every rank the same --alpha (or --plan), or the same --bandwidth-gbps "
+                                 "and --layer-ms",
+                        "plan": "give every rank the same --plan file, or let every rank profile"}.get(
+                    key, "launch every rank with the same arguments")
+                raise MemoError(f"memo.distributed: the ranks disagree on {key} ({table}); they would run "
+                                f"different collectives and hang. {hint}")
+        return records
+
+    def agree_machine(self, bandwidth_gbps: float | None, layer_ms: float | None) -> tuple[float | None,
+                                                                                           float | None]:
+        """One machine for every rank: the slowest link and the slowest layer any rank measured, so that
+        every rank solves the same alpha LP (called by every rank)."""
+        got = self.gather((bandwidth_gbps, layer_ms))
+        bws = [b for b, _ in got if b is not None]
+        lms = [m for _, m in got if m is not None]
+        return (min(bws) if bws else None), (max(lms) if lms else None)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
