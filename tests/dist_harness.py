@@ -103,7 +103,7 @@ def _read(out: str, world_size: int) -> list[list[dict[str, Any]]]:
 def _summary(results: list[list[dict[str, Any]]]) -> str:
     parts = []
     for rank, recs in enumerate(results):
-        bad = [r["name"] for r in recs if not r["ok"]]
+        bad = [f"{r['name']}: {r['detail'][-500:]}" for r in recs if not r["ok"]]
         parts.append(f"rank {rank}: {len(recs)} record(s), failing {bad}")
     return "; ".join(parts)
 
@@ -127,6 +127,9 @@ def _entry(rank: int, worker: str, world_size: int, port: int, out: str, spec: d
                                          timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     try:
         fn(rank, world_size, spec, record)
+    except BaseException:  # recorded first: torch reports whichever rank it notices first
+        record("<raised>", False, traceback.format_exc()[-2000:])
+        raise
     finally:
         torch.distributed.destroy_process_group()
 

@@ -208,13 +208,17 @@ def _wrapped_runs(record: dict[str, Any], name: str, model: torch.nn.Module, run
 
     for alpha in ALPHAS:
         def one(alpha: float = alpha) -> str:
-            mr.wrap(model, alpha=alpha)
+            # Every layer through memo's token-wise path (the default policy keeps the last layers
+            # of so small a model as they are: NOTE [Layer policy]).
+            mr.wrap(model, runtime=mr.MemoRuntime(alpha, policy=["memo"] * LAYERS))
             try:
                 n = mr.runtime_of(model).n_layers
                 if n != LAYERS:
                     raise AssertionError(f"memo.wrap took {n} layer(s), expected {LAYERS}")
                 got = run(model)
                 moved = mr.runtime_of(model).layer_bytes
+                if not moved:
+                    raise AssertionError(f"memo offloaded nothing (layer_bytes={moved})")
             finally:
                 if mr.is_wrapped(model):
                     mr.unwrap(model)
@@ -484,7 +488,8 @@ def test_a_failing_rank_ends_the_launch() -> None:
     with pytest.raises(LaunchError, match="worker failure injected on rank 1") as e:
         dist_harness.launch(f"{MODULE}:raising_worker", 2, {}, timeout_s=120)
     assert time.monotonic() - t0 < 60
-    assert [r["name"] for r in e.value.results[0]] == ["started"]
+    assert [r["name"] for r in e.value.results[1]] == ["started", "<raised>"]
+    assert "worker failure injected" in e.value.results[1][1]["detail"]
 
 
 def test_a_hanging_launch_is_terminated_at_its_deadline() -> None:
