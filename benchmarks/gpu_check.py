@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None,
                    help="results file (default: benchmarks/results/gpu-check-<date>.json)")
     p.add_argument("--skip", nargs="*", default=[],
-                   choices=("pytest", "train", "benchmarks", "sanitizer", "hf"),
+                   choices=("pytest", "train", "megatron", "benchmarks", "sanitizer", "hf"),
                    help="check groups to leave out")
     args = p.parse_args(argv)
     status = preflight()
@@ -252,6 +252,15 @@ def main(argv: list[str] | None = None) -> int:
                 memo_run = c
         if memo_run is not None:
             checks.append(_steady_state(memo_run))
+
+    if "megatron" not in args.skip:
+        # Issue 14: the megatron-core path launched by torchrun, world size 1 on the GPU (NCCL).
+        report = work / "train-megatron-torchrun.json"
+        c = Check(f"torchrun memo train --engine megatron gpt-125m {seq} bf16 (NCCL, world 1)",
+                  [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                   *_train_cmd("memo", "gpt-125m", seq, steps, report, "--engine", "megatron")[1:]], 600)
+        _train_numbers(c.run(logs), report)
+        checks.append(c)
 
     if "sanitizer" not in args.skip:
         sanitizer = shutil.which("compute-sanitizer")

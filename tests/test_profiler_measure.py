@@ -74,6 +74,23 @@ def test_time_layer_forward_is_the_median_of_the_timed_forwards(monkeypatch) -> 
     assert calls == [(x.shape, torch.Size([16]), 2.0, False)] * 4
 
 
+def test_a_layer_given_its_hidden_states_by_keyword_is_timed() -> None:
+    """megatron-core passes ``hidden_states=`` by keyword (memo train --engine megatron without
+    --layer-ms timed nothing and raised a TypeError)."""
+    seen = []
+
+    class KeywordOnly(nn.Module):
+        def forward(self, *, hidden_states: torch.Tensor, attention_mask: None = None) -> torch.Tensor:
+            seen.append(hidden_states.shape)
+            return hidden_states * 2
+
+    x = torch.randn(8, 1, 4)
+    q = time_layer_forward(KeywordOnly(), layer_kwargs={"hidden_states": x, "attention_mask": None})
+    assert q.source == "measured" and q.value >= 0 and seen == [x.shape] * 4
+    with pytest.raises(MemoError, match="no tensor was given"):
+        time_layer_forward(KeywordOnly(), layer_kwargs={"attention_mask": None})
+
+
 def test_meta_refuses_what_it_cannot_measure() -> None:
     with pytest.raises(MemoError, match="meta"):
         time_layer_forward(nn.Linear(4, 4, device="meta"), torch.empty(2, 4, device="meta"))

@@ -107,25 +107,30 @@ def _sync(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
-def time_layer_forward(layer: nn.Module, x: torch.Tensor, *args: Any, repeats: int = 3, warmup: int = 1,
+def time_layer_forward(layer: nn.Module, *args: Any, repeats: int = 3, warmup: int = 1,
                        layer_kwargs: dict[str, Any] | None = None) -> Quantity:
-    """Median forward time of ``layer(x, *args, **layer_kwargs)`` in ms.
+    """Median forward time of ``layer(*args, **layer_kwargs)`` in ms.
 
-    ``x: [s, b, h]`` on the device to time (or ``[b, s, h]``, as the layer takes it; ``args`` and
-    ``layer_kwargs``: the rest of what the model passes it). The device is synchronised around
-    each run, so the time is the layer's, not the launch's. The forward runs
-    without autograd: keeping tensors for backward costs no compute, and at a
-    million tokens one layer's saved tensors alone would not fit on the GPU.
+    ``args`` and ``layer_kwargs``: what the model passes the layer (the hidden states ``[s, b, h]``
+    positionally, or by keyword as megatron-core passes ``hidden_states``), on the device to time:
+    the first tensor among them says which. The device is synchronised around each run, so the
+    time is the layer's, not the launch's. The forward runs without autograd: keeping tensors for
+    backward costs no compute, and at a million tokens one layer's saved tensors alone would not
+    fit on the GPU.
     """
-    if x.device.type == "meta":
+    tensors = [t for t in (*args, *(layer_kwargs or {}).values()) if isinstance(t, torch.Tensor)]
+    if not tensors:
+        raise MemoError("memo.profiler: time_layer_forward needs the layer's inputs (no tensor was given)")
+    device = tensors[0].device
+    if device.type == "meta":
         raise MemoError("memo.profiler: a layer's forward time cannot be measured on the meta device")
-    sync = _sync(x.device)
+    sync = _sync(device)
     times = []
     with torch.no_grad():
         for k in range(warmup + repeats):
             sync()
             t0 = time.perf_counter()
-            y = layer(x, *args, **(layer_kwargs or {}))
+            y = layer(*args, **(layer_kwargs or {}))
             sync()
             if k >= warmup:
                 times.append((time.perf_counter() - t0) * 1e3)

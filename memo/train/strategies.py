@@ -500,9 +500,6 @@ def _agreed_machine(opts: StrategyOptions, parallel: Any, model: nn.Module, ids:
         bandwidth = float(measure_bandwidth(ids.device).value)
     if layer_ms is None:  # every rank times its first layer together (its collectives pair up)
         args, kwargs = layer_inputs(model, ids, labels)
-        if not args:  # megatron passes the hidden states by keyword
-            kwargs = dict(kwargs)
-            args = (kwargs.pop("hidden_states"),)
         layer_ms = float(time_layer_forward(model_parts(model).layers[0], *args, layer_kwargs=kwargs).value)
     bandwidth, layer_ms = parallel.agree_machine(bandwidth, layer_ms)
     return opts.machine().replace(bandwidth_gbps=bandwidth, layer_ms=layer_ms)
