@@ -24,6 +24,22 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="session")
+def gpt_125m_8k_meta_profile():
+    """``memo profile`` of gpt-125m at 8K tokens on the meta device (bf16, the dispatch recorder, a
+    machine given so nothing is measured; the bandwidth binds, so 0 < alpha < 1): the job the
+    159.6 GiB host arena once appeared in the device trace of. One profile takes seconds; the
+    tests that read it (tests/test_device_truth.py, tests/test_offload_bytes.py) do not change it."""
+    import warnings
+
+    from memo.pipeline import profile
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return profile("gpt-125m", 8192, 1, dtype="bfloat16", device="meta", recorder="dispatch",
+                       bandwidth_gbps=32, layer_ms=3.0, host_mem_gb=64, time_limit=2.0, solver=None)
+
+
 @pytest.fixture(autouse=True)
 def _deterministic_seed() -> None:
     torch.manual_seed(0)

@@ -80,13 +80,15 @@ def test_runtime_bytes_are_the_profilers_and_at_most_autograds(name: str, device
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_plan_host_bytes_are_the_arena_the_wrapped_model_allocates() -> None:
+def test_plan_host_bytes_are_the_arena_the_wrapped_model_allocates(gpt_125m_8k_meta_profile) -> None:
     """gpt-125m at 8K on meta: the plan's host bytes are the arena a wrapped model really takes."""
     from memo.planner import offload_difference
 
     s = 8192
-    result = profile("gpt-125m", s, 1, device="meta", bandwidth_gbps=32, layer_ms=3.0, host_mem_gb=64,
-                     time_limit=2.0, solver=None)
+    # profile("gpt-125m", 8192, 1, device="meta", bandwidth_gbps=32, layer_ms=3.0, host_mem_gb=64,
+    # time_limit=2.0): conftest's, shared with tests/test_device_truth.py.
+    result = gpt_125m_8k_meta_profile
+    assert result.trace["meta"]["seq_len"] == s
     plan = result.plan
     assert 0 < plan.alpha < 1, plan.alpha  # the bandwidth binds: a real token split
     model = build_model("gpt-125m", device="meta", dtype=torch.bfloat16, max_seq_len=s)
