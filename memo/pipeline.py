@@ -304,6 +304,12 @@ class _Job:
     batch: tuple[torch.Tensor, torch.Tensor] | None = None
     timings: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    #: The largest of a number over the ranks profiling together (NOTE [Decisions every rank shares]).
+    agree_max: Callable[[int], int] = int
+
+    def recorded_total(self, trace: dict[str, Any], static: int) -> int:
+        """:func:`_iteration_total` of a recorded iteration, the same on every rank."""
+        return self.agree_max(_iteration_total(trace, static))
 
     def built(self) -> nn.Module:
         """The model on its device, built there the first time for a model given by name."""
@@ -342,6 +348,7 @@ def profile(
     solver: str | None = None,
     progress: bool = False,
     log: Callable[[str], None] | None = None,
+    agree_max: Callable[[int], int] | None = None,
     **machine_fields: Any,
 ) -> ProfileResult:
     """Profile one training iteration and plan it (the steps of the module docstring).
@@ -371,6 +378,8 @@ def profile(
         time_limit, solver: passed to the planner's ``make_plan``.
         progress: show a progress bar per recorded pass on stderr.
         log: called with one line per stage (e.g. ``print``).
+        agree_max: for ranks that profile their shards together: the largest of a number over the
+            ranks, a collective (NOTE [Decisions every rank shares]); None in one process.
     """
     machine = _machine(machine, machine_fields)
     seq_len, micro_batch = _checked_sizes(seq_len, micro_batch, batch, tensor_parallel, context_parallel,
@@ -378,6 +387,8 @@ def profile(
     job = _job(model, seq_len, micro_batch, _dtype(dtype), torch.device(device), machine, tensor_parallel,
                context_parallel, recorder, progress, log or (lambda _line: None))
     job.batch = batch
+    if agree_max is not None:
+        job.agree_max = agree_max
     # Refuse bad arguments before building or recording anything (a 1M-token pass takes a while).
     if solve:
         check_machine(machine, job.device, job.dtype)
@@ -585,6 +596,17 @@ def _policy_costs(job: _Job, plain: Recording, states: dict[str, Any], layer_par
     return lp_inputs, costs
 
 
+# NOTE [Decisions every rank shares]
+# Under tensor, context or data parallelism every rank profiles its own shard, and the ranks' passes
+# run collectives (the all-gathers of sequence and context parallelism), so every rank must record
+# the same iterations: the same layer policies and alphas, in the same order. The policy is chosen
+# from a cost model calibrated against recorded peaks (NOTE [Calibrated policy]), and a recorded
+# peak is not the same on every rank: the allocator recorder sees every allocation of the process,
+# the communication library's own buffers included, at whatever moment its threads make them. A
+# rank that chose differently would wait in a collective the others never join. So every recorded
+# peak that feeds a decision is replaced by the largest over the ranks (``agree_max``, a collective
+# every rank reaches at the same point): every rank then holds the same costs, makes the same
+# (deterministic) choice, and the largest need is the one planned for.
 def _calibrated_costs(job: _Job, costs: Any, net: nn.Module, ids: torch.Tensor, labels: torch.Tensor,
                       plain: Recording, static: int, wrap_pass: bool | None) -> tuple[Any, bool]:
     """The cost model calibrated against recorded iterations, and whether the runtime can wrap the
@@ -605,7 +627,7 @@ def _calibrated_costs(job: _Job, costs: Any, net: nn.Module, ids: torch.Tensor, 
         if wrap_pass:
             raise
         return costs, False  # the runtime refuses this model: pass 2 says so, in a note
-    fr_total = _iteration_total(fr_trace, static)
+    fr_total = job.recorded_total(fr_trace, static)
     estimate = full_recompute_need(costs)
     costs = dataclasses.replace(costs, base_bytes=max(0, costs.base_bytes + fr_total - estimate))
     return _calibrate_memo(job, costs, net, ids, labels, plain, static), True
@@ -642,7 +664,7 @@ def _recorded_choice(job: _Job, chosen: Any, costs: Any, probe: _ProbeContext, m
             break
         trace, _ = _wrapped_pass(job, probe.net, probe.ids, probe.labels, result.alpha.alpha, False,
                                  probe.plain, chosen.policy)
-        total = _iteration_total(trace, probe.static)
+        total = job.recorded_total(trace, probe.static)
         if total <= chosen.device_cap:
             break
         if attempt == 4:
@@ -790,7 +812,7 @@ def _calibrate_memo(job: _Job, costs: Any, net: nn.Module, ids: torch.Tensor, la
         memo_trace, _ = _wrapped_pass(job, net, ids, labels, 0.0, False, plain, ["memo"] * n)
     except MemoError:
         return costs  # the chosen policy's probe (below) still checks what is chosen
-    measured = _iteration_total(memo_trace, static)
+    measured = job.recorded_total(memo_trace, static)
     estimate = sum(device_need(costs, n, 0, 0, 0.0).values())
     return dataclasses.replace(costs, memo_overhead=costs.memo_overhead + measured - estimate)
 

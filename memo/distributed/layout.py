@@ -392,6 +392,12 @@ class ParallelRun:
                                 f"different collectives and hang. {hint}")
         return records
 
+    def agree_max(self, value: int) -> int:
+        """The largest ``value`` of any rank (called by every rank). memo's profile records iterations
+        whose peaks decide what it records next (NOTE [Decisions every rank shares] in memo/pipeline.py):
+        with the largest on every rank, every rank decides the same."""
+        return int(max(self.gather(int(value))))
+
     def agree_machine(self, bandwidth_gbps: float | None, layer_ms: float | None) -> tuple[float | None,
                                                                                            float | None]:
         """One machine for every rank: the slowest link and the slowest layer any rank measured, so that

@@ -457,7 +457,7 @@ class MemoStrategy(_Metered):
         sharded: dict[str, Any] = {} if parallel is None else {
             # NOTE [Parallel layout]: this rank's shard, profiled where its collectives run
             "batch": (ids, labels), "tensor_parallel": run["tensor_parallel"],
-            "context_parallel": run["context_parallel"]}
+            "context_parallel": run["context_parallel"], "agree_max": parallel.agree_max}
         result = pipeline.profile(
             model, None if parallel is not None else run["seq_len"], run["micro_batch"], device=ids.device,
             machine=machine, **sharded,
