@@ -23,6 +23,7 @@ walks the model's class hierarchy and loads the adapter the first time it is ask
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,7 @@ from memo.adapters._lazy import load_qualified
 from memo.errors import MemoError
 
 __all__ = ["MemoModelAdapter", "ModelAdapter", "ModelParts", "find_model_adapter", "model_adapter_for",
+           "use_model_adapter",
            "register_model_adapter", "registered_model_adapters", "unregister_model_adapter"]
 
 
@@ -120,8 +122,29 @@ def _load(key: str, entry: ModelAdapter | str) -> ModelAdapter:
     return adapter
 
 
+#: Adapters given for one model instance (:func:`use_model_adapter`), before any class's.
+_INSTANCES: weakref.WeakKeyDictionary[nn.Module, ModelAdapter] = weakref.WeakKeyDictionary()
+
+
+def use_model_adapter(model: nn.Module, adapter: ModelAdapter | None) -> None:
+    """Serve this one ``model`` with ``adapter`` (None: its class's again). A training loop whose loss
+    is not the class's (one rank of a parallel job: its shard's positions, the global batch's
+    mean) gives the profile the loss each step runs, so that the recorded iteration is the step's."""
+    if adapter is None:
+        _INSTANCES.pop(model, None)
+    elif isinstance(adapter, ModelAdapter):
+        _INSTANCES[model] = adapter
+    else:
+        raise MemoError("memo.adapters: use_model_adapter needs a ModelAdapter, got "
+                        f"{type(adapter).__name__}")
+
+
 def find_model_adapter(model: nn.Module) -> ModelAdapter | None:
-    """The adapter registered for the model's class or its nearest registered base class."""
+    """The adapter given for this model (:func:`use_model_adapter`), else the one registered for its
+    class or its nearest registered base class."""
+    mine = _INSTANCES.get(model)
+    if mine is not None:
+        return mine
     for cls in type(model).__mro__:
         entry = _REGISTRY.get(_qualname(cls))
         if entry is not None:

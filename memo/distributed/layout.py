@@ -332,6 +332,22 @@ class ParallelRun:
         scale = self.layout.data_parallel * self.layout.context_parallel
         return local * (scale / count), total / count
 
+    def model_adapter(self, positions: torch.Tensor, global_count: int) -> Any:
+        """The GPT model adapter whose loss is this rank's step loss (:meth:`loss` with the shard's
+        ``positions``), for :func:`memo.adapters.model.use_model_adapter`: memo's profile then records
+        the iteration every step runs, allocation for allocation, and the plan holds in training."""
+        from memo.adapters.megatron import GPTModelAdapter
+
+        run = self
+
+        class ShardLoss(GPTModelAdapter):
+            name = "megatron-gpt-shard"
+
+            def loss(self, model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+                return run.loss(model, ids, labels, positions, global_count)[0]
+
+        return ShardLoss()
+
     def wrap(self, model: torch.nn.Module) -> None:
         """Wrap ``model`` in megatron-core's ``DistributedDataParallel`` (gradient buffers, the reduction
         over DP x CP and, in ``finalize_model_grads``, the SP norms' all-reduce over TP)."""

@@ -365,6 +365,10 @@ def train(
             parallel.wrap(model)
             batches = _Sharded(batches, parallel)
         first = tuple(t.to(device) for t in next(batches))
+        if parallel is not None:  # the profile records the step's own loss (use_model_adapter)
+            from memo.adapters.model import use_model_adapter
+
+            use_model_adapter(model, parallel.model_adapter(first[2], batches.count))
         emit = log if log is not None else tqdm.write
         result = _new_result(config, model, model_config, device, dtype, strategy)
         result.world = 1 if parallel is None else parallel.layout.world
