@@ -43,8 +43,9 @@ class LayerAdapter:
     """Maps one layer class onto pre / core / post (NOTE [Layer adapters]).
 
     The default ``core_forward``/``core_backward`` are memo's causal attention
-    (:mod:`memo.models.causal_attention`, softmax scale ``1/sqrt(d)``); override them for
-    a layer whose attention differs.
+    (:mod:`memo.models.causal_attention`, softmax scale ``1/sqrt(d)``): override
+    :meth:`attention_kernels` for other causal kernels, ``core_forward``/``core_backward`` for
+    another computation, or :meth:`core_function` to run the layer's own attention as a black box.
     """
 
     #: Short name used in error messages and ``MemoRuntime.describe()``.
@@ -85,12 +86,19 @@ class LayerAdapter:
         :meth:`core_forward` / :meth:`core_backward` compute what the layer computes."""
         return None
 
+    def attention_kernels(self, layer: nn.Module) -> tuple[Any, Any]:
+        """``(forward, backward)`` of the causal attention :meth:`core_forward` / :meth:`core_backward`
+        run: ``forward(q, k, v) -> (o [s, b, n, d], lse)``, ``backward(grad_o [s, b, n, d], q, k, v, o,
+        lse) -> (dq, dk, dv)``; memo's (:mod:`memo.models.causal_attention`) by default."""
+        from memo.models.causal_attention import attention_backward, attention_forward
+
+        return attention_forward, attention_backward
+
     def core_forward(self, layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      ctx: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Causal attention without autograd: -> ``o: [s, b, n * d]``, ``lse: [b, n, s]`` (float32)."""
-        from memo.models.causal_attention import attention_forward
-
-        o, lse = attention_forward(q, k, v)
+        forward, _ = self.attention_kernels(layer)
+        o, lse = forward(q, k, v)
         s, b, n, d = o.shape
         return o.view(s, b, n * d), lse
 
@@ -98,10 +106,9 @@ class LayerAdapter:
                       v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, ctx: Any) -> tuple[
             torch.Tensor, torch.Tensor, torch.Tensor]:
         """``grad_o: [s, b, n * d]`` -> ``dq: [s, b, n, d]``, ``dk, dv: [s, b, n_kv, d]``."""
-        from memo.models.causal_attention import attention_backward
-
+        _, backward = self.attention_kernels(layer)
         s, b, n, d = q.shape
-        return attention_backward(grad_o.reshape(s, b, n, d), q, k, v, o.view(s, b, n, d), lse)
+        return backward(grad_o.reshape(s, b, n, d), q, k, v, o.view(s, b, n, d), lse)
 
     def pack_output(self, layer: nn.Module, y: torch.Tensor, ctx: Any) -> Any:
         """The value the layer's ``forward`` returns, given ``y: [s, b, h]``."""

@@ -226,7 +226,8 @@ class MegatronLayerAdapter(LayerAdapter):
             problems.append(f"its attention mask type is {layer.self_attention.attn_mask_type}")
         if not hasattr(layer.self_attention, "get_query_key_value_tensors"):
             problems.append("its self attention has no get_query_key_value_tensors")
-        if getattr(cfg, "sequence_parallel", False) and int(getattr(cfg, "tensor_model_parallel_size", 1)) < 2:
+        tp = int(getattr(cfg, "tensor_model_parallel_size", 1))
+        if getattr(cfg, "sequence_parallel", False) and tp < 2:
             problems.append("sequence_parallel is on with tensor_model_parallel_size 1")
         if problems:
             raise MemoError(f"{where}: cannot be split into pre/core/post because " + "; ".join(problems))
@@ -303,18 +304,9 @@ class MegatronLayerAdapter(LayerAdapter):
 
         return run
 
-    def core_forward(self, layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     ctx: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        o, lse = layer.self_attention.core_attention.attention_forward(q, k, v)
-        s, b, n, d = o.shape
-        return o.view(s, b, n * d), lse
-
-    def core_backward(self, layer: nn.Module, grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                      v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, ctx: Any) -> tuple[
-            torch.Tensor, torch.Tensor, torch.Tensor]:
-        s, b, n, d = q.shape
-        return layer.self_attention.core_attention.attention_backward(
-            grad_o.reshape(s, b, n, d), q, k, v, o.view(s, b, n, d), lse)
+    def attention_kernels(self, layer: nn.Module) -> tuple[Any, Any]:
+        core = layer.self_attention.core_attention  # MemoCoreAttention (context parallel or not)
+        return core.attention_forward, core.attention_backward
 
     def post(self, layer: nn.Module, o: torch.Tensor, x: torch.Tensor, ctx: Any) -> torch.Tensor:
         out_with_bias = layer.self_attention.linear_proj(o)
