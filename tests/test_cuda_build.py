@@ -8,6 +8,7 @@ the GPU tests.)
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import glob
 import os
@@ -69,14 +70,26 @@ def exported(path: str) -> set[str]:
 def fresh_library(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Compile the current sources (one architecture, to keep it quick) with setup.py's flags; the core's
     sources go in as their own translation units, as setup.py's core archive does."""
-    out = str(tmp_path_factory.mktemp("cuda") / "libmemo_cuda.so")
+    build = tmp_path_factory.mktemp("cuda")
+    out = str(build / "libmemo_cuda.so")
     sources = sorted(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu"))) + core_sources()
-    cmd = [NVCC, "-O2", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden",
-           "-cudart", "shared",
-           f"-I{os.path.join(ROOT, 'csrc')}", "-gencode", "arch=compute_90,code=sm_90", *sources, "-o", out]
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    assert "warning" not in result.stderr.lower(), result.stderr
+    flags = [NVCC, "-O2", "-std=c++17", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden",
+             f"-I{os.path.join(ROOT, 'csrc')}", "-gencode", "arch=compute_90,code=sm_90"]
+    # One translation unit per nvcc, on every core (nvcc compiles the files of one command one after
+    # another), then one link: what `nvcc -shared ... *sources` does in a single command.
+    objects = [str(build / f"{i}-{os.path.basename(src)}.o") for i, src in enumerate(sources)]
+
+    def compile_one(i: int) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*flags, "-c", sources[i], "-o", objects[i]], capture_output=True, text=True)
+
+    workers = max(1, min(len(sources), os.cpu_count() or 1))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as p:
+        compiled = list(p.map(compile_one, range(len(sources))))
+    linked = subprocess.run([NVCC, "-shared", "-cudart", "shared", "-gencode", "arch=compute_90,code=sm_90",
+                             *objects, "-o", out], capture_output=True, text=True)
+    for result in [*compiled, linked]:
+        assert result.returncode == 0, result.stderr
+        assert "warning" not in result.stderr.lower(), result.stderr
     return out
 
 
