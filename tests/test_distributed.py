@@ -202,15 +202,17 @@ def _init(tp: int = 1, cp: int = 1) -> None:
 
 
 def _wrapped_runs(record: dict[str, Any], name: str, model: torch.nn.Module, run: Any, twin: dict[str, Any],
-                  reduce: Any) -> None:
-    """``memo.wrap(model, alpha)`` for each alpha against the unwrapped twin's ``twin`` results."""
+                  reduce: Any, chunk_tokens: int | None = None) -> None:
+    """``memo.wrap(model, alpha)`` for each alpha against the unwrapped twin's ``twin`` results;
+    ``chunk_tokens``: the recomputed range in chunks of that many tokens (NOTE [Chunked recompute])."""
     import memo.runtime as mr
 
     for alpha in ALPHAS:
         def one(alpha: float = alpha) -> str:
             # Every layer through memo's token-wise path (the default policy keeps the last layers
             # of so small a model as they are: NOTE [Layer policy]).
-            mr.wrap(model, runtime=mr.MemoRuntime(alpha, policy=["memo"] * LAYERS))
+            mr.wrap(model, runtime=mr.MemoRuntime(alpha, policy=["memo"] * LAYERS,
+                                                  recompute_chunk_tokens=chunk_tokens))
             try:
                 n = mr.runtime_of(model).n_layers
                 if n != LAYERS:
@@ -283,6 +285,11 @@ def layouts_world2(rank: int, world: int, spec: dict[str, Any], record: Any) -> 
         check(record, f"{name}/layout", layout)
         check(record, f"{name}/memo/build", lambda: None)
         _wrapped_runs(record, name, _build(cfg, like=unwrapped), run, twin, reduce)
+        # A core attention memo does not know, as a black box (NOTE [Black-box core attention]), its
+        # gathered rows put in sequence order around it over several recompute chunks (NOTE [Gathered
+        # rows in sequence order]): the test's own attention, over a context-parallel group of one.
+        box = _build(cfg, core=_CpReferenceAttention, like=unwrapped)
+        _wrapped_runs(record, f"{name}/blackbox", box, run, twin, reduce, chunk_tokens=2)
 
     # CP=2: rank r holds chunks r and 3-r of 4; RoPE rows sliced by the same positions.
     _init(cp=2)
@@ -323,6 +330,9 @@ def layouts_world2(rank: int, world: int, spec: dict[str, Any], record: Any) -> 
         check(record, f"{name}/layout", layout_cp)
         if memo_built:
             _wrapped_runs(record, name, _build(cfg, like=unwrapped), run_cp, twin, reduce_cp)
+            # a context-parallel core attention memo does not know runs as the layer's own
+            box = _build(cfg, core=_CpReferenceAttention, like=unwrapped)
+            _wrapped_runs(record, f"{name}/blackbox", box, run_cp, twin, reduce_cp, chunk_tokens=2)
         else:
             for alpha in ALPHAS:
                 record(f"{name}/memo/alpha={alpha}", False, "not run: memo's layers did not build under CP=2")
@@ -466,6 +476,16 @@ def test_layout_matches_single_process(world2, layout: str, style: str) -> None:
 def test_memo_matches_unwrapped_in_layout(world2, layout: str, style: str, alpha: float) -> None:
     _assert_passed(world2, f"{layout}/{style}/memo/build", 2)
     _assert_passed(world2, f"{layout}/{style}/memo/alpha={alpha}", 2)
+
+
+@pytest.mark.parametrize("alpha", ALPHAS)
+@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("layout", ["tp2sp", "cp2"])
+def test_a_black_box_core_attention_in_layout(world2, layout: str, style: str, alpha: float) -> None:
+    """NOTE [Black-box core attention]: a core attention memo does not know (the test's own, context
+    parallel for cp2) runs as the layer's, recomputed chunks of 2 tokens around it, and gives what
+    memo's attention and the unwrapped layers give."""
+    _assert_passed(world2, f"{layout}/{style}/blackbox/memo/alpha={alpha}", 2)
 
 
 @pytest.mark.parametrize("style", STYLES)
