@@ -42,6 +42,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import gc
 import json
 import os
@@ -295,6 +296,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="how memo is profiled before each try (NOTE [Profiling memo before each try]; "
                    "default: model on CPU, name on CUDA)")
     p.add_argument("--only", nargs="+", choices=ROWS, help="search only these strategies (default: all)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="CPU: strategies searched at once, each in its own interpreter with --threads "
+                   "threads (default 1); each emulates its own device, so what fits does not change")
     p.add_argument("--json", metavar="OUT.json", help="write every search (all tries) as JSON")
     p.add_argument("--child", choices=ROWS, help=argparse.SUPPRESS)  # one search, in a fresh interpreter
     return p
@@ -309,6 +313,9 @@ def _defaults(args: argparse.Namespace) -> None:
     args.max_seq = args.max_seq or ((1 << 20) if cuda else 8192)
     args.time_limit = args.time_limit or (20.0 if cuda else 2.0)
     args.memo_profile = args.memo_profile or ("name" if cuda else "model")
+    if args.jobs < 1 or (cuda and args.jobs != 1):
+        raise MemoError(f"max_seq_len: --jobs must be 1 on CUDA (one device) and at least 1 on CPU, got "
+                        f"{args.jobs}")
     if args.start > args.max_seq:
         raise MemoError(f"max_seq_len: --start {args.start:,} is longer than --max-seq {args.max_seq:,}")
 
@@ -343,16 +350,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"max_seq_len: {args.model}, {args.dtype} on {args.device}, device memory {budget}; two steps "
           f"(fwd+bwd+AdamW) per try; doubling from {args.start:,}, bisection to {args.granularity:,} tokens, "
           f"at most {args.max_seq:,}", flush=True)
-    results = []
-    for name in ROWS:
-        if args.only is not None and name not in args.only:
-            continue
+    def run(name: str) -> dict[str, Any]:
         start = time.perf_counter()
         result = _child(name, args)
         result["wall_s"] = time.perf_counter() - start
-        results.append(result)
         print(f"  {name}: longest {result['longest']:,} ({len(result['tries'])} tries, "
               f"{result['wall_s']:.0f} s)", flush=True)
+        return result
+
+    names = [name for name in ROWS if args.only is None or name in args.only]
+    # --jobs: searches in parallel interpreters (CPU only, see _defaults); the table keeps ROWS' order.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        results = list(pool.map(run, names))
     print(f"\n{args.model}, device memory {budget}: longest sequence that trains two steps\n")
     print(format_table(results, args.max_seq))
     if args.json:

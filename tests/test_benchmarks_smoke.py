@@ -72,9 +72,10 @@ def test_max_seq_len_orders_strategies(tmp_path: Path) -> None:
     # The search starts at 2K and stops at 3K (granularity 512): every strategy still brackets its
     # longest length from both sides (none and full-offload bisect down to 512, memo and save-on-cpu
     # up to 2,560), in 3 tries each instead of up to 6 (the 512, 1K and 4K tries told nothing more).
+    # Two searches at once: each strategy's interpreter emulates its own device (one thread each).
     done = _run("max_seq_len.py", "--model", "tiny", "--device", "cpu", "--device-mem-mb", "24",
                 "--start", "2K", "--granularity", "512", "--max-seq", "3K", "--time-limit", "1",
-                "--json", str(out))
+                "--jobs", "2", "--json", str(out))
     report = json.loads(out.read_text())
     assert report["kind"] == "memo.benchmark.max_seq_len"
     longest = {r["strategy"]: r["longest"] for r in report["results"]}
