@@ -6,7 +6,9 @@ PYTHON     ?= python3
 PIP        := $(PYTHON) -m pip
 TORCH_SPEC ?= torch==2.13.0
 DEMO_DIR   ?= demo_out
-PYTEST_ARGS ?= --durations=15
+# Two workers, one test file each at a time (module fixtures stay in one process): CI has 2 cores,
+# and most tests are single-threaded Python.
+PYTEST_ARGS ?= --durations=15 -n 2 --dist loadfile
 
 WHEELS     ?=
 GPU_CHECK_ARGS ?=
@@ -30,7 +32,7 @@ install: $(STAMP)
 $(STAMP): $(NATIVE)
 	@if [ -n "$(TORCH_SPEC)" ]; then $(PIP) install -q "$(TORCH_SPEC)"; fi
 	$(PIP) install -q "setuptools>=64" wheel ninja pybind11 numpy "pulp>=2.8,<4" tqdm matplotlib \
-		pytest hypothesis ruff "megatron-core==0.16.1" "transformers==5.23.0"
+		pytest pytest-xdist hypothesis ruff "megatron-core==0.16.1" "transformers==5.23.0"
 	@mkdir -p build
 	@echo "memo: building the extension (compiler progress below; full log in build/install.log)"
 	@set -o pipefail; $(PIP) install -v --no-build-isolation --no-deps -e . 2>&1 | tee build/install.log \
