@@ -20,6 +20,18 @@ the single-process loss. megatron's ``DistributedDataParallel`` averages gradien
 DP x CP group (it scales them by ``1/(dp·cp)``), so a rank back-propagates its sum over the global
 count times ``dp·cp``, and the averaged gradient is the single-process one.
 
+NOTE [Plans under gloo]
+Each rank's plan is made from its own recorded iteration, and under tensor or context parallelism
+on the CPU a few of a step's requests miss it ("slot busy": 1-5% of the planned requests of
+tiny at 256 tokens). The requests are the same, in the same order, as the recorded iteration's;
+what differs is when some blocks are freed: a gloo collective keeps the tensors it was given and
+its worker thread drops them only after ``wait()`` has returned, at a moment that varies from run
+to run, so an input megatron has let go (the sequence-parallel all-gather's, the reduce-scatter's)
+may still hold its planned address when the next request wants it. The allocator serves such a
+request from its fallback pool, counts it and says so once (results are unchanged: the losses
+are the single-process ones). NCCL on a GPU keeps no such references to PyTorch tensors past the
+stream's order; whether its runs hold the plan exactly is still to be measured on hardware.
+
 NOTE [Checks before any process group]
 Every check of a layout reads only the command line and the launch environment, which every rank
 has, and runs before ``init_process_group``: a bad layout raises the same MemoError on every rank
