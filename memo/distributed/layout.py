@@ -22,8 +22,8 @@ count times ``dp·cp``, and the averaged gradient is the single-process one.
 
 NOTE [Plans under gloo]
 Each rank's plan is made from its own recorded iteration, and under tensor or context parallelism
-on the CPU a few of a step's requests miss it ("slot busy": 15-56 of the ~560 planned requests per step of
-tiny at 256 tokens). The requests are the same, in the same order, as the recorded iteration's;
+on the CPU a few of a step's requests miss it ("slot busy": 15-56 of the ~560 planned requests
+per step of tiny at 256 tokens). The requests are the same, in the same order, as the recorded iteration's;
 what differs is when some blocks are freed: a gloo collective keeps the tensors it was given and
 its worker thread drops them only after ``wait()`` has returned, at a moment that varies from run
 to run, so an input megatron has let go (the sequence-parallel all-gather's, the reduce-scatter's)
