@@ -380,6 +380,7 @@ class _Record:
     order: _SequenceOrder | None = None
     #: The black-box core attention's graph (NOTE [Black-box core attention]); None otherwise.
     core_edge: GradientEdge | None = None
+    black_box: bool = False
     #: q, k, v's shapes past their first dimension (zero gradients for inputs a black box ignores).
     qkv_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
@@ -671,7 +672,7 @@ class LayerCall:
         # 2. attention's backward: the black box's own (NOTE [Black-box core attention]), or from the
         # saved o and lse with q, k, v the saved [0:a] rows and [a:s] recomputed without grad.
         kept: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = None
-        if rec.core_edge is not None:
+        if rec.black_box:
             dq, dk, dv = self._black_box_backward(rec, run, grad_o)
         else:
             kept, (dq, dk, dv) = self._core_backward(rec, x_dev, o_dev, grad_o)
@@ -766,7 +767,8 @@ class LayerCall:
                     f"memo.runtime: layer {self.index}'s core attention returned "
                     f"{type(out).__name__}{list(out.shape) if isinstance(out, torch.Tensor) else ''}; memo "
                     "needs one tensor [s, b, heads * head_dim] (megatron's core attention contract)")
-            rec.core_edge = _edge(out) if out.requires_grad else None
+            rec.black_box = True
+            rec.core_edge = _edge(out) if out.requires_grad else None  # None: its output has no gradient
         (o,) = rec.order.to_rows(out.detach().contiguous())
         rec.o_slot = packer.sink.pack(o, "attention output o")
         packer.add_base(o, rec.o_slot)
@@ -779,7 +781,8 @@ class LayerCall:
         """The black box's own backward (NOTE [Black-box core attention]) -> dq, dk, dv in the rows'
         layout (zeros for an input the core does not use)."""
         (grad_seq,) = rec.order.to_sequence(grad_o)
-        run([rec.core_edge], [grad_seq])
+        if rec.core_edge is not None:
+            run([rec.core_edge], [grad_seq])
         rec.core_edge = None
         s, dtypes = rec.s * rec.g, rec.qkv_dtypes
         grads = []
