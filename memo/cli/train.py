@@ -40,6 +40,7 @@ __all__ = ["add_parser", "run"]
 
 
 def run(args: argparse.Namespace) -> int:
+    from memo.allocator.host import local_world_size
     from memo.jsonio import check_writable
     from memo.train.loop import TrainConfig, train
     from memo.train.plots import plot_losses
@@ -62,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
         bandwidth_gbps=args.bandwidth_gbps,
         layer_ms=args.layer_ms,
         host_mem_gb=args.host_mem_gb,
-        gpus_per_node=args.gpus_per_node or 1,
+        # NOTE [Host memory is per node]: the ranks torchrun started on this node share its RAM
+        gpus_per_node=args.gpus_per_node or local_world_size(),
         host_safety=args.host_safety,
         time_limit=args.time_limit,
         device_mem_gb=args.device_mem_gb,
@@ -209,6 +211,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="draw the loss curve(s) of this run (and --compare)")
     p.add_argument("--compare", nargs="*", default=[], metavar="REPORT.json", help="more reports to plot")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    add_machine_arguments(p, "processes sharing the host memory (default 1)")
+    add_machine_arguments(p, "processes sharing the host memory (default: torchrun's LOCAL_WORLD_SIZE, "
+                             "else 1)")
     p.set_defaults(func=run)
     return p
