@@ -82,7 +82,10 @@ def test_launch_environment() -> None:
     assert LaunchEnv.from_environ({}) == LaunchEnv()
     env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "h",
            "MASTER_PORT": "1"}
-    assert LaunchEnv.from_environ(env) == LaunchEnv(1, 2, 1, 2)
+    assert LaunchEnv.from_environ(env) == LaunchEnv(1, 2, 1, 2, launched=True)
+    # torchrun with one process: a distributed run of one (NCCL on a GPU), not the single-process path
+    assert LaunchEnv.from_environ({"RANK": "0", "WORLD_SIZE": "1"}).launched
+    assert not LaunchEnv.from_environ({}).launched
     with pytest.raises(MemoError, match="RANK='x'"):
         LaunchEnv.from_environ({**env, "RANK": "x"})
     with pytest.raises(MemoError, match="MASTER_ADDR or MASTER_PORT is not set"):

@@ -121,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
                 print(f"warning: {warning}")
     if result.parallel is not None:
         par = result.parallel
-        print(f"memo train: {par['world']} ranks (tp={par['tp']} cp={par['cp']} dp={par['dp']}"
+        ranks = "1 rank" if par["world"] == 1 else f"{par['world']} ranks"
+        print(f"memo train: {ranks} (tp={par['tp']} cp={par['cp']} dp={par['dp']}"
               f"{' sp' if par['sp'] else ''}): "
               + ", ".join(f"rank {r['rank']} peak device {format_mib(r['peak_device_bytes'])} host pinned "
                           f"{format_mib(r['host_pinned_bytes'])}" for r in par["ranks"]))

@@ -104,6 +104,9 @@ class LaunchEnv:
     world_size: int = 1
     local_rank: int = 0
     local_world_size: int = 1
+    #: Started by a launcher (torchrun sets RANK and WORLD_SIZE): a world of one is then a
+    #: distributed run too (its process group is gloo or NCCL), not memo's single-process path.
+    launched: bool = False
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> LaunchEnv:
@@ -126,7 +129,7 @@ class LaunchEnv:
             values["local_rank"] = values["rank"]
         if values["local_world_size"] is None:
             values["local_world_size"] = values["world_size"]
-        launch = cls(**values)
+        launch = cls(**values, launched="RANK" in env and "WORLD_SIZE" in env)
         if launch.world_size < 1 or not 0 <= launch.rank < launch.world_size:
             raise MemoError(f"memo.distributed: RANK={launch.rank} and WORLD_SIZE={launch.world_size} in the "
                             "environment do not make a rank of a world; launch with torchrun")

@@ -393,6 +393,10 @@ def train(
     return result
 
 
+def _ranks(n: int) -> str:
+    return "1 rank" if n == 1 else f"{n} ranks"
+
+
 def _start_parallel(config: TrainConfig) -> Any:
     """This rank's :class:`memo.distributed.layout.ParallelRun`, or None for a single-process run.
 
@@ -404,7 +408,7 @@ def _start_parallel(config: TrainConfig) -> Any:
     launch = LaunchEnv.from_environ()
     layout = resolve_layout(config.tensor_parallel, config.context_parallel, config.data_parallel,
                             config.sequence_parallel, launch.world_size)
-    if layout.world == 1 and not layout.sequence_parallel:
+    if layout.world == 1 and not layout.sequence_parallel and not launch.launched:
         return None  # one process, as before (megatron's world of one: memo/engines.py)
     if config.engine != "megatron" or config.hf_config is not None:  # refused first by check_layout
         check_layout(layout, engine="hf" if config.hf_config is not None else config.engine, n_heads=1,
@@ -466,7 +470,7 @@ def _agree(parallel: Any, strategy: Any, emit: Callable[[str], None]) -> None:
         # each rank profiled: its plan is its own shard's (a --plan file must be the same everywhere)
         record["plan_made_from"] = requests_fingerprint(strategy.plan)
     parallel.agree(record)
-    emit(f"memo.distributed: {parallel.layout.world} ranks ({parallel.layout}) agree on strategy "
+    emit(f"memo.distributed: {_ranks(parallel.layout.world)} ({parallel.layout}) agree on strategy "
          f"{strategy.name}" + ("" if strategy.alpha is None else f", alpha {strategy.alpha:.4f}")
          + ("" if strategy.plan is None else f", plan {plan_fingerprint(strategy.plan)}"))
 
@@ -496,7 +500,7 @@ def _steps(config: TrainConfig, model: torch.nn.Module, model_config: Any, strat
         f"memo.train: {_model_name(config, model_config)} ({result.num_parameters / 1e6:.2f}M params), "
         f"seq {config.seq_len} x "
         f"batch {config.micro_batch}, {config.dtype} on {device}, {_run_kind(strategy)}, "
-        + ("" if parallel is None else f"{parallel.layout.world} ranks ({parallel.layout}), ")
+        + ("" if parallel is None else f"{_ranks(parallel.layout.world)} ({parallel.layout}), ")
         + ("MFU n/a (no peak FLOPS known for this device; --peak-tflops sets one)" if peak is None
            else f"MFU against a peak of {peak / 1e12:.0f} TFLOPS")
     )
