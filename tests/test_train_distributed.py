@@ -184,3 +184,62 @@ def test_tp2_sequence_parallel_matches_one_process(tmp_path: Path) -> None:
                                                                        "world": 2}
     assert [r["rank"] for r in par["ranks"]] == [0, 1]
     assert all(r["peak_device_bytes"] > 0 and r["host_pinned_bytes"] > 0 for r in par["ranks"]), par
+
+
+class _FakePlan:
+    """What _shared_plan reads of a plan: its JSON (requests and the addresses found for them)."""
+
+    def __init__(self, requests: str, addresses: str) -> None:
+        self.data = {"allocations": requests, "phases": [], "policy": ["memo"], "alpha": 0.5,
+                     "offsets": addresses}
+
+    def to_dict(self) -> dict:
+        return dict(self.data)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> _FakePlan:
+        return cls(data["allocations"], data["offsets"])
+
+
+class _Ranks(_Gathered):
+    """Rank ``rank`` of four whose gathers answer what each of the four ranks gives (in turn)."""
+
+    def __init__(self, rank: int, answers: list[list]) -> None:
+        super().__init__([])
+        self.launch = LaunchEnv(rank, 4, rank, 4)
+        self.answers = iter(answers)
+
+    @property
+    def rank(self) -> int:
+        return self.launch.rank
+
+    def gather(self, obj):
+        return next(self.answers)
+
+
+def test_each_rank_runs_the_plan_of_the_first_rank_that_recorded_its_iteration() -> None:
+    """Ranks 0, 1 recorded iteration A, ranks 2, 3 iteration B; the time-limited search found other
+    addresses on each rank: ranks 1 and 3 adopt the plans of ranks 0 and 2 (ParallelRun.agree then
+    finds equal plans among ranks that recorded the same iteration)."""
+    from memo.distributed.layout import requests_fingerprint
+    from memo.train.strategies import _shared_plan
+
+    own = [_FakePlan("A", "a0"), _FakePlan("A", "a1"), _FakePlan("B", "b2"), _FakePlan("B", "b3")]
+    made_from = [requests_fingerprint(p) for p in own]
+    leaders = [own[0].to_dict(), None, own[2].to_dict(), None]
+    said: list[str] = []
+    adopted = [_shared_plan(_Ranks(r, [made_from, leaders]), own[r], said.append) for r in range(4)]
+    assert [p.data["offsets"] for p in adopted] == ["a0", "a0", "b2", "b2"]
+    assert "2 different iterations" in said[0]
+
+
+def test_memo_and_hf_models_run_as_one_process_under_torchrun_of_one(monkeypatch) -> None:
+    """Their models have no parallel layers: torchrun --nproc-per-node 1 runs them on the single-process
+    path (megatron's DDP cannot wrap them), not as a distributed run of one."""
+    from memo.train.loop import TrainConfig, _start_parallel
+
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)
+    assert _start_parallel(TrainConfig(engine="memo", model="tiny")) is None
+    hf = TrainConfig(engine="memo", model="tiny", hf_config='{"model_type": "llama"}')
+    assert _start_parallel(hf) is None

@@ -190,7 +190,8 @@ def check_layout(layout: ParallelLayout, *, engine: str, n_heads: int, n_query_g
     if engine != "megatron" and (layout.world > 1 or sp):
         raise MemoError(
             f"memo.train: --engine {engine} builds one process's model; {layout} needs megatron-core's "
-            "parallel layers: use --engine megatron (or run memo's model with --tp/--cp/--dp 1 and no --sp)")
+            "parallel layers: use --engine megatron, or run this model as one process (no torchrun, or "
+            "torchrun --nproc-per-node 1, with --tp/--cp/--dp 1 and no --sp)")
     if sp and tp == 1:
         raise MemoError("memo.distributed: --sp (sequence parallelism) splits the tokens between the "
                         "ranks of a tensor-parallel group, and megatron-core refuses it without one; give "

@@ -107,8 +107,9 @@ def segment_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def segment_attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                o: torch.Tensor, lse: torch.Tensor, segments: list[Segment]) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of :func:`segment_attention_forward` -> ``dq [s, b, n, d]``, ``dk, dv [S, b, n_kv, d]``
-    (float32 accumulation for low-precision inputs)."""
+    """Gradients of :func:`segment_attention_forward` -> ``dq [s, b, n, d]`` (q's dtype), ``dk, dv
+    [S, b, n_kv, d]`` in float32 for low-precision inputs: the blocks' shares are summed in float32,
+    and a context-parallel caller sums dk, dv over its ranks before rounding them once."""
     backend = attention_backend(q.device)
     acc = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     dq = torch.empty_like(q)
@@ -126,11 +127,11 @@ def segment_attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.T
             dv[pos:pos + length] += dv_s
             if pos:
                 dq_p, dk_p, dv_p = _backward_kernels(backend, go, qs, k[:pos], v[:pos], os_, ls, False)
-                dq_s = dq_s + dq_p
+                dq_s = dq_s.to(acc) + dq_p
                 dk[:pos] += dk_p
                 dv[:pos] += dv_p
             dq[rows] = dq_s
-    return dq, dk.to(k.dtype), dv.to(v.dtype)
+    return dq, dk, dv
 
 
 def _group_layout(group: Any) -> tuple[int, int]:
@@ -190,7 +191,8 @@ def cp_attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     segments = _segments(q, group)
     dq, dk, dv = segment_attention_backward(grad_o, q, _gather_sequence(k, group), _gather_sequence(v, group),
                                             o, lse, segments)
-    return dq, _scatter_sequence(dk, k.shape[0], group), _scatter_sequence(dv, v.shape[0], group)
+    return (dq, _scatter_sequence(dk, k.shape[0], group).to(k.dtype),
+            _scatter_sequence(dv, v.shape[0], group).to(v.dtype))
 
 
 class _CPAttention(torch.autograd.Function):

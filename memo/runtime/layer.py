@@ -9,22 +9,9 @@ forward
      ``saved_tensors_hooks`` that copy every tensor it saves into the rounding
      buffer (NOTE [What the pack hook keeps]); on ``[a:s]`` it runs under
      ``no_grad`` with ``offset`` at each chunk's first token (RoPE positions), so
-     nothing is saved (NOTE [Black-box core attention]
-memo never replaces a layer's attention by its own. Where the adapter computes the layer's core
-attention itself (``core_forward`` / ``core_backward``: memo's models, megatron layers built with
-memo's spec) attention runs once without autograd and its backward is memo's, from the saved o
-and lse. Any other core attention (``adapter.core_function`` returns it: a sliding window, a
-custom mask, TransformerEngine's attention, a context-parallel implementation memo does not know)
-is a black box: it runs once, on all tokens, with autograd, on q, k, v fed through taps; every
-tensor it saves goes through the layer's pack hook into the rounding buffer, like the ``[0:a]``
-sub-graphs' (packed after the call, so that a saved output refers to the copy of o already in the
-buffer instead of being copied twice). In backward its own graph runs once from the gradient of o
-and the taps hand back dq, dk, dv; nothing of it is recomputed. The price: it offloads what it
-saves (typically q, k, v of all tokens, not only ``[0:a]``'s), and q, k, v of ``[a:s]`` are not
-recomputed for attention, only for pre's own backward.
-
-NOTE [Chunked recompute]).
-  3. Attention runs once on all tokens without autograd (``adapter.core_forward``);
+     nothing is saved (NOTE [Chunked recompute]).
+  3. Attention runs once on all tokens without autograd (``adapter.core_forward``; a core
+     attention memo does not compute runs as a black box: NOTE [Black-box core attention]);
      ``o`` and its log-sum-exp go whole into the buffer, and ``q, k, v`` of
      tokens ``[0:a]`` (the attention's own skeletal inputs) too.
   4. ``post`` runs like ``pre``: ``[0:a]`` recorded with hooks, ``[a:s]`` without grad
@@ -65,6 +52,20 @@ The pack hook runs for every tensor an op of the ``[0:a]`` sub-graphs saves.
   recorded as (shape, stride, offset) into that copy, the way torchtune tracks
   views. The runtime's offloaded bytes thus count storages, like the profiler's
   S_others.
+
+NOTE [Black-box core attention]
+memo never replaces a layer's attention by its own. Where the adapter computes the layer's core
+attention itself (``core_forward`` / ``core_backward``: memo's models, megatron layers built with
+memo's spec) attention runs once without autograd and its backward is memo's, from the saved o
+and lse. Any other core attention (``adapter.core_function`` returns it: a sliding window, a
+custom mask, TransformerEngine's attention, a context-parallel implementation memo does not know)
+is a black box: it runs once, on all tokens, with autograd, on q, k, v fed through taps; every
+tensor it saves goes through the layer's pack hook into the rounding buffer, like the ``[0:a]``
+sub-graphs' (packed after the call, so that a saved output refers to the copy of o already in the
+buffer instead of being copied twice). In backward its own graph runs once from the gradient of o
+and the taps hand back dq, dk, dv; nothing of it is recomputed. The price: it offloads what it
+saves (typically q, k, v of all tokens, not only ``[0:a]``'s), and q, k, v of ``[a:s]`` are not
+recomputed for attention, only for pre's own backward.
 
 NOTE [Chunked recompute]
 ``pre`` and ``post`` are token-wise (NOTE [Layer adapters]), so the recomputed
@@ -321,10 +322,15 @@ class _Deferred:
 # outputs are permuted back: transient copies of the attention-side tensors, made only when there
 # are two or more slices (one slice in rank-major order is the sequence order).
 class _SequenceOrder:
-    """The permutation between the rows memo's slices produce and sequence order (identity: None)."""
+    """The permutation between the rows memo's slices produce and sequence order (none: identity).
 
-    def __init__(self, to_sequence: torch.Tensor | None = None, to_rows: torch.Tensor | None = None) -> None:
-        self._seq, self._rows = to_sequence, to_rows
+    Only the slices are kept; the index vectors (``s·g`` rows each) are made on the device for each
+    use and dropped with it, so that no layer holds them from its forward to its backward.
+    """
+
+    def __init__(self, slices: list[tuple[int, int]] | None = None, g: int = 1, s: int = 0,
+                 device: torch.device | None = None) -> None:
+        self.slices, self.g, self.s, self.device = slices, g, s, device
 
     @classmethod
     def of(cls, adapter: LayerAdapter, rec: _Record, device: torch.device) -> _SequenceOrder:
@@ -336,15 +342,32 @@ class _SequenceOrder:
         slices = ([(0, a)] if a else []) + [(a + c0, a + c1) for c0, c1 in rec.chunks]
         if g == 1 or layout == "token-major" or len(slices) <= 1:
             return cls()
-        ranks = torch.arange(g)[:, None] * s
-        rows_seq = torch.cat([(ranks + torch.arange(b0, e0)).reshape(-1) for b0, e0 in slices])
-        return cls(torch.argsort(rows_seq).to(device), rows_seq.to(device))
+        return cls(slices, g, s, device)
+
+    def _index(self, to_sequence: bool) -> torch.Tensor:
+        """Rows slice by slice hold ranks 0..g-1 of the slice's tokens one after the other:
+        row ``b·g + r·n + i`` (slice ``[b:b+n]``) is sequence position ``r·s + b + i``."""
+        g, s, dev = self.g, self.s, self.device
+        ranks = torch.arange(g, device=dev)[:, None]
+        if not to_sequence:  # the sequence position of each row
+            return torch.cat([(ranks * s + torch.arange(b, e, device=dev)).reshape(-1)
+                              for b, e in self.slices])
+        index = torch.empty(g, s, dtype=torch.long, device=dev)  # the row of each sequence position
+        for b, e in self.slices:
+            index[:, b:e] = b * g + ranks * (e - b) + torch.arange(e - b, device=dev)
+        return index.reshape(-1)
 
     def to_sequence(self, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return ts if self._seq is None else tuple(t.index_select(0, self._seq) for t in ts)
+        if self.slices is None:
+            return ts
+        index = self._index(True)
+        return tuple(t.index_select(0, index) for t in ts)
 
     def to_rows(self, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return ts if self._rows is None else tuple(t.index_select(0, self._rows) for t in ts)
+        if self.slices is None:
+            return ts
+        index = self._index(False)
+        return tuple(t.index_select(0, index) for t in ts)
 
 
 @dataclass
@@ -743,12 +766,13 @@ class LayerCall:
             if n == last:
                 kept = (x_c, parts)
             del parts, x_c
-        q, k, v = (rows.take() for rows in qkv)
-        del qkv
         order = rec.order
+        q, k, v = order.to_sequence(*(rows.take() for rows in qkv))  # the rows' copies are dropped here
+        del qkv
         lse = buffers.view(i, rec.lse_slot, f)
-        grads = adapter.core_backward(layer, *order.to_sequence(grad_o), *order.to_sequence(q, k, v),
-                                      *order.to_sequence(o_dev), lse, ctx)
+        (grad_seq,), (o_seq,) = order.to_sequence(grad_o), order.to_sequence(o_dev)
+        grads = adapter.core_backward(layer, grad_seq, q, k, v, o_seq, lse, ctx)
+        del q, k, v, grad_seq, o_seq
         return kept, order.to_rows(*grads)
 
     def _black_box_forward(self, core: Any, rec: _Record, q: torch.Tensor, k: torch.Tensor,

@@ -408,8 +408,12 @@ def _start_parallel(config: TrainConfig) -> Any:
     launch = LaunchEnv.from_environ()
     layout = resolve_layout(config.tensor_parallel, config.context_parallel, config.data_parallel,
                             config.sequence_parallel, launch.world_size)
-    if layout.world == 1 and not layout.sequence_parallel and not launch.launched:
-        return None  # one process, as before (megatron's world of one: memo/engines.py)
+    megatron = config.engine == "megatron" and config.hf_config is None
+    if layout.world == 1 and not layout.sequence_parallel and not (launch.launched and megatron):
+        # One process, as before (megatron's world of one: memo/engines.py). Under torchrun a
+        # megatron world of one is a distributed run (NCCL on a GPU); memo's and Hugging Face's
+        # models have no parallel layers and run as one process whatever launched them.
+        return None
     if config.engine != "megatron" or config.hf_config is not None:  # refused first by check_layout
         check_layout(layout, engine="hf" if config.hf_config is not None else config.engine, n_heads=1,
                      n_query_groups=1, vocab_size=1, seq_len=1, micro_batch=1)

@@ -489,10 +489,11 @@ class MemoStrategy(_Metered):
 
 def _agreed_machine(opts: StrategyOptions, parallel: Any, model: nn.Module, ids: torch.Tensor,
                     labels: torch.Tensor) -> Machine:
-    """The machine every rank of a parallel job plans with: B and T_layer as given, else measured on
-    every rank and agreed (the slowest of each), so that every rank solves the same alpha LP
-    (NOTE [Checks before any process group] in memo/distributed/layout.py)."""
-    from memo.profiler.measure import measure_bandwidth, time_layer_forward
+    """The machine every rank of a parallel job plans with: B, T_layer and the node's host memory as
+    given, else measured on every rank and agreed (the slowest link and layer, the smallest node),
+    so that every rank solves the same alpha LP and records the same iterations (NOTE [Decisions
+    every rank shares] in memo/pipeline.py)."""
+    from memo.profiler.measure import GB, machine_memory_bytes, measure_bandwidth, time_layer_forward
     from memo.profiler.record import layer_inputs, model_parts
 
     bandwidth, layer_ms = opts.bandwidth_gbps, opts.layer_ms
@@ -502,27 +503,33 @@ def _agreed_machine(opts: StrategyOptions, parallel: Any, model: nn.Module, ids:
         args, kwargs = layer_inputs(model, ids, labels)
         layer_ms = float(time_layer_forward(model_parts(model).layers[0], *args, layer_kwargs=kwargs).value)
     bandwidth, layer_ms = parallel.agree_machine(bandwidth, layer_ms)
-    return opts.machine().replace(bandwidth_gbps=bandwidth, layer_ms=layer_ms)
+    # Nodes alike in name differ in MemTotal by megabytes: where host memory binds, alpha would differ.
+    host_gb = opts.host_mem_gb if opts.host_mem_gb is not None else machine_memory_bytes() / GB
+    host_gb = min(parallel.gather(float(host_gb)))
+    return opts.machine().replace(bandwidth_gbps=bandwidth, layer_ms=layer_ms, host_mem_gb=host_gb)
 
 
 def _shared_plan(parallel: Any, plan: Any, log: Log) -> Any:
-    """Rank 0's plan where every rank recorded the same iteration (its requests' fingerprint), so that
-    the job runs one plan whatever the planner's time-limited search found on each rank; else each
-    rank's own plan."""
+    """One plan per recorded iteration: every rank runs the plan of the lowest rank that recorded the
+    same iteration (its requests' fingerprint), so that ranks with identical shards run one plan
+    whatever the planner's time-limited search found on each, and ParallelRun.agree finds them equal."""
     from memo.distributed.layout import plan_fingerprint, requests_fingerprint
 
     if plan is None:
         return None
     made_from = parallel.gather(requests_fingerprint(plan))
-    if any(f != made_from[0] for f in made_from):
-        log(f"memo.distributed: the ranks recorded different iterations ({', '.join(made_from)}); each "
-            "runs its own plan")
-        return plan
-    shared = parallel.gather(plan.to_dict() if parallel.rank == 0 else None)[0]
-    adopted = type(plan).from_dict(shared)
-    if requests_fingerprint(adopted) != made_from[parallel.rank]:  # internal: rank 0 sent its own plan
-        raise MemoError("memo.distributed: rank 0's plan does not describe this rank's iteration; re-run")
-    log(f"memo.distributed: every rank runs rank 0's plan {plan_fingerprint(adopted)}")
+    leader = made_from.index(made_from[parallel.rank])  # the lowest rank that recorded what this one did
+    plans = parallel.gather(plan.to_dict() if parallel.rank == leader else None)
+    adopted = plan if leader == parallel.rank else type(plan).from_dict(plans[leader])
+    if requests_fingerprint(adopted) != made_from[parallel.rank]:  # internal: the leader sent its own plan
+        raise MemoError(f"memo.distributed: rank {leader}'s plan does not describe this rank's iteration; "
+                        "re-run")
+    groups = len(set(made_from))
+    if groups == 1:
+        log(f"memo.distributed: every rank runs rank 0's plan {plan_fingerprint(adopted)}")
+    else:
+        log(f"memo.distributed: the ranks recorded {groups} different iterations; each rank runs the plan of "
+            "the first rank that recorded its own")
     return adopted
 
 
