@@ -120,14 +120,19 @@ def validate_alpha(alpha: Any) -> float:
 def layer_signature(layer: nn.Module) -> tuple[Any, ...]:
     """What, besides its input, decides the bytes a layer offloads (NOTE [Sizing the host arena]):
     its class and sequence gather, each parameter's name, shape, dtype and ``requires_grad``,
-    each buffer's, and each submodule's train/eval mode. Layers with equal signatures offload
-    equal bytes for equal inputs."""
+    each buffer's, each submodule's train/eval mode, and each submodule's class (a layer whose core
+    attention memo runs as a black box offloads what that attention saves: NOTE [Black-box core
+    attention]). Layers with equal signatures offload equal bytes for equal inputs."""
+    from memo.adapters import find_adapter
+
+    adapter = find_adapter(layer)
     return (
         type(layer),
-        int(getattr(layer, "sequence_gather", 1)),
+        adapter.sequence_gather(layer) if adapter is not None else int(getattr(layer, "sequence_gather", 1)),
         tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in layer.named_parameters()),
         tuple((n, tuple(b.shape), b.dtype) for n, b in layer.named_buffers()),
         tuple((n, m.training) for n, m in layer.named_modules()),
+        tuple(type(m) for _, m in layer.named_modules()),
     )
 
 
