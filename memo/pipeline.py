@@ -440,10 +440,19 @@ def _checked_sizes(seq_len: int | None, micro_batch: int, batch: tuple[torch.Ten
     return seq_len, micro_batch
 
 
+def _sequence_parallel(job: _Job) -> bool:
+    """Whether the profiled rank's layers hold s/t tokens: memo's rank model always does (NOTE
+    [Tensor-parallel rank]); a given model says so in its config (megatron-core's ``sequence_parallel``)."""
+    config = getattr(job.net, "config", None) if job.net is not None else None
+    given = getattr(config, "sequence_parallel", None)
+    return bool(given) if isinstance(given, bool) else job.tp > 1
+
+
 def _record_choice(job: _Job, result: ProfileResult, chosen: Any, states: dict[str, Any]) -> None:
     """The chosen alpha, tensor parallelism, policy and model states in the trace's meta."""
     result.trace["meta"]["alpha"] = float(result.alpha.alpha)
     result.trace["meta"]["tensor_parallel"] = job.tp
+    result.trace["meta"]["sequence_parallel"] = _sequence_parallel(job)
     result.trace["meta"]["policy"] = list(chosen.policy)
     # `memo plan --device-mem-gb` re-plans this trace: the rank's total needs the model states.
     result.trace["meta"]["model_states"] = states

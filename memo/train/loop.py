@@ -377,7 +377,8 @@ def train(
         if parallel is not None:
             run.update(micro_batch=config.micro_batch // parallel.layout.data_parallel,
                        tensor_parallel=parallel.layout.tensor_parallel,
-                       context_parallel=parallel.layout.context_parallel, parallel=parallel)
+                       context_parallel=parallel.layout.context_parallel,
+                       sequence_parallel=parallel.layout.sequence_parallel, parallel=parallel)
         try:
             strategy.prepare(model, first[0], first[1], run, log=emit)
             if parallel is not None:

@@ -676,6 +676,12 @@ def _check_plan(plan: Any, run: dict[str, Any]) -> None:
                 f"{expected}; its sizes are that rank's shard. Re-run `memo profile` with {flag} "
                 f"{expected} for this run, or drop --plan"
             )
+    planned_sp, run_sp = meta.get("sequence_parallel"), bool(run.get("sequence_parallel", False))
+    if planned_sp is not None and bool(planned_sp) != run_sp:
+        raise PlanMismatchError(
+            f"memo.train: the plan was made for a rank {'with' if planned_sp else 'without'} sequence "
+            f"parallelism (its layers hold {'s/tp' if planned_sp else 'all s'} tokens), this run is "
+            f"{'with' if run_sp else 'without'} it (--sp); profile this run's layout, or drop --plan")
 
 
 def _check_plan_budget(plan: Any, device_mem_gb: float | None) -> None:
