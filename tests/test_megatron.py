@@ -294,3 +294,19 @@ def test_layer_offload_bytes_are_linear_in_offloaded_tokens() -> None:
     for alpha in ALPHAS:
         linear = got[0.0] + mr.offload_tokens(alpha, s) / s * (got[1.0] - got[0.0])
         assert abs(got[alpha] - linear) <= 0.01 * got[alpha], (alpha, got)
+
+
+def test_the_profile_counts_megatron_attention_as_s_attn() -> None:
+    """The layer adapter names megatron's core attention (``self_attention.core_attention``), so the
+    profile counts what is made inside it, the attention output and its log-sum-exp, as S_attn
+    (which memo offloads whole), not as S_others (offloaded by token share): the plan's offload
+    bytes are then the runtime's."""
+    from memo.pipeline import profile
+
+    torch.manual_seed(0)
+    model = GPTModel(config=_config(n_layers=2), transformer_layer_spec=get_memo_gpt_layer_local_spec(),
+                     vocab_size=128, max_sequence_length=64, position_embedding_type="learned_absolute")
+    s, b, h, heads = 64, 1, 32, 4
+    stats = profile(model, s, b, device="cpu", solve=False).layer_stats
+    o, lse = s * b * h * 4, b * heads * s * 4
+    assert [st.s_attn for st in stats] == [o + lse] * 2

@@ -80,6 +80,12 @@ class LayerAdapter:
         group whose ``pre`` gathers the sequence (NOTE [Tensor-parallel rank])."""
         return int(getattr(layer, "sequence_gather", 1))
 
+    def core_module(self, layer: nn.Module) -> nn.Module | None:
+        """The submodule that computes the layer's core attention, if it is one: the profiler counts
+        what is made inside it as S_attn (NOTE [Layer anatomy] in DESIGN.md)."""
+        core = getattr(layer, "core_attention", None)
+        return core if isinstance(core, nn.Module) else None
+
     def core_function(self, layer: nn.Module, ctx: Any) -> Any:
         """The layer's own core attention as a differentiable ``(q, k, v) -> o [s, b, n * d]``, to run
         as a black box (NOTE [Black-box core attention] in memo/runtime/layer.py), or None when

@@ -290,6 +290,10 @@ class MegatronLayerAdapter(LayerAdapter):
             k = apply_rotary_pos_emb(k, ctx["k_pos"][rows], **kw)
         return q, k, v
 
+    def core_module(self, layer: nn.Module) -> nn.Module | None:
+        core = getattr(layer.self_attention, "core_attention", None)
+        return core if isinstance(core, nn.Module) else None
+
     def core_function(self, layer: nn.Module, ctx: Any) -> Any:
         attn = layer.self_attention
         core = attn.core_attention

@@ -7,8 +7,10 @@ statistics in ``"layers"`` (see :mod:`memo.profiler.stats`).
 
 The model needs a model adapter (NOTE [Model adapters] in memo/adapters/model.py): it says
 which modules are the embedding, the layers (taking ``[s, b, h]`` as first argument) and the
-head, and how the loss is computed. A layer's attention is recognised by its ``core_attention``
-submodule (optional: without it S_attn is 0 and everything skeletal counts as S_others).
+head, and how the loss is computed. A layer's attention is the submodule its layer adapter names
+(``LayerAdapter.core_module``: ``core_attention`` by default, megatron's
+``self_attention.core_attention``; optional: without one S_attn is 0 and everything skeletal
+counts as S_others).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memo.adapters.base import find_adapter
 from memo.adapters.model import ModelAdapter, ModelParts, model_adapter_for
 from memo.errors import MemoError
 from memo.phases import PhaseTracker
@@ -242,7 +245,8 @@ def _attach_hooks(
 
         handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(layer.register_forward_hook(post))
-        core = getattr(layer, "core_attention", None)
+        adapter = find_adapter(layer)
+        core = adapter.core_module(layer) if adapter is not None else getattr(layer, "core_attention", None)
         if isinstance(core, nn.Module):
             handles.append(core.register_forward_pre_hook(lambda _m, _a: rec.enter_attn()))
             handles.append(core.register_forward_hook(lambda _m, _a, _o: rec.exit_attn()))
