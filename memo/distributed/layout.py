@@ -430,14 +430,13 @@ class ParallelRun:
         with the largest on every rank, every rank decides the same."""
         return int(max(self.gather(int(value))))
 
-    def agree_machine(self, bandwidth_gbps: float | None, layer_ms: float | None) -> tuple[float | None,
-                                                                                           float | None]:
-        """One machine for every rank: the slowest link and the slowest layer any rank measured, so that
-        every rank solves the same alpha LP (called by every rank)."""
-        got = self.gather((bandwidth_gbps, layer_ms))
-        bws = [b for b, _ in got if b is not None]
-        lms = [m for _, m in got if m is not None]
-        return (min(bws) if bws else None), (max(lms) if lms else None)
+    def agree_machine(self, bandwidth_gbps: float, layer_ms: float, host_mem_gb: float) -> tuple[
+            float, float, float]:
+        """One machine for every rank: the slowest link, the slowest layer and the smallest node any
+        rank measured (nodes alike in name differ in MemTotal by megabytes), so that every rank solves
+        the same alpha LP (called by every rank)."""
+        got = self.gather((float(bandwidth_gbps), float(layer_ms), float(host_mem_gb)))
+        return (min(b for b, _, _ in got), max(m for _, m, _ in got), min(h for _, _, h in got))
 
 
 def _free_port() -> int:

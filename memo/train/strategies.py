@@ -502,10 +502,8 @@ def _agreed_machine(opts: StrategyOptions, parallel: Any, model: nn.Module, ids:
     if layer_ms is None:  # every rank times its first layer together (its collectives pair up)
         args, kwargs = layer_inputs(model, ids, labels)
         layer_ms = float(time_layer_forward(model_parts(model).layers[0], *args, layer_kwargs=kwargs).value)
-    bandwidth, layer_ms = parallel.agree_machine(bandwidth, layer_ms)
-    # Nodes alike in name differ in MemTotal by megabytes: where host memory binds, alpha would differ.
     host_gb = opts.host_mem_gb if opts.host_mem_gb is not None else machine_memory_bytes() / GB
-    host_gb = min(parallel.gather(float(host_gb)))
+    bandwidth, layer_ms, host_gb = parallel.agree_machine(bandwidth, layer_ms, host_gb)
     return opts.machine().replace(bandwidth_gbps=bandwidth, layer_ms=layer_ms, host_mem_gb=host_gb)
 
 
