@@ -12,6 +12,7 @@ causal LMs (:mod:`memo.adapters.hf`, loaded when a transformers model is wrapped
 from memo.adapters.base import (
     AnatomyAdapter,
     LayerAdapter,
+    MLPSite,
     find_adapter,
     register_adapter,
     registered_adapters,
@@ -31,6 +32,7 @@ from memo.adapters.model import (
 __all__ = [
     "AnatomyAdapter",
     "LayerAdapter",
+    "MLPSite",
     "MemoModelAdapter",
     "ModelAdapter",
     "ModelParts",

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,8 +36,25 @@ from torch import nn
 from memo.adapters._lazy import load_qualified
 from memo.errors import MemoError
 
-__all__ = ["LayerAdapter", "AnatomyAdapter", "register_adapter", "unregister_adapter", "find_adapter",
-           "registered_adapters"]
+__all__ = ["LayerAdapter", "AnatomyAdapter", "MLPSite", "register_adapter", "unregister_adapter",
+           "find_adapter", "registered_adapters"]
+
+
+@dataclass(frozen=True)
+class MLPSite:
+    """Where a layer computes its MLP, for strategies that run it their own way (ALST's tiled MLP,
+    NOTE [Tiled MLP] in memo/train/peers.py).
+
+    ``getattr(owner, attribute)`` is the MLP as a callable ``z -> out`` (no norm, no residual),
+    token-wise along ``token_dim`` of ``z``; it uses exactly ``parameters``. A strategy replaces it by
+    setting an instance attribute of that name on ``owner`` and undoes that by deleting it, so the
+    layer's state dict never changes.
+    """
+
+    owner: nn.Module
+    attribute: str
+    token_dim: int
+    parameters: tuple[nn.Parameter, ...]
 
 
 class LayerAdapter:
@@ -120,6 +138,11 @@ class LayerAdapter:
         """The value the layer's ``forward`` returns, given ``y: [s, b, h]``."""
         return y
 
+    def mlp_site(self, layer: nn.Module) -> MLPSite | None:
+        """Where ``layer`` computes its MLP (:class:`MLPSite`), or None when the adapter does not name
+        one. Raises :class:`MemoError` when the layer has an MLP that cannot be run token by token."""
+        return None
+
 
 class AnatomyAdapter(LayerAdapter):
     """For layers that already have the anatomy: ``layer.pre(x, offset=)``, ``layer.post(o, x)``,
@@ -152,6 +175,18 @@ class AnatomyAdapter(LayerAdapter):
 
     def post(self, layer: nn.Module, o: torch.Tensor, x: torch.Tensor, ctx: Any) -> torch.Tensor:
         return layer.post(o, x)
+
+    def mlp_site(self, layer: nn.Module) -> MLPSite | None:
+        """``layer.mlp(z)`` with ``layer.mlp_parameters()``, ``z: [s, b, h]`` (NOTE [Layer MLP] in
+        memo/models/layers.py); None for an anatomy layer without them."""
+        if not callable(getattr(layer, "mlp", None)) or not callable(getattr(layer, "mlp_parameters", None)):
+            return None
+        if self.sequence_gather(layer) != 1:
+            raise MemoError(
+                f"memo.adapters: {type(layer).__name__} is one rank of a tensor + sequence parallel group "
+                f"(sequence_gather {self.sequence_gather(layer)}): its MLP gathers the sequence, so it "
+                "cannot run on token tiles of this rank alone; use it with tensor_parallel=1")
+        return MLPSite(layer, "mlp", 0, tuple(layer.mlp_parameters()))
 
 
 # Registry: qualified class name -> the adapter, or "module:attribute" to import on first use (the

@@ -74,7 +74,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memo.adapters.base import LayerAdapter
+from memo.adapters.base import LayerAdapter, MLPSite
 from memo.adapters.model import ModelAdapter, ModelParts
 from memo.errors import MemoError
 
@@ -550,6 +550,13 @@ class HFDecoderLayerAdapter(LayerAdapter):
     def pack_output(self, layer: nn.Module, y: torch.Tensor, ctx: _Ctx) -> Any:
         out = y.transpose(0, 1)
         return (out,) if ctx.as_tuple else out
+
+    def mlp_site(self, layer: nn.Module) -> MLPSite | None:
+        """``layer.mlp``: the gate/up/down MLP after ``post_attention_layernorm``, on ``[b, s, h]``."""
+        mlp = getattr(layer, "mlp", None)
+        if not isinstance(mlp, nn.Module):
+            return None
+        return MLPSite(mlp, "forward", 1, tuple(mlp.parameters()))
 
 
 def _factor(scale: float, d: int) -> float:

@@ -155,7 +155,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "peak device memory, pinned host bytes and planned/fallback allocations.",
         epilog="Strategies: none (plain autograd); full-recompute (torch.utils.checkpoint per layer); "
         "full-offload (memo with alpha=1: every skeletal tensor to host, nothing recomputed); "
-        "memo (token-wise offload/recompute with the solved alpha and the planned allocator).",
+        "memo (token-wise offload/recompute with the solved alpha and the planned allocator); "
+        "offloaded-checkpoint (ALST's recipe with PyTorch's APIs: every layer under torch.utils.checkpoint, "
+        "its input offloaded to pinned host memory, its MLP run over ceil(s/hidden) token tiles); "
+        "torchtune-offload (torchtune's activation offloading as its recipes configure it: every layer "
+        "checkpointed, every saved tensor of 1 KiB or more in the forward offloaded to pinned host memory, "
+        "the head kept on the device; an equivalent of torchtune's OffloadActivations, not torchtune "
+        "itself). Every strategy runs under the same --device-mem-gb budget and reports the same numbers.",
     )
     p.add_argument("--model", default=d.model,
                    help=f"model name ({', '.join(list_configs())}) or a CONFIG.json with "

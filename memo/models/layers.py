@@ -10,6 +10,13 @@ Every layer is ``forward(x) = post(core(*pre(x)), x)`` with ``x: [s, b, h]``:
   memo's runtime and profiler hook or replace ``core_attention``.
 - ``post(o, x) -> y``: output projection, residual, norm, MLP, residual. Token-wise.
 
+NOTE [Layer MLP]
+``post`` ends with ``y + self.mlp(self.post_norm(y))``: ``mlp(z)`` is the layer's MLP alone
+(no norm, no residual), token-wise, with the parameters ``mlp_parameters()`` names. It is a
+method, not a submodule, so that the state dict keeps its names (``fc1``, ``gate_up``, ...);
+the layer adapter names it (``LayerAdapter.mlp_site``) for strategies that run the MLP their
+own way (the tiled MLP of ``memo train --strategy offloaded-checkpoint``).
+
 Token-wise means token t of the output depends only on token t of the inputs, so the
 runtime may recompute ``pre``/``post`` on a token slice ``x[a:b]``. Rotary positions are
 the one thing a token needs beyond its own values: ``offset`` is the absolute position of
@@ -135,12 +142,18 @@ class GPTLayer(TransformerLayer):
         return self._split_qkv(column_parallel_linear(self.input_norm(x), self.qkv, self.sequence_gather))
 
     def post(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        y = x + row_parallel_linear(o, self.proj, self.sequence_gather)
+        return y + self.mlp(self.post_norm(y))
+
+    def mlp(self, z: torch.Tensor) -> torch.Tensor:
+        """The MLP (NOTE [Layer MLP]): ``z: [s, b, h]`` (the post-norm output) -> ``[s, b, h]``."""
         t = self.sequence_gather
-        y = x + row_parallel_linear(o, self.proj, t)
-        # One expression, as at t = 1 before: the GELU output is freed as soon as fc2 has run.
-        return y + row_parallel_linear(
-            F.gelu(column_parallel_linear(self.post_norm(y), self.fc1, t)), self.fc2, t
-        )
+        # One expression: the GELU output is freed as soon as fc2 has run.
+        return row_parallel_linear(F.gelu(column_parallel_linear(z, self.fc1, t)), self.fc2, t)
+
+    def mlp_parameters(self) -> list[nn.Parameter]:
+        """The parameters :meth:`mlp` uses."""
+        return [*self.fc1.parameters(), *self.fc2.parameters()]
 
 
 def apply_rotary(t: torch.Tensor, offset: int, theta: float) -> torch.Tensor:
@@ -194,10 +207,18 @@ class LlamaLayer(TransformerLayer):
         return apply_rotary(q, offset * t, theta), apply_rotary(k, offset * t, theta), v
 
     def post(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        y = x + row_parallel_linear(o, self.proj, self.sequence_gather)
+        return y + self.mlp(self.post_norm(y))
+
+    def mlp(self, z: torch.Tensor) -> torch.Tensor:
+        """The SwiGLU MLP (NOTE [Layer MLP]): ``z: [s, b, h]`` (the post-norm output) -> ``[s, b, h]``."""
         t = self.sequence_gather
-        y = x + row_parallel_linear(o, self.proj, t)
-        gate, up = column_parallel_linear(self.post_norm(y), self.gate_up, t).chunk(2, dim=-1)
-        return y + row_parallel_linear(F.silu(gate) * up, self.down, t)
+        gate, up = column_parallel_linear(z, self.gate_up, t).chunk(2, dim=-1)
+        return row_parallel_linear(F.silu(gate) * up, self.down, t)
+
+    def mlp_parameters(self) -> list[nn.Parameter]:
+        """The parameters :meth:`mlp` uses."""
+        return [*self.gate_up.parameters(), *self.down.parameters()]
 
 
 def output_projection_std(config: ModelConfig) -> float:

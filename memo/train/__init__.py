@@ -3,6 +3,8 @@
 * :mod:`memo.train.loop` -- data sources, one step, the measured loop (:func:`train`).
 * :mod:`memo.train.strategies` -- one class per strategy behind the :class:`Strategy` protocol,
   the :class:`MemoryMeter` they are measured with.
+* :mod:`memo.train.peers` -- what the peers (the methods a user would pick instead of memo) are made
+  of: offload hooks, ALST's tiled MLP, checkpointed layers.
 * :mod:`memo.train.report` -- the versioned JSON report ``memo train --report`` writes.
 * :mod:`memo.train.plots` -- loss curves of reports.
 
@@ -16,14 +18,15 @@ import importlib
 from typing import Any
 
 #: Activation-memory strategies ``memo train --strategy`` knows, in the order tables list them.
-STRATEGIES = ("none", "full-recompute", "full-offload", "memo")
+STRATEGIES = ("none", "full-recompute", "full-offload", "memo", "offloaded-checkpoint", "torchtune-offload")
 
 _EXPORTS = {
     "loop": ("DTYPES", "ByteFileTokens", "StepMetrics", "SyntheticTokens", "TrainConfig", "TrainResult",
              "add_train_arguments", "peak_memory", "reset_peak_memory", "summarize", "train",
              "train_config_from_args", "train_step"),
-    "strategies": ("FullOffload", "FullRecompute", "MemoStrategy", "MemoryMeter", "NoStrategy", "SaveOnCpu",
-                   "Strategy", "StrategyOptions", "Wrapping", "make_strategy"),
+    "strategies": ("FullOffload", "FullRecompute", "MemoStrategy", "MemoryMeter", "NoStrategy",
+                   "OffloadedCheckpoint", "SaveOnCpu", "Strategy", "StrategyOptions", "TorchtuneOffload",
+                   "Wrapping", "make_strategy"),
     "report": ("REPORT_KIND", "REPORT_VERSION", "build_report", "load_report", "save_report",
                "validate_report"),
     "plots": ("plot_losses",),

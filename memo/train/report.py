@@ -5,14 +5,15 @@ Schema (version 1; docs/formats.md, "Training report", has the prose)::
     {
       "version": 1, "kind": "memo.report",
       "model": str, "seq_len": int, "micro_batch": int, "device": str, "dtype": str,
-      "strategy": "none" | "full-recompute" | "full-offload" | "memo",
+      "strategy": "none" | "full-recompute" | "full-offload" | "memo" | "offloaded-checkpoint"
+                  | "torchtune-offload",
       "alpha": float | null,                 # null for strategies without memo's wrapper
       "offloaded_layers": int | null,        # layers that offload (alpha applies to them only)
       "steps": [{"step": int, "loss": float, "step_time_s": float, "tgs": float,
                  "mfu": float | null, "peak_device_bytes": int | null}, ...],
       "peak_device_bytes": int | null,       # max over steps
       "peak_device_kind": str,               # what was measured (NOTE [Measuring device memory])
-      "host_pinned_bytes": int,              # rounding-buffer host arena (0 without memo)
+      "host_pinned_bytes": int,              # memo's host arena; the peers: peak of host copies held
       "allocator": {"planned": int, "fallback": int},
       "parallel": {"tp": int, "cp": int, "sp": bool, "dp": int, "world": int,   # torchrun runs only
                    "ranks": [{"rank": int, "peak_device_bytes": int | null, "host_pinned_bytes": int,

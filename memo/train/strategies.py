@@ -7,12 +7,18 @@
   goes to pinned host memory, nothing is recomputed (the "full swap" baseline of the paper).
 * :class:`MemoStrategy` (``memo``) -- memo's wrapper with a solved (or given) alpha, plus the
   planned allocator.
+* :class:`OffloadedCheckpoint` (``offloaded-checkpoint``) -- ALST's recipe with PyTorch's APIs:
+  every layer checkpointed, its input offloaded to pinned host memory, its MLP tiled.
+* :class:`TorchtuneOffload` (``torchtune-offload``) -- torchtune's activation offloading with its
+  activation checkpointing, as its recipes configure them (NOTE [torchtune's activation offloading]).
 * :class:`SaveOnCpu` (``save-on-cpu``, benchmarks only) -- PyTorch's
   ``torch.autograd.graph.save_on_cpu`` around forward + backward of the plain model.
 
-Each is a :class:`Strategy` (the protocol :func:`memo.train.train` uses). The first four are
-``memo train --strategy`` (:data:`memo.train.STRATEGIES`); :func:`make_strategy` builds one from
-:class:`StrategyOptions`. Every strategy takes its :class:`MemoryMeter` as an object.
+Each is a :class:`Strategy` (the protocol :func:`memo.train.train` uses). All but ``save-on-cpu``
+are ``memo train --strategy`` (:data:`memo.train.STRATEGIES`); :func:`make_strategy` builds one from
+:class:`StrategyOptions`. Every strategy takes its :class:`MemoryMeter` as an object. The peers
+(``offloaded-checkpoint``, ``torchtune-offload``, ``save-on-cpu``, ``full-offload``) are what a user
+would pick instead of memo; their pieces are in :mod:`memo.train.peers`.
 
 NOTE [Measuring device memory]
 Every strategy runs its steps inside one memo.allocator context on the model's device, so
@@ -41,7 +47,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
@@ -55,6 +60,8 @@ from memo.machine import Machine
 from memo.runtime.layer import offload_tokens as runtime_offload_tokens
 from memo.session import Session
 from memo.train import STRATEGIES
+from memo.train.peers import CheckpointedLayers, HostBytesMeter, HostOffload
+from memo.train.peers import host_copy as _host_copy
 from memo.units import format_mib
 
 __all__ = [
@@ -65,9 +72,11 @@ __all__ = [
     "MemoStrategy",
     "MemoryMeter",
     "NoStrategy",
+    "OffloadedCheckpoint",
     "SaveOnCpu",
     "Strategy",
     "StrategyOptions",
+    "TorchtuneOffload",
     "Wrapping",
     "make_strategy",
 ]
@@ -531,42 +540,6 @@ def _shared_plan(parallel: Any, plan: Any, log: Log) -> Any:
     return adopted
 
 
-class HostBytesMeter:
-    """Live and peak bytes of the host copies a saved-tensor hook holds.
-
-    A copy counts from the moment it is packed until autograd drops it (after backward used it,
-    or when the graph is freed); ``weakref.finalize`` on the host tensor sees that moment.
-    """
-
-    def __init__(self) -> None:
-        self.live = 0
-        self.peak = 0
-
-    def add(self, host: torch.Tensor) -> None:
-        nbytes = host.numel() * host.element_size()
-        self.live += nbytes
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(host, self._drop, nbytes)
-
-    def _drop(self, nbytes: int) -> None:
-        self.live -= nbytes
-
-
-def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of a CPU tensor in memory that memo's CPU allocator does not serve.
-
-    ``torch.frombuffer`` wraps a Python ``bytearray`` without calling c10's CPU allocator, so the
-    copy is "host" memory for the emulated device (NOTE [save_on_cpu on the CPU backend]).
-    """
-    nbytes = tensor.numel() * tensor.element_size()
-    if nbytes == 0:
-        return tensor.detach().clone()
-    raw = torch.frombuffer(bytearray(nbytes), dtype=torch.uint8)
-    host = raw.view(tensor.dtype).view(tensor.shape)
-    host.copy_(tensor)
-    return host
-
-
 class SaveOnCpu(_Metered):
     """``save-on-cpu``: ``torch.autograd.graph.save_on_cpu`` around forward + backward of the plain
     model (the baseline a PyTorch user would otherwise pick; benchmarks, not ``memo train``).
@@ -619,8 +592,143 @@ class SaveOnCpu(_Metered):
         return self.host.peak
 
 
+class _CheckpointPeer(_Metered):
+    """What the peers that checkpoint every layer share (``offloaded-checkpoint``, ``torchtune-offload``):
+    the layers under non-reentrant ``torch.utils.checkpoint`` (:class:`memo.train.peers.CheckpointedLayers`),
+    host copies counted by a :class:`HostBytesMeter`, everything undone by :meth:`close`."""
+
+    def __init__(self, meter: MemoryMeter | None = None) -> None:
+        super().__init__(meter)
+        self.host = HostBytesMeter()
+        self.layers: CheckpointedLayers | None = None
+        self._recompute: tuple[nn.Module, str] | None = None
+
+    def _checkpoint_layers(self, model: nn.Module, offload: HostOffload | None, tile_mlp: bool) -> Any:
+        """Checkpoint every layer of ``model`` (its model adapter's layers); returns the adapter's parts."""
+        from memo.adapters.model import model_adapter_for
+
+        parts = model_adapter_for(model, "memo.train").parts(model)
+        # Built (and refused, if it must be) before anything is changed.
+        layers = CheckpointedLayers(parts.layers, offload=offload, tile_mlp=tile_mlp)
+        recompute = getattr(model, "recompute", None)
+        if isinstance(recompute, str) and recompute != "none":  # memo's models: this strategy checkpoints
+            self._recompute = (model, recompute)
+            model.recompute = "none"
+        self.layers = layers
+        layers.install()
+        return parts
+
+    def host_pinned_bytes(self) -> int:
+        """The peak of host copies held (NOTE [Offload hooks] in memo/train/peers.py)."""
+        return self.host.peak
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            if self.layers is not None:
+                self.layers.remove()
+                self.layers = None
+            if self._recompute is not None:
+                model, recompute = self._recompute
+                model.recompute = recompute
+                self._recompute = None
+
+
+class OffloadedCheckpoint(_CheckpointPeer):
+    """``offloaded-checkpoint``: ALST's recipe (arXiv 2506.13996) with PyTorch's own APIs, on one device.
+
+    Every layer runs under ``torch.utils.checkpoint(..., use_reentrant=False)``; a pair of saved-tensor
+    hooks around each checkpointed call moves what checkpoint saves, the layer input, to (pinned) host
+    memory (NOTE [Offload hooks] in memo/train/peers.py); each layer's MLP runs over ALST's token tiles
+    (NOTE [Tiled MLP]). A model whose layers name no MLP is refused (:func:`memo.train.peers.find_mlp`).
+    Host bytes: n_layers x the layer input's bytes at the end of forward.
+    """
+
+    name = "offloaded-checkpoint"
+
+    def wrapping(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, run: dict[str, Any],
+                 log: Log) -> Wrapping:
+        self._checkpoint_layers(model, HostOffload(ids.device, self.host), tile_mlp=True)
+        return Wrapping()
+
+    def mlp_tiles(self) -> list[int]:
+        """Tiles of each MLP call so far, every layer's, in call order (recomputes included)."""
+        return [] if self.layers is None else [n for mlp in self.layers.mlps for n in mlp.tiles_run]
+
+
+class TorchtuneOffload(_CheckpointPeer):
+    """``torchtune-offload``: torchtune's activation offloading as its recipes configure it.
+
+    NOTE [torchtune's activation offloading]
+    torchtune's docs say activation offloading "should be used alongside activation checkpointing"; its
+    recipes take ``enable_activation_checkpointing: True`` and ``enable_activation_offloading: True``:
+    every transformer layer under non-reentrant checkpointing (``set_activation_checkpointing``), and
+    ``OffloadActivations`` (saved-tensor hooks, torchtune.training) around the model's forward, which
+    moves every saved tensor of at least 1024 bytes that is not a parameter or buffer to pinned host
+    memory and brings it back in backward. With the layers checkpointed, what it sees inside a layer is
+    the checkpoint's input. ``get_act_offloading_ctx_manager`` keeps the output projection out of it
+    (``NoOpManager``) and the recipes compute the loss outside the context; here the model's head parts
+    (final norm, LM head, loss) are outside it, and backward runs outside it, as in the recipes.
+
+    This is an equivalent written from that behaviour, not torchtune itself: torchtune 0.6.1 installs
+    (``--no-deps``) but ``torchtune.training`` does not import without its data stack (``datasets``,
+    torchao's ``nf4tensor``, ...), and ``OffloadActivations`` needs CUDA (its ``__init__`` takes
+    ``torch.cuda.default_stream()``; its copies are ``pin_memory=True``), so it cannot run on memo's CPU
+    backend. The copies here are those of :class:`memo.train.peers.HostOffload` (NOTE [Offload hooks]);
+    the real one also overlaps them with compute on a second CUDA stream, which changes time, not bytes.
+    """
+
+    name = "torchtune-offload"
+    #: ``OffloadActivations(min_offload_size=1024)``: smaller saved tensors stay on the device.
+    MIN_OFFLOAD_BYTES = 1024
+
+    def __init__(self, meter: MemoryMeter | None = None) -> None:
+        super().__init__(meter)
+        self.offload: HostOffload | None = None
+        self._scope: torch.autograd.graph.saved_tensors_hooks | None = None
+        self._handles: list[Any] = []
+
+    def wrapping(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, run: dict[str, Any],
+                 log: Log) -> Wrapping:
+        self.offload = HostOffload(ids.device, self.host, min_bytes=self.MIN_OFFLOAD_BYTES,
+                                   skip_parameters=True)
+        parts = self._checkpoint_layers(model, None, tile_mlp=False)
+        # The forward from the embedding to the head runs under the hooks (the recipe's context around
+        # the model's forward, the head kept out of it).
+        self._handles = [parts.embedding.register_forward_pre_hook(self._enter),
+                         parts.head[0].register_forward_pre_hook(self._leave)]
+        return Wrapping()
+
+    def _enter(self, _module: nn.Module, _args: Any) -> None:
+        if self._scope is None and self.offload is not None and torch.is_grad_enabled():
+            self._scope = self.offload.hooks()
+            self._scope.__enter__()
+
+    def _leave(self, _module: nn.Module | None = None, _args: Any = None) -> None:
+        if self._scope is not None:
+            scope, self._scope = self._scope, None
+            scope.__exit__(None, None, None)
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        try:
+            with super().step():
+                yield
+        finally:
+            self._leave()  # a forward that failed before the head
+
+    def close(self) -> None:
+        self._leave()
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        super().close()
+
+
 _CLASSES: dict[str, type[_Metered]] = {c.name: c for c in (NoStrategy, FullRecompute, FullOffload,
-                                                            MemoStrategy)}
+                                                            MemoStrategy, OffloadedCheckpoint,
+                                                            TorchtuneOffload)}
 
 
 def make_strategy(options: StrategyOptions, meter: MemoryMeter | None = None) -> Strategy:
