@@ -601,6 +601,8 @@ class _CheckpointPeer(_Metered):
         super().__init__(meter)
         self.host = HostBytesMeter()
         self.layers: CheckpointedLayers | None = None
+        #: Every layer's tiled MLP (empty without one); kept after :meth:`close` for its counts.
+        self.mlps: list[Any] = []
         self._recompute: tuple[nn.Module, str] | None = None
 
     def _checkpoint_layers(self, model: nn.Module, offload: HostOffload | None, tile_mlp: bool) -> Any:
@@ -614,7 +616,7 @@ class _CheckpointPeer(_Metered):
         if isinstance(recompute, str) and recompute != "none":  # memo's models: this strategy checkpoints
             self._recompute = (model, recompute)
             model.recompute = "none"
-        self.layers = layers
+        self.layers, self.mlps = layers, list(layers.mlps)
         layers.install()
         return parts
 
@@ -654,7 +656,7 @@ class OffloadedCheckpoint(_CheckpointPeer):
 
     def mlp_tiles(self) -> list[int]:
         """Tiles of each MLP call so far, every layer's, in call order (recomputes included)."""
-        return [] if self.layers is None else [n for mlp in self.layers.mlps for n in mlp.tiles_run]
+        return [n for mlp in self.mlps for n in mlp.tiles_run]
 
 
 class TorchtuneOffload(_CheckpointPeer):
@@ -685,14 +687,14 @@ class TorchtuneOffload(_CheckpointPeer):
 
     def __init__(self, meter: MemoryMeter | None = None) -> None:
         super().__init__(meter)
-        self.offload: HostOffload | None = None
+        self.host_offload: HostOffload | None = None
         self._scope: torch.autograd.graph.saved_tensors_hooks | None = None
         self._handles: list[Any] = []
 
     def wrapping(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, run: dict[str, Any],
                  log: Log) -> Wrapping:
-        self.offload = HostOffload(ids.device, self.host, min_bytes=self.MIN_OFFLOAD_BYTES,
-                                   skip_parameters=True)
+        self.host_offload = HostOffload(ids.device, self.host, min_bytes=self.MIN_OFFLOAD_BYTES,
+                                        skip_parameters=True)
         parts = self._checkpoint_layers(model, None, tile_mlp=False)
         # The forward from the embedding to the head runs under the hooks (the recipe's context around
         # the model's forward, the head kept out of it).
@@ -701,8 +703,8 @@ class TorchtuneOffload(_CheckpointPeer):
         return Wrapping()
 
     def _enter(self, _module: nn.Module, _args: Any) -> None:
-        if self._scope is None and self.offload is not None and torch.is_grad_enabled():
-            self._scope = self.offload.hooks()
+        if self._scope is None and self.host_offload is not None and torch.is_grad_enabled():
+            self._scope = self.host_offload.hooks()
             self._scope.__enter__()
 
     def _leave(self, _module: nn.Module | None = None, _args: Any = None) -> None:
