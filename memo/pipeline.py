@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import sys
 import time
@@ -454,6 +455,7 @@ def _record_choice(job: _Job, result: ProfileResult, chosen: Any, states: dict[s
     result.trace["meta"]["tensor_parallel"] = job.tp
     result.trace["meta"]["sequence_parallel"] = _sequence_parallel(job)
     result.trace["meta"]["policy"] = list(chosen.policy)
+    result.trace["meta"]["tile_tokens"] = chosen.tile_tokens
     # `memo plan --device-mem-gb` re-plans this trace: the rank's total needs the model states.
     result.trace["meta"]["model_states"] = states
 
@@ -672,7 +674,7 @@ def _recorded_choice(job: _Job, chosen: Any, costs: Any, probe: _ProbeContext, m
         if not may_probe or not chosen.counts.get("memo"):
             break
         trace, _ = _wrapped_pass(job, probe.net, probe.ids, probe.labels, result.alpha.alpha, False,
-                                 probe.plain, chosen.policy)
+                                 probe.plain, chosen.policy, chosen.tile_tokens)
         total = job.recorded_total(trace, probe.static)
         if total <= chosen.device_cap:
             break
@@ -724,7 +726,7 @@ def _pass2(job: _Job, plain: Recording, chosen: Any, wrap_pass: bool | None, pla
                 f"{result.alpha.alpha:.4f} ...")
         try:
             second, wrapped = _wrapped_pass(job, net, ids, labels, result.alpha.alpha, job.progress, plain,
-                                            chosen.policy)
+                                            chosen.policy, chosen.tile_tokens)
             result.wrapped = True
         except MemoError as err:
             if wrap_pass:
@@ -786,6 +788,7 @@ def _plan(job: _Job, result: ProfileResult, chosen: Any, states: dict[str, Any],
         if warning is not None:
             job.notes.append(warning)
     result.plan.policy = list(chosen.policy)
+    result.plan.tile_tokens = chosen.tile_tokens
     static = states["parameters"]["bytes"] + states["optimizer"]["bytes"]
     iteration = _iteration_total(result.trace, 0)
     result.plan.device = {
@@ -839,6 +842,8 @@ def _alpha_of(chosen: Any, lp_inputs: tuple, alpha: float | None, evaluate_alpha
     """The AlphaSolution of a chosen policy (its binding is the policy's)."""
     n_memo = chosen.counts["memo"]
     solution = evaluate_alpha(chosen.alpha, *lp_inputs, offloaded_layers=n_memo)
+    if chosen.counts.get("input-only") and not n_memo:
+        solution = dataclasses.replace(solution, alpha=0.0)
     if alpha is None or not n_memo:
         solution = dataclasses.replace(solution, binding=chosen.binding)
     return solution
@@ -862,22 +867,32 @@ def _layer_costs(trace: dict[str, Any], lp_inputs: tuple, seq_len: int, micro_ba
     attn = seq_len * width
     fraction = attn / (attn + layer_params) if attn + layer_params > 0 else 0.0
     static = states["parameters"]["bytes"] + states["optimizer"]["bytes"]
-    # NOTE [Chunked recompute] (memo/runtime/layer.py): how many chunks a memo layer recomputes in.
-    from memo.runtime.layer import token_chunks
+    # NOTE [Tiles bounded by memory] (memo/runtime/layer.py): how many tiles a memo layer runs in, by
+    # the runtime's default and for each smaller tile the policy may choose (halving, down to the
+    # work floor of NOTE [How small a chunk]).
+    from memo.runtime.layer import min_chunk_tokens, token_chunks
 
     # The layer input is [rows, micro_batch, hidden]: its width per token gives the hidden size.
     rows = int(trace["layers"].get("rows", 0))
     hidden = int(s_input) // max(1, rows * micro_batch * elem_size)
-    chunks = max(1, len(token_chunks(rows, batch=micro_batch, hidden=hidden, device_type=device_type)))
+    tiles = functools.partial(token_chunks, rows, batch=micro_batch, hidden=hidden, device_type=device_type,
+                              token_bytes=(layer_params // max(1, hidden)) * elem_size)
+    chunks = max(1, len(tiles()))
+    floor = min_chunk_tokens(micro_batch, hidden, device_type)
+    choices = []
+    size = -(-rows // chunks) // 2
+    while size >= floor:
+        choices.append((size, len(tiles(size))))
+        size //= 2
     return LayerCosts(n_layers=n_layers, s_input=int(s_input), s_attn=int(s_attn), s_others=int(s_others),
                       layer_time=float(layer_s), attn_fraction=float(min(max(fraction, 0.0), 1.0)),
                       base_bytes=int(base + static), bandwidth=float(bandwidth), host_memory=int(host),
-                      recompute_chunks=chunks)
+                      recompute_chunks=chunks, tile_choices=tuple(choices))
 
 
 def _wrapped_pass(job: _Job, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, alpha: float,
-                  progress: bool, plain: Recording, policy: list[str] | None = None
-                  ) -> tuple[dict[str, Any], dict[str, Any]]:
+                  progress: bool, plain: Recording, policy: list[str] | None = None,
+                  tile_tokens: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Trace one iteration of ``model`` wrapped by memo's runtime with ``alpha``; unwrap afterwards.
     Returns the trace and what the runtime allocated and copied: ``host_bytes``, ``layer_bytes``,
     ``offloaded_layers`` and ``tensors`` (``(what, bytes)`` per copied tensor of one layer).
@@ -887,7 +902,7 @@ def _wrapped_pass(job: _Job, model: nn.Module, ids: torch.Tensor, labels: torch.
     """
     from memo import runtime
 
-    runtime.wrap(model, alpha=alpha, policy=policy)
+    runtime.wrap(model, alpha=alpha, policy=policy, recompute_chunk_tokens=tile_tokens)
     try:
         if job.recorder == "allocator":
             trace = _record_allocator(model, ids, labels, _target_meta(plain, ids.device, "allocator"))

@@ -104,12 +104,21 @@ def _check_offload(value: Any) -> dict[str, Any] | None:
 def _check_policy(value: Any) -> list[str] | None:
     if value is None:
         return None
-    from memo.runtime.runtime import validate_policy
+    from .policy import validate_policy
 
     try:
         return validate_policy(value)
     except MemoError as err:
         raise MemoError(f"memo.plan: bad 'policy' ({err}); re-run `memo profile`") from None
+
+
+def _check_tile(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise MemoError(f"memo.plan: bad 'tile_tokens' (a positive number of tokens or null), got {value!r}; "
+                        "re-run `memo profile`")
+    return value
 
 
 def _check_device(value: Any) -> dict[str, Any] | None:
@@ -188,8 +197,10 @@ class Plan:
         host_bytes: pinned host memory the runtime needs (None when unknown).
         offload: per offloaded layer, what the profiler counted and what the wrapped pass really
             copied (NOTE [Planned and actual offload]); None when the plan did not wrap the model.
-        policy: per layer "memo", "recompute" or "keep" (NOTE [Layer policy]); None: the runtime's
-            default.
+        policy: per layer "memo", "input-only", "recompute" or "keep" (NOTE [Layer policy]); None:
+            the runtime's default.
+        tile_tokens: tokens per tile of the memo and input-only layers' token-wise parts, as the
+            policy chose them (NOTE [Tiles bounded by memory]); None: the runtime's default.
         device: one rank's device memory (NOTE [Model states]): ``budget_bytes`` (None: no budget),
             ``model_states`` (None: not known, the total is the iteration's alone), ``activations_bytes``
             (= ``peak``), ``total_bytes``, the policy's ``estimate`` and the ``binding`` constraint
@@ -219,6 +230,7 @@ class Plan:
     host_bytes: int | None = None
     offload: dict[str, Any] | None = None
     policy: list[str] | None = None
+    tile_tokens: int | None = None
     device: dict[str, Any] | None = None
     solver: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
@@ -310,6 +322,7 @@ class Plan:
             "host_bytes": self.host_bytes,
             "offload": self.offload,
             "policy": self.policy,
+            "tile_tokens": self.tile_tokens,
             "device": self.device,
             "peak": self.peak,
             "lower_bound": self.lower_bound,
@@ -421,6 +434,7 @@ class Plan:
             host_bytes=None if data.get("host_bytes") is None else _count(data["host_bytes"], "host_bytes"),
             offload=_check_offload(data.get("offload")),
             policy=_check_policy(data.get("policy")),
+            tile_tokens=_check_tile(data.get("tile_tokens")),
             device=_check_device(data.get("device")),
             solver=solver,
             warnings=list(warnings),

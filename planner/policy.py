@@ -37,17 +37,44 @@ comes from the recorded trace of the wrapped model (memo/pipeline.py checks it).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from memo.errors import DeviceBudgetError, MemoError
+from memo.errors import DeviceBudgetError, MemoError, internal_assert
 from memo.units import format_bytes
 
 from .alpha import AlphaSolution, solve_alpha
 
-__all__ = ["LayerCosts", "PolicySolution", "choose_policy", "describe_policy", "device_need",
-           "full_recompute_need", "given_policy", "usable_budget"]
+__all__ = ["LAYER_POLICIES", "OFFLOADING_POLICIES", "LayerCosts", "PolicySolution", "choose_policy",
+           "describe_policy", "device_need", "full_recompute_need", "given_policy", "usable_budget",
+           "validate_policy"]
+
+#: What a layer may do (NOTE [Layer policy] in memo/runtime/runtime.py): the vocabulary lives here,
+#: in the torch-free planner, so that loading a plan that records a policy needs no torch.
+LAYER_POLICIES = ("memo", "input-only", "recompute", "keep")
+#: The policies whose layers offload to the host arena (NOTE [Layer policy]).
+OFFLOADING_POLICIES = ("memo", "input-only")
+
+def validate_policy(policy: Any, n_layers: int | None = None) -> list[str]:
+    """``policy`` as a list of :data:`LAYER_POLICIES`, with the offloading layers first; or a MemoError."""
+    if isinstance(policy, str) or not isinstance(policy, (list, tuple)):
+        raise MemoError(f"memo.policy: a layer policy is a list with one of {LAYER_POLICIES} per layer, "
+                        f"got {policy!r}")
+    bad = [p for p in policy if p not in LAYER_POLICIES]
+    if bad:
+        raise MemoError(f"memo.policy: unknown layer policy {bad[0]!r}; each layer is one of "
+                        f"{LAYER_POLICIES}")
+    if n_layers is not None and len(policy) != n_layers:
+        raise MemoError(f"memo.policy: the layer policy has {len(policy)} entries but the model has "
+                        f"{n_layers} "
+                        "layers; the plan was made for another model (re-run `memo profile`)")
+    n_offloading = sum(p in OFFLOADING_POLICIES for p in policy)
+    if any(p not in OFFLOADING_POLICIES for p in policy[:n_offloading]):
+        raise MemoError("memo.policy: the offloading layers of a policy ('memo', 'input-only') must come "
+                        f"first (NOTE [Layer policy]), got {list(policy)}")
+    return list(policy)
 
 
 @dataclass(frozen=True)
@@ -71,6 +98,9 @@ class LayerCosts:
     memo_alpha_bytes: int = 0
     #: The token chunks memo recomputes a layer's (1 - alpha) share in (NOTE [Chunked recompute]).
     recompute_chunks: int = 1
+    #: Smaller tiles the policy may choose instead of the runtime's default, largest first:
+    #: ``(tile tokens, chunks of a layer)`` (NOTE [Tiles bounded by memory] in memo/runtime/layer.py).
+    tile_choices: tuple[tuple[int, int], ...] = ()
 
     @property
     def keep_bytes(self) -> int:
@@ -84,6 +114,12 @@ class LayerCosts:
         """R: the recomputed activations a memo layer's backward holds at alpha = 0, one chunk's
         (NOTE [Policy cost model]); (1 - alpha) R at alpha."""
         return self.s_others / max(1, self.recompute_chunks)
+
+    @property
+    def input_only_bytes(self) -> int:
+        """What an input-only layer's backward holds besides its rounding buffer: one chunk's
+        recomputed share and the recomputed attention output (NOTE [Input-only layers])."""
+        return int(self.recompute_bytes) + self.s_attn
 
 
 @dataclass
@@ -101,6 +137,8 @@ class PolicySolution:
     full_recompute_bytes: int
     alpha_solution: AlphaSolution | None = None
     counts: dict[str, int] = field(default_factory=dict)
+    #: Tokens per tile the policy chose (None: the runtime's default; NOTE [Tiles bounded by memory]).
+    tile_tokens: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -108,58 +146,85 @@ class PolicySolution:
         return out
 
 
-def _policy(n_memo: int, n_fr: int, n_keep: int) -> list[str]:
-    return ["memo"] * n_memo + ["recompute"] * n_fr + ["keep"] * n_keep
+def _policy(n_memo: int, n_fr: int, n_keep: int, n_in: int = 0) -> list[str]:
+    return ["memo"] * n_memo + ["input-only"] * n_in + ["recompute"] * n_fr + ["keep"] * n_keep
 
 
-def device_need(c: LayerCosts, n_memo: int, n_fr: int, n_keep: int, alpha: float) -> dict[str, int]:
-    """The device bytes of one split and alpha, by part (NOTE [Policy cost model])."""
-    transient = max(c.keep_bytes if n_fr else 0, int((1 - alpha) * c.recompute_bytes) if n_memo else 0)
+def _counts(policy: list[str]) -> dict[str, int]:
+    return {kind: policy.count(kind) for kind in LAYER_POLICIES}
+
+
+def device_need(c: LayerCosts, n_memo: int, n_fr: int, n_keep: int, alpha: float, n_in: int = 0
+                ) -> dict[str, int]:
+    """The device bytes of one split (memo, full-recompute, kept and input-only layer counts) and
+    alpha, by part (NOTE [Policy cost model])."""
+    transient = max(c.keep_bytes if n_fr else 0, int((1 - alpha) * c.recompute_bytes) if n_memo else 0,
+                    c.input_only_bytes if n_in else 0)
+    buffers = 2 * int(math.ceil(c.copy_bytes(alpha))) if n_memo else 2 * c.s_input if n_in else 0
+    correction = 0
+    if n_memo:
+        correction = c.memo_overhead + int(alpha * c.memo_alpha_bytes)
+    elif n_in:
+        correction = c.memo_overhead
     return {
         "base (model states, other activations)": c.base_bytes,
         "kept layers": n_keep * c.keep_bytes,
         "recomputed layers' inputs": n_fr * c.s_input,
-        "rounding buffers": 2 * int(math.ceil(c.copy_bytes(alpha))) if n_memo else 0,
+        "rounding buffers": buffers,
         "one layer's backward": transient,
         # NOTE [Calibrated policy] in memo/pipeline.py: what a recorded memo iteration showed
         # beyond (or below) the parts above.
-        "measured correction": c.memo_overhead + int(alpha * c.memo_alpha_bytes) if n_memo else 0,
+        "measured correction": correction,
     }
 
 
-def _alpha_upper(c: LayerCosts, n_memo: int, n_fr: int, n_keep: int, cap: float) -> dict[str, float]:
+def _constant_transient(c: LayerCosts, n_fr: int, n_in: int) -> int:
+    """The backward bytes of the split's full-recompute and input-only layers (alpha plays no part)."""
+    return max(c.keep_bytes if n_fr else 0, c.input_only_bytes if n_in else 0)
+
+
+def _alpha_upper(c: LayerCosts, n_memo: int, n_fr: int, n_keep: int, cap: float, n_in: int = 0
+                 ) -> dict[str, float]:
     """Largest alpha each constraint allows for this split (may be < 0: infeasible)."""
     base = c.s_input + c.s_attn
     so = max(c.s_others, 1e-9)
     fixed = c.base_bytes + n_keep * c.keep_bytes + n_fr * c.s_input + c.memo_overhead
     room = cap - fixed - 2 * base
-    # buffers 2(base + a So) plus max(K [n_fr], (1 - a) R): two linear bounds, both upper bounds on a
-    # (R <= So, so 2 So - R > 0).
+    # buffers 2(base + a So) plus max(C, (1 - a) R), C the other layers' backward: two linear bounds,
+    # both upper bounds on a (R <= So, so 2 So - R > 0).
     r = c.recompute_bytes
     slope = 2 * so + max(0, c.memo_alpha_bytes)
-    dev = (room - (c.keep_bytes if n_fr else 0)) / slope
+    dev = (room - _constant_transient(c, n_fr, n_in)) / slope
     dev = min(dev, (room - r) / (slope - r))
     return {
         "bandwidth": (c.layer_time * c.bandwidth - base) / so,
-        "host_memory": (c.host_memory / n_memo - base) / so,
+        "host_memory": ((c.host_memory - n_in * c.s_input) / n_memo - base) / so,
         "device_memory": dev,
     }
 
 
-def _seconds(c: LayerCosts, n_memo: int, n_fr: int, alpha: float) -> float:
+def _seconds(c: LayerCosts, n_memo: int, n_fr: int, alpha: float, n_in: int = 0) -> float:
     stall = max(0.0, c.copy_bytes(alpha) / c.bandwidth - c.layer_time)
     memo = (1 - alpha) * (1 - c.attn_fraction) * c.layer_time + stall
-    return n_fr * c.layer_time + n_memo * memo
+    # NOTE [Input-only layers] in memo/runtime/layer.py: the whole forward again, attention included.
+    input_only = c.layer_time + max(0.0, c.s_input / c.bandwidth - c.layer_time)
+    return n_fr * c.layer_time + n_memo * memo + n_in * input_only
 
 
 def _split_alpha(c: LayerCosts, n_memo: int, n_fr: int, n_keep: int, cap: float,
-                 alpha: float | None) -> tuple[float, str] | None:
-    """The alpha of one split (memo / full-recompute / keep layer counts) and what binds it: the
-    given one, or the largest every hard bound allows; None when no alpha fits in host memory."""
+                 alpha: float | None, n_in: int = 0) -> tuple[float, str] | None:
+    """The alpha of one split (memo / full-recompute / keep / input-only layer counts) and what binds
+    it: the given one, or the largest every hard bound allows; None when it does not fit in host
+    memory."""
+    if n_in * c.s_input > c.host_memory:
+        return None
     if not n_memo:
         # no memo layer: alpha does nothing, but a given one is kept (it is what was asked)
-        return (0.0 if alpha is None else alpha), "device_memory" if n_keep < c.n_layers else "none"
-    bounds = _alpha_upper(c, n_memo, n_fr, n_keep, cap)
+        a = 0.0 if alpha is None else alpha
+        if n_in and c.n_layers * c.copy_bytes(0.0) > c.host_memory:
+            return a, "host_memory"  # input-only because memo's host bytes do not fit
+        return a, "device_memory" if n_keep < c.n_layers else "none"
+    bounds = _alpha_upper(c, n_memo, n_fr, n_keep, cap, n_in)
     if bounds["host_memory"] < 0:
         return None  # not even alpha = 0 fits in host memory
     if alpha is not None:
@@ -172,46 +237,51 @@ def _split_alpha(c: LayerCosts, n_memo: int, n_fr: int, n_keep: int, cap: float,
         if a >= 1.0:
             a, why = 1.0, "alpha<=1"
         a = max(a, 0.0)
-    if n_memo * c.copy_bytes(a) > c.host_memory:
+    if n_memo * c.copy_bytes(a) + n_in * c.s_input > c.host_memory:
         return None
     return a, why
 
 
+#: One split of the layers: (n_memo, n_fr, n_keep, n_in) (NOTE [Policy cost model]).
+Split = tuple[int, int, int, int]
+
+
 def _search_splits(c: LayerCosts, cap: float, alpha: float | None
-                   ) -> tuple[tuple[float, int, int, int, int, float, str] | None,
-                              tuple[int, int, int, int, float] | None]:
-    """Every split of the layers into memo, full-recompute and kept ones, each at its alpha: the
-    fastest that fits ``cap`` as (seconds, need, n_memo, n_fr, n_keep, alpha, binding), and the
-    one of smallest need as (need, n_memo, n_fr, n_keep, alpha); None where there is none."""
-    best: tuple[float, int, int, int, int, float, str] | None = None
-    smallest: tuple[int, int, int, int, float] | None = None
+                   ) -> tuple[tuple[float, int, Split, float, str] | None, tuple[int, Split, float] | None]:
+    """Every split of the layers into memo, full-recompute, kept and input-only ones, each at its
+    alpha: the fastest that fits ``cap`` as (seconds, need, split, alpha, binding), and the one of
+    smallest need as (need, split, alpha); None where there is none."""
+    best: tuple[float, int, Split, float, str] | None = None
+    smallest: tuple[int, Split, float] | None = None
     n = c.n_layers
     for n_memo in range(n + 1):
-        for n_keep in range(n - n_memo + 1):
-            n_fr = n - n_memo - n_keep
-            found = _split_alpha(c, n_memo, n_fr, n_keep, cap, alpha)
-            if found is None:
-                continue
-            a, why = found
-            need = sum(device_need(c, n_memo, n_fr, n_keep, a).values())
-            if smallest is None or need < smallest[0]:
-                smallest = (need, n_memo, n_fr, n_keep, a)
-            if need > cap + 2:  # alpha at its device bound: the two buffers round up by a byte each
-                continue
-            key = (_seconds(c, n_memo, n_fr, a), need, n_memo, n_fr, n_keep, a, why)
-            if best is None or key[:2] < best[:2]:
-                best = key
+        for n_in in range(n - n_memo + 1):
+            for n_keep in range(n - n_memo - n_in + 1):
+                n_fr = n - n_memo - n_in - n_keep
+                found = _split_alpha(c, n_memo, n_fr, n_keep, cap, alpha, n_in)
+                if found is None:
+                    continue
+                a, why = found
+                split = (n_memo, n_fr, n_keep, n_in)
+                need = sum(device_need(c, n_memo, n_fr, n_keep, a, n_in).values())
+                if smallest is None or need < smallest[0]:
+                    smallest = (need, split, a)
+                if need > cap + 2:  # alpha at its device bound: the two buffers round up by a byte each
+                    continue
+                key = (_seconds(c, n_memo, n_fr, a, n_in), need, split, a, why)
+                if best is None or key[:2] < best[:2]:
+                    best = key
     return best, smallest
 
 
-def _no_fit_error(c: LayerCosts, smallest: tuple[int, int, int, int, float], cap: float,
+def _no_fit_error(c: LayerCosts, smallest: tuple[int, Split, float], cap: float,
                   device_budget: int | None, headroom: float, headroom_bytes: int = 0) -> DeviceBudgetError:
     """The error when no split fits: the budget (and its usable part), the smallest need with its
     parts, and what to give more of."""
-    need, n_memo, n_fr, n_keep, a = smallest
-    parts = device_need(c, n_memo, n_fr, n_keep, a)
+    need, split, a = smallest
+    parts = device_need(c, *split, a)
     detail = ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items())
-    what = _describe(n_memo, n_fr, n_keep, a)
+    what = _describe(*split, a)
     return DeviceBudgetError(
         "memo.policy: no layer policy fits the device budget of "
         f"{format_bytes(cap if device_budget is None else device_budget)} per rank"
@@ -224,21 +294,23 @@ def _no_fit_error(c: LayerCosts, smallest: tuple[int, int, int, int, float], cap
         + ", more host memory, more tensor/context parallelism, or a shorter sequence")
 
 
-def _lp_alpha(c: LayerCosts, n_memo: int, n_fr: int, n_keep: int, cap: float, a: float, why: str
+def _lp_alpha(c: LayerCosts, split: Split, cap: float, a: float, why: str
               ) -> tuple[float, str, AlphaSolution]:
     """The chosen split's alpha from the LP itself (NOTE [Policy cost model]): the same bound.
     Returns the alpha and what binds it (the LP's where it differs, bandwidth aside) and the LP's
     solution."""
+    n_memo, n_fr, n_keep, n_in = split
     fixed_other = c.base_bytes + n_keep * c.keep_bytes + n_fr * c.s_input + c.memo_overhead
     linear = 2 * (c.s_input + c.s_attn)
     slope = 2 * c.s_others + max(0, c.memo_alpha_bytes)
     r = c.recompute_bytes
-    if not n_fr:  # (1 - a) R can be the larger backward term; the LP takes the linear bound of it
+    other = _constant_transient(c, n_fr, n_in)
+    if not other:  # (1 - a) R can be the larger backward term; the LP takes the linear bound of it
         linear, slope = linear + r, slope - r
     else:
-        linear += max(c.keep_bytes, r)
+        linear += max(other, r)
     solution = solve_alpha(c.s_input, c.s_attn, c.s_others, c.bandwidth, c.layer_time, c.n_layers,
-                           c.host_memory, offloaded_layers=n_memo, device_memory=cap,
+                           c.host_memory - n_in * c.s_input, offloaded_layers=n_memo, device_memory=cap,
                            device_fixed=fixed_other + linear, device_per_alpha=slope)
     if abs(solution.alpha - a) > 1e-6 and why != "bandwidth":
         a, why = min(a, solution.alpha), solution.binding
@@ -252,6 +324,10 @@ def choose_policy(c: LayerCosts, device_budget: int | None = None, alpha: float 
     fixes the paper's policy (all layers but the last two offload). ``headroom``: the share of
     the budget left free, and ``headroom_bytes`` at least that many bytes of it (NOTE [Fallback
     headroom] in memo/pipeline.py).
+
+    The tiles the memo and input-only layers run in are chosen too (NOTE [Tiles bounded by memory]
+    in memo/runtime/layer.py): the runtime's default, or a smaller one of ``c.tile_choices`` where
+    that makes a faster policy fit (a smaller tile holds less of a layer's backward at once).
 
     Raises:
         MemoError: when no policy fits the budget, with the smallest need and its parts.
@@ -268,22 +344,37 @@ def choose_policy(c: LayerCosts, device_budget: int | None = None, alpha: float 
         n_keep = min(2, c.n_layers)
         return given_policy(c, _policy(c.n_layers - n_keep, 0, n_keep), alpha)
     cap = full_recompute if device_budget is None else usable_budget(device_budget, headroom, headroom_bytes)
-    best, smallest = _search_splits(c, cap, alpha)
-    if best is None:
-        assert smallest is not None
-        raise _no_fit_error(c, smallest, cap, device_budget, headroom, headroom_bytes)
-    seconds, need, n_memo, n_fr, n_keep, a, why = best
+    found: tuple[float, int, Split, float, str] | None = None
+    least: tuple[tuple[int, Split, float], LayerCosts] | None = None
+    tile = None
+    for tokens, chunks in ((None, c.recompute_chunks), *c.tile_choices):
+        costs = dataclasses.replace(c, recompute_chunks=chunks)
+        best, smallest = _search_splits(costs, cap, alpha)
+        if smallest is not None and (least is None or smallest[0] < least[0][0]):
+            least = (smallest, costs)
+        if best is None:
+            continue
+        if found is not None and best[:2] >= found[:2]:
+            break  # a smaller tile no longer helps: keep the larger (fewer tiles, less host time)
+        found, tile, chosen = best, tokens, costs
+    if found is None:
+        internal_assert(least is not None, "full recompute always has a need")
+        raise _no_fit_error(least[1], least[0], cap, device_budget, headroom, headroom_bytes)
+    c = chosen
+    seconds, need, split, a, why = found
+    n_memo, n_fr, n_keep, n_in = split
     solution = None
     if n_memo and alpha is None:
-        a, why, solution = _lp_alpha(c, n_memo, n_fr, n_keep, cap, a, why)
-    if n_memo == 0 and n_keep < c.n_layers:
+        a, why, solution = _lp_alpha(c, split, cap, a, why)
+    if n_memo == 0 and n_in == 0 and n_keep < c.n_layers:
         why = "device_memory"
-    parts = device_need(c, n_memo, n_fr, n_keep, a)
-    return PolicySolution(policy=_policy(n_memo, n_fr, n_keep), alpha=float(a), binding=why,
+    parts = device_need(c, *split, a)
+    policy = _policy(n_memo, n_fr, n_keep, n_in)
+    return PolicySolution(policy=policy, alpha=float(a), binding=why,
                           extra_seconds=seconds, device_bytes=sum(parts.values()), parts=parts,
                           device_cap=int(cap),
                           device_budget=device_budget, full_recompute_bytes=int(full_recompute),
-                          alpha_solution=solution, counts={"memo": n_memo, "recompute": n_fr, "keep": n_keep})
+                          alpha_solution=solution, counts=_counts(policy), tile_tokens=tile)
 
 
 def usable_budget(budget: int, headroom: float, headroom_bytes: int) -> int:
@@ -305,21 +396,23 @@ def given_policy(c: LayerCosts, policy: list[str], alpha: float | None = None,
                  device_budget: int | None = None) -> PolicySolution:
     """The PolicySolution of a policy fixed by the caller: its estimated need and time (not
     checked against the budget; the recorded pass tells the truth)."""
-    n_memo, n_fr, n_keep = (policy.count(k) for k in ("memo", "recompute", "keep"))
+    n_memo, n_in, n_fr, n_keep = (policy.count(k) for k in LAYER_POLICIES)
     a = 0.0 if alpha is None else float(alpha)
-    parts = device_need(c, n_memo, n_fr, n_keep, a)
+    parts = device_need(c, n_memo, n_fr, n_keep, a, n_in)
     need = sum(parts.values())
     return PolicySolution(policy=list(policy), alpha=a, binding="given",
-                          extra_seconds=_seconds(c, n_memo, n_fr, a), device_bytes=need, parts=parts,
+                          extra_seconds=_seconds(c, n_memo, n_fr, a, n_in), device_bytes=need, parts=parts,
                           device_cap=device_budget or need,
                           device_budget=device_budget, full_recompute_bytes=full_recompute_need(c),
-                          counts={"memo": n_memo, "recompute": n_fr, "keep": n_keep})
+                          counts=_counts(list(policy)))
 
 
-def _describe(n_memo: int, n_fr: int, n_keep: int, alpha: float) -> str:
+def _describe(n_memo: int, n_fr: int, n_keep: int, n_in: int, alpha: float) -> str:
     parts = []
     if n_memo:
         parts.append(f"{n_memo} memo layers at alpha {alpha:.3f}")
+    if n_in:
+        parts.append(f"{n_in} input-only")
     if n_fr:
         parts.append(f"{n_fr} recomputed")
     if n_keep:
@@ -329,5 +422,4 @@ def _describe(n_memo: int, n_fr: int, n_keep: int, alpha: float) -> str:
 
 def describe_policy(policy: list[str]) -> str:
     """``"10 memo, 2 recompute"`` style summary of a per-layer policy."""
-    order = ("memo", "recompute", "keep")
-    return ", ".join(f"{policy.count(k)} {k}" for k in order if policy.count(k))
+    return ", ".join(f"{policy.count(k)} {k}" for k in LAYER_POLICIES if policy.count(k))

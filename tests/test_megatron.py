@@ -310,3 +310,31 @@ def test_the_profile_counts_megatron_attention_as_s_attn() -> None:
     stats = profile(model, s, b, device="cpu", solve=False).layer_stats
     o, lse = s * b * h * 4, b * heads * s * 4
     assert [st.s_attn for st in stats] == [o + lse] * 2
+
+
+@pytest.mark.parametrize("chunk", [3, None])
+def test_a_black_box_core_attention_under_input_only_is_recomputed_exactly(chunk: int | None) -> None:
+    """NOTE [Input-only layers]: an input-only layer runs a black-box core attention once more in
+    backward (with autograd, from the forward's RNG and autocast state): loss and every gradient equal
+    the unwrapped block's, and its host region holds the layer input alone."""
+    cfg = lambda: _config(n_layers=2)  # noqa: E731
+    ref = _twin(lambda: TransformerBlock(cfg(), spec=_sliding_window_spec()))
+    model = _twin(lambda: TransformerBlock(cfg(), spec=_sliding_window_spec()), ref)
+    mr.wrap(model, runtime=mr.MemoRuntime(0.5, policy=["input-only", "memo"], recompute_chunk_tokens=chunk))
+    s, b = 11, 2
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(s, b, 32, generator=g), torch.randn(s, b, 32, generator=g)
+    cores = [layer.self_attention.core_attention for layer in model.layers]
+    outs, grads = [], []
+    for m in (model, ref):
+        inp = x.clone().requires_grad_()
+        y = m(hidden_states=inp, attention_mask=None, rotary_pos_emb=_rope(s, 8))
+        before = [c.calls for c in cores]
+        (y * w).sum().backward()
+        outs.append((y.detach(), inp.grad))
+        grads.append(_grads(m))
+        if m is model:  # backward called layer 0's core again, layer 1's (memo) not
+            assert [c.calls for c in cores] == [before[0] + 1, before[1]]
+    assert _rel_err(outs[0][0], outs[1][0]) < RTOL and _rel_err(outs[0][1], outs[1][1]) < RTOL
+    _compare(grads[0], grads[1])
+    assert mr.runtime_of(model).buffers.region_bytes[0] == s * b * 32 * 4

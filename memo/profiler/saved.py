@@ -116,6 +116,12 @@ class SavedStorages:
     def clear(self) -> None:
         self.bases.clear()
 
+    def retain(self, tokens: set[Any]) -> None:
+        """Forget every copied base but those of ``tokens``: a token tile's own tensors, which no
+        later tile saves a view of (NOTE [Tiles bounded by memory] in memo/runtime/layer.py), so
+        that their storages are freed once the tile is done."""
+        self.bases = {sid: entry for sid, entry in self.bases.items() if entry[1] in tokens}
+
 
 class LayerSavedBytes:
     """Counts, per layer, the bytes memo's runtime would copy for what the plain layer saves

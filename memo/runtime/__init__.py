@@ -12,11 +12,19 @@ See NOTE [Token-wise recompute] (layer.py), NOTE [Rounding buffer reuse]
 
 from memo.runtime.buffers import BufferState, RoundingBuffers, RuntimeStats
 from memo.runtime.layer import offload_tokens
-from memo.runtime.runtime import LAYER_POLICIES, MemoRuntime, default_policy, validate_alpha, validate_policy
+from memo.runtime.runtime import (
+    LAYER_POLICIES,
+    OFFLOADING_POLICIES,
+    MemoRuntime,
+    default_policy,
+    validate_alpha,
+    validate_policy,
+)
 from memo.runtime.wrap import find_layers, is_wrapped, runtime_of, unwrap, wrap
 
 __all__ = [
     "LAYER_POLICIES",
+    "OFFLOADING_POLICIES",
     "BufferState",
     "MemoRuntime",
     "RoundingBuffers",

@@ -215,22 +215,33 @@ class RoundingBuffers:
 
     Args:
         engine: the backend's copy primitives.
-        n_layers: number of offloaded layers (the policy's "memo" layers, NOTE [Layer policy]).
-        layer_bytes: offloaded bytes of one layer (from a dry run or a plan).
+        n_layers: number of offloaded layers (the policy's "memo" and "input-only" layers, NOTE
+            [Layer policy]).
+        layer_bytes: offloaded bytes of the largest layer (from a dry run or a plan): each device
+            buffer's size.
         stats: counters to update.
         host_memory_limit: bytes the arenas may take together (default: MemAvailable).
         arena_bytes: size of the first flight's host arena (default and minimum:
-            ``n_layers * layer_bytes``; a plan may reserve more).
+            the regions' sum; a plan may reserve more).
+        region_bytes: each layer's host region (default: ``layer_bytes`` each); an input-only layer
+            offloads less than a memo layer (NOTE [Input-only layers] in memo/runtime/layer.py).
 
     Raises:
         MemoError: if the host arena cannot be had (with the numbers), before any training step.
     """
 
     def __init__(self, engine: CopyEngine, n_layers: int, layer_bytes: int, stats: RuntimeStats,
-                 host_memory_limit: int | None = None, arena_bytes: int | None = None) -> None:
+                 host_memory_limit: int | None = None, arena_bytes: int | None = None,
+                 region_bytes: list[int] | None = None) -> None:
         self.engine = engine
         self.n_layers = n_layers
         self.layer_bytes = layer_bytes
+        self.region_bytes = [layer_bytes] * n_layers if region_bytes is None else list(region_bytes)
+        internal_assert(len(self.region_bytes) == n_layers
+                        and max(self.region_bytes, default=0) <= layer_bytes,
+                        "one host region per offloaded layer, none larger than the device buffers")
+        #: Where each layer's region starts in a flight's arena.
+        self.region_offsets = [sum(self.region_bytes[:i]) for i in range(n_layers)]
         self.stats = stats
         #: Test-only: names in SKIPPABLE_WAITS whose wait is skipped, to prove the tests catch a race.
         self.debug_skip_waits: set[str] = set()
@@ -244,9 +255,9 @@ class RoundingBuffers:
         # On meta nothing is allocated: profiling sizes a job for another machine's host memory.
         if limit is not None and host_bytes > limit and engine.device.type != "meta":
             raise MemoError(
-                f"memo.runtime: the host arena needs {host_bytes:,} bytes ({n_layers} offloaded layers x "
-                f"{layer_bytes:,} bytes, or what the plan reserves) but only {limit:,} bytes of host memory "
-                "are available; lower alpha "
+                f"memo.runtime: the host arena needs {host_bytes:,} bytes ({n_layers} offloaded layers of up "
+                f"to {layer_bytes:,} bytes, or what the plan reserves) but only {limit:,} bytes of host "
+                "memory are available; lower alpha "
                 "(or solve it with memo.planner.solve_alpha) or free host memory"
             )
         try:
@@ -274,8 +285,8 @@ class RoundingBuffers:
 
     @property
     def flight_bytes(self) -> int:
-        """Host bytes one forward in flight offloads: ``n_layers * layer_bytes``."""
-        return self.n_layers * self.layer_bytes
+        """Host bytes one forward in flight offloads: the layers' regions."""
+        return sum(self.region_bytes)
 
     @property
     def host(self) -> torch.Tensor:
@@ -288,7 +299,7 @@ class RoundingBuffers:
 
     @property
     def host_bytes(self) -> int:
-        """Bytes of the host arenas the offloaded layers use (``n_layers * layer_bytes`` per flight)."""
+        """Bytes of the host arenas the offloaded layers use (``flight_bytes`` per flight)."""
         return self.n_flights * self.flight_bytes
 
     @property
@@ -357,7 +368,7 @@ class RoundingBuffers:
         return self.device_buffers[i % 2]
 
     def _region(self, slot: LayerSlot) -> torch.Tensor:
-        base = slot.index * self.layer_bytes
+        base = self.region_offsets[slot.index]
         return self.hosts[slot.flight][base:base + slot.used]
 
     def _offloaded_by(self, writer: LayerSlot | None) -> Any:
@@ -410,11 +421,11 @@ class RoundingBuffers:
                         f"pack into layer {i}'s buffer outside its forward")
         nbytes = _slot_bytes(t)
         offset = align_up(layer.used, SLOT_ALIGNMENT)
-        if offset + nbytes > self.layer_bytes:
+        if offset + nbytes > self.region_bytes[i]:
             hint = (self.overflow_hint(i) if self.overflow_hint is not None
                     else "; what it offloads changed since the buffers were sized")
             raise MemoError(
-                f"memo.runtime: layer {i} offloads more than the {self.layer_bytes:,} bytes its rounding "
+                f"memo.runtime: layer {i} offloads more than the {self.region_bytes[i]:,} bytes its rounding "
                 f"buffer was sized for (at {offset + nbytes:,}){hint}"
             )
         view = self._buffer(i)[offset:offset + nbytes].view(t.dtype).view(t.shape)

@@ -106,6 +106,7 @@ runs on (``_layer_costs`` in memo/pipeline.py), the device whose runtime runs th
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import warnings
 import weakref
@@ -127,18 +128,40 @@ if TYPE_CHECKING:
     from memo.runtime.buffers import RoundingBuffers, RuntimeStats
 
 __all__ = [
-    "LayerCall", "LayerContext", "MIN_CHUNK_WORK", "MIN_CPU_CHUNK_TOKENS", "RECOMPUTE_CHUNKS",
-    "min_chunk_tokens", "offload_tokens", "token_chunks",
+    "LayerCall", "LayerContext", "MIN_CHUNK_WORK", "MIN_CPU_CHUNK_TOKENS", "RECOMPUTE_CHUNKS", "TILE_BYTES",
+    "layer_token_bytes", "min_chunk_tokens", "offload_tokens", "tile_bound_tokens", "token_chunks",
 ]
 
 
-#: The recomputed ``[a:s]`` range runs in at most this many token chunks (NOTE [Chunked recompute]) ...
+#: Token tiles are ``s / RECOMPUTE_CHUNKS`` tokens while that is small (NOTE [Tiles bounded by memory]) ...
 RECOMPUTE_CHUNKS = 8
-#: ... none with less work than this on an accelerator: tokens x batch x hidden^2 multiply-adds,
+#: ... and no larger than holds TILE_BYTES of a tile's transient tensors; the number of tiles then
+#: grows with s ...
+TILE_BYTES = 256 << 20
+#: ... but none has less work than this on an accelerator: tokens x batch x hidden^2 multiply-adds,
 #: about 2 ms of ``pre`` + ``post`` on an H100 ...
 MIN_CHUNK_WORK = 1 << 35
-#: ... and none shorter than this many tokens on the CPU and on meta (NOTE [How small a chunk]).
+#: ... and none is shorter than this many tokens on the CPU and on meta (NOTE [How small a chunk]).
 MIN_CPU_CHUNK_TOKENS = 256
+
+
+# NOTE [Tiles bounded by memory]
+# Every token-wise part of a memo layer runs over token tiles: the offloaded range [0:a] in forward
+# (each tile's saved tensors are packed into the rounding buffer as the tile runs, and its graph is
+# kept only as the GradientEdges of its outputs), the recomputed range [a:s] in forward (no grad)
+# and backward (recompute, then back-propagate, one tile at a time), and the [0:a] tiles' backward.
+# A tile's transient tensors (the MLP's intermediates above all: ffn_hidden x batch elements per
+# token, several times the layer's width) thus exist for one tile at a time, and a layer's
+# transient peak is one tile's, not a share of s tokens'. What still spans the sequence is what
+# must: the layer's input and output, q, k, v, the attention output and its log-sum-exp, their
+# gradients, and the rounding buffer (tests/test_tiles.py measures it).
+# How many tokens a tile holds: ``s / RECOMPUTE_CHUNKS`` at short lengths (few tiles, few kernel
+# launches), capped so that a tile's transient stays within TILE_BYTES, estimated from the layer's
+# width per token (its parameters / hidden: 4h + 3 ffn for a SwiGLU layer, the elements its matmuls
+# produce per token), and never below the work floor of NOTE [How small a chunk]: ALST's tiled
+# MLP makes ceil(s / hidden) tiles, which at hidden 4096 is the same 4096-token tile. The policy may
+# choose a smaller bound to fit a device budget (planner/policy.py, ``tile_tokens``); a plan records
+# it and the runtime runs it (``MemoRuntime(recompute_chunk_tokens=...)``).
 
 
 def min_chunk_tokens(batch: int, hidden: int, device_type: str) -> int:
@@ -149,15 +172,39 @@ def min_chunk_tokens(batch: int, hidden: int, device_type: str) -> int:
     return max(1, -(-MIN_CHUNK_WORK // max(1, batch * hidden * hidden)))
 
 
+def tile_bound_tokens(batch: int, token_bytes: int) -> int | None:
+    """The most tokens whose transient tensors (``token_bytes`` per token and batch row) fit in
+    TILE_BYTES (NOTE [Tiles bounded by memory]); None when the width is unknown."""
+    if token_bytes <= 0:
+        return None
+    return max(1, TILE_BYTES // max(1, batch * token_bytes))
+
+
 def token_chunks(n: int, chunk_tokens: int | None = None, *, batch: int, hidden: int,
-                 device_type: str) -> list[tuple[int, int]]:
-    """``[start, end)`` ranges that split ``n`` tokens into chunks of ``chunk_tokens`` (None: at most
-    RECOMPUTE_CHUNKS chunks, each of at least :func:`min_chunk_tokens`; NOTE [Chunked recompute])."""
+                 device_type: str, token_bytes: int = 0) -> list[tuple[int, int]]:
+    """``[start, end)`` ranges that split ``n`` tokens into tiles of ``chunk_tokens`` (None: the
+    default of NOTE [Tiles bounded by memory]: ``n / RECOMPUTE_CHUNKS`` tokens, at most what keeps a
+    tile's transient of ``token_bytes`` per token within TILE_BYTES, at least
+    :func:`min_chunk_tokens`)."""
     if n <= 0:
         return []
-    floor = min_chunk_tokens(batch, hidden, device_type)
-    size = chunk_tokens if chunk_tokens else max(min(n, floor), -(-n // RECOMPUTE_CHUNKS))
+    if chunk_tokens:
+        size = chunk_tokens
+    else:
+        floor = min(n, min_chunk_tokens(batch, hidden, device_type))
+        size = -(-n // RECOMPUTE_CHUNKS)
+        bound = tile_bound_tokens(batch, token_bytes)
+        if bound is not None:
+            size = min(size, bound)
+        size = max(floor, size)
     return [(i, min(n, i + size)) for i in range(0, n, size)]
+
+
+def layer_token_bytes(layer: nn.Module, hidden: int, elem_size: int) -> int:
+    """A layer's transient bytes per token and batch row, estimated from its width: its parameters'
+    elements per hidden unit (NOTE [Tiles bounded by memory])."""
+    params = sum(p.numel() for p in layer.parameters())
+    return (params // max(1, hidden)) * elem_size
 
 
 def offload_tokens(alpha: float, s: int) -> int:
@@ -339,7 +386,7 @@ class _SequenceOrder:
             raise MemoError(f"memo.runtime: {type(adapter).__name__}.gather_layout is {layout!r}; expected "
                             "'token-major' or 'rank-major'")
         g, a, s = rec.g, rec.a, rec.s
-        slices = ([(0, a)] if a else []) + [(a + c0, a + c1) for c0, c1 in rec.chunks]
+        slices = list(rec.head) + [(a + c0, a + c1) for c0, c1 in rec.chunks]
         if g == 1 or layout == "token-major" or len(slices) <= 1:
             return cls()
         return cls(slices, g, s, device)
@@ -386,8 +433,11 @@ class _Record:
     o_slot: int = -1
     lse_slot: int = -1
     qkv_slots: tuple[int, ...] = ()
-    pre_edges: list[tuple[int, GradientEdge]] = field(default_factory=list)
-    post_edge: GradientEdge | None = None
+    #: The ``[0:a]`` tiles (NOTE [Tiles bounded by memory]) and, per tile, its pre sub-graph's roots
+    #: (``(j, edge)``: q, k, v that require grad) and its post sub-graph's root.
+    head: list[tuple[int, int]] = field(default_factory=list)
+    pre_edges: list[list[tuple[int, GradientEdge]]] = field(default_factory=list)
+    post_edges: list[GradientEdge] = field(default_factory=list)
     #: The ``[a:s]`` token chunks (relative to ``a``) and the RNG state before each one's pre
     #: and post forward (NOTE [Chunked recompute]).
     chunks: list[tuple[int, int]] = field(default_factory=list)
@@ -406,6 +456,11 @@ class _Record:
     black_box: bool = False
     #: q, k, v's shapes past their first dimension (zero gradients for inputs a black box ignores).
     qkv_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    #: The input-only policy (NOTE [Input-only layers]): attention is recomputed in backward too,
+    #: from the RNG state it ran at (``rng_core``) and the core it ran (``core``: None for memo's).
+    input_only: bool = False
+    rng_core: Any = None
+    core: Any = None
 
     def scope(self, phase: str, t0: int, t1: int) -> contextlib.AbstractContextManager[None]:
         """Where ``pre``/``post`` runs on tokens ``[t0:t1]``: dropout draws full-sequence masks."""
@@ -518,6 +573,8 @@ class LayerContext(Protocol):
     """The flight the current forward records into (NOTE [Forwards in flight])."""
     said: set[str]
     """Topics already warned about, once per runtime."""
+    policy: list[str]
+    """Each layer's policy (NOTE [Layer policy] in memo/runtime/runtime.py)."""
 
     def begin_forward(self) -> None:
         """Called by the first layer's forward: choose the flight this forward records into."""
@@ -537,6 +594,11 @@ class LayerCall:
         self.layer = layer
         self.adapter = adapter
         self.index = index
+
+    @property
+    def input_only(self) -> bool:
+        """Whether this layer runs the input-only policy (NOTE [Input-only layers])."""
+        return self.runtime.policy[self.index] == "input-only"
 
     def _keep_storages(self) -> set[int]:
         keep = set()
@@ -575,31 +637,40 @@ class LayerCall:
             torch.Tensor, _Record]:
         rt, layer, adapter = self.runtime, self.layer, self.adapter
         s = x.shape[0]
-        a = offload_tokens(rt.alpha, s)
+        input_only = self.input_only
+        a = 0 if input_only else offload_tokens(rt.alpha, s)
         g = adapter.sequence_gather(layer)
         ag = a * g
         xc = x.detach().contiguous()
         packer = _Packer(sink, self._keep_storages(), xc.device)
         rec = _Record(a=a, s=s, g=g, ctx=ctx, taps=_TapGrads(), packer=packer,
-                      autocast=_AutocastState.capture(xc.device))
+                      autocast=_AutocastState.capture(xc.device), input_only=input_only)
         if layer.training:
             rec.dropout = LayerDropout(s, xc.device, self._say)
         rec.x_slot = sink.pack(xc, "layer input x")
         packer.add_base(xc, rec.x_slot)
 
-        q_a = k_a = v_a = x_a = None
-        if a > 0:
-            with torch.enable_grad():
-                x_a = _Tap.apply(rec.taps, "x", rt.anchor, xc[:a])
-                with packer.hooks(), rec.scope("pre", 0, a):
-                    q_a, k_a, v_a = adapter.pre(layer, x_a, 0, ctx)
-        qkv = [_Rows(s * g) for _ in range(3)]
-        if a > 0:
-            for rows, t in zip(qkv, (q_a, k_a, v_a), strict=True):
-                rows.put(0, t.detach())
         hidden = xc.shape[-1]
-        rec.chunks = token_chunks(s - a, rt.recompute_chunk_tokens, batch=xc[0].numel() // max(1, hidden),
-                                  hidden=hidden, device_type=xc.device.type)
+        batch = xc[0].numel() // max(1, hidden)
+        tiles = functools.partial(token_chunks, chunk_tokens=rt.recompute_chunk_tokens, batch=batch,
+                                  hidden=hidden, device_type=xc.device.type,
+                                  token_bytes=layer_token_bytes(layer, hidden, xc.element_size()))
+        rec.head, rec.chunks = tiles(a), tiles(s - a)
+        qkv = [_Rows(s * g) for _ in range(3)]
+        # [0:a], tile by tile with grad: each tile's saved tensors go to the buffer as it runs
+        # (NOTE [Tiles bounded by memory]); its graph stays as the edges of q, k, v.
+        x_taps = []
+        for t0, t1 in rec.head:
+            with torch.enable_grad():
+                x_t = _Tap.apply(rec.taps, ("x", t0), rt.anchor, xc[t0:t1])
+                with packer.hooks(), rec.scope("pre", t0, t1):
+                    parts = adapter.pre(layer, x_t, t0, ctx)
+            rec.pre_edges.append([(j, _edge(t)) for j, t in enumerate(parts) if t.requires_grad])
+            for rows, t in zip(qkv, parts, strict=True):
+                rows.put(t0 * g, t.detach())
+            x_taps.append(x_t)
+            del parts
+            packer.storages.retain({rec.x_slot})  # the tile's own tensors go with it
         for c0, c1 in rec.chunks:
             rec.rng_pre.append(rng_state(xc.device))
             with torch.no_grad(), rec.scope("pre", a + c0, a + c1):
@@ -612,14 +683,17 @@ class LayerCall:
         rec.order = _SequenceOrder.of(adapter, rec, xc.device)
         rec.qkv_shapes = {name: tuple(t.shape[1:]) for name, t in zip("qkv", (q, k, v), strict=True)}
         core = adapter.core_function(layer, ctx)
-        if core is None:
+        if input_only:
+            # NOTE [Input-only layers]: attention runs without autograd and nothing of it is kept.
+            rec.core, rec.rng_core = core, rng_state(xc.device)
+            o = self._core_output(rec, q, k, v)[0]
+            del q, k, v
+        elif core is None:
             if a > 0:
                 rec.qkv_slots = tuple(sink.pack(t[:ag], f"{name}[:{ag}]")
                                       for name, t in zip("qkv", (q, k, v), strict=True))
-            with torch.no_grad():
-                o, lse = adapter.core_forward(layer, *rec.order.to_sequence(q, k, v), ctx)
+            o, lse = self._core_output(rec, q, k, v)
             del q, k, v
-            (o,) = rec.order.to_rows(o.contiguous())
             rec.o_slot = sink.pack(o, "attention output o")
             rec.lse_slot = sink.pack(lse, "attention log-sum-exp")
             packer.add_base(o, rec.o_slot)
@@ -629,15 +703,16 @@ class LayerCall:
             del q, k, v
 
         y = _Rows(s)
-        if a > 0:
+        for (t0, t1), x_t in zip(rec.head, x_taps, strict=True):
             with torch.enable_grad():
-                o_a = _Tap.apply(rec.taps, "o", rt.anchor, o[:ag])
-                with packer.hooks(), rec.scope("post", 0, a):
-                    y_a = adapter.post(layer, o_a, x_a, ctx)
-            rec.pre_edges = [(j, _edge(t)) for j, t in enumerate((q_a, k_a, v_a)) if t.requires_grad]
-            rec.post_edge = _edge(y_a)
-            y.put(0, y_a.detach())
-            del y_a
+                o_t = _Tap.apply(rec.taps, ("o", t0), rt.anchor, o[t0 * g:t1 * g])
+                with packer.hooks(), rec.scope("post", t0, t1):
+                    y_t = adapter.post(layer, o_t, x_t, ctx)
+            rec.post_edges.append(_edge(y_t))
+            y.put(t0, y_t.detach())
+            del y_t, o_t
+            packer.storages.retain({rec.x_slot, rec.o_slot})
+        del x_taps
         for c0, c1 in rec.chunks:
             rec.rng_post.append(rng_state(xc.device))
             with torch.no_grad(), rec.scope("post", a + c0, a + c1):
@@ -646,11 +721,26 @@ class LayerCall:
             # Nothing from the first chunk's pre to the last chunk's post drew random numbers: the
             # recompute has no state to replay, and a generator fork per chunk costs host time.
             rec.rng_pre = rec.rng_post = [None] * len(rec.chunks)
+            rec.rng_core = None
         packer.end_pass()
         if rec.dropout is not None:
             rec.dropout.end_forward()
             rec.dropout.begin_replay()
         return y.take(), rec
+
+    def _core_output(self, rec: _Record, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[
+            torch.Tensor, torch.Tensor | None]:
+        """Attention without autograd on the rows' q, k, v -> o in the rows' layout and the
+        log-sum-exp (None for a black box, which runs here only for an input-only layer)."""
+        seq = rec.order.to_sequence(q, k, v)
+        with torch.no_grad():
+            if rec.core is None:
+                o, lse = self.adapter.core_forward(self.layer, *seq, rec.ctx)
+            else:
+                o, lse = self._call_core(rec.core, *seq), None
+        del seq
+        (o,) = rec.order.to_rows(o.contiguous())
+        return o, lse
 
     def backward(self, rec: _Record, grad_y: torch.Tensor, params: tuple[torch.Tensor, ...],
                  anchor: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
@@ -665,19 +755,27 @@ class LayerCall:
         rec.packer.resolve_slot = lambda slot: buffers.view(i, slot, f)
         a, ctx = rec.a, rec.ctx
         ag = a * rec.g
+        gather = rec.g
         grad_y = grad_y.contiguous()
         x_dev = buffers.view(i, rec.x_slot, f)
-        o_dev = buffers.view(i, rec.o_slot, f)
         device = x_dev.device
 
-        # 1. post: backward of the [0:a] sub-graph, then recompute + backward of [a:s] chunk by
-        # chunk (NOTE [Chunked recompute]) -> grad of o, and post's share of grad of x.
+        # 0. an input-only layer recomputes q, k, v and attention first (NOTE [Input-only layers]).
+        kept: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = None
+        recomputed: tuple[torch.Tensor, ...] | None = None
+        if rec.input_only:
+            kept, recomputed, o_dev, core_graph = self._recompute_attention(rec, x_dev, run)
+        else:
+            o_dev = buffers.view(i, rec.o_slot, f)
+
+        # 1. post: backward of the [0:a] tiles' sub-graphs, then recompute + backward of [a:s] chunk
+        # by chunk (NOTE [Chunked recompute]) -> grad of o, and post's share of grad of x.
         grad_o = torch.empty_like(o_dev, memory_format=torch.contiguous_format)
         grad_x = torch.empty_like(x_dev, memory_format=torch.contiguous_format)
-        if a > 0:
-            run([rec.post_edge], [grad_y[:a]])
-            _copy_or_zero(grad_o[:ag], rec.taps.pop("o"))
-        gather = rec.g
+        for (t0, t1), edge in zip(rec.head, rec.post_edges, strict=True):
+            run([edge], [grad_y[t0:t1]])
+            _copy_or_zero(grad_o[t0 * gather:t1 * gather], rec.taps.pop(("o", t0)))
+        rec.post_edges = []
         for (c0, c1), rng in zip(rec.chunks, rec.rng_post, strict=True):
             x_c = x_dev[a + c0:a + c1].detach().requires_grad_()
             o_c = o_dev[ag + c0 * gather:ag + c1 * gather].detach().requires_grad_()
@@ -693,21 +791,25 @@ class LayerCall:
             rec.dropout.end_phase()
 
         # 2. attention's backward: the black box's own (NOTE [Black-box core attention]), or from the
-        # saved o and lse with q, k, v the saved [0:a] rows and [a:s] recomputed without grad.
-        kept: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = None
-        if rec.black_box:
+        # saved (or, input-only, recomputed) o and lse, with q, k, v the saved [0:a] rows and [a:s]
+        # recomputed without grad.
+        if rec.input_only:
+            dq, dk, dv = self._recomputed_core_backward(rec, run, grad_o, o_dev, recomputed, core_graph)
+            del recomputed, core_graph
+        elif rec.black_box:
             dq, dk, dv = self._black_box_backward(rec, run, grad_o)
         else:
             kept, (dq, dk, dv) = self._core_backward(rec, x_dev, o_dev, grad_o)
-        del grad_o
+        del grad_o, o_dev
 
-        # 3. pre: backward of the [0:a] sub-graph, then recompute + backward of [a:s] chunk by
-        # chunk, as post -> grad of x.
+        # 3. pre: backward of the [0:a] tiles' sub-graphs, then recompute + backward of [a:s] chunk
+        # by chunk, as post -> grad of x.
         full = (dq, dk, dv)
-        if rec.pre_edges:
-            run([edge for _, edge in rec.pre_edges], [full[j][:ag] for j, _ in rec.pre_edges])
-        if a > 0:
-            _copy_or_zero(grad_x[:a], rec.taps.pop("x"))
+        for (t0, t1), edges in zip(rec.head, rec.pre_edges, strict=True):
+            if edges:
+                run([edge for _, edge in edges], [full[j][t0 * gather:t1 * gather] for j, _ in edges])
+            _copy_or_zero(grad_x[t0:t1], rec.taps.pop(("x", t0)))
+        rec.pre_edges = []
         last = len(rec.chunks) - 1
         for n, ((c0, c1), rng) in enumerate(zip(rec.chunks, rec.rng_pre, strict=True)):
             if n == last and kept is not None:
@@ -731,17 +833,14 @@ class LayerCall:
             rec.dropout.end_phase()
 
         rec.packer.resolve_slot = None
-        rec.post_edge = None
-        rec.pre_edges = []
         buffers.end_backward(i, f)
         rt.stats.layer_backwards += 1
         return grad_x, run.sums
 
-    def _core_backward(self, rec: _Record, x_dev: torch.Tensor, o_dev: torch.Tensor,
-                       grad_o: torch.Tensor) -> tuple[Any, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Attention's backward from the saved o and lse: q, k, v are the saved ``[0:a]`` rows and the
-        ``[a:s]`` rows recomputed chunk by chunk; -> (the last chunk's pre graph, kept for step 3 of
-        the backward, or None), ``(dq, dk, dv)`` in the rows' layout."""
+    def _recompute_qkv(self, rec: _Record, x_dev: torch.Tensor) -> tuple[
+            Any, list[_Rows]]:
+        """q, k, v rows: the saved ``[0:a]`` rows and the ``[a:s]`` rows recomputed chunk by chunk;
+        -> (the last chunk's pre graph, kept for step 3 of the backward, or None), the rows."""
         layer, adapter, buffers, i, f = self.layer, self.adapter, self.runtime.buffers, self.index, rec.flight
         a, s, ctx, gather = rec.a, rec.s, rec.ctx, rec.g
         ag, device = a * gather, x_dev.device
@@ -766,14 +865,79 @@ class LayerCall:
             if n == last:
                 kept = (x_c, parts)
             del parts, x_c
+        return kept, qkv
+
+    def _core_backward(self, rec: _Record, x_dev: torch.Tensor, o_dev: torch.Tensor,
+                       grad_o: torch.Tensor) -> tuple[Any, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Attention's backward from the saved o and lse (q, k, v from :meth:`_recompute_qkv`);
+        -> (the last chunk's pre graph, or None), ``(dq, dk, dv)`` in the rows' layout."""
+        kept, qkv = self._recompute_qkv(rec, x_dev)
         order = rec.order
         q, k, v = order.to_sequence(*(rows.take() for rows in qkv))  # the rows' copies are dropped here
         del qkv
-        lse = buffers.view(i, rec.lse_slot, f)
+        lse = self.runtime.buffers.view(self.index, rec.lse_slot, rec.flight)
         (grad_seq,), (o_seq,) = order.to_sequence(grad_o), order.to_sequence(o_dev)
-        grads = adapter.core_backward(layer, grad_seq, q, k, v, o_seq, lse, ctx)
+        grads = self.adapter.core_backward(self.layer, grad_seq, q, k, v, o_seq, lse, rec.ctx)
         del q, k, v, grad_seq, o_seq
         return kept, order.to_rows(*grads)
+
+    # NOTE [Input-only layers]
+    # The input-only policy (ALST's offloaded checkpoint, for when host memory binds) keeps one
+    # tensor per layer on the host, the layer input, where memo(alpha) keeps two (and alpha of the
+    # rest): forward runs every tile without grad (as memo's [a:s] range at alpha = 0) and attention
+    # without autograd, and offloads x alone. Backward recomputes q, k, v chunk by chunk, then
+    # attention's forward, from the RNG and autocast state forward ran under, and goes on as a memo
+    # layer at alpha = 0 with that o and log-sum-exp: post's tiles, attention's backward, pre's
+    # tiles. The price is attention once more per layer; the planner weighs it against the host
+    # bytes it saves (planner/policy.py). A black-box core attention (NOTE [Black-box core
+    # attention]) runs again with autograd in backward, its graph alive until its backward has run.
+    def _recompute_attention(self, rec: _Record, x_dev: torch.Tensor, run: _SubGraphs) -> tuple[
+            Any, tuple[torch.Tensor, ...], torch.Tensor, Any]:
+        """Step 0 of an input-only layer's backward: q, k, v recomputed and attention's forward again
+        -> (the last chunk's pre graph or None, the sequence-order tensors attention's backward needs,
+        o in the rows' layout, the black box's graph or None)."""
+        kept, qkv = self._recompute_qkv(rec, x_dev)
+        order = rec.order
+        q, k, v = order.to_sequence(*(rows.take() for rows in qkv))
+        del qkv
+        with rec.autocast.replay(), replay_rng(rec.rng_core, x_dev.device):
+            if rec.core is None:
+                with torch.no_grad():
+                    o, lse = self.adapter.core_forward(self.layer, q, k, v, rec.ctx)
+                (o_rows,) = order.to_rows(o.contiguous())
+                return kept, (q, k, v, o, lse), o_rows, None
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            del q, k, v
+            with torch.enable_grad():
+                out = self._call_core(rec.core, *leaves)
+        (o_rows,) = order.to_rows(out.detach().contiguous())
+        return kept, tuple(leaves), o_rows, out if out.requires_grad else None
+
+    def _recomputed_core_backward(self, rec: _Record, run: _SubGraphs, grad_o: torch.Tensor,
+                                  o_rows: torch.Tensor, recomputed: tuple[torch.Tensor, ...],
+                                  core_graph: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Step 2 of an input-only layer's backward, from what step 0 recomputed -> dq, dk, dv in the
+        rows' layout."""
+        order = rec.order
+        (grad_seq,) = order.to_sequence(grad_o)
+        if rec.core is None:
+            q, k, v, o, lse = recomputed
+            grads = self.adapter.core_backward(self.layer, grad_seq, q, k, v, o, lse, rec.ctx)
+            return order.to_rows(*grads)
+        leaves = recomputed
+        found = run([_edge(core_graph)], [grad_seq], leaves) if core_graph is not None else (None,) * 3
+        grads = [d if d is not None else torch.zeros_like(t) for d, t in zip(found, leaves, strict=True)]
+        return order.to_rows(*grads)
+
+    def _call_core(self, core: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """A black-box core attention's output, checked (megatron's core attention contract)."""
+        out = core(q, k, v)
+        if not isinstance(out, torch.Tensor) or out.dim() != 3:
+            raise MemoError(
+                f"memo.runtime: layer {self.index}'s core attention returned "
+                f"{type(out).__name__}{list(out.shape) if isinstance(out, torch.Tensor) else ''}; memo "
+                "needs one tensor [s, b, heads * head_dim] (megatron's core attention contract)")
+        return out
 
     def _black_box_forward(self, core: Any, rec: _Record, q: torch.Tensor, k: torch.Tensor,
                            v: torch.Tensor) -> torch.Tensor:
@@ -784,13 +948,8 @@ class LayerCall:
         with torch.enable_grad():
             ins = [_Tap.apply(rec.taps, name, rt.anchor, t) for name, t in zip("qkv", (q, k, v), strict=True)]
             with packer.deferred() as later:
-                out = core(*ins)
+                out = self._call_core(core, *ins)
             del ins, q, k, v
-            if not isinstance(out, torch.Tensor) or out.dim() != 3:
-                raise MemoError(
-                    f"memo.runtime: layer {self.index}'s core attention returned "
-                    f"{type(out).__name__}{list(out.shape) if isinstance(out, torch.Tensor) else ''}; memo "
-                    "needs one tensor [s, b, heads * head_dim] (megatron's core attention contract)")
             rec.black_box = True
             rec.core_edge = _edge(out) if out.requires_grad else None  # None: its output has no gradient
         (o,) = rec.order.to_rows(out.detach().contiguous())

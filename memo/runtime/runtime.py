@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from memo.errors import MemoError, PlanMismatchError
+from memo.planner.policy import LAYER_POLICIES, OFFLOADING_POLICIES, validate_policy
 from memo.runtime.buffers import (
     BufferState,
     CopyEngine,
@@ -54,22 +55,26 @@ from memo.runtime.buffers import (
 )
 from memo.runtime.layer import LayerCall, MemoLayerFunction, offload_tokens
 
-__all__ = ["LAYER_POLICIES", "MemoRuntime", "default_policy", "layer_signature", "validate_alpha",
-           "validate_policy"]
+__all__ = ["LAYER_POLICIES", "OFFLOADING_POLICIES", "MemoRuntime", "default_policy", "layer_signature",
+           "validate_alpha", "validate_policy"]
 
 # NOTE [Layer policy]
-# Every wrapped layer runs one of three policies, chosen per layer by the planner
+# Every wrapped layer runs one of four policies, chosen per layer by the planner
 # (planner/policy.py) to be fastest within the device budget, the host memory and the link:
-#   "memo"      token-wise offload (alpha) / recompute (NOTE [Token-wise recompute]): nothing
-#               of the layer stays on the device between its forward and its backward;
-#   "recompute" full recompute (torch.utils.checkpoint, non-reentrant): only its input stays;
-#   "keep"      plain autograd: every activation it saves stays on the device.
-# The "memo" layers must come first: the host arena has one region per memo layer, in layer
-# order, and the gradient of layer i + 1's output starts layer i's prefetch. Without a policy
+#   "memo"       token-wise offload (alpha) / recompute (NOTE [Token-wise recompute]): nothing
+#                of the layer stays on the device between its forward and its backward; its input,
+#                attention output and alpha of the rest go to the host;
+#   "input-only" its input alone goes to the host, everything else is recomputed in backward,
+#                attention included (NOTE [Input-only layers] in memo/runtime/layer.py): half of
+#                memo's host bytes at alpha = 0, for when host memory binds;
+#   "recompute"  full recompute (torch.utils.checkpoint, non-reentrant): only its input stays;
+#   "keep"       plain autograd: every activation it saves stays on the device.
+# The offloading layers ("memo" and "input-only", in any order) must come first: the host arena
+# has one region per offloading layer, in layer order, and the gradient of layer i + 1's output
+# starts layer i's prefetch. Without a policy
 # (no plan) memo keeps the last two layers whole and offloads the others, the paper's fixed
 # rule: the last layers' backward follows their forward at once, so offloading them would
 # only add copies.
-LAYER_POLICIES = ("memo", "recompute", "keep")
 #: Layers at the end of the model that the default policy keeps: their backward follows at once.
 NOT_OFFLOADED_TAIL = 2
 
@@ -78,27 +83,6 @@ def default_policy(n_layers: int) -> list[str]:
     """The policy without a plan: offload all layers but the last two, which are kept."""
     kept = min(n_layers, NOT_OFFLOADED_TAIL)
     return ["memo"] * (n_layers - kept) + ["keep"] * kept
-
-
-def validate_policy(policy: Any, n_layers: int | None = None) -> list[str]:
-    """``policy`` as a list of :data:`LAYER_POLICIES`, with the "memo" layers first; or a MemoError."""
-    if isinstance(policy, str) or not isinstance(policy, (list, tuple)):
-        raise MemoError(f"memo.runtime: a layer policy is a list with one of {LAYER_POLICIES} per layer, "
-                        f"got {policy!r}")
-    bad = [p for p in policy if p not in LAYER_POLICIES]
-    if bad:
-        raise MemoError(f"memo.runtime: unknown layer policy {bad[0]!r}; each layer is one of "
-                        f"{LAYER_POLICIES}")
-    if n_layers is not None and len(policy) != n_layers:
-        raise MemoError(f"memo.runtime: the layer policy has {len(policy)} entries but the model has "
-                        f"{n_layers} "
-                        "layers; the plan was made for another model (re-run `memo profile`)")
-    n_memo = sum(p == "memo" for p in policy)
-    if any(p != "memo" for p in policy[:n_memo]):
-        raise MemoError("memo.runtime: the 'memo' layers of a policy must come first (NOTE [Layer policy]), "
-                        "got "
-                        f"{list(policy)}")
-    return list(policy)
 
 
 def validate_alpha(alpha: Any) -> float:
@@ -176,9 +160,10 @@ class MemoRuntime:
         seed: seed of the debug delays.
         policy: what each layer does, one of :data:`LAYER_POLICIES` per layer (NOTE [Layer
             policy]); default: the plan's ``policy``, else :func:`default_policy`.
-        recompute_chunk_tokens: tokens per chunk of the recomputed token range (NOTE [Chunked
-            recompute] in memo/runtime/layer.py); default: at most eight chunks, none smaller than NOTE
-            [How small a chunk] allows.
+        recompute_chunk_tokens: tokens per tile of the token-wise parts, both token ranges (NOTE
+            [Tiles bounded by memory] in memo/runtime/layer.py); default: the plan's ``tile_tokens``,
+            else s / 8 tokens while a tile's transient stays within TILE_BYTES, never below NOTE [How
+            small a chunk]'s floor.
     """
 
     def __init__(
@@ -217,7 +202,12 @@ class MemoRuntime:
             debug_copy_delay_us)
         if self.debug_copy_delay_us < 0:
             raise MemoError(f"memo.runtime: debug_copy_delay_us must be >= 0, got {self.debug_copy_delay_us}")
+        plan_tile = _plan_field(plan, "tile_tokens")
         chunk = recompute_chunk_tokens
+        if chunk is not None and plan_tile is not None and chunk != plan_tile:
+            raise PlanMismatchError(f"memo.runtime: recompute_chunk_tokens={chunk} was given; the plan was "
+                                    f"made for tiles of {plan_tile} tokens; pass only the plan")
+        chunk = recompute_chunk_tokens = chunk if chunk is not None else plan_tile
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
             raise MemoError("memo.runtime: recompute_chunk_tokens must be a positive number of tokens "
                             f"(or None for the default), got {chunk!r}")
@@ -257,8 +247,9 @@ class MemoRuntime:
 
     @property
     def n_offloaded(self) -> int:
-        """Layers that offload: the leading "memo" layers of the policy (NOTE [Layer policy])."""
-        return sum(p == "memo" for p in self.policy)
+        """Layers that offload: the leading "memo" and "input-only" layers of the policy (NOTE [Layer
+        policy])."""
+        return sum(p in OFFLOADING_POLICIES for p in self.policy)
 
     def attach(self, layers: list[tuple[nn.Module, Any]]) -> list[LayerCall]:
         """Register the model's layers (in forward order) with their adapters."""
@@ -321,7 +312,8 @@ class MemoRuntime:
             self._allocate_buffers(x, key, sizes, tensors, sigs)
 
     def _signatures(self) -> list[tuple[Any, ...]]:
-        return [layer_signature(self.calls[i].layer) for i in range(self.n_offloaded)]
+        # The policy is part of what decides a layer's bytes: an input-only layer offloads its input only.
+        return [(self.policy[i], *layer_signature(self.calls[i].layer)) for i in range(self.n_offloaded)]
 
     def _can_resize(self) -> bool:
         """No layer's data lives in the buffers (between iterations): they may be released."""
@@ -345,11 +337,11 @@ class MemoRuntime:
         signatures differ from what the buffers were sized for (NOTE [Sizing the host arena]): measure
         it; go on when it fits, else size the buffers again where no forward is in flight."""
         sizes, tensors = self._measure_layers(x, ctx, key, sigs)
-        if max(sizes) <= self.buffers.layer_bytes:
+        if all(n <= have for n, have in zip(sizes, self.buffers.region_bytes, strict=True)):
             self.layer_sizes, self._layer_sigs, self._input_key = sizes, sigs, key
             return
         old = self._input_key
-        changed = [f"layer {i}: {_signature_change(a, b)}"
+        changed = [f"layer {i}: {_signature_change(a[1:], b[1:])}"
                    for i, (a, b) in enumerate(zip(self._layer_sigs, sigs, strict=True)) if a != b]
         if key != old:
             changed.insert(0, f"the input went from {list(old[0])} {old[1]} (autocast {old[4]}) to "
@@ -369,7 +361,8 @@ class MemoRuntime:
                           why: str = "") -> None:
         largest = max(range(len(sizes)), key=sizes.__getitem__)
         layer_bytes = sizes[largest]
-        host_bytes = self.n_offloaded * layer_bytes
+        regions = self._regions(sizes)
+        host_bytes = sum(regions)
         planned = _plan_field(self.plan, "host_bytes")
         if planned is not None and int(planned) < host_bytes:
             since = f" (it grew after {why})" if why else ""
@@ -383,7 +376,7 @@ class MemoRuntime:
         self.engine = make_engine(x.device, self.debug_copy_delay_us, self.seed)
         self.buffers = RoundingBuffers(self.engine, self.n_offloaded, layer_bytes, self.stats,
                                        self.host_memory_limit,
-                                       None if planned is None else int(planned))
+                                       None if planned is None else int(planned), region_bytes=regions)
         self.buffers.debug_skip_waits = self._debug_skip_waits
         self.buffers.overflow_hint = self._overflow_hint
         self.layer_bytes = layer_bytes
@@ -391,12 +384,20 @@ class MemoRuntime:
         self.layer_sizes, self._layer_sigs = sizes, sigs
         self._input_key = key
 
+    def _regions(self, sizes: list[int]) -> list[int]:
+        """Each offloaded layer's host region: the largest measured size among the layers of its policy
+        (memo layers alike, input-only layers alike; NOTE [Sizing the host arena])."""
+        largest: dict[str, int] = {}
+        for kind, n in zip(self.policy, sizes, strict=False):
+            largest[kind] = max(largest.get(kind, 0), n)
+        return [largest[kind] for kind in self.policy[:len(sizes)]]
+
     def _overflow_hint(self, i: int) -> str:
         """Why layer ``i`` offloads more than it was measured at (RoundingBuffers.pack's error)."""
         measured = self.layer_sizes[i] if i < len(self.layer_sizes) else None
         at = f"; it was measured at {measured:,} bytes" if measured is not None else ""
         if i < len(self._layer_sigs):
-            change = _signature_change(self._layer_sigs[i], layer_signature(self.calls[i].layer))
+            change = _signature_change(self._layer_sigs[i][1:], layer_signature(self.calls[i].layer))
             if change:
                 return (f"{at}. Since the buffers were sized at the start of this iteration, {change}; "
                         "change requires_grad and train/eval mode between iterations, not inside a forward")

@@ -44,7 +44,7 @@ from memo.adapters.base import LayerAdapter, find_adapter, registered_adapters
 from memo.adapters.model import find_model_adapter
 from memo.errors import MemoError
 from memo.runtime.layer import LayerCall
-from memo.runtime.runtime import NOT_OFFLOADED_TAIL, MemoRuntime
+from memo.runtime.runtime import NOT_OFFLOADED_TAIL, OFFLOADING_POLICIES, MemoRuntime
 
 __all__ = ["find_layers", "is_wrapped", "runtime_of", "unwrap", "wrap"]
 
@@ -129,7 +129,7 @@ def _wrapped_forward(call: LayerCall, original: Any, *args: Any, **kwargs: Any) 
     if not torch.is_grad_enabled():
         return original(*args, **kwargs)
     kind = rt.policy[call.index]
-    if kind == "memo":
+    if kind in OFFLOADING_POLICIES:
         x, ctx = call.adapter.split_args(call.layer, args, kwargs)
         y = rt.run_layer(call, x, ctx)
         out = call.adapter.pack_output(call.layer, y, ctx)
@@ -159,6 +159,7 @@ def wrap(
     debug_copy_delay_us: int | None = None,
     host_memory_limit: int | None = None,
     policy: list[str] | None = None,
+    recompute_chunk_tokens: int | None = None,
 ) -> nn.Module:
     """Wrap ``model``'s transformer layers in place for token-wise offload/recompute; returns ``model``.
 
@@ -173,8 +174,12 @@ def wrap(
         runtime: a :class:`MemoRuntime` to use (else one is created from the arguments above).
         debug_copy_delay_us: see :class:`MemoRuntime`.
         host_memory_limit: see :class:`MemoRuntime`.
-        policy: per layer "memo", "recompute" or "keep" (NOTE [Layer policy]); default: the plan's,
+        policy: per layer "memo", "input-only", "recompute" or "keep" (NOTE [Layer policy]); default:
+            the plan's,
             else all layers but the last two offload.
+        recompute_chunk_tokens: tokens per tile of the token-wise parts (NOTE [Tiles bounded by
+            memory] in memo/runtime/layer.py); default: the plan's ``tile_tokens``, else the runtime's
+            memory-bounded default.
 
     The runtime is available as :func:`runtime_of(model) <runtime_of>`. The state dict is
     unchanged (NOTE [Wrapping in place]).
@@ -197,8 +202,9 @@ def wrap(
         )
     if runtime is None:
         runtime = MemoRuntime(alpha, plan=plan, debug_copy_delay_us=debug_copy_delay_us,
-                              host_memory_limit=host_memory_limit, policy=policy)
-    elif alpha is not None or plan is not None or policy is not None:
+                              host_memory_limit=host_memory_limit, policy=policy,
+                              recompute_chunk_tokens=recompute_chunk_tokens)
+    elif alpha is not None or plan is not None or policy is not None or recompute_chunk_tokens is not None:
         raise MemoError("memo.wrap: pass alpha/plan/policy either to MemoRuntime or to wrap, not both")
     # The model's own settings too (e.g. gradient checkpointing flagged on an HF base model only).
     model_adapter = find_model_adapter(model)
