@@ -8,6 +8,8 @@ on ``sys.path``, so no path is added by hand.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -15,10 +17,18 @@ from memo.errors import MemoError
 from memo.train import STRATEGIES, SaveOnCpu, Strategy, StrategyOptions, make_strategy
 from memo.train.strategies import MemoryMeter
 
-__all__ = ["ROWS", "add_device_arguments", "build_strategy", "resolve_device"]
+__all__ = ["PEERS", "ROWS", "add_device_arguments", "best_peer", "build_strategy", "resolve_device"]
 
 #: The strategy rows, in table order: memo train's strategies and PyTorch's save_on_cpu.
 ROWS = (*STRATEGIES, SaveOnCpu.name)
+#: The peers: what a user would pick instead of memo (the "best peer" of the tables is one of them).
+PEERS = ("offloaded-checkpoint", "torchtune-offload", SaveOnCpu.name, "full-offload")
+
+
+def best_peer(rows: list[dict], key: Callable[[dict], Any]) -> dict | None:
+    """The peer row (:data:`PEERS`) that ``key`` ranks first (smallest), or None without one."""
+    peers = [r for r in rows if r.get("strategy") in PEERS and r.get("allocator", "memo") == "memo"]
+    return min(peers, key=key) if peers else None
 
 
 def build_strategy(name: str, meter: MemoryMeter, **memo_options: object) -> Strategy:

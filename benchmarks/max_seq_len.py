@@ -1,10 +1,13 @@
 #!/usr/bin/env python
 """The longest sequence each activation-memory strategy trains without running out of device memory.
 
-For every strategy (none, full-recompute, full-offload, memo, and PyTorch's save_on_cpu) one
-training step (forward, backward, AdamW step) is tried at growing sequence lengths: doubling
-from ``--start`` until a step fails, then bisection down to ``--granularity`` tokens. A length
-"fits" when the step finishes; it does not fit when an allocation fails.
+For every strategy (none, full-recompute, full-offload, memo, the peers offloaded-checkpoint and
+torchtune-offload, and PyTorch's save_on_cpu) one training step (forward, backward, AdamW step) is
+tried at growing sequence lengths: doubling from ``--start`` until a step fails, then bisection
+down to ``--granularity`` tokens. A length "fits" when the step finishes; it does not fit when an
+allocation fails. The table gives each strategy's longest sequence, its device peak, host bytes
+and step time there, and ratios to full recompute and to the best peer (NOTE [Best peer] in
+benchmarks/strategies.py: here the peer with the longest sequence).
 
 NOTE [Emulated device memory on CPU]
 On CPU the device is memo's CPU allocator (NOTE [Measuring device memory] in
@@ -54,15 +57,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import ROWS, add_device_arguments, build_strategy, resolve_device
+from _common import PEERS, ROWS, add_device_arguments, best_peer, build_strategy, resolve_device
 
 from memo.cli.args import positive_float, seq_len
 from memo.errors import DeviceBudgetError, MemoError
 from memo.estimate import align
 from memo.session import Session
 from memo.train.strategies import MemoryMeter, Wrapping
+from memo.units import format_mib
 
-__all__ = ["CappedMeter", "main", "search", "try_length"]
+__all__ = ["CappedMeter", "Outcome", "main", "peer_result", "search", "try_length"]
 
 BENCH_KIND = "memo.benchmark.max_seq_len"
 BENCH_VERSION = 1
@@ -168,8 +172,23 @@ def _budget_gb(args: argparse.Namespace) -> float | None:
     return None if args.device_mem_mb is None else args.device_mem_mb * 2**20 / 1e9
 
 
-def try_length(name: str, length: int, args: argparse.Namespace, workdir: str) -> tuple[bool, str]:
-    """Train two steps of ``name`` at ``length`` tokens under the budget; (fits, what happened)."""
+class Outcome(tuple):
+    """What :func:`try_length` returns: ``(fits, what happened)``, a plain pair to unpack, with the
+    try's measurements as ``measured`` (``peak_device_bytes``, ``host_bytes``, ``step_time_s`` of the
+    second step; empty when the step did not fit). A wrapper that answers with a plain pair
+    (benchmarks/gpu_bench.py) leaves them unknown."""
+
+    measured: dict[str, Any]
+
+    def __new__(cls, fits: bool, detail: str, measured: dict[str, Any] | None = None) -> Outcome:
+        outcome = super().__new__(cls, (fits, detail))
+        outcome.measured = dict(measured or {})
+        return outcome
+
+
+def try_length(name: str, length: int, args: argparse.Namespace, workdir: str) -> Outcome:
+    """Train two steps of ``name`` at ``length`` tokens under the budget; (fits, what happened), with
+    the measurements of the second step (:class:`Outcome`)."""
     from memo import allocator
     from memo.train import TrainConfig, train
 
@@ -190,9 +209,13 @@ def try_length(name: str, length: int, args: argparse.Namespace, workdir: str) -
     config = TrainConfig(model=args.model, seq_len=length, micro_batch=1, steps=2, device=args.device,
                          dtype=args.dtype, seed=0)
     start = time.perf_counter()
+    measured: dict[str, Any] = {}
     try:
         result = train(config, progress=False, log=lambda _line: None, strategy=strategy)  # closes it
-        peak = result.steps[-1].peak_memory_bytes
+        last = result.steps[-1]
+        peak = last.peak_memory_bytes
+        measured = {"peak_device_bytes": peak, "host_bytes": int(last.extras.get("host_pinned_bytes", 0)),
+                    "step_time_s": last.step_time_s}
         outcome = (True, f"fits, peak {peak / 2**20:.1f} MiB" if peak is not None else "fits")
     except Exception as err:  # classified just below: only out-of-memory means "does not fit"
         if not _is_oom(err):
@@ -206,7 +229,7 @@ def try_length(name: str, length: int, args: argparse.Namespace, workdir: str) -
         allocator.empty_cache(device_type)
     seconds = time.perf_counter() - start
     extra = f" (plan {plan_s:.1f} s)" if plan_s else ""
-    return outcome[0], f"{outcome[1]} [{seconds:.1f} s{extra}]"
+    return Outcome(outcome[0], f"{outcome[1]} [{seconds:.1f} s{extra}]", measured)
 
 
 def search(name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -215,8 +238,9 @@ def search(name: str, args: argparse.Namespace) -> dict[str, Any]:
     g = args.granularity
 
     def fits(length: int) -> bool:
-        ok, what = try_length(name, length, args, workdir)
-        tries.append({"seq_len": length, "fits": ok, "detail": what})
+        outcome = try_length(name, length, args, workdir)  # looked up here: gpu_bench.py replaces it
+        ok, what = outcome
+        tries.append({"seq_len": length, "fits": ok, "detail": what, **getattr(outcome, "measured", {})})
         print(f"  {name} @ {length:,}: {what}", file=sys.stderr, flush=True)
         return ok
 
@@ -241,7 +265,9 @@ def search(name: str, args: argparse.Namespace) -> dict[str, Any]:
                 lo = mid
             else:
                 hi = mid
+    at_longest = next((t for t in tries if t["seq_len"] == lo and t["fits"]), {})
     return {"strategy": name, "longest": lo, "first_failure": hi, "capped_by_max_seq": hi is None,
+            "at_longest": {k: at_longest.get(k) for k in ("peak_device_bytes", "host_bytes", "step_time_s")},
             "tries": tries}
 
 
@@ -266,15 +292,36 @@ def _child(name: str, args: argparse.Namespace) -> dict[str, Any]:
     return json.loads(found[-1])
 
 
+def peer_result(results: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The best peer (NOTE [Best peer] in benchmarks/strategies.py): the peer that trains the longest
+    sequence (then the smaller device peak there)."""
+    def rank(r: dict[str, Any]) -> tuple[int, float]:
+        peak = (r.get("at_longest") or {}).get("peak_device_bytes")
+        return -r["longest"], float("inf") if peak is None else peak
+    return best_peer(results, rank)
+
+
+def _ratio(value: float | None, base: float | None) -> str:
+    return "n/a" if value is None or not base else f"{value / base:.2f}x"
+
+
 def format_table(results: list[dict[str, Any]], max_seq: int) -> str:
+    """Longest sequence, and the device peak, host bytes and step time (the second step) at it; ratios
+    of the longest sequence to full recompute (FR) and to the best peer (BP)."""
     base = next((r for r in results if r["strategy"] == "full-recompute"), None)
-    header = ("strategy", "longest seq", "first failure", "vs full-recompute", "tries")
+    peer = peer_result(results)
+    header = ("strategy", "longest seq", "first failure", "vs FR", "vs BP", "device peak", "host bytes",
+              "step time", "tries")
     rows = [header]
     for r in results:
         longest = f"{r['longest']:,}" + (" (= --max-seq)" if r["capped_by_max_seq"] else "")
-        ratio = "n/a" if not base or not base["longest"] else f"{r['longest'] / base['longest']:.2f}x"
         failure = "-" if r["first_failure"] is None else f"{r['first_failure']:,}"
-        rows.append((r["strategy"], longest, failure, ratio, str(len(r["tries"]))))
+        at = r.get("at_longest") or {}
+        peak, host, step = at.get("peak_device_bytes"), at.get("host_bytes"), at.get("step_time_s")
+        rows.append((r["strategy"], longest, failure, _ratio(r["longest"], base and base["longest"]),
+                     _ratio(r["longest"], peer and peer["longest"]),
+                     "-" if peak is None else format_mib(peak), "-" if host is None else format_mib(host),
+                     "-" if step is None else f"{step * 1e3:,.0f} ms", str(len(r["tries"]))))
     return align(rows)
 
 
@@ -362,12 +409,15 @@ def main(argv: list[str] | None = None) -> int:
     # --jobs: searches in parallel interpreters (CPU only, see _defaults); the table keeps ROWS' order.
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
         results = list(pool.map(run, names))
-    print(f"\n{args.model}, device memory {budget}: longest sequence that trains two steps\n")
+    peer = peer_result(results)
+    print(f"\n{args.model}, device memory {budget}: longest sequence that trains two steps; device peak, "
+          "host bytes and step time (step 2) at that length; ratios to full-recompute (FR) and to the best "
+          f"peer (BP: {peer['strategy'] if peer else 'none run'}, the longest of {', '.join(PEERS)})\n")
     print(format_table(results, args.max_seq))
     if args.json:
         out = {"version": BENCH_VERSION, "kind": BENCH_KIND, "model": args.model, "device": args.device,
                "dtype": args.dtype, "device_mem_mb": args.device_mem_mb, "granularity": args.granularity,
-               "max_seq": args.max_seq, "results": results}
+               "max_seq": args.max_seq, "best_peer": peer and peer["strategy"], "results": results}
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
         print(f"json written to {args.json}")
     return 0

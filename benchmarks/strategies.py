@@ -7,6 +7,11 @@ One invocation trains the same model (same seed, same data) with
 - ``full-recompute``: ``torch.utils.checkpoint`` per layer,
 - ``full-offload``: memo's wrapper with alpha = 1,
 - ``memo``: memo with the solved alpha ("auto") and the planned allocator,
+- ``offloaded-checkpoint``: ALST's recipe with PyTorch's APIs (every layer checkpointed, its input
+  offloaded to pinned host memory, its MLP tiled),
+- ``torchtune-offload``: torchtune's activation offloading with its activation checkpointing (an
+  equivalent written from its documented behaviour: NOTE [torchtune's activation offloading] in
+  memo/train/strategies.py),
 - ``save-on-cpu``: PyTorch's ``torch.autograd.graph.save_on_cpu(pin_memory=<cuda>)`` around
   forward + backward of the plain model (the baseline a PyTorch user would otherwise pick),
 
@@ -14,7 +19,13 @@ and on CUDA also ``none`` and ``full-recompute`` under PyTorch's own caching all
 with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (each in a fresh interpreter, since the
 allocator is fixed at CUDA initialisation). It prints one table: alpha, mean step time (steps
 after the first), tokens per GPU per second, MFU, device peak, host bytes, planned/fallback
-allocations, and ratios to full recompute.
+allocations, and ratios to full recompute and to the best peer.
+
+NOTE [Best peer]
+The peers are what a user would pick instead of memo: ``offloaded-checkpoint``, ``torchtune-offload``,
+``save-on-cpu`` and ``full-offload`` (``_common.PEERS``). The best peer of a table is the one that
+does best at what the table measures: here the lowest device peak (then the shorter step), in
+benchmarks/max_seq_len.py the longest sequence. Its name is printed in the table's header.
 
 NOTE [Same meter for every row]
 The in-process rows all run under one memo.allocator context per row (see NOTE [Measuring
@@ -47,7 +58,7 @@ import time
 from typing import Any
 
 import torch
-from _common import ROWS, add_device_arguments, build_strategy, resolve_device
+from _common import PEERS, ROWS, add_device_arguments, best_peer, build_strategy, resolve_device
 
 from memo.cli.args import positive_float, positive_int, seq_len
 from memo.errors import MemoError
@@ -55,7 +66,7 @@ from memo.estimate import align
 from memo.train.strategies import MemoryMeter
 from memo.units import format_mib
 
-__all__ = ["format_table", "main", "run_row"]
+__all__ = ["format_table", "main", "peer_row", "run_row"]
 
 #: Rows that also run under PyTorch's own CUDA allocators (subprocesses, CUDA only).
 TORCH_ALLOCATOR_ROWS = ("none", "full-recompute")
@@ -141,11 +152,19 @@ def _ratio(value: float | None, base: float | None) -> str:
     return f"{value / base:.2f}x"
 
 
+def peer_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The best peer (NOTE [Best peer]): the peer row with the lowest device peak, then the fastest."""
+    return best_peer(rows, lambda r: (r["peak_device_bytes"] if r["peak_device_bytes"] is not None
+                                      else float("inf"), r["mean_step_time_s"]))
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
-    """The side-by-side table; ratios are row / full-recompute (memo's allocator row)."""
+    """The side-by-side table; ratios are row / full-recompute (memo's allocator row), and row / the
+    best peer (NOTE [Best peer])."""
     base = next((r for r in rows if r["row"] == "full-recompute"), None)
+    peer = peer_row(rows)
     header = ("strategy", "alpha", "step time", "TGS", "MFU", "device peak", "host bytes",
-              "planned/fallback", "time/FR", "MFU/FR", "peak/FR")
+              "planned/fallback", "time/FR", "MFU/FR", "peak/FR", "time/BP", "peak/BP")
     table = [header]
     for r in rows:
         table.append((
@@ -160,6 +179,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             _ratio(r["mean_step_time_s"], base and base["mean_step_time_s"]),
             _ratio(r["mean_mfu"], base and base["mean_mfu"]),
             _ratio(r["peak_device_bytes"], base and base["peak_device_bytes"]),
+            _ratio(r["mean_step_time_s"], peer and peer["mean_step_time_s"]),
+            _ratio(r["peak_device_bytes"], peer and peer["peak_device_bytes"]),
         ))
     return align(table)
 
@@ -242,20 +263,23 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
                 print(f"  {row['row']}: {row['mean_step_time_s'] * 1e3:,.0f} ms/step, "
                       f"peak {format_mib(row['peak_device_bytes'])}", flush=True)
+    peer = peer_row(rows)
     print(f"\n{args.model}, seq {args.seq_len:,}: mean over steps 2..{args.steps}; ratios to full-recompute "
-          "(FR)\n")
+          f"(FR) and to the best peer (BP: {peer['row'] if peer else 'none run'}, the lowest device peak of "
+          f"{', '.join(PEERS)})\n")
     print(format_table(rows))
     kinds = sorted({f"{r['row']}: {r['peak_device_kind']}" for r in rows})
     print("\ndevice peak measured as: " + "; ".join(kinds))
     if not cuda:
-        print("host bytes: memo's host arena; for save-on-cpu the peak of host copies held, emulated on CPU "
-              "(NOTE [save_on_cpu on the CPU backend]); MFU n/a: no peak FLOPS for a CPU")
+        print("host bytes: memo's host arena; for save-on-cpu, offloaded-checkpoint and torchtune-offload "
+              "the peak of host copies held, emulated on CPU (NOTE [save_on_cpu on the CPU backend]); MFU "
+              "n/a: no peak FLOPS for a CPU")
     for line in skipped:
         print(f"skipped: {line}")
     if args.json:
         out = {"version": BENCH_VERSION, "kind": BENCH_KIND, "model": args.model, "seq_len": args.seq_len,
                "micro_batch": args.micro_batch, "device": args.device, "dtype": args.dtype,
-               "steps": args.steps, "rows": rows, "skipped": skipped}
+               "steps": args.steps, "rows": rows, "best_peer": peer and peer["row"], "skipped": skipped}
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(out, f, indent=2)
             f.write("\n")
