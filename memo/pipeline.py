@@ -591,8 +591,18 @@ def _policy_costs(job: _Job, plain: Recording, states: dict[str, Any], layer_par
                   q: dict[str, Any]) -> tuple[tuple, Any]:
     """The alpha LP's inputs and the layer policy's cost model, from pass 1 and the machine."""
     stats = plain.layer_stats
-    host = job.machine.host_per_process(int(q["host_memory_bytes"].value))
     summary = plain.trace["layers"]
+    # The runtime starts every tensor it offloads at a SLOT_ALIGNMENT boundary (NOTE [Slot alignment]
+    # in memo/runtime/buffers.py), which the S_* do not count: a few dozen tensors per tile of every
+    # offloaded layer. Leave that room, so that an arena the LP filled to the byte still fits.
+    from memo.runtime.buffers import SLOT_ALIGNMENT
+    from memo.runtime.layer import min_chunk_tokens
+
+    rows = int(summary.get("rows", 0))
+    hidden = int(summary["S_input"]) // max(1, rows * job.micro_batch * job.dtype.itemsize)
+    most_tiles = 1 + rows // min_chunk_tokens(job.micro_batch, hidden, job.device.type)
+    slack = len(stats) * SLOT_ALIGNMENT * 32 * most_tiles
+    host = max(0, job.machine.host_per_process(int(q["host_memory_bytes"].value)) - slack)
     # NOTE [Per-rank sizes]: with Megatron tensor + sequence parallelism over tp ranks, the
     # profiled model is one rank (NOTE [Tensor-parallel rank] in memo/models/parallel.py), so the
     # S_*, the alpha LP, the layer policy and the address plan all describe that rank. A T_layer

@@ -178,6 +178,11 @@ def device_need(c: LayerCosts, n_memo: int, n_fr: int, n_keep: int, alpha: float
     }
 
 
+def _split_need(c: LayerCosts, split: Split, alpha: float) -> dict[str, int]:
+    n_memo, n_fr, n_keep, n_in = split
+    return device_need(c, n_memo, n_fr, n_keep, alpha, n_in)
+
+
 def _constant_transient(c: LayerCosts, n_fr: int, n_in: int) -> int:
     """The backward bytes of the split's full-recompute and input-only layers (alpha plays no part)."""
     return max(c.keep_bytes if n_fr else 0, c.input_only_bytes if n_in else 0)
@@ -279,7 +284,7 @@ def _no_fit_error(c: LayerCosts, smallest: tuple[int, Split, float], cap: float,
     """The error when no split fits: the budget (and its usable part), the smallest need with its
     parts, and what to give more of."""
     need, split, a = smallest
-    parts = device_need(c, *split, a)
+    parts = _split_need(c, split, a)
     detail = ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items())
     what = _describe(*split, a)
     return DeviceBudgetError(
@@ -368,7 +373,7 @@ def choose_policy(c: LayerCosts, device_budget: int | None = None, alpha: float 
         a, why, solution = _lp_alpha(c, split, cap, a, why)
     if n_memo == 0 and n_in == 0 and n_keep < c.n_layers:
         why = "device_memory"
-    parts = device_need(c, *split, a)
+    parts = _split_need(c, split, a)
     policy = _policy(n_memo, n_fr, n_keep, n_in)
     return PolicySolution(policy=policy, alpha=float(a), binding=why,
                           extra_seconds=seconds, device_bytes=sum(parts.values()), parts=parts,

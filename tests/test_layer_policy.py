@@ -190,3 +190,43 @@ def test_fallback_headroom_is_at_least_one_segment() -> None:
     assert usable_device_bytes(16 << 20) == 14 << 20  # 2 MiB of 16 MiB: one segment, 12.5%
     assert usable_device_bytes(40 << 20) == 38 << 20  # where the two meet
     assert usable_device_bytes(1 << 20) == 0  # a budget below one segment leaves nothing usable
+
+
+def test_input_only_layers_take_over_where_host_memory_binds() -> None:
+    """NOTE [Input-only layers]: with host memory for every layer's input but not for memo's input and
+    attention output, the policy offloads inputs alone on as many layers as it must, says that host
+    memory binds, and still fits the device budget; with the host memory to spare it keeps memo."""
+    from memo.planner import choose_policy
+
+    c = _costs(bandwidth=1e12)
+    budget = 90 << 20  # every layer must offload: no room to keep one, or to hold three layers' inputs
+    ample = choose_policy(c, device_budget=budget)
+    assert ample.counts["input-only"] == 0 and ample.counts["memo"] > 0
+    memo_host = 12 * c.copy_bytes(0.0)
+    tight = dataclasses.replace(c, host_memory=int(memo_host * 0.75))
+    sol = choose_policy(tight, device_budget=budget)
+    n_memo, n_in = sol.counts["memo"], sol.counts["input-only"]
+    assert n_in > 0 and sol.binding == "host_memory"
+    assert n_memo * tight.copy_bytes(sol.alpha) + n_in * tight.s_input <= tight.host_memory
+    assert sol.device_bytes <= budget and sol.device_bytes <= sol.full_recompute_bytes
+    # Every layer under memo at alpha = 0 would not fit the host: the policy is not all memo.
+    assert n_memo * tight.copy_bytes(0.0) < memo_host
+    # Host memory for the inputs alone: every offloading layer is input-only.
+    inputs_only = dataclasses.replace(c, host_memory=12 * c.s_input)
+    sol = choose_policy(inputs_only, device_budget=budget)
+    assert sol.counts["memo"] == 0 and sol.counts["input-only"] > 0 and sol.binding == "host_memory"
+
+
+def test_the_policy_chooses_a_smaller_tile_to_fit_the_budget() -> None:
+    """NOTE [Tiles bounded by memory]: where a layer's backward in the runtime's tiles does not fit,
+    a smaller tile of ``tile_choices`` does, and the plan records it; where it fits, the default stays."""
+    from memo.planner import choose_policy
+
+    c = _costs(bandwidth=1e12, s_others=400 << 20, recompute_chunks=1,
+               tile_choices=((512, 2), (256, 4), (128, 8)))
+    roomy = choose_policy(c, device_budget=4 << 30)
+    assert roomy.tile_tokens is None
+    with pytest.raises(MemoError, match="no layer policy fits"):
+        choose_policy(dataclasses.replace(c, tile_choices=()), device_budget=300 << 20)
+    tight = choose_policy(c, device_budget=300 << 20)
+    assert tight.tile_tokens in (512, 256, 128) and tight.device_bytes <= (300 << 20) + 2  # buffers round up

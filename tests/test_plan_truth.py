@@ -45,6 +45,8 @@ def _comparable(plan: Any) -> dict[str, Any]:
 @pytest.mark.parametrize(("model", "seq", "layer_ms", "policy", "alpha"), [
     # A mixed layer policy, given: memo's offload/recompute, full recompute and kept layers at once.
     ("tiny", 1024, 3.0, ["memo", "memo", "recompute", "keep"], 0.3),
+    # The input-only policy beside memo (NOTE [Input-only layers]), tiled as the runtime tiles.
+    ("tiny", 1024, 3.0, ["input-only", "memo", "input-only", "keep"], 0.3),
     # The planner's own choice (policy, alpha and the calibration passes behind them): every layer
     # memo, alpha 0.137 from the LP (the device binds), as at 1,024 tokens (alpha 0.212), where
     # the CPU profile took three times as long.
@@ -81,13 +83,18 @@ def test_the_plan_made_on_meta_is_the_plan_made_on_cpu(model: str, seq: int, lay
 @pytest.mark.slow
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.filterwarnings("ignore::UserWarning")
-@pytest.mark.parametrize(("model", "seq"), [("tiny", 2048), ("gpt-mini", 2048)])
-def test_the_device_total_is_what_memo_train_measures(model: str, seq: int, tmp_path: Path,
+@pytest.mark.parametrize(("model", "seq", "host"), [
+    ("tiny", 2048, ["--host-mem-gb", "64"]), ("gpt-mini", 2048, ["--host-mem-gb", "64"]),
+    # 3 MB of host memory holds one layer's input and attention output and three layers' inputs: the
+    # policy runs input-only layers (NOTE [Input-only layers]), and memory-bounded tiles throughout.
+    ("tiny", 2048, ["--host-mem-gb", "0.003", "--host-safety", "1"]),
+], ids=["tiny", "gpt-mini", "tiny-input-only"])
+def test_the_device_total_is_what_memo_train_measures(model: str, seq: int, host: list[str], tmp_path: Path,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     plan_path, report_path = tmp_path / "plan.json", tmp_path / "report.json"
     job = ["--model", model, "--seq-len", str(seq)]
     assert main(["profile", *job, "--device", "cpu", "--dtype", "float32", "--bandwidth-gbps", "32",
-                 "--layer-ms", "3", "--host-mem-gb", "64", "-o", str(plan_path), "--quiet"]) == 0
+                 "--layer-ms", "3", *host, "-o", str(plan_path), "--quiet"]) == 0
     # Two steps: the optimizer's states exist from the first step's end, so the second holds them
     # beside its activations, as the plan's total counts them.
     assert main(["train", *job, "--dtype", "float32", "--steps", "2", "--no-progress",
@@ -108,3 +115,5 @@ def test_the_device_total_is_what_memo_train_measures(model: str, seq: int, tmp_
     what = (f"{model} at {seq}: plan total {total:,} B (policy {plan['policy']}, alpha {plan['alpha']:.3f}), "
             f"measured {measured:,} B")
     assert abs(measured - total) <= 0.03 * total, what
+    if "0.003" in host:
+        assert "input-only" in plan["policy"] and report["host_pinned_bytes"] <= 3_000_000, what

@@ -45,7 +45,12 @@ def format_plan(plan: Plan) -> str:
         from memo.planner import describe_policy
 
         out.append(f"policy        {describe_policy(plan.policy)} (per layer: "
-                   f"{' '.join(p[0] for p in plan.policy)}; m = memo, r = full recompute, k = keep)")
+                   f"{' '.join(p[0] for p in plan.policy)}; m = memo, i = input-only, r = full recompute, "
+                   "k = keep)")
+        if any(p in ("memo", "input-only") for p in plan.policy):  # NOTE [Tiles bounded by memory]
+            out.append("tiles         " + ("the runtime's default (s/8 tokens, at most 256 MiB of a tile's "
+                                           "transients)" if plan.tile_tokens is None else
+                                           f"{plan.tile_tokens:,} tokens (chosen to fit the device budget)"))
     out += device_lines(plan.device)
     if plan.offload:  # NOTE [Planned and actual offload] in memo/planner/plan.py
         o = plan.offload
@@ -86,7 +91,8 @@ def parallel_line(meta: dict) -> str:
 
 
 BINDING_WORDS = {"bandwidth": "bandwidth (the link cannot move more under one layer's compute)",
-                 "host_memory": "host memory (the pinned arena is full)",
+                 "host_memory": "host memory (the pinned arena is full: a larger alpha, or a memo layer in "
+                                "place of an input-only one, would not fit)",
                  "device_memory": "device memory (a faster layer policy or larger alpha would not fit)",
                  "alpha<=1": "none (everything is offloaded, nothing recomputed)",
                  "none": "none (every layer keeps its activations)",
