@@ -12,8 +12,9 @@ PYTEST_ARGS ?= --durations=15 -n 2 --dist loadfile
 
 WHEELS     ?=
 GPU_CHECK_ARGS ?=
+GPU_BENCH_ARGS ?=
 
-.PHONY: install demo test lint bench clean gpu-check notorch-check
+.PHONY: install demo test lint bench clean gpu-check gpu-bench notorch-check
 
 # The install runs again only when something native changed (the stamp is older than a
 # source under csrc/, setup.py or pyproject.toml) or memo cannot be imported: the Python
@@ -76,6 +77,20 @@ gpu-check:
 	MEMO_BUILD_CUDA=1 $(PIP) install --no-build-isolation --no-deps -e .
 	$(PYTHON) -c "import torch, memo, memo._C; print('memo installed:', memo._C.build_info())"
 	$(PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+
+# memo against its peers on one GPU (issue 27), llama-3.2-1b in bf16, within a time budget that
+# starts when this target does (the build is inside it; benchmarks/gpu_bench.py, NOTE [Time budget]):
+#   make gpu-bench WHEELS=dir   (GPU_BENCH_ARGS="--time-budget-s 900" for less time)
+# Writes benchmarks/results/gpu_bench.md (to paste into benchmarks/RESULTS.md) and gpu_bench.json.
+# Stops at once, non-zero, where no CUDA device is present; `python benchmarks/gpu_bench.py --dry-run`
+# runs the same code on the CPU. GPU_BENCH_START: make expands the recipe before its first line runs.
+gpu-bench:
+	@$(PYTHON) benchmarks/gpu_bench.py --preflight
+	$(eval GPU_BENCH_START := $(shell date +%s))
+	@if [ -n "$(WHEELS)" ]; then $(PIP) install -q --no-index --no-deps $(WHEELS)/*.whl; fi
+	MEMO_BUILD_CUDA=1 $(PIP) install --no-build-isolation --no-deps -e .
+	$(PYTHON) -c "import torch, memo, memo._C; print('memo installed:', memo._C.build_info())"
+	$(PYTHON) benchmarks/gpu_bench.py --started-at $(GPU_BENCH_START) $(GPU_BENCH_ARGS)
 
 bench: install
 	$(PYTHON) benchmarks/head_memory.py

@@ -242,3 +242,10 @@ for _name, _layers, _hidden, _heads, _ffn in (("llama-3.1-8b", 32, 4096, 32, 143
     register_config(ModelConfig(name=_name, arch="llama", n_layers=_layers, hidden=_hidden, n_heads=_heads,
                                 n_kv_heads=8, ffn_hidden=_ffn, vocab_size=128256, norm_eps=1e-5,
                                 rope_theta=500000.0))
+# Llama 3.2 1B (meta-llama/Llama-3.2-1B, config.json: 16 layers, hidden_size 2048, 32 attention heads,
+# 8 key/value heads, intermediate_size 8192, vocab_size 128256, rms_norm_eps 1e-5, rope_theta 500000):
+# the 1B-class shape of benchmarks/gpu_bench.py. Llama 3.2 ties its LM head to the embedding
+# (tie_word_embeddings: 1.24B parameters); memo's Llama has an untied head, so this model has 1.50B.
+register_config(ModelConfig(name="llama-3.2-1b", arch="llama", n_layers=16, hidden=2048, n_heads=32,
+                            n_kv_heads=8, ffn_hidden=8192, vocab_size=128256, norm_eps=1e-5,
+                            rope_theta=500000.0))
