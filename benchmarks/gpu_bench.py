@@ -736,6 +736,8 @@ def _memo_vs_plan(results: dict[str, dict[str, Any]], lengths: list[int]) -> lis
 
 
 def _k(n: int) -> str:
+    if n % 2**20 == 0:
+        return f"{n // 2**20}M"
     return f"{n // 1024}K" if n % 1024 == 0 else f"{n:,}"
 
 
