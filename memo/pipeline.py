@@ -88,7 +88,12 @@ DTYPES: dict[str, torch.dtype] = {
 # of PyTorch's allocator leaves room between "allocated" and "reserved"; the plan still records
 # the whole budget, which `memo train` enforces. The share is at least one segment of the pool
 # (FALLBACK_SEGMENT_BYTES): under a small budget 5% is less than one segment's rounding, and a
-# plan that "fits" then fails in step 2 (tiny at 1,024 tokens under 16 MiB did).
+# plan that "fits" then fails in step 2 (tiny at 1,024 tokens under 16 MiB did). memo's two rounding
+# buffers are such fallback allocations, which live through the training: the policy counts them in
+# whole segments (LayerCosts.buffer_rounding), else at a large alpha their rounding alone can eat the
+# headroom (a 16-layer Llama at 2,048 tokens under 40 MiB: two 7.2 MiB buffers in 8 MiB of segments,
+# and AdamW's states, made at the end of step 1, had to borrow the arena's idle bytes: step 2 left
+# the plan and ran out of memory).
 FALLBACK_HEADROOM = 0.05
 #: The fallback pool's segment granularity: kSegmentGranularity in csrc/core/fallback_allocator.h
 #: (tests/test_layer_policy.py reads it there).
@@ -897,7 +902,8 @@ def _layer_costs(trace: dict[str, Any], lp_inputs: tuple, seq_len: int, micro_ba
     return LayerCosts(n_layers=n_layers, s_input=int(s_input), s_attn=int(s_attn), s_others=int(s_others),
                       layer_time=float(layer_s), attn_fraction=float(min(max(fraction, 0.0), 1.0)),
                       base_bytes=int(base + static), bandwidth=float(bandwidth), host_memory=int(host),
-                      recompute_chunks=chunks, tile_choices=tuple(choices))
+                      recompute_chunks=chunks, tile_choices=tuple(choices),
+                      buffer_rounding=FALLBACK_SEGMENT_BYTES)
 
 
 def _wrapped_pass(job: _Job, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, alpha: float,

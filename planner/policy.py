@@ -101,10 +101,18 @@ class LayerCosts:
     #: Smaller tiles the policy may choose instead of the runtime's default, largest first:
     #: ``(tile tokens, chunks of a layer)`` (NOTE [Tiles bounded by memory] in memo/runtime/layer.py).
     tile_choices: tuple[tuple[int, int], ...] = ()
+    #: The device pool serves each rounding buffer in whole segments of this many bytes (0: exact):
+    #: NOTE [Fallback headroom] in memo/pipeline.py.
+    buffer_rounding: int = 0
 
     @property
     def keep_bytes(self) -> int:
         return self.s_input + self.s_attn + self.s_others
+
+    def buffer_bytes(self, nbytes: float) -> int:
+        """What one rounding buffer of ``nbytes`` takes on the device: whole segments of the pool."""
+        n = int(math.ceil(nbytes))
+        return -(-n // self.buffer_rounding) * self.buffer_rounding if self.buffer_rounding > 0 else n
 
     def copy_bytes(self, alpha: float) -> float:
         return self.s_input + self.s_attn + alpha * self.s_others
@@ -160,7 +168,9 @@ def device_need(c: LayerCosts, n_memo: int, n_fr: int, n_keep: int, alpha: float
     alpha, by part (NOTE [Policy cost model])."""
     transient = max(c.keep_bytes if n_fr else 0, int((1 - alpha) * c.recompute_bytes) if n_memo else 0,
                     c.input_only_bytes if n_in else 0)
-    buffers = 2 * int(math.ceil(c.copy_bytes(alpha))) if n_memo else 2 * c.s_input if n_in else 0
+    buffers = 0
+    if n_memo or n_in:  # the buffers hold the largest offloading layer: memo's, else an input-only one's
+        buffers = 2 * c.buffer_bytes(c.copy_bytes(alpha) if n_memo else c.s_input)
     correction = 0
     if n_memo:
         correction = c.memo_overhead + int(alpha * c.memo_alpha_bytes)
@@ -194,7 +204,7 @@ def _alpha_upper(c: LayerCosts, n_memo: int, n_fr: int, n_keep: int, cap: float,
     base = c.s_input + c.s_attn
     so = max(c.s_others, 1e-9)
     fixed = c.base_bytes + n_keep * c.keep_bytes + n_fr * c.s_input + c.memo_overhead
-    room = cap - fixed - 2 * base
+    room = cap - fixed - 2 * base - 2 * c.buffer_rounding  # each buffer rounds up by < one segment
     # buffers 2(base + a So) plus max(C, (1 - a) R), C the other layers' backward: two linear bounds,
     # both upper bounds on a (R <= So, so 2 So - R > 0).
     r = c.recompute_bytes
@@ -306,7 +316,7 @@ def _lp_alpha(c: LayerCosts, split: Split, cap: float, a: float, why: str
     solution."""
     n_memo, n_fr, n_keep, n_in = split
     fixed_other = c.base_bytes + n_keep * c.keep_bytes + n_fr * c.s_input + c.memo_overhead
-    linear = 2 * (c.s_input + c.s_attn)
+    linear = 2 * (c.s_input + c.s_attn + c.buffer_rounding)
     slope = 2 * c.s_others + max(0, c.memo_alpha_bytes)
     r = c.recompute_bytes
     other = _constant_transient(c, n_fr, n_in)
