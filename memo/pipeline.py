@@ -686,11 +686,12 @@ def _recorded_choice(job: _Job, chosen: Any, costs: Any, probe: _ProbeContext, m
         job.say(f"policy: {describe_policy(chosen.policy)}; alpha = {result.alpha.alpha:.4f} "
                 f"(binding: {result.alpha.binding}); device need {format_bytes(chosen.device_bytes)} per "
                 f"rank, estimated (full recompute {format_bytes(chosen.full_recompute_bytes)})")
-        if not may_probe or not chosen.counts.get("memo"):
+        if not may_probe or not (chosen.counts.get("memo") or chosen.counts.get("input-only")):
             break
         trace, _ = _wrapped_pass(job, probe.net, probe.ids, probe.labels, result.alpha.alpha, False,
                                  probe.plain, chosen.policy, chosen.tile_tokens)
-        total = job.recorded_total(trace, probe.static)
+        total = max(job.recorded_total(trace, probe.static),  # NOTE [The optimizer's moment]
+                    job.agree_max(_optimizer_moment(trace, probe.static)))
         if total <= chosen.device_cap:
             break
         if attempt == 4:
@@ -828,20 +829,59 @@ def _calibrate_memo(job: _Job, costs: Any, net: nn.Module, ids: torch.Tensor, la
     The cost model leaves out what a memo layer's backward holds besides its recomputed share
     (gradients of q, k, v and o, the prefetched layer's rounding buffer in flight) and may count
     more than the runtime holds at once; the correction is added to, or taken from, every split
-    with memo layers. Skipped where the host memory cannot hold even alpha = 0.
+    with memo or input-only layers. Where the host memory cannot hold every layer at alpha = 0 but
+    can hold every layer's input, the recording is of every layer input-only (NOTE [Input-only
+    layers]) instead: the estimate of the policies the host allows is then the one checked (without
+    it, an estimate far above what the runtime holds went uncorrected: Llama-3.1-8B at 336K on meta
+    was estimated at 73.4 GB, recorded at 55.7 GB). Skipped where the host holds neither.
     """
     from memo.planner import device_need
 
     n = costs.n_layers
-    if n * costs.copy_bytes(0.0) > costs.host_memory:
+    if n * costs.copy_bytes(0.0) <= costs.host_memory:
+        policy, estimate = ["memo"] * n, sum(device_need(costs, n, 0, 0, 0.0).values())
+    elif n * costs.s_input <= costs.host_memory:
+        policy, estimate = ["input-only"] * n, sum(device_need(costs, 0, 0, 0, 0.0, n).values())
+    else:
         return costs
     try:
-        memo_trace, _ = _wrapped_pass(job, net, ids, labels, 0.0, False, plain, ["memo"] * n)
+        memo_trace, _ = _wrapped_pass(job, net, ids, labels, 0.0, False, plain, policy)
     except MemoError:
         return costs  # the chosen policy's probe (below) still checks what is chosen
     measured = job.recorded_total(memo_trace, static)
-    estimate = sum(device_need(costs, n, 0, 0, 0.0).values())
     return dataclasses.replace(costs, memo_overhead=costs.memo_overhead + measured - estimate)
+
+
+# NOTE [The optimizer's moment]
+# The plan's arena is reserved for the whole run, also while the optimizer steps, when none of it is
+# in use: then the fallback pool holds every gradient, the rounding buffers and the optimizer's states
+# (made at the end of step 1) beside it. A policy whose recorded iteration fits the cap can still
+# not fit that moment (its peak came early in backward, with few gradients yet): the optimizer's
+# states then borrow the arena's idle bytes and the next iteration leaves the plan (a 16-layer Llama at
+# 2,048 tokens under 40 MiB ran out of memory in step 2). So the chosen policy must fit both: the
+# iteration's peak, and the arena (the most bytes live at once of the allocations the iteration frees)
+# beside what outlives the iteration, plus the model states.
+def _optimizer_moment(trace: dict[str, Any], static: int) -> int:
+    """NOTE [The optimizer's moment]: the arena's bytes, what outlives the iteration, and ``static``."""
+    sizes: dict[int, int] = {}
+    freed: set[int] = set()
+    for ev in trace["events"]:
+        if ev["op"] == "malloc":
+            sizes[ev["id"]] = ev["size"]
+        elif ev["op"] == "free":
+            freed.add(ev["id"])
+    live = arena = 0
+    for ev in trace["events"]:
+        ident = ev.get("id")
+        if ident not in freed:
+            continue
+        if ev["op"] == "malloc":
+            live += sizes[ident]
+            arena = max(arena, live)
+        elif ev["op"] == "free":
+            live -= sizes[ident]
+    outliving = sum(n for ident, n in sizes.items() if ident not in freed)
+    return arena + outliving + int(static)
 
 
 def _iteration_total(trace: dict[str, Any], static: int) -> int:
