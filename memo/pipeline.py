@@ -48,7 +48,7 @@ from torch import nn
 
 import memo.planner  # noqa: F401  NOTE [Import PuLP early]: imported first inside profile(), it pins the model
 from memo.adapters.model import model_adapter_for
-from memo.errors import MemoError
+from memo.errors import DeviceBudgetError, MemoError
 from memo.machine import GB, Machine
 from memo.profiler.bounds import check_least_memory, least_memory
 from memo.profiler.context_parallel import context_parallel_note, rank_tokens
@@ -695,7 +695,7 @@ def _recorded_choice(job: _Job, chosen: Any, costs: Any, probe: _ProbeContext, m
         if total <= chosen.device_cap:
             break
         if attempt == 4:
-            raise MemoError(
+            raise DeviceBudgetError(
                 f"memo.profiler: the chosen policy ({describe_policy(chosen.policy)}, alpha "
                 f"{result.alpha.alpha:.4f}) needs {format_bytes(total)} per rank when recorded, over the cap "
                 f"of {format_bytes(chosen.device_cap)}, after every correction of the estimate; give a fixed "
@@ -719,10 +719,17 @@ def _corrected_costs(costs: Any, chosen: Any, total: int, attempt: int) -> Any:
     on the cap tends to miss it by part of one: overshoot by a quarter. Where three
     corrections did not land, alpha > 0 is given up: memo at alpha = 0 was recorded.
     """
+    from memo.planner.policy import ALPHA_GIVEN_UP
+
     error = (total - chosen.device_bytes) * 5 // 4
+    if not chosen.counts.get("memo"):  # input-only layers alone: their own correction
+        return dataclasses.replace(costs, input_only_overhead=costs.input_overhead + error)
+    # A memo split's error is memo's: input-only splits keep the correction they had (they hold
+    # less, and are chosen again when memo no longer fits).
+    costs = dataclasses.replace(costs, input_only_overhead=costs.input_overhead)
     if attempt == 2:
-        return dataclasses.replace(costs, memo_alpha_bytes=1 << 62)
-    if chosen.alpha > 1e-6:
+        return dataclasses.replace(costs, memo_alpha_bytes=ALPHA_GIVEN_UP)
+    if chosen.alpha > 1e-6 and costs.memo_alpha_bytes < ALPHA_GIVEN_UP:
         return dataclasses.replace(costs, memo_alpha_bytes=costs.memo_alpha_bytes + int(
             math.ceil(error / chosen.alpha)))
     return dataclasses.replace(costs, memo_overhead=costs.memo_overhead + error)
@@ -865,15 +872,18 @@ def _optimizer_moment(trace: dict[str, Any], static: int) -> int:
     """NOTE [The optimizer's moment]: the arena's bytes, what outlives the iteration, and ``static``."""
     sizes: dict[int, int] = {}
     freed: set[int] = set()
+    phased: set[int] = set()
     for ev in trace["events"]:
         if ev["op"] == "malloc":
             sizes[ev["id"]] = ev["size"]
+            if ev.get("phase") is not None:
+                phased.add(ev["id"])
         elif ev["op"] == "free":
             freed.add(ev["id"])
     live = arena = 0
     for ev in trace["events"]:
         ident = ev.get("id")
-        if ident not in freed:
+        if ident not in freed or ident not in phased:  # the arena serves phased requests only
             continue
         if ev["op"] == "malloc":
             live += sizes[ident]

@@ -47,9 +47,9 @@ from memo.units import format_bytes
 
 from .alpha import AlphaSolution, solve_alpha
 
-__all__ = ["LAYER_POLICIES", "OFFLOADING_POLICIES", "LayerCosts", "PolicySolution", "choose_policy",
-           "describe_policy", "device_need", "full_recompute_need", "given_policy", "usable_budget",
-           "validate_policy"]
+__all__ = ["ALPHA_GIVEN_UP", "LAYER_POLICIES", "OFFLOADING_POLICIES", "LayerCosts", "PolicySolution",
+           "choose_policy", "describe_policy", "device_need", "full_recompute_need", "given_policy",
+           "usable_budget", "validate_policy"]
 
 #: What a layer may do (NOTE [Layer policy] in memo/runtime/runtime.py): the vocabulary lives here,
 #: in the torch-free planner, so that loading a plan that records a policy needs no torch.
@@ -93,6 +93,9 @@ class LayerCosts:
     #: Bytes a recorded iteration with memo layers needed beyond this model (NOTE [Calibrated policy]
     #: in memo/pipeline.py); added to every split that has memo layers. May be negative.
     memo_overhead: int = 0
+    #: The same for the splits whose offloading layers are all input-only (None: memo_overhead), once
+    #: a recorded memo split corrected memo_overhead alone (NOTE [Calibrated policy]).
+    input_only_overhead: int | None = None
     #: Bytes per unit of alpha that such a recording showed beyond the model's (the error of the
     #: model's slope in alpha: what the [0:a] sub-graphs hold in forward besides the buffers).
     memo_alpha_bytes: int = 0
@@ -122,6 +125,11 @@ class LayerCosts:
         """R: the recomputed activations a memo layer's backward holds at alpha = 0, one chunk's
         (NOTE [Policy cost model]); (1 - alpha) R at alpha."""
         return self.s_others / max(1, self.recompute_chunks)
+
+    @property
+    def input_overhead(self) -> int:
+        """The measured correction of a split whose offloading layers are all input-only."""
+        return self.memo_overhead if self.input_only_overhead is None else self.input_only_overhead
 
     @property
     def input_only_bytes(self) -> int:
@@ -175,7 +183,7 @@ def device_need(c: LayerCosts, n_memo: int, n_fr: int, n_keep: int, alpha: float
     if n_memo:
         correction = c.memo_overhead + int(alpha * c.memo_alpha_bytes)
     elif n_in:
-        correction = c.memo_overhead
+        correction = c.input_overhead
     return {
         "base (model states, other activations)": c.base_bytes,
         "kept layers": n_keep * c.keep_bytes,
@@ -244,6 +252,8 @@ def _split_alpha(c: LayerCosts, n_memo: int, n_fr: int, n_keep: int, cap: float,
         return None  # not even alpha = 0 fits in host memory
     if alpha is not None:
         a, why = alpha, "given"
+    elif c.memo_alpha_bytes >= ALPHA_GIVEN_UP:
+        a, why = 0.0, "device_memory"
     else:
         # bandwidth is soft: below alpha = 0 the copies stall compute (counted in time)
         hard = {k: v for k, v in bounds.items() if k != "bandwidth" or v >= 0}
@@ -256,6 +266,10 @@ def _split_alpha(c: LayerCosts, n_memo: int, n_fr: int, n_keep: int, cap: float,
         return None
     return a, why
 
+
+#: ``LayerCosts.memo_alpha_bytes`` at or past this: alpha > 0 was given up (a recorded memo split kept
+#: needing more than its estimate), memo layers run at alpha = 0 (NOTE [Calibrated policy]).
+ALPHA_GIVEN_UP = 1 << 62
 
 #: One split of the layers: (n_memo, n_fr, n_keep, n_in) (NOTE [Policy cost model]).
 Split = tuple[int, int, int, int]
@@ -316,7 +330,9 @@ def _lp_alpha(c: LayerCosts, split: Split, cap: float, a: float, why: str
     solution."""
     n_memo, n_fr, n_keep, n_in = split
     fixed_other = c.base_bytes + n_keep * c.keep_bytes + n_fr * c.s_input + c.memo_overhead
-    linear = 2 * (c.s_input + c.s_attn + c.buffer_rounding)
+    # the buffers' rounding to whole segments, as it is at the split's alpha (a constant near it)
+    rounding = c.buffer_bytes(c.copy_bytes(a)) - int(math.ceil(c.copy_bytes(a)))
+    linear = 2 * (c.s_input + c.s_attn + rounding)
     slope = 2 * c.s_others + max(0, c.memo_alpha_bytes)
     r = c.recompute_bytes
     other = _constant_transient(c, n_fr, n_in)
