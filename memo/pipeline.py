@@ -675,13 +675,18 @@ class _ProbeContext:
     evaluate_alpha: Any
 
 
+#: Recordings of a chosen policy before the profile gives up (NOTE [Calibrated policy]).
+PROBES = 7
+
+
 def _recorded_choice(job: _Job, chosen: Any, costs: Any, probe: _ProbeContext, may_probe: bool,
                      result: ProfileResult) -> Any:
-    """The chosen policy recorded once (when ``may_probe`` and it has memo layers): an estimate
-    short of the cap is corrected (:func:`_corrected_costs`) and chosen again, up to five times."""
+    """The chosen policy recorded once (when ``may_probe`` and it has memo or input-only layers): an
+    estimate short of the cap is corrected (:func:`_corrected_costs`) and chosen again, PROBES times
+    at most (alpha, then memo at alpha = 0, then input-only layers alone, then what is left)."""
     from memo.planner import choose_policy, describe_policy
 
-    for attempt in range(5):
+    for attempt in range(PROBES):
         result.alpha = _alpha_of(chosen, probe.lp_inputs, probe.alpha, probe.evaluate_alpha)
         job.say(f"policy: {describe_policy(chosen.policy)}; alpha = {result.alpha.alpha:.4f} "
                 f"(binding: {result.alpha.binding}); device need {format_bytes(chosen.device_bytes)} per "
@@ -690,11 +695,12 @@ def _recorded_choice(job: _Job, chosen: Any, costs: Any, probe: _ProbeContext, m
             break
         trace, _ = _wrapped_pass(job, probe.net, probe.ids, probe.labels, result.alpha.alpha, False,
                                  probe.plain, chosen.policy, chosen.tile_tokens)
-        total = max(job.recorded_total(trace, probe.static),  # NOTE [The optimizer's moment]
-                    job.agree_max(_optimizer_moment(trace, probe.static)))
+        total = job.recorded_total(trace, probe.static)
+        if job.machine.device_budget_bytes is not None:  # NOTE [The optimizer's moment]
+            total = max(total, job.agree_max(_optimizer_moment(trace, probe.static)))
         if total <= chosen.device_cap:
             break
-        if attempt == 4:
+        if attempt == PROBES - 1:
             raise DeviceBudgetError(
                 f"memo.profiler: the chosen policy ({describe_policy(chosen.policy)}, alpha "
                 f"{result.alpha.alpha:.4f}) needs {format_bytes(total)} per rank when recorded, over the cap "
@@ -867,7 +873,8 @@ def _calibrate_memo(job: _Job, costs: Any, net: nn.Module, ids: torch.Tensor, la
 # states then borrow the arena's idle bytes and the next iteration leaves the plan (a 16-layer Llama at
 # 2,048 tokens under 40 MiB ran out of memory in step 2). So the chosen policy must fit both: the
 # iteration's peak, and the arena (the most bytes live at once of the allocations the iteration frees)
-# beside what outlives the iteration, plus the model states.
+# beside what outlives the iteration, plus the model states. Under a budget only: without one, the cap
+# is full recompute's iteration need, and an iteration is compared with an iteration.
 def _optimizer_moment(trace: dict[str, Any], static: int) -> int:
     """NOTE [The optimizer's moment]: the arena's bytes, what outlives the iteration, and ``static``."""
     sizes: dict[int, int] = {}
