@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+from torch import nn
 
 #: The project's bar for memo against the unwrapped model (fp32).
 RTOL = 1e-5
@@ -21,3 +24,21 @@ def assert_same_step(got: tuple[torch.Tensor, dict[str, torch.Tensor]],
     assert got[1].keys() == want[1].keys()
     worst = max((rel_err(got[1][n], g), n) for n, g in want[1].items())
     assert worst[0] < rtol, f"gradient of {worst[1]} differs: relative error {worst[0]:.3g}"
+
+
+def small_model(arch: str, n_layers: int = 4) -> nn.Module:
+    """memo's ``tiny`` (GPT) or ``llama-tiny`` at ``n_layers`` layers, float32."""
+    from memo.models import build_model, get_config
+
+    name = "tiny" if arch == "gpt" else "llama-tiny"
+    cfg = dataclasses.replace(get_config(name), n_layers=n_layers, name=f"{name}-{n_layers}")
+    return build_model(cfg, dtype=torch.float32)
+
+
+def train_step(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor
+               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One forward + backward of a memo model from no gradients: ``(loss, {name: grad})``."""
+    model.zero_grad(set_to_none=True)
+    loss = model(ids, labels)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

@@ -9,7 +9,6 @@ and the backward holds less than the unchunked one.
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ from torch import nn
 import memo.runtime as mr
 from memo.adapters import AnatomyAdapter, register_adapter, unregister_adapter
 from memo.errors import MemoError
-from memo.models import attention, build_model, get_config
+from memo.models import attention
 from memo.runtime.layer import (
     MIN_CHUNK_WORK,
     MIN_CPU_CHUNK_TOKENS,
@@ -26,7 +25,7 @@ from memo.runtime.layer import (
     min_chunk_tokens,
     token_chunks,
 )
-from tests.grads import assert_same_step
+from tests.grads import assert_same_step, small_model, train_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -76,30 +75,19 @@ def test_bad_chunk_size_is_refused(bad: object) -> None:
         mr.MemoRuntime(0.5, recompute_chunk_tokens=bad)
 
 
-def _model(arch: str, n_layers: int = 4) -> nn.Module:
-    name = "tiny" if arch == "gpt" else "llama-tiny"
-    cfg = dataclasses.replace(get_config(name), n_layers=n_layers, name=f"{name}-{n_layers}")
-    return build_model(cfg, dtype=torch.float32)
-
-
-def _step(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor):
-    model.zero_grad(set_to_none=True)
-    loss = model(ids, labels)
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 @pytest.mark.parametrize("arch", ["gpt", "llama"])
 @pytest.mark.parametrize(("alpha", "chunk"), [(0.0, 1), (0.0, 5), (0.3, 4), (0.3, 100), (0.75, 2), (1.0, 3)])
 def test_chunked_recompute_matches_unwrapped(arch: str, alpha: float, chunk: int) -> None:
-    ref = _model(arch)
+    ref = small_model(arch)
     model = mr.wrap(copy.deepcopy(ref), runtime=mr.MemoRuntime(alpha, recompute_chunk_tokens=chunk,
                                                               debug_copy_delay_us=200, policy=["memo"] * 4))
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, ref.config.vocab_size, (2, 23), generator=g)
     labels = torch.randint(0, ref.config.vocab_size, (2, 23), generator=g)
     for _ in range(2):
-        assert_same_step(_step(model, ids, labels), _step(ref, ids, labels))
+        assert_same_step(train_step(model, ids, labels), train_step(ref, ids, labels))
 
 
 class DropoutLayer(nn.Module):
@@ -182,7 +170,7 @@ def test_chunks_lower_the_backward_peak() -> None:
 
     peaks = {}
     for chunk in (None, 64):
-        ref = _model("gpt", n_layers=3)
+        ref = small_model("gpt", n_layers=3)
         rt = mr.MemoRuntime(0.0, recompute_chunk_tokens=chunk or 512, policy=["memo"] * 3)
         model = mr.wrap(ref, runtime=rt)
         ids = torch.zeros(1, 512, dtype=torch.long)

@@ -9,7 +9,6 @@ policies gives the unwrapped model's loss and gradients, with dropout, odd lengt
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import pytest
 import torch
@@ -17,10 +16,10 @@ from torch import nn
 
 import memo.runtime as mr
 from memo.adapters import AnatomyAdapter, register_adapter, unregister_adapter
-from memo.models import ModelConfig, attention, build_model, get_config
+from memo.models import ModelConfig, attention, build_model
 from memo.profiler import record
 from memo.runtime.layer import MIN_CPU_CHUNK_TOKENS, TILE_BYTES, token_chunks
-from tests.grads import assert_same_step
+from tests.grads import assert_same_step, small_model, train_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -94,17 +93,6 @@ def test_tiles_are_bounded_by_memory_and_grow_with_s() -> None:
     assert cpu[0][1] == MIN_CPU_CHUNK_TOKENS
 
 
-def _model(arch: str, n_layers: int = 4) -> nn.Module:
-    name = "tiny" if arch == "gpt" else "llama-tiny"
-    cfg = dataclasses.replace(get_config(name), n_layers=n_layers, name=f"{name}-{n_layers}")
-    return build_model(cfg, dtype=torch.float32)
-
-
-def _step(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor):
-    model.zero_grad(set_to_none=True)
-    loss = model(ids, labels)
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 POLICY_MIXES = [
@@ -123,14 +111,14 @@ CASES = [("llama", policy, alpha) for policy in POLICY_MIXES for alpha in (0.0, 
 @pytest.mark.parametrize(("arch", "policy", "alpha"), CASES, ids=lambda v: "+".join(v) if isinstance(v, list)
                          else str(v))
 def test_every_policy_mix_matches_unwrapped(arch: str, policy: list[str], alpha: float) -> None:
-    ref = _model(arch)
+    ref = small_model(arch)
     rt = mr.MemoRuntime(alpha, recompute_chunk_tokens=4, debug_copy_delay_us=200, policy=policy)
     model = mr.wrap(copy.deepcopy(ref), runtime=rt)
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, ref.config.vocab_size, (2, 23), generator=g)
     labels = torch.randint(0, ref.config.vocab_size, (2, 23), generator=g)
     for _ in range(2):
-        assert_same_step(_step(model, ids, labels), _step(ref, ids, labels))
+        assert_same_step(train_step(model, ids, labels), train_step(ref, ids, labels))
     n_in = policy.count("input-only")
     assert rt.stats.bytes_offloaded > 0
     # An input-only layer's host region holds its input alone: x of [23, 2, hidden], aligned.
