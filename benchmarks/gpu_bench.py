@@ -107,19 +107,11 @@ __all__ = ["WANTED", "format_markdown", "main", "predict_seconds"]
 
 
 def preflight() -> int:
-    """Exit status 0 when torch sees a CUDA device; otherwise say why, fast, without importing memo."""
-    try:
-        import torch
-    except ImportError:
-        print("make gpu-bench: torch is not installed; install a CUDA build of torch first", file=sys.stderr)
-        return 2
-    if not torch.cuda.is_available():
-        cuda = torch.version.cuda or "none (a CPU-only build)"
-        print("make gpu-bench: no CUDA device is present (torch.cuda.is_available() is False; torch "
-              f"{torch.__version__}, CUDA {cuda}). Run it on a machine with an NVIDIA GPU, or "
-              "`python benchmarks/gpu_bench.py --dry-run` for the CPU rehearsal.", file=sys.stderr)
-        return 2
-    return 0
+    """gpu_check's preflight, worded for make gpu-bench."""
+    from gpu_check import preflight as cuda_preflight
+
+    return cuda_preflight("make gpu-bench", "Run it on a machine with an NVIDIA GPU, or "
+                          "`python benchmarks/gpu_bench.py --dry-run` for the CPU rehearsal.")
 
 
 # ---------------------------------------------------------------- time

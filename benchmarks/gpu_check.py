@@ -35,18 +35,19 @@ RESULTS_KIND = "memo.gpu_check"
 RESULTS_VERSION = 1
 
 
-def preflight() -> int:
-    """Exit status 0 when torch sees a CUDA device; otherwise say why, fast, without importing memo."""
+def preflight(command: str = "make gpu-check",
+              hint: str = "Run it on a machine with an NVIDIA GPU and a CUDA build of torch.") -> int:
+    """Exit status 0 when torch sees a CUDA device; otherwise say why (as ``command``, then ``hint``),
+    fast, without importing memo."""
     try:
         import torch
     except ImportError:
-        print("make gpu-check: torch is not installed; install a CUDA build of torch first", file=sys.stderr)
+        print(f"{command}: torch is not installed; install a CUDA build of torch first", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
         cuda = torch.version.cuda or "none (a CPU-only build)"
-        print("make gpu-check: no CUDA device is present (torch.cuda.is_available() is False; torch "
-              f"{torch.__version__}, CUDA {cuda}). Run it on a machine with an NVIDIA GPU and a CUDA build "
-              "of torch.", file=sys.stderr)
+        print(f"{command}: no CUDA device is present (torch.cuda.is_available() is False; torch "
+              f"{torch.__version__}, CUDA {cuda}). {hint}", file=sys.stderr)
         return 2
     return 0
 
