@@ -31,7 +31,7 @@ from memo.adapters import model_adapter_for
 from memo.cli.args import positive_int, seq_len
 from memo.errors import MemoError
 from memo.runtime.wrap import runtime_of
-from memo.train.loop import SyntheticTokens
+from memo.train.loop import SyntheticTokens, adamw
 
 
 class LoRALinear(nn.Module):
@@ -114,7 +114,7 @@ def finetune(args: argparse.Namespace) -> int:
 
     # Every decoder layer offloads alpha of its tokens and recomputes the rest in backward.
     memo.wrap(model, alpha=args.alpha, policy=["memo"] * n_layers)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
+    optimizer = adamw(model.parameters(), lr=args.lr)  # fused: no step temporaries (NOTE [Fused AdamW])
     data = iter(SyntheticTokens(adapter.vocab_size(model), args.seq_len, args.micro_batch, seed=0))
     try:
         for step in range(1, args.steps + 1):

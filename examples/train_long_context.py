@@ -26,7 +26,7 @@ from memo.cli.args import positive_int, seq_len
 from memo.errors import MemoError
 from memo.models import DEFAULT_MAX_SEQ_LEN, build_model, get_config
 from memo.pipeline import profile
-from memo.train.loop import DTYPES, SyntheticTokens
+from memo.train.loop import DTYPES, SyntheticTokens, adamw
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,7 +67,7 @@ def train(args: argparse.Namespace) -> int:
         p.grad = None
     print(f"alpha {plan.alpha:.4f} ({plan.alpha_binding}); arena {plan.peak / 2**20:.1f} MiB, "
           f"lower bound {plan.lower_bound / 2**20:.1f} MiB, pinned host {plan.host_bytes / 2**20:.1f} MiB")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    optimizer = adamw(model.parameters(), lr=args.lr)  # fused: no step temporaries (NOTE [Fused AdamW])
 
     # 3 + 4. A Session installs the planned allocator, wraps the layers (token-wise offload/recompute
     # in every layer but the last two), tells the allocator which phase (and so which plan table) is

@@ -14,7 +14,7 @@ import math
 import resource
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ __all__ = [
     "SyntheticTokens",
     "TrainConfig",
     "TrainResult",
+    "adamw",
     "add_train_arguments",
     "peak_memory",
     "reset_peak_memory",
@@ -102,6 +103,21 @@ class ByteFileTokens:
             starts = torch.randint(0, last_start + 1, (self.micro_batch, 1), generator=self.generator)
             tokens = self.tokens[starts + index]
             yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+# NOTE [Fused AdamW]
+# torch's default AdamW on CUDA is the foreach one, whose step makes a temporary the size of every
+# parameter at once (the list exp_avg_sq.sqrt()), and on the CPU the for-loop one, two per tensor.
+# Neither is in the profiled iteration, so a plan's device total missed them: on an H200,
+# llama-3.2-1b at 32K peaked 12.5% above its plan, at the optimizer step. The fused step updates in
+# place (one kernel per group, no temporaries) and is the faster one besides; every strategy trains
+# with it, so their peaks stay comparable. Where it is not offered (a parameter off CUDA and CPU, or
+# of an integer or complex dtype) the default is kept.
+def adamw(params: Iterable[torch.nn.Parameter], lr: float) -> torch.optim.AdamW:
+    """AdamW over the trainable ``params``, fused where torch offers it (NOTE [Fused AdamW])."""
+    params = [p for p in params if p.requires_grad]
+    fused = bool(params) and all(p.device.type in ("cuda", "cpu") and p.is_floating_point() for p in params)
+    return torch.optim.AdamW(params, lr=lr, fused=fused or None)
 
 
 def reset_peak_memory(device: torch.device) -> None:
@@ -499,7 +515,7 @@ def _steps(config: TrainConfig, model: torch.nn.Module, model_config: Any, strat
     from tqdm import tqdm
 
     device = first[0].device
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    optimizer = adamw(model.parameters(), lr=config.lr)
     peak = result.peak_flops
     emit(
         f"memo.train: {_model_name(config, model_config)} ({result.num_parameters / 1e6:.2f}M params), "
