@@ -15,7 +15,8 @@ def _model(seed: int) -> torch.nn.Module:
 
 def test_the_fused_step_matches_the_default_one():
     fused_model, plain_model = _model(0), _model(0)
-    fused, plain = adamw(fused_model.parameters(), lr=1e-2), torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    fused = adamw(fused_model.parameters(), lr=1e-2)
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
     assert fused.defaults["fused"] is True
     x = torch.randn(32, 8, generator=torch.Generator().manual_seed(1))
     for _ in range(5):
