@@ -8,11 +8,23 @@ See README.md and DESIGN.md for the picture.
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
 
 from memo._version import __version__
 
 __all__ = ["Session", "__version__", "unwrap", "wrap"]
+
+# NOTE [The planner in a checkout]
+# planner/ is the package memo.planner: an install maps it there (setup.py's package_dir). A
+# checkout on PYTHONPATH alone (the torch-free check of `make test`, a clone not yet installed)
+# has no such mapping, so memo's search path gains the checkout's root, whose planner/ then is
+# memo.planner. An installed memo has its planner inside it and no planner/ beside it: unchanged.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(_HERE)
+if os.path.isfile(os.path.join(_ROOT, "planner", "__init__.py")) and not os.path.isdir(
+        os.path.join(_HERE, "planner")):
+    __path__.append(_ROOT)
 
 # NOTE [Lazy package attributes]
 # ``import memo.profiler`` (or ``memo.planner``) must not load the runtime, the allocator or the

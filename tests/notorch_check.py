@@ -10,37 +10,44 @@ loaded. Not a pytest file: it stands alone so that it runs without pytest and wi
 
 from __future__ import annotations
 
-import importlib.util
 import os
+import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WHAT = "memo.planner must work where torch is not installed (issue 17)"
+WHAT = "memo.planner must work where torch is not installed (issues 17, 32)"
+#: A plan `memo profile --model tiny --seq-len 512 --device cpu --dtype float32 --device-mem-gb 0.02`
+#: wrote (with its layer policy).
+PLAN = os.path.join(ROOT, "tests", "data", "plan-tiny-512-policy.json")
 
 
 def _fail(message: str) -> None:
     raise SystemExit(f"torch-free planner check failed: {WHAT}: {message}")
 
 
-def _map_planner() -> None:
-    """Import ``memo.planner`` from ``planner/``, as setup.py's ``package_dir`` maps it.
-
-    An install (editable or not) makes that mapping; a checkout on PYTHONPATH alone does not."""
+def _check_memo_is_this_checkout() -> None:
+    """memo must come from this checkout, where memo.planner is its planner/ (NOTE [The planner in
+    a checkout] in memo/__init__.py): no install maps it here."""
     import memo
 
     if not os.path.realpath(memo.__file__).startswith(os.path.join(os.path.realpath(ROOT), "")):
         _fail(f"memo was imported from {memo.__file__}, not from this checkout ({ROOT}); "
               "put the checkout on PYTHONPATH")
-    if importlib.util.find_spec("memo.planner") is not None:
-        return
-    folder = os.path.join(ROOT, "planner")
-    spec = importlib.util.spec_from_file_location("memo.planner", os.path.join(folder, "__init__.py"),
-                                                  submodule_search_locations=[folder])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["memo.planner"] = module
-    spec.loader.exec_module(module)
-    memo.planner = module
+
+
+def _check_a_profile_plan_loads_and_shows() -> None:
+    """A plan `memo profile` wrote, with a layer policy, loads and `memo show` prints it (issue 32:
+    the policy's check once imported the runtime, and with it torch)."""
+    from memo.planner import load_plan
+
+    plan = load_plan(PLAN)
+    if not plan.policy:
+        _fail(f"{PLAN} records no layer policy, so this check would prove nothing")
+    shown = subprocess.run([sys.executable, "-m", "memo", "show", PLAN], capture_output=True, text=True,
+                           timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+    if shown.returncode != 0 or "policy" not in shown.stdout:
+        _fail(f"`python -m memo show {PLAN}` failed (exit {shown.returncode}):\n{shown.stderr[-2000:]}")
 
 
 def main() -> None:
@@ -50,7 +57,7 @@ def main() -> None:
         pass
     else:
         _fail("torch is importable here, so this check proves nothing; run it where torch is not installed")
-    _map_planner()
+    _check_memo_is_this_checkout()
     import memo.planner as planner
     from memo.planner.synthetic import guillotine_instance, items_to_trace
 
@@ -70,8 +77,13 @@ def main() -> None:
                     if mod is not None and (m == "torch" or m.startswith("torch.") or m == "memo._C"))
     if loaded:
         _fail(f"importing and planning loaded {loaded}")
+    _check_a_profile_plan_loads_and_shows()
+    loaded = sorted(m for m, mod in sys.modules.items() if mod is not None and m.split(".")[0] == "torch")
+    if loaded:
+        _fail(f"loading a plan loaded {loaded}")
     print(f"torch-free planner check: ok (memo.planner without torch; 40 items planned by the exact "
-          f"search in {seconds:.2f} s, peak {plan.peak} bytes = the lower bound)")
+          f"search in {seconds:.2f} s, peak {plan.peak} bytes = the lower bound; a profile's plan "
+          "with a layer policy loads, and `memo show` prints it)")
 
 
 if __name__ == "__main__":

@@ -86,7 +86,7 @@ def test_plan_host_bytes_are_the_arena_the_wrapped_model_allocates(gpt_125m_8k_m
 
     s = 8192
     # profile("gpt-125m", 8192, 1, device="meta", bandwidth_gbps=32, layer_ms=3.0, host_mem_gb=64,
-    # time_limit=2.0): conftest's, shared with tests/test_device_truth.py.
+    # time_limit=2.0): conftest's (the only file that reads it).
     result = gpt_125m_8k_meta_profile
     assert result.trace["meta"]["seq_len"] == s
     plan = result.plan
@@ -103,6 +103,17 @@ def test_plan_host_bytes_are_the_arena_the_wrapped_model_allocates(gpt_125m_8k_m
     assert abs(off["actual_bytes_per_layer"] - planned) <= 0.01 * planned
     assert offload_difference(off) is None
     mr.unwrap(model)
+
+
+def test_the_host_arena_is_not_in_the_meta_trace_of_gpt_125m_at_8k(gpt_125m_8k_meta_profile) -> None:
+    """The trace the 159.6 GiB host arena once appeared in (tests/test_device_truth.py checks others)."""
+    result = gpt_125m_8k_meta_profile
+    assert result.trace["meta"]["device"] == "meta" and result.trace["meta"]["seq_len"] == 8192
+    assert result.wrapped and result.plan.host_bytes > 0
+    sizes = [e["size"] for e in result.trace["events"] if e["op"] == "malloc"]
+    # Every allocation is device memory of one layer pass, the head or a gradient: all smaller than
+    # the host bytes of all offloaded layers.
+    assert result.plan.host_bytes not in sizes and max(sizes) < result.plan.host_bytes
 
 
 def test_offload_difference_names_the_largest_tensors() -> None:
