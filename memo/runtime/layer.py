@@ -7,7 +7,7 @@ forward
   1. ``x`` goes whole into the layer's rounding buffer (offloaded).
   2. ``pre`` runs on tokens ``[0:a]`` with grad enabled, under
      ``saved_tensors_hooks`` that copy every tensor it saves into the rounding
-     buffer (NOTE [What the pack hook keeps]); on ``[a:s]`` it runs under
+     buffer (NOTE [What the pack hook keeps] in memo/runtime/packing.py); on ``[a:s]`` it runs under
      ``no_grad`` with ``offset`` at each chunk's first token (RoPE positions), so
      nothing is saved (NOTE [Chunked recompute]).
   3. Attention runs once on all tokens without autograd (``adapter.core_forward``; a core
@@ -34,24 +34,7 @@ backward (after the prefetch of the layer's buffer)
      (``[0:a]``) and the recomputed chunks' leaves' (``[a:s]``).
 alpha = 0 and alpha = 1 go through the same code; an empty token range just
 has no sub-graph. The recomputed range replays the forward's random state
-(dropout) and autocast state (NOTE [Recompute replays autocast]).
-
-NOTE [What the pack hook keeps]
-The pack hook runs for every tensor an op of the ``[0:a]`` sub-graphs saves.
-- Parameters and buffers of the layer (weights, their transposed views, RoPE
-  tables held as buffers) are kept by reference: they are not activations and
-  live on the device anyway (torchtune skips parameters the same way).
-- Views of the layer input ``x`` or of the attention output ``o`` (e.g. the
-  LayerNorm input, the output projection's input) are recorded as
-  (shape, stride, offset) into the ``x`` / ``o`` copy already in the buffer, so
-  nothing is offloaded twice.
-- Everything else is copied into the rounding buffer once per storage: the first
-  saved view of a storage copies the whole storage (when it is not much larger
-  than the view), and every saved view of it (a tensor saved by two ops, the 2-D
-  view a matmul saves of a 3-D activation, the two halves of a SwiGLU input) is
-  recorded as (shape, stride, offset) into that copy, the way torchtune tracks
-  views. The runtime's offloaded bytes thus count storages, like the profiler's
-  S_others.
+(dropout) and autocast state (NOTE [Recompute replays autocast] in memo/runtime/autocast.py).
 
 NOTE [Black-box core attention]
 memo never replaces a layer's attention by its own. Where the adapter computes the layer's core
@@ -71,7 +54,7 @@ NOTE [Chunked recompute]
 ``pre`` and ``post`` are token-wise (NOTE [Layer adapters]), so the recomputed
 range ``[a:s]`` need not exist all at once. It is split into chunks of tokens
 (:func:`token_chunks`: at most RECOMPUTE_CHUNKS of them, none with less work than
-MIN_CHUNK_WORK) and each chunk is recomputed and back-propagated on its own:
+MIN_CHUNK_WORK: memo/runtime/tiles.py) and each chunk is recomputed and back-propagated on its own:
 ``post`` chunk by chunk (recompute, then backward), then q, k, v for attention's
 backward (recomputed without grad; attention needs every row at once), then
 ``pre`` chunk by chunk again. The backward thus holds one chunk's activations
@@ -82,25 +65,6 @@ in the same chunks and records the RNG state before each chunk's ``pre`` and
 ``post``, so that every recompute draws the dropout masks its forward drew. The
 gradients of ``o`` and ``x`` and the layer's q, k, v and output are tensors
 allocated once and filled chunk by chunk (:class:`_Rows`).
-
-NOTE [How small a chunk]
-Every chunk costs the same Python and kernel launches whatever its size: on a GPU a chunk of
-``pre`` + ``post`` is some hundred small kernels and three ``autograd.grad`` calls, about 1 ms
-of host time. gpt-125m at 8K tokens in eight chunks of ~900 tokens ran at 3.5x full
-recompute's step time on an H100, the GPU idle behind the host; in one chunk, at full
-recompute's (benchmarks/RESULTS.md, "Third make gpu-check"). So on an accelerator a chunk
-must carry enough work to hide that cost: tokens x batch x hidden^2 multiply-adds of at least
-MIN_CHUNK_WORK (2^35, ~2 ms of ``pre`` + ``post`` at the H100's dense bf16 rate). Small
-models then recompute in one chunk (a hidden size of 768 chunks only past ~58K tokens, 4096
-past ~2K), where their activations are small anyway; the memory saving of chunks matters for
-large layers at long sequences, where the floor is far below ``s / RECOMPUTE_CHUNKS``. On the
-CPU the kernels are a thousand times slower and hide the host's cost at any size, so there the
-floor stays MIN_CPU_CHUNK_TOKENS; meta follows the CPU, so that a plan made on meta is the plan
-made on the CPU (tests/test_plan_truth.py). At the lengths meta is for (a 7B layer past ~20K
-tokens) both floors are below ``s / RECOMPUTE_CHUNKS`` and a meta plan chunks as the GPU does;
-a short meta plan replayed on a GPU chunks differently, and its allocator counts and says the
-allocations that miss the plan. The policy's cost model counts the chunks of the device pass 2
-runs on (``_layer_costs`` in memo/pipeline.py), the device whose runtime runs them.
 """
 
 from __future__ import annotations
@@ -110,7 +74,6 @@ import functools
 import math
 import warnings
 import weakref
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -119,9 +82,21 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from memo.errors import MemoError, internal_assert
-from memo.profiler.saved import SavedStorages, storage_id
-from memo.runtime.buffers import SLOT_ALIGNMENT, align_up
+from memo.profiler.saved import storage_id
+from memo.runtime.autocast import AutocastState
 from memo.runtime.dropout import LayerDropout, replay_rng, rng_state, same_rng_state
+from memo.runtime.packing import BufferSink, CountingSink, Packer
+from memo.runtime.sequence_order import SequenceOrder
+from memo.runtime.tiles import (
+    MIN_CHUNK_WORK,
+    MIN_CPU_CHUNK_TOKENS,
+    RECOMPUTE_CHUNKS,
+    TILE_BYTES,
+    layer_token_bytes,
+    min_chunk_tokens,
+    tile_bound_tokens,
+    token_chunks,
+)
 
 if TYPE_CHECKING:
     from memo.adapters.base import LayerAdapter
@@ -131,80 +106,6 @@ __all__ = [
     "LayerCall", "LayerContext", "MIN_CHUNK_WORK", "MIN_CPU_CHUNK_TOKENS", "RECOMPUTE_CHUNKS", "TILE_BYTES",
     "layer_token_bytes", "min_chunk_tokens", "offload_tokens", "tile_bound_tokens", "token_chunks",
 ]
-
-
-#: Token tiles are ``s / RECOMPUTE_CHUNKS`` tokens while that is small (NOTE [Tiles bounded by memory]) ...
-RECOMPUTE_CHUNKS = 8
-#: ... and no larger than holds TILE_BYTES of a tile's transient tensors; the number of tiles then
-#: grows with s ...
-TILE_BYTES = 256 << 20
-#: ... but none has less work than this on an accelerator: tokens x batch x hidden^2 multiply-adds,
-#: about 2 ms of ``pre`` + ``post`` on an H100 ...
-MIN_CHUNK_WORK = 1 << 35
-#: ... and none is shorter than this many tokens on the CPU and on meta (NOTE [How small a chunk]).
-MIN_CPU_CHUNK_TOKENS = 256
-
-
-# NOTE [Tiles bounded by memory]
-# Every token-wise part of a memo layer runs over token tiles: the offloaded range [0:a] in forward
-# (each tile's saved tensors are packed into the rounding buffer as the tile runs, and its graph is
-# kept only as the GradientEdges of its outputs), the recomputed range [a:s] in forward (no grad)
-# and backward (recompute, then back-propagate, one tile at a time), and the [0:a] tiles' backward.
-# A tile's transient tensors (the MLP's intermediates above all: ffn_hidden x batch elements per
-# token, several times the layer's width) thus exist for one tile at a time, and a layer's
-# transient peak is one tile's, not a share of s tokens'. What still spans the sequence is what
-# must: the layer's input and output, q, k, v, the attention output and its log-sum-exp, their
-# gradients, and the rounding buffer (tests/test_tiles.py measures it).
-# How many tokens a tile holds: ``s / RECOMPUTE_CHUNKS`` at short lengths (few tiles, few kernel
-# launches), capped so that a tile's transient stays within TILE_BYTES, estimated from the layer's
-# width per token (its parameters / hidden: 4h + 3 ffn for a SwiGLU layer, the elements its matmuls
-# produce per token), and never below the work floor of NOTE [How small a chunk]: ALST's tiled
-# MLP makes ceil(s / hidden) tiles, which at hidden 4096 is the same 4096-token tile. The policy may
-# choose a smaller bound to fit a device budget (planner/policy.py, ``tile_tokens``); a plan records
-# it and the runtime runs it (``MemoRuntime(recompute_chunk_tokens=...)``).
-
-
-def min_chunk_tokens(batch: int, hidden: int, device_type: str) -> int:
-    """The fewest tokens a recompute chunk of a layer with input ``[s, batch, hidden]`` holds on
-    a device of ``device_type`` (NOTE [How small a chunk])."""
-    if device_type in ("cpu", "meta"):
-        return MIN_CPU_CHUNK_TOKENS
-    return max(1, -(-MIN_CHUNK_WORK // max(1, batch * hidden * hidden)))
-
-
-def tile_bound_tokens(batch: int, token_bytes: int) -> int | None:
-    """The most tokens whose transient tensors (``token_bytes`` per token and batch row) fit in
-    TILE_BYTES (NOTE [Tiles bounded by memory]); None when the width is unknown."""
-    if token_bytes <= 0:
-        return None
-    return max(1, TILE_BYTES // max(1, batch * token_bytes))
-
-
-def token_chunks(n: int, chunk_tokens: int | None = None, *, batch: int, hidden: int,
-                 device_type: str, token_bytes: int = 0) -> list[tuple[int, int]]:
-    """``[start, end)`` ranges that split ``n`` tokens into tiles of ``chunk_tokens`` (None: the
-    default of NOTE [Tiles bounded by memory]: ``n / RECOMPUTE_CHUNKS`` tokens, at most what keeps a
-    tile's transient of ``token_bytes`` per token within TILE_BYTES, at least
-    :func:`min_chunk_tokens`)."""
-    if n <= 0:
-        return []
-    if chunk_tokens:
-        size = chunk_tokens
-    else:
-        floor = min(n, min_chunk_tokens(batch, hidden, device_type))
-        size = -(-n // RECOMPUTE_CHUNKS)
-        bound = tile_bound_tokens(batch, token_bytes)
-        if bound is not None:
-            size = min(size, bound)
-        size = max(floor, size)
-    return [(i, min(n, i + size)) for i in range(0, n, size)]
-
-
-def layer_token_bytes(layer: nn.Module, hidden: int, elem_size: int) -> int:
-    """A layer's transient bytes per token and batch row, estimated from its width: its parameters'
-    elements per hidden unit (NOTE [Tiles bounded by memory])."""
-    params = sum(p.numel() for p in layer.parameters())
-    return (params // max(1, hidden)) * elem_size
 
 
 def offload_tokens(alpha: float, s: int) -> int:
@@ -247,178 +148,10 @@ class _Tap(torch.autograd.Function):
         return None, None, None, None
 
 
-class _CountingSink:
-    """Measures a layer's offloaded bytes with the same alignment as :class:`RoundingBuffers`,
-    and names what it counts (``tensors``: ``(what, bytes)``, for reports and warnings)."""
-
-    def __init__(self) -> None:
-        self.used = 0
-        self.count = 0
-        self.tensors: list[tuple[str, int]] = []
-
-    def pack(self, t: torch.Tensor, what: str = "saved") -> int:
-        nbytes = t.numel() * t.element_size()
-        self.used = align_up(self.used, SLOT_ALIGNMENT) + nbytes
-        self.tensors.append((f"{what} {list(t.shape)} {str(t.dtype).removeprefix('torch.')}", nbytes))
-        self.count += 1
-        return self.count - 1
-
-
-class _BufferSink:
-    """Packs into layer ``index``'s rounding buffer."""
-
-    def __init__(self, runtime: LayerContext, index: int, flight: int) -> None:
-        self.buffers = runtime.buffers
-        self.index = index
-        self.flight = flight
-
-    def pack(self, t: torch.Tensor, what: str = "saved") -> int:
-        return self.buffers.pack(self.index, t, self.flight)
-
-
-def _describe_saved(t: torch.Tensor, whole: bool) -> str:
-    """``"<op that made it> output"`` for a saved tensor, for reports and warnings."""
-    origin = t._base if t._base is not None else t
-    op = type(origin.grad_fn).__name__.removesuffix("Backward0") if origin.grad_fn is not None else "saved"
-    return f"{op} output (the storage of a saved {list(t.shape)} view)" if whole else f"{op} output"
-
-
-class _Packer:
-    """The saved-tensor hooks of one layer pass (NOTE [What the pack hook keeps]); the copy
-    decisions are :class:`~memo.profiler.saved.SavedStorages`', shared with the profiler."""
-
-    def __init__(self, sink: _CountingSink | _BufferSink, keep_storages: set[int],
-                 device: torch.device) -> None:
-        self.sink = sink
-        self.storages = SavedStorages(keep_storages, device)
-        self.resolve_slot: Any = None  # set for backward: slot -> tensor
-
-    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
-
-    def add_base(self, t: torch.Tensor, slot: int) -> None:
-        """``t`` (contiguous) was packed into ``slot``: saved views of it refer to that copy."""
-        self.storages.add_base(t, slot)
-
-    def pack(self, t: torch.Tensor) -> tuple[Any, ...]:
-        decision = self.storages.decide(t)
-        if decision[0] == "keep":
-            return ("keep", t)
-        if decision[0] == "view":
-            return decision
-        _, tensor, whole = decision
-        slot = self.sink.pack(tensor, _describe_saved(t, whole))
-        if not whole:
-            return ("slot", slot)
-        self.storages.add_base(tensor, slot)
-        return self.pack(t)  # now a view into the whole copy
-
-    @contextlib.contextmanager
-    def deferred(self) -> Iterator[_Deferred]:
-        """Hooks that only note what is saved; ``resolve()`` packs it later, once the bases its views
-        may refer to are known (NOTE [Black-box core attention])."""
-        later = _Deferred(self)
-        with torch.autograd.graph.saved_tensors_hooks(later.note, self.unpack):
-            yield later
-
-    def end_pass(self) -> None:
-        self.storages.clear()  # handles carry their slots; drop the references to x, o and the rest
-
-    def unpack(self, handle: tuple[Any, ...]) -> torch.Tensor:
-        kind = handle[0]
-        if kind == "later":
-            internal_assert(handle[1][0] is not None, "a saved tensor of the core attention was never packed")
-            return self.unpack(handle[1][0])
-        if kind == "keep":
-            return handle[1]
-        internal_assert(self.resolve_slot is not None, "saved tensor unpacked outside the layer's backward")
-        if kind == "slot":
-            return self.resolve_slot(handle[1])
-        _, slot, shape, stride, rel = handle
-        base = self.resolve_slot(slot)
-        return base.as_strided(shape, stride, base.storage_offset() + rel)
-
-
-class _Deferred:
-    """Saved tensors noted by :meth:`_Packer.deferred`, packed by :meth:`resolve`."""
-
-    def __init__(self, packer: _Packer) -> None:
-        self.packer = packer
-        self.cells: list[list[Any]] = []
-
-    def note(self, t: torch.Tensor) -> tuple[str, list[Any]]:
-        cell: list[Any] = [None, t]  # [handle once packed, the tensor until then]
-        self.cells.append(cell)
-        return ("later", cell)
-
-    def resolve(self) -> None:
-        for cell in self.cells:
-            cell[0], cell[1] = self.packer.pack(cell[1]), None
-        self.cells.clear()
-
-
-# NOTE [Gathered rows in sequence order]
-# A rank of a tensor + sequence parallel group holds s/t tokens of the layer's input, and its pre
-# gathers each token slice over the group (g = t attention-side rows per token). memo runs pre on
-# slices ([0:a], then the recompute chunks), so the gathered rows come slice by slice. Where the
-# gather lays out a slice rank-major (megatron's all-gather: the t ranks' slices one after the
-# other), the rows of several slices are not in sequence order: rank 1's [0:a] rows come before
-# rank 0's [a:s] rows. Attention needs sequence order (its causal mask is over positions), post
-# needs the rows' (each slice's rows go back through the reduce-scatter that undoes the gather).
-# So the core attention sees q, k, v, o and their gradients permuted into sequence order and its
-# outputs are permuted back: transient copies of the attention-side tensors, made only when there
-# are two or more slices (one slice in rank-major order is the sequence order).
-class _SequenceOrder:
-    """The permutation between the rows memo's slices produce and sequence order (none: identity).
-
-    Only the slices are kept; the index vectors (``s·g`` rows each) are made on the device for each
-    use and dropped with it, so that no layer holds them from its forward to its backward.
-    """
-
-    def __init__(self, slices: list[tuple[int, int]] | None = None, g: int = 1, s: int = 0,
-                 device: torch.device | None = None) -> None:
-        self.slices, self.g, self.s, self.device = slices, g, s, device
-
-    @classmethod
-    def of(cls, adapter: LayerAdapter, rec: _Record, device: torch.device) -> _SequenceOrder:
-        layout = adapter.gather_layout
-        if layout not in ("token-major", "rank-major"):
-            raise MemoError(f"memo.runtime: {type(adapter).__name__}.gather_layout is {layout!r}; expected "
-                            "'token-major' or 'rank-major'")
-        g, a, s = rec.g, rec.a, rec.s
-        slices = list(rec.head) + [(a + c0, a + c1) for c0, c1 in rec.chunks]
-        if g == 1 or layout == "token-major" or len(slices) <= 1:
-            return cls()
-        return cls(slices, g, s, device)
-
-    def _index(self, to_sequence: bool) -> torch.Tensor:
-        """Rows slice by slice hold ranks 0..g-1 of the slice's tokens one after the other:
-        row ``b·g + r·n + i`` (slice ``[b:b+n]``) is sequence position ``r·s + b + i``."""
-        g, s, dev = self.g, self.s, self.device
-        ranks = torch.arange(g, device=dev)[:, None]
-        if not to_sequence:  # the sequence position of each row
-            return torch.cat([(ranks * s + torch.arange(b, e, device=dev)).reshape(-1)
-                              for b, e in self.slices])
-        index = torch.empty(g, s, dtype=torch.long, device=dev)  # the row of each sequence position
-        for b, e in self.slices:
-            index[:, b:e] = b * g + ranks * (e - b) + torch.arange(e - b, device=dev)
-        return index.reshape(-1)
-
-    def to_sequence(self, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if self.slices is None:
-            return ts
-        index = self._index(True)
-        return tuple(t.index_select(0, index) for t in ts)
-
-    def to_rows(self, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if self.slices is None:
-            return ts
-        index = self._index(False)
-        return tuple(t.index_select(0, index) for t in ts)
 
 
 @dataclass
-class _Record:
+class LayerRecord:
     """What one forward of a wrapped layer leaves for its backward."""
 
     a: int
@@ -428,7 +161,7 @@ class _Record:
     #: NOTE [Tensor-parallel rank] in memo/models/parallel.py); o, q, k, v rows split at ``a * g``.
     g: int
     taps: _TapGrads
-    packer: _Packer
+    packer: Packer
     x_slot: int = -1
     o_slot: int = -1
     lse_slot: int = -1
@@ -443,14 +176,15 @@ class _Record:
     chunks: list[tuple[int, int]] = field(default_factory=list)
     rng_pre: list[Any] = field(default_factory=list)
     rng_post: list[Any] = field(default_factory=list)
-    autocast: _AutocastState | None = None
+    autocast: AutocastState | None = None
     qkv_dtypes: tuple[torch.dtype, ...] = ()
     #: The forward in flight this record belongs to (NOTE [Forwards in flight] in buffers.py).
     flight: int = 0
     #: Full-sequence dropout masks (NOTE [Dropout as unwrapped]); None for a layer in eval mode.
     dropout: LayerDropout | None = None
-    #: The attention-side rows in sequence order (NOTE [Gathered rows in sequence order]).
-    order: _SequenceOrder | None = None
+    #: The attention-side rows in sequence order (NOTE [Gathered rows in sequence order] in
+    #: memo/runtime/sequence_order.py).
+    order: SequenceOrder | None = None
     #: The black-box core attention's graph (NOTE [Black-box core attention]); None otherwise.
     core_edge: GradientEdge | None = None
     black_box: bool = False
@@ -465,48 +199,6 @@ class _Record:
     def scope(self, phase: str, t0: int, t1: int) -> contextlib.AbstractContextManager[None]:
         """Where ``pre``/``post`` runs on tokens ``[t0:t1]``: dropout draws full-sequence masks."""
         return contextlib.nullcontext() if self.dropout is None else self.dropout.scope(phase, t0, t1)
-
-
-# NOTE [Recompute replays autocast]
-# The [a:s] token range of ``pre`` and ``post`` runs twice: in forward under no_grad, and
-# again in backward to build its graph. Autocast is thread-local state that the ops read,
-# and backward usually runs outside the forward's context (``with torch.autocast(...):
-# loss = model(x)`` then ``loss.backward()``), or inside one the forward did not use. A
-# recompute under the ambient state would run in float32 where forward ran in bfloat16
-# (``mat1 and mat2 must have the same dtype`` against the bfloat16 o, or recomputed q/k/v
-# whose dtype does not match the saved rows and o/lse, so attention's backward refuses
-# them), and would silently compute other numbers than forward did. So forward records
-# the autocast state of the layer's device type and of the CPU (the CPU state matters on
-# CUDA too: CPU ops inside the layer obey it), with its dtype and the cache flag, and
-# every backward-time re-execution of forward code runs inside exactly that state, as
-# torch.utils.checkpoint does with ``_get_autocast_kwargs``. The backward ops themselves
-# (``torch.autograd.backward``, attention's backward) run under the ambient state, as
-# they do for the unwrapped model.
-
-
-@dataclass(frozen=True)
-class _AutocastState:
-    """The autocast state one forward ran under (NOTE [Recompute replays autocast])."""
-
-    #: ``(device_type, torch.autocast kwargs)`` for the layer's device type (when it has
-    #: autocast) and for ``"cpu"``.
-    kwargs: tuple[tuple[str, dict[str, Any]], ...]
-
-    @classmethod
-    def capture(cls, device: torch.device) -> _AutocastState:
-        types = ["cpu"]
-        if device.type != "cpu" and torch.amp.is_autocast_available(device.type):
-            types.insert(0, device.type)
-        cache = torch.is_autocast_cache_enabled()
-        return cls(tuple((t, {"enabled": torch.is_autocast_enabled(t), "dtype": torch.get_autocast_dtype(t),
-                              "cache_enabled": cache}) for t in types))
-
-    @contextlib.contextmanager
-    def replay(self) -> Iterator[None]:
-        with contextlib.ExitStack() as stack:
-            for device_type, kwargs in self.kwargs:
-                stack.enter_context(torch.autocast(device_type, **kwargs))
-            yield
 
 
 class _Rows:
@@ -611,19 +303,19 @@ class LayerCall:
     def measure(self, x: torch.Tensor, ctx: Any) -> tuple[int, list[tuple[str, int]]]:
         """Dry run: the bytes one forward of this layer offloads for input ``x`` (nothing is kept),
         and what they are (``(what, bytes)`` per copied tensor)."""
-        sink = _CountingSink()
+        sink = CountingSink()
         with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
             self._forward(x.detach(), ctx, sink)
         return sink.used, sink.tensors
 
-    def forward(self, x: torch.Tensor, ctx: Any) -> tuple[torch.Tensor, _Record]:
+    def forward(self, x: torch.Tensor, ctx: Any) -> tuple[torch.Tensor, LayerRecord]:
         """``x: [s, b, h]`` -> ``y: [s, b, h]`` and the record backward needs."""
         rt, i = self.runtime, self.index
         if i == 0:
             rt.begin_forward()
         f = rt.flight
         rt.buffers.begin_forward(i, f)
-        y, rec = self._forward(x, ctx, _BufferSink(rt, i, f))
+        y, rec = self._forward(x, ctx, BufferSink(rt, i, f))
         rec.flight = f
         rt.buffers.end_forward(i, f)
         rt.buffers.note_flights()
@@ -633,8 +325,8 @@ class LayerCall:
         rt.stats.recomputed_tokens += rec.s - rec.a
         return y, rec
 
-    def _forward(self, x: torch.Tensor, ctx: Any, sink: _CountingSink | _BufferSink) -> tuple[
-            torch.Tensor, _Record]:
+    def _forward(self, x: torch.Tensor, ctx: Any, sink: CountingSink | BufferSink) -> tuple[
+            torch.Tensor, LayerRecord]:
         rt, layer, adapter = self.runtime, self.layer, self.adapter
         s = x.shape[0]
         input_only = self.input_only
@@ -642,9 +334,9 @@ class LayerCall:
         g = adapter.sequence_gather(layer)
         ag = a * g
         xc = x.detach().contiguous()
-        packer = _Packer(sink, self._keep_storages(), xc.device)
-        rec = _Record(a=a, s=s, g=g, ctx=ctx, taps=_TapGrads(), packer=packer,
-                      autocast=_AutocastState.capture(xc.device), input_only=input_only)
+        packer = Packer(sink, self._keep_storages(), xc.device)
+        rec = LayerRecord(a=a, s=s, g=g, ctx=ctx, taps=_TapGrads(), packer=packer,
+                      autocast=AutocastState.capture(xc.device), input_only=input_only)
         if layer.training:
             rec.dropout = LayerDropout(s, xc.device, self._say)
         rec.x_slot = sink.pack(xc, "layer input x")
@@ -680,7 +372,7 @@ class LayerCall:
             del parts
         q, k, v = (rows.take() for rows in qkv)
         rec.qkv_dtypes = (q.dtype, k.dtype, v.dtype)
-        rec.order = _SequenceOrder.of(adapter, rec, xc.device)
+        rec.order = SequenceOrder.of(adapter, rec, xc.device)
         rec.qkv_shapes = {name: tuple(t.shape[1:]) for name, t in zip("qkv", (q, k, v), strict=True)}
         core = adapter.core_function(layer, ctx)
         if input_only:
@@ -728,7 +420,7 @@ class LayerCall:
             rec.dropout.begin_replay()
         return y.take(), rec
 
-    def _core_output(self, rec: _Record, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[
+    def _core_output(self, rec: LayerRecord, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[
             torch.Tensor, torch.Tensor | None]:
         """Attention without autograd on the rows' q, k, v -> o in the rows' layout and the
         log-sum-exp (None for a black box, which runs here only for an input-only layer)."""
@@ -742,7 +434,7 @@ class LayerCall:
         (o,) = rec.order.to_rows(o.contiguous())
         return o, lse
 
-    def backward(self, rec: _Record, grad_y: torch.Tensor, params: tuple[torch.Tensor, ...],
+    def backward(self, rec: LayerRecord, grad_y: torch.Tensor, params: tuple[torch.Tensor, ...],
                  anchor: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         """``grad_y: [s, b, h]`` -> ``grad_x: [s, b, h]`` and the gradients of ``params`` (NOTE
         [Gradients through the engine])."""
@@ -837,7 +529,7 @@ class LayerCall:
         rt.stats.layer_backwards += 1
         return grad_x, run.sums
 
-    def _recompute_qkv(self, rec: _Record, x_dev: torch.Tensor) -> tuple[
+    def _recompute_qkv(self, rec: LayerRecord, x_dev: torch.Tensor) -> tuple[
             Any, list[_Rows]]:
         """q, k, v rows: the saved ``[0:a]`` rows and the ``[a:s]`` rows recomputed chunk by chunk;
         -> (the last chunk's pre graph, kept for step 3 of the backward, or None), the rows."""
@@ -867,7 +559,7 @@ class LayerCall:
             del parts, x_c
         return kept, qkv
 
-    def _core_backward(self, rec: _Record, x_dev: torch.Tensor, o_dev: torch.Tensor,
+    def _core_backward(self, rec: LayerRecord, x_dev: torch.Tensor, o_dev: torch.Tensor,
                        grad_o: torch.Tensor) -> tuple[Any, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Attention's backward from the saved o and lse (q, k, v from :meth:`_recompute_qkv`);
         -> (the last chunk's pre graph, or None), ``(dq, dk, dv)`` in the rows' layout."""
@@ -891,7 +583,7 @@ class LayerCall:
     # tiles. The price is attention once more per layer; the planner weighs it against the host
     # bytes it saves (planner/policy.py). A black-box core attention (NOTE [Black-box core
     # attention]) runs again with autograd in backward, its graph alive until its backward has run.
-    def _recompute_attention(self, rec: _Record, x_dev: torch.Tensor, run: _SubGraphs) -> tuple[
+    def _recompute_attention(self, rec: LayerRecord, x_dev: torch.Tensor, run: _SubGraphs) -> tuple[
             Any, tuple[torch.Tensor, ...], torch.Tensor, Any]:
         """Step 0 of an input-only layer's backward: q, k, v recomputed and attention's forward again
         -> (the last chunk's pre graph or None, the sequence-order tensors attention's backward needs,
@@ -913,7 +605,7 @@ class LayerCall:
         (o_rows,) = order.to_rows(out.detach().contiguous())
         return kept, tuple(leaves), o_rows, out if out.requires_grad else None
 
-    def _recomputed_core_backward(self, rec: _Record, run: _SubGraphs, grad_o: torch.Tensor,
+    def _recomputed_core_backward(self, rec: LayerRecord, run: _SubGraphs, grad_o: torch.Tensor,
                                   o_rows: torch.Tensor, recomputed: tuple[torch.Tensor, ...],
                                   core_graph: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Step 2 of an input-only layer's backward, from what step 0 recomputed -> dq, dk, dv in the
@@ -939,7 +631,7 @@ class LayerCall:
                 "needs one tensor [s, b, heads * head_dim] (megatron's core attention contract)")
         return out
 
-    def _black_box_forward(self, core: Any, rec: _Record, q: torch.Tensor, k: torch.Tensor,
+    def _black_box_forward(self, core: Any, rec: LayerRecord, q: torch.Tensor, k: torch.Tensor,
                            v: torch.Tensor) -> torch.Tensor:
         """Runs the layer's own core attention once, with autograd, every tensor it saves sent to the
         rounding buffer (NOTE [Black-box core attention]); -> o in the rows' layout."""
@@ -959,7 +651,7 @@ class LayerCall:
         del out
         return o
 
-    def _black_box_backward(self, rec: _Record, run: _SubGraphs, grad_o: torch.Tensor) -> tuple[
+    def _black_box_backward(self, rec: LayerRecord, run: _SubGraphs, grad_o: torch.Tensor) -> tuple[
             torch.Tensor, torch.Tensor, torch.Tensor]:
         """The black box's own backward (NOTE [Black-box core attention]) -> dq, dk, dv in the rows'
         layout (zeros for an input the core does not use)."""
@@ -983,7 +675,7 @@ class LayerCall:
             warnings.warn(f"memo.runtime: layer {self.index}: {text} (NOTE [Dropout as unwrapped]; said "
                           "once)", stacklevel=2)
 
-    def _check_recomputed_dtypes(self, rec: _Record, q: torch.Tensor, k: torch.Tensor,
+    def _check_recomputed_dtypes(self, rec: LayerRecord, q: torch.Tensor, k: torch.Tensor,
                                  v: torch.Tensor) -> None:
         """Attention's backward needs q, k, v in the dtypes forward gave it (and o, lse were made from)."""
         got = (q.dtype, k.dtype, v.dtype)
