@@ -1,4 +1,4 @@
-"""NOTE [Tiles bounded by memory] and NOTE [Input-only layers] (memo/runtime/layer.py).
+"""NOTE [Tiles bounded by memory] (memo/runtime/tiles.py), NOTE [Input-only layers] (memo/runtime/layer.py).
 
 A memo layer's token-wise parts run over token tiles in both ranges and both directions, so its
 peak grows with s only by the tensors that span the sequence; the input-only policy offloads the

@@ -90,7 +90,7 @@ class LayerAdapter:
     #: ``"token-major"`` (rows ``j·g … j·g+g-1`` are local token j's: memo's emulated rank, NOTE
     #: [Tensor-parallel rank]) or ``"rank-major"`` (the g ranks' slices one after another: megatron's
     #: sequence-parallel all-gather). The runtime puts rank-major rows in sequence order around the
-    #: core attention (NOTE [Gathered rows in sequence order] in memo/runtime/layer.py).
+    #: core attention (NOTE [Gathered rows in sequence order] in memo/runtime/sequence_order.py).
     gather_layout: str = "token-major"
 
     def sequence_gather(self, layer: nn.Module) -> int:
@@ -106,7 +106,7 @@ class LayerAdapter:
 
     def core_function(self, layer: nn.Module, ctx: Any) -> Any:
         """The layer's own core attention as a differentiable ``(q, k, v) -> o [s, b, n * d]``, to run
-        as a black box (NOTE [Black-box core attention] in memo/runtime/layer.py), or None when
+        as a black box (NOTE [Black-box core attention] in memo/runtime/core_attention.py), or None when
         :meth:`core_forward` / :meth:`core_backward` compute what the layer computes."""
         return None
 

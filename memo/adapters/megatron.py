@@ -22,7 +22,7 @@ GPT layer (no cross attention) memo splits it as
   ``1/sqrt(head_dim)``, context parallel by all-gather) runs as memo's core, once, without
   autograd; any other core attention (a sliding window, a custom mask, TransformerEngine's) runs
   as a black box, once, with autograd, its saved tensors offloaded (NOTE [Black-box core
-  attention] in memo/runtime/layer.py). memo never substitutes its attention for another one;
+  attention] in memo/runtime/core_attention.py). memo never substitutes its attention for another one;
 - post: ``self_attention.linear_proj`` -> ``self_attn_bda`` (bias, dropout,
   residual ``x``) -> ``_forward_mlp`` (pre-MLP norm, MLP, bias-dropout-add).
 Everything in pre and post is token-wise. Layers with cross attention, MoE,
@@ -300,7 +300,7 @@ class MegatronLayerAdapter(LayerAdapter):
         if isinstance(core, MemoCoreAttention):
             return None
 
-        # NOTE [Black-box core attention] (memo/runtime/layer.py): the layer's own core attention,
+        # NOTE [Black-box core attention] (memo/runtime/core_attention.py): the layer's own core attention,
         # called as megatron's SelfAttention calls it.
         def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return core(q, k, v, ctx["attention_mask"], attn_mask_type=attn.attn_mask_type,

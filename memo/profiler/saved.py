@@ -3,7 +3,7 @@
 NOTE [One truth for saved bytes]
 autograd keeps, for backward, every storage a saved tensor views. memo's runtime copies saved
 tensors into the rounding buffer by the rule of :class:`SavedStorages` (NOTE [What the pack
-hook keeps] in memo/runtime/layer.py), and the profiler counts S_others with the very same
+hook keeps] in memo/runtime/packing.py), and the profiler counts S_others with the very same
 rule, so the alpha LP, the host arena, the plan and the runtime agree to the byte:
 
 - parameters and buffers of the layer (and tensors on another device) are not activations:
@@ -118,7 +118,7 @@ class SavedStorages:
 
     def retain(self, tokens: set[Any]) -> None:
         """Forget every copied base but those of ``tokens``: a token tile's own tensors, which no
-        later tile saves a view of (NOTE [Tiles bounded by memory] in memo/runtime/layer.py), so
+        later tile saves a view of (NOTE [Tiles bounded by memory] in memo/runtime/tiles.py), so
         that their storages are freed once the tile is done."""
         self.bases = {sid: entry for sid, entry in self.bases.items() if entry[1] in tokens}
 

@@ -11,14 +11,15 @@ forward
      ``no_grad`` with ``offset`` at each chunk's first token (RoPE positions), so
      nothing is saved (NOTE [Chunked recompute]).
   3. Attention runs once on all tokens without autograd (``adapter.core_forward``; a core
-     attention memo does not compute runs as a black box: NOTE [Black-box core attention]);
+     attention memo does not compute runs as a black box: NOTE [Black-box core attention] in
+     memo/runtime/core_attention.py);
      ``o`` and its log-sum-exp go whole into the buffer, and ``q, k, v`` of
      tokens ``[0:a]`` (the attention's own skeletal inputs) too.
   4. ``post`` runs like ``pre``: ``[0:a]`` recorded with hooks, ``[a:s]`` without grad
      in the same chunks.
   The sub-graphs of ``[0:a]`` are kept only as ``GradientEdge``s of their outputs,
   never as tensors, so their outputs' memory is freed; their inputs are fed
-  through :class:`_Tap`, a parameter-free node that hands the gradient reaching
+  through :class:`Tap`, a parameter-free node that hands the gradient reaching
   ``x[0:a]`` / ``o[0:a]`` to the layer's backward.
 
 backward (after the prefetch of the layer's buffer)
@@ -35,20 +36,6 @@ backward (after the prefetch of the layer's buffer)
 alpha = 0 and alpha = 1 go through the same code; an empty token range just
 has no sub-graph. The recomputed range replays the forward's random state
 (dropout) and autocast state (NOTE [Recompute replays autocast] in memo/runtime/autocast.py).
-
-NOTE [Black-box core attention]
-memo never replaces a layer's attention by its own. Where the adapter computes the layer's core
-attention itself (``core_forward`` / ``core_backward``: memo's models, megatron layers built with
-memo's spec) attention runs once without autograd and its backward is memo's, from the saved o
-and lse. Any other core attention (``adapter.core_function`` returns it: a sliding window, a
-custom mask, TransformerEngine's attention, a context-parallel implementation memo does not know)
-is a black box: it runs once, on all tokens, with autograd, on q, k, v fed through taps; every
-tensor it saves goes through the layer's pack hook into the rounding buffer, like the ``[0:a]``
-sub-graphs' (packed after the call, so that a saved output refers to the copy of o already in the
-buffer instead of being copied twice). In backward its own graph runs once from the gradient of o
-and the taps hand back dq, dk, dv; nothing of it is recomputed. The price: it offloads what it
-saves (typically q, k, v of all tokens, not only ``[0:a]``'s), and q, k, v of ``[a:s]`` are not
-recomputed for attention, only for pre's own backward.
 
 NOTE [Chunked recompute]
 ``pre`` and ``post`` are token-wise (NOTE [Layer adapters]), so the recomputed
@@ -84,9 +71,11 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from memo.errors import MemoError, internal_assert
 from memo.profiler.saved import storage_id
 from memo.runtime.autocast import AutocastState
+from memo.runtime.core_attention import BlackBoxCore, MemoCore
 from memo.runtime.dropout import LayerDropout, replay_rng, rng_state, same_rng_state
 from memo.runtime.packing import BufferSink, CountingSink, Packer
 from memo.runtime.sequence_order import SequenceOrder
+from memo.runtime.taps import Tap, TapGrads
 from memo.runtime.tiles import (
     MIN_CHUNK_WORK,
     MIN_CPU_CHUNK_TOKENS,
@@ -116,40 +105,6 @@ def offload_tokens(alpha: float, s: int) -> int:
     return max(0, min(s, int(math.floor(alpha * s + 1e-9))))
 
 
-class _TapGrads:
-    """Gradients that reached the ``[0:a]`` inputs of a layer's sub-graphs (summed per name)."""
-
-    def __init__(self) -> None:
-        self.grads: dict[str, torch.Tensor] = {}
-
-    def add(self, name: str, grad: torch.Tensor) -> None:
-        prev = self.grads.get(name)
-        self.grads[name] = grad if prev is None else prev + grad
-
-    def pop(self, name: str) -> torch.Tensor | None:
-        return self.grads.pop(name, None)
-
-
-class _Tap(torch.autograd.Function):
-    """``t`` (no grad) -> a view of it inside a graph; its gradient goes to ``taps[name]``.
-
-    ``anchor`` is a zero-size tensor that requires grad, so the output gets a
-    ``grad_fn``; nothing big is held by the node (NOTE [Token-wise recompute]).
-    """
-
-    @staticmethod
-    def forward(ctx: Any, taps: _TapGrads, name: str, anchor: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        ctx.taps, ctx.name = taps, name
-        return t.view_as(t)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None]:
-        ctx.taps.add(ctx.name, grad)
-        return None, None, None, None
-
-
-
-
 @dataclass
 class LayerRecord:
     """What one forward of a wrapped layer leaves for its backward."""
@@ -160,7 +115,7 @@ class LayerRecord:
     #: Attention-side tokens per layer-input token (a tensor-parallel rank gathers its sequence:
     #: NOTE [Tensor-parallel rank] in memo/models/parallel.py); o, q, k, v rows split at ``a * g``.
     g: int
-    taps: _TapGrads
+    taps: TapGrads
     packer: Packer
     x_slot: int = -1
     o_slot: int = -1
@@ -185,16 +140,15 @@ class LayerRecord:
     #: The attention-side rows in sequence order (NOTE [Gathered rows in sequence order] in
     #: memo/runtime/sequence_order.py).
     order: SequenceOrder | None = None
-    #: The black-box core attention's graph (NOTE [Black-box core attention]); None otherwise.
-    core_edge: GradientEdge | None = None
-    black_box: bool = False
     #: q, k, v's shapes past their first dimension (zero gradients for inputs a black box ignores).
     qkv_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    #: The core attention this forward ran, with its own backward (NOTE [Black-box core attention] in
+    #: memo/runtime/core_attention.py).
+    core: MemoCore | BlackBoxCore | None = None
     #: The input-only policy (NOTE [Input-only layers]): attention is recomputed in backward too,
-    #: from the RNG state it ran at (``rng_core``) and the core it ran (``core``: None for memo's).
+    #: from the RNG state it ran at (``rng_core``).
     input_only: bool = False
     rng_core: Any = None
-    core: Any = None
 
     def scope(self, phase: str, t0: int, t1: int) -> contextlib.AbstractContextManager[None]:
         """Where ``pre``/``post`` runs on tokens ``[t0:t1]``: dropout draws full-sequence masks."""
@@ -335,7 +289,7 @@ class LayerCall:
         ag = a * g
         xc = x.detach().contiguous()
         packer = Packer(sink, self._keep_storages(), xc.device)
-        rec = LayerRecord(a=a, s=s, g=g, ctx=ctx, taps=_TapGrads(), packer=packer,
+        rec = LayerRecord(a=a, s=s, g=g, ctx=ctx, taps=TapGrads(), packer=packer,
                       autocast=AutocastState.capture(xc.device), input_only=input_only)
         if layer.training:
             rec.dropout = LayerDropout(s, xc.device, self._say)
@@ -354,7 +308,7 @@ class LayerCall:
         x_taps = []
         for t0, t1 in rec.head:
             with torch.enable_grad():
-                x_t = _Tap.apply(rec.taps, ("x", t0), rt.anchor, xc[t0:t1])
+                x_t = Tap.apply(rec.taps, ("x", t0), rt.anchor, xc[t0:t1])
                 with packer.hooks(), rec.scope("pre", t0, t1):
                     parts = adapter.pre(layer, x_t, t0, ctx)
             rec.pre_edges.append([(j, _edge(t)) for j, t in enumerate(parts) if t.requires_grad])
@@ -375,29 +329,19 @@ class LayerCall:
         rec.order = SequenceOrder.of(adapter, rec, xc.device)
         rec.qkv_shapes = {name: tuple(t.shape[1:]) for name, t in zip("qkv", (q, k, v), strict=True)}
         core = adapter.core_function(layer, ctx)
+        rec.core = MemoCore(self) if core is None else BlackBoxCore(self, core)
         if input_only:
             # NOTE [Input-only layers]: attention runs without autograd and nothing of it is kept.
-            rec.core, rec.rng_core = core, rng_state(xc.device)
-            o = self._core_output(rec, q, k, v)[0]
-            del q, k, v
-        elif core is None:
-            if a > 0:
-                rec.qkv_slots = tuple(sink.pack(t[:ag], f"{name}[:{ag}]")
-                                      for name, t in zip("qkv", (q, k, v), strict=True))
-            o, lse = self._core_output(rec, q, k, v)
-            del q, k, v
-            rec.o_slot = sink.pack(o, "attention output o")
-            rec.lse_slot = sink.pack(lse, "attention log-sum-exp")
-            packer.add_base(o, rec.o_slot)
-            del lse
+            rec.rng_core = rng_state(xc.device)
+            o = rec.core.output(rec, q, k, v)[0]
         else:
-            o = self._black_box_forward(core, rec, q, k, v)
-            del q, k, v
+            o = rec.core.forward(rec, q, k, v)
+        del q, k, v
 
         y = _Rows(s)
         for (t0, t1), x_t in zip(rec.head, x_taps, strict=True):
             with torch.enable_grad():
-                o_t = _Tap.apply(rec.taps, ("o", t0), rt.anchor, o[t0 * g:t1 * g])
+                o_t = Tap.apply(rec.taps, ("o", t0), rt.anchor, o[t0 * g:t1 * g])
                 with packer.hooks(), rec.scope("post", t0, t1):
                     y_t = adapter.post(layer, o_t, x_t, ctx)
             rec.post_edges.append(_edge(y_t))
@@ -419,20 +363,6 @@ class LayerCall:
             rec.dropout.end_forward()
             rec.dropout.begin_replay()
         return y.take(), rec
-
-    def _core_output(self, rec: LayerRecord, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[
-            torch.Tensor, torch.Tensor | None]:
-        """Attention without autograd on the rows' q, k, v -> o in the rows' layout and the
-        log-sum-exp (None for a black box, which runs here only for an input-only layer)."""
-        seq = rec.order.to_sequence(q, k, v)
-        with torch.no_grad():
-            if rec.core is None:
-                o, lse = self.adapter.core_forward(self.layer, *seq, rec.ctx)
-            else:
-                o, lse = self._call_core(rec.core, *seq), None
-        del seq
-        (o,) = rec.order.to_rows(o.contiguous())
-        return o, lse
 
     def backward(self, rec: LayerRecord, grad_y: torch.Tensor, params: tuple[torch.Tensor, ...],
                  anchor: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
@@ -456,7 +386,9 @@ class LayerCall:
         kept: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = None
         recomputed: tuple[torch.Tensor, ...] | None = None
         if rec.input_only:
-            kept, recomputed, o_dev, core_graph = self._recompute_attention(rec, x_dev, run)
+            kept, qkv = self._recompute_qkv(rec, x_dev)
+            recomputed, o_dev, core_graph = rec.core.recompute(rec, qkv, device)
+            del qkv
         else:
             o_dev = buffers.view(i, rec.o_slot, f)
 
@@ -482,16 +414,18 @@ class LayerCall:
         if rec.dropout is not None:
             rec.dropout.end_phase()
 
-        # 2. attention's backward: the black box's own (NOTE [Black-box core attention]), or from the
+        # 2. attention's backward (memo/runtime/core_attention.py): the black box's own, or from the
         # saved (or, input-only, recomputed) o and lse, with q, k, v the saved [0:a] rows and [a:s]
         # recomputed without grad.
         if rec.input_only:
-            dq, dk, dv = self._recomputed_core_backward(rec, run, grad_o, o_dev, recomputed, core_graph)
+            dq, dk, dv = rec.core.recomputed_backward(rec, run, grad_o, recomputed, core_graph)
             del recomputed, core_graph
-        elif rec.black_box:
-            dq, dk, dv = self._black_box_backward(rec, run, grad_o)
         else:
-            kept, (dq, dk, dv) = self._core_backward(rec, x_dev, o_dev, grad_o)
+            qkv = None
+            if rec.core.needs_qkv:  # memo's core: the saved [0:a] rows, [a:s] recomputed
+                kept, qkv = self._recompute_qkv(rec, x_dev)
+            dq, dk, dv = rec.core.backward(rec, run, grad_o, o_dev, qkv)
+            del qkv
         del grad_o, o_dev
 
         # 3. pre: backward of the [0:a] tiles' sub-graphs, then recompute + backward of [a:s] chunk
@@ -529,6 +463,17 @@ class LayerCall:
         rt.stats.layer_backwards += 1
         return grad_x, run.sums
 
+    # NOTE [Input-only layers]
+    # The input-only policy (ALST's offloaded checkpoint, for when host memory binds) keeps one
+    # tensor per layer on the host, the layer input, where memo(alpha) keeps two (and alpha of the
+    # rest): forward runs every tile without grad (as memo's [a:s] range at alpha = 0) and attention
+    # without autograd, and offloads x alone. Backward recomputes q, k, v chunk by chunk, then
+    # attention's forward, from the RNG and autocast state forward ran under, and goes on as a memo
+    # layer at alpha = 0 with that o and log-sum-exp: post's tiles, attention's backward, pre's
+    # tiles. The price is attention once more per layer; the planner weighs it against the host
+    # bytes it saves (planner/policy.py). A black-box core attention (NOTE [Black-box core
+    # attention] in memo/runtime/core_attention.py) runs again with autograd in backward, its graph
+    # alive until its backward has run.
     def _recompute_qkv(self, rec: LayerRecord, x_dev: torch.Tensor) -> tuple[
             Any, list[_Rows]]:
         """q, k, v rows: the saved ``[0:a]`` rows and the ``[a:s]`` rows recomputed chunk by chunk;
@@ -558,114 +503,6 @@ class LayerCall:
                 kept = (x_c, parts)
             del parts, x_c
         return kept, qkv
-
-    def _core_backward(self, rec: LayerRecord, x_dev: torch.Tensor, o_dev: torch.Tensor,
-                       grad_o: torch.Tensor) -> tuple[Any, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Attention's backward from the saved o and lse (q, k, v from :meth:`_recompute_qkv`);
-        -> (the last chunk's pre graph, or None), ``(dq, dk, dv)`` in the rows' layout."""
-        kept, qkv = self._recompute_qkv(rec, x_dev)
-        order = rec.order
-        q, k, v = order.to_sequence(*(rows.take() for rows in qkv))  # the rows' copies are dropped here
-        del qkv
-        lse = self.runtime.buffers.view(self.index, rec.lse_slot, rec.flight)
-        (grad_seq,), (o_seq,) = order.to_sequence(grad_o), order.to_sequence(o_dev)
-        grads = self.adapter.core_backward(self.layer, grad_seq, q, k, v, o_seq, lse, rec.ctx)
-        del q, k, v, grad_seq, o_seq
-        return kept, order.to_rows(*grads)
-
-    # NOTE [Input-only layers]
-    # The input-only policy (ALST's offloaded checkpoint, for when host memory binds) keeps one
-    # tensor per layer on the host, the layer input, where memo(alpha) keeps two (and alpha of the
-    # rest): forward runs every tile without grad (as memo's [a:s] range at alpha = 0) and attention
-    # without autograd, and offloads x alone. Backward recomputes q, k, v chunk by chunk, then
-    # attention's forward, from the RNG and autocast state forward ran under, and goes on as a memo
-    # layer at alpha = 0 with that o and log-sum-exp: post's tiles, attention's backward, pre's
-    # tiles. The price is attention once more per layer; the planner weighs it against the host
-    # bytes it saves (planner/policy.py). A black-box core attention (NOTE [Black-box core
-    # attention]) runs again with autograd in backward, its graph alive until its backward has run.
-    def _recompute_attention(self, rec: LayerRecord, x_dev: torch.Tensor, run: _SubGraphs) -> tuple[
-            Any, tuple[torch.Tensor, ...], torch.Tensor, Any]:
-        """Step 0 of an input-only layer's backward: q, k, v recomputed and attention's forward again
-        -> (the last chunk's pre graph or None, the sequence-order tensors attention's backward needs,
-        o in the rows' layout, the black box's graph or None)."""
-        kept, qkv = self._recompute_qkv(rec, x_dev)
-        order = rec.order
-        q, k, v = order.to_sequence(*(rows.take() for rows in qkv))
-        del qkv
-        with rec.autocast.replay(), replay_rng(rec.rng_core, x_dev.device):
-            if rec.core is None:
-                with torch.no_grad():
-                    o, lse = self.adapter.core_forward(self.layer, q, k, v, rec.ctx)
-                (o_rows,) = order.to_rows(o.contiguous())
-                return kept, (q, k, v, o, lse), o_rows, None
-            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-            del q, k, v
-            with torch.enable_grad():
-                out = self._call_core(rec.core, *leaves)
-        (o_rows,) = order.to_rows(out.detach().contiguous())
-        return kept, tuple(leaves), o_rows, out if out.requires_grad else None
-
-    def _recomputed_core_backward(self, rec: LayerRecord, run: _SubGraphs, grad_o: torch.Tensor,
-                                  o_rows: torch.Tensor, recomputed: tuple[torch.Tensor, ...],
-                                  core_graph: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Step 2 of an input-only layer's backward, from what step 0 recomputed -> dq, dk, dv in the
-        rows' layout."""
-        order = rec.order
-        (grad_seq,) = order.to_sequence(grad_o)
-        if rec.core is None:
-            q, k, v, o, lse = recomputed
-            grads = self.adapter.core_backward(self.layer, grad_seq, q, k, v, o, lse, rec.ctx)
-            return order.to_rows(*grads)
-        leaves = recomputed
-        found = run([_edge(core_graph)], [grad_seq], leaves) if core_graph is not None else (None,) * 3
-        grads = [d if d is not None else torch.zeros_like(t) for d, t in zip(found, leaves, strict=True)]
-        return order.to_rows(*grads)
-
-    def _call_core(self, core: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """A black-box core attention's output, checked (megatron's core attention contract)."""
-        out = core(q, k, v)
-        if not isinstance(out, torch.Tensor) or out.dim() != 3:
-            raise MemoError(
-                f"memo.runtime: layer {self.index}'s core attention returned "
-                f"{type(out).__name__}{list(out.shape) if isinstance(out, torch.Tensor) else ''}; memo "
-                "needs one tensor [s, b, heads * head_dim] (megatron's core attention contract)")
-        return out
-
-    def _black_box_forward(self, core: Any, rec: LayerRecord, q: torch.Tensor, k: torch.Tensor,
-                           v: torch.Tensor) -> torch.Tensor:
-        """Runs the layer's own core attention once, with autograd, every tensor it saves sent to the
-        rounding buffer (NOTE [Black-box core attention]); -> o in the rows' layout."""
-        rt, packer = self.runtime, rec.packer
-        q, k, v = rec.order.to_sequence(q, k, v)
-        with torch.enable_grad():
-            ins = [_Tap.apply(rec.taps, name, rt.anchor, t) for name, t in zip("qkv", (q, k, v), strict=True)]
-            with packer.deferred() as later:
-                out = self._call_core(core, *ins)
-            del ins, q, k, v
-            rec.black_box = True
-            rec.core_edge = _edge(out) if out.requires_grad else None  # None: its output has no gradient
-        (o,) = rec.order.to_rows(out.detach().contiguous())
-        rec.o_slot = packer.sink.pack(o, "attention output o")
-        packer.add_base(o, rec.o_slot)
-        later.resolve()  # after o is a base: a core that saves its output refers to that copy
-        del out
-        return o
-
-    def _black_box_backward(self, rec: LayerRecord, run: _SubGraphs, grad_o: torch.Tensor) -> tuple[
-            torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The black box's own backward (NOTE [Black-box core attention]) -> dq, dk, dv in the rows'
-        layout (zeros for an input the core does not use)."""
-        (grad_seq,) = rec.order.to_sequence(grad_o)
-        if rec.core_edge is not None:
-            run([rec.core_edge], [grad_seq])
-        rec.core_edge = None
-        s, dtypes = rec.s * rec.g, rec.qkv_dtypes
-        grads = []
-        for name, dtype in zip("qkv", dtypes, strict=True):
-            d = rec.taps.pop(name)
-            grads.append(d if d is not None else torch.zeros((s, *rec.qkv_shapes[name]), dtype=dtype,
-                                                            device=grad_o.device))
-        return rec.order.to_rows(*grads)
 
     def _say(self, topic: str, text: str) -> None:
         """Warn about ``topic`` once per runtime (NOTE [Dropout as unwrapped])."""

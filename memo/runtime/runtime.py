@@ -161,7 +161,7 @@ class MemoRuntime:
         policy: what each layer does, one of :data:`LAYER_POLICIES` per layer (NOTE [Layer
             policy]); default: the plan's ``policy``, else :func:`default_policy`.
         recompute_chunk_tokens: tokens per tile of the token-wise parts, both token ranges (NOTE
-            [Tiles bounded by memory] in memo/runtime/layer.py); default: the plan's ``tile_tokens``,
+            [Tiles bounded by memory] in memo/runtime/tiles.py); default: the plan's ``tile_tokens``,
             else s / 8 tokens while a tile's transient stays within TILE_BYTES, never below NOTE [How
             small a chunk]'s floor.
     """

@@ -178,7 +178,7 @@ def wrap(
             the plan's,
             else all layers but the last two offload.
         recompute_chunk_tokens: tokens per tile of the token-wise parts (NOTE [Tiles bounded by
-            memory] in memo/runtime/layer.py); default: the plan's ``tile_tokens``, else the runtime's
+            memory] in memo/runtime/tiles.py); default: the plan's ``tile_tokens``, else the runtime's
             memory-bounded default.
 
     The runtime is available as :func:`runtime_of(model) <runtime_of>`. The state dict is
