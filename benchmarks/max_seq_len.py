@@ -11,7 +11,7 @@ benchmarks/strategies.py: here the peer with the longest sequence).
 
 NOTE [Emulated device memory on CPU]
 On CPU the device is memo's CPU allocator (NOTE [Measuring device memory] in
-memo/train/strategies.py), capped at ``--device-mem-mb``: the parameters are allocated before the
+memo/train/meter.py), capped at ``--device-mem-mb``: the parameters are allocated before the
 allocator context, memo's plan arena is reserved when it opens, and the fallback allocator
 may reserve what is left (``memo.allocator.planned(..., fallback_limit=...)``). Every other
 allocation of the step (activations, gradients, AdamW state, memo's rounding buffers) comes

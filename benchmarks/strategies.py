@@ -29,7 +29,7 @@ benchmarks/max_seq_len.py the longest sequence. Its name is printed in the table
 
 NOTE [Same meter for every row]
 The in-process rows all run under one memo.allocator context per row (see NOTE [Measuring
-device memory] in memo/train/strategies.py): the peak is memo's allocator's peak of bytes in use
+device memory] in memo/train/meter.py): the peak is memo's allocator's peak of bytes in use
 plus the parameters. Every row, ``save-on-cpu`` (:class:`memo.train.SaveOnCpu`) included, is
 given its own :class:`memo.train.MemoryMeter`. On CUDA memo's allocator is installed before the
 first CUDA tensor (memo's row needs it), so the in-process baselines are served by memo's fallback caching

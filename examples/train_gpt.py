@@ -4,7 +4,7 @@
 Prints, per step: loss, step time, tokens/s per device (TGS), MFU (from the Memo paper's
 ``6·s·P + 6·n·h·s²`` FLOPs per sample; "n/a" when the device's peak is unknown, e.g. on
 CPU without --peak-tflops) and peak device memory (NOTE [Measuring device memory] in
-memo/train/strategies.py). ``memo train`` does the same with memo's own strategies as well.
+memo/train/meter.py). ``memo train`` does the same with memo's own strategies as well.
 
 Examples:
     python examples/train_gpt.py --model tiny --seq-len 256 --steps 10

@@ -4,7 +4,7 @@ NOTE [One construction path]
 Training with memo needs the same sequence everywhere (``memo train``, the examples, the
 benchmarks): memo's allocator serving the device (the plan's tables, or only its fallback pool
 when there is no plan, so that every strategy's memory is measured alike: NOTE [Measuring device
-memory] in memo/train/strategies.py), the layers wrapped with the plan's alpha and policy, a phase
+memory] in memo/train/meter.py), the layers wrapped with the plan's alpha and policy, a phase
 tracker on the model adapter's parts telling the allocator which plan table is open, and the
 runtime's buffers sized before the first step (DESIGN.md: "fail before training starts with the
 numbers"). :class:`Session` is that sequence, once; its exit undoes every part that was done, in

@@ -1,8 +1,11 @@
 """Training with memo: the loop, the activation-memory strategies, the report and its plots.
 
-* :mod:`memo.train.loop` -- data sources, one step, the measured loop (:func:`train`).
-* :mod:`memo.train.strategies` -- one class per strategy behind the :class:`Strategy` protocol,
-  the :class:`MemoryMeter` they are measured with.
+* :mod:`memo.train.loop` -- one step, the measured loop (:func:`train`).
+* :mod:`memo.train.data` -- the token sources (synthetic tokens, the bytes of a file).
+* :mod:`memo.train.parallel` -- what the loop adds for one rank of a parallel job.
+* :mod:`memo.train.strategies` -- one class per strategy behind the :class:`Strategy` protocol.
+* :mod:`memo.train.meter` -- the :class:`MemoryMeter` every strategy is measured with.
+* :mod:`memo.train.plan_checks` -- a loaded plan checked against the run.
 * :mod:`memo.train.peers` -- what the peers (the methods a user would pick instead of memo) are made
   of: offload hooks, ALST's tiled MLP, checkpointed layers.
 * :mod:`memo.train.report` -- the versioned JSON report ``memo train --report`` writes.

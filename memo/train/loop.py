@@ -1,4 +1,5 @@
-"""The pieces of a training run: data sources, one step, metrics, the measured loop.
+"""The pieces of a training run: one step, metrics, the measured loop (its data sources are in
+memo/train/data.py, what a rank of a parallel job adds in memo/train/parallel.py).
 
 ``examples/train_gpt.py`` is a thin shell around :func:`add_train_arguments`,
 :func:`train_config_from_args` and :func:`train`; ``memo train`` (memo/cli/train.py) builds a
@@ -16,7 +17,6 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,6 +24,13 @@ import torch
 from memo.errors import MemoError
 from memo.models import DEFAULT_MAX_SEQ_LEN, build_model, fingerprint, get_config, list_configs
 from memo.profiler.bounds import check_least_memory, least_memory
+from memo.train.data import Batch, ByteFileTokens, SyntheticTokens
+from memo.train.parallel import ParallelLoss as _ParallelLoss
+from memo.train.parallel import Sharded as _Sharded
+from memo.train.parallel import agree as _agree
+from memo.train.parallel import parallel_record as _parallel_record
+from memo.train.parallel import ranks_text as _ranks
+from memo.train.parallel import start_parallel as _start_parallel
 from memo.units import format_mib
 from memo.utils.flops import detect_peak_flops, flops_per_sample, mfu
 
@@ -46,64 +53,6 @@ __all__ = [
 
 #: ``--dtype`` choices.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-Batch = tuple[torch.Tensor, torch.Tensor]
-
-
-class SyntheticTokens:
-    """Learnable synthetic data: a fixed random cycle of distinct tokens, read at random offsets.
-
-    Every token is followed by the same token everywhere in the data, so the loss can fall
-    from ln(V) towards zero within a few steps (a bigram the embeddings pick up quickly);
-    random offsets keep batches from being identical.
-
-    Yields ``(ids, labels)``, both ``[micro_batch, seq_len]`` int64, labels = ids shifted by one.
-    """
-
-    def __init__(self, vocab_size: int, seq_len: int, micro_batch: int, seed: int, period: int = 64) -> None:
-        self.seq_len, self.micro_batch = seq_len, micro_batch
-        self.generator = torch.Generator().manual_seed(seed)
-        self.period = min(period, vocab_size)
-        self.cycle = torch.randperm(vocab_size, generator=self.generator)[: self.period]
-
-    def __iter__(self) -> Iterator[Batch]:
-        index = torch.arange(self.seq_len + 1)
-        while True:
-            starts = torch.randint(0, self.period, (self.micro_batch, 1), generator=self.generator)
-            tokens = self.cycle[(starts + index) % self.period]
-            yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-
-class ByteFileTokens:
-    """The bytes of a local file as token ids (0..255), read as random windows of ``seq_len + 1``.
-
-    Yields ``(ids, labels)`` like :class:`SyntheticTokens`.
-    """
-
-    def __init__(self, path: str | Path, vocab_size: int, seq_len: int, micro_batch: int, seed: int) -> None:
-        if vocab_size < 256:
-            raise MemoError(
-                f"memo.train: --data uses bytes as token ids, which needs vocab_size >= 256; the model "
-                f"has {vocab_size}. Pick a model with a larger vocabulary"
-            )
-        data = Path(path).read_bytes()
-        if len(data) < seq_len + 1:
-            raise MemoError(
-                f"memo.train: {path} has {len(data)} bytes, fewer than seq_len + 1 = {seq_len + 1}; "
-                "use a larger file or a shorter --seq-len"
-            )
-        self.tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
-        self.seq_len, self.micro_batch = seq_len, micro_batch
-        self.generator = torch.Generator().manual_seed(seed)
-
-    def __iter__(self) -> Iterator[Batch]:
-        index = torch.arange(self.seq_len + 1)
-        last_start = self.tokens.numel() - self.seq_len - 1
-        while True:
-            starts = torch.randint(0, last_start + 1, (self.micro_batch, 1), generator=self.generator)
-            tokens = self.tokens[starts + index]
-            yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
 
 # NOTE [Fused AdamW]
 # torch's default AdamW on CUDA is the foreach one, whose step makes a temporary the size of every
@@ -408,103 +357,6 @@ def train(
         if parallel is not None:
             parallel.close()
     return result
-
-
-def _ranks(n: int) -> str:
-    return "1 rank" if n == 1 else f"{n} ranks"
-
-
-def _start_parallel(config: TrainConfig) -> Any:
-    """This rank's :class:`memo.distributed.layout.ParallelRun`, or None for a single-process run.
-
-    Every check is made from the arguments and the launch environment before any process group
-    exists (NOTE [Checks before any process group]).
-    """
-    from memo.distributed.layout import LaunchEnv, ParallelRun, check_layout, resolve_layout
-
-    launch = LaunchEnv.from_environ()
-    layout = resolve_layout(config.tensor_parallel, config.context_parallel, config.data_parallel,
-                            config.sequence_parallel, launch.world_size)
-    megatron = config.engine == "megatron" and config.hf_config is None
-    if layout.world == 1 and not layout.sequence_parallel and not (launch.launched and megatron):
-        # One process, as before (megatron's world of one: memo/engines.py). Under torchrun a
-        # megatron world of one is a distributed run (NCCL on a GPU); memo's and Hugging Face's
-        # models have no parallel layers and run as one process whatever launched them.
-        return None
-    if config.engine != "megatron" or config.hf_config is not None:  # refused first by check_layout
-        check_layout(layout, engine="hf" if config.hf_config is not None else config.engine, n_heads=1,
-                     n_query_groups=1, vocab_size=1, seq_len=1, micro_batch=1)
-    shapes = get_config(config.model)
-    check_layout(layout, engine=config.engine, n_heads=shapes.n_heads,
-                 n_query_groups=shapes.n_kv_heads or shapes.n_heads, vocab_size=shapes.vocab_size,
-                 seq_len=config.seq_len, micro_batch=config.micro_batch)
-    return ParallelRun.start(layout, launch, config.device, config.seed)
-
-
-@dataclass
-class _ParallelLoss:
-    """One step's loss and gradients on a rank of a parallel job (NOTE [Parallel layout])."""
-
-    parallel: Any
-    positions: torch.Tensor
-    global_count: int
-
-    def loss(self, model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.parallel.loss(model, ids, labels, self.positions, self.global_count)
-
-    def zero_grads(self) -> None:
-        self.parallel.zero_grads()
-
-    def finish_grads(self, model: torch.nn.Module) -> None:
-        self.parallel.finish_grads(model)
-
-
-class _Sharded:
-    """The global batches of a token source, each cut to this rank's share (NOTE [Parallel layout]):
-    yields ``(ids, labels, position_ids)`` and keeps the global batch's counted tokens in ``count``."""
-
-    def __init__(self, batches: Iterator[Batch], parallel: Any) -> None:
-        self.batches, self.parallel = batches, parallel
-        self.count = 0
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
-        return self
-
-    def __next__(self) -> tuple[torch.Tensor, ...]:
-        ids, labels = next(self.batches)
-        self.count = int((labels != -100).sum())
-        return self.parallel.shard(ids, labels)
-
-
-def _agree(parallel: Any, strategy: Any, emit: Callable[[str], None]) -> None:
-    """Every rank runs the same strategy, alpha, layer policy and plan, or every rank stops
-    (NOTE [Checks before any process group])."""
-    from memo.distributed.layout import plan_fingerprint, requests_fingerprint
-
-    policy = getattr(strategy, "policy", None)
-    record = {"layout": parallel.layout.as_dict(), "strategy": strategy.name,
-              "alpha": None if strategy.alpha is None else round(float(strategy.alpha), 12),
-              "policy": None if policy is None else list(policy),
-              "plan": plan_fingerprint(strategy.plan)}
-    if getattr(getattr(strategy, "options", None), "plan", None) is None:
-        # each rank profiled: its plan is its own shard's (a --plan file must be the same everywhere)
-        record["plan_made_from"] = requests_fingerprint(strategy.plan)
-    parallel.agree(record)
-    emit(f"memo.distributed: {_ranks(parallel.layout.world)} ({parallel.layout}) agree on strategy "
-         f"{strategy.name}" + ("" if strategy.alpha is None else f", alpha {strategy.alpha:.4f}")
-         + ("" if strategy.plan is None else f", plan {plan_fingerprint(strategy.plan)}"))
-
-
-def _parallel_record(parallel: Any, result: TrainResult) -> dict[str, Any]:
-    """The layout and every rank's device peak and host bytes, gathered on every rank (a collective)."""
-    extras = result.steps[-1].extras if result.steps else {}
-    peak = max((s.peak_memory_bytes or 0) for s in result.steps) if result.steps else None
-    mine = {"rank": parallel.rank, "tp_rank": parallel.tp_rank, "cp_rank": parallel.cp_rank,
-            "dp_rank": parallel.dp_rank, "peak_device_bytes": peak,
-            "peak_device_kind": result.peak_memory_kind,
-            "host_pinned_bytes": int(extras.get("host_pinned_bytes", 0))}
-    return {**parallel.layout.as_dict(), "ranks": parallel.gather(mine)}
 
 
 def _steps(config: TrainConfig, model: torch.nn.Module, model_config: Any, strategy: Any,

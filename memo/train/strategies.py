@@ -16,22 +16,11 @@
 
 Each is a :class:`Strategy` (the protocol :func:`memo.train.train` uses). All but ``save-on-cpu``
 are ``memo train --strategy`` (:data:`memo.train.STRATEGIES`); :func:`make_strategy` builds one from
-:class:`StrategyOptions`. Every strategy takes its :class:`MemoryMeter` as an object. The peers
+:class:`StrategyOptions`. Every strategy takes its :class:`MemoryMeter` as an object (memo/train/meter.py,
+with the :class:`Metered` base they share and NOTE [Measuring device memory]); a plan given to
+``memo`` is checked against the run by memo/train/plan_checks.py. The peers
 (``offloaded-checkpoint``, ``torchtune-offload``, ``save-on-cpu``, ``full-offload``) are what a user
 would pick instead of memo; their pieces are in :mod:`memo.train.peers`.
-
-NOTE [Measuring device memory]
-Every strategy runs its steps inside one memo.allocator context on the model's device, so
-device bytes are measured by the same allocator for all of them: ``memo`` replays its plan,
-the others use an empty plan (everything through the fallback caching allocator). The peak
-reported is the allocator's peak of bytes in use during the steps (activations, gradients,
-optimizer state, temporaries and memo's two device rounding buffers) plus the parameters,
-which exist before the first step. On CUDA memo's allocator, once installed, is PyTorch's CUDA
-allocator for the whole process (NOTE [Allocator state is process-wide]), so it has served the
-parameters too and its peak already counts them. On CUDA with PyTorch's own allocator
-(baselines run without memo), torch's ``max_memory_allocated`` is the same quantity; with a
-pluggable allocator torch's counters raise, so memo's are read instead.
-:class:`MemoryMeter` opens that context (a :class:`memo.Session`) and reads it.
 
 NOTE [save_on_cpu on the CPU backend]
 On a CPU device ``save_on_cpu`` moves nothing: ``tensor.cpu()`` of a CPU tensor is the tensor
@@ -46,22 +35,23 @@ itself, unchanged (its pack hook is only wrapped to count the host bytes it hold
 from __future__ import annotations
 
 import contextlib
-import gc
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 from memo import pipeline, planner, profiler  # at import time: NOTE [Import PuLP early] in memo.planner
-from memo.errors import MemoError, PlanMismatchError
+from memo.errors import MemoError
 from memo.machine import Machine
 from memo.runtime.layer import offload_tokens as runtime_offload_tokens
-from memo.session import Session
 from memo.train import STRATEGIES
+from memo.train.meter import Log, MemoryMeter, Metered, Wrapping
 from memo.train.peers import CheckpointedLayers, HostBytesMeter, HostOffload
 from memo.train.peers import host_copy as _host_copy
+from memo.train.plan_checks import check_plan as _check_plan
+from memo.train.plan_checks import check_plan_budget as _check_plan_budget
 from memo.units import format_mib
 
 __all__ = [
@@ -81,7 +71,6 @@ __all__ = [
     "make_strategy",
 ]
 
-Log = Callable[[str], None]
 
 
 @runtime_checkable
@@ -208,202 +197,16 @@ class StrategyOptions:
             raise MemoError(f"memo.train: --host-safety must be in (0, 1], got {self.host_safety}")
 
 
-# ---------------------------------------------------------------------------------------- meter
-
-
-@dataclass
-class Wrapping:
-    """What a strategy's :class:`memo.Session` wraps the model with (all None: a plain model)."""
-
-    plan: Any = None
-    alpha: float | None = None
-    policy: list[str] | None = None
-    planned_allocator: bool = True
-    debug_copy_delay_us: int | None = None
-
-
-class MemoryMeter:
-    """Opens the :class:`memo.Session` a strategy's steps run in and reads its device memory
-    (NOTE [Measuring device memory]).
-
-    ``device_budget_bytes``: NOTE [Device budget], enforced by the Session (None: the device's own
-    memory). A meter with another budget rule (benchmarks/max_seq_len.py) returns its own Session
-    from :meth:`make_session`.
-    """
-
-    def __init__(self, device_budget_bytes: int | None = None) -> None:
-        self.device_budget_bytes = device_budget_bytes
-        self.device = torch.device("cpu")
-        #: Bytes of the parameters, which exist before the meter opens.
-        self.param_bytes = 0
-        #: Whether memo's allocator serves the device (its counters are this run's).
-        self.allocator_on = False
-        self.session: Session | None = None
-        self._peak = 0
-        self._counts = {"planned": 0, "fallback": 0, "unplanned": 0}
-
-    def make_session(self, model: nn.Module, wrapping: Wrapping, device: torch.device,
-                     example: tuple[torch.Tensor, torch.Tensor]) -> Session:
-        """The Session (not yet entered) the steps run in (NOTE [One construction path])."""
-        return Session(model, wrapping.plan, alpha=wrapping.alpha, policy=wrapping.policy,
-                       planned_allocator=wrapping.planned_allocator, device=device,
-                       device_budget_bytes=self.device_budget_bytes, example=example,
-                       debug_copy_delay_us=wrapping.debug_copy_delay_us)
-
-    def open(self, model: nn.Module, wrapping: Wrapping, device: torch.device,
-             example: tuple[torch.Tensor, torch.Tensor]) -> Session:
-        """Enter the Session: memo's allocator, the wrapped layers, phases, sized buffers."""
-        self.device = device
-        self.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        # Garbage of earlier work in this process (a model in a reference cycle, its gradients) may
-        # still hold blocks of memo's allocator; they would count in this run's peak until the
-        # collector happens to run. Collect now, so that the peak is this run's.
-        gc.collect()
-        self.session = self.make_session(model, wrapping, device, example)
-        self.session.__enter__()
-        self.allocator_on = self.session.allocator_on
-        return self.session
-
-    def read(self) -> dict[str, Any]:
-        """The running device peak and what it is, and the allocator's counters."""
-        from memo import allocator
-
-        out: dict[str, Any] = {}
-        if self.allocator_on:
-            st = allocator.stats(self.device)
-            self._peak = max(self._peak, int(st["peak_bytes_in_use"]))
-            # "fallback": requests the plan covered but could not serve (deviations, busy slots);
-            # "unplanned": requests outside planned phases (optimizer, data), fallback by design.
-            self._counts = {"planned": int(st["planned_hits"]),
-                            "fallback": int(st["fallback_requests"]) - int(st["unplanned_requests"]),
-                            "unplanned": int(st["unplanned_requests"])}
-            out["segment_allocs"] = int(st["segment_allocs"])
-            if self.device.type == "cuda":  # the allocator served the parameters too
-                out["peak_device_bytes"] = self._peak
-                out["peak_device_kind"] = "memo_allocator_peak_in_use"
-            else:
-                out["peak_device_bytes"] = self.param_bytes + self._peak
-                out["peak_device_kind"] = "memo_allocator_peak_in_use+params"
-        elif self.device.type == "cuda":
-            out["peak_device_bytes"] = int(torch.cuda.max_memory_allocated(self.device))
-            out["peak_device_kind"] = "cuda_max_memory_allocated"
-        else:
-            out["peak_device_bytes"], out["peak_device_kind"] = None, "unavailable"
-        out["allocator"] = dict(self._counts)
-        return out
-
-    def close(self) -> None:
-        """Close the Session: phases, wrap and allocator undone. Safe to call twice."""
-        if self.session is not None:
-            self.session.close()
-        self.allocator_on = False
-
-
 # ---------------------------------------------------------------------------------------- strategies
 
 
-class _Metered:
-    """What every strategy shares: the meter's Session around the steps, and the per-step stats.
-
-    A strategy says how the model is wrapped in :meth:`wrapping`; the rest is here.
-    """
-
-    name: ClassVar[str]
-
-    def __init__(self, meter: MemoryMeter | None = None) -> None:
-        self.meter = meter if meter is not None else MemoryMeter()
-        self.model: nn.Module | None = None
-        self.alpha: float | None = None
-        self.alpha_binding: str | None = None
-        self.plan: Any = None
-        self.offloaded_layers: int | None = None
-        self.offload: dict[str, Any] | None = None
-        #: Bytes per offloaded layer the profile counted (NOTE [Planned and actual offload]).
-        self.planned_offload_bytes: int | None = None
-        self._last_copy: dict[str, int] = {}
-
-    @property
-    def device_budget_bytes(self) -> int | None:
-        return self.meter.device_budget_bytes
-
-    def wrapping(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, run: dict[str, Any],
-                 log: Log) -> Wrapping:
-        """How this strategy runs ``model`` (called once, before the meter opens)."""
-        return Wrapping()
-
-    def prepare(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, run: dict[str, Any],
-                log: Log = print) -> None:
-        self.model = model
-        wrapping = self.wrapping(model, ids, labels, run, log)
-        session = self.meter.open(model, wrapping, ids.device, (ids, labels))
-        if session.runtime is not None:
-            self.offloaded_layers = session.runtime.n_offloaded
-
-    @contextlib.contextmanager
-    def step(self) -> Iterator[None]:
-        """Run one training step's forward and backward inside this strategy's Session."""
-        if self.meter.session is None:
-            yield
-            return
-        with self.meter.session.iteration():
-            yield
-
-    def step_stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"host_pinned_bytes": self.host_pinned_bytes()}
-        out.update(self._copy_stats())
-        self._note_offload()
-        out.update(self.meter.read())
-        return out
-
-    def _runtime(self) -> Any:
-        from memo import runtime
-
-        if self.model is None or not runtime.is_wrapped(self.model):
-            return None
-        return runtime.runtime_of(self.model)
-
-    def host_pinned_bytes(self) -> int:
-        """Host bytes this strategy holds for the device: memo's host arena (0 without the wrapper)."""
-        rt = self._runtime()
-        return 0 if rt is None else int(rt.host_bytes)
-
-    def _copy_stats(self) -> dict[str, Any]:
-        """This step's rounding-buffer traffic, and how long compute waited for it.
-
-        ``copy_wait_s`` is host time the compute thread spent blocked on copies (CPU backend);
-        on CUDA the waits are stream waits on the device and it stays 0.
-        """
-        rt = self._runtime()
-        if rt is None:
-            return {}
-        st = rt.stats.as_dict()
-        last, self._last_copy = self._last_copy, st
-        delta = {k: st[k] - last.get(k, 0) for k in ("bytes_offloaded", "bytes_prefetched", "copy_wait_ns",
-                                                       "recomputed_tokens")}
-        return {"bytes_offloaded": delta["bytes_offloaded"], "bytes_prefetched": delta["bytes_prefetched"],
-                "recomputed_tokens": delta["recomputed_tokens"], "copy_wait_s": delta["copy_wait_ns"] / 1e9}
-
-    def _note_offload(self) -> None:
-        """Planned vs actual bytes per offloaded layer (NOTE [Planned and actual offload])."""
-        rt = self._runtime()
-        if self.offload is not None or rt is None or rt.layer_bytes is None:
-            return
-        self.offload = {"offloaded_layers": rt.n_offloaded,
-                        "planned_bytes_per_layer": self.planned_offload_bytes,
-                        "actual_bytes_per_layer": int(rt.layer_bytes),
-                        "tensors": [list(t) for t in rt.layer_tensors]}
-
-    def close(self) -> None:
-        self.meter.close()
-
-
-class NoStrategy(_Metered):
+class NoStrategy(Metered):
     """``none``: plain autograd, measured by the meter like every other strategy."""
 
     name = "none"
 
 
-class FullRecompute(_Metered):
+class FullRecompute(Metered):
     """``full-recompute``: every layer recomputed in backward.
 
     memo's models do it themselves (``torch.utils.checkpoint`` per layer, ``model.recompute =
@@ -425,7 +228,7 @@ class FullRecompute(_Metered):
         return Wrapping(alpha=0.0, policy=["recompute"] * n)
 
 
-class FullOffload(_Metered):
+class FullOffload(Metered):
     """``full-offload``: memo's wrapper with alpha = 1 (every skeletal tensor to host)."""
 
     name = "full-offload"
@@ -436,7 +239,7 @@ class FullOffload(_Metered):
         return Wrapping(alpha=1.0)
 
 
-class MemoStrategy(_Metered):
+class MemoStrategy(Metered):
     """``memo``: the plan from ``--plan``, or a profile of this model (alpha solved or given, the
     layer policy, and the planned allocator's tables)."""
 
@@ -501,7 +304,7 @@ def _agreed_machine(opts: StrategyOptions, parallel: Any, model: nn.Module, ids:
     """The machine every rank of a parallel job plans with: B, T_layer and the node's host memory as
     given, else measured on every rank and agreed (the slowest link and layer, the smallest node),
     so that every rank solves the same alpha LP and records the same iterations (NOTE [Decisions
-    every rank shares] in memo/pipeline.py)."""
+    every rank shares] in memo/pipeline/policy.py)."""
     from memo.profiler.measure import GB, machine_memory_bytes, measure_bandwidth, time_layer_forward
     from memo.profiler.record import layer_inputs, model_parts
 
@@ -540,7 +343,7 @@ def _shared_plan(parallel: Any, plan: Any, log: Log) -> Any:
     return adopted
 
 
-class SaveOnCpu(_Metered):
+class SaveOnCpu(Metered):
     """``save-on-cpu``: ``torch.autograd.graph.save_on_cpu`` around forward + backward of the plain
     model (the baseline a PyTorch user would otherwise pick; benchmarks, not ``memo train``).
 
@@ -592,7 +395,7 @@ class SaveOnCpu(_Metered):
         return self.host.peak
 
 
-class _CheckpointPeer(_Metered):
+class _CheckpointPeer(Metered):
     """What the peers that checkpoint every layer share (``offloaded-checkpoint``, ``torchtune-offload``):
     the layers under non-reentrant ``torch.utils.checkpoint`` (:class:`memo.train.peers.CheckpointedLayers`),
     host copies counted by a :class:`HostBytesMeter`, everything undone by :meth:`close`."""
@@ -728,7 +531,7 @@ class TorchtuneOffload(_CheckpointPeer):
         super().close()
 
 
-_CLASSES: dict[str, type[_Metered]] = {c.name: c for c in (NoStrategy, FullRecompute, FullOffload,
+_CLASSES: dict[str, type[Metered]] = {c.name: c for c in (NoStrategy, FullRecompute, FullOffload,
                                                             MemoStrategy, OffloadedCheckpoint,
                                                             TorchtuneOffload)}
 
@@ -741,68 +544,3 @@ def make_strategy(options: StrategyOptions, meter: MemoryMeter | None = None) ->
     if options.strategy == "memo":
         return MemoStrategy(options, meter)
     return _CLASSES[options.strategy](meter)
-
-
-# ---------------------------------------------------------------------------------------- plan checks
-
-
-def _check_plan(plan: Any, run: dict[str, Any]) -> None:
-    """A plan made for another job is refused with the field that differs."""
-    meta = getattr(plan, "meta", {}) or {}
-    made, this = meta.get("fingerprint"), run.get("fingerprint")
-    if made is not None and this is not None:
-        # The architecture decides every planned size; the name does not (a renamed copy of a config
-        # plans the same, and one name may be given to another config file).
-        if str(made) != str(this):
-            raise PlanMismatchError(
-                f"memo.train: the plan was made for model={meta.get('model')} (fingerprint {made}), this run "
-                f"has model={run.get('model')} (fingerprint {this}); their shapes differ. Re-run `memo "
-                "profile` for this model, or drop --plan"
-            )
-    elif meta.get("model") is not None and run.get("model") is not None \
-            and str(meta["model"]) != str(run["model"]):
-        # Plans of models memo cannot fingerprint (not a memo ModelConfig) carry the name only.
-        raise PlanMismatchError(
-            f"memo.train: the plan was made for model={meta['model']}, this run has model={run['model']}; "
-            "re-run `memo profile` for this run, or drop --plan"
-        )
-    for key in ("seq_len", "micro_batch", "dtype"):
-        expected, actual = run.get(key), meta.get(key)
-        if actual is not None and expected is not None and str(actual) != str(expected):
-            raise PlanMismatchError(
-                f"memo.train: the plan was made for {key}={actual}, this run has {key}={expected}; "
-                "re-run `memo profile` for this run, or drop --plan"
-            )
-    # A plan for one rank of a tensor- or context-parallel group describes that rank's shard
-    # (NOTE [Tensor-parallel rank], NOTE [Context-parallel profile]); a run that is not sharded the
-    # same way would replay it on other shapes. Plans without the field are from unsharded profiles.
-    for key, flag in (("tensor_parallel", "--tensor-parallel"), ("context_parallel", "--context-parallel")):
-        expected, actual = run.get(key, 1), meta.get(key, 1)
-        if str(actual) != str(expected):
-            raise PlanMismatchError(
-                f"memo.train: the plan was made for one rank of {key}={actual}, this run has {key}="
-                f"{expected}; its sizes are that rank's shard. Re-run `memo profile` with {flag} "
-                f"{expected} for this run, or drop --plan"
-            )
-    planned_sp, run_sp = meta.get("sequence_parallel"), bool(run.get("sequence_parallel", False))
-    if planned_sp is not None and bool(planned_sp) != run_sp:
-        raise PlanMismatchError(
-            f"memo.train: the plan was made for a rank {'with' if planned_sp else 'without'} sequence "
-            f"parallelism (its layers hold {'s/tp' if planned_sp else 'all s'} tokens), this run is "
-            f"{'with' if run_sp else 'without'} it (--sp); profile this run's layout, or drop --plan")
-
-
-def _check_plan_budget(plan: Any, device_mem_gb: float | None) -> None:
-    """A plan chosen for another device budget is refused: its layer policy fits that budget only."""
-    if device_mem_gb is None:
-        return
-    device = getattr(plan, "device", None) or {}
-    planned = device.get("budget_bytes")
-    wanted = int(device_mem_gb * 1e9)
-    if planned is None or abs(int(planned) - wanted) > 0.001 * wanted:
-        made = "no device budget" if planned is None else f"--device-mem-gb {int(planned) / 1e9:g}"
-        raise PlanMismatchError(
-            f"memo.train: the plan was made for {made}, this run has --device-mem-gb {device_mem_gb:g}; its "
-            "layer policy and alpha were chosen to fit that budget. Re-run `memo profile --device-mem-gb "
-            f"{device_mem_gb:g}` for this run, or drop --device-mem-gb"
-        )

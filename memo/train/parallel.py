@@ -1,0 +1,116 @@
+"""What :func:`memo.train.train` adds for one rank of a parallel job (NOTE [Parallel layout] in
+memo/distributed/layout.py): the rank's start, its share of each batch and of the loss, the
+agreement every rank checks before the steps, and the record of every rank's numbers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from memo.models import get_config
+from memo.train.data import Batch
+
+if TYPE_CHECKING:
+    from memo.train.loop import TrainConfig, TrainResult
+
+__all__ = ["ParallelLoss", "Sharded", "agree", "parallel_record", "ranks_text", "start_parallel"]
+
+
+def ranks_text(n: int) -> str:
+    return "1 rank" if n == 1 else f"{n} ranks"
+
+
+def start_parallel(config: TrainConfig) -> Any:
+    """This rank's :class:`memo.distributed.layout.ParallelRun`, or None for a single-process run.
+
+    Every check is made from the arguments and the launch environment before any process group
+    exists (NOTE [Checks before any process group]).
+    """
+    from memo.distributed.layout import LaunchEnv, ParallelRun, check_layout, resolve_layout
+
+    launch = LaunchEnv.from_environ()
+    layout = resolve_layout(config.tensor_parallel, config.context_parallel, config.data_parallel,
+                            config.sequence_parallel, launch.world_size)
+    megatron = config.engine == "megatron" and config.hf_config is None
+    if layout.world == 1 and not layout.sequence_parallel and not (launch.launched and megatron):
+        # One process, as before (megatron's world of one: memo/engines.py). Under torchrun a
+        # megatron world of one is a distributed run (NCCL on a GPU); memo's and Hugging Face's
+        # models have no parallel layers and run as one process whatever launched them.
+        return None
+    if config.engine != "megatron" or config.hf_config is not None:  # refused first by check_layout
+        check_layout(layout, engine="hf" if config.hf_config is not None else config.engine, n_heads=1,
+                     n_query_groups=1, vocab_size=1, seq_len=1, micro_batch=1)
+    shapes = get_config(config.model)
+    check_layout(layout, engine=config.engine, n_heads=shapes.n_heads,
+                 n_query_groups=shapes.n_kv_heads or shapes.n_heads, vocab_size=shapes.vocab_size,
+                 seq_len=config.seq_len, micro_batch=config.micro_batch)
+    return ParallelRun.start(layout, launch, config.device, config.seed)
+
+
+@dataclass
+class ParallelLoss:
+    """One step's loss and gradients on a rank of a parallel job (NOTE [Parallel layout])."""
+
+    parallel: Any
+    positions: torch.Tensor
+    global_count: int
+
+    def loss(self, model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.parallel.loss(model, ids, labels, self.positions, self.global_count)
+
+    def zero_grads(self) -> None:
+        self.parallel.zero_grads()
+
+    def finish_grads(self, model: torch.nn.Module) -> None:
+        self.parallel.finish_grads(model)
+
+
+class Sharded:
+    """The global batches of a token source, each cut to this rank's share (NOTE [Parallel layout]):
+    yields ``(ids, labels, position_ids)`` and keeps the global batch's counted tokens in ``count``."""
+
+    def __init__(self, batches: Iterator[Batch], parallel: Any) -> None:
+        self.batches, self.parallel = batches, parallel
+        self.count = 0
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, ...]:
+        ids, labels = next(self.batches)
+        self.count = int((labels != -100).sum())
+        return self.parallel.shard(ids, labels)
+
+
+def agree(parallel: Any, strategy: Any, emit: Callable[[str], None]) -> None:
+    """Every rank runs the same strategy, alpha, layer policy and plan, or every rank stops
+    (NOTE [Checks before any process group])."""
+    from memo.distributed.layout import plan_fingerprint, requests_fingerprint
+
+    policy = getattr(strategy, "policy", None)
+    record = {"layout": parallel.layout.as_dict(), "strategy": strategy.name,
+              "alpha": None if strategy.alpha is None else round(float(strategy.alpha), 12),
+              "policy": None if policy is None else list(policy),
+              "plan": plan_fingerprint(strategy.plan)}
+    if getattr(getattr(strategy, "options", None), "plan", None) is None:
+        # each rank profiled: its plan is its own shard's (a --plan file must be the same everywhere)
+        record["plan_made_from"] = requests_fingerprint(strategy.plan)
+    parallel.agree(record)
+    emit(f"memo.distributed: {ranks_text(parallel.layout.world)} ({parallel.layout}) agree on strategy "
+         f"{strategy.name}" + ("" if strategy.alpha is None else f", alpha {strategy.alpha:.4f}")
+         + ("" if strategy.plan is None else f", plan {plan_fingerprint(strategy.plan)}"))
+
+
+def parallel_record(parallel: Any, result: TrainResult) -> dict[str, Any]:
+    """The layout and every rank's device peak and host bytes, gathered on every rank (a collective)."""
+    extras = result.steps[-1].extras if result.steps else {}
+    peak = max((s.peak_memory_bytes or 0) for s in result.steps) if result.steps else None
+    mine = {"rank": parallel.rank, "tp_rank": parallel.tp_rank, "cp_rank": parallel.cp_rank,
+            "dp_rank": parallel.dp_rank, "peak_device_bytes": peak,
+            "peak_device_kind": result.peak_memory_kind,
+            "host_pinned_bytes": int(extras.get("host_pinned_bytes", 0))}
+    return {**parallel.layout.as_dict(), "ranks": parallel.gather(mine)}
