@@ -3,7 +3,7 @@
 
 For every sequence length, one rank (tensor parallel t, context parallel c) is profiled on the meta
 device (``memo.pipeline.profile(..., device="meta")``: no GPU and no memory; NOTE [Sizes from meta]
-in memo/pipeline.py) three times:
+in memo/pipeline/__init__.py) three times:
 
 - **none**: every layer keeps its activations (the fixed layer policy all ``"keep"``);
 - **full recompute**: every layer recomputes in backward (all ``"recompute"``);
@@ -16,7 +16,7 @@ what ``memo show`` prints as ``device/rank``. Then, for each strategy, the longe
 total fits the budget: doubling from ``--search-start`` (halving when it does not fit), then
 bisection to ``--granularity`` tokens. A fixed policy fits when its recorded total is within the
 budget less the share every plan leaves free for allocator fragmentation (NOTE [Fallback
-headroom] in memo/pipeline.py); memo fits when the planner finds a policy (it raises
+headroom] in memo/pipeline/device.py); memo fits when the planner finds a policy (it raises
 DeviceBudgetError otherwise) and the recorded total is within the same.
 
 NOTE [At-scale layer time]
@@ -47,13 +47,12 @@ from typing import Any
 
 from memo.cli.args import positive_float, positive_int, seq_len
 from memo.errors import DeviceBudgetError, MemoError
+from memo.units import GB, GiB
 
 __all__ = ["BENCH_KIND", "BENCH_VERSION", "STRATEGIES", "main", "measure", "search"]
 
 BENCH_KIND = "memo.benchmark.at_scale"
 BENCH_VERSION = 1
-GiB = 2**30
-GB = 10**9
 
 #: Table name -> the fixed layer policy of every layer (None: the planner chooses).
 STRATEGIES: dict[str, str | None] = {"none": "keep", "full recompute": "recompute", "memo": None}
@@ -68,7 +67,7 @@ class Bench:
         self.args = args
         self.config = get_config(args.model)
         self.budget = int(args.device_mem_gb * GB)
-        # NOTE [Fallback headroom] (memo/pipeline.py): memo plans within the budget less a
+        # NOTE [Fallback headroom] (memo/pipeline/device.py): memo plans within the budget less a
         # share kept free for allocator fragmentation; every strategy is judged against the same.
         from memo.pipeline import usable_device_bytes
 

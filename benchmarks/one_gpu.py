@@ -4,7 +4,7 @@
 One 80 GB GPU (``--device-mem-gb``), 128 GiB of host memory (``--host-mem-gib``, the GPU machines
 here), Llama-3.1-8B with every base parameter frozen in bf16 and rank-16 adapters on the attention
 projections and MLP linears (:func:`memo.models.lora.add_lora`). Everything is sized on the meta
-device (no GPU; NOTE [Sizes from meta] in memo/pipeline.py); each row says how its number was got.
+device (no GPU; NOTE [Sizes from meta] in memo/pipeline/__init__.py); each row says how its number was got.
 
 - **full recompute**: every layer ``"recompute"`` under memo's runtime (benchmarks/at_scale.py's
   definition), recorded at full depth: ``memo.pipeline.profile(model, s, policy=[...])``; its total
@@ -77,11 +77,10 @@ import torch
 
 from memo.cli.args import positive_float, positive_int, seq_len
 from memo.errors import DeviceBudgetError, MemoError
+from memo.units import GB, GiB
 
 __all__ = ["MetaHostOffload", "main"]
 
-GiB = 2**30
-GB = 10**9
 K = 1024
 INPUT_ONLY = "memo, all input-only (recorded)"
 STRATEGIES = ("memo", "full recompute", "offloaded-checkpoint", INPUT_ONLY)

@@ -35,7 +35,7 @@ from typing import Any
 
 from memo.planner import Trace, lower_bound, make_plan, plan_heuristic
 
-GiB = 2**30
+from memo.units import GiB
 
 
 def record(model: str, seq: int) -> tuple[dict[str, Any], str]:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import warnings
 from typing import Any
 
@@ -45,9 +44,9 @@ def _init_megatron_world() -> None:
     if not torch.distributed.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if "MASTER_PORT" not in os.environ:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+            from memo.distributed.layout import free_port
+
+            os.environ["MASTER_PORT"] = str(free_port())
         torch.distributed.init_process_group("gloo", rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from memo.errors import MemoError
+from memo.units import GB
 
 __all__ = ["GB", "Machine"]
 
-GB = 10**9
 
 
 def _positive(value: Any) -> bool:
@@ -42,12 +42,20 @@ class Machine:
     """Share of ``gpu``'s peak a layer's forward reaches, for that estimate."""
     host_mem_gb: float | None = None
     """Host memory of the node in GB."""
-    gpus_per_node: int = 1
-    """Processes (GPUs) per node sharing its host memory."""
+    gpus_per_node: int | None = None
+    """Processes (GPUs) per node sharing its host memory (None: one)."""
     host_safety: float = 0.8
     """Share of a process's part of the host memory memo may pin."""
     device_mem_gb: float | None = None
     """Memory of one GPU in GB: the per-rank device budget, model states included."""
+    # memo estimate's own numbers (NOTE [One machine description]):
+    fit_fraction: float = 0.8
+    """Share of ``device_mem_gb`` an estimate may fill and still "fit" (the seed's 80% rule)."""
+    layer_ms_at: tuple[int, int] | None = None
+    """(sequence length, t·c ranks) ``layer_ms`` was given for; memo estimate scales it to others."""
+    memo_keep_last: int = 0
+    """Layers at the end of a pipeline stage that memo keeps whole: 0 (memo's leanest policy) or 2
+    (the paper's fixed rule: their backward follows at once)."""
 
     def __post_init__(self) -> None:
         for name, flag, unit in (("bandwidth_gbps", "--bandwidth-gbps", "GB/s"),
@@ -61,10 +69,14 @@ class Machine:
         if not (_positive(self.efficiency) and self.efficiency <= 1):
             raise MemoError(f"memo.machine: --efficiency must be in (0, 1], got {self.efficiency!r}")
         gpus = self.gpus_per_node
-        if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1):
             raise MemoError(f"memo.machine: --gpus-per-node must be an integer >= 1, got {gpus!r}")
         if not (_positive(self.host_safety) and self.host_safety <= 1):
             raise MemoError(f"memo.machine: --host-safety must be in (0, 1], got {self.host_safety!r}")
+        if not (_positive(self.fit_fraction) and self.fit_fraction <= 1):
+            raise MemoError(f"memo.machine: --fit-fraction must be in (0, 1], got {self.fit_fraction!r}")
+        if self.memo_keep_last not in (0, 2):
+            raise MemoError(f"memo.machine: --memo-keep-last must be 0 or 2, got {self.memo_keep_last!r}")
 
     @classmethod
     def from_args(cls, args: Any, **overrides: Any) -> Machine:
@@ -82,6 +94,18 @@ class Machine:
         return dataclasses.replace(self, **changes)
 
     @property
+    def processes_per_node(self) -> int:
+        """``gpus_per_node``, one when not given."""
+        return 1 if self.gpus_per_node is None else int(self.gpus_per_node)
+
+    @property
+    def limit_bytes(self) -> int:
+        """The bytes an estimate may fill on one GPU: ``fit_fraction`` of ``device_mem_gb``."""
+        if self.device_mem_gb is None:
+            raise MemoError("memo.machine: the device memory is not known; give --device-mem-gb")
+        return int(self.device_mem_gb * GB * self.fit_fraction)
+
+    @property
     def device_budget_bytes(self) -> int | None:
         """``device_mem_gb`` in bytes (None: no budget)."""
         return None if self.device_mem_gb is None else int(self.device_mem_gb * GB)
@@ -95,4 +119,4 @@ class Machine:
             if self.host_mem_gb is None:
                 raise MemoError("memo.machine: the host memory is not known; give --host-mem-gb")
             host_bytes = int(self.host_mem_gb * GB)
-        return host_memory_per_process(int(host_bytes), self.gpus_per_node, self.host_safety)
+        return host_memory_per_process(int(host_bytes), self.processes_per_node, self.host_safety)

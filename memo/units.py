@@ -5,7 +5,7 @@ such as ``128K`` from the command line is :mod:`memo.profiler.counts`."""
 
 from __future__ import annotations
 
-__all__ = ["ALIGNMENT", "MAX_BYTES", "format_bytes", "format_mib", "format_ms"]
+__all__ = ["ALIGNMENT", "GB", "GiB", "MAX_BYTES", "MiB", "format_bytes", "format_mib", "format_ms"]
 
 # NOTE [Block alignment]
 # Every planned offset, and every size the planner places, is a multiple of ALIGNMENT bytes:
@@ -27,6 +27,14 @@ ALIGNMENT = 512
 # allocation sizes: then any offset + size a plan can hold stays below 2**63. 2**62 bytes is
 # 4 EiB, beyond any machine, so no real trace or plan is refused.
 MAX_BYTES = 2**62
+
+# NOTE [GB and GiB]
+# Flags and link speeds count in decimal units, as vendors do (--device-mem-gb 80, --host-mem-gb,
+# --bandwidth-gbps: 10**9); what memo prints and plots of memory counts in binary ones (GiB, MiB).
+# Defined here once for every part.
+GB = 10**9
+GiB = 2**30
+MiB = 2**20
 
 _UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
 

@@ -20,7 +20,6 @@ import datetime
 import importlib
 import json
 import os
-import socket
 import tempfile
 import time
 import traceback
@@ -31,6 +30,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
+
+from memo.distributed.layout import free_port
 
 #: How long one collective may wait for the other ranks before gloo raises (seconds).
 COLLECTIVE_TIMEOUT_S = 60.0
@@ -44,12 +45,6 @@ class LaunchError(RuntimeError):
     def __init__(self, message: str, results: list[list[dict[str, Any]]]) -> None:
         super().__init__(message)
         self.results = results
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(worker: str, world_size: int, spec: dict[str, Any],

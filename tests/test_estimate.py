@@ -132,7 +132,7 @@ def test_issue_command_prints_the_json(capsys: pytest.CaptureFixture[str]) -> No
     (["--model", "llama-3.1-8b", "--seq-len", "8192", "--gpus", "6", "--pp", "3"],
      "PP 3 does not divide its 32 layers"),
     (["--model", "llama-3.1-8b", "--seq-len", "8190", "--gpus", "2", "--cp", "2"],
-     "seq len 8,190 is not a multiple of 4"),
+     "seq len 8,190 cannot be split over TP 1 x CP 2"),
     (["--model", "no-such-model", "--seq-len", "8192"], "unknown model 'no-such-model'"),
     (["--model", "llama-3.1-8b", "--seq-len", "1M", "--gpus", "8", "--search", "--method", "formula",
       "--strategy", "none", "--device-mem-gb", "1"], "no layout of 8 GPUs fits none at seq len 1,048,576"),

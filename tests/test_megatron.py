@@ -7,13 +7,13 @@ fails here, it is not skipped.
 from __future__ import annotations
 
 import os
-import socket
 import warnings
 
 import pytest
 import torch
 
 import memo.runtime as mr
+from memo.distributed.layout import free_port
 from memo.errors import MemoError
 
 pytestmark = pytest.mark.megatron
@@ -30,12 +30,6 @@ from memo.adapters.megatron import get_memo_gpt_layer_local_spec  # noqa: E402
 RTOL = 1e-5
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _megatron_world():
     threads = torch.get_num_threads()
@@ -43,7 +37,7 @@ def _megatron_world():
     created = not torch.distributed.is_initialized()
     if created:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(_free_port())
+        os.environ["MASTER_PORT"] = str(free_port())
         torch.distributed.init_process_group("gloo", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
     yield

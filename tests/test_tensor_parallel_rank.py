@@ -354,7 +354,7 @@ def test_indivisible_sizes_are_refused() -> None:
             build_model("tiny", device="meta", tensor_parallel=bad)
     model = build_model("tiny", device="meta", tensor_parallel=4)
     ids = torch.zeros(1, 30, dtype=torch.long, device="meta")
-    with pytest.raises(MemoError, match="30 tokens is not divisible by tensor_parallel=4"):
+    with pytest.raises(MemoError, match="seq len 30 cannot be split over TP 4 x CP 1.*use 28 or 32"):
         model(ids, ids)
 
 
@@ -373,9 +373,9 @@ def test_per_rank_seq_len() -> None:
     assert per_rank_seq_len(131072, tp=8) == 16384
     assert per_rank_seq_len(131072, tp=4, cp=2) == 16384
     assert context_parallel_seq_len(131072, 4) == 32768
-    with pytest.raises(MemoError, match="not divisible by 2·cp = 8"):
+    with pytest.raises(MemoError, match="2·c = 8 load-balanced chunks.*multiple of 8; use 1,000 or 1,008"):
         context_parallel_seq_len(1004, 4)
-    with pytest.raises(MemoError, match="1002 tokens is not divisible by tensor_parallel=4"):
+    with pytest.raises(MemoError, match="seq len 1,002 cannot be split over TP 4 x CP 1"):
         per_rank_seq_len(2004, tp=4, cp=2)
     with pytest.raises(MemoError, match="cp must be a positive int"):
         per_rank_seq_len(1024, cp=0)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ from memo.distributed.layout import (
     ParallelLayout,
     ParallelRun,
     check_layout,
+    free_port,
     padded_vocab_size,
     resolve_layout,
 )
@@ -51,11 +51,11 @@ def test_layout_checks_name_what_to_change() -> None:
         _check(ParallelLayout(3, 1, 1), seq_len=258, vocab_size=384)
     with pytest.raises(MemoError, match="2 query groups.*--tp 4"):
         _check(ParallelLayout(4, 1, 1), n_query_groups=2)
-    with pytest.raises(MemoError, match=r"--seq-len 257 cannot be split.*multiple of 2; use 256 or 258"):
+    with pytest.raises(MemoError, match=r"--seq-len: seq len 257 cannot be split over TP 2 x CP 1.*multiple of 2; use 256 or 258"):
         _check(ParallelLayout(2, 1, 1, True), seq_len=257)
-    with pytest.raises(MemoError, match=r"2·cp = 4 load-balanced chunks.*multiple of 4"):
+    with pytest.raises(MemoError, match=r"2·c = 4 load-balanced chunks.*multiple of 4"):
         _check(ParallelLayout(1, 2, 1), seq_len=250)
-    with pytest.raises(MemoError, match=r"chunks and each of the cp·tp = 8 ranks.*of 8; use 256 or 264"):
+    with pytest.raises(MemoError, match=r"chunks and each of the c·t = 8 ranks.*of 8; use 256 or 264"):
         _check(ParallelLayout(4, 2, 1, True), seq_len=260)  # CP chunks and SP shares combined
     with pytest.raises(MemoError, match=r"--micro-batch 3 \(the global batch\) cannot be split over --dp 2"):
         _check(ParallelLayout(1, 1, 2), micro_batch=3)
@@ -156,12 +156,6 @@ def test_ranks_that_disagree_all_raise_the_same_error() -> None:
         _Gathered([shared, {**shared, "plan": "bb"}]).agree(shared)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _losses(path: Path) -> list[float]:
     return [s["loss"] for s in json.loads(path.read_text())["steps"]]
 
@@ -180,7 +174,7 @@ def test_tp2_sequence_parallel_matches_one_process(tmp_path: Path) -> None:
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m", "memo",
+                           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "memo",
                            "train", *common, "--tp", "2", "--sp", "--report", str(two)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]

@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 
+from memo.units import GiB
+
 __all__ = ["add_parser", "collect_env", "format_env", "measure_pinned_bandwidth"]
 
-GiB = 2**30
 
 
 def _package_version(dist: str) -> str:

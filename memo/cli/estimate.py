@@ -24,10 +24,10 @@ from typing import Any
 
 from memo.cli.args import figure_path, fraction, positive_float, positive_int, seq_len
 from memo.errors import MemoError
+from memo.units import GiB
 
 __all__ = ["add_parser", "run"]
 
-GiB = 2**30
 STRATEGY_CHOICES = ("none", "full-recompute", "memo")
 
 
@@ -413,7 +413,7 @@ def _plot(args: argparse.Namespace, est: Any, out: dict[str, Any]) -> None:
 
 def _plot_lengths(top: int, granularity: int | None, pairs: list[tuple[str, Any]], est: Any) -> list[int]:
     """Eight lengths, doubling up to ``top`` (rounded up), each valid for every layout drawn."""
-    from memo.profiler import token_multiple
+    from memo.planner.layout import token_multiple
 
     step = math.lcm(*(token_multiple(lay.tp, lay.cp) for _, lay in pairs)) if pairs else 1
     if granularity:

@@ -37,11 +37,10 @@ from memo.cli.show import device_lines, warning_lines
 from memo.errors import MemoError
 from memo.jsonio import atomic_write, check_writable
 from memo.planner import Plan, Trace, load_trace, lower_bound, make_plan, save_plan, without_unphased
-from memo.units import format_bytes
+from memo.units import GB, format_bytes
 
 __all__ = ["add_parser", "device_need", "format_summary", "run"]
 
-GB = 10**9
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -120,7 +119,7 @@ def _trace_model_states(meta: Mapping[str, Any]) -> dict[str, Any] | None:
 
 
 def device_need(trace: Trace, plan: Plan, budget_bytes: int | None = None) -> dict[str, Any]:
-    """One rank's device memory for ``plan`` (NOTE [Device total] in memo/pipeline.py), as
+    """One rank's device memory for ``plan`` (NOTE [Device total] in memo/pipeline/device.py), as
     ``Plan.device`` records it.
 
     The iteration needs the plan's arena, or the most bytes live at once in the whole trace when

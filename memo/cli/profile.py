@@ -25,7 +25,6 @@ from memo.machine import Machine
 
 __all__ = ["add_parser", "run"]
 
-GiB = 2**30
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:

@@ -59,6 +59,7 @@ __all__ = [
     "ParallelLayout",
     "ParallelRun",
     "check_layout",
+    "free_port",
     "padded_vocab_size",
     "plan_fingerprint",
     "resolve_layout",
@@ -183,7 +184,7 @@ def check_layout(layout: ParallelLayout, *, engine: str, n_heads: int, n_query_g
                  vocab_size: int, seq_len: int, micro_batch: int) -> None:
     """Refuse a layout this job cannot run, from the arguments alone (NOTE [Checks before any
     process group]). ``micro_batch`` is the global batch (every DP rank keeps its share)."""
-    from memo.profiler.context_parallel import token_multiple
+    from memo.planner.layout import seq_len_problem
 
     tp, cp, dp, sp = (layout.tensor_parallel, layout.context_parallel, layout.data_parallel,
                       layout.sequence_parallel)
@@ -204,18 +205,10 @@ def check_layout(layout: ParallelLayout, *, engine: str, n_heads: int, n_query_g
     padded_vocab_size(vocab_size, tp)
     # memo's profile of a rank (NOTE [Context-parallel profile]) takes seq_len / (c·t) tokens per
     # layer input under TP, with or without --sp, and 2c load-balanced chunks under CP.
-    multiple = token_multiple(tp, cp)
-    if seq_len % multiple:
-        why = []
-        if cp > 1:
-            why.append(f"--cp {cp} cuts it into 2·cp = {2 * cp} load-balanced chunks")
-        if tp > 1:
-            why.append(f"each of the cp·tp = {cp * tp} ranks of a replica holds seq_len/(cp·tp) tokens of a "
-                       "layer's input" + ("" if sp else " in memo's profile of a rank"))
-        lower, upper = seq_len // multiple * multiple, (seq_len // multiple + 1) * multiple
-        raise MemoError(
-            f"memo.distributed: --seq-len {seq_len:,} cannot be split by {layout}: {' and '.join(why)}, so "
-            f"it must be a multiple of {multiple}; use {f'{lower:,} or ' if lower else ''}{upper:,}")
+    problem = seq_len_problem(seq_len, tp, cp)  # NOTE [Tokens per rank] in planner/layout.py
+    if problem is not None:
+        raise MemoError(f"memo.distributed: --seq-len: {problem}" + ("" if sp or tp == 1 else
+                        " (memo profiles one rank's share also without --sp)"))
     if micro_batch % dp:
         raise MemoError(
             f"memo.distributed: --micro-batch {micro_batch} (the global batch) cannot be split over --dp "
@@ -277,7 +270,7 @@ class ParallelRun:
         if not torch.distributed.is_initialized():
             if launch.world_size == 1:
                 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-                os.environ.setdefault("MASTER_PORT", str(_free_port()))
+                os.environ.setdefault("MASTER_PORT", str(free_port()))
             torch.distributed.init_process_group("nccl" if dev.type == "cuda" else "gloo",
                                                  rank=launch.rank, world_size=launch.world_size)
             run._owns_group = True
@@ -426,8 +419,8 @@ class ParallelRun:
 
     def agree_max(self, value: int) -> int:
         """The largest ``value`` of any rank (called by every rank). memo's profile records iterations
-        whose peaks decide what it records next (NOTE [Decisions every rank shares] in memo/pipeline.py):
-        with the largest on every rank, every rank decides the same."""
+        whose peaks decide what it records next (NOTE [Decisions every rank shares] in
+        memo/pipeline/policy.py): with the largest on every rank, every rank decides the same."""
         return int(max(self.gather(int(value))))
 
     def agree_machine(self, bandwidth_gbps: float, layer_ms: float, host_mem_gb: float) -> tuple[
@@ -439,7 +432,8 @@ class ParallelRun:
         return (min(b for b, _, _ in got), max(m for _, m, _ in got), min(h for _, _, h in got))
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this host now, for a rendezvous (MASTER_PORT) that no launcher chose."""
     import socket
 
     with socket.socket() as s:

@@ -26,15 +26,17 @@ from memo.estimate.plan_method import (
     Machine,
     RankProfiler,
     counted_parameters,
+    estimate_machine,
     memo_alpha_within,
+    rank_layer_ms,
 )
+from memo.units import GB, GiB
 
 __all__ = ["ESTIMATE_KIND", "ESTIMATE_VERSION", "METHODS", "MODEL_STATES", "Estimate", "Estimator",
            "estimate"]
 
 ESTIMATE_KIND = "memo.estimate"
 ESTIMATE_VERSION = 1
-GiB = 2**30
 METHODS = ("plan", "formula")
 
 #: How model states are counted (NOTE [Estimate model states]).
@@ -78,7 +80,7 @@ class Estimate:
 
     @property
     def limit_bytes(self) -> int:
-        return int(self.device_mem_gb * 1e9 * self.fit_fraction)
+        return int(self.device_mem_gb * GB * self.fit_fraction)
 
     @property
     def fits(self) -> bool:
@@ -129,7 +131,7 @@ class Estimator:
         self.dtype_name = dtype
         self.dtype = DTYPES[dtype]
         self.model_states = model_states
-        self.machine = machine or Machine()
+        self.machine = estimate_machine(machine)
         self.shape = FormulaShape.of(self.config)
         self.profiler = RankProfiler(self.config, model, self.dtype, self.machine, log)
 
@@ -199,7 +201,7 @@ class Estimator:
         s_in, s_attn, s_oth = self.profiler.layer_sizes(layout, seq_len)
         m = self.machine
         depth = self.config.n_layers // layout.pp
-        layer_s = m.rank_layer_ms(self.config, layout, seq_len, self.dtype) / 1e3
+        layer_s = rank_layer_ms(m, self.config, layout, seq_len, self.dtype) / 1e3
         # The LP's own solution where alpha was not lowered (re-evaluating it can miss the host
         # constraint by the solver's rounding); a lowered alpha needs less host memory.
         at = solution if chosen == solution.alpha else evaluate_alpha(
@@ -250,7 +252,7 @@ def estimate(model: str, seq_len: int, *, gpus: int = 1, tp: int = 1, cp: int = 
     ``gpus_per_node``, ``bandwidth_gbps``, ``layer_ms``, ...) when ``machine`` is not given.
     """
     if machine is None:
-        machine = Machine(**machine_fields)
+        machine = Machine(**machine_fields)  # estimate's defaults: Estimator
     elif machine_fields:
         machine = dataclasses.replace(machine, **machine_fields)
     est = Estimator(model, method=method, dtype=dtype, model_states=model_states, machine=machine)

@@ -80,7 +80,7 @@ class Layout:
 
     def problems(self, config: Any, seq_len: int | None = None) -> list[str]:
         """What NOTE [Valid layouts] refuses for this layout, one phrase each (empty: valid)."""
-        from memo.profiler import token_multiple
+        from memo.planner.layout import seq_len_problem
 
         out = []
         t = self.tp
@@ -90,14 +90,9 @@ class Layout:
                 out.append(f"TP {t} does not divide its {value} {what}")
         if config.n_layers % self.pp:
             out.append(f"PP {self.pp} does not divide its {config.n_layers} layers")
-        if seq_len is not None:
-            m = token_multiple(t, self.cp)
-            if seq_len % m:
-                lower, upper = seq_len // m * m, (seq_len // m + 1) * m
-                nearest = f"{lower:,} or {upper:,}" if lower else f"{upper:,}"
-                out.append(f"seq len {seq_len:,} is not a multiple of {m} (TP {t} x CP {self.cp}: "
-                           f"{'2·c chunks and ' if self.cp > 1 else ''}c·t shares of a layer's input); "
-                           f"use {nearest}")
+        problem = None if seq_len is None else seq_len_problem(seq_len, t, self.cp)
+        if problem is not None:
+            out.append(problem)  # NOTE [Tokens per rank] in planner/layout.py
         return out
 
 

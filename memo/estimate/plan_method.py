@@ -58,11 +58,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from memo.estimate.layout import Layout
+from memo.machine import Machine
+from memo.units import GB
 
-__all__ = ["DEPTHS", "PLAN_STRATEGIES", "Machine", "RankNumbers", "RankProfiler", "analyse_trace",
-           "counted_parameters"]
+__all__ = ["DEPTHS", "ESTIMATE_DEFAULTS", "PLAN_STRATEGIES", "Machine", "RankNumbers", "RankProfiler",
+           "analyse_trace", "counted_parameters", "estimate_machine", "rank_layer_ms"]
 
-GB = 10**9
 
 #: The depths recorded and extended linearly to a stage's L/p layers (NOTE [Estimate from a meta
 #: profile]). From three layers on, each added layer is a middle one: the first layer (its input
@@ -72,54 +73,29 @@ DEPTHS = (3, 4)
 PLAN_STRATEGIES = ("none", "full-recompute", "memo")
 
 
-@dataclass(frozen=True)
-class Machine:
-    """The machine numbers memo's alpha needs, and the device budget."""
+#: What memo estimate assumes of a machine field not given (NOTE [One machine description]): a node
+#: of eight 80 GB GPUs with 2 TB of host memory and 32 GB/s links, and the paper's A800 for the
+#: layer time when none is given.
+ESTIMATE_DEFAULTS: dict[str, Any] = {"device_mem_gb": 80.0, "host_mem_gb": 2048.0, "gpus_per_node": 8,
+                                     "bandwidth_gbps": 32.0, "gpu": "a800"}
 
-    device_mem_gb: float = 80.0
-    """Memory of one GPU in GB (10^9 bytes), as ``memo profile --device-mem-gb`` takes it."""
-    fit_fraction: float = 0.8
-    """Share of the GPU an estimate may fill and still "fit": the seed's 80% rule."""
-    host_mem_gb: float = 2048.0
-    """Host memory of one node in GB."""
-    gpus_per_node: int = 8
-    """GPUs (processes) per node sharing its host memory."""
-    host_safety: float = 0.8
-    """Share of the node's host memory memo may pin."""
-    bandwidth_gbps: float = 32.0
-    """Host<->device GB/s per GPU."""
-    layer_ms: float | None = None
-    """One rank's forward time of one layer at ``layer_ms_at`` (tokens, t·c ranks); None: from FLOPs."""
-    layer_ms_at: tuple[int, int] | None = None
-    """(sequence length, t·c) ``layer_ms`` was given for."""
-    gpu: str = "a800"
-    """GPU whose peak FLOP/s estimate the layer time when ``layer_ms`` is None (the paper's A800)."""
-    efficiency: float = 0.5
-    """Share of the GPU's peak a layer's forward reaches, for that estimate."""
-    memo_keep_last: int = 0
-    """Layers at the end of a stage that memo keeps whole instead of offloading: 0 (memo's leanest
-    policy, the default) or 2 (the paper's fixed rule: their backward follows at once)."""
 
-    @property
-    def limit_bytes(self) -> int:
-        return int(self.device_mem_gb * GB * self.fit_fraction)
+def estimate_machine(machine: Machine | None = None) -> Machine:
+    """``machine`` (else an empty one) with memo estimate's defaults in its unset fields."""
+    return (machine or Machine()).with_defaults(**ESTIMATE_DEFAULTS)
 
-    def host_per_process(self) -> int:
-        from memo.planner import host_memory_per_process
 
-        return host_memory_per_process(int(self.host_mem_gb * GB), self.gpus_per_node, self.host_safety)
+def rank_layer_ms(machine: Machine, config: Any, layout: Layout, seq_len: int, dtype: Any) -> float:
+    """T_layer of one rank: the given time scaled by forward FLOPs (length) and by t·c (how many
+    ranks share a layer's work), or the FLOP estimate on ``machine.gpu`` split over t·c ranks."""
+    from memo.profiler import estimate_layer_ms, layer_forward_flops
 
-    def rank_layer_ms(self, config: Any, layout: Layout, seq_len: int, dtype: Any) -> float:
-        """T_layer of one rank: the given time scaled by forward FLOPs (length) and by t·c (how many
-        ranks share a layer's work), or the FLOP estimate on :attr:`gpu` split over t·c ranks."""
-        from memo.profiler import estimate_layer_ms, layer_forward_flops
-
-        b, tc = layout.micro_batch, layout.tp * layout.cp
-        if self.layer_ms is not None:
-            at, at_tc = self.layer_ms_at or (seq_len, tc)
-            scale = layer_forward_flops(config, seq_len, b) / layer_forward_flops(config, at, b)
-            return self.layer_ms * scale * at_tc / tc
-        return estimate_layer_ms(config, seq_len, b, self.gpu, dtype, self.efficiency).value / tc
+    b, tc = layout.micro_batch, layout.tp * layout.cp
+    if machine.layer_ms is not None:
+        at, at_tc = machine.layer_ms_at or (seq_len, tc)
+        scale = layer_forward_flops(config, seq_len, b) / layer_forward_flops(config, at, b)
+        return machine.layer_ms * scale * at_tc / tc
+    return estimate_layer_ms(config, seq_len, b, machine.gpu, dtype, machine.efficiency).value / tc
 
 
 @dataclass(frozen=True)
@@ -290,7 +266,7 @@ class RankProfiler:
 
         m = self.machine
         s_in, s_attn, s_oth = self.layer_sizes(layout, seq_len)
-        layer_s = m.rank_layer_ms(self.config, layout, seq_len, self.dtype) / 1e3
+        layer_s = rank_layer_ms(m, self.config, layout, seq_len, self.dtype) / 1e3
         host = m.host_per_process() // layout.pp
         depth = self.config.n_layers // layout.pp
         args = (s_in, s_attn, s_oth, m.bandwidth_gbps * GB, layer_s, depth, host)

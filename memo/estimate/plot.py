@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from memo.units import GiB
+
 __all__ = ["plot_memory"]
 
-GiB = 2**30
 
 
 def plot_memory(series: list[dict[str, Any]], device_bytes: int, limit_bytes: int, title: str,

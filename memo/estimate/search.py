@@ -32,10 +32,10 @@ from typing import Any
 
 from memo.errors import MemoError
 from memo.estimate.layout import Layout, valid_layouts
+from memo.units import GiB
 
 __all__ = ["align", "gallop", "longest", "longest_sequences", "rank_key", "search_layouts", "tokens"]
 
-GiB = 2**30
 
 
 def tokens(n: int) -> str:

@@ -78,6 +78,7 @@ from torch import nn
 
 from memo.errors import MemoError
 from memo.models.config import ModelConfig
+from memo.planner.layout import check_seq_len
 
 __all__ = [
     "RankShapes",
@@ -170,12 +171,7 @@ def context_parallel_seq_len(seq_len: int, cp: int = 1) -> int:
     for name, value in (("seq_len", seq_len), ("cp", cp)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise MemoError(f"memo.models: {name} must be a positive int, got {value!r}")
-    chunks = 1 if cp == 1 else 2 * cp
-    if seq_len % chunks != 0:
-        raise MemoError(
-            f"memo.models: seq_len={seq_len} is not divisible by 2·cp = {chunks}; context parallelism "
-            f"splits the sequence into 2·cp load-balanced chunks; use a multiple of {chunks}"
-        )
+    check_seq_len(seq_len, 1, cp, "memo.models")  # NOTE [Tokens per rank] in planner/layout.py
     return seq_len // cp
 
 
@@ -193,12 +189,7 @@ def per_rank_seq_len(seq_len: int, tp: int = 1, cp: int = 1) -> int:
 
 def check_sequence_parallel(seq_len: int, tensor_parallel: int) -> None:
     """A MemoError unless ``tensor_parallel`` divides ``seq_len`` (sequence parallelism shards the tokens)."""
-    if seq_len % tensor_parallel != 0:
-        raise MemoError(
-            f"memo.models: a sequence of {seq_len} tokens is not divisible by tensor_parallel="
-            f"{tensor_parallel}; sequence parallelism gives every rank seq_len/t tokens, so use a "
-            f"sequence length that is a multiple of {tensor_parallel}"
-        )
+    check_seq_len(seq_len, tensor_parallel, 1, "memo.models")  # NOTE [Tokens per rank] in planner/layout.py
 
 
 def all_gather_tokens(x: torch.Tensor, t: int) -> torch.Tensor:

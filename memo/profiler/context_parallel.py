@@ -28,17 +28,17 @@ T_layer is short; give ``--layer-ms`` with one rank's real forward time.
 
 The plan's meta records ``context_parallel`` (beside ``tensor_parallel``); its ``seq_len`` is the
 job's whole sequence. ``memo train`` runs one unsharded process, so it refuses a plan made for
-c > 1 (or t > 1): memo/train/strategies.py ``_check_plan``; ``memo.planner.load_plan`` matches both
+c > 1 (or t > 1): ``check_plan`` in memo/train/plan_checks.py; ``memo.planner.load_plan`` matches both
 when asked.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from memo.errors import MemoError
 from memo.models.parallel import context_parallel_seq_len
+from memo.planner.layout import check_seq_len, token_multiple
 
 __all__ = ["check_context_parallel", "context_parallel_note", "rank_tokens", "token_multiple"]
 
@@ -53,13 +53,6 @@ def check_context_parallel(context_parallel: Any) -> int:
     return context_parallel
 
 
-def token_multiple(tensor_parallel: int = 1, context_parallel: int = 1) -> int:
-    """The smallest number every valid ``seq_len`` is a multiple of under t-way tensor (+ sequence)
-    and c-way context parallelism: ``2·c`` load-balanced chunks (c > 1), ``c·t`` ranks' shares."""
-    chunks = 1 if context_parallel == 1 else 2 * context_parallel
-    return math.lcm(chunks, context_parallel * tensor_parallel)
-
-
 def rank_tokens(seq_len: int, tensor_parallel: int = 1, context_parallel: int = 1) -> int:
     """Tokens the rank model is fed for a job of ``seq_len`` tokens: ``seq_len / c``
     (NOTE [Context-parallel profile]); its layer input then holds ``seq_len / (c·t)`` of them.
@@ -70,21 +63,7 @@ def rank_tokens(seq_len: int, tensor_parallel: int = 1, context_parallel: int = 
     t = tensor_parallel
     if isinstance(t, bool) or not isinstance(t, int) or t < 1:
         raise MemoError(f"memo.profiler: tensor_parallel must be a positive integer, got {t!r}")
-    m = token_multiple(t, c)
-    if seq_len % m:
-        why = []
-        if c > 1:
-            why.append(f"megatron's context parallelism cuts the sequence into 2·c = {2 * c} load-balanced "
-                       "chunks")
-        if c * t > 1:
-            why.append(f"each of the c·t = {c * t} ranks holds seq_len/(c·t) tokens of a layer's input")
-        lower, upper = seq_len // m * m, (seq_len // m + 1) * m
-        nearest = f"{lower:,} or {upper:,}" if lower else f"{upper:,}"
-        raise MemoError(
-            f"memo.profiler: seq_len={seq_len:,} cannot be split over context_parallel={c} x "
-            f"tensor_parallel={t}: {' and '.join(why)}, so seq_len must be a multiple of {m}; "
-            f"use {nearest}"
-        )
+    check_seq_len(seq_len, t, c, "memo.profiler")  # NOTE [Tokens per rank] in planner/layout.py
     return context_parallel_seq_len(seq_len, c)
 
 

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from memo.errors import MemoError
+from memo.units import GB
 
 __all__ = [
     "Quantity",
@@ -36,7 +37,6 @@ __all__ = [
     "time_layer_forward",
 ]
 
-GB = 10**9
 
 
 @dataclass(frozen=True)
