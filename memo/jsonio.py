@@ -139,7 +139,7 @@ def atomic_write(path: str | os.PathLike[str], what: str, mode: str = "w") -> It
     except OSError as err:
         raise MemoError(f"{what}: cannot write {target!r}: {err}") from None
     try:
-        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+        with os.fdopen(fd, mode, encoding=None if "b" in mode else "utf-8") as f:
             yield f
         os.replace(tmp, target)
     except BaseException as err:

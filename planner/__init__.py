@@ -18,9 +18,8 @@ from .core import (
     plan_heuristic,
     plan_mip,
     solve_items,
-    without_unphased,
 )
-from .plan import ALIGNMENT, Plan, load_plan, offload_difference, save_plan, validate_plan
+from .plan import ALIGNMENT, Plan, load_plan, offload_difference, save_plan, validate_plan, without_unphased
 from .policy import (
     LayerCosts,
     PolicySolution,

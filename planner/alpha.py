@@ -31,7 +31,7 @@ from typing import Any
 from memo.errors import MemoError
 from memo.units import format_bytes, format_ms
 
-from .dsa import quiet_pulp
+from .solvers import quiet_pulp
 
 __all__ = ["AlphaSolution", "host_memory_per_process", "solve_alpha"]
 

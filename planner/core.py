@@ -39,7 +39,7 @@ import warnings
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, Protocol
 
 from memo.errors import MemoError
 from memo.phase_names import phase_kind
@@ -55,6 +55,20 @@ from .trace import Allocation, Trace
 
 __all__ = ["lower_bound", "make_plan", "outliving", "plan_bilevel", "plan_heuristic", "plan_mip",
            "solve_items"]
+
+#: One event of a layer pass's signature (:func:`_phase_events`): a free ("f", request) or a
+#: malloc ("m", size, transient).
+_PassEvent = tuple[Literal["f"], int] | tuple[Literal["m"], int, bool]
+#: A layer pass's signature: its events in order; passes with equal signatures share a solution.
+_Signature = tuple[_PassEvent, ...]
+
+
+class _ProgressBar(Protocol):
+    """What the planner uses of a tqdm bar (tqdm has no type information)."""
+
+    def set_postfix_str(self, s: str) -> object: ...
+    def update(self, n: int) -> object: ...
+    def close(self) -> object: ...
 
 #: Above this many overlapping pairs a MIP does not fit a minute of CBC; the heuristic stands.
 MAX_MIP_PAIRS = 40_000
@@ -83,12 +97,13 @@ def lower_bound(trace: Trace | Mapping[str, Any]) -> int:
     return _units_lower_bound([Item(a.size, a.start, a.end) for a in t.allocations])
 
 
-def _progress(total: int, desc: str, enabled: bool | None):
+def _progress(total: int, desc: str, enabled: bool | None) -> _ProgressBar:
     from tqdm import tqdm
 
     if enabled is None:
         enabled = sys.stderr.isatty()
-    return tqdm(total=total, desc=desc, disable=not enabled, leave=False, file=sys.stderr)
+    bar: _ProgressBar = tqdm(total=total, desc=desc, disable=not enabled, leave=False, file=sys.stderr)
+    return bar
 
 
 # NOTE [Search before MIP]
@@ -253,7 +268,7 @@ def plan_mip(trace: Trace | Mapping[str, Any], *, time_limit: float = 60.0, solv
 
 
 # ------------------------------------------------------------------------------- bi-level
-def _phase_events(t: Trace, allocs: list[Allocation]) -> tuple[tuple, list[Item]]:
+def _phase_events(t: Trace, allocs: list[Allocation]) -> tuple[_Signature, list[Item]]:
     """Signature of a layer pass and its level-1 items (transients on the pass's own event order)."""
     events = []
     for a in allocs:
@@ -263,7 +278,7 @@ def _phase_events(t: Trace, allocs: list[Allocation]) -> tuple[tuple, list[Item]
     events.sort(key=lambda e: (e[0], e[1]))
     rank_start: dict[int, int] = {}
     rank_end: dict[int, int] = {}
-    signature = []
+    signature: list[_PassEvent] = []
     for r, (_, is_free, a) in enumerate(events):
         if is_free:
             rank_end[a.request] = r
@@ -276,7 +291,7 @@ def _phase_events(t: Trace, allocs: list[Allocation]) -> tuple[tuple, list[Item]
     return tuple(signature), items
 
 
-def _describe_difference(sig: tuple, ref: tuple) -> str:
+def _describe_difference(sig: _Signature, ref: _Signature) -> str:
     for k, (mine, theirs) in enumerate(zip(sig, ref, strict=False)):
         if mine != theirs:
             return f"event {k} of the pass is {mine} where the others have {theirs}"
@@ -326,7 +341,7 @@ def _layer_passes(t: Trace, notes: list[str]) -> tuple[dict[str, list[Allocation
     return by_phase, layered
 
 
-def _share_passes(layered: dict[str, list[str]], signatures: dict[str, tuple[tuple, list[Item]]],
+def _share_passes(layered: dict[str, list[str]], signatures: dict[str, tuple[_Signature, list[Item]]],
                   notes: list[str]) -> tuple[dict[str, list[str]], list[tuple[str, str, str]]]:
     """Which passes share one level-1 solution (those with their kind's most common signature), and
     the level-1 solves to run as (kind, key, sample phase): key is the kind for the shared solution,
@@ -352,8 +367,8 @@ def _share_passes(layered: dict[str, list[str]], signatures: dict[str, tuple[tup
 
 
 def _solve_level1(all_groups: list[tuple[str, str, str]], by_phase: dict[str, list[Allocation]],
-                  signatures: dict[str, tuple[tuple, list[Item]]], shared: dict[str, list[str]],
-                  stats: dict[str, Any], bar: Any, *, deadline: float, use_mip: bool, solver: str,
+                  signatures: dict[str, tuple[_Signature, list[Item]]], shared: dict[str, list[str]],
+                  stats: dict[str, Any], bar: _ProgressBar, *, deadline: float, use_mip: bool, solver: str,
                   threads: int) -> _Level1:
     """Solve each level-1 group's transients on the pass's own event order; record each solve in
     ``stats`` and tick ``bar``.

@@ -20,14 +20,16 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import numpy as np
 
-from .solvers import quiet_pulp  # noqa: F401  (imported from here by planner/alpha.py)
-
 __all__ = ["DSAResult", "Item", "check_placement", "greedy", "lower_bound", "overlapping_pairs"]
+
+#: An order to place items in: a list of indices (greedy) or an index array (greedy_groups).
+OrderT = TypeVar("OrderT")
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,7 @@ class DSAResult:
     seconds: float
     status: str = "heuristic"
     optimal: bool = False
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _arrays(items: Sequence[Item]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -92,9 +94,9 @@ def check_placement(items: Sequence[Item], offsets: Sequence[int], peak: int) ->
     """Return a description of the first violation, or None when the placement is valid."""
     if len(offsets) != len(items):
         return f"{len(offsets)} offsets for {len(items)} items"
-    for i, (it, off) in enumerate(zip(items, offsets, strict=True)):
-        if off < 0 or off + it.size > peak:
-            return f"item {i} at [{off}, {off + it.size}) is outside the arena [0, {peak})"
+    for i, (it, offset) in enumerate(zip(items, offsets, strict=True)):
+        if offset < 0 or offset + it.size > peak:
+            return f"item {i} at [{offset}, {offset + it.size}) is outside the arena [0, {peak})"
     if not items:
         return None
     if peak >= 2**63:
@@ -154,7 +156,7 @@ def _greedy_order(items: Sequence[Item], order: Sequence[int], size: np.ndarray,
     return offs.tolist(), peak
 
 
-def _best_order(orders: dict[str, Sequence[int]], place: Callable[[Sequence[int]], tuple[list[int], int]],
+def _best_order(orders: Mapping[str, OrderT], place: Callable[[OrderT], tuple[list[int], int]],
                 lb: int) -> tuple[list[int], int, str]:
     """Place in each order, keep the lowest peak (stop early at the lower bound): offsets, peak, order."""
     best_offs: list[int] = []

@@ -13,9 +13,11 @@ the gap is 0 and CBC stops on its own, well before the time limit.
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Sequence
-from typing import Any
+
+import numpy as np
 
 from . import solvers
 from .dsa import (
@@ -165,8 +167,9 @@ def _neighbourhood_mip(items: Sequence[Item], offsets: list[int], free: list[int
     return [int(round(x[i].varValue)) for i in free]
 
 
-def _restart(items: Sequence[Item], arrays: tuple, order: list[int], order_peak: int, offsets: list[int],
-             peak: int, rng: Any) -> tuple[list[int], int, list[int], int, int]:
+def _restart(items: Sequence[Item], arrays: tuple[np.ndarray, np.ndarray, np.ndarray], order: list[int],
+             order_peak: int, offsets: list[int], peak: int, rng: random.Random
+             ) -> tuple[list[int], int, list[int], int, int]:
     """A new starting point for the search once its neighbourhoods look exhausted.
 
     NOTE [Restarts]: the neighbourhoods around this placement look exhausted. A hill
@@ -196,7 +199,7 @@ def _restart(items: Sequence[Item], arrays: tuple, order: list[int], order_peak:
 
 
 def _window(items: Sequence[Item], offsets: list[int], peak: int, neighbours: list[list[int]], window: int,
-            column: bool, rng: Any) -> list[int]:
+            column: bool, rng: random.Random) -> list[int]:
     """The items freed in one neighbourhood: a random item at the peak and about ``window`` of its
     neighbours, chosen as a column (``column``) or from its top region, then at random."""
     critical = [i for i in range(len(items)) if offsets[i] + items[i].size == peak]
@@ -248,8 +251,6 @@ def mip_neighbourhoods(items: Sequence[Item], warm: DSAResult, *, time_limit: fl
     obstacle, is exact on the neighbourhood and fast (well under a second), and
     repeated around whatever reaches the peak it removes the peak's items one by one.
     """
-    import random
-
     t0 = time.perf_counter()
     rng = random.Random(seed)
     lb = lower_bound(items)

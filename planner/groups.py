@@ -89,7 +89,8 @@ class _Members:
     def near(self, g: int, placed: np.ndarray) -> np.ndarray:
         """Placed members that may overlap group g in time (a superset; callers test exactly)."""
         cand = np.concatenate((self.by_start[self.g_lo[g]:self.g_hi[g]], self.long))
-        return cand[placed[cand]]
+        near: np.ndarray = cand[placed[cand]]  # a boolean mask's selection (numpy types it Any)
+        return near
 
 
 def _lowest_free(lo: np.ndarray, hi: np.ndarray) -> int:

@@ -13,7 +13,7 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from memo.errors import MemoError, PlanMismatchError
 from memo.jsonio import atomic_write, read_json
@@ -73,7 +73,7 @@ def _phase(name: Any, where: str) -> str:
         parse_phase(name)
     except MemoError as err:
         raise MemoError(f"memo.plan: {where}: {err}") from None
-    return name
+    return cast(str, name)  # parse_phase refuses anything but a str
 
 
 def _object(value: Any, where: str) -> dict[str, Any]:
@@ -301,7 +301,7 @@ class Plan:
     # -------------------------------------------------------- (de)serialise
     def to_dict(self) -> dict[str, Any]:
         phases = list(dict.fromkeys(a.phase for a in self.allocations if a.phase is not None))
-        phase_index = {p: i for i, p in enumerate(phases)}
+        phase_index: dict[str | None, int] = {p: i for i, p in enumerate(phases)}
         items: dict[str, dict[str, int | None]] = {}
         for a, off in zip(self.allocations, self.offsets, strict=True):
             if a.phase in self.level2:
@@ -477,8 +477,9 @@ def _offsets(allocations: list[Allocation], level1: dict[str, list[int | None]],
                 raise MemoError(f"memo.plan: level2 places phase {a.phase!r} as a layer block, but "
                                 f"level1 has no block for {phase_kind(a.phase)!r}; {_DAMAGED}")
             table = level1[phase_kind(a.phase)]
-            if a.request < len(table) and table[a.request] is not None:
-                off = level2[a.phase] + table[a.request]
+            inner = table[a.request] if a.request < len(table) else None
+            if inner is not None:
+                off = level2[a.phase] + inner
         if off is None:
             if a.request not in items.get(key, {}):
                 raise MemoError(f"memo.plan: no offset for request {a.request} of phase "

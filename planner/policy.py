@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from memo.errors import DeviceBudgetError, MemoError, internal_assert
 from memo.units import format_bytes
@@ -332,8 +332,8 @@ def _lp_alpha(c: LayerCosts, split: Split, cap: float, a: float, why: str
     fixed_other = c.base_bytes + n_keep * c.keep_bytes + n_fr * c.s_input + c.memo_overhead
     # the buffers' rounding to whole segments, as it is at the split's alpha (a constant near it)
     rounding = c.buffer_bytes(c.copy_bytes(a)) - int(math.ceil(c.copy_bytes(a)))
-    linear = 2 * (c.s_input + c.s_attn + rounding)
-    slope = 2 * c.s_others + max(0, c.memo_alpha_bytes)
+    linear: float = 2 * (c.s_input + c.s_attn + rounding)
+    slope: float = 2 * c.s_others + max(0, c.memo_alpha_bytes)
     r = c.recompute_bytes
     other = _constant_transient(c, n_fr, n_in)
     if not other:  # (1 - a) R can be the larger backward term; the LP takes the linear bound of it
@@ -390,6 +390,7 @@ def choose_policy(c: LayerCosts, device_budget: int | None = None, alpha: float 
         found, tile, chosen = best, tokens, costs
     if found is None:
         internal_assert(least is not None, "full recompute always has a need")
+        least = cast("tuple[tuple[int, Split, float], LayerCosts]", least)  # not None: checked above
         raise _no_fit_error(least[1], least[0], cap, device_budget, headroom, headroom_bytes)
     c = chosen
     seconds, need, split, a, why = found

@@ -87,7 +87,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -309,7 +309,7 @@ class _Bounds:
 
 
 def _bisect(sec: _Sections, b: _Bounds, capacity: int, deadline: float, rng: random.Random,
-            stats: dict[str, int], done) -> None:
+            stats: dict[str, int], done: Callable[[], bool]) -> None:
     """Skyline search alone, large instances: each capacity gets half the time left (all of it for
     the last candidate), the lower bound first, then bisection towards the best placement."""
     restarts = [0]
@@ -328,7 +328,7 @@ def _bisect(sec: _Sections, b: _Bounds, capacity: int, deadline: float, rng: ran
 
 
 def _ladder(sec: _Sections, b: _Bounds, target: int | None, deadline: float, rng: random.Random,
-            stats: dict[str, int], done) -> None:
+            stats: dict[str, int], done: Callable[[], bool]) -> None:
     """NOTE [Capacity ladder]: rounds of doubling node limits; each round probes a few capacities
     spread from the largest not yet proven out of reach to just below the best placement."""
     restarts = [0]

@@ -5,9 +5,12 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable
-from typing import ParamSpec, TypeVar
+from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 from memo.errors import MemoError
+
+if TYPE_CHECKING:
+    from pulp import LpSolver  # untyped (mypy.ini): Any to mypy, named for the reader
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -45,7 +48,7 @@ def require_solver(solver: str) -> None:
     raise MemoError(f"memo.planner: unknown solver {solver!r}; choose 'cbc' or 'highs'")
 
 
-def solver_command(solver: str, time_limit: float, threads: int, msg: bool):
+def solver_command(solver: str, time_limit: float, threads: int, msg: bool) -> LpSolver:
     """The PuLP command for ``solver`` (checked by :func:`require_solver`), warm-started, gap 0."""
     import pulp
 

@@ -37,7 +37,7 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from memo.errors import MemoError
 from memo.jsonio import atomic_write, read_json
@@ -132,7 +132,8 @@ def validate_meta(meta: Any, subsystem: str = "memo.trace") -> dict[str, Any]:
         value = meta[key]
         if isinstance(value, bool) or not isinstance(value, types):
             raise MemoError(f"{subsystem}: meta.{key}: must be {types[0].__name__}, got {value!r:.80}")
-        if key in _POSITIVE_META and value <= 0:
+        # cast: every _POSITIVE_META key is an int one in _META_TYPES, and value is checked above
+        if key in _POSITIVE_META and cast(int, value) <= 0:
             raise MemoError(f"{subsystem}: meta.{key}: must be positive, got {value}")
     return dict(meta)
 
