@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import abc
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -71,13 +72,20 @@ class TransformerLayer(nn.Module, abc.ABC):
     ``self.sequence_gather`` is t.
     """
 
-    def __init__(self, config: ModelConfig, tensor_parallel: int = 1) -> None:
+    def __init__(self, config: ModelConfig, tensor_parallel: int = 1, *, norm: type[nn.Module], bias: bool,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.config = config
         self.shapes = rank_shapes(config, tensor_parallel)
         #: Tokens of q, k, v and o per token of x and y: the tensor-parallel size t (1 without it).
         self.sequence_gather = self.shapes.tensor_parallel
         self.core_attention = CoreAttention()
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
+        h, r = config.hidden, self.shapes
+        self.input_norm = norm(h, eps=config.norm_eps, **kw)
+        self.qkv = nn.Linear(h, r.qkv_out, bias=bias, **kw)
+        self.proj = nn.Linear(r.attn_out, h, bias=bias, **kw)
+        self.post_norm = norm(h, eps=config.norm_eps, **kw)
 
     def _split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         r = self.shapes
@@ -101,12 +109,17 @@ class TransformerLayer(nn.Module, abc.ABC):
         """Causal attention through ``self.core_attention``: -> ``o: [s, b, n * d]``."""
         return self.core_attention(q, k, v)
 
-    @abc.abstractmethod
     def post(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``o: [s·g, b, n * d]``, ``x: [s, b, h]`` (the layer input) -> ``y: [s, b, h]``.
 
         g is ``sequence_gather`` (1 unless the layer is a tensor-parallel rank).
         """
+        y = x + row_parallel_linear(o, self.proj, self.sequence_gather)
+        return y + self.mlp(self.post_norm(y))
+
+    @abc.abstractmethod
+    def mlp(self, z: torch.Tensor) -> torch.Tensor:
+        """The MLP (NOTE [Layer MLP]): ``z: [s, b, h]`` (the post-norm output) -> ``[s, b, h]``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.post(self.core(*self.pre(x)), x)
@@ -120,30 +133,16 @@ class GPTLayer(TransformerLayer):
     (``[h, h/t]``, ``[h, ffn/t]``); the norms and row-parallel biases are replicated.
     """
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        tensor_parallel: int = 1,
-    ) -> None:
-        super().__init__(config, tensor_parallel)
-        kw = {"device": device, "dtype": dtype}
+    def __init__(self, config: ModelConfig, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None, tensor_parallel: int = 1) -> None:
+        super().__init__(config, tensor_parallel, norm=nn.LayerNorm, bias=True, device=device, dtype=dtype)
         h, r = config.hidden, self.shapes
-        self.input_norm = nn.LayerNorm(h, eps=config.norm_eps, **kw)
-        self.qkv = nn.Linear(h, r.qkv_out, bias=True, **kw)
-        self.proj = nn.Linear(r.attn_out, h, bias=True, **kw)
-        self.post_norm = nn.LayerNorm(h, eps=config.norm_eps, **kw)
-        self.fc1 = nn.Linear(h, r.ffn_hidden, bias=True, **kw)
-        self.fc2 = nn.Linear(r.ffn_hidden, h, bias=True, **kw)
+        self.fc1 = nn.Linear(h, r.ffn_hidden, bias=True, device=device, dtype=dtype)
+        self.fc2 = nn.Linear(r.ffn_hidden, h, bias=True, device=device, dtype=dtype)
 
     def pre(self, x: torch.Tensor, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # GPT positions are added in the embedding, so offset does not change anything here.
         return self._split_qkv(column_parallel_linear(self.input_norm(x), self.qkv, self.sequence_gather))
-
-    def post(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        y = x + row_parallel_linear(o, self.proj, self.sequence_gather)
-        return y + self.mlp(self.post_norm(y))
 
     def mlp(self, z: torch.Tensor) -> torch.Tensor:
         """The MLP (NOTE [Layer MLP]): ``z: [s, b, h]`` (the post-norm output) -> ``[s, b, h]``."""
@@ -181,22 +180,12 @@ class LlamaLayer(TransformerLayer):
     ``down`` row-parallel (``[h, h/t]``, ``[h, ffn/t]``); the norms are replicated.
     """
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        tensor_parallel: int = 1,
-    ) -> None:
-        super().__init__(config, tensor_parallel)
-        kw = {"device": device, "dtype": dtype}
+    def __init__(self, config: ModelConfig, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None, tensor_parallel: int = 1) -> None:
+        super().__init__(config, tensor_parallel, norm=nn.RMSNorm, bias=False, device=device, dtype=dtype)
         h, r = config.hidden, self.shapes
-        self.input_norm = nn.RMSNorm(h, eps=config.norm_eps, **kw)
-        self.qkv = nn.Linear(h, r.qkv_out, bias=False, **kw)
-        self.proj = nn.Linear(r.attn_out, h, bias=False, **kw)
-        self.post_norm = nn.RMSNorm(h, eps=config.norm_eps, **kw)
-        self.gate_up = nn.Linear(h, 2 * r.ffn_hidden, bias=False, **kw)
-        self.down = nn.Linear(r.ffn_hidden, h, bias=False, **kw)
+        self.gate_up = nn.Linear(h, 2 * r.ffn_hidden, bias=False, device=device, dtype=dtype)
+        self.down = nn.Linear(r.ffn_hidden, h, bias=False, device=device, dtype=dtype)
 
     def pre(self, x: torch.Tensor, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         t = self.sequence_gather
@@ -205,10 +194,6 @@ class LlamaLayer(TransformerLayer):
         # The gathered rows of local tokens [offset:] sit at positions offset·t onward
         # (NOTE [Tensor-parallel rank]); t = 1 is the plain absolute position.
         return apply_rotary(q, offset * t, theta), apply_rotary(k, offset * t, theta), v
-
-    def post(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        y = x + row_parallel_linear(o, self.proj, self.sequence_gather)
-        return y + self.mlp(self.post_norm(y))
 
     def mlp(self, z: torch.Tensor) -> torch.Tensor:
         """The SwiGLU MLP (NOTE [Layer MLP]): ``z: [s, b, h]`` (the post-norm output) -> ``[s, b, h]``."""

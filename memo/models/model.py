@@ -87,13 +87,8 @@ class LlamaEmbedding(nn.Module):
     reduce-scattered to ``[s/t, b, h]`` (NOTE [Tensor-parallel rank]).
     """
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        tensor_parallel: int = 1,
-    ) -> None:
+    def __init__(self, config: ModelConfig, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None, tensor_parallel: int = 1) -> None:
         super().__init__()
         self.tensor_parallel = check_tensor_parallel(tensor_parallel)
         rows = rank_shapes(config, tensor_parallel).vocab_rows
@@ -224,16 +219,9 @@ class TransformerModel(nn.Module):
 class GPTModel(TransformerModel):
     """Megatron reference GPT: learned positions, LayerNorm, GELU, LM head tied to the word embedding."""
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        *,
-        max_seq_len: int = DEFAULT_MAX_SEQ_LEN,
-        recompute: str = "none",
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        tensor_parallel: int = 1,
-    ) -> None:
+    def __init__(self, config: ModelConfig, *, max_seq_len: int = DEFAULT_MAX_SEQ_LEN,
+                 recompute: str = "none", device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None, tensor_parallel: int = 1) -> None:
         super().__init__(config, recompute, tensor_parallel)
         t = self.tensor_parallel
         self.embedding = GPTEmbedding(config, max_seq_len, device=device, dtype=dtype, tensor_parallel=t)
@@ -247,15 +235,9 @@ class GPTModel(TransformerModel):
 class LlamaModel(TransformerModel):
     """Llama: RMSNorm, rotary, grouped-query attention, SwiGLU, untied LM head."""
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        *,
-        recompute: str = "none",
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        tensor_parallel: int = 1,
-    ) -> None:
+    def __init__(self, config: ModelConfig, *, recompute: str = "none",
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                 tensor_parallel: int = 1) -> None:
         super().__init__(config, recompute, tensor_parallel)
         t = self.tensor_parallel
         self.embedding = LlamaEmbedding(config, device=device, dtype=dtype, tensor_parallel=t)
