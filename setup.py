@@ -275,7 +275,7 @@ setup(
         # Hugging Face causal LMs (memo.adapters.hf); tested with this version, written for 4.46+.
         "hf": ["transformers==5.23.0"],
         "highs": ["highspy>=1.7"],
-        "test": ["pytest>=7", "pytest-xdist>=3", "hypothesis>=6", "ruff>=0.5"],
+        "test": ["pytest>=7", "pytest-xdist>=3", "hypothesis>=6", "ruff>=0.5", "mypy>=1.10"],
     },
     entry_points={"console_scripts": ["memo=memo.cli.main:main"]},
     zip_safe=False,
