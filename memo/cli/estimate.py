@@ -24,11 +24,12 @@ from typing import Any
 
 from memo.cli.args import figure_path, fraction, positive_float, positive_int, seq_len
 from memo.errors import MemoError
+from memo.estimate.plan_method import PLAN_STRATEGIES
 from memo.units import GiB
 
 __all__ = ["add_parser", "run"]
 
-STRATEGY_CHOICES = ("none", "full-recompute", "memo")
+STRATEGY_CHOICES = PLAN_STRATEGIES  # the strategies memo estimate counts
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:

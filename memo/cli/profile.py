@@ -22,6 +22,7 @@ import torch
 from memo.cli.args import add_machine_arguments, positive_float, positive_int, seq_len
 from memo.errors import MemoError
 from memo.machine import Machine
+from memo.planner.vocab import RECORDERS
 
 __all__ = ["add_parser", "run"]
 
@@ -65,7 +66,7 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace-out", help="also write the trace the plan was made from (JSON)")
     p.add_argument(
         "--recorder",
-        choices=("dispatch", "allocator"),
+        choices=RECORDERS,
         default=None,
         help="trace to plan from. dispatch: every storage torch creates (any device, the default on "
         "meta); allocator: the real requests through memo.allocator.logging (cpu/cuda, their default)",

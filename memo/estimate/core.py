@@ -15,6 +15,7 @@ from typing import Any
 
 from memo.errors import MemoError
 from memo.estimate.formula import (
+    FORMULA_STRATEGIES,
     FormulaShape,
     formula_activations,
     formula_model_states,
@@ -30,6 +31,7 @@ from memo.estimate.plan_method import (
     memo_alpha_within,
     rank_layer_ms,
 )
+from memo.planner.vocab import ESTIMATE_METHODS
 from memo.units import GB, GiB
 
 __all__ = ["ESTIMATE_KIND", "ESTIMATE_VERSION", "METHODS", "MODEL_STATES", "Estimate", "Estimator",
@@ -37,7 +39,7 @@ __all__ = ["ESTIMATE_KIND", "ESTIMATE_VERSION", "METHODS", "MODEL_STATES", "Esti
 
 ESTIMATE_KIND = "memo.estimate"
 ESTIMATE_VERSION = 1
-METHODS = ("plan", "formula")
+METHODS = ESTIMATE_METHODS
 
 #: How model states are counted (NOTE [Estimate model states]).
 MODEL_STATES = ("formula", "mixed", "same")
@@ -136,7 +138,7 @@ class Estimator:
         self.profiler = RankProfiler(self.config, model, self.dtype, self.machine, log)
 
     def strategies(self) -> tuple[str, ...]:
-        return PLAN_STRATEGIES if self.method == "plan" else ("none", "full-recompute")
+        return PLAN_STRATEGIES if self.method == "plan" else FORMULA_STRATEGIES
 
     def states(self, layout: Layout, seq_len: int) -> tuple[int, int]:
         """(parameters, model-state bytes) of one first-stage GPU (NOTE [Estimate model states])."""

@@ -46,12 +46,13 @@ from typing import Any
 
 from memo.errors import MemoError
 from memo.estimate.layout import Layout
+from memo.planner.vocab import Strategy
 
 __all__ = ["FORMULA_STRATEGIES", "FormulaShape", "formula_activations", "formula_model_states",
            "formula_parameters"]
 
 #: Strategies the closed form covers (NOTE [Estimator formula]).
-FORMULA_STRATEGIES = ("none", "full-recompute")
+FORMULA_STRATEGIES = (Strategy.NONE.value, Strategy.FULL_RECOMPUTE.value)
 
 
 @dataclass(frozen=True)

@@ -57,8 +57,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from memo.estimate.formula import FORMULA_STRATEGIES
 from memo.estimate.layout import Layout
 from memo.machine import Machine
+from memo.planner.vocab import Strategy
 from memo.units import GB
 
 __all__ = ["DEPTHS", "ESTIMATE_DEFAULTS", "PLAN_STRATEGIES", "Machine", "RankNumbers", "RankProfiler",
@@ -70,7 +72,7 @@ __all__ = ["DEPTHS", "ESTIMATE_DEFAULTS", "PLAN_STRATEGIES", "Machine", "RankNum
 #: comes from the embedding) and the last (its backward starts the prefetches) are already there.
 DEPTHS = (3, 4)
 
-PLAN_STRATEGIES = ("none", "full-recompute", "memo")
+PLAN_STRATEGIES = (*FORMULA_STRATEGIES, Strategy.MEMO.value)
 
 
 #: What memo estimate assumes of a machine field not given (NOTE [One machine description]): a node

@@ -20,8 +20,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-#: Activation-memory strategies ``memo train --strategy`` knows, in the order tables list them.
-STRATEGIES = ("none", "full-recompute", "full-offload", "memo", "offloaded-checkpoint", "torchtune-offload")
+#: Activation-memory strategies ``memo train --strategy`` knows, in the order tables list them
+#: (memo.planner.vocab.Strategy: defined once; torch-free).
+from memo.planner.vocab import STRATEGIES  # noqa: E402
 
 _EXPORTS = {
     "loop": ("DTYPES", "ByteFileTokens", "StepMetrics", "SyntheticTokens", "TrainConfig", "TrainResult",

@@ -45,6 +45,7 @@ from torch import nn
 from memo import pipeline, planner, profiler  # at import time: NOTE [Import PuLP early] in memo.planner
 from memo.errors import MemoError
 from memo.machine import Machine
+from memo.planner.vocab import Strategy as StrategyName
 from memo.runtime.layer import offload_tokens as runtime_offload_tokens
 from memo.train import STRATEGIES
 from memo.train.meter import Log, MemoryMeter, Metered, Wrapping
@@ -203,7 +204,7 @@ class StrategyOptions:
 class NoStrategy(Metered):
     """``none``: plain autograd, measured by the meter like every other strategy."""
 
-    name = "none"
+    name = StrategyName.NONE.value
 
 
 class FullRecompute(Metered):
@@ -215,7 +216,7 @@ class FullRecompute(Metered):
     recompute_granularity) are not the same code path.
     """
 
-    name = "full-recompute"
+    name = StrategyName.FULL_RECOMPUTE.value
 
     def wrapping(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, run: dict[str, Any],
                  log: Log) -> Wrapping:
@@ -231,7 +232,7 @@ class FullRecompute(Metered):
 class FullOffload(Metered):
     """``full-offload``: memo's wrapper with alpha = 1 (every skeletal tensor to host)."""
 
-    name = "full-offload"
+    name = StrategyName.FULL_OFFLOAD.value
 
     def wrapping(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, run: dict[str, Any],
                  log: Log) -> Wrapping:
@@ -243,7 +244,7 @@ class MemoStrategy(Metered):
     """``memo``: the plan from ``--plan``, or a profile of this model (alpha solved or given, the
     layer policy, and the planned allocator's tables)."""
 
-    name = "memo"
+    name = StrategyName.MEMO.value
 
     def __init__(self, options: StrategyOptions, meter: MemoryMeter | None = None) -> None:
         super().__init__(meter)
@@ -450,7 +451,7 @@ class OffloadedCheckpoint(_CheckpointPeer):
     Host bytes: n_layers x the layer input's bytes at the end of forward.
     """
 
-    name = "offloaded-checkpoint"
+    name = StrategyName.OFFLOADED_CHECKPOINT.value
 
     def wrapping(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, run: dict[str, Any],
                  log: Log) -> Wrapping:
@@ -484,7 +485,7 @@ class TorchtuneOffload(_CheckpointPeer):
     the real one also overlaps them with compute on a second CUDA stream, which changes time, not bytes.
     """
 
-    name = "torchtune-offload"
+    name = StrategyName.TORCHTUNE_OFFLOAD.value
     #: ``OffloadActivations(min_offload_size=1024)``: smaller saved tensors stay on the device.
     MIN_OFFLOAD_BYTES = 1024
 

@@ -1,0 +1,68 @@
+"""memo's vocabularies, each defined once (issue 32): layer policies, training strategies, estimate
+methods and trace recorders.
+
+Each is a ``str`` enum, so a member is its name wherever a string is expected (argparse choices,
+JSON files, comparisons with what a file or a flag holds), and the tuples beside them are what
+flags and checks list. Torch-free, in the bottom of the data flow, so every part can use them.
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = ["ESTIMATE_METHODS", "LAYER_POLICIES", "OFFLOADING_POLICIES", "RECORDERS", "STRATEGIES",
+           "EstimateMethod", "LayerPolicy", "Recorder", "Strategy"]
+
+
+class LayerPolicy(str, enum.Enum):
+    """What one layer keeps for backward (NOTE [Layer policy] in memo/runtime/runtime.py)."""
+
+    MEMO = "memo"  # offload alpha of its tokens' activations, recompute the rest
+    INPUT_ONLY = "input-only"  # offload its input only, recompute everything else (attention too)
+    RECOMPUTE = "recompute"  # keep its input on the device, recompute everything
+    KEEP = "keep"  # keep every activation on the device
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Strategy(str, enum.Enum):
+    """What ``memo train --strategy`` runs (memo/train/strategies.py, memo/train/peers.py)."""
+
+    NONE = "none"
+    FULL_RECOMPUTE = "full-recompute"
+    FULL_OFFLOAD = "full-offload"
+    MEMO = "memo"
+    OFFLOADED_CHECKPOINT = "offloaded-checkpoint"
+    TORCHTUNE_OFFLOAD = "torchtune-offload"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class EstimateMethod(str, enum.Enum):
+    """How ``memo estimate`` counts a layout's memory (docs/estimate.md)."""
+
+    PLAN = "plan"  # from meta plans of a few layers, extended to the whole depth
+    FORMULA = "formula"  # the closed-form estimator of the seed
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Recorder(str, enum.Enum):
+    """How the profiler sees a trace's allocations (docs/profiling.md)."""
+
+    DISPATCH = "dispatch"  # sizes from the dispatched ops: any device, meta included
+    ALLOCATOR = "allocator"  # the allocator's own requests on a CPU or CUDA device
+
+    def __str__(self) -> str:
+        return self.value
+
+
+LAYER_POLICIES: tuple[str, ...] = tuple(p.value for p in LayerPolicy)
+#: The policies whose layers copy to host memory.
+OFFLOADING_POLICIES: tuple[str, ...] = (LayerPolicy.MEMO.value, LayerPolicy.INPUT_ONLY.value)
+STRATEGIES: tuple[str, ...] = tuple(s.value for s in Strategy)
+ESTIMATE_METHODS: tuple[str, ...] = tuple(m.value for m in EstimateMethod)
+RECORDERS: tuple[str, ...] = tuple(r.value for r in Recorder)
