@@ -31,7 +31,7 @@ that a real job does once, and may do on another device). ``--memo-profile model
 default) profiles the very model the step trains, as ``memo train`` does; its pass 1 runs the
 plain model on the device. On a real GPU that pass needs as much memory as ``none`` and would
 cap memo at none's length, so ``--memo-profile name`` (CUDA default) profiles by model name:
-pass 1 on the meta device (NOTE [Sizes from meta] in memo/pipeline.py), pass 2 wrapped on
+pass 1 on the meta device (NOTE [Sizes from meta] in memo/pipeline/__init__.py), pass 2 wrapped on
 the device, and the step loads the plan file. Below DEFAULT_MAX_SEQ_LEN (4096) tokens the
 by-name profile builds a smaller GPT position table than training does, so ``embed.bwd``
 deviates from the plan (served by the fallback, counted, warned about once).

@@ -12,7 +12,7 @@ reverse order, also when a step (or the set-up itself) raised.
 
 Order matters. The allocator is entered before the buffers are sized so that the buffers come
 from it (the plan's device total counts them: NOTE [Buffers made in the warm-up] in
-memo/pipeline.py); the phase tracker is attached last, so that the forward that finds the first
+memo/pipeline/passes.py); the phase tracker is attached last, so that the forward that finds the first
 layer's inputs (NOTE [First layer's inputs] in memo/profiler/record.py) opens no phase.
 """
 

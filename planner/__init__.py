@@ -11,6 +11,19 @@ File formats: docs/formats.md.
 import pulp  # noqa: F401
 
 from .alpha import AlphaSolution, evaluate_alpha, host_memory_per_process, solve_alpha
+from .calibrate import (
+    PROBES,
+    AlphaInputs,
+    PolicyRecording,
+    ProbedPolicy,
+    RecordPolicy,
+    alpha_of,
+    corrected_costs,
+    memo_calibration,
+    probe_policy,
+    with_recorded_full_recompute,
+    with_recorded_memo,
+)
 from .core import (
     lower_bound,
     make_plan,
@@ -33,14 +46,21 @@ from .trace import Allocation, Trace, TraceBuilder, load_trace, save_trace
 
 __all__ = [
     "ALIGNMENT",
+    "PROBES",
     "Allocation",
+    "AlphaInputs",
     "AlphaSolution",
     "LayerCosts",
     "Plan",
+    "PolicyRecording",
     "PolicySolution",
+    "ProbedPolicy",
+    "RecordPolicy",
     "Trace",
     "TraceBuilder",
+    "alpha_of",
     "choose_policy",
+    "corrected_costs",
     "describe_policy",
     "device_need",
     "full_recompute_need",
@@ -52,13 +72,17 @@ __all__ = [
     "load_trace",
     "lower_bound",
     "make_plan",
+    "memo_calibration",
     "plan_bilevel",
     "plan_heuristic",
     "plan_mip",
+    "probe_policy",
     "save_plan",
     "save_trace",
     "solve_alpha",
     "solve_items",
     "validate_plan",
+    "with_recorded_full_recompute",
+    "with_recorded_memo",
     "without_unphased",
 ]

@@ -22,7 +22,7 @@ what the layers hold, the device needs:
   layer in n_chunks chunks, one at a time: NOTE [Chunked recompute] in memo/runtime/layer.py)
   plus what does not shrink with alpha or the chunks (q, k and v whole for attention's
   backward, their gradients, the gradient of o), which is not modelled: a recorded memo
-  iteration measures it (``memo_overhead``, NOTE [Calibrated policy] in memo/pipeline.py).
+  iteration measures it (``memo_overhead``, NOTE [Calibrated policy] in memo/pipeline/policy.py).
 
 The memo layers come first, then the recomputed ones, then the kept ones (their backward
 follows their forward soonest). Layers are alike, so a policy is three counts and alpha; every
@@ -32,7 +32,7 @@ device cap is the budget when one is given (memory the user has is used to go fa
 layers need no recompute); without one it is what full recompute needs, so memo never needs
 more device memory than full recompute at the same sequence length. Where full recompute is
 faster within the cap, it is chosen for those layers. The estimate picks the policy; the plan's peak
-comes from the recorded trace of the wrapped model (memo/pipeline.py checks it).
+comes from the recorded trace of the wrapped model (calibrate.py checks it: probe_policy).
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ class LayerCosts:
     bandwidth: float
     host_memory: int
     #: Bytes a recorded iteration with memo layers needed beyond this model (NOTE [Calibrated policy]
-    #: in memo/pipeline.py); added to every split that has memo layers. May be negative.
+    #: in memo/pipeline/policy.py); added to every split that has memo layers. May be negative.
     memo_overhead: int = 0
     #: The same for the splits whose offloading layers are all input-only (None: memo_overhead), once
     #: a recorded memo split corrected memo_overhead alone (NOTE [Calibrated policy]).
@@ -105,7 +105,7 @@ class LayerCosts:
     #: ``(tile tokens, chunks of a layer)`` (NOTE [Tiles bounded by memory] in memo/runtime/layer.py).
     tile_choices: tuple[tuple[int, int], ...] = ()
     #: The device pool serves each rounding buffer in whole segments of this many bytes (0: exact):
-    #: NOTE [Fallback headroom] in memo/pipeline.py.
+    #: NOTE [Fallback headroom] in memo/pipeline/device.py.
     buffer_rounding: int = 0
 
     @property
@@ -190,7 +190,7 @@ def device_need(c: LayerCosts, n_memo: int, n_fr: int, n_keep: int, alpha: float
         "recomputed layers' inputs": n_fr * c.s_input,
         "rounding buffers": buffers,
         "one layer's backward": transient,
-        # NOTE [Calibrated policy] in memo/pipeline.py: what a recorded memo iteration showed
+        # NOTE [Calibrated policy] in memo/pipeline/policy.py: what a recorded memo iteration showed
         # beyond (or below) the parts above.
         "measured correction": correction,
     }
@@ -354,7 +354,7 @@ def choose_policy(c: LayerCosts, device_budget: int | None = None, alpha: float 
     the host memory and the link. ``alpha``: fixed instead of solved; without a budget it also
     fixes the paper's policy (all layers but the last two offload). ``headroom``: the share of
     the budget left free, and ``headroom_bytes`` at least that many bytes of it (NOTE [Fallback
-    headroom] in memo/pipeline.py).
+    headroom] in memo/pipeline/device.py).
 
     The tiles the memo and input-only layers run in are chosen too (NOTE [Tiles bounded by memory]
     in memo/runtime/layer.py): the runtime's default, or a smaller one of ``c.tile_choices`` where

@@ -1,6 +1,6 @@
 """What a rank of a parallel job needs from memo's profile, in one process.
 
-NOTE [Decisions every rank shares] (memo/pipeline.py): every recorded peak that decides the layer
+NOTE [Decisions every rank shares] (memo/pipeline/policy.py): every recorded peak that decides the layer
 policy goes through ``agree_max`` (a collective in a parallel job), so that every rank records the
 same iterations. And a model instance can be profiled with its training loop's own loss
 (memo.adapters.model.use_model_adapter), so that the recorded iteration is the step's.

@@ -2,7 +2,7 @@
 
 * the plan made on the meta device equals the plan made on CPU for the same job;
 * the plan's device total (iteration peak + parameters + optimizer states, NOTE [Device total]
-  in memo/pipeline.py; what `memo show` prints as device/rank) is within 3% of the device
+  in memo/pipeline/device.py; what `memo show` prints as device/rank) is within 3% of the device
   peak `memo train --report` measures for that plan.
 
 Nothing here is a hard-coded byte figure: memo's runtime changes what it holds, and the plan must

@@ -56,7 +56,7 @@ class Recording:
 def meta_copy(model: nn.Module) -> nn.Module:
     """A copy of ``model`` whose parameters and buffers live on the meta device.
 
-    No parameter or buffer data is copied (NOTE [Sizes from meta] in memo/pipeline.py): each one is
+    No parameter or buffer data is copied (NOTE [Sizes from meta] in memo/pipeline/__init__.py): each one is
     replaced by a meta tensor of the same shape, dtype and ``requires_grad`` before the module tree
     is deep-copied, so even a model that fills a GPU can be copied for sizing.
     """

@@ -21,7 +21,7 @@ made on the CPU (tests/test_plan_truth.py). At the lengths meta is for (a 7B lay
 tokens) both floors are below ``s / RECOMPUTE_CHUNKS`` and a meta plan chunks as the GPU does;
 a short meta plan replayed on a GPU chunks differently, and its allocator counts and says the
 allocations that miss the plan. The policy's cost model counts the chunks of the device pass 2
-runs on (``_layer_costs`` in memo/pipeline.py), the device whose runtime runs them.
+runs on (``_layer_costs`` in memo/pipeline/policy.py), the device whose runtime runs them.
 """
 
 from __future__ import annotations

@@ -1,0 +1,228 @@
+"""Step 3 of the pipeline, the torch side: the layer policy's cost model from pass 1 and the machine,
+calibrated against recorded iterations (NOTE [Calibrated policy]), and the chosen policy probed. What
+the recordings mean is decided by the torch-free planner (:mod:`memo.planner.calibrate`); this module
+records them."""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from memo.errors import MemoError
+from memo.machine import GB
+from memo.planner import LayerCosts, PolicySolution
+from memo.planner.calibrate import (
+    AlphaInputs,
+    PolicyRecording,
+    memo_calibration,
+    probe_policy,
+    with_recorded_full_recompute,
+    with_recorded_memo,
+)
+from memo.profiler.record import Recording
+
+from .device import FALLBACK_HEADROOM, FALLBACK_SEGMENT_BYTES, _optimizer_moment, _static_bytes
+from .passes import _probe_key, _wrapped_pass
+
+if TYPE_CHECKING:
+    from memo.profiler.measure import Quantity
+
+    from . import ProfileResult
+    from .job import _Job
+
+
+def _choose_policy(job: _Job, plain: Recording, states: dict[str, Any], layer_params: int,
+                   alpha: float | None, policy: list[str] | None, wrap_pass: bool | None,
+                   result: ProfileResult) -> PolicySolution:
+    """The layer policy and alpha (NOTE [Calibrated policy]), probed against a recorded iteration."""
+    from memo.planner import choose_policy
+
+    n_layers = len(plain.layer_stats)
+    t0 = time.perf_counter()
+    lp_inputs, costs = _policy_costs(job, plain, states, layer_params, result.quantities)
+    can_wrap = wrap_pass is not False
+    static = _static_bytes(states)
+    net = job.built()
+    budget = job.machine.device_budget_bytes
+    ids, labels = job.inputs()
+    if policy is not None:
+        from memo.planner import given_policy
+        from memo.runtime import validate_policy
+
+        chosen = given_policy(costs, validate_policy(policy, n_layers), alpha, budget)
+    else:
+        if can_wrap:
+            costs, can_wrap = _calibrated_costs(job, costs, net, ids, labels, plain, static, wrap_pass)
+        chosen = choose_policy(costs, budget, alpha, FALLBACK_HEADROOM, FALLBACK_SEGMENT_BYTES)
+    result.policy = chosen
+    result.model_states = states
+    job.timings["alpha"] = time.perf_counter() - t0
+    record = _PolicyProbe(job, net, ids, labels, plain, static)
+    probed = probe_policy(chosen, costs, record, inputs=lp_inputs, alpha=alpha, device_budget=budget,
+                          headroom=FALLBACK_HEADROOM, headroom_bytes=FALLBACK_SEGMENT_BYTES,
+                          may_probe=can_wrap and policy is None, say=job.say)
+    result.policy, result.alpha = probed.policy, probed.alpha
+    return probed.policy
+
+
+def _policy_costs(job: _Job, plain: Recording, states: dict[str, Any], layer_params: int,
+                  q: dict[str, Quantity]) -> tuple[AlphaInputs, LayerCosts]:
+    """The alpha LP's inputs and the layer policy's cost model, from pass 1 and the machine."""
+    stats = plain.layer_stats
+    summary = plain.trace["layers"]
+    # The runtime starts every tensor it offloads at a SLOT_ALIGNMENT boundary (NOTE [Slot alignment]
+    # in memo/runtime/buffers.py), which the S_* do not count: a few dozen tensors per tile of every
+    # offloaded layer. Leave that room, so that an arena the LP filled to the byte still fits.
+    from memo.runtime.buffers import SLOT_ALIGNMENT
+    from memo.runtime.layer import min_chunk_tokens
+
+    rows = int(summary.get("rows", 0))
+    hidden = int(summary["S_input"]) // max(1, rows * job.micro_batch * job.dtype.itemsize)
+    most_tiles = 1 + rows // min_chunk_tokens(job.micro_batch, hidden, job.device.type)
+    slack = len(stats) * SLOT_ALIGNMENT * 32 * most_tiles
+    host = max(0, job.machine.host_per_process(int(q["host_memory_bytes"].value)) - slack)
+    # NOTE [Per-rank sizes]: with Megatron tensor + sequence parallelism over tp ranks, the
+    # profiled model is one rank (NOTE [Tensor-parallel rank] in memo/models/parallel.py), so the
+    # S_*, the alpha LP, the layer policy and the address plan all describe that rank. A T_layer
+    # estimated from FLOPs is the whole layer's and is split; a given or measured one is a rank's.
+    layer_s = q["layer_ms"].value / 1e3
+    if job.tp > 1 and q["layer_ms"].source == "estimated":
+        layer_s /= job.tp
+    lp_inputs = AlphaInputs(summary["S_input"], summary["S_attn"], summary["S_others"],
+                            q["bandwidth_gbps"].value * GB, layer_s, len(stats), host)
+    costs = _layer_costs(plain.trace, lp_inputs, job.seq_len, job.micro_batch, job.dtype.itemsize,
+                         layer_params, states, job.device.type)
+    return lp_inputs, costs
+
+
+def _layer_costs(trace: dict[str, Any], lp_inputs: AlphaInputs, seq_len: int, micro_batch: int,
+                 elem_size: int, layer_params: int, states: dict[str, Any], device_type: str) -> LayerCosts:
+    """The per-rank numbers of NOTE [Policy cost model] from pass 1 (the plain model); the recompute
+    chunks are those memo's runtime makes on ``device_type``, pass 2's device."""
+    from memo.planner import Trace, lower_bound
+
+    s_input, s_attn, s_others, bandwidth, layer_s, n_layers, host = lp_inputs
+    keep = s_input + s_attn + s_others
+    # The plain model keeps every layer: what its peak holds beyond the layers' activations does
+    # not depend on the policy (embedding, head, gradients as they appear).
+    peak_plain = lower_bound(Trace.from_dict(trace))
+    base = max(0, peak_plain - n_layers * keep)
+    # Attention's share of a layer's forward FLOPs: 2 s^2 w (causal) against 2 s P_layer, with w the
+    # attention width per token, read off the attention output's bytes.
+    width = s_attn / max(1, seq_len * micro_batch * elem_size)
+    attn = seq_len * width
+    fraction = attn / (attn + layer_params) if attn + layer_params > 0 else 0.0
+    static = _static_bytes(states)
+    # NOTE [Tiles bounded by memory] (memo/runtime/layer.py): how many tiles a memo layer runs in, by
+    # the runtime's default and for each smaller tile the policy may choose (halving, down to the
+    # work floor of NOTE [How small a chunk]).
+    from memo.runtime.layer import min_chunk_tokens, token_chunks
+
+    # The layer input is [rows, micro_batch, hidden]: its width per token gives the hidden size.
+    rows = int(trace["layers"].get("rows", 0))
+    hidden = int(s_input) // max(1, rows * micro_batch * elem_size)
+    tiles = functools.partial(token_chunks, rows, batch=micro_batch, hidden=hidden, device_type=device_type,
+                              token_bytes=(layer_params // max(1, hidden)) * elem_size)
+    chunks = max(1, len(tiles()))
+    floor = min_chunk_tokens(micro_batch, hidden, device_type)
+    choices = []
+    size = -(-rows // chunks) // 2
+    while size >= floor:
+        choices.append((size, len(tiles(size))))
+        size //= 2
+    return LayerCosts(n_layers=n_layers, s_input=int(s_input), s_attn=int(s_attn), s_others=int(s_others),
+                      layer_time=float(layer_s), attn_fraction=float(min(max(fraction, 0.0), 1.0)),
+                      base_bytes=int(base + static), bandwidth=float(bandwidth), host_memory=int(host),
+                      recompute_chunks=chunks, tile_choices=tuple(choices),
+                      buffer_rounding=FALLBACK_SEGMENT_BYTES)
+
+
+# NOTE [Decisions every rank shares]
+# Under tensor, context or data parallelism every rank profiles its own shard, and the ranks' passes
+# run collectives (the all-gathers of sequence and context parallelism), so every rank must record
+# the same iterations: the same layer policies and alphas, in the same order. The policy is chosen
+# from a cost model calibrated against recorded peaks (NOTE [Calibrated policy]), and a recorded
+# peak is not the same on every rank: the allocator recorder sees every allocation of the process,
+# the communication library's own buffers included, at whatever moment its threads make them. A
+# rank that chose differently would wait in a collective the others never join. So every recorded
+# peak that feeds a decision is replaced by the largest over the ranks (``agree_max``, a collective
+# every rank reaches at the same point): every rank then holds the same costs, makes the same
+# (deterministic) choice, and the largest need is the one planned for.
+def _calibrated_costs(job: _Job, costs: LayerCosts, net: nn.Module, ids: torch.Tensor, labels: torch.Tensor,
+                      plain: Recording, static: int, wrap_pass: bool | None) -> tuple[LayerCosts, bool]:
+    """The cost model calibrated against recorded iterations, and whether the runtime can wrap the
+    model (False: it refused, and ``costs`` is returned as it came).
+
+    NOTE [Calibrated policy]: the cost model's full-recompute need is checked against a
+    recorded full-recompute iteration, and its constant part corrected by the difference,
+    so that "never more than full recompute" compares memo with a measured figure; then
+    its memo need likewise, against a recorded iteration of every layer under memo at
+    alpha = 0 (_calibrate_memo). The chosen policy is recorded once more (_PolicyProbe, for
+    memo.planner.calibrate.probe_policy). The torch-free arithmetic of each step is in
+    memo/planner/calibrate.py; the recordings are made here.
+    """
+    try:
+        fr_trace, _ = _wrapped_pass(job, net, ids, labels, 0.0, False, plain,
+                                    ["recompute"] * len(plain.layer_stats))
+    except MemoError:
+        if wrap_pass:
+            raise
+        return costs, False  # the runtime refuses this model: pass 2 says so, in a note
+    costs = with_recorded_full_recompute(costs, job.recorded_total(fr_trace, static))
+    return _calibrate_memo(job, costs, net, ids, labels, plain, static), True
+
+
+def _calibrate_memo(job: _Job, costs: LayerCosts, net: nn.Module, ids: torch.Tensor, labels: torch.Tensor,
+                    plain: Recording, static: int) -> LayerCosts:
+    """NOTE [Calibrated policy]: ``costs`` with memo_overhead set so that the estimate of every
+    layer under memo at alpha = 0 is what a recorded iteration of exactly that needs.
+
+    The cost model leaves out what a memo layer's backward holds besides its recomputed share
+    (gradients of q, k, v and o, the prefetched layer's rounding buffer in flight) and may count
+    more than the runtime holds at once; the correction is added to, or taken from, every split
+    with memo or input-only layers. Where the host memory cannot hold every layer at alpha = 0 but
+    can hold every layer's input, the recording is of every layer input-only (NOTE [Input-only
+    layers]) instead: the estimate of the policies the host allows is then the one checked (without
+    it, an estimate far above what the runtime holds went uncorrected: Llama-3.1-8B at 336K on meta
+    was estimated at 73.4 GB, recorded at 55.7 GB). Skipped where the host holds neither.
+    """
+    calibration = memo_calibration(costs)
+    if calibration is None:
+        return costs
+    policy, estimate = calibration
+    try:
+        memo_trace, _ = _wrapped_pass(job, net, ids, labels, 0.0, False, plain, policy)
+    except MemoError:
+        return costs  # the chosen policy's probe (below) still checks what is chosen
+    return with_recorded_memo(costs, job.recorded_total(memo_trace, static), estimate)
+
+
+@dataclass
+class _PolicyProbe:
+    """Records one iteration of a chosen policy for :func:`memo.planner.calibrate.probe_policy` (its
+    :data:`~memo.planner.calibrate.RecordPolicy`), and keeps it for pass 2 (NOTE [Pass 2 is the last
+    probe])."""
+
+    job: _Job
+    net: nn.Module
+    ids: torch.Tensor
+    labels: torch.Tensor
+    plain: Recording
+    #: Bytes of parameters and optimizer state, added to a recorded iteration's peak.
+    static: int
+
+    def __call__(self, chosen: PolicySolution, alpha: float) -> PolicyRecording:
+        job = self.job
+        trace, wrapped = _wrapped_pass(job, self.net, self.ids, self.labels, alpha, False, self.plain,
+                                       chosen.policy, chosen.tile_tokens)
+        job.last_probe = (_probe_key(alpha, chosen), trace, wrapped)
+        total = job.recorded_total(trace, self.static)
+        moment = None
+        if job.machine.device_budget_bytes is not None:  # NOTE [The optimizer's moment]
+            moment = job.agree_max(_optimizer_moment(trace, self.static))
+        return PolicyRecording(total, moment)
