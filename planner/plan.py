@@ -21,6 +21,7 @@ from memo.phase_names import parse_phase, phase_kind
 from memo.units import ALIGNMENT, MAX_BYTES  # NOTE [Block alignment]
 
 from .dsa import Item, check_placement
+from .job import JobSpec, job_mismatch
 from .trace import Allocation, Trace, validate_meta
 
 __all__ = ["ALIGNMENT", "PLAN_KIND", "PLAN_VERSION", "UNPHASED_MODES", "Plan", "load_plan",
@@ -28,9 +29,6 @@ __all__ = ["ALIGNMENT", "PLAN_KIND", "PLAN_VERSION", "UNPHASED_MODES", "Plan", "
 
 PLAN_VERSION = 1
 PLAN_KIND = "memo.plan"
-_MATCHED_FIELDS = ("fingerprint", "seq_len", "micro_batch", "dtype", "tensor_parallel", "context_parallel")
-#: Matched fields a plan may lack: a plan without them was profiled unsharded.
-_MATCHED_DEFAULTS = {"tensor_parallel": 1, "context_parallel": 1}
 # The unphased "phase" key in plan files (phase tables leave it out unless asked).
 UNPHASED = ""
 #: ``Plan.unphased``: "plan" places the allocations made outside every phase too; "fallback" (a plan
@@ -299,6 +297,13 @@ class Plan:
         return self.peak / self.lower_bound if self.lower_bound else 1.0
 
     # -------------------------------------------------------- (de)serialise
+    def check_compatible(self, job: JobSpec, *, who: str = "memo.plan", hint: str = "") -> None:
+        """PlanMismatchError unless this plan was made for ``job`` (:func:`memo.planner.job.job_mismatch`:
+        the field that differs, both values, what to do; ``hint`` is added, e.g. "or drop --plan")."""
+        problem = job_mismatch(self.meta, job)
+        if problem is not None:
+            raise PlanMismatchError(f"{who}: {problem}{', ' + hint if hint else ''}")
+
     def to_dict(self) -> dict[str, Any]:
         phases = list(dict.fromkeys(a.phase for a in self.allocations if a.phase is not None))
         phase_index: dict[str | None, int] = {p: i for i, p in enumerate(phases)}
@@ -616,14 +621,7 @@ def load_plan(path: str | os.PathLike[str], *, fingerprint: str | None = None, s
     (1 for a plan that does not record them).
     """
     plan = Plan.from_dict(read_json(path, "memo.plan", "make one with `memo profile`"))
-    expected = {"fingerprint": fingerprint, "seq_len": seq_len, "micro_batch": micro_batch, "dtype": dtype,
-                "tensor_parallel": tensor_parallel, "context_parallel": context_parallel}
-    for name in _MATCHED_FIELDS:
-        want = expected[name]
-        if want is None:
-            continue
-        have = plan.meta.get(name, _MATCHED_DEFAULTS.get(name))
-        if have != want:
-            raise PlanMismatchError(f"memo.plan: plan {os.fspath(path)!r} was made for {name}={have!r}, "
-                                    f"this run has {name}={want!r}; re-run `memo profile`")
+    job = JobSpec(fingerprint=fingerprint, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype,
+                  tensor_parallel=tensor_parallel, context_parallel=context_parallel)
+    plan.check_compatible(job, who=f"memo.plan: plan {os.fspath(path)!r}")
     return plan

@@ -102,7 +102,7 @@ class LayerCosts:
     #: The token chunks memo recomputes a layer's (1 - alpha) share in (NOTE [Chunked recompute]).
     recompute_chunks: int = 1
     #: Smaller tiles the policy may choose instead of the runtime's default, largest first:
-    #: ``(tile tokens, chunks of a layer)`` (NOTE [Tiles bounded by memory] in memo/runtime/layer.py).
+    #: ``(tile tokens, chunks of a layer)`` (NOTE [Tiles bounded by memory] in memo/runtime/tiles.py).
     tile_choices: tuple[tuple[int, int], ...] = ()
     #: The device pool serves each rounding buffer in whole segments of this many bytes (0: exact):
     #: NOTE [Fallback headroom] in memo/pipeline/device.py.

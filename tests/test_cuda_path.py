@@ -12,11 +12,13 @@ from typing import Any
 
 import pytest
 import torch
+from memo.planner.job import JobSpec
 
 import memo.allocator as allocator
 import memo.allocator._backends as backends
 import memo.models.causal_attention as attn
 from memo.models import build_model
+from memo.train.plan_checks import TrainRun
 
 ATEN = torch.ops.aten
 
@@ -154,7 +156,7 @@ def test_profile_recorder_follows_the_planned_allocator_flag(monkeypatch, planne
     strategy = strategies.MemoStrategy(strategies.StrategyOptions(planned_allocator=planned, alpha=0.5))
     with pytest.raises(Stop):
         strategy.prepare(model, ids, ids,
-                         {"model": "tiny", "seq_len": 64, "micro_batch": 1, "dtype": "float32"})
+                         TrainRun(JobSpec(model="tiny", seq_len=64, micro_batch=1, dtype="float32")))
     # The allocator recorder would install memo's CUDA allocator, too late with the model on the GPU.
     assert captured["recorder"] == ("allocator" if planned else "dispatch")
     assert captured["plan"] is planned

@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent
 #: parts of one layer do not import each other.
 LAYERS: list[set[str]] = [
     {"_version", "errors", "_planner_native", "_C"},  # memo's errors; the native modules
-    {"units", "jsonio", "phase_names", "trace_format"},  # the torch-free vocabulary and file formats
+    # the torch-free vocabulary, file formats and the sequence-split rule
+    {"units", "jsonio", "phase_names", "trace_format", "token_split"},
     {"planner"},  # the torch-free planner (planner/, installed as memo.planner)
     {"machine", "models"},  # what the job runs on, and the models memo builds
     {"adapters", "allocator", "phases", "utils"},

@@ -31,6 +31,7 @@ from memo.train import (
     train,
 )
 from memo.train.peers import CheckpointedLayers, find_mlp, mlp_tiles, tiled_mlp
+from memo.train.plan_checks import TrainRun
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -51,7 +52,7 @@ def _run_peer(cls: type, model: nn.Module, loss_fn, ids: torch.Tensor, labels: t
     """One forward + backward of ``model`` under the peer ``cls``, measured and closed again."""
     model.zero_grad(set_to_none=True)
     strategy = cls(MemoryMeter())
-    strategy.prepare(model, ids, labels, {}, log=lambda _line: None)
+    strategy.prepare(model, ids, labels, TrainRun(), log=lambda _line: None)
     try:
         torch.manual_seed(seed)
         with strategy.step():

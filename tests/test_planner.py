@@ -152,7 +152,11 @@ def test_plan_mismatch_names_the_field(tmp_path, field, value):
     with pytest.raises(PlanMismatchError) as info:
         load_plan(path, **{field: value})
     msg = str(info.value)
-    assert f"{field}={plan.meta[field]!r}" in msg and f"{field}={value!r}" in msg and "memo profile" in msg
+    if field == "fingerprint":  # named with the model: "model=m (fingerprint f)"
+        assert f"(fingerprint {plan.meta[field]})" in msg and f"(fingerprint {value})" in msg, msg
+    else:
+        assert f"{field}={plan.meta[field]!r}" in msg and f"{field}={value!r}" in msg, msg
+    assert "memo profile" in msg
 
 
 def test_bad_plan_files(tmp_path):

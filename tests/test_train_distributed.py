@@ -93,24 +93,28 @@ def test_launch_environment() -> None:
 
 
 def test_plan_for_another_layout_is_refused() -> None:
-    from memo.train.strategies import _check_plan
+    from memo.planner.job import JobSpec
+
+    from memo.train.strategies import TrainRun, _check_plan
 
     class Plan:
         meta = {"model": "tiny", "seq_len": 256, "tensor_parallel": 1, "context_parallel": 1}
 
-    _check_plan(Plan(), {"model": "tiny", "seq_len": 256})
+    def run(**layout) -> TrainRun:
+        return TrainRun(JobSpec(model="tiny", seq_len=256, **layout))
+
+    _check_plan(Plan(), run())
     with pytest.raises(PlanMismatchError, match="tensor_parallel=1, this run has tensor_parallel=2"):
-        _check_plan(Plan(), {"model": "tiny", "seq_len": 256, "tensor_parallel": 2, "context_parallel": 1})
+        _check_plan(Plan(), run(tensor_parallel=2, context_parallel=1))
     with pytest.raises(PlanMismatchError, match="context_parallel=1, this run has context_parallel=2"):
-        _check_plan(Plan(), {"model": "tiny", "seq_len": 256, "tensor_parallel": 1, "context_parallel": 2})
+        _check_plan(Plan(), run(tensor_parallel=1, context_parallel=2))
 
     class SequenceParallelPlan:  # `memo profile --tensor-parallel 2` plans a rank of TP + SP
         meta = {**Plan.meta, "tensor_parallel": 2, "sequence_parallel": True}
 
-    tp2 = {"model": "tiny", "seq_len": 256, "tensor_parallel": 2, "context_parallel": 1}
-    _check_plan(SequenceParallelPlan(), {**tp2, "sequence_parallel": True})
+    _check_plan(SequenceParallelPlan(), run(tensor_parallel=2, sequence_parallel=True))
     with pytest.raises(PlanMismatchError, match="made for a rank with sequence parallelism.*without it"):
-        _check_plan(SequenceParallelPlan(), tp2)
+        _check_plan(SequenceParallelPlan(), run(tensor_parallel=2, sequence_parallel=False))
 
 
 def _rank(layout: ParallelLayout, tp: int = 0, cp: int = 0, dp: int = 0) -> ParallelRun:

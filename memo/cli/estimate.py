@@ -414,7 +414,7 @@ def _plot(args: argparse.Namespace, est: Any, out: dict[str, Any]) -> None:
 
 def _plot_lengths(top: int, granularity: int | None, pairs: list[tuple[str, Any]], est: Any) -> list[int]:
     """Eight lengths, doubling up to ``top`` (rounded up), each valid for every layout drawn."""
-    from memo.planner.layout import token_multiple
+    from memo.token_split import token_multiple
 
     step = math.lcm(*(token_multiple(lay.tp, lay.cp) for _, lay in pairs)) if pairs else 1
     if granularity:

@@ -184,7 +184,7 @@ def check_layout(layout: ParallelLayout, *, engine: str, n_heads: int, n_query_g
                  vocab_size: int, seq_len: int, micro_batch: int) -> None:
     """Refuse a layout this job cannot run, from the arguments alone (NOTE [Checks before any
     process group]). ``micro_batch`` is the global batch (every DP rank keeps its share)."""
-    from memo.planner.layout import seq_len_problem
+    from memo.token_split import seq_len_problem
 
     tp, cp, dp, sp = (layout.tensor_parallel, layout.context_parallel, layout.data_parallel,
                       layout.sequence_parallel)
@@ -205,7 +205,7 @@ def check_layout(layout: ParallelLayout, *, engine: str, n_heads: int, n_query_g
     padded_vocab_size(vocab_size, tp)
     # memo's profile of a rank (NOTE [Context-parallel profile]) takes seq_len / (c·t) tokens per
     # layer input under TP, with or without --sp, and 2c load-balanced chunks under CP.
-    problem = seq_len_problem(seq_len, tp, cp)  # NOTE [Tokens per rank] in planner/layout.py
+    problem = seq_len_problem(seq_len, tp, cp)  # NOTE [Tokens per rank] in memo/token_split.py
     if problem is not None:
         raise MemoError(f"memo.distributed: --seq-len: {problem}" + ("" if sp or tp == 1 else
                         " (memo profiles one rank's share also without --sp)"))

@@ -80,7 +80,7 @@ class Layout:
 
     def problems(self, config: Any, seq_len: int | None = None) -> list[str]:
         """What NOTE [Valid layouts] refuses for this layout, one phrase each (empty: valid)."""
-        from memo.planner.layout import seq_len_problem
+        from memo.token_split import seq_len_problem
 
         out = []
         t = self.tp
@@ -92,7 +92,7 @@ class Layout:
             out.append(f"PP {self.pp} does not divide its {config.n_layers} layers")
         problem = None if seq_len is None else seq_len_problem(seq_len, t, self.cp)
         if problem is not None:
-            out.append(problem)  # NOTE [Tokens per rank] in planner/layout.py
+            out.append(problem)  # NOTE [Tokens per rank] in memo/token_split.py
         return out
 
 

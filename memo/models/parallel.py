@@ -78,7 +78,7 @@ from torch import nn
 
 from memo.errors import MemoError
 from memo.models.config import ModelConfig
-from memo.planner.layout import check_seq_len
+from memo.token_split import check_seq_len
 
 __all__ = [
     "RankShapes",
@@ -171,7 +171,7 @@ def context_parallel_seq_len(seq_len: int, cp: int = 1) -> int:
     for name, value in (("seq_len", seq_len), ("cp", cp)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise MemoError(f"memo.models: {name} must be a positive int, got {value!r}")
-    check_seq_len(seq_len, 1, cp, "memo.models")  # NOTE [Tokens per rank] in planner/layout.py
+    check_seq_len(seq_len, 1, cp, "memo.models")  # NOTE [Tokens per rank] in memo/token_split.py
     return seq_len // cp
 
 
@@ -189,7 +189,7 @@ def per_rank_seq_len(seq_len: int, tp: int = 1, cp: int = 1) -> int:
 
 def check_sequence_parallel(seq_len: int, tensor_parallel: int) -> None:
     """A MemoError unless ``tensor_parallel`` divides ``seq_len`` (sequence parallelism shards the tokens)."""
-    check_seq_len(seq_len, tensor_parallel, 1, "memo.models")  # NOTE [Tokens per rank] in planner/layout.py
+    check_seq_len(seq_len, tensor_parallel, 1, "memo.models")  # NOTE [Tokens per rank] in memo/token_split.py
 
 
 def all_gather_tokens(x: torch.Tensor, t: int) -> torch.Tensor:

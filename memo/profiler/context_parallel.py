@@ -38,7 +38,7 @@ from typing import Any
 
 from memo.errors import MemoError
 from memo.models.parallel import context_parallel_seq_len
-from memo.planner.layout import check_seq_len, token_multiple
+from memo.token_split import check_seq_len, token_multiple
 
 __all__ = ["check_context_parallel", "context_parallel_note", "rank_tokens", "token_multiple"]
 
@@ -63,7 +63,7 @@ def rank_tokens(seq_len: int, tensor_parallel: int = 1, context_parallel: int = 
     t = tensor_parallel
     if isinstance(t, bool) or not isinstance(t, int) or t < 1:
         raise MemoError(f"memo.profiler: tensor_parallel must be a positive integer, got {t!r}")
-    check_seq_len(seq_len, t, c, "memo.profiler")  # NOTE [Tokens per rank] in planner/layout.py
+    check_seq_len(seq_len, t, c, "memo.profiler")  # NOTE [Tokens per rank] in memo/token_split.py
     return context_parallel_seq_len(seq_len, c)
 
 

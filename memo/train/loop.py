@@ -23,6 +23,7 @@ import torch
 
 from memo.errors import MemoError
 from memo.models import DEFAULT_MAX_SEQ_LEN, build_model, fingerprint, get_config, list_configs
+from memo.planner.job import JobSpec
 from memo.profiler.bounds import check_least_memory, least_memory
 from memo.train.data import Batch, ByteFileTokens, SyntheticTokens
 from memo.train.parallel import ParallelLoss as _ParallelLoss
@@ -31,6 +32,7 @@ from memo.train.parallel import agree as _agree
 from memo.train.parallel import parallel_record as _parallel_record
 from memo.train.parallel import ranks_text as _ranks
 from memo.train.parallel import start_parallel as _start_parallel
+from memo.train.plan_checks import TrainRun
 from memo.units import format_mib
 from memo.utils.flops import detect_peak_flops, flops_per_sample, mfu
 
@@ -337,13 +339,15 @@ def train(
         emit = log if log is not None else tqdm.write
         result = _new_result(config, model, model_config, device, dtype, strategy)
         result.world = 1 if parallel is None else parallel.layout.world
-        run = {"model": model_config.name, "fingerprint": result.model_fingerprint, "seq_len": config.seq_len,
-               "micro_batch": config.micro_batch, "dtype": config.dtype}
+        job = JobSpec(model=model_config.name, fingerprint=result.model_fingerprint, seq_len=config.seq_len,
+                      micro_batch=config.micro_batch, dtype=config.dtype, tensor_parallel=1,
+                      context_parallel=1, sequence_parallel=False)
         if parallel is not None:
-            run.update(micro_batch=config.micro_batch // parallel.layout.data_parallel,
-                       tensor_parallel=parallel.layout.tensor_parallel,
-                       context_parallel=parallel.layout.context_parallel,
-                       sequence_parallel=parallel.layout.sequence_parallel, parallel=parallel)
+            job = dataclasses.replace(job, micro_batch=config.micro_batch // parallel.layout.data_parallel,
+                                      tensor_parallel=parallel.layout.tensor_parallel,
+                                      context_parallel=parallel.layout.context_parallel,
+                                      sequence_parallel=parallel.layout.sequence_parallel)
+        run = TrainRun(job, parallel)
         try:
             strategy.prepare(model, first[0], first[1], run, log=emit)
             if parallel is not None:

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from memo.session import Session
+from memo.train.plan_checks import TrainRun
 
 __all__ = ["Metered", "MemoryMeter", "Wrapping"]
 
@@ -146,12 +147,12 @@ class Metered:
     def device_budget_bytes(self) -> int | None:
         return self.meter.device_budget_bytes
 
-    def wrapping(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, run: dict[str, Any],
+    def wrapping(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, run: TrainRun,
                  log: Log) -> Wrapping:
         """How this strategy runs ``model`` (called once, before the meter opens)."""
         return Wrapping()
 
-    def prepare(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, run: dict[str, Any],
+    def prepare(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, run: TrainRun,
                 log: Log = print) -> None:
         self.model = model
         wrapping = self.wrapping(model, ids, labels, run, log)

@@ -51,6 +51,7 @@ from memo.train import STRATEGIES
 from memo.train.meter import Log, MemoryMeter, Metered, Wrapping
 from memo.train.peers import CheckpointedLayers, HostBytesMeter, HostOffload
 from memo.train.peers import host_copy as _host_copy
+from memo.train.plan_checks import TrainRun
 from memo.train.plan_checks import check_plan as _check_plan
 from memo.train.plan_checks import check_plan_budget as _check_plan_budget
 from memo.units import format_mib
@@ -103,10 +104,10 @@ class Strategy(Protocol):
     device_budget_bytes: int | None
     """NOTE [Device budget]: the budget the run is held to (its meter's), or None."""
 
-    def prepare(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, run: dict[str, Any],
+    def prepare(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, run: TrainRun,
                 log: Log = print) -> None:
-        """Make ``model`` use this strategy and open the meter. ``run``: model, fingerprint, seq_len,
-        micro_batch, dtype."""
+        """Make ``model`` use this strategy and open the meter for ``run`` (the job, and this rank's
+        parallel run in a parallel job)."""
 
     def step(self) -> contextlib.AbstractContextManager[None]:
         """Wraps one forward + backward (not the optimizer step)."""
@@ -218,7 +219,7 @@ class FullRecompute(Metered):
 
     name = StrategyName.FULL_RECOMPUTE.value
 
-    def wrapping(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, run: dict[str, Any],
+    def wrapping(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, run: TrainRun,
                  log: Log) -> Wrapping:
         if isinstance(getattr(model, "recompute", None), str):
             model.recompute = "full"  # memo's models
@@ -234,7 +235,7 @@ class FullOffload(Metered):
 
     name = StrategyName.FULL_OFFLOAD.value
 
-    def wrapping(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, run: dict[str, Any],
+    def wrapping(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, run: TrainRun,
                  log: Log) -> Wrapping:
         self.alpha = 1.0
         return Wrapping(alpha=1.0)
@@ -251,7 +252,7 @@ class MemoStrategy(Metered):
         self.options = options
         self.policy: list[str] | None = None
 
-    def wrapping(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, run: dict[str, Any],
+    def wrapping(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, run: TrainRun,
                  log: Log) -> Wrapping:
         opts = self.options
         if opts.plan is not None:
@@ -265,14 +266,14 @@ class MemoStrategy(Metered):
             log(f"memo: plan {opts.plan}: alpha {self.alpha:.4f}, arena {format_mib(plan.peak)}")
             return Wrapping(plan=plan, planned_allocator=opts.planned_allocator,
                             debug_copy_delay_us=opts.debug_copy_delay_us)
-        parallel = run.get("parallel")
+        parallel, job = run.parallel, run.job
         machine = opts.machine() if parallel is None else _agreed_machine(opts, parallel, model, ids, labels)
         sharded: dict[str, Any] = {} if parallel is None else {
             # NOTE [Parallel layout]: this rank's shard, profiled where its collectives run
-            "batch": (ids, labels), "tensor_parallel": run["tensor_parallel"],
-            "context_parallel": run["context_parallel"], "agree_max": parallel.agree_max}
+            "batch": (ids, labels), "tensor_parallel": job.tensor_parallel,
+            "context_parallel": job.context_parallel, "agree_max": parallel.agree_max}
         result = pipeline.profile(
-            model, None if parallel is not None else run["seq_len"], run["micro_batch"], device=ids.device,
+            model, None if parallel is not None else job.seq_len, job.micro_batch, device=ids.device,
             machine=machine, **sharded,
             # Without the planned allocator only alpha is needed: the dispatch recorder sizes the
             # layer on a meta copy, and memo's CUDA allocator need not be installed (it could not
@@ -289,8 +290,8 @@ class MemoStrategy(Metered):
         self.alpha, self.alpha_binding = float(result.alpha.alpha), str(result.alpha.binding)
         self.plan = result.plan if parallel is None else _shared_plan(parallel, result.plan, log)
         self.policy = list(result.policy.policy)
-        a = runtime_offload_tokens(self.alpha, run["seq_len"])
-        self.planned_offload_bytes = profiler.offloaded_bytes(result.plain_trace["layers"], a, run["seq_len"])
+        a = runtime_offload_tokens(self.alpha, job.seq_len)
+        self.planned_offload_bytes = profiler.offloaded_bytes(result.plain_trace["layers"], a, job.seq_len)
         if self.plan is not None:
             log(f"memo: alpha {self.alpha:.4f} ({self.alpha_binding}); "
                 f"plan arena {format_mib(self.plan.peak)}, lower bound {format_mib(self.plan.lower_bound)}")
@@ -453,7 +454,7 @@ class OffloadedCheckpoint(_CheckpointPeer):
 
     name = StrategyName.OFFLOADED_CHECKPOINT.value
 
-    def wrapping(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, run: dict[str, Any],
+    def wrapping(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, run: TrainRun,
                  log: Log) -> Wrapping:
         self._checkpoint_layers(model, HostOffload(ids.device, self.host), tile_mlp=True)
         return Wrapping()
@@ -495,7 +496,7 @@ class TorchtuneOffload(_CheckpointPeer):
         self._scope: torch.autograd.graph.saved_tensors_hooks | None = None
         self._handles: list[Any] = []
 
-    def wrapping(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, run: dict[str, Any],
+    def wrapping(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, run: TrainRun,
                  log: Log) -> Wrapping:
         self.host_offload = HostOffload(ids.device, self.host, min_bytes=self.MIN_OFFLOAD_BYTES,
                                         skip_parameters=True)

@@ -1,6 +1,7 @@
 """The one rule for splitting a sequence over a parallel layout (issue 32: it had four homes).
 
-Torch-free, so every part uses it: the models (context- and sequence-parallel shapes), the profiler
+Torch-free and light (it imports memo.errors alone, not the planner and its PuLP), so every part
+uses it: the models (context- and sequence-parallel shapes), the profiler
 (a rank's tokens), ``memo train``'s layout check and ``memo estimate``'s layout search.
 
 NOTE [Tokens per rank]
