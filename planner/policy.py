@@ -46,16 +46,15 @@ from memo.errors import DeviceBudgetError, MemoError, internal_assert
 from memo.units import format_bytes
 
 from .alpha import AlphaSolution, solve_alpha
+from .vocab import LAYER_POLICIES, OFFLOADING_POLICIES
 
 __all__ = ["ALPHA_GIVEN_UP", "LAYER_POLICIES", "OFFLOADING_POLICIES", "LayerCosts", "PolicySolution",
            "choose_policy", "describe_policy", "device_need", "full_recompute_need", "given_policy",
            "usable_budget", "validate_policy"]
 
-#: What a layer may do (NOTE [Layer policy] in memo/runtime/runtime.py): the vocabulary lives here,
-#: in the torch-free planner, so that loading a plan that records a policy needs no torch.
-LAYER_POLICIES = ("memo", "input-only", "recompute", "keep")
-#: The policies whose layers offload to the host arena (NOTE [Layer policy]).
-OFFLOADING_POLICIES = ("memo", "input-only")
+# What a layer may do (NOTE [Layer policy] in memo/runtime/runtime.py): LAYER_POLICIES, and
+# OFFLOADING_POLICIES whose layers copy to the host arena, come from planner/vocab.py (LayerPolicy),
+# in the torch-free planner, so that loading a plan that records a policy needs no torch.
 
 def validate_policy(policy: Any, n_layers: int | None = None) -> list[str]:
     """``policy`` as a list of :data:`LAYER_POLICIES`, with the offloading layers first; or a MemoError."""

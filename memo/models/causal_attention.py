@@ -142,14 +142,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tupl
         return _forward_kernels(attention_backend(q.device), q, k, v)
 
 
-def attention_backward(
-    grad_o: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    o: torch.Tensor,
-    lse: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of causal attention from the tensors :func:`attention_forward` produced.
 
     Args:
@@ -201,16 +195,9 @@ def _forward_kernels(
     return _sbnd(out), lse
 
 
-def _backward_kernels(
-    backend: str,
-    grad_o: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    o: torch.Tensor,
-    lse: torch.Tensor,
-    causal: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _backward_kernels(backend: str, grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      o: torch.Tensor, lse: torch.Tensor,
+                      causal: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     scale = 1.0 / math.sqrt(q.shape[-1])
     n, n_kv = q.shape[2], k.shape[2]
     if backend == "flash_attn":

@@ -207,34 +207,11 @@ register_config(ModelConfig(name="tiny", arch="gpt", n_layers=4, hidden=64, n_he
 # The demo's model: gpt-125m's depth (12 layers, so ten of them offload; the last two never do)
 # at a width that trains a 4K-token sequence on two CPU cores in about a second per step.
 register_config(ModelConfig(name="gpt-mini", arch="gpt", n_layers=12, hidden=128, n_heads=4, vocab_size=512))
-register_config(
-    ModelConfig(
-        name="llama-tiny",
-        arch="llama",
-        n_layers=2,
-        hidden=64,
-        n_heads=4,
-        n_kv_heads=2,
-        ffn_hidden=176,
-        vocab_size=512,
-        norm_eps=1e-5,
-        rope_theta=10000.0,
-    )
-)
-register_config(
-    ModelConfig(
-        name="llama-3-8b",
-        arch="llama",
-        n_layers=32,
-        hidden=4096,
-        n_heads=32,
-        n_kv_heads=8,
-        ffn_hidden=14336,
-        vocab_size=128256,
-        norm_eps=1e-5,
-        rope_theta=500000.0,
-    )
-)
+register_config(ModelConfig(name="llama-tiny", arch="llama", n_layers=2, hidden=64, n_heads=4, n_kv_heads=2,
+                            ffn_hidden=176, vocab_size=512, norm_eps=1e-5, rope_theta=10000.0))
+register_config(ModelConfig(name="llama-3-8b", arch="llama", n_layers=32, hidden=4096, n_heads=32,
+                            n_kv_heads=8, ffn_hidden=14336, vocab_size=128256, norm_eps=1e-5,
+                            rope_theta=500000.0))
 # Llama 3.1 has Llama 3's shapes; its long-context RoPE scaling ("llama3" rope_type) changes the
 # rotary frequencies, not the memory: memo's reference Llama uses plain RoPE with this base.
 for _name, _layers, _hidden, _heads, _ffn in (("llama-3.1-8b", 32, 4096, 32, 14336),

@@ -49,6 +49,7 @@ import memo.planner  # noqa: F401  NOTE [Import PuLP early]: imported first insi
 from memo.adapters.model import model_adapter_for
 from memo.errors import MemoError
 from memo.machine import Machine
+from memo.models.dtypes import DTYPES_AND_ALIASES
 from memo.planner import PolicySolution
 from memo.planner.calibrate import PROBES as PROBES
 from memo.profiler.bounds import check_least_memory, least_memory
@@ -72,15 +73,8 @@ from .policy import _choose_policy
 __all__ = ["DTYPES", "FALLBACK_HEADROOM", "FALLBACK_SEGMENT_BYTES", "ProfileResult", "build_profile_model",
            "example_batch", "profile", "usable_device_bytes"]
 
-#: dtype names accepted by :func:`profile` and ``memo profile --dtype``.
-DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "float32": torch.float32,
-    "fp32": torch.float32,
-}
+#: dtype names accepted by :func:`profile` and ``memo profile --dtype`` (memo/models/dtypes.py).
+DTYPES = DTYPES_AND_ALIASES
 
 
 @dataclass

@@ -23,6 +23,7 @@ import torch
 
 from memo.errors import MemoError
 from memo.models import DEFAULT_MAX_SEQ_LEN, build_model, fingerprint, get_config, list_configs
+from memo.models.dtypes import DTYPES
 from memo.planner.job import JobSpec
 from memo.profiler.bounds import check_least_memory, least_memory
 from memo.train.data import Batch, ByteFileTokens, SyntheticTokens
@@ -54,7 +55,6 @@ __all__ = [
 ]
 
 #: ``--dtype`` choices.
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # NOTE [Fused AdamW]
 # torch's default AdamW on CUDA is the foreach one, whose step makes a temporary the size of every
