@@ -17,11 +17,11 @@ past ~2K), where their activations are small anyway; the memory saving of chunks
 large layers at long sequences, where the floor is far below ``s / RECOMPUTE_CHUNKS``. On the
 CPU the kernels are a thousand times slower and hide the host's cost at any size, so there the
 floor stays MIN_CPU_CHUNK_TOKENS; meta follows the CPU, so that a plan made on meta is the plan
-made on the CPU (tests/test_plan_truth.py). At the lengths meta is for (a 7B layer past ~20K
-tokens) both floors are below ``s / RECOMPUTE_CHUNKS`` and a meta plan chunks as the GPU does;
-a short meta plan replayed on a GPU chunks differently, and its allocator counts and says the
-allocations that miss the plan. The policy's cost model counts the chunks of the device pass 2
-runs on (``_layer_costs`` in memo/pipeline/policy.py), the device whose runtime runs them.
+made on the CPU (tests/test_plan_truth.py). A profile on meta for a GPU (``--gpu``) records and
+plans the GPU's tiles instead: it gives the runtime on meta the tile the GPU's default makes
+(:func:`default_tile_tokens` with ``"cuda"``) and the plan records it, so the GPU replays exactly
+those tiles (NOTE [Tiles of the device a plan is for] in memo/pipeline/job.py). The policy's cost
+model counts the chunks of the device the plan is for (``_layer_costs`` in memo/pipeline/policy.py).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ if TYPE_CHECKING:
     from torch import nn
 
 __all__ = [
-    "MIN_CHUNK_WORK", "MIN_CPU_CHUNK_TOKENS", "RECOMPUTE_CHUNKS", "TILE_BYTES", "layer_token_bytes",
-    "min_chunk_tokens", "tile_bound_tokens", "token_chunks",
+    "MIN_CHUNK_WORK", "MIN_CPU_CHUNK_TOKENS", "RECOMPUTE_CHUNKS", "TILE_BYTES", "default_tile_tokens",
+    "layer_token_bytes", "min_chunk_tokens", "tile_bound_tokens", "token_chunks",
 ]
 
 
@@ -92,16 +92,20 @@ def token_chunks(n: int, chunk_tokens: int | None = None, *, batch: int, hidden:
     :func:`min_chunk_tokens`)."""
     if n <= 0:
         return []
-    if chunk_tokens:
-        size = chunk_tokens
-    else:
-        floor = min(n, min_chunk_tokens(batch, hidden, device_type))
-        size = -(-n // RECOMPUTE_CHUNKS)
-        bound = tile_bound_tokens(batch, token_bytes)
-        if bound is not None:
-            size = min(size, bound)
-        size = max(floor, size)
+    size = chunk_tokens or default_tile_tokens(n, batch=batch, hidden=hidden, device_type=device_type,
+                                               token_bytes=token_bytes)
     return [(i, min(n, i + size)) for i in range(0, n, size)]
+
+
+def default_tile_tokens(n: int, *, batch: int, hidden: int, device_type: str, token_bytes: int = 0) -> int:
+    """Tokens per tile of ``n`` (> 0) tokens by default on a device of ``device_type`` (NOTE [Tiles
+    bounded by memory]): ``n / RECOMPUTE_CHUNKS``, at most what keeps a tile's transient of
+    ``token_bytes`` per token within TILE_BYTES, at least :func:`min_chunk_tokens` (or ``n``)."""
+    size = -(-n // RECOMPUTE_CHUNKS)
+    bound = tile_bound_tokens(batch, token_bytes)
+    if bound is not None:
+        size = min(size, bound)
+    return max(min(n, min_chunk_tokens(batch, hidden, device_type)), size)
 
 
 def layer_token_bytes(layer: nn.Module, hidden: int, elem_size: int) -> int:
