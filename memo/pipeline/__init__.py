@@ -244,7 +244,8 @@ def _record_choice(job: _Job, result: ProfileResult, chosen: PolicySolution, sta
     result.trace["meta"]["tensor_parallel"] = job.tp
     result.trace["meta"]["sequence_parallel"] = _sequence_parallel(job)
     result.trace["meta"]["policy"] = list(chosen.policy)
-    result.trace["meta"]["tile_tokens"] = chosen.tile_tokens
+    # the tile pass 2 ran (NOTE [Tiles of the device a plan is for] in memo/pipeline/job.py)
+    result.trace["meta"]["tile_tokens"] = job.tile_tokens(chosen.tile_tokens)
     # `memo plan --device-mem-gb` re-plans this trace: the rank's total needs the model states.
     result.trace["meta"]["model_states"] = states
 

@@ -55,7 +55,9 @@ def _plan(job: _Job, result: ProfileResult, chosen: PolicySolution, states: dict
         if warning is not None:
             job.notes.append(warning)
     result.plan.policy = list(chosen.policy)
-    result.plan.tile_tokens = chosen.tile_tokens
+    # NOTE [Tiles of the device a plan is for] (memo/pipeline/job.py): the tile pass 2 ran, also the
+    # default where pass 2 ran elsewhere than the device the plan is for.
+    result.plan.tile_tokens = job.tile_tokens(chosen.tile_tokens)
     static = _static_bytes(states)
     iteration = _iteration_total(result.trace, 0)
     result.plan.device = {

@@ -53,6 +53,23 @@ def example_batch(model: nn.Module, seq_len: int, micro_batch: int, device: torc
     return ids, labels
 
 
+# NOTE [Tiles of the device a plan is for]
+# A memo layer's token tiles have a floor that depends on the device (NOTE [How small a chunk] in
+# memo/runtime/tiles.py): 256 tokens on the CPU and on meta, ~2,048 at hidden 4096 on a GPU. A plan
+# made on meta is made for some other device, and its tiles must be that device's: the plan's
+# transient bytes are the recorded tiles', and a GPU running CPU-sized tiles regresses in step time
+# (many small kernels, the host's launch cost exposed) while meta records ~8x the ops. The rule,
+# visible in one place (_Job.tile_device_type): a profile on meta with ``machine.gpu`` given (``--gpu
+# h100``, the GPU whose FLOPs estimate the layer time) is for a CUDA device, and is tiled with the
+# GPU's floor; without ``gpu`` meta keeps the CPU's floor, so a plan made on meta is still the plan
+# made on the CPU (tests/test_plan_truth.py). A profile on cpu or cuda is for its own device.
+# The policy's cost model and tile choices use the target's floor (_layer_costs in policy.py). Where
+# the target is not pass 2's device, the runtime on meta cannot make the target's default itself, so
+# every wrapped pass gets the tile explicitly (``default_tile``: default_tile_tokens of the layer's
+# rows on the target) and the plan records it, default or not (``plan.tile_tokens``): the runtime
+# that replays the plan runs exactly those tiles on any device. Elsewhere a default tile stays None
+# in the plan, as before: the runtime of the plan's own device type makes the same default per
+# token range ([0:a] and [a:s] each), which one recorded number could not say.
 @dataclass
 class _Job:
     """What one run of the pipeline works on (the arguments of :func:`profile`, resolved)."""
@@ -80,6 +97,23 @@ class _Job:
     #: The last wrapped iteration a policy probe recorded, by (alpha, policy, tile): pass 2 of the
     #: same choice takes it instead of recording it again (NOTE [Pass 2 is the last probe]).
     last_probe: tuple[ProbeKey, dict[str, Any], WrappedRun] | None = None
+    #: The tile the wrapped passes run, and the plan records, where the policy keeps the runtime's
+    #: default but pass 2's device is not the device the plan is for (NOTE [Tiles of the device a
+    #: plan is for]); None where that device's own default is what runs. Set with the cost model.
+    default_tile: int | None = None
+
+    @property
+    def tile_device_type(self) -> str:
+        """The device type whose tiles the profile records and plans (NOTE [Tiles of the device a
+        plan is for]): ``"cuda"`` for a profile on meta for a GPU (``machine.gpu``), else pass 2's."""
+        if self.device.type == "meta" and self.machine.gpu is not None:
+            return "cuda"
+        return self.device.type
+
+    def tile_tokens(self, chosen: int | None) -> int | None:
+        """The tile the runtime runs, and the plan records, for the policy's ``chosen`` tile (None:
+        the runtime's default)."""
+        return chosen if chosen is not None else self.default_tile
 
     def recorded_total(self, trace: dict[str, Any], static: int) -> int:
         """:func:`_iteration_total` of a recorded iteration, the same on every rank."""

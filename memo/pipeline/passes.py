@@ -161,11 +161,13 @@ def _wrapped_pass(job: _Job, model: nn.Module, ids: torch.Tensor, labels: torch.
     Returns the trace and what the runtime allocated and copied (:class:`WrappedRun`).
 
     The model is wrapped in place (NOTE [Wrapping in place] in memo/runtime/wrap.py) and
-    restored whatever happens, so a model the caller passed comes back as it was given.
+    restored whatever happens, so a model the caller passed comes back as it was given. A
+    ``tile_tokens`` of None is the runtime's default on the device the plan is for (NOTE [Tiles of
+    the device a plan is for] in memo/pipeline/job.py).
     """
     from memo import runtime
 
-    runtime.wrap(model, alpha=alpha, policy=policy, recompute_chunk_tokens=tile_tokens)
+    runtime.wrap(model, alpha=alpha, policy=policy, recompute_chunk_tokens=job.tile_tokens(tile_tokens))
     try:
         if job.recorder == "allocator":
             trace = _record_allocator(model, ids, labels, _target_meta(plain, ids.device, "allocator"))

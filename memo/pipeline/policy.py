@@ -79,11 +79,18 @@ def _policy_costs(job: _Job, plain: Recording, states: dict[str, Any], layer_par
     # in memo/runtime/buffers.py), which the S_* do not count: a few dozen tensors per tile of every
     # offloaded layer. Leave that room, so that an arena the LP filled to the byte still fits.
     from memo.runtime.buffers import SLOT_ALIGNMENT
-    from memo.runtime.layer import min_chunk_tokens
+    from memo.runtime.tiles import default_tile_tokens, min_chunk_tokens
 
     rows = int(summary.get("rows", 0))
     hidden = int(summary["S_input"]) // max(1, rows * job.micro_batch * job.dtype.itemsize)
-    most_tiles = 1 + rows // min_chunk_tokens(job.micro_batch, hidden, job.device.type)
+    # NOTE [Tiles of the device a plan is for]: the tiles are the target's; where pass 2 runs
+    # elsewhere (meta for a GPU), the runtime there gets the target's default tile explicitly.
+    target = job.tile_device_type
+    if target != job.device.type and rows > 0:
+        token_bytes = _token_bytes(layer_params, hidden, job.dtype.itemsize)
+        job.default_tile = default_tile_tokens(rows, batch=job.micro_batch, hidden=hidden, device_type=target,
+                                               token_bytes=token_bytes)
+    most_tiles = 1 + rows // min_chunk_tokens(job.micro_batch, hidden, target)
     slack = len(stats) * SLOT_ALIGNMENT * 32 * most_tiles
     host = max(0, job.machine.host_per_process(int(q["host_memory_bytes"].value)) - slack)
     # NOTE [Per-rank sizes]: with Megatron tensor + sequence parallelism over tp ranks, the
@@ -96,14 +103,21 @@ def _policy_costs(job: _Job, plain: Recording, states: dict[str, Any], layer_par
     lp_inputs = AlphaInputs(summary["S_input"], summary["S_attn"], summary["S_others"],
                             q["bandwidth_gbps"].value * GB, layer_s, len(stats), host)
     costs = _layer_costs(plain.trace, lp_inputs, job.seq_len, job.micro_batch, job.dtype.itemsize,
-                         layer_params, states, job.device.type)
+                         layer_params, states, target)
     return lp_inputs, costs
+
+
+def _token_bytes(layer_params: int, hidden: int, elem_size: int) -> int:
+    """A layer's transient bytes per token and batch row, from its parameters (``layer_token_bytes``
+    in memo/runtime/tiles.py, for a layer known by its parameter count)."""
+    return (layer_params // max(1, hidden)) * elem_size
 
 
 def _layer_costs(trace: dict[str, Any], lp_inputs: AlphaInputs, seq_len: int, micro_batch: int,
                  elem_size: int, layer_params: int, states: dict[str, Any], device_type: str) -> LayerCosts:
     """The per-rank numbers of NOTE [Policy cost model] from pass 1 (the plain model); the recompute
-    chunks are those memo's runtime makes on ``device_type``, pass 2's device."""
+    chunks are those memo's runtime makes on ``device_type``, the device the plan is for (NOTE [Tiles
+    of the device a plan is for] in memo/pipeline/job.py)."""
     from memo.planner import Trace, lower_bound
 
     s_input, s_attn, s_others, bandwidth, layer_s, n_layers, host = lp_inputs
@@ -121,13 +135,13 @@ def _layer_costs(trace: dict[str, Any], lp_inputs: AlphaInputs, seq_len: int, mi
     # NOTE [Tiles bounded by memory] (memo/runtime/layer.py): how many tiles a memo layer runs in, by
     # the runtime's default and for each smaller tile the policy may choose (halving, down to the
     # work floor of NOTE [How small a chunk]).
-    from memo.runtime.layer import min_chunk_tokens, token_chunks
+    from memo.runtime.tiles import min_chunk_tokens, token_chunks
 
     # The layer input is [rows, micro_batch, hidden]: its width per token gives the hidden size.
     rows = int(trace["layers"].get("rows", 0))
     hidden = int(s_input) // max(1, rows * micro_batch * elem_size)
     tiles = functools.partial(token_chunks, rows, batch=micro_batch, hidden=hidden, device_type=device_type,
-                              token_bytes=(layer_params // max(1, hidden)) * elem_size)
+                              token_bytes=_token_bytes(layer_params, hidden, elem_size))
     chunks = max(1, len(tiles()))
     floor = min_chunk_tokens(micro_batch, hidden, device_type)
     choices = []
