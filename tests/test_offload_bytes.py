@@ -86,7 +86,7 @@ def test_plan_host_bytes_are_the_arena_the_wrapped_model_allocates(gpt_125m_8k_m
 
     s = 8192
     # profile("gpt-125m", 8192, 1, device="meta", bandwidth_gbps=32, layer_ms=3.0, host_mem_gb=64,
-    # time_limit=2.0): conftest's (the only file that reads it).
+    # time_limit=2.0, gpu="h100"): conftest's (the only file that reads it).
     result = gpt_125m_8k_meta_profile
     assert result.trace["meta"]["seq_len"] == s
     plan = result.plan

@@ -48,9 +48,11 @@ def format_plan(plan: Plan) -> str:
                    f"{' '.join(p[0] for p in plan.policy)}; m = memo, i = input-only, r = full recompute, "
                    "k = keep)")
         if any(p in ("memo", "input-only") for p in plan.policy):  # NOTE [Tiles bounded by memory]
-            out.append("tiles         " + ("the runtime's default (s/8 tokens, at most 256 MiB of a tile's "
-                                           "transients)" if plan.tile_tokens is None else
-                                           f"{plan.tile_tokens:,} tokens (chosen to fit the device budget)"))
+            tiles = ("the runtime's default (s/8 tokens, at most 256 MiB of a tile's transients)"
+                     if plan.tile_tokens is None else
+                     f"{plan.tile_tokens:,} tokens, as recorded (the default of the device the plan is for, "
+                     "or a smaller tile chosen to fit the device budget)")
+            out.append("tiles         " + tiles)
     out += device_lines(plan.device)
     if plan.offload:  # NOTE [Planned and actual offload] in memo/planner/plan.py
         o = plan.offload
