@@ -141,7 +141,9 @@ class RuntimeStats:
     late_prefetches: int = 0
     """Backward passes whose prefetch had not been started by the next layer's backward."""
     layer_forwards: int = 0
+    """Forwards of wrapped layers (every policy)."""
     layer_backwards: int = 0
+    """Backwards of wrapped layers (every policy)."""
     recomputed_layers: int = 0
     """Forwards of layers under full recompute (NOTE [Layer policy])."""
     abandoned_iterations: int = 0
