@@ -26,13 +26,29 @@ def assert_same_step(got: tuple[torch.Tensor, dict[str, torch.Tensor]],
     assert worst[0] < rtol, f"gradient of {worst[1]} differs: relative error {worst[0]:.3g}"
 
 
-def small_model(arch: str, n_layers: int = 4) -> nn.Module:
-    """memo's ``tiny`` (GPT) or ``llama-tiny`` at ``n_layers`` layers, float32."""
+def small_model(arch: str, n_layers: int = 4, seed: int | None = None) -> nn.Module:
+    """memo's ``tiny`` (GPT) or ``llama-tiny`` at ``n_layers`` layers, float32; initialised after
+    ``torch.manual_seed(seed)`` when ``seed`` is given (else from the global generator as it stands)."""
     from memo.models import build_model, get_config
 
     name = "tiny" if arch == "gpt" else "llama-tiny"
     cfg = dataclasses.replace(get_config(name), n_layers=n_layers, name=f"{name}-{n_layers}")
+    if seed is not None:
+        torch.manual_seed(seed)
     return build_model(cfg, dtype=torch.float32)
+
+
+def random_batch(vocab: int | nn.Module, b: int, s: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, labels)`` of shape ``[b, s]``, both drawn from one generator seeded ``seed`` (ids first);
+    ``vocab`` is a vocabulary size or a memo model (its ``config.vocab_size``)."""
+    v = vocab if isinstance(vocab, int) else vocab.config.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, v, (b, s), generator=g), torch.randint(0, v, (b, s), generator=g)
+
+
+def grads_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``{name: grad}`` (copies) of the parameters that have a gradient."""
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def train_step(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor
@@ -41,4 +57,4 @@ def train_step(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor
     model.zero_grad(set_to_none=True)
     loss = model(ids, labels)
     loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads_of(model)

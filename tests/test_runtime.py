@@ -8,7 +8,6 @@ missing wait in the rounding-buffer protocol shows up as a wrong gradient;
 from __future__ import annotations
 
 import copy
-import dataclasses
 import subprocess
 import sys
 
@@ -21,7 +20,7 @@ from memo.adapters import AnatomyAdapter, find_adapter, register_adapter, unregi
 from memo.errors import MemoError, PlanMismatchError
 from memo.models import attention, build_model, get_config
 from memo.runtime import BufferState
-from tests.grads import RTOL, assert_same_step, rel_err
+from tests.grads import RTOL, assert_same_step, random_batch, rel_err, small_model, train_step
 
 DELAY_US = 300  # random 0..300 us before every copy
 
@@ -29,41 +28,17 @@ DELAY_US = 300  # random 0..300 us before every copy
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
-def _model(arch: str, n_layers: int = 5) -> nn.Module:
-    name = "tiny" if arch == "gpt" else "llama-tiny"
-    cfg = dataclasses.replace(get_config(name), n_layers=n_layers, name=f"{name}-{n_layers}")
-    return build_model(cfg, dtype=torch.float32)
-
-
-def _batch(model: nn.Module, b: int, s: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    v = model.config.vocab_size
-    return torch.randint(0, v, (b, s), generator=g), torch.randint(0, v, (b, s), generator=g)
-
-
-def _step(model: nn.Module, ids: torch.Tensor,
-          labels: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    model.zero_grad(set_to_none=True)
-    loss = model(ids, labels)
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-
-
-
-
 @pytest.mark.parametrize("arch", ["gpt", "llama"])
 @pytest.mark.parametrize("alpha", [0.0, 0.125, 0.25, 0.5, 1.0])
 def test_loss_and_grads_match_unwrapped(arch: str, alpha: float) -> None:
-    ref = _model(arch)
+    ref = small_model(arch, 5)
     model = copy.deepcopy(ref)
     mr.wrap(model, alpha=alpha, debug_copy_delay_us=DELAY_US)
     rt = mr.runtime_of(model)
     s, b = 13, 2  # alpha * 13 is never an integer for alpha in (0, 1)
     for it in range(3):  # the same buffers serve consecutive iterations
-        ids, labels = _batch(ref, b, s, seed=it)
-        assert_same_step(_step(model, ids, labels), _step(ref, ids, labels))
+        ids, labels = random_batch(ref, b, s, seed=it)
+        assert_same_step(train_step(model, ids, labels), train_step(ref, ids, labels))
         assert all(rt.buffers.state(i) is BufferState.IDLE for i in range(rt.n_offloaded))
     a = mr.offload_tokens(alpha, s)
     assert rt.n_offloaded == 3
@@ -75,36 +50,36 @@ def test_loss_and_grads_match_unwrapped(arch: str, alpha: float) -> None:
 
 @pytest.mark.parametrize("s", [1, 7, 16])
 def test_sequence_lengths(s: int) -> None:
-    ref = _model("llama")
+    ref = small_model("llama", 5)
     model = mr.wrap(copy.deepcopy(ref), alpha=0.3, debug_copy_delay_us=DELAY_US)
-    ids, labels = _batch(ref, 3, s)
-    assert_same_step(_step(model, ids, labels), _step(ref, ids, labels))
+    ids, labels = random_batch(ref, 3, s)
+    assert_same_step(train_step(model, ids, labels), train_step(ref, ids, labels))
 
 
 @pytest.mark.parametrize("wait", ["offload", "prefetch"])
 def test_removed_wait_is_caught(wait: str) -> None:
     """Without one wait of the protocol the copies race the compute thread and gradients go wrong."""
-    ref = _model("gpt", n_layers=6)
+    ref = small_model("gpt", n_layers=6)
     model = mr.wrap(copy.deepcopy(ref), alpha=0.5, debug_copy_delay_us=DELAY_US)
     rt = mr.runtime_of(model)
-    ids, labels = _batch(ref, 2, 12)
-    ref_loss, ref_grads = _step(ref, ids, labels)
-    assert_same_step(_step(model, ids, labels), (ref_loss, ref_grads))  # with the wait: right
+    ids, labels = random_batch(ref, 2, 12)
+    ref_loss, ref_grads = train_step(ref, ids, labels)
+    assert_same_step(train_step(model, ids, labels), (ref_loss, ref_grads))  # with the wait: right
     rt.debug_skip_wait(wait)
     rt.set_debug_copy_delay_us(200_000)  # copies now lag far behind a tiny layer's compute
     wrong = False
     for _ in range(2):
-        _loss, grads = _step(model, ids, labels)
+        _loss, grads = train_step(model, ids, labels)
         wrong = wrong or any(rel_err(grads[n], ref_grads[n]) > RTOL for n in ref_grads)
         rt.synchronize()
     assert wrong, f"skipping the {wait} wait went unnoticed"
     rt.debug_skip_wait(wait, skip=False)
     rt.set_debug_copy_delay_us(DELAY_US)
-    assert_same_step(_step(model, ids, labels), (ref_loss, ref_grads))
+    assert_same_step(train_step(model, ids, labels), (ref_loss, ref_grads))
 
 
 def test_state_dict_unchanged_and_unwrap_restores() -> None:
-    ref = _model("gpt")
+    ref = small_model("gpt", 5)
     model = copy.deepcopy(ref)
     before = model.state_dict()
     mr.wrap(model, alpha=0.5)
@@ -112,20 +87,20 @@ def test_state_dict_unchanged_and_unwrap_restores() -> None:
     assert list(before) == list(after)
     assert all(torch.equal(before[k], after[k]) for k in before)
     model.load_state_dict(ref.state_dict())  # checkpoints load into the wrapped model
-    ids, labels = _batch(ref, 2, 9)
-    assert_same_step(_step(model, ids, labels), _step(ref, ids, labels))
+    ids, labels = random_batch(ref, 2, 9)
+    assert_same_step(train_step(model, ids, labels), train_step(ref, ids, labels))
     mr.unwrap(model)
     assert not mr.is_wrapped(model)
     assert all("forward" not in layer.__dict__ for layer in model.layers)
-    assert_same_step(_step(model, ids, labels), _step(ref, ids, labels))
+    assert_same_step(train_step(model, ids, labels), train_step(ref, ids, labels))
     with pytest.raises(MemoError, match="not wrapped"):
         mr.unwrap(model)
 
 
 def test_eval_without_grad_runs_plain_layers() -> None:
-    ref = _model("llama")
+    ref = small_model("llama", 5)
     model = mr.wrap(copy.deepcopy(ref), alpha=0.5)
-    ids, labels = _batch(ref, 2, 8)
+    ids, labels = random_batch(ref, 2, 8)
     with torch.no_grad():
         assert torch.equal(model(ids, labels), ref(ids, labels))
     assert mr.runtime_of(model).buffers is None  # nothing was offloaded
@@ -134,28 +109,28 @@ def test_eval_without_grad_runs_plain_layers() -> None:
 @pytest.mark.parametrize("bad", [-0.1, 1.5, float("nan"), "0.5", True, None])
 def test_alpha_is_validated(bad: object) -> None:
     with pytest.raises(MemoError, match="alpha"):
-        mr.wrap(_model("gpt"), alpha=bad)
+        mr.wrap(small_model("gpt", 5), alpha=bad)
 
 
 def test_reset_drops_a_forward_still_referenced() -> None:
-    ref = _model("gpt")
+    ref = small_model("gpt", 5)
     model = mr.wrap(copy.deepcopy(ref), alpha=0.25)
-    ids, labels = _batch(ref, 2, 8)
+    ids, labels = random_batch(ref, 2, 8)
     pending = model(ids, labels)  # its graph stays alive: a forward in flight
     mr.runtime_of(model).reset()
     assert not mr.runtime_of(model).buffers.busy_flights()
     del pending
-    assert_same_step(_step(model, ids, labels), _step(ref, ids, labels))
+    assert_same_step(train_step(model, ids, labels), train_step(ref, ids, labels))
 
 
 @pytest.mark.parametrize("how", ["discarded", "exception"])
 def test_an_abandoned_forward_is_dropped_by_itself(how: str) -> None:
     """NOTE [Abandoned forward]: once the graph of a forward without backward is freed, the next
     forward drops it (counted, warned once) and training matches the unwrapped model."""
-    ref = _model("gpt")
+    ref = small_model("gpt", 5)
     model = mr.wrap(copy.deepcopy(ref), alpha=0.25)
     rt = mr.runtime_of(model)
-    ids, labels = _batch(ref, 2, 8)
+    ids, labels = random_batch(ref, 2, 8)
     if how == "discarded":
         model(ids, labels)  # validation with autograd on: the loss is dropped at once
     else:
@@ -166,9 +141,9 @@ def test_an_abandoned_forward_is_dropped_by_itself(how: str) -> None:
         with pytest.raises(RuntimeError, match="data error"):
             step_that_fails()
     with pytest.warns(UserWarning, match="freed without its backward"):
-        assert_same_step(_step(model, ids, labels), _step(ref, ids, labels))
+        assert_same_step(train_step(model, ids, labels), train_step(ref, ids, labels))
     assert rt.stats.abandoned_iterations == 1
-    assert_same_step(_step(model, ids, labels), _step(ref, ids, labels))
+    assert_same_step(train_step(model, ids, labels), train_step(ref, ids, labels))
     assert rt.stats.abandoned_iterations == 1
 
 
@@ -176,65 +151,66 @@ def test_a_shorter_last_batch_runs_in_the_buffers_and_a_longer_one_grows_them() 
     """NOTE [Sizing the host arena]: a drop_last=False loader's last batch is shorter (fewer tokens or
     fewer sequences); it runs without unwrapping and matches the unwrapped model, as does a longer
     sequence after it (the buffers grow between iterations)."""
-    ref = _model("gpt")
+    ref = small_model("gpt", 5)
     model = mr.wrap(copy.deepcopy(ref), alpha=0.25, debug_copy_delay_us=DELAY_US)
     rt = mr.runtime_of(model)
-    assert_same_step(_step(model, *_batch(ref, 2, 12)), _step(ref, *_batch(ref, 2, 12)))
+    assert_same_step(train_step(model, *random_batch(ref, 2, 12)), train_step(ref, *random_batch(ref, 2, 12)))
     sized = rt.layer_bytes
     for b, s in [(2, 7), (1, 12), (2, 12)]:
-        assert_same_step(_step(model, *_batch(ref, b, s, seed=s)), _step(ref, *_batch(ref, b, s, seed=s)))
+        ids, labels = random_batch(ref, b, s, seed=s)
+        assert_same_step(train_step(model, ids, labels), train_step(ref, ids, labels))
         assert rt.layer_bytes == sized and rt.layer_sizes[0] <= sized
-    assert_same_step(_step(model, *_batch(ref, 2, 16)), _step(ref, *_batch(ref, 2, 16)))
+    assert_same_step(train_step(model, *random_batch(ref, 2, 16)), train_step(ref, *random_batch(ref, 2, 16)))
     assert rt.layer_bytes > sized
 
 
 def test_a_longer_input_is_refused_while_a_forward_awaits_its_backward() -> None:
-    model = mr.wrap(_model("gpt"), alpha=0.25)
-    first = model(*_batch(model, 2, 8))
+    model = mr.wrap(small_model("gpt", 5), alpha=0.25)
+    first = model(*random_batch(model, 2, 8))
     with pytest.raises(MemoError, match=r"this forward offloads [\d,]+ bytes per layer, more than the [\d,]+ "
                                         r"the rounding buffers hold \(the input went from \[8, 2, 64\] "
                                         r"torch.float32 \(autocast off\) to \[10, 2, 64\] torch.float32 "
                                         r"\(autocast off\)\), while 1 earlier forward\(s\) await"):
-        model(*_batch(model, 2, 10))
+        model(*random_batch(model, 2, 10))
     first.backward()
-    _step(model, *_batch(model, 2, 10))  # between iterations the buffers grow
+    train_step(model, *random_batch(model, 2, 10))  # between iterations the buffers grow
 
 
 def test_a_plan_is_held_to_its_host_bytes_when_the_input_grows() -> None:
-    ref = _model("gpt")
+    ref = small_model("gpt", 5)
     probe = mr.wrap(copy.deepcopy(ref), alpha=0.5)
-    _step(probe, *_batch(ref, 2, 8))
+    train_step(probe, *random_batch(ref, 2, 8))
     model = mr.wrap(copy.deepcopy(ref), plan={"alpha": 0.5, "host_bytes": mr.runtime_of(probe).host_bytes})
-    _step(model, *_batch(ref, 2, 8))
-    _step(model, *_batch(ref, 2, 5))
+    train_step(model, *random_batch(ref, 2, 8))
+    train_step(model, *random_batch(ref, 2, 5))
     with pytest.raises(PlanMismatchError, match=r"it grew after the input went from \[5, 2, 64\]"):
-        _step(model, *_batch(ref, 2, 9))
+        train_step(model, *random_batch(ref, 2, 9))
 
 
 def test_plan_host_bytes_must_hold_what_is_offloaded() -> None:
-    ref = _model("gpt")
+    ref = small_model("gpt", 5)
     probe = mr.wrap(copy.deepcopy(ref), alpha=0.5)
-    ids, labels = _batch(ref, 2, 11)
-    _step(probe, ids, labels)
+    ids, labels = random_batch(ref, 2, 11)
+    train_step(probe, ids, labels)
     host = mr.runtime_of(probe).host_bytes
     assert host == 3 * mr.runtime_of(probe).layer_bytes > 0
     model = mr.wrap(copy.deepcopy(ref), plan={"alpha": 0.5, "host_bytes": host})
-    assert_same_step(_step(model, ids, labels), _step(ref, ids, labels))
+    assert_same_step(train_step(model, ids, labels), train_step(ref, ids, labels))
     assert mr.runtime_of(model).host_bytes == host
     roomy = mr.wrap(copy.deepcopy(ref), plan={"alpha": 0.5, "host_bytes": host + 8})
-    _step(roomy, ids, labels)
+    train_step(roomy, ids, labels)
     assert mr.runtime_of(roomy).arena_bytes == host + 8 and mr.runtime_of(roomy).host_bytes == host
     wrong = mr.wrap(copy.deepcopy(ref), plan={"alpha": 0.5, "host_bytes": host - 8})
     with pytest.raises(PlanMismatchError, match="host_bytes"):
-        _step(wrong, ids, labels)
+        train_step(wrong, ids, labels)
     with pytest.raises(PlanMismatchError, match="alpha"):
         mr.wrap(copy.deepcopy(ref), alpha=0.25, plan={"alpha": 0.5})
 
 
 def test_host_memory_shortage_fails_before_any_offload() -> None:
-    model = mr.wrap(_model("gpt"), alpha=1.0, host_memory_limit=1000)
+    model = mr.wrap(small_model("gpt", 5), alpha=1.0, host_memory_limit=1000)
     with pytest.raises(MemoError, match=r"host arena needs [\d,]+ bytes .* only 1,000 bytes"):
-        _step(model, *_batch(model, 2, 8))
+        train_step(model, *random_batch(model, 2, 8))
 
 
 class ToyLayer(nn.Module):
@@ -303,8 +279,8 @@ def test_offloaded_bytes_are_activations_only() -> None:
     sizes = {}
     for s in (32, 64):
         for alpha in (0.0, 1.0):
-            model = mr.wrap(_model("gpt"), alpha=alpha)
-            _step(model, *_batch(model, b, s))
+            model = mr.wrap(small_model("gpt", 5), alpha=alpha)
+            train_step(model, *random_batch(model, b, s))
             sizes[s, alpha] = mr.runtime_of(model).layer_bytes
     for s in (32, 64):
         assert sizes[s, 0.0] == 4 * (s * b * h + s * b * h + b * n * s)
@@ -324,21 +300,21 @@ def test_debug_delay_switch_from_environment(monkeypatch) -> None:
 @pytest.mark.parametrize("arch", ["gpt", "llama"])
 def test_bf16_error_is_that_of_plain_bf16(arch: str) -> None:
     """In bf16, memo's gradients are as close to the fp32 ones as plain bf16's (flash-attn's 2x rule)."""
-    ref32 = _model(arch)
+    ref32 = small_model(arch, 5)
     plain = copy.deepcopy(ref32).to(torch.bfloat16)
     model = mr.wrap(copy.deepcopy(plain), alpha=0.37, debug_copy_delay_us=DELAY_US)
-    ids, labels = _batch(ref32, 2, 19)
-    _, g32 = _step(ref32, ids, labels)
+    ids, labels = random_batch(ref32, 2, 19)
+    _, g32 = train_step(ref32, ids, labels)
 
     def error(m: nn.Module) -> float:
-        _, grads = _step(m, ids, labels)
+        _, grads = train_step(m, ids, labels)
         return max(rel_err(grads[n].float(), g32[n]) for n in g32)
 
     assert error(model) <= 2 * error(plain) + 1e-3
 
 
 def test_model_level_recompute_is_refused() -> None:
-    model = _model("gpt")
+    model = small_model("gpt", 5)
     model.recompute = "full"
     with pytest.raises(MemoError, match="recompute='full'"):
         mr.wrap(model, alpha=0.5)
@@ -348,12 +324,12 @@ def test_model_level_recompute_is_refused() -> None:
 @pytest.mark.parametrize("alpha", [0.0, 0.375, 1.0])
 def test_cuda_streams_match_unwrapped(alpha: float) -> None:
     """The CUDA path: offload/prefetch streams and events (runs only with a GPU)."""
-    ref = _model("llama").cuda()
+    ref = small_model("llama", 5).cuda()
     model = mr.wrap(copy.deepcopy(ref), alpha=alpha)
-    ids, labels = (t.cuda() for t in _batch(ref, 2, 37))
+    ids, labels = (t.cuda() for t in random_batch(ref, 2, 37))
     for _ in range(3):
         torch.cuda._sleep(1_000_000)  # a busy compute stream: copies must really be ordered by events
-        assert_same_step(_step(model, ids, labels), _step(ref, ids, labels))
+        assert_same_step(train_step(model, ids, labels), train_step(ref, ids, labels))
     rt = mr.runtime_of(model)
     assert rt.host_bytes > 0 and rt.buffers.host.is_pinned()
 
@@ -362,14 +338,14 @@ def test_cuda_streams_match_unwrapped(alpha: float) -> None:
 @pytest.mark.parametrize("alpha", [0.0, 0.375, 1.0])
 def test_cuda_bf16_error_is_that_of_plain_bf16(alpha: float) -> None:
     """bf16 on the GPU (flash kernels, copy streams): gradients as close to fp32 as plain bf16's."""
-    ref32 = _model("llama").cuda()
+    ref32 = small_model("llama", 5).cuda()
     plain = copy.deepcopy(ref32).to(torch.bfloat16)
     model = mr.wrap(copy.deepcopy(plain), alpha=alpha)
-    ids, labels = (t.cuda() for t in _batch(ref32, 2, 37))
-    _, g32 = _step(ref32, ids, labels)
+    ids, labels = (t.cuda() for t in random_batch(ref32, 2, 37))
+    _, g32 = train_step(ref32, ids, labels)
 
     def error(m: nn.Module) -> float:
-        _, grads = _step(m, ids, labels)
+        _, grads = train_step(m, ids, labels)
         return max(rel_err(grads[n].float(), g32[n]) for n in g32)
 
     for _ in range(2):
@@ -378,12 +354,12 @@ def test_cuda_bf16_error_is_that_of_plain_bf16(alpha: float) -> None:
 
 
 def test_explicit_runtime_object() -> None:
-    ref = _model("gpt")
+    ref = small_model("gpt", 5)
     rt = mr.MemoRuntime(0.25, debug_copy_delay_us=DELAY_US)
     model = mr.wrap(copy.deepcopy(ref), runtime=rt)
     assert mr.runtime_of(model) is rt and rt.n_layers == 5 and rt.n_offloaded == 3
-    ids, labels = _batch(ref, 2, 10)
-    assert_same_step(_step(model, ids, labels), _step(ref, ids, labels))
+    ids, labels = random_batch(ref, 2, 10)
+    assert_same_step(train_step(model, ids, labels), train_step(ref, ids, labels))
     assert rt.describe()["host_bytes"] == rt.host_bytes > 0
     with pytest.raises(MemoError, match="already serves a model"):
         mr.wrap(copy.deepcopy(ref), runtime=rt)
@@ -392,7 +368,7 @@ def test_explicit_runtime_object() -> None:
 
 
 def test_allocate_before_training() -> None:
-    ref = _model("gpt")
+    ref = small_model("gpt", 5)
     model = mr.wrap(copy.deepcopy(ref), alpha=0.5, host_memory_limit=1000)
     x = torch.zeros(9, 2, 64)
     with pytest.raises(MemoError, match="only 1,000 bytes"):
@@ -402,14 +378,14 @@ def test_allocate_before_training() -> None:
     rt.allocate(x)
     host = rt.host_bytes
     assert host > 0 and rt.stats.bytes_offloaded == 0
-    ids, labels = _batch(ref, 2, 9)
-    assert_same_step(_step(model, ids, labels), _step(ref, ids, labels))
+    ids, labels = random_batch(ref, 2, 9)
+    assert_same_step(train_step(model, ids, labels), train_step(ref, ids, labels))
     assert rt.host_bytes == host
 
 
 def test_a_model_whose_layers_all_stay_says_so() -> None:
     """A 2-layer model: the default policy keeps both layers, so alpha has no effect: said at wrap."""
-    model = _model("gpt", n_layers=2)
+    model = small_model("gpt", n_layers=2)
     with pytest.warns(UserWarning, match=r"memo.wrap: none of the model's 2 layers offloads: without a plan "
                                          r"or a policy memo keeps the last 2 layers whole .* so alpha=1.0 "
                                          r"has no effect .* Pass policy=\['memo'\] \* 2"):
