@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memo.adapters._lazy import load_qualified
+from memo.adapters._lazy import AdapterRegistry, qualname
 from memo.errors import MemoError
 
 __all__ = ["LayerAdapter", "AnatomyAdapter", "MLPSite", "register_adapter", "unregister_adapter",
@@ -194,7 +194,7 @@ class AnatomyAdapter(LayerAdapter):
 # library, nor their adapters' modules, until a layer of theirs is met; the same scheme as
 # memo.adapters.model). Looked up along the MRO, so a subclass of a registered class is served by
 # its parent's adapter unless it has its own.
-_ADAPTERS: dict[str, LayerAdapter | str] = {
+_REGISTRY: AdapterRegistry[LayerAdapter] = AdapterRegistry(LayerAdapter, "layer adapter", {
     "memo.models.layers.TransformerLayer": AnatomyAdapter(),
     "megatron.core.transformer.transformer_layer.TransformerLayer":
         "memo.adapters.megatron:MegatronLayerAdapter",
@@ -202,13 +202,9 @@ _ADAPTERS: dict[str, LayerAdapter | str] = {
     "transformers.models.qwen2.modeling_qwen2.Qwen2DecoderLayer": "memo.adapters.hf:HFDecoderLayerAdapter",
     "transformers.models.mistral.modeling_mistral.MistralDecoderLayer":
         "memo.adapters.hf:HFDecoderLayerAdapter",
-}
-#: "module:attribute" -> the adapter loaded from it; one instance however many classes name it.
-_LOADED: dict[str, LayerAdapter] = {}
-
-
-def _qualname(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
+})
+#: The entries, by qualified class name (NOTE [Adapters by class name] in memo/adapters/_lazy.py).
+_ADAPTERS = _REGISTRY.entries
 
 
 def register_adapter(layer_class: type | str, adapter: LayerAdapter | str) -> None:
@@ -228,7 +224,7 @@ def register_adapter(layer_class: type | str, adapter: LayerAdapter | str) -> No
     if isinstance(layer_class, str):
         key = layer_class
     elif isinstance(layer_class, type) and issubclass(layer_class, nn.Module):
-        key = _qualname(layer_class)
+        key = qualname(layer_class)
     else:
         raise MemoError(f"memo.adapters: register_adapter needs an nn.Module subclass, got {layer_class!r}")
     if not isinstance(adapter, (LayerAdapter, str)):
@@ -236,12 +232,12 @@ def register_adapter(layer_class: type | str, adapter: LayerAdapter | str) -> No
             f"memo.adapters: adapter for {key} must be a LayerAdapter or 'module:attribute', "
             f"got {type(adapter)}"
         )
-    _ADAPTERS[key] = adapter
+    _REGISTRY.register(key, adapter)
 
 
 def unregister_adapter(layer_class: type | str) -> None:
     """Remove ``layer_class``'s adapter (a missing one is not an error)."""
-    _ADAPTERS.pop(layer_class if isinstance(layer_class, str) else _qualname(layer_class), None)
+    _REGISTRY.unregister(layer_class if isinstance(layer_class, str) else qualname(layer_class))
 
 
 def registered_adapters() -> dict[type, LayerAdapter]:
@@ -249,7 +245,7 @@ def registered_adapters() -> dict[type, LayerAdapter]:
     libraries already imported (a class of a library not imported yet cannot be at hand, and is not
     listed, so that listing imports no library)."""
     found: dict[type, LayerAdapter] = {}
-    for key, entry in list(_ADAPTERS.items()):
+    for key, entry in list(_REGISTRY.entries.items()):
         module_name, _, class_name = key.rpartition(".")
         if module_name.split(".", 1)[0] not in sys.modules:
             continue
@@ -257,28 +253,10 @@ def registered_adapters() -> dict[type, LayerAdapter]:
             cls = getattr(importlib.import_module(module_name), class_name)
         except (ImportError, AttributeError):
             continue  # e.g. a model family this version of the library does not have
-        found[cls] = _load(key, entry)
+        found[cls] = _REGISTRY.load(key, entry)
     return found
 
 
 def find_adapter(module: nn.Module) -> LayerAdapter | None:
     """The adapter serving ``type(module)`` (nearest registered class in its MRO), or ``None``."""
-    for cls in type(module).__mro__:
-        key = _qualname(cls)
-        entry = _ADAPTERS.get(key)
-        if entry is not None:
-            return _load(key, entry)
-    return None
-
-
-def _load(key: str, entry: LayerAdapter | str) -> LayerAdapter:
-    if isinstance(entry, LayerAdapter):
-        return entry
-    adapter = _LOADED.get(entry)
-    if adapter is None:
-        adapter = load_qualified(entry, "layer adapter", key)
-        if not isinstance(adapter, LayerAdapter):
-            raise MemoError(f"memo.adapters: {entry!r} (registered for {key}) is a {type(adapter).__name__}, "
-                            "not a LayerAdapter")
-        _LOADED[entry] = adapter
-    return adapter
+    return _REGISTRY.find(type(module))

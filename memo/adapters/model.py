@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from memo.adapters._lazy import load_qualified
+from memo.adapters._lazy import AdapterRegistry, qualname
 from memo.errors import MemoError
 
 __all__ = ["MemoModelAdapter", "ModelAdapter", "ModelParts", "find_model_adapter", "model_adapter_for",
@@ -83,43 +83,31 @@ class MemoModelAdapter(ModelAdapter):
 
 #: Qualified class name -> the adapter, or ``"module:attribute"`` to import on first use (other
 #: libraries' adapters are registered here by name, so that memo imports them only when needed).
-_REGISTRY: dict[str, ModelAdapter | str] = {
+_REGISTRY: AdapterRegistry[ModelAdapter] = AdapterRegistry(ModelAdapter, "model adapter", {
     "memo.models.model.TransformerModel": MemoModelAdapter(),
     "megatron.core.models.gpt.gpt_model.GPTModel": "memo.adapters.megatron:GPTModelAdapter",
     "transformers.models.llama.modeling_llama.LlamaForCausalLM": "memo.adapters.hf:CausalLMAdapter",
     "transformers.models.qwen2.modeling_qwen2.Qwen2ForCausalLM": "memo.adapters.hf:CausalLMAdapter",
     "transformers.models.mistral.modeling_mistral.MistralForCausalLM": "memo.adapters.hf:CausalLMAdapter",
-}
-
-
-def _qualname(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
+})
 
 
 def register_model_adapter(model_class: type | str, adapter: ModelAdapter | str) -> None:
     """Use ``adapter`` for ``model_class`` and its subclasses. Either may be given by name: a class as
     ``"package.module.Class"``, an adapter as ``"package.module:attribute"`` (imported on first use)."""
-    key = model_class if isinstance(model_class, str) else _qualname(model_class)
+    key = model_class if isinstance(model_class, str) else qualname(model_class)
     if not isinstance(adapter, (ModelAdapter, str)):
         raise MemoError(f"memo.adapters: a model adapter is a ModelAdapter or 'module:attribute', got "
                         f"{type(adapter).__name__}")
-    _REGISTRY[key] = adapter
+    _REGISTRY.register(key, adapter)
 
 
 def unregister_model_adapter(model_class: type | str) -> None:
-    _REGISTRY.pop(model_class if isinstance(model_class, str) else _qualname(model_class), None)
+    _REGISTRY.unregister(model_class if isinstance(model_class, str) else qualname(model_class))
 
 
 def registered_model_adapters() -> dict[str, ModelAdapter | str]:
-    return dict(_REGISTRY)
-
-
-def _load(key: str, entry: ModelAdapter | str) -> ModelAdapter:
-    if isinstance(entry, ModelAdapter):
-        return entry
-    adapter = load_qualified(entry, "model adapter", key)
-    _REGISTRY[key] = adapter
-    return adapter
+    return dict(_REGISTRY.entries)
 
 
 #: Adapters given for one model instance (:func:`use_model_adapter`), before any class's.
@@ -145,19 +133,15 @@ def find_model_adapter(model: nn.Module) -> ModelAdapter | None:
     mine = _INSTANCES.get(model)
     if mine is not None:
         return mine
-    for cls in type(model).__mro__:
-        entry = _REGISTRY.get(_qualname(cls))
-        if entry is not None:
-            return _load(_qualname(cls), entry)
-    return None
+    return _REGISTRY.find(type(model))
 
 
 def model_adapter_for(model: nn.Module, what: str = "memo") -> ModelAdapter:
     """:func:`find_model_adapter`, checked; else a MemoError naming the class and what to write."""
     adapter = find_model_adapter(model)
     if adapter is None:
-        name = _qualname(type(model))
-        known = ", ".join(sorted(k.rsplit(".", 1)[-1] for k in _REGISTRY))
+        name = qualname(type(model))
+        known = ", ".join(sorted(k.rsplit(".", 1)[-1] for k in _REGISTRY.entries))
         raise MemoError(
             f"{what}: no model adapter for {name}; memo knows {known}. Write a memo.adapters.ModelAdapter "
             "(parts: the embedding, the layers and the head modules; loss(model, ids, labels)) and "

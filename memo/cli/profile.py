@@ -195,21 +195,6 @@ def _report(result: Any, seq_len: int, micro_batch: int, hidden: int, dtype: tor
     return lines
 
 
-def _planner_io() -> tuple[Any, Any, Any]:
-    """``save_plan``, ``save_trace``, ``Trace`` from memo.planner, or a MemoError naming what is missing."""
-    import memo.planner as planner
-
-    missing = [
-        n for n in ("save_plan", "save_trace", "Trace", "make_plan", "solve_alpha") if not hasattr(planner, n)
-    ]
-    if missing:
-        raise MemoError(
-            f"memo profile: memo.planner lacks {', '.join(missing)}; this memo's planner is incomplete, "
-            "reinstall memo"
-        )
-    return planner.save_plan, planner.save_trace, planner.Trace
-
-
 def _fill_defaults(args: argparse.Namespace) -> tuple[dict[str, str], int]:
     """Fill in the defaults of ``args`` in place, refusing a --device not here or a length the ranks
     cannot share. Returns where the tensor-parallel, context-parallel and GPUs-per-node numbers
@@ -273,7 +258,8 @@ def run(args: argparse.Namespace) -> int:
     config = get_config(args.model)  # unknown names fail here with the list of valid ones
     sources, rank_seq = _fill_defaults(args)
     group = args.tensor_parallel * args.context_parallel
-    save_plan, save_trace, trace_cls = _planner_io()
+    from memo.planner import Trace, save_plan, save_trace
+
     dtype = DTYPES[args.dtype]
     start = time.perf_counter()
     print(
@@ -306,7 +292,7 @@ def run(args: argparse.Namespace) -> int:
     for note in result.notes:
         print(f"note: {note}")
     if args.trace_out:
-        save_trace(trace_cls.from_dict(result.trace), args.trace_out)
+        save_trace(Trace.from_dict(result.trace), args.trace_out)
         print(f"trace: {args.trace_out} ({len(result.trace['events']):,} events)")
     save_plan(result.plan, args.output)
     print(f"plan: {args.output} (alpha {result.alpha.alpha:.4f}); total {time.perf_counter() - start:.1f} s")
