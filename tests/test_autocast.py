@@ -11,7 +11,6 @@ forward never saw, which the spies on the recomputed modules report.
 from __future__ import annotations
 
 import copy
-import dataclasses
 from typing import Any
 
 import pytest
@@ -19,7 +18,7 @@ import torch
 from torch import nn
 
 import memo.runtime as mr
-from memo.models import build_model, get_config
+from tests.grads import random_batch, rel_err, small_model
 
 N_LAYERS = 5  # memo offloads all but the last two: layers 0..2 are recomputed
 S, B = 13, 2  # alpha * 13 is never an integer for alpha in (0, 1)
@@ -27,18 +26,6 @@ BF16_DIRECT_RTOL = 1e-2  # memo bf16 vs plain bf16, relative norm
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
-
-
-def _model(arch: str) -> nn.Module:
-    name = "tiny" if arch == "gpt" else "llama-tiny"
-    cfg = dataclasses.replace(get_config(name), n_layers=N_LAYERS, name=f"{name}-{N_LAYERS}")
-    return build_model(cfg, dtype=torch.float32)
-
-
-def _batch(model: nn.Module, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    v = model.config.vocab_size
-    return torch.randint(0, v, (B, S), generator=g), torch.randint(0, v, (B, S), generator=g)
 
 
 def _step(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, fwd_autocast: dict[str, Any],
@@ -56,10 +43,6 @@ def _step(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, fwd_autocas
     return loss.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()}
 
 
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
 BF16 = {"dtype": torch.bfloat16}
 OFF = {"enabled": False}
 
@@ -67,23 +50,23 @@ OFF = {"enabled": False}
 @pytest.mark.parametrize("arch", ["gpt", "llama"])
 @pytest.mark.parametrize("alpha", [0.0, 0.5, 1.0])
 def test_bf16_autocast_matches_unwrapped(arch: str, alpha: float) -> None:
-    ref = _model(arch)
+    ref = small_model(arch, N_LAYERS)
     model = mr.wrap(copy.deepcopy(ref), alpha=alpha)
-    ids, labels = _batch(ref)
+    ids, labels = random_batch(ref, B, S)
     loss32, grads32 = _step(ref, ids, labels, OFF)  # fp32 reference
     loss16, grads16 = _step(ref, ids, labels, BF16)  # plain PyTorch under bf16 autocast
     loss, grads = _step(model, ids, labels, BF16)
     rt = mr.runtime_of(model)
     assert rt.stats.recomputed_tokens == rt.n_offloaded * (S - mr.offload_tokens(alpha, S))
 
-    assert _rel_err(loss, loss32) <= 2 * _rel_err(loss16, loss32) + 1e-6, (loss, loss16, loss32)
-    assert _rel_err(loss, loss16) < BF16_DIRECT_RTOL
+    assert rel_err(loss, loss32) <= 2 * rel_err(loss16, loss32) + 1e-6, (loss, loss16, loss32)
+    assert rel_err(loss, loss16) < BF16_DIRECT_RTOL
     assert grads.keys() == grads16.keys()
     for n in grads32:
-        memo_err, torch_err = _rel_err(grads[n], grads32[n]), _rel_err(grads16[n], grads32[n])
+        memo_err, torch_err = rel_err(grads[n], grads32[n]), rel_err(grads16[n], grads32[n])
         assert memo_err <= 2 * torch_err + 1e-4, (
             f"gradient of {n}: memo's bf16 error {memo_err:.3g} vs PyTorch's {torch_err:.3g}")
-        assert _rel_err(grads[n], grads16[n]) < BF16_DIRECT_RTOL, n
+        assert rel_err(grads[n], grads16[n]) < BF16_DIRECT_RTOL, n
 
 
 class _Spy:
@@ -110,10 +93,10 @@ class _Spy:
 def _run_spied(arch: str, alpha: float, fwd: dict[str, Any],
                bwd: dict[str, Any] | None) -> tuple[_Spy, tuple[Any, ...]]:
     """One step of the wrapped model with spies; also returns the ambient autocast state after it."""
-    model = mr.wrap(_model(arch), alpha=alpha)
+    model = mr.wrap(small_model(arch, N_LAYERS), alpha=alpha)
     rt = mr.runtime_of(model)
     spy = _Spy(list(model.layers[:rt.n_offloaded]))
-    ids, labels = _batch(model)
+    ids, labels = random_batch(model, B, S)
     model.zero_grad(set_to_none=True)
     with torch.autocast("cpu", **fwd):
         loss = model(ids, labels)
@@ -157,13 +140,13 @@ def test_backward_ops_follow_the_ambient_autocast_like_unwrapped() -> None:
     while the backward ops follow the ambient state, as they do for the unwrapped model. With
     alpha = 0 memo runs the same ops in the same order as the unwrapped model, so the gradients
     agree to fp32 rounding, far below the bf16 error a different state for either would cause."""
-    ref = _model("llama")
+    ref = small_model("llama", N_LAYERS)
     model = mr.wrap(copy.deepcopy(ref), alpha=0.0)
-    ids, labels = _batch(ref)
+    ids, labels = random_batch(ref, B, S)
     loss32, grads32 = _step(ref, ids, labels, OFF)
     loss_ref, grads_ref = _step(ref, ids, labels, OFF, BF16)
     loss, grads = _step(model, ids, labels, OFF, BF16)
     assert torch.equal(loss, loss_ref)
-    assert max(_rel_err(grads_ref[n], grads32[n]) for n in grads32) > 1e-3  # the backward ops ran in bf16
-    worst = max((_rel_err(grads[n], grads_ref[n]), n) for n in grads_ref)
+    assert max(rel_err(grads_ref[n], grads32[n]) for n in grads32) > 1e-3  # the backward ops ran in bf16
+    worst = max((rel_err(grads[n], grads_ref[n]), n) for n in grads_ref)
     assert worst[0] < 1e-5, f"gradient of {worst[1]} differs from the unwrapped model's: {worst[0]:.3g}"
