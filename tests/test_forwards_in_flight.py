@@ -6,7 +6,6 @@ buffer level. Gradients must equal the unwrapped model's (fp32, 1e-5)."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import pytest
 import torch
@@ -15,30 +14,14 @@ from torch import nn
 
 import memo.runtime as mr
 from memo.errors import MemoError
-from memo.models import build_model, get_config
 from memo.runtime import BufferState
 from memo.runtime.buffers import RoundingBuffers, RuntimeStats
 from memo.runtime.copy_engines import CpuCopyEngine
-from tests.grads import assert_same_step
+from tests.grads import assert_same_step, grads_of, random_batch, small_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 DELAY_US = 200
-
-
-def _model(n_layers: int = 5) -> nn.Module:
-    cfg = dataclasses.replace(get_config("tiny"), n_layers=n_layers, name=f"tiny-{n_layers}")
-    return build_model(cfg, dtype=torch.float32)
-
-
-def _batch(model: nn.Module, seed: int, b: int = 2, s: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    v = model.config.vocab_size
-    return torch.randint(0, v, (b, s), generator=g), torch.randint(0, v, (b, s), generator=g)
-
-
-def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _dpo(model: nn.Module, chosen: tuple, rejected: tuple) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -48,15 +31,15 @@ def _dpo(model: nn.Module, chosen: tuple, rejected: tuple) -> tuple[torch.Tensor
     loss_r = model(*rejected)
     loss = -F.logsigmoid(2.0 * (loss_r - loss_c))
     loss.backward()
-    return loss.detach(), _grads(model)
+    return loss.detach(), grads_of(model)
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.25, 1.0])
 def test_two_forwards_then_one_backward_match_unwrapped(alpha: float) -> None:
-    ref = _model()
+    ref = small_model("gpt", 5)
     model = mr.wrap(copy.deepcopy(ref), alpha=alpha, debug_copy_delay_us=DELAY_US)
     rt = mr.runtime_of(model)
-    chosen, rejected = _batch(ref, 1), _batch(ref, 2)
+    chosen, rejected = random_batch(ref, 2, 12, 1), random_batch(ref, 2, 12, 2)
     for _ in range(2):  # the second step reuses both flights
         assert_same_step(_dpo(model, chosen, rejected), _dpo(ref, chosen, rejected))
     assert rt.stats.max_forwards_in_flight == 2
@@ -68,16 +51,16 @@ def test_two_forwards_then_one_backward_match_unwrapped(alpha: float) -> None:
 
 @pytest.mark.parametrize("order", [(0, 1, 2), (2, 1, 0), (1, 0, 2)])
 def test_losses_back_propagated_in_any_order(order: tuple[int, ...]) -> None:
-    ref = _model()
+    ref = small_model("gpt", 5)
     model = mr.wrap(copy.deepcopy(ref), alpha=0.5, debug_copy_delay_us=DELAY_US)
-    batches = [_batch(ref, seed) for seed in (3, 4, 5)]
+    batches = [random_batch(ref, 2, 12, seed) for seed in (3, 4, 5)]
 
     def run(m: nn.Module) -> dict[str, torch.Tensor]:
         m.zero_grad(set_to_none=True)
         losses = [m(*b) for b in batches]
         for j in order:
             losses[j].backward()
-        return _grads(m)
+        return grads_of(m)
 
     got, want = run(model), run(ref)
     assert_same_step((torch.zeros(()), got), (torch.zeros(()), want))
@@ -86,10 +69,10 @@ def test_losses_back_propagated_in_any_order(order: tuple[int, ...]) -> None:
 
 def test_an_abandoned_forward_beside_a_live_one() -> None:
     """A forward whose graph is freed is dropped by itself; the live one's backward stays exact."""
-    ref = _model()
+    ref = small_model("gpt", 5)
     model = mr.wrap(copy.deepcopy(ref), alpha=0.25, debug_copy_delay_us=DELAY_US)
     rt = mr.runtime_of(model)
-    kept_batch, dropped, later = _batch(ref, 6), _batch(ref, 7), _batch(ref, 8)
+    kept_batch, dropped, later = (random_batch(ref, 2, 12, seed) for seed in (6, 7, 8))
     kept = model(*kept_batch)
     model(*dropped)  # validation with autograd on: its graph is freed at once
     with pytest.warns(UserWarning, match="freed without its backward"):
@@ -98,19 +81,19 @@ def test_an_abandoned_forward_beside_a_live_one() -> None:
     (kept + newer).backward()
     ref_loss = ref(*kept_batch) + ref(*later)
     ref_loss.backward()
-    assert_same_step(((kept + newer).detach(), _grads(model)), (ref_loss.detach(), _grads(ref)))
+    assert_same_step(((kept + newer).detach(), grads_of(model)), (ref_loss.detach(), grads_of(ref)))
 
 
 def test_a_forward_host_memory_cannot_hold_is_refused_and_the_others_go_on() -> None:
-    ref = _model()
+    ref = small_model("gpt", 5)
     probe = mr.wrap(copy.deepcopy(ref), alpha=0.5)
-    probe(*_batch(ref, 1)).backward()
+    probe(*random_batch(ref, 2, 12, 1)).backward()
     one_flight = mr.runtime_of(probe).host_bytes
 
     model = mr.wrap(copy.deepcopy(ref), alpha=0.5, host_memory_limit=one_flight + one_flight // 2)
-    first = model(*_batch(ref, 1))
+    first = model(*random_batch(ref, 2, 12, 1))
     with pytest.raises(MemoError) as err:
-        model(*_batch(ref, 2))
+        model(*random_batch(ref, 2, 12, 2))
     assert str(err.value) == (
         "memo.runtime: a forward started while 1 earlier forward(s) still await their backward (NOTE "
         f"[Forwards in flight]); it needs another {one_flight:,} bytes of host memory for its 3 offloaded "
@@ -118,13 +101,13 @@ def test_a_forward_host_memory_cannot_hold_is_refused_and_the_others_go_on() -> 
         "one, free the graph of a forward you will not back-propagate (del its loss), lower alpha, or free "
         "host memory")
     first.backward()  # the forward in flight is untouched
-    ref_loss = ref(*_batch(ref, 1))
+    ref_loss = ref(*random_batch(ref, 2, 12, 1))
     ref_loss.backward()
-    assert_same_step((first.detach(), _grads(model)), (ref_loss.detach(), _grads(ref)))
+    assert_same_step((first.detach(), grads_of(model)), (ref_loss.detach(), grads_of(ref)))
 
 
 def test_a_layer_run_twice_in_one_forward_is_refused_with_the_cause() -> None:
-    model = mr.wrap(_model(), alpha=0.5)
+    model = mr.wrap(small_model("gpt", 5), alpha=0.5)
     x = torch.randn(12, 2, model.config.hidden, requires_grad=True)
     layer = model.layers[1]
     with torch.enable_grad():

@@ -9,7 +9,6 @@ model; a change inside a forward, or one that outgrows a plan, is refused naming
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import pytest
 import torch
@@ -18,34 +17,13 @@ from torch import nn
 import memo.runtime as mr
 from memo.adapters import AnatomyAdapter, register_adapter, unregister_adapter
 from memo.errors import MemoError, PlanMismatchError
-from memo.models import attention, build_model, get_config
+from memo.models import attention
 from memo.runtime import BufferState
-from tests.grads import assert_same_step
+from tests.grads import assert_same_step, random_batch, small_model, train_step
 
 DELAY_US = 200
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
-
-
-def _gpt(n_layers: int = 4) -> nn.Module:
-    cfg = dataclasses.replace(get_config("tiny"), n_layers=n_layers, name=f"tiny-{n_layers}")
-    return build_model(cfg, dtype=torch.float32)
-
-
-def _batch(seed: int, b: int = 2, s: int = 16, v: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, v, (b, s), generator=g), torch.randint(0, v, (b, s), generator=g)
-
-
-def _step(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    model.zero_grad(set_to_none=True)
-    loss = model(ids, labels)
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-
-
 
 
 def _freeze(model: nn.Module, k: int) -> None:
@@ -58,12 +36,13 @@ def _freeze(model: nn.Module, k: int) -> None:
 @pytest.mark.parametrize("policy", [None, ["memo"] * 4], ids=["default", "all-memo"])
 @pytest.mark.parametrize("k", [0, 1, 2])
 def test_frozen_embedding_and_first_layers_train_and_match(k: int, policy: list[str] | None) -> None:
-    ref = _gpt()
+    ref = small_model("gpt")
     _freeze(ref, k)
     model = mr.wrap(copy.deepcopy(ref), alpha=0.5, policy=policy, debug_copy_delay_us=DELAY_US)
     rt = mr.runtime_of(model)
     for it in range(2):
-        assert_same_step(_step(model, *_batch(it)), _step(ref, *_batch(it)))
+        batch = random_batch(512, 2, 16, it)
+        assert_same_step(train_step(model, *batch), train_step(ref, *batch))
     sizes = rt.layer_sizes
     assert len(sizes) == rt.n_offloaded and rt.layer_bytes == max(sizes)
     assert rt.host_bytes == rt.n_offloaded * rt.layer_bytes
@@ -73,66 +52,71 @@ def test_frozen_embedding_and_first_layers_train_and_match(k: int, policy: list[
 
 
 def test_unfreezing_between_steps_grows_the_buffers() -> None:
-    ref = _gpt()
+    ref = small_model("gpt")
     _freeze(ref, 4)
     model = mr.wrap(copy.deepcopy(ref), alpha=0.5, policy=["memo"] * 4, debug_copy_delay_us=DELAY_US)
     rt = mr.runtime_of(model)
-    assert_same_step(_step(model, *_batch(0)), _step(ref, *_batch(0)))
+    batch = random_batch(512, 2, 16, 0)
+    assert_same_step(train_step(model, *batch), train_step(ref, *batch))
     frozen_bytes = rt.layer_bytes
     for m in (model, ref):  # gradual unfreezing: the top layers first
         m.layers[2:].requires_grad_(True)
-    assert_same_step(_step(model, *_batch(1)), _step(ref, *_batch(1)))
+    batch = random_batch(512, 2, 16, 1)
+    assert_same_step(train_step(model, *batch), train_step(ref, *batch))
     assert rt.layer_bytes > frozen_bytes
     assert rt.layer_sizes[:2] == [frozen_bytes] * 2 and rt.layer_sizes[2] == rt.layer_bytes
     grown = rt.layer_bytes
     for m in (model, ref):  # freezing again never shrinks the buffers
         m.requires_grad_(True)
         m.layers[3].requires_grad_(False)
-    assert_same_step(_step(model, *_batch(2)), _step(ref, *_batch(2)))
+    batch = random_batch(512, 2, 16, 2)
+    assert_same_step(train_step(model, *batch), train_step(ref, *batch))
     assert rt.layer_bytes == grown and rt.layer_sizes[3] == frozen_bytes
     assert all(rt.buffers.state(i) is BufferState.IDLE for i in range(rt.n_offloaded))
 
 
 def test_change_inside_a_forward_names_its_cause() -> None:
-    model = _gpt()
+    model = small_model("gpt")
     model.layers.requires_grad_(False)
     mr.wrap(model, alpha=0.5, policy=["memo"] * 4)
-    _step(model, *_batch(0))
+    train_step(model, *random_batch(512, 2, 16, 0))
     handle = model.layers[1].register_forward_pre_hook(lambda m, args: m.requires_grad_(True) and None)
     with pytest.raises(MemoError, match=r"layer 1 offloads more than the [\d,]+ bytes its rounding buffer "
                                         r"was sized for .*parameter '[\w.]+' was unfrozen "
                                         r"\(requires_grad False -> True\)"):
-        _step(model, *_batch(1))
+        train_step(model, *random_batch(512, 2, 16, 1))
     handle.remove()
     mr.runtime_of(model).reset()
-    _step(model, *_batch(2))  # the next iteration sizes the buffers for the unfrozen layer
+    # the next iteration sizes the buffers for the unfrozen layer
+    train_step(model, *random_batch(512, 2, 16, 2))
     rt = mr.runtime_of(model)
     assert rt.layer_sizes[1] == rt.layer_bytes > rt.layer_sizes[0]
 
 
 def test_plan_host_bytes_is_checked_against_the_largest_layer() -> None:
-    ref = _gpt()
+    ref = small_model("gpt")
     _freeze(ref, 1)
     probe = mr.wrap(copy.deepcopy(ref), alpha=0.5, policy=["memo"] * 4)
-    _step(probe, *_batch(0))
+    train_step(probe, *random_batch(512, 2, 16, 0))
     small, big = mr.runtime_of(probe).layer_sizes[:2]
     assert small < big
     short = mr.wrap(copy.deepcopy(ref), plan={"alpha": 0.5, "host_bytes": 4 * small, "policy": ["memo"] * 4})
     expected = (rf"host_bytes={4 * small:,} but this job offloads {4 * big:,} \(4 layers x [\d,]+ bytes, "
                 r"the largest offloaded layer's \(layer 1\)")
     with pytest.raises(PlanMismatchError, match=expected):
-        _step(short, *_batch(0))
+        train_step(short, *random_batch(512, 2, 16, 0))
     exact = mr.wrap(copy.deepcopy(ref), plan={"alpha": 0.5, "host_bytes": 4 * big, "policy": ["memo"] * 4})
-    assert_same_step(_step(exact, *_batch(0)), _step(ref, *_batch(0)))
+    batch = random_batch(512, 2, 16, 0)
+    assert_same_step(train_step(exact, *batch), train_step(ref, *batch))
 
     # A plan made with every layer frozen is outgrown when one is unfrozen: refused, naming why.
-    frozen = _gpt()
+    frozen = small_model("gpt")
     frozen.layers.requires_grad_(False)
     mr.wrap(frozen, plan={"alpha": 0.5, "host_bytes": 4 * small, "policy": ["memo"] * 4})
-    _step(frozen, *_batch(0))
+    train_step(frozen, *random_batch(512, 2, 16, 0))
     frozen.layers[2].requires_grad_(True)
     with pytest.raises(PlanMismatchError, match=r"\(it grew after layer 2: parameter '[\w.]+' was unfrozen"):
-        _step(frozen, *_batch(1))
+        train_step(frozen, *random_batch(512, 2, 16, 1))
 
 
 class DropoutLayer(nn.Module):
