@@ -14,27 +14,10 @@ import torch
 
 import memo.runtime as mr
 from memo.errors import MemoError, PlanMismatchError
-from memo.models import build_model, get_config
+from memo.models import get_config
+from tests.grads import assert_same_step, random_batch, small_model, train_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
-
-
-def _model(arch: str, n_layers: int) -> torch.nn.Module:
-    name = "tiny" if arch == "gpt" else "llama-tiny"
-    cfg = dataclasses.replace(get_config(name), n_layers=n_layers, name=f"{name}-{n_layers}")
-    torch.manual_seed(0)
-    return build_model(cfg, dtype=torch.float32)
-
-
-def _grads(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor):
-    model.zero_grad(set_to_none=True)
-    loss = model(ids, labels)
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 POLICIES = [
@@ -49,20 +32,16 @@ POLICIES = [
 @pytest.mark.parametrize("arch", ["gpt", "llama"])
 @pytest.mark.parametrize("policy", POLICIES, ids=lambda p: "-".join(x[0] for x in p))
 def test_mixed_policy_matches_unwrapped(arch: str, policy: list[str]) -> None:
-    model = _model(arch, len(policy))
+    model = small_model(arch, len(policy), seed=0)
     ref = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, model.config.vocab_size, (2, 48), generator=g)
-    labels = torch.randint(0, model.config.vocab_size, (2, 48), generator=g)
-    ref_loss, ref_grads = _grads(ref, ids, labels)
+    ids, labels = random_batch(model, 2, 48, seed=3)
+    ref_loss, ref_grads = train_step(ref, ids, labels)
+    assert ref_grads.keys() == {n for n, _ in ref.named_parameters()}  # every parameter has a gradient
     mr.wrap(model, alpha=0.375, policy=policy, debug_copy_delay_us=200)
     rt = mr.runtime_of(model)
     assert rt.policy == policy and rt.n_offloaded == policy.count("memo")
     for _ in range(2):  # the second step reuses the buffers
-        loss, grads = _grads(model, ids, labels)
-        assert _rel(loss, ref_loss) < 1e-5
-        worst = max((_rel(grads[n], ref_grads[n]), n) for n in ref_grads)
-        assert worst[0] < 1e-5, worst
+        assert_same_step(train_step(model, ids, labels), (ref_loss, ref_grads), rtol=1e-5)
     assert rt.stats.recomputed_layers == 2 * policy.count("recompute")
     assert rt.stats.layer_forwards == 2 * policy.count("memo")
     assert rt.host_bytes == (0 if rt.buffers is None else policy.count("memo") * rt.layer_bytes)
@@ -71,7 +50,7 @@ def test_mixed_policy_matches_unwrapped(arch: str, policy: list[str]) -> None:
 
 def _saved_bytes_between_forward_and_backward(policy: list[str]) -> int:
     """Bytes of distinct storages autograd holds for backward after the forward of the whole model."""
-    model = _model("gpt", len(policy))
+    model = small_model("gpt", len(policy), seed=0)
     mr.wrap(model, alpha=0.0, policy=policy)
     ids = torch.randint(0, model.config.vocab_size, (1, 64))
     seen: dict[int, int] = {}
@@ -105,7 +84,7 @@ def test_each_policy_keeps_what_it_promises() -> None:
 
 
 def test_bad_policies_are_refused() -> None:
-    model = _model("gpt", 3)
+    model = small_model("gpt", 3, seed=0)
     with pytest.raises(MemoError, match="must come first"):
         mr.wrap(model, alpha=0.5, policy=["keep", "memo", "memo"])
     with pytest.raises(MemoError, match="unknown layer policy 'swap'"):
