@@ -20,7 +20,7 @@ from memo.errors import MemoError
 from memo.models import build_model, get_config
 from memo.models.lora import LoRALinear, add_lora, lora_parameters, trainable_parameters
 from memo.profiler.device import model_states
-from tests.grads import assert_same_step
+from tests.grads import assert_same_step, random_batch, small_model, train_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -39,21 +39,8 @@ def _lora(arch: str, n_layers: int = 4, rank: int = RANK, device: str = "cpu") -
     return model
 
 
-def _step(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor):
-    model.zero_grad(set_to_none=True)
-    loss = model(ids, labels)
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def _batch(vocab: int, s: int = 23) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(5)
-    return torch.randint(0, vocab, (2, s), generator=g), torch.randint(0, vocab, (2, s), generator=g)
-
-
 def test_adapters_only_train_and_base_keys_stay() -> None:
-    plain = build_model(dataclasses.replace(get_config("llama-tiny"), n_layers=4, name="llama-tiny-4"),
-                        dtype=torch.float32)
+    plain = small_model("llama")
     model = _lora("llama")
     base_keys = set(plain.state_dict())
     keys = set(model.state_dict())
@@ -62,18 +49,16 @@ def test_adapters_only_train_and_base_keys_stay() -> None:
                                              for m in ("qkv", "proj", "gate_up", "down") for ab in "AB"}
     assert sum(isinstance(m, LoRALinear) for m in model.modules()) == 16
     assert trainable_parameters(model) == lora_parameters(model)
-    loss, grads = _step(model, *_batch(model.config.vocab_size))
+    loss, grads = train_step(model, *random_batch(model.config.vocab_size, 2, 23, seed=5))
     assert torch.isfinite(loss)
     assert grads and all(".lora_" in n for n in grads)
     assert len(grads) == 32
 
 
 def test_new_adapters_compute_the_base() -> None:
-    cfg = dataclasses.replace(get_config("tiny"), n_layers=2, name="tiny-2")
-    torch.manual_seed(0)
-    base = build_model(cfg, dtype=torch.float32)
+    base = small_model("gpt", 2, seed=0)
     adapted = add_lora(copy.deepcopy(base), rank=RANK)
-    ids, labels = _batch(cfg.vocab_size)
+    ids, labels = random_batch(base, 2, 23, seed=5)
     with torch.no_grad():
         assert torch.equal(adapted(ids, labels), base(ids, labels))  # B = 0
 
@@ -87,9 +72,9 @@ def test_wrapped_lora_matches_unwrapped(arch: str, policy: list[str]) -> None:
     ref = _lora(arch)
     rt = mr.MemoRuntime(0.3, recompute_chunk_tokens=4, debug_copy_delay_us=200, policy=policy)
     model = mr.wrap(copy.deepcopy(ref), runtime=rt)
-    ids, labels = _batch(ref.config.vocab_size)
+    ids, labels = random_batch(ref.config.vocab_size, 2, 23, seed=5)
     for _ in range(2):
-        got, want = _step(model, ids, labels), _step(ref, ids, labels)
+        got, want = train_step(model, ids, labels), train_step(ref, ids, labels)
         assert_same_step(got, want)
         assert all(".lora_" in n for n in got[1]) and len(got[1]) == 2 * 4 * 4
     assert rt.stats.bytes_offloaded > 0
