@@ -8,7 +8,6 @@ own, compute what the original computes, and leave the original training correct
 from __future__ import annotations
 
 import copy
-import dataclasses
 import io
 
 import pytest
@@ -16,9 +15,8 @@ import torch
 from torch import nn
 
 import memo.runtime as mr
-from memo.models import build_model, get_config
 from memo.runtime import BufferState
-from tests.grads import RTOL, assert_same_step, rel_err
+from tests.grads import RTOL, assert_same_step, random_batch, rel_err, small_model, train_step
 
 DELAY_US = 200
 POLICY = ["memo", "memo", "recompute", "keep", "keep"]
@@ -26,30 +24,13 @@ POLICY = ["memo", "memo", "recompute", "keep", "keep"]
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
-def _gpt() -> nn.Module:
-    cfg = dataclasses.replace(get_config("tiny"), n_layers=5, name="tiny-5")
-    return build_model(cfg, dtype=torch.float32)
-
-
-def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 512, (2, 16), generator=g), torch.randint(0, 512, (2, 16), generator=g)
-
-
 def _train_step(model: nn.Module, seed: int, lr: float = 0.1) -> tuple[torch.Tensor, dict]:
     """Loss and gradients of one batch, then an SGD update (so that later steps see new weights)."""
-    model.zero_grad(set_to_none=True)
-    loss = model(*_batch(seed))
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    loss, grads = train_step(model, *random_batch(512, 2, 16, seed))
     with torch.no_grad():
         for p in model.parameters():
             p -= lr * p.grad
-    return loss.detach(), grads
-
-
-
-
+    return loss, grads
 
 
 def _assert_own_runtime(clone: nn.Module, original: nn.Module) -> None:
@@ -72,7 +53,7 @@ def _copy_via_torch_save(model: nn.Module) -> nn.Module:
 
 @pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
 def test_copy_after_a_step_is_wrapped_and_trains_like_the_original(how: str) -> None:
-    ref = _gpt()
+    ref = small_model("gpt", 5)
     model = mr.wrap(copy.deepcopy(ref), alpha=0.5, policy=POLICY, debug_copy_delay_us=DELAY_US)
     assert_same_step(_train_step(model, 0), _train_step(ref, 0))
     clone = copy.deepcopy(model) if how == "deepcopy" else _copy_via_torch_save(model)
@@ -92,15 +73,15 @@ def test_copy_after_a_step_is_wrapped_and_trains_like_the_original(how: str) -> 
     assert all("forward" not in layer.__dict__ for layer in clone.layers)
     assert not mr.is_wrapped(clone)
     with torch.no_grad():
-        assert torch.equal(clone(*_batch(5)), ref_clone(*_batch(5)))
+        assert torch.equal(clone(*random_batch(512, 2, 16, 5)), ref_clone(*random_batch(512, 2, 16, 5)))
 
 
 def test_copy_with_a_forward_in_flight() -> None:
-    ref = _gpt()
+    ref = small_model("gpt", 5)
     model = mr.wrap(copy.deepcopy(ref), alpha=0.5, policy=POLICY, debug_copy_delay_us=DELAY_US)
     _train_step(model, 0)
     _train_step(ref, 0)
-    loss = model(*_batch(1))  # layers offloaded, backward pending
+    loss = model(*random_batch(512, 2, 16, 1))  # layers offloaded, backward pending
     clone = copy.deepcopy(model)
     saved = _copy_via_torch_save(model)
     model.zero_grad(set_to_none=True)
@@ -115,7 +96,7 @@ def test_copy_with_a_forward_in_flight() -> None:
 
 
 def test_copy_before_the_first_forward_unwraps_to_a_plain_model() -> None:
-    model = mr.wrap(_gpt(), alpha=0.25)
+    model = mr.wrap(small_model("gpt", 5), alpha=0.25)
     clone = _copy_via_torch_save(copy.deepcopy(model))
     assert mr.is_wrapped(clone) and mr.runtime_of(clone).alpha == 0.25
     mr.unwrap(clone)
