@@ -24,12 +24,9 @@ from memo.models import (
     list_configs,
     num_parameters,
 )
+from tests.grads import rel_err
 
 ARCHS = ["tiny", "llama-tiny"]
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def _naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -56,10 +53,10 @@ def test_attention_matches_naive_softmax(dtype: torch.dtype, n_kv: int) -> None:
     want = torch.autograd.grad(ref, (q, k, v), grad)
     tol = 1e-5 if dtype == torch.float32 else 1e-12
     assert out.shape == (s, b, n, d) and out.is_contiguous()
-    assert _rel(out, ref) < tol
+    assert rel_err(out, ref) < tol
     for g, w in zip(got, want, strict=True):
         assert g.shape == w.shape
-        assert _rel(g, w) < tol
+        assert rel_err(g, w) < tol
 
 
 @pytest.mark.parametrize("n_kv", [4, 2])
@@ -157,7 +154,7 @@ def test_chunked_loss_matches_cross_entropy(chunk: int) -> None:
     want = torch.autograd.grad(ref, (x, w))
     assert abs(loss.item() - ref.item()) / ref.item() < 1e-5
     for g, r in zip(got, want, strict=True):
-        assert _rel(g, r) < 1e-5
+        assert rel_err(g, r) < 1e-5
 
 
 def test_chunked_loss_float64_and_bfloat16_precision() -> None:
@@ -174,7 +171,7 @@ def test_chunked_loss_float64_and_bfloat16_precision() -> None:
     loss64 = chunked_lm_loss(x64, w64, labels, 33)
     assert abs(loss64.item() - ref.item()) < 1e-12
     for g, r in zip(torch.autograd.grad(loss64, (x64, w64)), ref_grads, strict=True):
-        assert _rel(g, r) < 1e-12
+        assert rel_err(g, r) < 1e-12
     # bf16: no worse than twice plain PyTorch's bf16 error against the float64 result.
     xb = x64.detach().bfloat16().requires_grad_()
     wb = w64.detach().bfloat16().requires_grad_()
@@ -185,7 +182,7 @@ def test_chunked_loss_float64_and_bfloat16_precision() -> None:
     assert chunked.dtype == torch.bfloat16
     assert abs(chunked.double() - ref).item() <= 2 * abs(plain.double() - ref).item() + 1e-2
     for c, p, r in zip(chunked_grads, plain_grads, ref_grads, strict=True):
-        assert _rel(c.double(), r) <= 2 * _rel(p.double(), r) + 1e-3
+        assert rel_err(c.double(), r) <= 2 * rel_err(p.double(), r) + 1e-3
 
 
 def test_chunked_loss_saves_no_logits() -> None:
@@ -216,7 +213,7 @@ def test_full_recompute_gives_same_grads(name: str) -> None:
     grads_r = torch.autograd.grad(loss_r, list(model.parameters()))
     assert abs(loss.item() - loss_r.item()) / loss.item() < 1e-5
     for g, r in zip(grads_r, grads, strict=True):
-        assert _rel(g, r) < 1e-5
+        assert rel_err(g, r) < 1e-5
 
 
 def test_model_structure_and_loss() -> None:

@@ -32,19 +32,12 @@ from memo.train import (
 )
 from memo.train.peers import CheckpointedLayers, find_mlp, mlp_tiles, tiled_mlp
 from memo.train.plan_checks import TrainRun
+from tests.grads import grads_of, rel_err
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 PEERS = (OffloadedCheckpoint, TorchtuneOffload)
 TOL = 1e-5
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _run_peer(cls: type, model: nn.Module, loss_fn, ids: torch.Tensor, labels: torch.Tensor,
@@ -61,15 +54,15 @@ def _run_peer(cls: type, model: nn.Module, loss_fn, ids: torch.Tensor, labels: t
         strategy.stats = strategy.step_stats()
     finally:
         strategy.close()
-    return float(loss.detach()), _grads(model), strategy
+    return float(loss.detach()), grads_of(model), strategy
 
 
 def _assert_close(loss: float, grads: dict[str, torch.Tensor], ref_loss: float,
                   ref: dict[str, torch.Tensor], what: str) -> None:
     assert math.isclose(loss, ref_loss, rel_tol=TOL), (what, loss, ref_loss)
     assert grads.keys() == ref.keys(), what
-    worst = max(ref, key=lambda n: _rel(grads[n], ref[n]))
-    assert _rel(grads[worst], ref[worst]) <= TOL, (what, worst, _rel(grads[worst], ref[worst]))
+    worst = max(ref, key=lambda n: rel_err(grads[n], ref[n]))
+    assert rel_err(grads[worst], ref[worst]) <= TOL, (what, worst, rel_err(grads[worst], ref[worst]))
 
 
 @pytest.mark.parametrize("name", ["tiny", "llama-tiny"])
@@ -82,7 +75,7 @@ def test_peers_give_the_plain_models_loss_and_gradients(name: str) -> None:
     loss = model(ids, labels)
     loss.backward()
     ref_loss = float(loss.detach())
-    ref = _grads(model)
+    ref = grads_of(model)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     layer_input_bytes = s * 1 * model.config.hidden * 4  # x: [s, b, h] fp32
     n = model.config.n_layers
@@ -124,7 +117,7 @@ def test_peers_on_a_hugging_face_llama_with_attention_dropout() -> None:
     torch.manual_seed(5)
     loss = adapter.loss(model, ids, labels)
     loss.backward()
-    ref, ref_loss = _grads(model), float(loss.detach())
+    ref, ref_loss = grads_of(model), float(loss.detach())
     torch.manual_seed(6)
     with torch.no_grad():
         assert float(adapter.loss(model, ids, labels)) != ref_loss  # the dropout is live
@@ -157,13 +150,13 @@ def test_the_tiled_mlp_replays_its_dropout_masks() -> None:
     torch.manual_seed(99)  # backward draws nothing new: it replays forward's RNG state
     out.backward(grad)
     for got, want in zip([x.grad, *(p.grad for p in mlp.parameters())], ref_grads, strict=True):
-        assert _rel(got, want) <= TOL
+        assert rel_err(got, want) <= TOL
     # torch.autograd.grad works too: the parameters' gradients are returned, not written into .grad.
     mlp.zero_grad(set_to_none=True)
     torch.manual_seed(3)
     got = torch.autograd.grad(tiled_mlp(mlp, x, list(mlp.parameters()), 0, 3), [x, *mlp.parameters()], grad)
     assert all(p.grad is None for p in mlp.parameters())
-    assert all(_rel(a, b) <= TOL for a, b in zip(got, ref_grads, strict=True))
+    assert all(rel_err(a, b) <= TOL for a, b in zip(got, ref_grads, strict=True))
 
 
 def test_the_number_of_tiles_grows_with_the_sequence() -> None:
