@@ -25,10 +25,10 @@ import torch
 
 from tests import dist_harness
 from tests.dist_harness import LaunchError, by_name, check
+from tests.grads import RTOL, rel_err
 
 pytestmark = pytest.mark.megatron
 
-RTOL = 1e-5
 STYLES = ("gpt", "llama")
 ALPHAS = (0.0, 0.25, 0.5, 1.0)
 HIDDEN, HEADS, GROUPS, FFN, LAYERS, BATCH = 32, 4, 2, 64, 2, 2
@@ -39,10 +39,6 @@ MODULE = "tests.test_distributed"
 
 
 # ----------------------------------------------------------------------------- worker side
-
-
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def _config(style: str, tp: int = 1, cp: int = 1, sp: bool = False) -> Any:
@@ -170,14 +166,14 @@ def _tp_slice(full: torch.Tensor, p: torch.nn.Parameter, tp: int, r: int) -> tor
 def _compare(name: str, got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> str:
     if got.keys() != ref.keys() or not ref:
         raise AssertionError(f"{name}: gradients of {sorted(got)} against {sorted(ref)}")
-    worst = max((_rel_err(got[n], ref[n]), n) for n in ref)
+    worst = max((rel_err(got[n], ref[n]), n) for n in ref)
     if not worst[0] <= RTOL:
         raise AssertionError(f"{name}: gradient of {worst[1]} differs: relative error {worst[0]:.3g}")
     return f"worst parameter gradient {worst[1]}: {worst[0]:.2g}"
 
 
 def _same(what: str, a: torch.Tensor, b: torch.Tensor) -> float:
-    err = _rel_err(a, b)
+    err = rel_err(a, b)
     if not err <= RTOL:
         raise AssertionError(f"{what} differs: relative error {err:.3g}")
     return err

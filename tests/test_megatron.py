@@ -26,8 +26,7 @@ with warnings.catch_warnings():
     from megatron.core.transformer.transformer_config import TransformerConfig
 
 from memo.adapters.megatron import get_memo_gpt_layer_local_spec  # noqa: E402
-
-RTOL = 1e-5
+from tests.grads import RTOL, grads_of, rel_err  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -71,17 +70,9 @@ def _rope(s: int, head_dim: int) -> torch.Tensor:
     return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
 
 
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 def _compare(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> None:
     assert grads.keys() == ref.keys() and ref
-    worst = max((_rel_err(grads[n], ref[n]), n) for n in ref)
+    worst = max((rel_err(grads[n], ref[n]), n) for n in ref)
     assert worst[0] < RTOL, f"gradient of {worst[1]} differs: relative error {worst[0]:.3g}"
 
 
@@ -102,9 +93,9 @@ def test_transformer_block_with_rope_and_gqa_matches_unwrapped(alpha: float) -> 
             y = m(hidden_states=inp, attention_mask=None, rotary_pos_emb=_rope(s, 8))
             (y * w).sum().backward()  # O(1) gradients everywhere
             outs.append((y.detach(), inp.grad))
-            grads.append(_grads(m))
-        assert _rel_err(outs[0][0], outs[1][0]) < RTOL
-        assert _rel_err(outs[0][1], outs[1][1]) < RTOL
+            grads.append(grads_of(m))
+        assert rel_err(outs[0][0], outs[1][0]) < RTOL
+        assert rel_err(outs[0][1], outs[1][1]) < RTOL
         _compare(*grads)
 
 
@@ -128,8 +119,8 @@ def test_hidden_dropout_draws_the_unwrapped_masks(alpha: float) -> None:
         loss = (m(hidden_states=x, attention_mask=None, rotary_pos_emb=_rope(s, 8)) * w).sum()
         loss.backward()
         losses.append(loss.detach())
-        grads.append(_grads(m))
-    assert _rel_err(losses[0], losses[1]) < RTOL
+        grads.append(grads_of(m))
+    assert rel_err(losses[0], losses[1]) < RTOL
     _compare(*grads)
 
 
@@ -155,8 +146,8 @@ def test_gpt_model_matches_unwrapped_and_keeps_state_dict() -> None:
             loss = m(ids, pos, None, labels=ids).float().mean()
             loss.backward()
         losses.append(loss.detach())
-        grads.append(_grads(m))
-    assert _rel_err(losses[0], losses[1]) < RTOL
+        grads.append(grads_of(m))
+    assert rel_err(losses[0], losses[1]) < RTOL
     _compare(*grads)
     mr.unwrap(model)
 
@@ -254,10 +245,10 @@ def test_a_black_box_core_attention_is_followed_exactly(alpha: float, chunk: int
         calls.append([c.calls for c in cores])
         (y * w).sum().backward()
         outs.append((y.detach(), inp.grad))
-        grads.append(_grads(m))
-    assert _rel_err(outs[0][0], outs[1][0]) < RTOL and _rel_err(outs[0][1], outs[1][1]) < RTOL
+        grads.append(grads_of(m))
+    assert rel_err(outs[0][0], outs[1][0]) < RTOL and rel_err(outs[0][1], outs[1][1]) < RTOL
     _compare(grads[0], grads[1])
-    assert _rel_err(outs[2][0], outs[1][0]) > 100 * RTOL  # the window matters: this is not causal attention
+    assert rel_err(outs[2][0], outs[1][0]) > 100 * RTOL  # the window matters: this is not causal attention
     # backward runs the black box's own graph: no call of it (the first forward's extra call of the
     # first layer is the runtime's dry run that sizes the host arena, NOTE [Sizing the host arena])
     assert calls[1] == [c.calls for c in cores] and calls[0][1] == 1
@@ -326,9 +317,9 @@ def test_a_black_box_core_attention_under_input_only_is_recomputed_exactly(chunk
         before = [c.calls for c in cores]
         (y * w).sum().backward()
         outs.append((y.detach(), inp.grad))
-        grads.append(_grads(m))
+        grads.append(grads_of(m))
         if m is model:  # backward called layer 0's core again, layer 1's (memo) not
             assert [c.calls for c in cores] == [before[0] + 1, before[1]]
-    assert _rel_err(outs[0][0], outs[1][0]) < RTOL and _rel_err(outs[0][1], outs[1][1]) < RTOL
+    assert rel_err(outs[0][0], outs[1][0]) < RTOL and rel_err(outs[0][1], outs[1][1]) < RTOL
     _compare(grads[0], grads[1])
     assert mr.runtime_of(model).buffers.region_bytes[0] == s * b * 32 * 4
