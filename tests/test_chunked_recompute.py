@@ -25,7 +25,7 @@ from memo.runtime.layer import (
     min_chunk_tokens,
     token_chunks,
 )
-from tests.grads import assert_same_step, small_model, train_step
+from tests.grads import assert_same_step, random_batch, small_model, train_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -83,9 +83,7 @@ def test_chunked_recompute_matches_unwrapped(arch: str, alpha: float, chunk: int
     ref = small_model(arch)
     model = mr.wrap(copy.deepcopy(ref), runtime=mr.MemoRuntime(alpha, recompute_chunk_tokens=chunk,
                                                               debug_copy_delay_us=200, policy=["memo"] * 4))
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, ref.config.vocab_size, (2, 23), generator=g)
-    labels = torch.randint(0, ref.config.vocab_size, (2, 23), generator=g)
+    ids, labels = random_batch(ref, 2, 23, seed=3)
     for _ in range(2):
         assert_same_step(train_step(model, ids, labels), train_step(ref, ids, labels))
 

@@ -32,7 +32,7 @@ from memo.adapters.hf import (
 from memo.errors import MemoError
 from memo.phases import PhaseTracker
 from memo.runtime.wrap import runtime_of
-from tests.grads import RTOL, assert_same_step, rel_err
+from tests.grads import RTOL, assert_same_step, grads_of, rel_err
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -81,8 +81,7 @@ def _step(model: nn.Module, batch: dict[str, torch.Tensor], autocast: bool = Fal
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         loss = model(**batch).loss
     loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return loss.detach().float(), grads
+    return loss.detach().float(), grads_of(model)
 
 
 def _wrapped(model: nn.Module, alpha: float = 0.5) -> nn.Module:

@@ -32,7 +32,7 @@ from memo.train import (
 )
 from memo.train.peers import CheckpointedLayers, find_mlp, mlp_tiles, tiled_mlp
 from memo.train.plan_checks import TrainRun
-from tests.grads import grads_of, rel_err
+from tests.grads import grads_of, random_batch, rel_err
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -70,8 +70,7 @@ def test_peers_give_the_plain_models_loss_and_gradients(name: str) -> None:
     torch.manual_seed(0)
     model = build_model(name, max_seq_len=256) if get_config(name).arch == "gpt" else build_model(name)
     s = 131  # odd, and not a multiple of the MLP tile (hidden 64: ALST's 3 tiles of 44, 44, 43 tokens)
-    g = torch.Generator().manual_seed(1)
-    ids, labels = (torch.randint(0, model.config.vocab_size, (1, s), generator=g) for _ in range(2))
+    ids, labels = random_batch(model, 1, s, seed=1)
     loss = model(ids, labels)
     loss.backward()
     ref_loss = float(loss.detach())
@@ -112,8 +111,7 @@ def test_peers_on_a_hugging_face_llama_with_attention_dropout() -> None:
     model = transformers.LlamaForCausalLM(cfg).train()
     adapter = model_adapter_for(model, "test")
     s, b = 71, 2
-    g = torch.Generator().manual_seed(2)
-    ids, labels = (torch.randint(0, 128, (b, s), generator=g) for _ in range(2))
+    ids, labels = random_batch(128, b, s, seed=2)
     torch.manual_seed(5)
     loss = adapter.loss(model, ids, labels)
     loss.backward()

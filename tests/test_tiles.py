@@ -19,7 +19,7 @@ from memo.adapters import AnatomyAdapter, register_adapter, unregister_adapter
 from memo.models import ModelConfig, attention, build_model
 from memo.profiler import record
 from memo.runtime.layer import MIN_CPU_CHUNK_TOKENS, TILE_BYTES, token_chunks
-from tests.grads import assert_same_step, small_model, train_step
+from tests.grads import assert_same_step, random_batch, small_model, train_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -114,9 +114,7 @@ def test_every_policy_mix_matches_unwrapped(arch: str, policy: list[str], alpha:
     ref = small_model(arch)
     rt = mr.MemoRuntime(alpha, recompute_chunk_tokens=4, debug_copy_delay_us=200, policy=policy)
     model = mr.wrap(copy.deepcopy(ref), runtime=rt)
-    g = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, ref.config.vocab_size, (2, 23), generator=g)
-    labels = torch.randint(0, ref.config.vocab_size, (2, 23), generator=g)
+    ids, labels = random_batch(ref, 2, 23, seed=5)
     for _ in range(2):
         assert_same_step(train_step(model, ids, labels), train_step(ref, ids, labels))
     n_in = policy.count("input-only")
