@@ -13,6 +13,7 @@ from memo.adapters import ModelAdapter, ModelParts, register_model_adapter
 from memo.phases import PhaseTracker, phase_kind
 from memo.pipeline import profile as profile_api
 from memo.profiler import record, record_trace
+from tests.grads import small_model
 
 # ---------------------------------------------------------------------------- models
 
@@ -386,17 +387,6 @@ def test_profile_api_meta_sizes_exact() -> None:
     assert total == pytest.approx(16 + 2 * 16 / h + 8 / h)
 
 
-def _tiny4() -> nn.Module:
-    import dataclasses
-
-    from memo.models import build_model, get_config
-
-    # Four layers, so that memo's runtime offloads some (it never offloads the last two).
-    return build_model(
-        dataclasses.replace(get_config("tiny"), name="tiny-4", n_layers=4), dtype=torch.float32
-    )
-
-
 _CPU_MACHINE = {"bandwidth_gbps": 1.0, "layer_ms": 0.1, "host_mem_gb": 64.0, "time_limit": 5.0}
 
 
@@ -407,7 +397,7 @@ def test_two_pass_plans_from_the_wrapped_model(recorder: str) -> None:
 
     from memo.runtime import is_wrapped
 
-    model = _tiny4()
+    model = small_model("gpt", 4)  # four layers, so that memo's runtime offloads some (never the last two)
     result = profile_api(model, 512, 1, device="cpu", recorder=recorder, wrap_pass=True, **_CPU_MACHINE)
     assert result.wrapped and not is_wrapped(model), "pass 2 wraps, and unwraps afterwards"
     assert result.trace["meta"]["alpha"] == result.alpha.alpha == result.plan.alpha
@@ -435,13 +425,14 @@ def test_wrap_pass_switch(monkeypatch) -> None:
         raise MemoError("memo.wrap: this model cannot be wrapped (test)")
 
     monkeypatch.setattr(runtime, "wrap", refuse)
-    result = profile_api(_tiny4(), 256, 1, device="cpu", plan=False, **_CPU_MACHINE)
+    result = profile_api(small_model("gpt", 4), 256, 1, device="cpu", plan=False, **_CPU_MACHINE)
     assert not result.wrapped and result.trace is result.plain_trace
     assert any("could not run the wrapped model" in note for note in result.notes)
     with pytest.raises(MemoError, match="wrap"):
-        profile_api(_tiny4(), 256, 1, device="cpu", plan=False, wrap_pass=True, **_CPU_MACHINE)
+        profile_api(small_model("gpt", 4), 256, 1, device="cpu", plan=False, wrap_pass=True, **_CPU_MACHINE)
     monkeypatch.undo()
-    result = profile_api(_tiny4(), 256, 1, device="cpu", plan=False, wrap_pass=False, **_CPU_MACHINE)
+    result = profile_api(small_model("gpt", 4), 256, 1, device="cpu", plan=False, wrap_pass=False,
+                         **_CPU_MACHINE)
     assert not result.wrapped and not result.notes
 
 
