@@ -9,13 +9,14 @@ device (no GPU; NOTE [Sizes from meta] in memo/pipeline/__init__.py); each row s
 - **full recompute**: every layer ``"recompute"`` under memo's runtime (benchmarks/at_scale.py's
   definition), recorded at full depth: ``memo.pipeline.profile(model, s, policy=[...])``; its total
   is the recorded iteration's peak + parameters + optimizer states (NOTE [Device total]).
-- **memo**: the planner's own choice (memo / input-only / recompute / keep per layer, alpha, tile)
-  within the plan's usable budget, host memory and link. NOTE [One-GPU memo row] says how.
+- **memo**: the pipeline's own choice (memo / input-only / recompute / keep per layer, alpha, tile)
+  within the plan's usable budget, host memory and link, with both of its calibrations. NOTE [One-GPU
+  memo row] says how.
 - **memo, all input-only (recorded)**: memo's runtime with the policy the planner picks where the
   host binds (every layer ``"input-only"``), recorded by the dispatch recorder at reduced depth
-  (NOTE [Peer depth]) with the runtime's default tile: a recording of memo's own device need, beside
-  the planner's estimate of the memo row. Lengths whose layer inputs do not fit the host share are
-  refused before recording.
+  (NOTE [Peer depth]; ``--memo-full``: every layer) with the plan's tile: the recording the memo
+  row's second calibration uses, shown as a row of its own. Lengths whose layer inputs do not fit
+  the host share are refused before recording.
 - **offloaded-checkpoint**: the peer of ``memo train --strategy offloaded-checkpoint`` (ALST's recipe:
   every layer under non-reentrant ``torch.utils.checkpoint``, its input moved to host by saved-tensor
   hooks, ALST's tiled MLP), its own code (:class:`memo.train.peers.CheckpointedLayers`,
@@ -28,35 +29,53 @@ and the host bytes within the share memo may pin (``--host-safety`` x the host m
 128 GiB). The table says which binds.
 
 NOTE [One-GPU memo row]
-A recorded iteration of memo's chosen policy at 8B and ~400K tokens dispatches ~2.7M ops on meta
-(~156 token tiles of ~2,500 tokens per layer, NOTE [Tiles bounded by memory], x ~550 ops per tile
-with the adapters, x 32 layers): ~45 minutes per recording on the 2-core machine here, and the
-pipeline records the chosen policy twice (its probe, then pass 2). So the memo row reproduces the
-pipeline's choice up to that probe: pass 1 and a recorded full-recompute iteration at full depth
-(the same as the full recompute row), the cost model's constant part corrected by the difference
-between that recording and the model's full-recompute estimate (what ``_calibrated_costs`` does;
-the second calibration, a recorded all-memo iteration at alpha 0, is skipped by the pipeline itself
-at these lengths: the host cannot hold every layer at alpha 0), then ``choose_policy`` within the
-usable budget. Its device need is that calibrated estimate, not a recording; ``--check-memo``
-records the chosen policy with depth reduced (NOTE [Peer depth]) at the longest length found, to
-compare with it, and the "all input-only (recorded)" row records memo's runtime directly.
+The memo row is what ``memo.pipeline.profile(model, s, device_mem_gb=80, ...)`` chooses (NOTE
+[Calibrated policy] in memo/pipeline/policy.py), made in its steps so that its recordings of memo's
+runtime can be made at reduced depth:
 
-The cost model's constant part (pass 1's plain peak less n x (S_input + S_attn + S_others), plus the
-model states) also carries whatever the plain model's kept layers hold beyond their S_*, and the
-calibration corrects it by the full-recompute recording's own difference (-13.4 GB at 336K), which
-is not what an input-only split holds: the estimate of the all-input-only policy lands above its
-recording (73.4 GB against 55.7 GB at 336K, benchmarks/results/one_gpu.md). Compare the two rows.
+1. pass 1 and the layer policy's cost model, exactly the pipeline's: ``OneGPU.pipeline_costs`` runs
+   ``profile`` without pass 2 and takes the ``LayerCosts`` it hands to ``choose_policy`` (the
+   pipeline returns no cost model; nothing is re-derived here);
+2. ``with_recorded_full_recompute``: the constant part corrected by a recorded full-recompute
+   iteration at full depth (the full recompute row's recording at the same length);
+3. ``memo_calibration`` names the policy to record at alpha 0: at these lengths the host cannot hold
+   every layer at alpha 0 but can hold every layer's input, so every layer input-only (the "all
+   input-only (recorded)" row: memo's runtime at ``--peer-depths``, extrapolated, NOTE [Peer depth];
+   ``--memo-full`` records all 32 layers), and ``with_recorded_memo`` sets the measured correction so
+   that its estimate is that recording. Where the host cannot hold every layer's input either, the
+   pipeline records nothing here, and neither does the row;
+4. ``choose_policy`` within the usable budget (FALLBACK_HEADROOM, FALLBACK_SEGMENT_BYTES).
+
+The pipeline then records the chosen policy once more (``probe_policy``) and corrects only an
+estimate that the recording puts over the cap. Where the choice is the policy step 3 recorded, at
+its tile, that probe is step 3's recording, whose total the estimate now equals, so the choice
+stands; the row says so ("the pipeline's probe of it is the calibration's recording"). Any other
+choice (at 8B and ~400K: a few memo layers at a small alpha, the rest input-only) is an estimate
+until ``--check-memo`` makes that probe: the chosen policy, alpha and tile recorded at every layer,
+at the longest length found, against the cap.
+
+Recordings use the tile of the GPU the plan is for (NOTE [Tiles of the device a plan is for] in
+memo/pipeline/job.py: ``--gpu h100``, the GPU's default, 2,507 tokens at 8B and 384K, given to the
+runtime explicitly as the pipeline does). On the 2-core machine here a recording of memo's runtime
+at 8B and 384K takes ~72 s at 2 layers, ~79 s at 3 and ~5 minutes at 32 (~7 s a layer on top of
+the embedding and head), no longer the ~45 minutes estimated before, so ``--memo-full`` (step 3
+at every layer, as the pipeline records it) is affordable: ~6 minutes per length tried, against
+~2.5 at 2 and 3 layers. A full-recompute recording at 32 layers takes ~40 s, pass 1 ~10 s.
 
 NOTE [Peer depth]
 An offloaded checkpoint holds nothing of a layer on the device between its forward and its backward
 (its input is on the host), so the recorded peak does not depend on the depth but for the adapters'
 gradients, which grow by a fixed amount per layer. The peer is recorded at ``--peer-depths`` (two
 depths, default 2 and 3) and extrapolated linearly to 32 layers; ``--peer-full`` records all 32
-layers at the longest length found, as a check (~4 minutes).
+layers at the longest length found, as a check (~4 minutes). memo's runtime with every layer
+input-only holds on the device, between a layer's forward and its backward, only the two rounding
+buffers, whatever the depth: the same extrapolation holds for it (tests/test_one_gpu_bench.py checks
+both against full depth on a small model).
 
 Usage::
 
     python benchmarks/one_gpu.py                                  # the table, benchmarks/results/one_gpu.md
+    python benchmarks/one_gpu.py --start 384K --step 16K --memo-full --check-memo   # as in RESULTS.md
     python benchmarks/one_gpu.py --strategies "full recompute" --start 256K
 """
 
@@ -65,19 +84,21 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import re
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from memo.cli.args import positive_float, positive_int, seq_len
 from memo.errors import DeviceBudgetError, MemoError
 from memo.units import GB, GiB
+
+if TYPE_CHECKING:
+    from memo.planner import LayerCosts
 
 __all__ = ["MetaHostOffload", "main"]
 
@@ -94,6 +115,10 @@ def _tok(n: int | None) -> str:
 
 def _gb(n: float | None) -> str:
     return "-" if n is None else f"{n / GB:.1f}"
+
+
+class _CostsTaken(Exception):
+    """Stops ``memo.pipeline.profile`` once its cost model is taken (OneGPU.pipeline_costs)."""
 
 
 class MetaHostOffload:
@@ -140,8 +165,10 @@ class OneGPU:
         self.log = log
         self.cache: dict[tuple[str, int], dict[str, Any]] = {}
         self.profiles = 0
-        #: (strategy, depth, length) -> peak_breakdown of a recording made here.
-        self.breakdowns: dict[tuple[str, int, int], dict[str, Any]] = {}
+        #: (strategy, depth or memo's policy described, length) -> peak_breakdown of a recording made here.
+        self.breakdowns: dict[tuple[str, int | str, int], dict[str, Any]] = {}
+        #: (policy described, alpha, length) -> (iteration peak, host bytes) of memo's runtime.
+        self.memo_recordings: dict[tuple[str, float, int], tuple[int, int]] = {}
         self.model = self.build()
         from memo.profiler.device import model_states
 
@@ -197,45 +224,78 @@ class OneGPU:
                 "policy": list(r.policy.policy), "s_input": int(r.plain_trace["layers"]["S_input"]),
                 "parts": {k: int(v) for k, v in r.policy.parts.items()}}
 
+    def pipeline_costs(self, length: int) -> LayerCosts:
+        """The layer policy's cost model exactly as the pipeline builds it from pass 1 at ``length``
+        (``_policy_costs`` in memo/pipeline/policy.py, before any calibration): taken from
+        ``memo.pipeline.profile`` itself, which hands it to ``memo.planner.choose_policy`` (NOTE
+        [One-GPU memo row]). Nothing is chosen or recorded beyond pass 1."""
+        import memo.planner as planner
+
+        captured: list[LayerCosts] = []
+
+        def capture(costs: LayerCosts, *_args: Any, **_kw: Any) -> Any:
+            captured.append(costs)
+            raise _CostsTaken
+
+        real = planner.choose_policy
+        planner.choose_policy = capture  # type: ignore[assignment]
+        try:
+            self._profile(length, device_mem_gb=self.args.device_mem_gb, wrap_pass=False)
+        except _CostsTaken:
+            pass
+        finally:
+            planner.choose_policy = real  # type: ignore[assignment]
+        if not captured:
+            raise MemoError("one_gpu: memo.pipeline.profile chose no policy, so its cost model was not seen; "
+                            "the pipeline's _choose_policy no longer calls memo.planner.choose_policy")
+        return captured[0]
+
     def _memo(self, length: int) -> dict[str, Any]:
         """NOTE [One-GPU memo row]."""
-        from memo.planner.policy import usable_budget
+        from memo.planner import choose_policy, full_recompute_need
+        from memo.planner.calibrate import memo_calibration, with_recorded_full_recompute, with_recorded_memo
 
         from memo.pipeline import FALLBACK_HEADROOM, FALLBACK_SEGMENT_BYTES
 
+        n = self.config.n_layers
         fr = self.run("full recompute", length)
-        delta = fr["device_bytes"] - fr["estimate_bytes"]  # _calibrated_costs' correction of base_bytes
-        want = self.usable - delta
-        budget = int(math.ceil(want / (1 - FALLBACK_HEADROOM)))
-        while usable_budget(budget, FALLBACK_HEADROOM, FALLBACK_SEGMENT_BYTES) > want:
-            budget -= 1
-        while usable_budget(budget, FALLBACK_HEADROOM, FALLBACK_SEGMENT_BYTES) < want:
-            budget += 1
-        how = (f"planner's estimate, calibrated by a recorded full-recompute iteration "
-               f"({self.config.n_layers} layers)")
-        row: dict[str, Any] = {"how": how, "calibration_bytes": delta}
+        plain = self.pipeline_costs(length)
+        costs = with_recorded_full_recompute(plain, fr["device_bytes"])
+        row: dict[str, Any] = {"calibration_bytes": costs.base_bytes - plain.base_bytes,
+                               "full_recompute_estimate_bytes": full_recompute_need(plain),
+                               "memo_calibration": None}
+        how = f"planner's choice, calibrated by recorded full recompute ({n} layers)"
+        calibration = memo_calibration(costs)
+        if calibration is not None:
+            policy, estimate = calibration
+            kind = policy[0]
+            recorded, host, depths = self.memo_total(length, kind)
+            costs = with_recorded_memo(costs, recorded, estimate)
+            row["memo_calibration"] = {"policy": f"{n} {kind}", "estimate_bytes": int(estimate),
+                                       "recorded_bytes": recorded, "host_bytes": host,
+                                       "correction_bytes": costs.memo_overhead - plain.memo_overhead}
+            how += f" and all-{kind} ({depths})"
+        row["how"] = how
         try:
-            r = self._profile(length, device_mem_gb=budget / GB, wrap_pass=False)
+            p = choose_policy(costs, self.budget, None, FALLBACK_HEADROOM, FALLBACK_SEGMENT_BYTES)
         except DeviceBudgetError as err:
             # Every layer offloaded needs at least its input on the host (input-only): where that is
             # over the host share, some layer holds its activations on the device.
             need = re.search(r"smallest need is ([^(]+) \((.*?)\)", str(err))
-            row.update(device_bytes=None, host_bytes=0, error=str(err),
-                       host_all_offloaded=self.config.n_layers * fr["s_input"],
+            row.update(device_bytes=None, host_bytes=0, error=str(err), host_all_offloaded=n * fr["s_input"],
                        smallest_need=f"{need.group(1).strip()} ({need.group(2)})" if need else None)
             return row
-        p = r.policy
-        parts = {k: int(v) for k, v in p.parts.items()}
-        base = "base (model states, other activations)"
-        parts[base] += delta
-        s_in = int(r.plain_trace["layers"]["S_input"])
-        s_attn = int(r.plain_trace["layers"]["S_attn"])
-        s_others = int(r.plain_trace["layers"]["S_others"])
+        s_in, s_attn, s_others = costs.s_input, costs.s_attn, costs.s_others
         n_memo, n_in = p.counts.get("memo", 0), p.counts.get("input-only", 0)
         host = n_memo * int(s_in + s_attn + p.alpha * s_others) + n_in * s_in
-        row.update(device_bytes=int(p.device_bytes) + delta, host_bytes=host, policy=list(p.policy),
-                   alpha=float(p.alpha), tile_tokens=p.tile_tokens, binding=p.binding, parts=parts,
-                   s_input=s_in, s_attn=s_attn, s_others=s_others)
+        # The pipeline then records the chosen policy once (its probe): where that is the policy the
+        # calibration recorded, at the same tile, its recording is the calibration's, and it fits.
+        probed = (calibration is not None and p.tile_tokens is None and list(p.policy) == calibration[0]
+                  and (p.counts.get("memo", 0) == 0 or p.alpha == 0.0))
+        row.update(device_bytes=int(p.device_bytes), host_bytes=host, policy=list(p.policy),
+                   alpha=float(p.alpha), tile_tokens=p.tile_tokens or self.tile(length), binding=p.binding,
+                   parts={k: int(v) for k, v in p.parts.items()}, s_input=s_in, s_attn=s_attn,
+                   s_others=s_others, probe_is_calibration=probed)
         return row
 
     def record_peer(self, length: int, n_layers: int) -> tuple[int, int]:
@@ -262,18 +322,35 @@ class OneGPU:
         self.breakdowns[("offloaded-checkpoint", n_layers, length)] = peak_breakdown(rec.trace)
         return int(lower_bound(Trace.from_dict(rec.trace))), int(offload.peak)
 
-    def record_memo(self, length: int, n_layers: int, kind: str) -> tuple[int, int]:
-        """memo's runtime with every layer of an ``n_layers``-deep model ``kind`` (memo at alpha 0 or
-        input-only), the runtime's default tile, recorded at ``length``: (iteration peak, host bytes)."""
-        from memo.planner import Trace, lower_bound
+    def tile(self, length: int) -> int:
+        """The tile memo's runtime runs a layer of ``length`` tokens in, in every recording here: the
+        pipeline's for this plan (NOTE [Tiles of the device a plan is for] in memo/pipeline/job.py),
+        the default of the GPU (``--gpu``) the plan is for, given to the runtime explicitly."""
+        from memo.runtime.tiles import default_tile_tokens, layer_token_bytes
 
+        h = self.config.hidden
+        layer = self.model.layers[0]  # type: ignore[index]
+        return default_tile_tokens(length, batch=1, hidden=h, device_type="cuda" if self.args.gpu else "meta",
+                                   token_bytes=layer_token_bytes(layer, h, 2))
+
+    def record_memo(self, length: int, policy: list[str], alpha: float = 0.0) -> tuple[int, int]:
+        """memo's runtime with ``policy`` (its length is the model's depth) at ``alpha``, the plan's
+        tile (:meth:`tile`), recorded at ``length``: (iteration peak, host bytes). Each recording is
+        made once (the memo row's calibration, the all-input-only row and the check share them)."""
+        from memo.planner import Trace, describe_policy, lower_bound
+
+        key = (describe_policy(policy), alpha, length)
+        if key in self.memo_recordings:
+            return self.memo_recordings[key]
         import memo.runtime as mr
         from memo.profiler.record import phase_tracker, record
 
+        n_layers = len(policy)
         model = self.build(n_layers)
-        mr.wrap(model, alpha=0.0, policy=[kind] * n_layers)
+        mr.wrap(model, alpha=alpha, policy=list(policy), recompute_chunk_tokens=self.tile(length))
         tracker = phase_tracker(model)
         ids = torch.zeros(1, length, dtype=torch.long, device="meta")
+        t = time.perf_counter()
         try:
             meta = {"model": model.config.name, "seq_len": length}
             rec = record(model, ids, ids, tracker=tracker, meta=meta)
@@ -282,43 +359,61 @@ class OneGPU:
             tracker.remove()
             mr.unwrap(model)
         self.profiles += 1
-        self.breakdowns[("memo", n_layers, length)] = peak_breakdown(rec.trace)
-        return int(lower_bound(Trace.from_dict(rec.trace))), host
+        self.log(f"    recorded {key[0]} at alpha {alpha:.4f} @ {_tok(length)}, tile {self.tile(length)} "
+                 f"tokens [{time.perf_counter() - t:.0f} s]")
+        self.breakdowns[("memo", key[0], length)] = peak_breakdown(rec.trace)
+        self.memo_recordings[key] = int(lower_bound(Trace.from_dict(rec.trace))), host
+        return self.memo_recordings[key]
+
+    def memo_total(self, length: int, kind: str) -> tuple[int, int, str]:
+        """Every layer ``kind`` at alpha 0 under memo's runtime at ``length``: the device total (peak
+        + model states) and host bytes, recorded at ``--peer-depths`` and extrapolated to every layer
+        (NOTE [Peer depth]), or at every layer with ``--memo-full``; and how."""
+        n = self.config.n_layers
+        if self.args.memo_full:
+            peak, host = self.record_memo(length, [kind] * n)
+            return peak + self.static, host, f"recorded ({n} layers)"
+        d1, d2 = self.args.peer_depths
+        (p1, h1), (p2, h2) = self.record_memo(length, [kind] * d1), self.record_memo(length, [kind] * d2)
+        return (p2 + (n - d2) * (p2 - p1) // (d2 - d1) + self.static, h2 + (n - d2) * (h2 - h1) // (d2 - d1),
+                f"recorded at {d1} and {d2} layers, extrapolated to {n}")
+
+    def input_only_breakdown(self, length: int) -> dict[str, Any] | None:
+        """What is live at the peak of the deepest all-input-only recording at ``length``."""
+        depth = self.config.n_layers if self.args.memo_full else self.args.peer_depths[1]
+        return self.breakdowns.get(("memo", f"{depth} input-only", length))
 
     def check_memo(self, row: dict[str, Any]) -> dict[str, Any] | None:
-        """NOTE [One-GPU memo row]: memo's chosen policy recorded at reduced depth (NOTE [Peer depth]),
-        where every layer of it offloads one way (the depth then adds no device bytes but the adapters'
-        gradients); None for a policy with layers on the device."""
-        kinds = set(row.get("policy") or [])
-        if len(kinds) != 1 or not kinds <= {"memo", "input-only"} or (kinds == {"memo"} and row["alpha"] > 0):
+        """NOTE [One-GPU memo row]: the pipeline's probe of memo's chosen policy: the policy, its alpha
+        and tile recorded with memo's runtime at full depth; None for a policy the pipeline does not
+        probe (no memo or input-only layer)."""
+        if not any(k in ("memo", "input-only") for k in row.get("policy") or []):
             return None
-        kind = kinds.pop()
-        d1, d2 = self.args.peer_depths
+        from memo.planner import describe_policy
+
         t = time.perf_counter()
-        p1, _ = self.record_memo(row["seq_len"], d1, kind)
-        p2, _ = self.record_memo(row["seq_len"], d2, kind)
-        n = self.config.n_layers
-        peak = p2 + (n - d2) * (p2 - p1) // (d2 - d1)
-        return {"seq_len": row["seq_len"], "policy": f"{n} {kind}", "recorded_bytes": peak + self.static,
-                "estimate_bytes": row["device_bytes"], "peaks": {d1: p1, d2: p2},
-                "at_peak": self.breakdowns[("memo", d2, row["seq_len"])], "seconds": time.perf_counter() - t}
+        peak, host = self.record_memo(row["seq_len"], row["policy"], row["alpha"])
+        return {"seq_len": row["seq_len"], "policy": describe_policy(row["policy"]), "alpha": row["alpha"],
+                "recorded_bytes": peak + self.static, "host_bytes": host,
+                "estimate_bytes": row["device_bytes"],
+                "cap_bytes": self.usable, "same_as_calibration": bool(row.get("probe_is_calibration")),
+                "at_peak": self.breakdowns[("memo", describe_policy(row["policy"]), row["seq_len"])],
+                "seconds": time.perf_counter() - t}
 
     def _input_only(self, length: int) -> dict[str, Any]:
         """memo's runtime with every layer input-only (the policy the planner picks where host memory
-        binds), recorded at reduced depth (NOTE [Peer depth]) with the runtime's default tile. The
-        host bytes come first: over the host share, nothing is recorded."""
+        binds), recorded at reduced depth (NOTE [Peer depth]; ``--memo-full``: every layer) with the
+        plan's tile. The host bytes come first: over the host share, nothing is recorded."""
         n = self.config.n_layers
         host = n * length * self.config.hidden * 2  # every layer's input, bf16
-        d1, d2 = self.args.peer_depths
-        how = f"memo's runtime recorded at {d1} and {d2} layers, extrapolated to {n}"
-        row: dict[str, Any] = {"how": how, "host_all_offloaded": host}
+        row: dict[str, Any] = {"host_all_offloaded": host}
         if host > self.host_usable:
-            row.update(device_bytes=None, host_bytes=host, error="host", smallest_need="-")
+            row.update(device_bytes=None, host_bytes=host, error="host", smallest_need="-",
+                       how="not recorded")
             return row
-        p1, h1 = self.record_memo(length, d1, "input-only")
-        p2, h2 = self.record_memo(length, d2, "input-only")
-        row.update(device_bytes=p2 + (n - d2) * (p2 - p1) // (d2 - d1) + self.static,
-                   host_bytes=h2 + (n - d2) * (h2 - h1) // (d2 - d1), policy=["input-only"] * n)
+        total, host, how = self.memo_total(length, "input-only")
+        row.update(device_bytes=total, host_bytes=host, policy=["input-only"] * n,
+                   how=f"memo's runtime {how}")
         return row
 
     def _peer(self, length: int) -> dict[str, Any]:
@@ -376,9 +471,10 @@ def _progress(row: dict[str, Any], usable: int, host_usable: int) -> str:
 
 
 def search(bench: OneGPU, strategy: str) -> dict[str, Any]:
-    """The longest multiple of ``--granularity`` that fits, from ``--start``: steps of ``--step``
-    until the answer is bracketed, then the secant of the margins (device or host, whichever binds)
-    where both ends have one, else bisection, down to the granularity."""
+    """The longest multiple of ``--granularity`` that fits, from ``--start``: steps of ``--step`` up or
+    down, or the secant of the last two margins (device or host, whichever binds) where both have
+    one, until the answer is bracketed; then the secant where both ends have a margin, else
+    bisection, down to the granularity."""
     a = bench.args
     g = a.granularity
     tried: list[int] = []
@@ -419,8 +515,13 @@ def search(bench: OneGPU, strategy: str) -> dict[str, Any]:
             if row["fits"]:
                 lo = (length, row)
                 break
+            m, m0 = margin(row), margin(bench.cache[(strategy, hi[0])])
             hi = (length, row)
-            length -= a.step
+            if m is not None and m0 is not None and m > m0:  # secant guess down, at least one step
+                guess = length - (tried[-2] - length) * -m / (m - m0)
+                length = min(length - g, max(g, int(guess) // g * g))
+            else:
+                length -= a.step
     while lo is not None and hi is not None and hi[0] - lo[0] > g:
         m_lo, m_hi = margin(lo[1]), margin(hi[1])
         mid = (lo[0] + hi[0]) // 2 // g * g
@@ -457,11 +558,13 @@ def format_table(bench: OneGPU, results: list[dict[str, Any]]) -> str:
         notes = ""
         if r["strategy"] == "memo" and row and row.get("policy"):
             notes = (f"{describe_policy(row['policy'])}, alpha {row['alpha']:.4f}, tile "
-                     f"{row['tile_tokens'] or 'default'} tokens; planner binding: {row['binding']}")
+                     f"{row['tile_tokens']} tokens; planner binding: {row['binding']}")
+            if row.get("probe_is_calibration"):
+                notes += "; the pipeline's probe of it is the calibration's recording"
         elif r["strategy"] == "offloaded-checkpoint" and row:
             notes = f"{row['per_layer_bytes'] / 2**20:.1f} MiB per extra layer (adapter gradients)"
         elif r["strategy"] == INPUT_ONLY and row:
-            at = bench.breakdowns.get(("memo", bench.args.peer_depths[1], r["longest"]))
+            at = bench.input_only_breakdown(r["longest"])
             notes = f"peak in {at['phase']}: {_breakdown(at)}" if at else ""
         elif r["strategy"] == "full recompute" and row:
             notes = f"every layer's input kept on the device ({row['s_input'] / GB:.2f} GB each)"
@@ -485,9 +588,14 @@ def _failure(fail: dict[str, Any] | None) -> str:
 
 
 def format_parts(row: dict[str, Any]) -> str:
+    cal = row.get("memo_calibration")
+    against = ("" if cal is None else f", measured correction {cal['correction_bytes'] / GB:+.2f} GB against "
+               f"the recorded iteration of {cal['policy']} ({cal['recorded_bytes'] / GB:.2f} GB recorded, "
+               f"{cal['estimate_bytes'] / GB:.2f} GB estimated after the first calibration)")
     lines = [f"memo at {_tok(row['seq_len'])}: device need {row['device_bytes'] / GB:.2f} GB "
              f"({row['device_bytes'] / GiB:.2f} GiB), parts (the planner's, base calibrated by "
-             f"{row['calibration_bytes'] / GB:+.2f} GB against the recorded full-recompute iteration):"]
+             f"{row['calibration_bytes'] / GB:+.2f} GB against the recorded full-recompute iteration"
+             f"{against}):"]
     for k, v in row["parts"].items():
         lines.append(f"  - {k}: {v / GB:.2f} GB")
     lines.append(f"  S_input {row['s_input'] / GB:.2f} GB, S_attn {row['s_attn'] / GB:.2f} GB, "
@@ -511,8 +619,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq", type=seq_len, default=4 << 20)
     p.add_argument("--peer-depths", type=positive_int, nargs=2, default=[2, 3])
     p.add_argument("--peer-full", action="store_true", help="check the peer at 32 layers at its longest")
+    p.add_argument("--memo-full", action="store_true",
+                   help="record memo's runtime at every layer, not --peer-depths (NOTE [One-GPU memo row])")
     p.add_argument("--check-memo", action="store_true",
-                   help="record memo's chosen policy at its longest, depth reduced (NOTE [One-GPU memo row])")
+                   help="record the chosen policy at its longest, every layer (NOTE [One-GPU memo row])")
     p.add_argument("--time-limit", type=positive_float, default=10.0)
     p.add_argument("--json", default="benchmarks/results/one_gpu.json")
     p.add_argument("--md", default="benchmarks/results/one_gpu.md")
@@ -549,10 +659,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.check_memo and memo is not None and memo["row"] is not None:
         memo_check = bench.check_memo(memo["row"])
         if memo_check is None:
-            bench.log("  memo check: skipped (the chosen policy keeps layers on the device)")
+            bench.log("  memo check: skipped (the chosen policy offloads no layer: nothing to probe)")
         else:
-            bench.log(f"  memo check at {_tok(memo_check['seq_len'])} ({memo_check['policy']}, default "
-                      "tile): "
+            bench.log(f"  memo check at {_tok(memo_check['seq_len'])} ({memo_check['policy']}): "
                       f"recorded {memo_check['recorded_bytes'] / GB:.2f} GB, estimated "
                       f"{memo_check['estimate_bytes'] / GB:.2f} GB")
     wall = time.perf_counter() - t0
@@ -562,10 +671,15 @@ def main(argv: list[str] | None = None) -> int:
         if r and r.get("parts"):
             text += [format_parts(r), ""]
     if memo_check:
-        depths = " and ".join(map(str, memo_check["peaks"]))
-        text += [f"memo check: its chosen policy ({memo_check['policy']}) recorded with memo's runtime at "
-                 f"{_tok(memo_check['seq_len'])}, the runtime's default tile, at {depths} layers, "
-                 f"extrapolated to {bench.config.n_layers}: {memo_check['recorded_bytes'] / GB:.2f} GB "
+        same = (" (the recording the calibration made: the policy it names is the one chosen)"
+                if memo_check["same_as_calibration"] else "")
+        fits = "within" if memo_check["recorded_bytes"] <= memo_check["cap_bytes"] else "OVER"
+        text += [f"memo check (the pipeline's probe): its chosen policy ({memo_check['policy']}, alpha "
+                 f"{memo_check['alpha']:.4f}) recorded with memo's runtime at {_tok(memo_check['seq_len'])}, "
+                 f"tile {bench.tile(memo_check['seq_len'])} tokens, all {bench.config.n_layers} layers"
+                 f"{same}: "
+                 f"{memo_check['recorded_bytes'] / GB:.2f} GB, {fits} the cap of "
+                 f"{memo_check['cap_bytes'] / GB:.2f} GB; host {memo_check['host_bytes'] / GB:.1f} GB "
                  f"(the estimate above: {memo_check['estimate_bytes'] / GB:.2f} GB). At its peak (in "
                  f"{memo_check['at_peak']['phase']}), besides the model states: "
                  f"{_breakdown(memo_check['at_peak'])}.", ""]
