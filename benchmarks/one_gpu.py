@@ -56,11 +56,13 @@ at the longest length found, against the cap.
 
 Recordings use the tile of the GPU the plan is for (NOTE [Tiles of the device a plan is for] in
 memo/pipeline/job.py: ``--gpu h100``, the GPU's default, 2,507 tokens at 8B and 384K, given to the
-runtime explicitly as the pipeline does). On the 2-core machine here a recording of memo's runtime
-at 8B and 384K takes ~72 s at 2 layers, ~79 s at 3 and ~5 minutes at 32 (~7 s a layer on top of
-the embedding and head), no longer the ~45 minutes estimated before, so ``--memo-full`` (step 3
-at every layer, as the pipeline records it) is affordable: ~6 minutes per length tried, against
-~2.5 at 2 and 3 layers. A full-recompute recording at 32 layers takes ~40 s, pass 1 ~10 s.
+runtime explicitly as the pipeline does; the runtime's own default on meta is the same size, so
+these recordings ran ~2,500-token tiles before too, while the pipeline's ran the planner's ~311).
+On the shared 2-core machine here a recording of memo's runtime at 8B and 384-400K takes ~72 s at
+2 layers, ~79 s at 3 and 9-10 minutes at 32, not the ~45 minutes this NOTE gave before,
+so ``--memo-full`` (step 3 at every layer, as the pipeline records it) is affordable: ~10-11
+minutes per length tried, against ~2.5 at 2 and 3 layers. A full-recompute profile at 32 layers
+takes 10-40 s, pass 1 ~10 s.
 
 NOTE [Peer depth]
 An offloaded checkpoint holds nothing of a layer on the device between its forward and its backward
@@ -274,7 +276,7 @@ class OneGPU:
             row["memo_calibration"] = {"policy": f"{n} {kind}", "estimate_bytes": int(estimate),
                                        "recorded_bytes": recorded, "host_bytes": host,
                                        "correction_bytes": costs.memo_overhead - plain.memo_overhead}
-            how += f" and all-{kind} ({depths})"
+            how += f" and every layer {kind}, {depths}"
         row["how"] = how
         try:
             p = choose_policy(costs, self.budget, None, FALLBACK_HEADROOM, FALLBACK_SEGMENT_BYTES)
