@@ -34,8 +34,8 @@ The memo row is what ``memo.pipeline.profile(model, s, device_mem_gb=80, ...)`` 
 runtime can be made at reduced depth:
 
 1. pass 1 and the layer policy's cost model, exactly the pipeline's: ``OneGPU.pipeline_costs`` runs
-   ``profile`` without pass 2 and takes the ``LayerCosts`` it hands to ``choose_policy`` (the
-   pipeline returns no cost model; nothing is re-derived here);
+   ``profile`` without pass 2 and takes its ``ProfileResult.costs`` (the model before calibration;
+   nothing is re-derived here);
 2. ``with_recorded_full_recompute``: the constant part corrected by a recorded full-recompute
    iteration at full depth (the full recompute row's recording at the same length);
 3. ``memo_calibration`` names the policy to record at alpha 0: at these lengths the host cannot hold
@@ -117,10 +117,6 @@ def _tok(n: int | None) -> str:
 
 def _gb(n: float | None) -> str:
     return "-" if n is None else f"{n / GB:.1f}"
-
-
-class _CostsTaken(Exception):
-    """Stops ``memo.pipeline.profile`` once its cost model is taken (OneGPU.pipeline_costs)."""
 
 
 class MetaHostOffload:
@@ -228,29 +224,15 @@ class OneGPU:
 
     def pipeline_costs(self, length: int) -> LayerCosts:
         """The layer policy's cost model exactly as the pipeline builds it from pass 1 at ``length``
-        (``_policy_costs`` in memo/pipeline/policy.py, before any calibration): taken from
-        ``memo.pipeline.profile`` itself, which hands it to ``memo.planner.choose_policy`` (NOTE
-        [One-GPU memo row]). Nothing is chosen or recorded beyond pass 1."""
-        import memo.planner as planner
-
-        captured: list[LayerCosts] = []
-
-        def capture(costs: LayerCosts, *_args: Any, **_kw: Any) -> Any:
-            captured.append(costs)
-            raise _CostsTaken
-
-        real = planner.choose_policy
-        planner.choose_policy = capture  # type: ignore[assignment]
-        try:
-            self._profile(length, device_mem_gb=self.args.device_mem_gb, wrap_pass=False)
-        except _CostsTaken:
-            pass
-        finally:
-            planner.choose_policy = real  # type: ignore[assignment]
-        if not captured:
-            raise MemoError("one_gpu: memo.pipeline.profile chose no policy, so its cost model was not seen; "
-                            "the pipeline's _choose_policy no longer calls memo.planner.choose_policy")
-        return captured[0]
+        (``_policy_costs`` in memo/pipeline/policy.py, before any calibration): ``ProfileResult.costs``
+        of a profile without pass 2 or a plan (NOTE [One-GPU memo row]). Nothing is recorded beyond
+        pass 1."""
+        # No device budget: the cost model does not depend on it (choose_policy takes it apart), and
+        # without one the profile cannot stop at "no policy fits" before returning the model.
+        r = self._profile(length, wrap_pass=False)
+        if r.costs is None:
+            raise MemoError("one_gpu: memo.pipeline.profile returned no cost model (ProfileResult.costs)")
+        return r.costs
 
     def _memo(self, length: int) -> dict[str, Any]:
         """NOTE [One-GPU memo row]."""

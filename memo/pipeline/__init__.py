@@ -89,6 +89,8 @@ class ProfileResult:
         alpha: the planner's AlphaSolution (None when ``solve=False``).
         policy: the planner's PolicySolution: the layer policy and its device need estimate.
         model_states: parameters, gradients and optimizer states of one rank (NOTE [Model states]).
+        costs: the layer policy's cost model (``memo.planner.LayerCosts``) as pass 1 and the machine
+            give it, before any calibration against a recorded iteration (NOTE [Calibrated policy]).
         plan: the planner's Plan (None when ``plan=False``).
         wrapped: whether ``trace`` comes from the wrapped model (pass 2).
         timings: seconds spent per stage.
@@ -103,6 +105,7 @@ class ProfileResult:
     plan: Any = None
     policy: Any = None
     model_states: dict[str, Any] | None = None
+    costs: Any = None
     wrapped: bool = False
     timings: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)

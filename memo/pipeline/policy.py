@@ -45,6 +45,7 @@ def _choose_policy(job: _Job, plain: Recording, states: dict[str, Any], layer_pa
     n_layers = len(plain.layer_stats)
     t0 = time.perf_counter()
     lp_inputs, costs = _policy_costs(job, plain, states, layer_params, result.quantities)
+    result.costs = costs
     can_wrap = wrap_pass is not False
     static = _static_bytes(states)
     net = job.built()
