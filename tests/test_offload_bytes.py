@@ -146,3 +146,18 @@ def test_malformed_offload_in_a_plan_file_is_refused(tmp_path, bad) -> None:
     path.write_text(json.dumps(data))
     with pytest.raises(MemoError, match="offload"):
         load_plan(path)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_input_only_layers_plan_the_bytes_they_copy() -> None:
+    """An input-only layer copies its input alone (NOTE [Input-only layers]): the plan's planned bytes
+    per layer are S_input, what the runtime copies, and no offload difference is reported (the
+    demo's plan once counted memo's S_input + S_attn and warned of -50.8%)."""
+    from memo.planner import offload_difference
+
+    result = profile("tiny", 512, 1, "float32", "cpu", bandwidth_gbps=32, layer_ms=3.0, host_mem_gb=64,
+                     policy=["input-only"] * 4, time_limit=2.0)
+    off = result.plan.offload
+    assert off["planned_bytes_per_layer"] == result.plain_trace["layers"]["S_input"]
+    assert off["actual_bytes_per_layer"] == off["planned_bytes_per_layer"]
+    assert offload_difference(off) is None

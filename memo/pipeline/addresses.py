@@ -47,7 +47,8 @@ def _plan(job: _Job, result: ProfileResult, chosen: PolicySolution, states: dict
         a = offload_tokens(result.alpha.alpha, local)
         result.plan.offload = {
             "offloaded_layers": wrapped.offloaded_layers,
-            "planned_bytes_per_layer": offloaded_bytes(result.plain_trace["layers"], a, local),
+            "planned_bytes_per_layer": offloaded_bytes(result.plain_trace["layers"], a, local,
+                                                       list(chosen.policy)),
             "actual_bytes_per_layer": wrapped.layer_bytes,
             "tensors": [list(t) for t in wrapped.tensors],
         }

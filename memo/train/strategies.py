@@ -291,7 +291,8 @@ class MemoStrategy(Metered):
         self.plan = result.plan if parallel is None else _shared_plan(parallel, result.plan, log)
         self.policy = list(result.policy.policy)
         a = runtime_offload_tokens(self.alpha, job.seq_len)
-        self.planned_offload_bytes = profiler.offloaded_bytes(result.plain_trace["layers"], a, job.seq_len)
+        self.planned_offload_bytes = profiler.offloaded_bytes(result.plain_trace["layers"], a, job.seq_len,
+                                                              self.policy)
         if self.plan is not None:
             log(f"memo: alpha {self.alpha:.4f} ({self.alpha_binding}); "
                 f"plan arena {format_mib(self.plan.peak)}, lower bound {format_mib(self.plan.lower_bound)}")
