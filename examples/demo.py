@@ -116,11 +116,12 @@ def summary(reports: dict[str, dict], plan: dict) -> str:
         + (f"{100 * (1 - m_time / f_time):.0f}% less time per step." if speed >= 1
            else f"{100 * (m_time / f_time - 1):.0f}% more time per step."),
         ("All three reached the same loss." if same else "The losses differ: see the loss curves."),
-        "Why: full recompute keeps every layer's input on the device until its backward; a memo layer "
-        "keeps nothing there (its input, its attention output and alpha of its other activations go to "
-        "host memory), and its backward recomputes the rest one chunk of tokens at a time. The longer the "
-        "sequence and the deeper the model, the more this saves: benchmarks/max_seq_len.py trains "
-        "longer sequences than full recompute in the same device memory (benchmarks/RESULTS.md).",
+        "Why: full recompute keeps every layer's input on the device until its backward; an offloading "
+        "layer keeps nothing there (a memo layer sends its input, its attention output and alpha of its "
+        "other activations to host memory, an input-only layer its input alone), and its backward "
+        "recomputes the rest one tile of tokens at a time. The longer the sequence and the deeper the "
+        "model, the more this saves: benchmarks/max_seq_len.py trains longer sequences than full "
+        "recompute in the same device memory (benchmarks/RESULTS.md).",
     ]
     return "\n".join(textwrap.wrap(" ".join(p for p in parts if p), 100))
 
