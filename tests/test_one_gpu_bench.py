@@ -94,8 +94,10 @@ def test_memo_row_uncalibrated_where_the_host_holds_no_layer_inputs() -> None:
     assert memo["policy"] == ["keep", "keep"] and memo["host_bytes"] == 0
 
 
-def test_search_brackets_to_the_granularity(monkeypatch: pytest.MonkeyPatch) -> None:
-    bench = _bench("--start", "4K", "--step", "2K")
+def _search_linear_need(monkeypatch: pytest.MonkeyPatch, *flags: str) -> dict:
+    """one_gpu.search for full recompute where the device need grows linearly in the length and
+    reaches the usable budget just past 9K tokens (no recording: every row is this line)."""
+    bench = _bench(*flags)
     limit = 9 * 1024 + 100
 
     def run(strategy: str, length: int) -> dict:
@@ -105,21 +107,15 @@ def test_search_brackets_to_the_granularity(monkeypatch: pytest.MonkeyPatch) -> 
         return row
 
     monkeypatch.setattr(bench, "run", run)
-    found = one_gpu.search(bench, "full recompute")
+    return one_gpu.search(bench, "full recompute")
+
+
+def test_search_brackets_to_the_granularity(monkeypatch: pytest.MonkeyPatch) -> None:
+    found = _search_linear_need(monkeypatch, "--start", "4K", "--step", "2K")
     assert found["longest"] == 9 * 1024 and found["first_failure"] == 9 * 1024 + 512
 
 
 def test_search_steps_down_by_the_secant(monkeypatch: pytest.MonkeyPatch) -> None:
-    bench = _bench("--start", "64K", "--step", "4K")
-    limit = 9 * 1024 + 100
-
-    def run(strategy: str, length: int) -> dict:
-        need = bench.usable * length // limit
-        row = {"device_bytes": need, "host_bytes": 0, "fits": need <= bench.usable, "strategy": strategy}
-        bench.cache[(strategy, length)] = row
-        return row
-
-    monkeypatch.setattr(bench, "run", run)
-    found = one_gpu.search(bench, "full recompute")
+    found = _search_linear_need(monkeypatch, "--start", "64K", "--step", "4K")
     assert found["longest"] == 9 * 1024 and found["first_failure"] == 9 * 1024 + 512
     assert len(found["tried"]) <= 5  # 64K, 60K, then the secant: not 14 steps of 4K down
