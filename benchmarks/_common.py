@@ -8,6 +8,7 @@ on ``sys.path``, so no path is added by hand.
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +18,8 @@ from memo.errors import MemoError
 from memo.train import STRATEGIES, SaveOnCpu, Strategy, StrategyOptions, make_strategy
 from memo.train.strategies import MemoryMeter
 
-__all__ = ["PEERS", "ROWS", "add_device_arguments", "best_peer", "build_strategy", "resolve_device"]
+__all__ = ["PEERS", "ROWS", "add_device_arguments", "best_peer", "build_strategy", "resolve_device",
+           "run_main"]
 
 #: The strategy rows, in table order: memo train's strategies and PyTorch's save_on_cpu.
 ROWS = (*STRATEGIES, SaveOnCpu.name)
@@ -72,3 +74,12 @@ def resolve_device(args: argparse.Namespace, prog: str) -> bool:
     args.model = args.model or ("gpt-1.3b" if cuda else "gpt-mini")
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
     return cuda
+
+
+def run_main(main: Callable[[], int]) -> None:
+    """A benchmark script's exit: ``main()``'s status, or a MemoError (a bad flag, a job that cannot
+    run) as one line on stderr instead of a traceback."""
+    try:
+        sys.exit(main())
+    except MemoError as err:
+        sys.exit(f"error: {err}")

@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import PEERS, ROWS, add_device_arguments, best_peer, build_strategy, resolve_device
+from _common import PEERS, ROWS, add_device_arguments, best_peer, build_strategy, resolve_device, run_main
 
 from memo.cli.args import positive_float, seq_len
 from memo.errors import DeviceBudgetError, MemoError
@@ -424,7 +424,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except MemoError as err:
-        sys.exit(f"error: {err}")
+    run_main(main)

@@ -693,7 +693,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except MemoError as err:
-        sys.exit(f"error: {err}")
+    from _common import run_main  # run as a script, benchmarks/ is first on sys.path
+
+    run_main(main)

@@ -58,7 +58,7 @@ import time
 from typing import Any
 
 import torch
-from _common import PEERS, ROWS, add_device_arguments, best_peer, build_strategy, resolve_device
+from _common import PEERS, ROWS, add_device_arguments, best_peer, build_strategy, resolve_device, run_main
 
 from memo.cli.args import positive_float, positive_int, seq_len
 from memo.errors import MemoError
@@ -288,7 +288,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except MemoError as err:
-        sys.exit(f"error: {err}")
+    run_main(main)
