@@ -14,7 +14,7 @@ import re
 
 from memo.errors import MemoError
 
-__all__ = ["PHASE_KINDS", "layer_phase", "parse_phase", "phase_kind"]
+__all__ = ["PHASE_KINDS", "is_backward_phase", "layer_phase", "parse_phase", "phase_kind"]
 
 #: Every phase kind, in the order they happen in one iteration.
 PHASE_KINDS = ("embed.fwd", "layer.fwd", "head.fwd", "head.bwd", "layer.bwd", "embed.bwd", "optimizer")
@@ -46,3 +46,9 @@ def parse_phase(name: str) -> tuple[str, int | None]:
 def phase_kind(name: str) -> str:
     """``"layer.fwd[7]" -> "layer.fwd"``; non-layer phases are their own kind."""
     return parse_phase(name)[0]
+
+
+def is_backward_phase(name: str | None) -> bool:
+    """Whether ``name`` is a backward pass (``head.bwd``, ``layer.bwd[i]``, ``embed.bwd``), where
+    AccumulateGrad makes the parameter gradients; None (no phase) is not."""
+    return name is not None and phase_kind(name).endswith(".bwd")

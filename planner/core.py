@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from memo.errors import MemoError
-from memo.phase_names import phase_kind
+from memo.phase_names import is_backward_phase, phase_kind
 
 from .dsa import DSAResult, Item, greedy
 from .dsa import lower_bound as _units_lower_bound
@@ -193,21 +193,39 @@ def _record(result: DSAResult, lb_units: int) -> dict[str, Any]:
 
 def outliving(trace: Trace | Mapping[str, Any]) -> list[Allocation]:
     """Phased allocations never freed before the end of the trace: a replay plan leaves them to
-    the fallback allocator (NOTE [Allocations that outlive the iteration])."""
+    the fallback allocator, or places the backward passes' ones, the parameter gradients, in the
+    arena (NOTE [Allocations that outlive the iteration])."""
     t = _as_trace(trace)
     return [a for a in t.allocations if a.phase is not None and a.end == t.end_time]
 
 
-def _finish(t: Trace, offsets: list[int | None], solver: dict[str, Any], *, left_out: frozenset[int] | None,
+_outliving = outliving  # for the functions whose ``outliving`` argument is a mode
+
+
+#: What a plan does with the allocations that outlive the traced iteration (:func:`outliving`):
+#: "plan" places them as any other; "fallback" leaves them all to the fallback allocator;
+#: "gradients-in-arena" places those of backward phases (the parameter gradients) in the arena,
+#: live until the iteration's end, and leaves the rest to the fallback (NOTE [Allocations that
+#: outlive the iteration]).
+OUTLIVING_MODES = ("plan", "fallback", "gradients-in-arena")
+#: Where a replay plan puts the parameter gradients (make_plan's ``gradients``).
+GRADIENT_PLACES = ("fallback", "arena")
+
+
+def _finish(t: Trace, offsets: list[int | None], solver: dict[str, Any], *, outliving: str,
             **fields: Any) -> Plan:
-    """The plan of ``t`` at ``offsets``; ``left_out`` (allocation indices, None when the plan places
-    every allocation) are the allocations left to the fallback: no offset, no arena space."""
+    """The plan of ``t`` at ``offsets``; ``outliving`` (:data:`OUTLIVING_MODES`) says which
+    allocations were left to the fallback: no offset, no arena space."""
+    left_out = _left_out(t, outliving)
     top = max((o + a.size for a, o in zip(t.allocations, offsets, strict=True) if o is not None), default=0)
     peak = _units(top) * ALIGNMENT
     planned = [a for a in t.allocations if not left_out or a.index not in left_out]
     if left_out is not None:
         gone = [t.allocations[i] for i in sorted(left_out)]
         solver["persistent_left_to_fallback"] = {"allocations": len(gone), "bytes": sum(a.size for a in gone)}
+    if outliving == "gradients-in-arena":
+        placed = [a for a in _outliving(t) if is_backward_phase(a.phase)]
+        solver["gradients_in_arena"] = {"allocations": len(placed), "bytes": sum(a.size for a in placed)}
     plan = Plan(meta=dict(t.meta), allocations=list(t.allocations), offsets=offsets, peak=peak,
                 lower_bound=_units_lower_bound([Item(a.size, a.start, a.end) for a in planned]),
                 no_reuse_bytes=sum(a.size for a in planned), solver=solver, end_time=t.end_time, **fields)
@@ -215,8 +233,12 @@ def _finish(t: Trace, offsets: list[int | None], solver: dict[str, Any], *, left
     return plan
 
 
-def _left_out(t: Trace, outliving_to_fallback: bool) -> frozenset[int] | None:
-    return frozenset(a.index for a in outliving(t)) if outliving_to_fallback else None
+def _left_out(t: Trace, mode: str) -> frozenset[int] | None:
+    """The allocations a plan in ``mode`` (:data:`OUTLIVING_MODES`) leaves to the fallback."""
+    if mode == "plan":
+        return None
+    keep = mode == "gradients-in-arena"
+    return frozenset(a.index for a in _outliving(t) if not (keep and is_backward_phase(a.phase)))
 
 
 def _target_units(capacity: int | None) -> int | None:
@@ -225,10 +247,10 @@ def _target_units(capacity: int | None) -> int | None:
 
 
 def _flat(t: Trace, *, use_mip: bool, time_limit: float, solver: str, threads: int,
-          progress: bool | None = False, outliving_to_fallback: bool = False, capacity: int | None = None
+          progress: bool | None = False, outliving: str = "plan", capacity: int | None = None
           ) -> Plan:
     t0 = time.perf_counter()
-    left_out = _left_out(t, outliving_to_fallback)
+    left_out = _left_out(t, outliving)
     planned = [a for a in t.allocations if not left_out or a.index not in left_out]
     items = [Item(_units(a.size), a.start, a.end) for a in planned]
     bar = _progress(1, "memo plan", progress)
@@ -245,26 +267,27 @@ def _flat(t: Trace, *, use_mip: bool, time_limit: float, solver: str, threads: i
         offsets[a.index] = off * ALIGNMENT
     return _finish(t, offsets,
                    {"kind": "flat", "solver": info["solver"], "seconds": info["seconds"],
-                    "heuristic_fallback": info["heuristic_fallback"], "total": info}, left_out=left_out)
+                    "heuristic_fallback": info["heuristic_fallback"], "total": info}, outliving=outliving)
 
 
-def plan_heuristic(trace: Trace | Mapping[str, Any], *, outliving_to_fallback: bool = False) -> Plan:
+def plan_heuristic(trace: Trace | Mapping[str, Any], *, outliving: str = "plan") -> Plan:
     """Flat greedy-by-size plan of every allocation (fast: thousands of allocations in seconds).
 
-    ``outliving_to_fallback`` leaves the allocations never freed in the trace to the fallback
-    allocator (NOTE [Allocations that outlive the iteration]), as :func:`make_plan` does for replay.
+    ``outliving`` (:data:`OUTLIVING_MODES`) says which allocations never freed in the trace go to the
+    fallback allocator (NOTE [Allocations that outlive the iteration]), as :func:`make_plan` does
+    for replay.
     """
     return _flat(_as_trace(trace), use_mip=False, time_limit=0.0, solver="cbc", threads=1,
-                 outliving_to_fallback=outliving_to_fallback)
+                 outliving=outliving)
 
 
 def plan_mip(trace: Trace | Mapping[str, Any], *, time_limit: float = 60.0, solver: str = "cbc",
-             threads: int = 2, outliving_to_fallback: bool = False, capacity: int | None = None) -> Plan:
+             threads: int = 2, outliving: str = "plan", capacity: int | None = None) -> Plan:
     """Flat plan: heuristic warm start refined by the exact search and the DSA MIP within
-    ``time_limit`` seconds (``outliving_to_fallback`` as in :func:`plan_heuristic`; ``capacity``
+    ``time_limit`` seconds (``outliving`` as in :func:`plan_heuristic`; ``capacity``
     as in :func:`make_plan`)."""
     return _flat(_as_trace(trace), use_mip=True, time_limit=time_limit, solver=solver, threads=threads,
-                 outliving_to_fallback=outliving_to_fallback, capacity=capacity)
+                 outliving=outliving, capacity=capacity)
 
 
 # ------------------------------------------------------------------------------- bi-level
@@ -486,18 +509,18 @@ def _bilevel_offsets(t: Trace, by_phase: dict[str, list[Allocation]], lv: _Level
 
 def plan_bilevel(trace: Trace | Mapping[str, Any], *, time_limit: float = 60.0, solver: str = "cbc",
                  threads: int = 2, use_mip: bool = True, progress: bool | None = None,
-                 outliving_to_fallback: bool = False, capacity: int | None = None) -> Plan:
+                 outliving: str = "plan", capacity: int | None = None) -> Plan:
     """Bi-level plan (see NOTE [Bi-level plan]) within about ``time_limit`` seconds in all: every
-    solve gets an equal share of the time left. ``outliving_to_fallback`` as in :func:`plan_heuristic`:
+    solve gets an equal share of the time left. ``outliving`` as in :func:`plan_heuristic`:
     allocations never freed are skeletal, so they are level-2 items, and those are left out."""
     t = _as_trace(trace)
     t0 = time.perf_counter()
-    left_out = _left_out(t, outliving_to_fallback)
+    left_out = _left_out(t, outliving)
     notes: list[str] = []
     by_phase, layered = _layer_passes(t, notes)
     if not any(layered.values()):
         plan = _flat(t, use_mip=use_mip, time_limit=time_limit, solver=solver, threads=threads,
-                     progress=progress, outliving_to_fallback=outliving_to_fallback, capacity=capacity)
+                     progress=progress, outliving=outliving, capacity=capacity)
         plan.warnings.extend(notes)
         return plan
 
@@ -529,7 +552,7 @@ def plan_bilevel(trace: Trace | Mapping[str, Any], *, time_limit: float = 60.0, 
         "own_phases": sorted(lv.own_offsets),
         "stages": stats,
     }
-    return _finish(t, offsets, solver_info, left_out=left_out, level1=lv.level1,
+    return _finish(t, offsets, solver_info, outliving=outliving, level1=lv.level1,
                    level1_peak=lv.level1_peak, level2=level2, warnings=notes)
 
 
@@ -554,10 +577,23 @@ def plan_bilevel(trace: Trace | Mapping[str, Any], *, time_limit: float = 60.0, 
 # bytes; validate_plan checks that exactly these have no offset. The trace must start with the
 # gradients set to None (the profiler does, as zero_grad(set_to_none=True) does), as the first
 # micro-batch of a step sees them.
+# That is the safe default, but it costs the gradients' bytes beside the whole arena: the arena is
+# reserved at its peak for the run, and at the end of backward, when the gradients are all there,
+# most of it is idle (a 16-layer Llama under 40 MiB held 4 MiB of gradients in fallback segments
+# beside a 20 MiB arena whose activations were gone). Training without gradient accumulation sets
+# the gradients to None after each optimizer step, before the next forward: then a gradient's bytes
+# are free before any request planned over them, and make_plan(..., gradients="arena") places the
+# gradients (the outliving allocations of backward phases) in the arena, live to the iteration's
+# end, where they share bytes with the activations freed before them. The rest that outlives
+# (caches made in forward) still goes to the fallback. If a gradient is still alive when a request
+# planned over it comes (accumulation after all, or zero_grad called late), the allocator's range
+# check sends that request to the fallback as a "slot busy" deviation, counted and said once: more
+# memory than planned, never wrong data. ``plan.solver["gradients_in_arena"]`` records their count
+# and bytes. `memo train` plans so (it sets gradients to None every step).
 
 
 def _check_plan_arguments(capacity: int | None, time_limit: float, use_mip: bool, solver: str,
-                          unphased: str) -> None:
+                          unphased: str, gradients: str) -> None:
     """Refuse :func:`make_plan`'s arguments that are out of range before any work (a missing
     solver too, where one is asked for)."""
     if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int)
@@ -570,16 +606,18 @@ def _check_plan_arguments(capacity: int | None, time_limit: float, use_mip: bool
         require_solver(solver)
     if unphased not in UNPHASED_MODES:
         raise MemoError(f"memo.planner: unphased must be 'plan' or 'fallback', got {unphased!r}")
+    if gradients not in GRADIENT_PLACES:
+        raise MemoError(f"memo.planner: gradients must be 'fallback' or 'arena', got {gradients!r}")
 
 
-def _smaller_of_flat(plan: Plan, t: Trace, replay: bool) -> Plan:
+def _smaller_of_flat(plan: Plan, t: Trace, outliving: str) -> Plan:
     """The bi-level ``plan``, or the flat heuristic's plan of ``t`` where that is smaller.
 
     Blocks cost a little where skeletal tensors grow inside a pass; the flat heuristic
     costs a second, so keep it when it is smaller (the allocator only needs phase tables).
     The flat plan kept carries the bi-level plan's warnings and a record of what it replaced.
     """
-    flat = plan_heuristic(t, outliving_to_fallback=replay)
+    flat = plan_heuristic(t, outliving=outliving)
     if flat.peak >= plan.peak:
         return plan
     flat.warnings.extend(plan.warnings)
@@ -603,7 +641,7 @@ def _record_alpha(plan: Plan, alpha_solution: Any, host_bytes: int | None) -> in
 def make_plan(trace: Trace | Mapping[str, Any], alpha_solution: Any = None, *, time_limit: float = 60.0,
               solver: str = "cbc", use_mip: bool = True, method: str = "auto", threads: int = 2,
               host_bytes: int | None = None, progress: bool | None = None, unphased: str = "plan",
-              capacity: int | None = None) -> Plan:
+              capacity: int | None = None, gradients: str = "fallback") -> Plan:
     """Plan a trace (a Trace or its JSON dict): the one call `memo profile` and `memo plan` make.
 
     Args:
@@ -623,31 +661,38 @@ def make_plan(trace: Trace | Mapping[str, Any], alpha_solution: Any = None, *, t
             them the phased allocations never freed in the trace, such as parameter gradients: their
             phase-table entries keep their request index with offset None
             (NOTE [Allocations that outlive the iteration]).
+        gradients: where a replay plan puts the parameter gradients made in backward (those of its
+            allocations that outlive the iteration in a backward phase): "fallback" (default), or
+            "arena", live from their backward pass to the iteration's end, sharing the arena's bytes
+            with the activations freed before them. "arena" is for training that sets the gradients
+            to None after each optimizer step (no gradient accumulation; NOTE [Allocations that
+            outlive the iteration]).
         capacity: bytes the arena may take. None (default) minimises the peak; a capacity is a
             target instead: the exact search stops at the first placement within it (a decision
             is often much easier than the minimum; NOTE [Capacity ladder] in search.py), and
             minimises as usual when it proves the capacity out of reach.
     """
-    _check_plan_arguments(capacity, time_limit, use_mip, solver, unphased)
+    _check_plan_arguments(capacity, time_limit, use_mip, solver, unphased, gradients)
     t = _as_trace(trace)
     left_out = None
-    replay = unphased == "fallback"
-    if replay:
+    outliving = "plan"
+    if unphased == "fallback":
         t, count, nbytes = without_unphased(t)
         left_out = {"allocations": count, "bytes": nbytes}
+        outliving = "gradients-in-arena" if gradients == "arena" else "fallback"
     if method == "heuristic":
-        plan = plan_heuristic(t, outliving_to_fallback=replay)
+        plan = plan_heuristic(t, outliving=outliving)
     elif method == "flat":
         plan = _flat(t, use_mip=use_mip, time_limit=time_limit, solver=solver, threads=threads,
-                     progress=progress, outliving_to_fallback=replay, capacity=capacity)
+                     progress=progress, outliving=outliving, capacity=capacity)
     elif method == "bilevel":
         plan = plan_bilevel(t, time_limit=time_limit, solver=solver, threads=threads, use_mip=use_mip,
-                            progress=progress, outliving_to_fallback=replay, capacity=capacity)
+                            progress=progress, outliving=outliving, capacity=capacity)
     elif method == "auto":
         plan = plan_bilevel(t, time_limit=time_limit, solver=solver, threads=threads, use_mip=use_mip,
-                            progress=progress, outliving_to_fallback=replay, capacity=capacity)
+                            progress=progress, outliving=outliving, capacity=capacity)
         if plan.solver.get("kind") == "bilevel":
-            plan = _smaller_of_flat(plan, t, replay)
+            plan = _smaller_of_flat(plan, t, outliving)
     else:
         raise MemoError(f"memo.planner: unknown method {method!r}; choose auto, bilevel, flat or heuristic")
     if alpha_solution is not None:

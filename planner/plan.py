@@ -17,7 +17,7 @@ from typing import Any, cast
 
 from memo.errors import MemoError, PlanMismatchError
 from memo.jsonio import atomic_write, read_json
-from memo.phase_names import parse_phase, phase_kind
+from memo.phase_names import is_backward_phase, parse_phase, phase_kind
 from memo.units import ALIGNMENT, MAX_BYTES  # NOTE [Block alignment]
 
 from .dsa import Item, check_placement
@@ -552,24 +552,36 @@ def validate_plan(plan: Plan, trace: Trace | None = None) -> None:
 
 def _validate_left_out(plan: Plan) -> None:
     """A replay plan leaves exactly the phased allocations that outlive the iteration to the
-    fallback, and records their count and bytes (NOTE [Allocations that outlive the iteration])."""
+    fallback (but for the gradients of a plan that places them in the arena), and records their
+    count and bytes (NOTE [Allocations that outlive the iteration])."""
     record = plan.solver["persistent_left_to_fallback"]
-    count, nbytes = 0, 0
+    in_arena = plan.solver.get("gradients_in_arena")
+    count, nbytes, placed, placed_bytes = 0, 0, 0, 0
     for a, off in zip(plan.allocations, plan.offsets, strict=True):
         outlives = a.phase is not None and a.end == plan.end_time
+        planned_here = outlives and in_arena is not None and is_backward_phase(a.phase)
         if off is None and not outlives:
             where = f"freed at event {a.end}" if a.end != plan.end_time else "unphased"
             raise MemoError(f"memo.plan: allocation {a.index} (phase {a.phase}, request {a.request}) has no "
                             f"offset but is {where}; a replay plan leaves only allocations that outlive "
                             "the iteration to the fallback allocator")
-        if off is not None and outlives:
+        if off is not None and outlives and not planned_here:
             raise MemoError(f"memo.plan: allocation {a.index} (phase {a.phase}, request {a.request}) is "
                             "never freed in the trace but has an arena offset in a replay plan")
+        if off is None and planned_here:
+            raise MemoError(f"memo.plan: allocation {a.index} (phase {a.phase}, request {a.request}) is a "
+                            "gradient of a plan that places them in the arena, but has no offset")
         if off is None:
             count, nbytes = count + 1, nbytes + a.size
+        elif planned_here:
+            placed, placed_bytes = placed + 1, placed_bytes + a.size
     if not isinstance(record, Mapping) or record.get("allocations") != count or record.get("bytes") != nbytes:
         raise MemoError(f"memo.plan: solver.persistent_left_to_fallback is {record!r}, but the plan leaves "
                         f"{count} allocations ({nbytes} bytes) to the fallback allocator")
+    if in_arena is not None and (not isinstance(in_arena, Mapping) or in_arena.get("allocations") != placed
+                                 or in_arena.get("bytes") != placed_bytes):
+        raise MemoError(f"memo.plan: solver.gradients_in_arena is {in_arena!r}, but the plan places "
+                        f"{placed} gradients ({placed_bytes} bytes) in the arena")
 
 
 def without_unphased(trace: Trace | Mapping[str, Any]) -> tuple[Trace, int, int]:

@@ -1,10 +1,12 @@
 """Gradient accumulation replays a plan: allocations that outlive the traced iteration
-(parameter gradients) are left to the fallback allocator, so micro-batch 2 finds no slot busy
-(NOTE [Allocations that outlive the iteration] in planner/core.py)."""
+(parameter gradients) are left to the fallback allocator, so micro-batch 2 finds no slot busy; or,
+for training that sets the gradients to None every step, placed in the arena beside the activations
+freed before them (NOTE [Allocations that outlive the iteration] in planner/core.py)."""
 
 from __future__ import annotations
 
 import copy
+import gc
 import warnings
 from typing import Any
 
@@ -62,6 +64,46 @@ def test_never_freed_phased_allocation_is_left_to_the_fallback(method: str) -> N
     validate_plan(back, trace)
     assert back.phase_tables() == tables
     assert back.solver["persistent_left_to_fallback"] == plan.solver["persistent_left_to_fallback"]
+
+
+def _with_a_cache() -> dict[str, Any]:
+    """_small_trace and a forward-made allocation that is never freed (a cache, not a gradient)."""
+    data = _small_trace()
+    data["events"].insert(2, {"op": "malloc", "id": 6, "size": 12_288, "phase": "embed.fwd"})
+    return data
+
+
+@pytest.mark.parametrize("method", ["auto", "flat", "bilevel", "heuristic"])
+def test_gradients_in_the_arena_share_it_with_the_activations(method: str) -> None:
+    trace = Trace.from_dict(_with_a_cache())
+    plan = make_plan(trace, use_mip=False, method=method, unphased="fallback", gradients="arena")
+    validate_plan(plan, trace)
+    rows = plan.phase_tables()["layer.bwd[0]"]
+    assert rows[0][0] == 1 << 20 and rows[0][1] is not None  # the gradient has an offset
+    assert plan.phase_tables()["embed.fwd"][1] == (12_288, None)  # the cache is the fallback's
+    assert plan.solver["gradients_in_arena"] == {"allocations": 1, "bytes": 1 << 20}
+    assert plan.solver["persistent_left_to_fallback"] == {"allocations": 1, "bytes": 12_288}
+    # The gradient lives from its backward pass on: with it, 4096 and 8192 are live at once at most.
+    assert plan.lower_bound == (1 << 20) + 4096 + 8192
+    assert plan.peak >= plan.lower_bound
+    back = Plan.from_dict(plan.to_dict())
+    validate_plan(back, trace)
+    assert back.phase_tables() == plan.phase_tables()
+
+
+def test_gradients_in_the_arena_are_validated() -> None:
+    trace = Trace.from_dict(_with_a_cache())
+    plan = make_plan(trace, use_mip=False, unphased="fallback", gradients="arena")
+    data = copy.deepcopy(plan.to_dict())
+    data["solver"]["gradients_in_arena"] = {"allocations": 2, "bytes": 1 << 20}
+    with pytest.raises(MemoError, match="gradients_in_arena"):
+        Plan.from_dict(data)
+    bad = copy.deepcopy(plan)
+    bad.offsets[[a.id for a in bad.allocations].index(3)] = None  # the gradient lost its offset
+    with pytest.raises(MemoError, match="gradient"):
+        validate_plan(bad, trace)
+    with pytest.raises(MemoError, match="gradients must be"):
+        make_plan(trace, use_mip=False, unphased="fallback", gradients="host")
 
 
 def test_default_plan_still_places_every_allocation() -> None:
@@ -177,9 +219,10 @@ def test_layered_gradients_keep_request_indices(method: str) -> None:
 
 # ------------------------------------------------------------------------------ end to end
 class Accumulation:
-    """A reference model trained with MICRO_BATCHES micro-batches per optimizer step."""
+    """A reference model trained with ``micro_batches`` micro-batches per optimizer step."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, micro_batches: int = MICRO_BATCHES) -> None:
+        self.micro_batches = micro_batches
         torch.manual_seed(0)
         self.model = build_model(name)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.05)
@@ -189,13 +232,13 @@ class Accumulation:
         gen = torch.Generator().manual_seed(1)
         self.batches = [(torch.randint(0, vocab, (BATCH, SEQ), generator=gen),
                          torch.randint(0, vocab, (BATCH, SEQ), generator=gen))
-                        for _ in range(1 + STEPS * MICRO_BATCHES)]
+                        for _ in range(1 + STEPS * micro_batches)]
 
     def micro_step(self, i: int) -> None:
         ids, labels = self.batches[i]
         with self.tracker.iteration():
             loss = self.model(ids, labels)
-            (loss / MICRO_BATCHES).backward()
+            (loss / self.micro_batches).backward()
         del loss
 
     def profile(self) -> dict[str, Any]:
@@ -207,12 +250,12 @@ class Accumulation:
         return trace
 
     def train(self) -> list[list[torch.Tensor]]:
-        """STEPS optimizer steps of MICRO_BATCHES micro-batches; the accumulated gradients per step."""
+        """STEPS optimizer steps of ``micro_batches`` micro-batches; the accumulated gradients per step."""
         grads = []
         for step in range(STEPS):
             self.optimizer.zero_grad(set_to_none=True)
-            for k in range(MICRO_BATCHES):
-                self.micro_step(1 + step * MICRO_BATCHES + k)
+            for k in range(self.micro_batches):
+                self.micro_step(1 + step * self.micro_batches + k)
             grads.append([p.grad.clone() for p in self.model.parameters()])
             self.optimizer.step()
         return grads
@@ -221,8 +264,8 @@ class Accumulation:
         self.tracker.remove()
 
 
-def _reference(name: str) -> list[list[torch.Tensor]]:
-    run = Accumulation(name)
+def _reference(name: str, micro_batches: int = MICRO_BATCHES) -> list[list[torch.Tensor]]:
+    run = Accumulation(name, micro_batches)
     try:
         run.profile()  # the same warm-up step as the planned run (the optimizer does not move)
         return run.train()
@@ -253,3 +296,44 @@ def test_gradient_accumulation_replays_the_plan(name: str) -> None:
     for step_got, step_want in zip(got, want, strict=True):
         for g, w in zip(step_got, step_want, strict=True):
             assert torch.equal(g, w)  # the same ops on the same values: bit for bit
+
+
+@pytest.mark.slow
+def test_gradients_in_the_arena_replay_exactly_and_hold_less() -> None:
+    """One micro-batch per step (gradients None before each forward): the arena plan replays with
+    no deviation and the fallback holds less than with the gradients in it; under accumulation the
+    same plan still gives the same gradients, its busy slots going to the fallback."""
+    held = {}
+    for micro_batches in (1, MICRO_BATCHES):
+        want = _reference("llama-tiny", micro_batches)
+        for gradients in ("fallback", "arena"):
+            run = Accumulation("llama-tiny", micro_batches)
+            try:
+                plan = make_plan(run.profile(), use_mip=False, unphased="fallback", gradients=gradients)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", ma.PlanDeviationWarning)
+                    with ma.planned(plan):
+                        ma.reset_stats()
+                        before = ma.stats()["fallback"]["allocated_bytes"]  # earlier runs' tensors
+                        got = run.train()
+                        s = ma.stats()
+            finally:
+                run.close()
+            for step_got, step_want in zip(got, want, strict=True):
+                for g, w in zip(step_got, step_want, strict=True):
+                    assert torch.equal(g, w)
+            del got  # its copies live in the fallback pool: they would count in the next run's peak
+            gc.collect()
+            assert s["invalid_frees"] == 0
+            if micro_batches == 1:
+                assert s["deviations"] == 0, (gradients, s["first_deviation"])
+                held[gradients] = (s["arena_bytes"], s["fallback"]["peak_allocated_bytes"] - before)
+            elif gradients == "arena":
+                assert s["slot_busy"] > 0  # micro-batch 2 found its gradients' slots still owned
+    grads = sum(p.numel() * p.element_size() for p in build_model("llama-tiny").parameters())
+    # The fallback no longer holds the gradients...
+    assert held["fallback"][1] - held["arena"][1] >= grads * 0.9
+    # ...and the arena took (almost) none of them on: their bytes were its idle ones at the end of
+    # backward, so the device holds less (counted without the fallback's segment rounding, which at
+    # this size is one segment either way).
+    assert sum(held["fallback"]) - sum(held["arena"]) >= grads * 0.8

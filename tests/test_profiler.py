@@ -410,10 +410,18 @@ def test_two_pass_plans_from_the_wrapped_model(recorder: str) -> None:
     phased, left_out, _ = without_unphased(wrapped)
     assert result.plan.lower_bound <= lower_bound(phased) <= lower_bound(wrapped)
     assert result.plan.solver["unphased_left_to_fallback"]["allocations"] == left_out > 0
-    # So are the gradients, which outlive the iteration (NOTE [Allocations that outlive the iteration]).
+    # Of what outlives the iteration, the gradients (made in backward) share the arena and the rest
+    # (made in forward) is the fallback's (NOTE [Allocations that outlive the iteration]).
     from memo.planner.core import outliving
 
-    assert result.plan.solver["persistent_left_to_fallback"]["allocations"] == len(outliving(phased))
+    from memo.phase_names import is_backward_phase
+
+    grads = [a for a in outliving(phased) if is_backward_phase(a.phase)]
+    assert len(grads) >= sum(1 for p in model.parameters() if p.requires_grad) - 1  # a tied one is made once
+    assert result.plan.solver["gradients_in_arena"] == {"allocations": len(grads),
+                                                         "bytes": sum(a.size for a in grads)}
+    left = result.plan.solver["persistent_left_to_fallback"]
+    assert left["allocations"] == len(outliving(phased)) - len(grads)
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")

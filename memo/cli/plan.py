@@ -65,6 +65,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--for-allocator", action="store_true",
                         help="leave allocations made outside phases to memo's fallback allocator (they are "
                         "never served from the arena); default: every allocation gets an address")
+    parser.add_argument("--gradients", choices=("arena", "fallback"), default="arena",
+                        help="with --for-allocator, where the parameter gradients go: arena (default), "
+                        "sharing its bytes with the activations freed before them, for training that sets "
+                        "the gradients to None after each optimizer step; fallback for gradient accumulation")
     parser.add_argument("--expand", action="store_true",
                         help="write {peak, lower_bound, addresses: {id: offset}} instead of the plan")
     parser.add_argument("--device-mem-gb", type=positive_float, default=None, metavar="GB",
@@ -96,6 +100,10 @@ def format_summary(plan: Plan) -> str:
         left = s["unphased_left_to_fallback"]
         lines.append(f"not planned   {left['allocations']} allocations outside phases "
                      f"({format_bytes(left['bytes'])}), served by the fallback allocator")
+    if "gradients_in_arena" in s:
+        grads = s["gradients_in_arena"]
+        lines.append(f"gradients     {grads['allocations']} in the arena ({format_bytes(grads['bytes'])}), "
+                     "sharing it with the activations freed before them")
     lines += device_lines(plan.device)
     lines += warning_lines(plan.warnings)
     return "\n".join(lines)
@@ -164,7 +172,8 @@ def run(args: argparse.Namespace) -> int:
         warnings.filterwarnings("ignore", message=r"memo\.planner: ", category=UserWarning)
         plan = make_plan(trace, time_limit=_time_left(args), solver=args.solver, use_mip=not args.no_mip,
                          method="flat" if args.flat else "auto",
-                         unphased="fallback" if args.for_allocator else "plan", capacity=args.capacity)
+                         unphased="fallback" if args.for_allocator else "plan", capacity=args.capacity,
+                         gradients=args.gradients)
     if args.device_mem_gb is not None:
         # The same record as `memo profile --device-mem-gb` (Plan.device), checked before writing.
         plan.device = device_need(trace, plan, int(args.device_mem_gb * GB))

@@ -118,6 +118,12 @@ def _add_planning_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--solver", choices=("cbc", "highs"), default=None, help="MIP solver for the planner (default: cbc)"
     )
+    s.add_argument(
+        "--gradients", choices=("arena", "fallback"), default="arena",
+        help="where the plan puts the parameter gradients: arena (default) shares the arena's bytes "
+        "with the activations freed before them, for training that sets the gradients to None after "
+        "each optimizer step; fallback for gradient accumulation (several backward passes per step)",
+    )
     wrap = s.add_mutually_exclusive_group()
     wrap.add_argument(
         "--wrap-pass",
@@ -278,6 +284,7 @@ def run(args: argparse.Namespace) -> int:
         tensor_parallel=args.tensor_parallel,
         context_parallel=args.context_parallel,
         optimizer_states=args.optimizer_states,
+        gradients=args.gradients,
         recorder=args.recorder,
         wrap_pass=args.wrap_pass,
         time_limit=args.time_limit,

@@ -133,6 +133,7 @@ def profile(
     context_parallel: int = 1,
     alpha: float | None = None,
     optimizer_states: str = "same",
+    gradients: str = "arena",
     policy: list[str] | None = None,
     recorder: str = "dispatch",
     wrap_pass: bool | None = None,
@@ -162,6 +163,10 @@ def profile(
             tokens; ``seq_len`` must be a multiple of ``2·c`` (and of ``c·t`` with tensor parallelism).
         alpha: use this alpha instead of solving the LP (checked against host memory).
         optimizer_states: how model states are counted (NOTE [Model states]): "same" or "mixed".
+        gradients: where the plan puts the parameter gradients (make_plan's ``gradients``):
+            "arena" (default), sharing the arena's bytes with the activations freed before them,
+            for training that sets the gradients to None after each optimizer step; "fallback" for
+            gradient accumulation (NOTE [Allocations that outlive the iteration] in planner/core.py).
         policy: a fixed layer policy (NOTE [Layer policy]) instead of the planner's choice.
         recorder: ``"dispatch"`` (every storage torch creates; any device) or ``"allocator"``
             (memo.allocator.logging: the real requests; cpu/cuda) for the trace the plan is
@@ -181,6 +186,9 @@ def profile(
     job = _job(model, seq_len, micro_batch, _dtype(dtype), torch.device(device), machine, tensor_parallel,
                context_parallel, recorder, progress, log or (lambda _line: None))
     job.batch = batch
+    if gradients not in ("arena", "fallback"):
+        raise MemoError(f"memo.profiler: gradients must be 'arena' or 'fallback', got {gradients!r}")
+    job.gradients = gradients
     if agree_max is not None:
         job.agree_max = agree_max
     # Refuse bad arguments before building or recording anything (a 1M-token pass takes a while).

@@ -28,7 +28,7 @@ def _plan(job: _Job, result: ProfileResult, chosen: PolicySolution, states: dict
     t0 = time.perf_counter()
     # The plan is for memo's allocator, which serves only phased requests from the arena.
     kwargs: dict[str, Any] = {"alpha_solution": result.alpha, "time_limit": time_limit,
-                              "progress": job.progress, "unphased": "fallback"}
+                              "progress": job.progress, "unphased": "fallback", "gradients": job.gradients}
     if solver is not None:
         kwargs["solver"] = solver
     if wrapped is not None:

@@ -50,32 +50,39 @@ def _static_bytes(states: dict[str, Any]) -> int:
 # not fit that moment (its peak came early in backward, with few gradients yet): the optimizer's
 # states then borrow the arena's idle bytes and the next iteration leaves the plan (a 16-layer Llama at
 # 2,048 tokens under 40 MiB ran out of memory in step 2). So the chosen policy must fit both: the
-# iteration's peak, and the arena (the most bytes live at once of the allocations the iteration frees)
-# beside what outlives the iteration, plus the model states. Under a budget only: without one, the cap
-# is full recompute's iteration need, and an iteration is compared with an iteration.
-def _optimizer_moment(trace: dict[str, Any], static: int) -> int:
-    """NOTE [The optimizer's moment]: the arena's bytes, what outlives the iteration, and ``static``."""
+# iteration's peak, and the arena (the most bytes live at once of the allocations it places: those the
+# iteration frees, and with gradients in the arena the gradients too) beside what else outlives the
+# iteration, plus the model states. Under a budget only: without one, the cap is full recompute's
+# iteration need, and an iteration is compared with an iteration.
+def _optimizer_moment(trace: dict[str, Any], static: int, gradients: str = "fallback") -> int:
+    """NOTE [The optimizer's moment]: the arena's bytes, what else outlives the iteration, and
+    ``static``; ``gradients`` as make_plan's (NOTE [Allocations that outlive the iteration])."""
+    from memo.phase_names import is_backward_phase
+
     sizes: dict[int, int] = {}
     freed: set[int] = set()
-    phased: set[int] = set()
+    placed: set[int] = set()
     for ev in trace["events"]:
         if ev["op"] == "malloc":
             sizes[ev["id"]] = ev["size"]
-            if ev.get("phase") is not None:
-                phased.add(ev["id"])
+            if ev.get("phase") is not None:  # the arena serves phased requests only
+                placed.add(ev["id"])
         elif ev["op"] == "free":
             freed.add(ev["id"])
+    placed = {i for i in placed if i in freed} | (
+        {ev["id"] for ev in trace["events"] if ev["op"] == "malloc" and ev["id"] not in freed
+         and is_backward_phase(ev.get("phase"))} if gradients == "arena" else set())
     live = arena = 0
     for ev in trace["events"]:
         ident = ev.get("id")
-        if ident not in freed or ident not in phased:  # the arena serves phased requests only
+        if ident not in placed:
             continue
         if ev["op"] == "malloc":
             live += sizes[ident]
             arena = max(arena, live)
         elif ev["op"] == "free":
             live -= sizes[ident]
-    outliving = sum(n for ident, n in sizes.items() if ident not in freed)
+    outliving = sum(n for ident, n in sizes.items() if ident not in freed and ident not in placed)
     return arena + outliving + int(static)
 
 

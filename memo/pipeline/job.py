@@ -101,6 +101,9 @@ class _Job:
     #: default but pass 2's device is not the device the plan is for (NOTE [Tiles of the device a
     #: plan is for]); None where that device's own default is what runs. Set with the cost model.
     default_tile: int | None = None
+    #: Where the plan puts the parameter gradients: make_plan's ``gradients`` (NOTE [Allocations that
+    #: outlive the iteration] in planner/core.py).
+    gradients: str = "arena"
 
     @property
     def tile_device_type(self) -> str:

@@ -239,5 +239,5 @@ class _PolicyProbe:
         total = job.recorded_total(trace, self.static)
         moment = None
         if job.machine.device_budget_bytes is not None:  # NOTE [The optimizer's moment]
-            moment = job.agree_max(_optimizer_moment(trace, self.static))
+            moment = job.agree_max(_optimizer_moment(trace, self.static, job.gradients))
         return PolicyRecording(total, moment)
