@@ -129,6 +129,13 @@ def check_writable(path: str | os.PathLike[str], what: str) -> None:
         raise MemoError(f"{what}: the folder {folder!r} is not writable (nothing was run)")
 
 
+def _umask() -> int:
+    """The process's umask (reading it means setting it: set it back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_write(path: str | os.PathLike[str], what: str, mode: str = "w") -> Iterator[IO[Any]]:
     """Write ``path`` through a temporary file that replaces it when complete (NOTE [Atomic writes])."""
@@ -139,6 +146,9 @@ def atomic_write(path: str | os.PathLike[str], what: str, mode: str = "w") -> It
     except OSError as err:
         raise MemoError(f"{what}: cannot write {target!r}: {err}") from None
     try:
+        # mkstemp makes the file 0600; the file we leave gets what open() would give it under the
+        # umask (0666 & ~umask), so another user's job, or a container's, can read a plan we wrote.
+        os.chmod(tmp, 0o666 & ~_umask())
         with os.fdopen(fd, mode, encoding=None if "b" in mode else "utf-8") as f:
             yield f
         os.replace(tmp, target)

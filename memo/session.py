@@ -124,7 +124,7 @@ class Session:
 
                 self.wrapped = False
                 if runtime.is_wrapped(self.model):
-                    runtime.unwrap(self.model)
+                    runtime.unwrap(self.model, force=True)
         finally:
             self.allocator_on = False
             self._stack.close()

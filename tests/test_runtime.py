@@ -170,7 +170,8 @@ def test_a_longer_input_is_refused_while_a_forward_awaits_its_backward() -> None
     with pytest.raises(MemoError, match=r"this forward offloads [\d,]+ bytes per layer, more than the [\d,]+ "
                                         r"the rounding buffers hold \(the input went from \[8, 2, 64\] "
                                         r"torch.float32 \(autocast off\) to \[10, 2, 64\] torch.float32 "
-                                        r"\(autocast off\)\), while 1 earlier forward\(s\) await"):
+                                        r"\(autocast off\)\), and they cannot grow now: 1 earlier "
+                                        r"forward\(s\) still hold"):
         model(*random_batch(model, 2, 10))
     first.backward()
     train_step(model, *random_batch(model, 2, 10))  # between iterations the buffers grow

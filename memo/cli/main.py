@@ -8,11 +8,14 @@ where ``run(args) -> int`` is the exit status.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import signal
 import sys
 import textwrap
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from memo.errors import MemoError
 
@@ -76,6 +79,29 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the program is, like Ctrl-C's KeyboardInterrupt (what schedulers send
+    at a job's time limit): the same cleanup runs, and main says so in one line."""
+
+
+def _raise_terminated(signum: int, _frame: object) -> None:
+    raise Terminated(signum)
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """Turn SIGTERM into :class:`Terminated` while a command runs (main thread only: Python runs
+    signal handlers there, and only there may one be installed)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     # When the command started: a subcommand with a time limit (memo plan) counts from here.
     started = time.monotonic()
@@ -84,10 +110,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser(only).parse_args(argv)
     args.started = started
     try:
-        return int(args.func(args) or 0)
+        with _sigterm_as_interrupt():
+            return int(args.func(args) or 0)
     except MemoError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except Terminated:
+        print("memo: terminated (SIGTERM)", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         # Ctrl-C: one line, no traceback; files are written atomically, so none is left half-written.
         print("memo: interrupted", file=sys.stderr)

@@ -11,8 +11,17 @@ import argparse
 from memo.planner import Plan, load_plan, offload_difference
 from memo.units import format_bytes
 
-__all__ = ["add_parser", "format_plan", "parallel_line", "run", "warning_lines"]
+__all__ = ["add_parser", "format_plan", "parallel_line", "run", "safe_text", "warning_lines"]
 
+
+def safe_text(value: object) -> str:
+    """``value`` as text fit for a terminal: characters that are not printable (escape sequences,
+    newlines, carriage returns) are written as Python escapes, so a string read from a file can
+    neither drive the terminal nor print a line of its own (a crafted "peak" line)."""
+    text = str(value)
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -27,14 +36,17 @@ def _mib(n: int | None) -> str:
     return "unknown" if n is None else format_bytes(n)
 
 
+#: The plan meta keys of the "model" line.
+MODEL_KEYS = ("model", "seq_len", "micro_batch", "dtype", "n_layers", "fingerprint")
+
+
 def format_plan(plan: Plan) -> str:
     meta = plan.meta
     out = [
-        "model         " + " ".join(f"{k}={meta[k]}" for k in ("model", "seq_len", "micro_batch", "dtype",
-                                                               "n_layers", "fingerprint") if k in meta),
+        "model         " + " ".join(f"{k}={safe_text(meta[k])}" for k in MODEL_KEYS if k in meta),
         parallel_line(meta),
         "alpha         " + ("not solved" if plan.alpha is None else f"{plan.alpha:.4f}"
-                            + f" (binding: {plan.alpha_binding})"),
+                            + f" (binding: {safe_text(plan.alpha_binding)})"),
         f"peak          {_mib(plan.peak)}",
         f"lower bound   {_mib(plan.lower_bound)}",
         f"ratio         {plan.ratio:.4f}",
@@ -60,17 +72,18 @@ def format_plan(plan: Plan) -> str:
                    f"{_mib(o['planned_bytes_per_layer'])}, actual {_mib(o['actual_bytes_per_layer'])}")
         warning = offload_difference(o)
         if warning is not None:
-            out.append(f"warning       {warning}")
+            out.append(f"warning       {safe_text(warning)}")
     s = plan.solver
-    out.append(f"solver        {s.get('kind')} {s.get('solver') or 'heuristic only'}, "
+    out.append(f"solver        {safe_text(s.get('kind'))} {safe_text(s.get('solver') or 'heuristic only')}, "
                f"{s.get('seconds', 0):.2f} s, heuristic fallback: {bool(s.get('heuristic_fallback'))}")
     stages = s.get("stages") or ({"total": s["total"]} if "total" in s else {})
     for name, st in stages.items():
-        out.append(f"  {name:<20} {st.get('method')}: {st.get('status')}, {st.get('seconds')} s, "
+        out.append(f"  {safe_text(name):<20} {safe_text(st.get('method'))}: {safe_text(st.get('status'))}, "
+                   f"{safe_text(st.get('seconds'))} s, "
                    f"gap to lower bound {100 * st.get('gap_to_lower_bound', 0):.2f}%, "
-                   f"items {st.get('items')}")
+                   f"items {safe_text(st.get('items'))}")
     for kind, height in plan.level1_peak.items():
-        out.append(f"level 1       {kind}: block {_mib(height)}")
+        out.append(f"level 1       {safe_text(kind)}: block {_mib(height)}")
     out.append("phase peaks (highest arena byte each phase's allocations reach):")
     for phase, top in plan.phase_peaks().items():
         out.append(f"  {phase:<20} {_mib(top)}")
@@ -109,9 +122,8 @@ def device_lines(device: dict | None) -> list[str]:
     if st is None:  # `memo plan` of a trace that records no model states
         states = "not recorded in the trace: the total is the iteration's alone"
     else:
-        states = (f"parameters {_mib(st['parameters']['bytes'])} {st['parameters'].get('dtype', '')}, "
-                  f"gradients {_mib(st['gradients']['bytes'])} {st['gradients'].get('dtype', '')}, optimizer "
-                  f"{_mib(st['optimizer']['bytes'])} {st['optimizer'].get('dtype', '')}")
+        states = ", ".join(f"{part} {_mib(st[part]['bytes'])} {safe_text(st[part].get('dtype', ''))}".rstrip()
+                           for part in ("parameters", "gradients", "optimizer"))
     budget = device.get("budget_bytes")
     total = device["total_bytes"]
     fits = "" if budget is None else (" (fits)" if total <= budget else " (OVER the budget)")
@@ -128,7 +140,7 @@ def device_lines(device: dict | None) -> list[str]:
         out.append(f"  full recompute would need {_mib(est['full_recompute_bytes'])} per rank")
     binding = device.get("binding")
     if binding:
-        out.append(f"binding       {BINDING_WORDS.get(binding, binding)}")
+        out.append(f"binding       {safe_text(BINDING_WORDS.get(binding, binding))}")
     return out
 
 
@@ -143,7 +155,7 @@ def warning_lines(warnings: list[str]) -> list[str]:
               "their layer policy differs from the others' (NOTE [Layer policy]; nothing to do)"),
              ("is interrupted by other phases", "are interrupted by other phases, so their allocations are "
               "planned one by one instead of as one layer block (nothing to do)"))
-    out, rest = [], list(warnings)
+    out, rest = [], [safe_text(w) for w in warnings]
     for needle, text in kinds:
         hits = [w for w in rest if needle in w and "phase " in w]  # the planner's form: "phase P ..."
         if hits:

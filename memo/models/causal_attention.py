@@ -56,11 +56,16 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             "memo.models.attention: k and v must be [s, b, n_kv, d] matching q's s, b and d; got "
             f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
-    if q.shape[2] % k.shape[2] != 0:
+    if k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
         raise MemoError(
             f"memo.models.attention: q has {q.shape[2]} heads, k/v have {k.shape[2]}; the query head "
             "count must be a multiple of the key/value head count (grouped-query attention)"
         )
+    if 0 in q.shape:
+        # The CPU flash kernel divides by the sequence length: an empty tensor kills the process
+        # with SIGFPE instead of raising.
+        raise MemoError(f"memo.models.attention: q, k, v are empty (shape {tuple(q.shape)}); attention "
+                        "needs at least one token, one sequence, one head and one channel")
 
 
 @functools.cache

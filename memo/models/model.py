@@ -78,6 +78,11 @@ def _check_ids(ids: torch.Tensor, labels: torch.Tensor | None = None) -> None:
             f"memo.models: labels must have the shape of the ids [b, s] = {tuple(ids.shape)}; "
             f"got {tuple(labels.shape)}"
         )
+    if ids.shape[0] < 1 or ids.shape[1] < 1:
+        raise MemoError(
+            f"memo.models: the ids [b, s] = {tuple(ids.shape)} hold no token; a batch needs at least "
+            "one sequence of at least one token"
+        )
 
 
 class LlamaEmbedding(nn.Module):

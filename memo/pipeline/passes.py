@@ -177,7 +177,7 @@ def _wrapped_pass(job: _Job, model: nn.Module, ids: torch.Tensor, labels: torch.
         return trace, WrappedRun(host_bytes=int(rt.host_bytes), layer_bytes=int(rt.layer_bytes or 0),
                                  offloaded_layers=int(rt.n_offloaded), tensors=list(rt.layer_tensors))
     finally:
-        runtime.unwrap(model)
+        runtime.unwrap(model, force=True)
 
 
 def _target_meta(plain: Recording, device: torch.device, recorder: str) -> dict[str, Any]:

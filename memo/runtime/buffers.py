@@ -45,6 +45,7 @@ refused with the numbers, and the forwards in flight are untouched.
 from __future__ import annotations
 
 import enum
+import itertools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -148,6 +149,9 @@ class RuntimeStats:
     """Forwards of layers under full recompute (NOTE [Layer policy])."""
     abandoned_iterations: int = 0
     """Forwards whose graph was freed without a backward, dropped by memo (NOTE [Abandoned forward])."""
+    failed_iterations: int = 0
+    """Forwards or backwards that raised inside a wrapped layer, dropped by memo (NOTE [Failed
+    iteration] in memo/runtime/runtime.py)."""
     evicted_prefetches: int = 0
     """Prefetched layers whose device buffer another flight's backward took (NOTE [Forwards in flight])."""
     max_forwards_in_flight: int = 0
@@ -171,6 +175,10 @@ class Slot:
     shape: tuple[int, ...]
 
 
+#: Numbers for the layer forwards a slot holds (LayerSlot.epoch), unique in the process.
+_EPOCHS = itertools.count(1)
+
+
 @dataclass
 class LayerSlot:
     """Book-keeping of one offloaded layer in one flight (its state, events and used bytes)."""
@@ -182,6 +190,9 @@ class LayerSlot:
     offload_event: Any = None
     prefetch_event: Any = None
     slots: list[Slot] = field(default_factory=list)
+    #: Which layer forward the slot holds: a number no other forward gets, 0 when it holds none. A
+    #: backward checks it against its record's (NOTE [Failed iteration] in memo/runtime/runtime.py).
+    epoch: int = 0
 
     def transition(self, new: BufferState) -> None:
         if new not in _TRANSITIONS[self.state]:
@@ -415,6 +426,7 @@ class RoundingBuffers:
         self._writer[k] = layer
         layer.used = 0
         layer.slots = []
+        layer.epoch = next(_EPOCHS)
 
     def pack(self, i: int, t: torch.Tensor, f: int = 0) -> int:
         """Copy ``t`` into layer i's buffer (compute stream); returns the slot number."""
@@ -505,6 +517,7 @@ class RoundingBuffers:
             for layer in self.layers[f]:
                 layer.state = BufferState.IDLE
                 layer.offload_event = layer.prefetch_event = None
+                layer.epoch = 0
         # The compute events in _released stay: a kernel may still read a buffer.
         for k in range(2):
             for owners in (self._writer, self._holder):

@@ -133,8 +133,10 @@ class LayerRecord:
     rng_post: list[Any] = field(default_factory=list)
     autocast: AutocastState | None = None
     qkv_dtypes: tuple[torch.dtype, ...] = ()
-    #: The forward in flight this record belongs to (NOTE [Forwards in flight] in buffers.py).
+    #: The forward in flight this record belongs to (NOTE [Forwards in flight] in buffers.py), and its
+    #: layer's slot epoch there (NOTE [Failed iteration] in memo/runtime/runtime.py).
     flight: int = 0
+    epoch: int = 0
     #: Full-sequence dropout masks (NOTE [Dropout as unwrapped]); None for a layer in eval mode.
     dropout: LayerDropout | None = None
     #: The attention-side rows in sequence order (NOTE [Gathered rows in sequence order] in
@@ -225,6 +227,10 @@ class LayerContext(Protocol):
     def begin_forward(self) -> None:
         """Called by the first layer's forward: choose the flight this forward records into."""
 
+    def drop_failed(self, flight: int, index: int, epoch: int, where: str) -> None:
+        """An exception left layer ``index``'s ``where`` ("forward"/"backward") of the forward
+        whose slot epoch is ``epoch``: drop that forward (NOTE [Failed iteration])."""
+
     def reset(self) -> None:
         """Drop an abandoned iteration: wait for copies, set every layer idle, forget what is pending."""
 
@@ -269,8 +275,13 @@ class LayerCall:
             rt.begin_forward()
         f = rt.flight
         rt.buffers.begin_forward(i, f)
-        y, rec = self._forward(x, ctx, BufferSink(rt, i, f))
-        rec.flight = f
+        epoch = rt.buffers.layers[f][i].epoch
+        try:
+            y, rec = self._forward(x, ctx, BufferSink(rt, i, f))
+        except BaseException:
+            rt.drop_failed(f, i, epoch, "forward")
+            raise
+        rec.flight, rec.epoch = f, epoch
         rt.buffers.end_forward(i, f)
         rt.buffers.note_flights()
         rt.pending[f, i] = weakref.ref(rec)
@@ -373,6 +384,11 @@ class LayerCall:
         f = rec.flight
         rt.pending.pop((f, i), None)
         buffers = rt.buffers
+        if buffers is None or f >= buffers.n_flights or buffers.layers[f][i].epoch != rec.epoch:
+            raise MemoError(
+                f"memo.runtime: the backward of layer {i} belongs to a forward whose offloaded activations "
+                "memo has dropped (an exception in that iteration's forward or backward, or the model "
+                "was unwrapped since): they are gone. Run the forward again (NOTE [Failed iteration])")
         buffers.begin_backward(i, f)
         rec.packer.resolve_slot = lambda slot: buffers.view(i, slot, f)
         a, ctx = rec.a, rec.ctx
@@ -535,10 +551,15 @@ class MemoLayerFunction(torch.autograd.Function):
         y, rec = call.forward(x, layer_ctx)
         ctx.call, ctx.rec, ctx.anchor, ctx.saved_params = call, rec, anchor, params
         ctx.x_requires_grad = x.requires_grad
+        ctx.failed = False
         return y
 
     @staticmethod
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if ctx.rec is None and ctx.failed:
+            raise MemoError(
+                "memo.runtime: this wrapped layer's backward raised before, and memo dropped that "
+                "forward's offloaded activations (NOTE [Failed iteration]); run the forward again")
         if ctx.rec is None:
             raise MemoError(
                 "memo.runtime: a wrapped layer's backward ran twice; memo frees its saved state after one "
@@ -552,7 +573,12 @@ class MemoLayerFunction(torch.autograd.Function):
                 "and offloads activations, so it cannot build the graph of its own backward (double "
                 "backward, e.g. gradient penalties). Run that computation on memo.unwrap(model); the "
                 "iteration was dropped, the model is ready for the next forward")
-        grad_x, param_grads = ctx.call.backward(rec, grad_y, ctx.saved_params, ctx.anchor)
+        try:
+            grad_x, param_grads = ctx.call.backward(rec, grad_y, ctx.saved_params, ctx.anchor)
+        except BaseException:
+            ctx.failed = True
+            ctx.call.runtime.drop_failed(rec.flight, ctx.call.index, rec.epoch, "backward")
+            raise
         return (None, None, None, grad_x if ctx.x_requires_grad else None, *param_grads)
 
 

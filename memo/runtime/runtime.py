@@ -350,9 +350,14 @@ class MemoRuntime:
         if not self._can_resize():
             raise MemoError(
                 f"memo.runtime: this forward offloads {max(sizes):,} bytes per layer, more than the "
-                f"{self.buffers.layer_bytes:,} the rounding buffers hold ({why}), while "
-                f"{len(self.buffers.busy_flights())} earlier forward(s) await their backward in them; run "
-                "their backward first (the buffers grow only between iterations)")
+                f"{self.buffers.layer_bytes:,} the rounding buffers hold ({why}), and they cannot grow "
+                f"now: {len(self.buffers.busy_flights())} earlier forward(s) still hold their layers "
+                "there, awaiting a backward (NOTE [Forwards in flight]). Size them for the longest input "
+                "first: one forward and backward at the longest length (a warm-up step) serves every "
+                "shorter one after it, and of two forwards kept for one backward (DPO's chosen and "
+                "rejected) run the longer first. An output kept without a backward also holds its "
+                "forward (an evaluation run with gradients enabled): evaluate under torch.no_grad(), or "
+                "`del` that output before training on")
         self._release()  # every layer is idle: nothing lives in the buffers
         self._allocate_buffers(x, key, sizes, tensors, sigs, why=why)
 
@@ -456,9 +461,41 @@ class MemoRuntime:
                               "offloaded activations and goes on (counted in stats.abandoned_iterations; "
                               "this is said once)", stacklevel=4)
 
+    def forwards_awaiting_backward(self) -> int:
+        """Forwards whose graph is alive and whose wrapped layers' backward has not all run."""
+        return len({f for (f, _), ref in self.pending.items() if ref() is not None})
+
     def begin_forward(self) -> None:
         """The first memo layer's forward: pick the flight of this forward of the model."""
         self.flight = self.buffers.free_flight()
+
+    # NOTE [Failed iteration]
+    # An exception inside a wrapped layer's forward or backward (an out-of-memory at long context,
+    # a bad input, a hook that raises) leaves that forward's flight half-used: a layer READY in a
+    # device buffer whose backward will never finish, others OFFLOADED. Its graph is dead (autograd
+    # frees what a failed backward used; a failed forward has no loss), but the caller may still
+    # hold it (``loss`` stays bound until the next step assigns it), so NOTE [Abandoned forward]
+    # would keep the flight, and the next forward would find the buffer taken. So the layer that
+    # sees the exception drops the flight at once: copies waited for, every slot IDLE, its host
+    # region free for the next forward. Counted in stats.failed_iterations and said once; the
+    # exception goes on to the caller unchanged, and a loop that catches it and skips the batch
+    # goes on. Each layer forward gets a number no other gets (LayerSlot.epoch), kept in its record:
+    # a backward whose record's number is not its slot's (a backward tried again on the dropped
+    # graph, after another forward reused the flight) is refused, never run on another forward's
+    # activations.
+    def drop_failed(self, flight: int, index: int, epoch: int, where: str) -> None:
+        """NOTE [Failed iteration]: drop the flight of layer ``index``'s failed ``where`` pass."""
+        buffers = self.buffers
+        if buffers is None or flight >= buffers.n_flights or buffers.layers[flight][index].epoch != epoch:
+            return  # not that forward's flight any more: nothing of it to drop
+        buffers.reset([flight])
+        self.pending = {key: ref for key, ref in self.pending.items() if key[0] != flight}
+        self.stats.failed_iterations += 1
+        if "failed iteration" not in self.said:
+            self.said.add("failed iteration")
+            warnings.warn(f"memo.runtime: an exception in layer {index}'s {where} ended its iteration; memo "
+                          "dropped that forward's offloaded activations, and the next forward starts clean "
+                          "(counted in stats.failed_iterations; this is said once)", stacklevel=3)
 
     def prefetch_hook(self, index: int, flight: int = 0) -> None:
         """Called when the gradient of layer ``index + 1``'s output is ready: prefetch layer ``index``

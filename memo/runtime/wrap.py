@@ -233,9 +233,21 @@ def wrap(
     return model
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """Restore the layers :func:`wrap` wrapped and release the runtime's buffers; returns ``model``."""
+def unwrap(model: nn.Module, *, force: bool = False) -> nn.Module:
+    """Restore the layers :func:`wrap` wrapped and release the runtime's buffers; returns ``model``.
+
+    Refused while a forward of the model awaits its backward: that backward needs the runtime's
+    buffers and its layers' wrapped backward. ``force`` (for clean-up after an exception) drops such
+    forwards instead: their backward, if tried, is refused with a clear error."""
     runtime = runtime_of(model)
+    waiting = runtime.forwards_awaiting_backward()
+    if waiting and force:
+        runtime.reset()
+    elif waiting:
+        raise MemoError(
+            f"memo.unwrap: {waiting} forward(s) of this model still await their backward, which needs "
+            "memo's buffers and wrapped layers; run that backward first (loss.backward()), or drop "
+            "what holds its graph (del loss, and any output kept), then unwrap")
     for call in runtime.calls:
         layer = call.layer
         saved = layer.__dict__.pop(_SAVED_FORWARD_ATTR, _NO_SAVED)

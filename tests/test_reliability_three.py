@@ -1,0 +1,189 @@
+"""Reliability, round three (issue 31): each test reproduces one defect at its cause."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import memo
+from memo.errors import MemoError
+from memo.models import attention, build_model
+from memo.runtime import runtime_of
+
+
+def _wrapped(name: str = "llama-tiny", alpha: float = 0.5) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = build_model(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        memo.wrap(model, alpha=alpha, policy=["memo"] * len(model.layers))
+    return model
+
+
+def _batch(seq: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return torch.randint(0, 100, (1, seq), generator=gen), torch.randint(0, 100, (1, seq), generator=gen)
+
+
+def _grads(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in model.parameters()]
+
+
+class _RaiseOnce:
+    """A forward hook on a layer's last module that raises once, in forward or in backward (where
+    memo runs the module again to recompute)."""
+
+    def __init__(self, module: torch.nn.Module, in_backward: bool) -> None:
+        self.armed = False
+        self.in_backward = in_backward
+        self.handle = module.register_forward_hook(self)
+
+    def __call__(self, *_args: object) -> None:
+        in_backward = torch._C._current_graph_task_id() != -1
+        if self.armed and in_backward == self.in_backward:
+            self.armed = False
+            raise RuntimeError("simulated out of memory")
+
+
+# ------------------------------------------------------------------ 2. an exception in forward or backward
+@pytest.mark.parametrize("in_backward", [False, True], ids=["forward", "backward"])
+def test_a_step_that_raises_leaves_the_model_usable(in_backward: bool) -> None:
+    """A loop that catches the error and skips the batch goes on, with exact gradients after it."""
+    reference = _wrapped()
+    ids, labels = _batch()
+    reference(ids, labels).backward()
+    want = _grads(reference)
+
+    model = _wrapped()
+    hook = _RaiseOnce(list(model.layers[1].children())[-1], in_backward)
+    hook.armed = True
+    with pytest.warns(UserWarning, match="ended its iteration"):
+        with pytest.raises(RuntimeError, match="simulated out of memory"):
+            loss = model(ids, labels)  # `loss` stays bound, as in a training loop, when backward fails
+            loss.backward()
+    model.zero_grad(set_to_none=True)
+    for _ in range(2):  # the next steps run, on the same buffers
+        model.zero_grad(set_to_none=True)
+        loss = model(ids, labels)
+        loss.backward()
+    rt = runtime_of(model)
+    assert rt.stats.failed_iterations == 1
+    assert rt.buffers.n_flights == 1, "the failed forward's host region was reused, not a second one made"
+    for g, w in zip(_grads(model), want, strict=True):
+        assert torch.equal(g, w)
+
+
+def test_a_backward_tried_again_on_a_dropped_forward_is_refused() -> None:
+    model = _wrapped()
+    ids, labels = _batch()
+    hook = _RaiseOnce(list(model.layers[-1].children())[-1], in_backward=True)
+    hook.armed = True
+    loss = model(ids, labels)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(RuntimeError, match="simulated"):
+            loss.backward(retain_graph=True)
+        other = model(ids, labels)  # takes the dropped forward's flight
+        with pytest.raises(MemoError, match="dropped"):
+            loss.backward()
+    other.backward()  # the forward that reused the flight is intact
+
+
+# ------------------------------------------------------------------ 4. unwrap while a backward is pending
+def test_unwrap_with_a_backward_pending_is_refused_and_force_drops_it() -> None:
+    model = _wrapped()
+    ids, labels = _batch()
+    loss = model(ids, labels)
+    with pytest.raises(MemoError, match="await their backward"):
+        memo.unwrap(model)
+    loss.backward()  # still intact after the refusal
+    loss = model(ids, labels)
+    memo.unwrap(model, force=True)
+    with pytest.raises(MemoError, match="dropped"):
+        loss.backward()
+    del loss
+    gc.collect()
+    model(ids, labels).backward()  # unwrapped now: plain autograd
+
+
+# ------------------------------------------------------------------ 8. strings from files, escaped
+def test_show_escapes_what_a_plan_file_says() -> None:
+    from memo.planner import make_plan
+    from memo.planner.synthetic import layered_trace
+
+    from memo.cli.show import format_plan, safe_text
+
+    plan = make_plan(layered_trace(2), use_mip=False)
+    plan.meta["model"] = "evil\x1b[2J\npeak          0 B"
+    plan.warnings.append("bell\x07")
+    text = format_plan(plan)
+    assert "\x1b" not in text and "\x07" not in text
+    assert "\npeak          0 B" not in text
+    assert "evil\\x1b[2J\\npeak" in text
+    assert safe_text("naïve 東京") == "naïve 東京"  # printable text is left alone
+
+
+# ------------------------------------------------------------------ 9. file modes follow the umask
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_files_get_the_mode_open_would_give(tmp_path, umask: int) -> None:
+    from memo.jsonio import atomic_write
+
+    old = os.umask(umask)
+    try:
+        with atomic_write(tmp_path / "plan.json", "test") as f:
+            f.write("{}")
+        with open(tmp_path / "plain.json", "w") as f:
+            f.write("{}")
+    finally:
+        os.umask(old)
+    mode = os.stat(tmp_path / "plan.json").st_mode & 0o777
+    assert mode == 0o666 & ~umask == os.stat(tmp_path / "plain.json").st_mode & 0o777
+
+
+# ------------------------------------------------------------------ 10. no token
+def test_an_empty_sequence_is_refused_not_a_crash() -> None:
+    model = build_model("tiny")
+    empty = torch.zeros(1, 0, dtype=torch.long)
+    with pytest.raises(MemoError, match="hold no token"):
+        model(empty, empty)
+    with pytest.raises(MemoError, match="no token"):
+        model(torch.zeros(0, 8, dtype=torch.long), torch.zeros(0, 8, dtype=torch.long))
+    q = torch.zeros(0, 1, 2, 4)
+    with pytest.raises(MemoError, match="at least one token"):
+        attention(q, q, q)
+
+
+# ------------------------------------------------------------------ 11. SIGTERM and two messages
+def test_sigterm_is_one_line_like_ctrl_c(tmp_path) -> None:
+    script = ("import os, signal, sys\n"
+              "import memo.cli.show as show\n"
+              "def run(args):\n"
+              "    os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    import time; time.sleep(30)\n"
+              "show.run = run\n"
+              "from memo.cli.main import main\n"
+              "sys.exit(main(['show', 'x.json']))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 128 + signal.SIGTERM
+    assert done.stderr == "memo: terminated (SIGTERM)\n"
+
+
+def test_a_longer_forward_while_one_awaits_its_backward_says_what_to_do() -> None:
+    model = _wrapped()
+    model.eval()
+    kept = model(*_batch(32))  # an evaluation output kept, with gradients enabled
+    model.train()
+    with pytest.raises(MemoError) as err:
+        model(*_batch(64))
+    text = str(err.value)
+    assert "longest" in text and "warm-up" in text  # pre-size: the longest input first
+    assert "torch.no_grad()" in text and "del" in text  # the kept evaluation output
+    assert "run their backward first" not in text
+    del kept
