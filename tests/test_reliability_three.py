@@ -52,6 +52,34 @@ class _RaiseOnce:
             raise RuntimeError("simulated out of memory")
 
 
+# ------------------------------------------------------------------ 1. functional_call
+def _functional_grads(model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss and gradients with every parameter replaced by another tensor for the call only."""
+    from torch.func import functional_call
+
+    ids, labels = _batch()
+    params = {k: (v.detach() * 1.1).requires_grad_() for k, v in model.named_parameters()}
+    loss = functional_call(model, params, (ids, labels))
+    return loss.detach(), dict(zip(params, torch.autograd.grad(loss, list(params.values())), strict=True))
+
+
+@pytest.mark.parametrize(("policy", "alpha"), [(["memo", "memo"], 0.5), (["memo", "recompute"], 1.0),
+                                               (["input-only", "keep"], 0.0), (["memo", "memo"], 0.0)])
+def test_functional_call_recomputes_with_the_substituted_parameters(policy: list[str], alpha: float) -> None:
+    torch.manual_seed(0)
+    reference = build_model("llama-tiny")
+    model = build_model("llama-tiny")
+    model.load_state_dict(reference.state_dict())
+    memo.wrap(model, alpha=alpha, policy=policy)
+    want_loss, want = _functional_grads(reference)
+    got_loss, got = _functional_grads(model)
+    assert torch.equal(got_loss, want_loss)
+    for name, g in got.items():
+        assert (g - want[name]).norm() <= 1e-5 * want[name].norm(), name
+    # the module's own parameters are back after the backward
+    assert all(isinstance(p, torch.nn.Parameter) for p in model.parameters())
+
+
 # ------------------------------------------------------------------ 2. an exception in forward or backward
 @pytest.mark.parametrize("in_backward", [False, True], ids=["forward", "backward"])
 def test_a_step_that_raises_leaves_the_model_usable(in_backward: bool) -> None:

@@ -74,6 +74,7 @@ from memo.runtime.autocast import AutocastState
 from memo.runtime.core_attention import BlackBoxCore, MemoCore
 from memo.runtime.dropout import LayerDropout, replay_rng, rng_state, same_rng_state
 from memo.runtime.packing import BufferSink, CountingSink, Packer
+from memo.runtime.module_state import as_in_forward, module_tensors
 from memo.runtime.sequence_order import SequenceOrder
 from memo.runtime.taps import Tap, TapGrads
 from memo.runtime.tiles import (
@@ -137,6 +138,9 @@ class LayerRecord:
     #: layer's slot epoch there (NOTE [Failed iteration] in memo/runtime/runtime.py).
     flight: int = 0
     epoch: int = 0
+    #: The layer's parameters and buffers as forward ran with them (NOTE [Recompute with the
+    #: forward's tensors] in memo/runtime/module_state.py).
+    module_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     #: Full-sequence dropout masks (NOTE [Dropout as unwrapped]); None for a layer in eval mode.
     dropout: LayerDropout | None = None
     #: The attention-side rows in sequence order (NOTE [Gathered rows in sequence order] in
@@ -282,6 +286,7 @@ class LayerCall:
             rt.drop_failed(f, i, epoch, "forward")
             raise
         rec.flight, rec.epoch = f, epoch
+        rec.module_tensors = module_tensors(self.layer)
         rt.buffers.end_forward(i, f)
         rt.buffers.note_flights()
         rt.pending[f, i] = weakref.ref(rec)
@@ -378,7 +383,13 @@ class LayerCall:
     def backward(self, rec: LayerRecord, grad_y: torch.Tensor, params: tuple[torch.Tensor, ...],
                  anchor: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         """``grad_y: [s, b, h]`` -> ``grad_x: [s, b, h]`` and the gradients of ``params`` (NOTE
-        [Gradients through the engine])."""
+        [Gradients through the engine]), recomputing with the tensors forward ran with (NOTE
+        [Recompute with the forward's tensors] in memo/runtime/module_state.py)."""
+        with as_in_forward(self.layer, rec.module_tensors):
+            return self._backward(rec, grad_y, params, anchor)
+
+    def _backward(self, rec: LayerRecord, grad_y: torch.Tensor, params: tuple[torch.Tensor, ...],
+                  anchor: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         rt, layer, adapter, i = self.runtime, self.layer, self.adapter, self.index
         run = _SubGraphs(params, anchor)
         f = rec.flight

@@ -44,6 +44,7 @@ from memo.adapters.base import LayerAdapter, find_adapter, registered_adapters
 from memo.adapters.model import find_model_adapter
 from memo.errors import MemoError
 from memo.runtime.layer import LayerCall
+from memo.runtime.module_state import as_in_forward, module_tensors
 from memo.runtime.runtime import NOT_OFFLOADED_TAIL, OFFLOADING_POLICIES, MemoRuntime
 
 __all__ = ["find_layers", "is_wrapped", "runtime_of", "unwrap", "wrap"]
@@ -135,7 +136,10 @@ def _wrapped_forward(call: LayerCall, original: Any, *args: Any, **kwargs: Any) 
         out = call.adapter.pack_output(call.layer, y, ctx)
     elif kind == "recompute":
         rt.stats.recomputed_layers += 1
-        out = checkpoint(original, *args, use_reentrant=False, **kwargs)
+        # torch's checkpoint recomputes with the module's tensors of the moment: under
+        # functional_call those are no longer the forward's (NOTE [Recompute with the forward's
+        # tensors] in memo/runtime/module_state.py).
+        out = checkpoint(_with_tensors(original, call.layer), *args, use_reentrant=False, **kwargs)
     else:
         out = original(*args, **kwargs)
     if 0 < call.index <= rt.n_offloaded:
@@ -144,6 +148,17 @@ def _wrapped_forward(call: LayerCall, original: Any, *args: Any, **kwargs: Any) 
             hook = functools.partial(_prefetch_previous, rt, call.index - 1, rt.flight)
             y_out.register_hook(hook)
     return out
+
+
+def _with_tensors(forward: Any, layer: nn.Module) -> Any:
+    """``forward``, run with the parameters and buffers ``layer`` holds now, whenever it is run."""
+    saved = module_tensors(layer)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with as_in_forward(layer, saved):
+            return forward(*args, **kwargs)
+
+    return run
 
 
 def _prefetch_previous(rt: MemoRuntime, index: int, flight: int, grad: torch.Tensor) -> None:
