@@ -73,8 +73,8 @@ from memo.profiler.saved import storage_id
 from memo.runtime.autocast import AutocastState
 from memo.runtime.core_attention import BlackBoxCore, MemoCore
 from memo.runtime.dropout import LayerDropout, replay_rng, rng_state, same_rng_state
-from memo.runtime.packing import BufferSink, CountingSink, Packer
 from memo.runtime.module_state import as_in_forward, module_tensors
+from memo.runtime.packing import BufferSink, CountingSink, Packer
 from memo.runtime.sequence_order import SequenceOrder
 from memo.runtime.taps import Tap, TapGrads
 from memo.runtime.tiles import (
