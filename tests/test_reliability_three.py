@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import os
 import signal
@@ -139,6 +140,41 @@ def test_unwrap_with_a_backward_pending_is_refused_and_force_drops_it() -> None:
     del loss
     gc.collect()
     model(ids, labels).backward()  # unwrapped now: plain autograd
+
+
+# ------------------------------------------------------------------ 5. a frozen bottom
+@pytest.mark.parametrize("policy", [["memo"] * 4, ["input-only", "memo", "memo", "recompute"]])
+def test_frozen_bottom_layers_cost_what_they_cost_unwrapped(policy: list[str]) -> None:
+    from tests.grads import assert_same_step, random_batch, small_model, train_step
+
+    reference = small_model("llama")
+    reference.embedding.requires_grad_(False)
+    reference.layers[:2].requires_grad_(False)
+    model = copy.deepcopy(reference)
+    memo.wrap(model, alpha=0.5, policy=policy)
+    rt = runtime_of(model)
+    for step in range(2):
+        batch = random_batch(512, 2, 16, step)
+        assert_same_step(train_step(model, *batch), train_step(reference, *batch))
+    assert rt.stats.frozen_layers == 2 * 2
+    offloading = sum(p in ("memo", "input-only") for p in policy[2:])
+    assert rt.stats.layer_backwards == 2 * offloading  # none for the frozen layers 0 and 1
+    # a frozen layer's slot never left IDLE: nothing of it was offloaded or prefetched
+    assert rt.stats.bytes_offloaded == rt.stats.bytes_prefetched == 2 * sum(rt.layer_sizes[2:])
+
+
+def test_a_frozen_backbone_gives_hidden_states_that_need_no_grad() -> None:
+    from tests.grads import random_batch, small_model
+
+    model = small_model("llama")
+    model.embedding.requires_grad_(False)
+    model.layers.requires_grad_(False)
+    memo.wrap(model, alpha=0.5, policy=["memo"] * 4)
+    seen = []
+    model.layers[-1].register_forward_hook(lambda _m, _a, out: seen.append(out.requires_grad))
+    model(*random_batch(512, 2, 16, 0)).backward()  # the head still trains
+    assert seen == [False]
+    assert runtime_of(model).stats.layer_backwards == 0
 
 
 # ------------------------------------------------------------------ 8. strings from files, escaped

@@ -147,6 +147,9 @@ class RuntimeStats:
     """Backwards of wrapped layers (every policy)."""
     recomputed_layers: int = 0
     """Forwards of layers under full recompute (NOTE [Layer policy])."""
+    frozen_layers: int = 0
+    """Forwards of layers nothing of which needs a gradient, run as they are (NOTE [Frozen layers
+    cost what they cost unwrapped] in memo/runtime/wrap.py)."""
     abandoned_iterations: int = 0
     """Forwards whose graph was freed without a backward, dropped by memo (NOTE [Abandoned forward])."""
     failed_iterations: int = 0

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 from memo.adapters.base import LayerAdapter, find_adapter, registered_adapters
@@ -130,6 +131,20 @@ def _wrapped_forward(call: LayerCall, original: Any, *args: Any, **kwargs: Any) 
     if not torch.is_grad_enabled():
         return original(*args, **kwargs)
     kind = rt.policy[call.index]
+    if not _needs_grad(call.layer, args, kwargs):
+        # NOTE [Frozen layers cost what they cost unwrapped]
+        # Nothing of this layer needs a gradient (a frozen bottom of the model: its input and its
+        # parameters need none), so autograd would record nothing and run no backward for it:
+        # neither does memo. It runs as it is, with nothing offloaded, prefetched or recomputed, and
+        # its output does not require grad. The layer still opens the iteration when it is the first
+        # (the buffers are sized and a flight is chosen), so the layers above it that train find
+        # them ready.
+        if kind in OFFLOADING_POLICIES and call.index == 0:
+            x, ctx = call.adapter.split_args(call.layer, args, kwargs)
+            rt.prepare(call, x, ctx)
+            rt.begin_forward()
+        rt.stats.frozen_layers += 1
+        return original(*args, **kwargs)
     if kind in OFFLOADING_POLICIES:
         x, ctx = call.adapter.split_args(call.layer, args, kwargs)
         y = rt.run_layer(call, x, ctx)
@@ -148,6 +163,14 @@ def _wrapped_forward(call: LayerCall, original: Any, *args: Any, **kwargs: Any) 
             hook = functools.partial(_prefetch_previous, rt, call.index - 1, rt.flight)
             y_out.register_hook(hook)
     return out
+
+
+def _needs_grad(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether any input tensor of this call, or any parameter of ``layer``, requires grad."""
+    leaves = tree_leaves((args, kwargs))
+    if any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves):
+        return True
+    return any(p.requires_grad for p in layer.parameters())
 
 
 def _with_tensors(forward: Any, layer: nn.Module) -> Any:
