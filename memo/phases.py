@@ -29,11 +29,12 @@ import torch
 from torch import nn
 
 # The names live in a torch-free module (the planner reads them); re-exported here for callers.
-from memo.phase_names import PHASE_KINDS, layer_phase, parse_phase, phase_kind
+from memo.phase_names import PHASE_KINDS, is_backward_phase, layer_phase, parse_phase, phase_kind
 
 __all__ = [
     "PHASE_KINDS",
     "PhaseTracker",
+    "is_backward_phase",
     "layer_phase",
     "parse_phase",
     "phase_kind",

@@ -123,7 +123,7 @@ def _solve(items: Sequence[Item], *, use_mip: bool, time_limit: float, solver: s
         require_solver(solver)
     t0 = time.perf_counter()
     deadline = t0 + time_limit
-    warm = greedy(items)
+    warm = greedy(items, deadline)
     lb = _units_lower_bound(items)
     warm.extra["bound"] = lb
     if not use_mip or warm.optimal or (target is not None and warm.peak <= target):
@@ -254,7 +254,8 @@ def _flat(t: Trace, *, use_mip: bool, time_limit: float, solver: str, threads: i
     planned = [a for a in t.allocations if not left_out or a.index not in left_out]
     items = [Item(_units(a.size), a.start, a.end) for a in planned]
     bar = _progress(1, "memo plan", progress)
-    bar.set_postfix_str(f"flat ({len(items)} allocations, up to {time_limit:.0f} s)")
+    bar.set_postfix_str(f"flat ({len(items)} allocations"
+                        + (f", up to {time_limit:.0f} s)" if math.isfinite(time_limit) else ")"))
     result = _solve(items, use_mip=use_mip, time_limit=time_limit, solver=solver, threads=threads,
                     target=_target_units(capacity))
     bar.update(1)
@@ -270,14 +271,15 @@ def _flat(t: Trace, *, use_mip: bool, time_limit: float, solver: str, threads: i
                     "heuristic_fallback": info["heuristic_fallback"], "total": info}, outliving=outliving)
 
 
-def plan_heuristic(trace: Trace | Mapping[str, Any], *, outliving: str = "plan") -> Plan:
+def plan_heuristic(trace: Trace | Mapping[str, Any], *, outliving: str = "plan",
+                   time_limit: float = math.inf) -> Plan:
     """Flat greedy-by-size plan of every allocation (fast: thousands of allocations in seconds).
 
     ``outliving`` (:data:`OUTLIVING_MODES`) says which allocations never freed in the trace go to the
     fallback allocator (NOTE [Allocations that outlive the iteration]), as :func:`make_plan` does
-    for replay.
+    for replay. ``time_limit``: the greedy's orderings after the first are tried only within it.
     """
-    return _flat(_as_trace(trace), use_mip=False, time_limit=0.0, solver="cbc", threads=1,
+    return _flat(_as_trace(trace), use_mip=False, time_limit=time_limit, solver="cbc", threads=1,
                  outliving=outliving)
 
 
@@ -468,7 +470,7 @@ def _solve_level2(groups: list[list[tuple[int, Item]]], items2: list[Item], *, d
     rect_lb = _units_lower_bound(items2)
     if shaped.peak <= rect_lb:
         # No placement of the rectangles can beat the shapes: the MIP would only spend time.
-        rect = greedy(items2)
+        rect = greedy(items2, deadline)
     else:
         share = max(0.5, deadline - time.perf_counter())
         rect = _solve(items2, use_mip=use_mip, time_limit=share, solver=solver, threads=threads,
@@ -610,14 +612,18 @@ def _check_plan_arguments(capacity: int | None, time_limit: float, use_mip: bool
         raise MemoError(f"memo.planner: gradients must be 'fallback' or 'arena', got {gradients!r}")
 
 
-def _smaller_of_flat(plan: Plan, t: Trace, outliving: str) -> Plan:
+def _smaller_of_flat(plan: Plan, t: Trace, outliving: str, deadline: float) -> Plan:
     """The bi-level ``plan``, or the flat heuristic's plan of ``t`` where that is smaller.
 
     Blocks cost a little where skeletal tensors grow inside a pass; the flat heuristic
     costs a second, so keep it when it is smaller (the allocator only needs phase tables).
     The flat plan kept carries the bi-level plan's warnings and a record of what it replaced.
     """
-    flat = plan_heuristic(t, outliving=outliving)
+    left = deadline - time.perf_counter()
+    if left <= 0:  # the time limit is the whole plan's: the bi-level plan it has is the answer
+        plan.solver["flat_comparison"] = "skipped: the time limit was reached"
+        return plan
+    flat = plan_heuristic(t, outliving=outliving, time_limit=left)
     if flat.peak >= plan.peak:
         return plan
     flat.warnings.extend(plan.warnings)
@@ -673,6 +679,7 @@ def make_plan(trace: Trace | Mapping[str, Any], alpha_solution: Any = None, *, t
             minimises as usual when it proves the capacity out of reach.
     """
     _check_plan_arguments(capacity, time_limit, use_mip, solver, unphased, gradients)
+    started = time.perf_counter()
     t = _as_trace(trace)
     left_out = None
     outliving = "plan"
@@ -692,7 +699,7 @@ def make_plan(trace: Trace | Mapping[str, Any], alpha_solution: Any = None, *, t
         plan = plan_bilevel(t, time_limit=time_limit, solver=solver, threads=threads, use_mip=use_mip,
                             progress=progress, outliving=outliving, capacity=capacity)
         if plan.solver.get("kind") == "bilevel":
-            plan = _smaller_of_flat(plan, t, outliving)
+            plan = _smaller_of_flat(plan, t, outliving, started + time_limit)
     else:
         raise MemoError(f"memo.planner: unknown method {method!r}; choose auto, bilevel, flat or heuristic")
     if alpha_solution is not None:

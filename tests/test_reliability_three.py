@@ -177,6 +177,89 @@ def test_a_frozen_backbone_gives_hidden_states_that_need_no_grad() -> None:
     assert runtime_of(model).stats.layer_backwards == 0
 
 
+# ------------------------------------------------------------------ 6. the planner's time limit
+def _random_items(n: int, seed: int) -> list:
+    import random
+
+    from memo.planner.dsa import Item
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        a = rng.randrange(4 * n)
+        out.append(Item(rng.randint(1, 64), a, a + rng.randint(1, 200)))
+    return out
+
+
+def _reference_greedy(items: list, order: list[int]) -> tuple[list[int], int]:
+    """The rule the native greedy follows, the quadratic way: every placed item is compared."""
+    import numpy as np
+    from memo.planner.dsa import _tightest_gap
+
+    size = np.array([it.size for it in items])
+    start = np.array([it.start for it in items])
+    end = np.array([it.end for it in items])
+    offs, placed, peak = np.zeros(len(items), dtype=np.int64), np.zeros(len(items), dtype=bool), 0
+    for i in order:
+        idx = np.nonzero(placed & (start < end[i]) & (start[i] < end))[0]
+        offs[i] = _tightest_gap(offs[idx], offs[idx] + size[idx], int(size[i]), 0) if len(idx) else 0
+        placed[i] = True
+        peak = max(peak, int(offs[i] + size[i]))
+    return offs.tolist(), peak
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_native_greedy_places_as_the_quadratic_one(seed: int) -> None:
+    import random
+
+    from memo.planner.dsa import _arrays, _greedy_order, check_placement
+
+    items = _random_items(400, seed)
+    order = list(range(len(items)))
+    random.Random(seed).shuffle(order)
+    offsets, peak = _greedy_order(items, order, *_arrays(items))
+    assert (offsets, peak) == _reference_greedy(items, order)
+    assert check_placement(items, offsets, peak) is None
+    clash = list(offsets)
+    first = max(range(len(items)), key=lambda i: items[i].size)
+    others = [j for j in range(len(items)) if j != first and items[j].start < items[first].end
+              and items[first].start < items[j].end and items[j].size]
+    clash[others[0]] = clash[first]  # two live items at one offset
+    assert "overlap in time" in check_placement(items, clash, peak + max(it.size for it in items))
+
+
+def test_the_greedy_tries_more_orderings_only_within_its_deadline() -> None:
+    import time
+
+    from memo.planner.dsa import check_placement, greedy
+
+    items = _random_items(2000, 0)
+    full = greedy(items)
+    assert full.extra["orders"][0] == "size" and len(full.extra["orders"]) >= 2
+    cut = greedy(items, deadline=time.perf_counter())  # already passed: one placement, no more
+    assert cut.extra["orders"] == ["size"]
+    assert check_placement(items, cut.offsets, cut.peak) is None
+    assert cut.peak >= full.peak
+
+
+def test_make_plan_skips_what_the_time_limit_leaves_no_room_for(monkeypatch) -> None:
+    import time
+
+    from memo.planner import core, make_plan
+    from memo.planner.synthetic import layered_trace
+
+    original = core.plan_bilevel
+
+    def slow(*args, **kwargs):  # the bi-level plan takes the whole time limit
+        plan = original(*args, **kwargs)
+        time.sleep(0.6)
+        return plan
+
+    monkeypatch.setattr(core, "plan_bilevel", slow)
+    plan = make_plan(layered_trace(6), time_limit=0.5, use_mip=False)
+    assert plan.solver["flat_comparison"] == "skipped: the time limit was reached"
+
+
 # ------------------------------------------------------------------ 8. strings from files, escaped
 def test_show_escapes_what_a_plan_file_says() -> None:
     from memo.planner import make_plan

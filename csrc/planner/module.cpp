@@ -21,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/dsa_greedy.h"
 #include "core/dsa_search.h"
 
 namespace py = pybind11;
@@ -104,11 +105,45 @@ void bind_dsa_search(py::module_& m) {
       .def_property_readonly("num_sections", &core::DsaSearch::num_sections);
 }
 
+void bind_greedy(py::module_& m) {
+  m.def(
+      "greedy_place",
+      [](const Int64Array& size, const Int64Array& start, const Int64Array& end, const Int64Array& order,
+         double seconds, bool may_stop) {
+        std::vector<std::int64_t> s = to_vector(size, "size"), b = to_vector(start, "start"),
+                                  e = to_vector(end, "end"), o = to_vector(order, "order");
+        core::GreedyPlacement out;
+        {
+          py::gil_scoped_release release;
+          out = core::greedy_place(s, b, e, o, seconds, may_stop);
+        }
+        return py::make_tuple(out.offsets, out.peak, out.complete);
+      },
+      py::arg("size"), py::arg("start"), py::arg("end"), py::arg("order"), py::arg("seconds"), py::arg("may_stop"),
+      "Best-fit greedy in `order` (NOTE [Greedy over an interval structure]): (offsets, peak, complete). "
+      "With may_stop, stops unfinished (complete False, unplaced offsets -1) once `seconds` have passed.");
+  m.def(
+      "first_clash",
+      [](const Int64Array& size, const Int64Array& start, const Int64Array& end, const Int64Array& offset) {
+        std::vector<std::int64_t> s = to_vector(size, "size"), b = to_vector(start, "start"),
+                                  e = to_vector(end, "end"), o = to_vector(offset, "offset");
+        std::pair<std::int64_t, std::int64_t> clash;
+        {
+          py::gil_scoped_release release;
+          clash = core::first_clash(s, b, e, o);
+        }
+        return py::make_tuple(clash.first, clash.second);
+      },
+      py::arg("size"), py::arg("start"), py::arg("end"), py::arg("offset"),
+      "The first (earlier, later) pair of items overlapping in time and memory, (-1, -1) for none.");
+}
+
 }  // namespace
 
 }  // namespace memo::python
 
 PYBIND11_MODULE(_planner_native, m) {
-  m.doc() = "memo.planner's native part: the exact DSA search's depth-first runs (no torch)";
+  m.doc() = "memo.planner's native part: the exact DSA search's depth-first runs and the greedy (no torch)";
   memo::python::bind_dsa_search(m);
+  memo::python::bind_greedy(m);
 }
