@@ -125,6 +125,46 @@ def test_a_backward_tried_again_on_a_dropped_forward_is_refused() -> None:
     other.backward()  # the forward that reused the flight is intact
 
 
+# ------------------------------------------------------------------ 3. layers with state
+def _with_a_counter(model: torch.nn.Module) -> torch.nn.Module:
+    """Each layer's last module counts its calls in a buffer, and its output depends on the count."""
+    def bump(module: torch.nn.Module, _args: object, out: torch.Tensor) -> torch.Tensor:
+        module.calls.add_(1)
+        return out * (1 + 0.01 * module.calls)
+
+    for layer in model.layers:
+        last = list(layer.children())[-1]
+        last.register_buffer("calls", torch.zeros(()))
+        last.register_forward_hook(bump)
+    return model
+
+
+def _calls(model: torch.nn.Module) -> list[float]:
+    return [float(list(layer.children())[-1].calls) for layer in model.layers]
+
+
+def test_a_layer_with_state_runs_once_per_forward_or_is_refused() -> None:
+    torch.manual_seed(0)
+    reference = _with_a_counter(build_model("llama-tiny"))
+    model = copy.deepcopy(reference)
+    memo.wrap(model, alpha=1.0, policy=["memo"] * 2)
+    ids, labels = _batch()
+    for _ in range(2):
+        got, want = model(ids, labels), reference(ids, labels)
+        got.backward()
+        want.backward()
+        assert torch.equal(got, want)
+        assert _calls(model) == _calls(reference)  # the sizing pass advanced nothing
+    for g, w in zip(_grads(model), _grads(reference), strict=True):
+        assert (g - w).norm() <= 1e-5 * w.norm()
+    recomputing = copy.deepcopy(reference)
+    memo.wrap(recomputing, alpha=0.5, policy=["memo"] * 2)
+    before = _calls(recomputing)
+    with pytest.raises(MemoError, match=r"changes its buffers .*calls.* policy 'keep'"):
+        recomputing(ids, labels)
+    assert _calls(recomputing) == before  # refused with its state as it was
+
+
 # ------------------------------------------------------------------ 4. unwrap while a backward is pending
 def test_unwrap_with_a_backward_pending_is_refused_and_force_drops_it() -> None:
     model = _wrapped()

@@ -73,7 +73,7 @@ from memo.profiler.saved import storage_id
 from memo.runtime.autocast import AutocastState
 from memo.runtime.core_attention import BlackBoxCore, MemoCore
 from memo.runtime.dropout import LayerDropout, replay_rng, rng_state, same_rng_state
-from memo.runtime.module_state import as_in_forward, module_tensors
+from memo.runtime.module_state import as_in_forward, buffer_snapshot, module_tensors, restore_changed
 from memo.runtime.packing import BufferSink, CountingSink, Packer
 from memo.runtime.sequence_order import SequenceOrder
 from memo.runtime.taps import Tap, TapGrads
@@ -268,8 +268,21 @@ class LayerCall:
         """Dry run: the bytes one forward of this layer offloads for input ``x`` (nothing is kept),
         and what they are (``(what, bytes)`` per copied tensor)."""
         sink = CountingSink()
+        state = buffer_snapshot(self.layer)
         with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
-            self._forward(x.detach(), ctx, sink)
+            _, rec = self._forward(x.detach(), ctx, sink)
+        changed = restore_changed(self.layer, state)  # NOTE [Layers with state] in module_state.py
+        if changed and (rec.chunks or len(rec.head) > 1 or rec.input_only):
+            runs = ("its attention and all its token-wise parts again in backward" if rec.input_only else
+                    f"its token-wise parts {len(rec.head) + len(rec.chunks)} times per forward "
+                    + ("and again in backward for the recomputed tokens" if rec.chunks else "(one per tile)"))
+            raise MemoError(
+                f"memo.runtime: layer {self.index} ({type(self.layer).__name__}) changes its buffers "
+                f"{', '.join(changed)} in forward (state, such as spectral_norm's power iteration, a "
+                f"quantization observer or a counter), and memo would run {runs}, advancing that state "
+                "more often than the unwrapped model. Give this layer the policy 'keep' (memo.wrap(model, "
+                "policy=[...])), or alpha=1 with a tile that holds its whole sequence "
+                "(recompute_chunk_tokens), where it runs once per forward (NOTE [Layers with state])")
         return sink.used, sink.tensors
 
     def forward(self, x: torch.Tensor, ctx: Any) -> tuple[torch.Tensor, LayerRecord]:

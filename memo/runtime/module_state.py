@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-__all__ = ["as_in_forward", "module_tensors"]
+__all__ = ["as_in_forward", "buffer_snapshot", "module_tensors", "restore_changed"]
 
 
 def module_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -56,3 +56,42 @@ def as_in_forward(module: nn.Module, saved: dict[str, torch.Tensor]) -> Iterator
     finally:
         for store, attr, old in reversed(undo):
             store[attr] = old
+
+
+# NOTE [Layers with state]
+# Some layers change their own buffers in forward: spectral_norm's power iteration, quantization
+# observers, counters. memo's sizing pass is a dry forward of each offloaded layer, and it runs a
+# layer's pre/post again on token ranges (one call per tile, and the recompute in backward): each
+# call would advance that state once more than the unwrapped model does, and at alpha = 1 the
+# sizing pass alone changed the first step's loss. So the sizing pass snapshots the layer's
+# buffers and puts back those whose values it changed (a cache filled or resized for a new length,
+# a new or reshaped buffer, is not state and is kept). A layer that changes its buffers is then
+# wrapped only where it runs once per forward and never in backward: alpha = 1 and one tile.
+# Anywhere else it is refused with the names of the buffers, rather than trained on state advanced
+# a few extra times per step.
+def buffer_snapshot(module: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Every buffer of ``module``: the tensor and a copy of its values (NOTE [Layers with state])."""
+    return {name: (b, b.detach().clone()) for name, b in module.named_buffers() if b is not None}
+
+
+def restore_changed(module: nn.Module, snapshot: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> list[str]:
+    """Put back the buffers whose values changed since ``snapshot`` (same shape and dtype; a cache
+    rebuilt at another size is kept); returns their names."""
+    changed = []
+    now = dict(module.named_buffers())
+    for name, (tensor, values) in snapshot.items():
+        current = now.get(name)
+        if current is None or current.shape != values.shape or current.dtype != values.dtype:
+            continue
+        if current.device.type == "meta" or torch.equal(current, values):
+            continue
+        changed.append(name)
+        with torch.no_grad():
+            current.copy_(values)
+        if current is not tensor:  # forward assigned a new tensor: put the old one back, restored
+            owner_name, _, attr = name.rpartition(".")
+            owner = module.get_submodule(owner_name) if owner_name else module
+            with torch.no_grad():
+                tensor.copy_(values)
+            owner._buffers[attr] = tensor
+    return changed
