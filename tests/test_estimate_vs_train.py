@@ -25,7 +25,8 @@ def test_plan_estimate_is_what_memo_train_measures(strategy: str, tmp_path: Path
     # gpt-mini, 2K tokens, float32 on CPU, a 1 GB device budget: the plan method (meta profile of
     # depths 3 and 4, extended to 12; model states as memo train holds them) within 3% of the peak
     # `memo train --report` measures. memo runs every layer under memo at a fixed alpha, the policy
-    # the estimate describes, from a plan made for it.
+    # the estimate describes, from a plan made for it; the estimate is for the CPU, whose tiles
+    # memo train runs.
     from memo.planner import save_plan
 
     from memo.pipeline import profile
@@ -33,7 +34,7 @@ def test_plan_estimate_is_what_memo_train_measures(strategy: str, tmp_path: Path
     model, seq, alpha, budget = "gpt-mini", 2048, 0.25, 1.0
     machine = Machine(device_mem_gb=budget, bandwidth_gbps=32.0, layer_ms=3.0, host_mem_gb=64.0,
                       gpus_per_node=1)
-    est = Estimator(model, dtype="float32", model_states="same", machine=machine)
+    est = Estimator(model, dtype="float32", model_states="same", machine=machine, device="cpu")
     e = est.estimate(seq, Layout(1), strategy, alpha if strategy == "memo" else None)
     report = tmp_path / "report.json"
     argv = ["train", "--model", model, "--seq-len", str(seq), "--dtype", "float32", "--steps", "2",

@@ -118,3 +118,26 @@ def _loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     from memo.adapters.model import model_adapter_for
 
     return model_adapter_for(model, "test").loss(model, ids, ids)
+
+
+def test_memo_estimate_profiles_with_the_tiles_of_its_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`memo estimate`'s meta profiles are for the GPU it sizes (its machine.gpu), so their tiles are
+    that GPU's; an estimate for the CPU (as the tests compare with memo train there) records CPU tiles."""
+    import memo.pipeline
+    from memo.estimate import Estimator, Layout, Machine
+
+    seen: list[Any] = []
+    real = memo.pipeline.profile
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("policy") is not None:  # memo's profiles (the others record no tiles)
+            seen.append(kwargs.get("gpu"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(memo.pipeline, "profile", spy)
+    for device, want in (("cuda", "h100"), ("cpu", None)):
+        seen.clear()
+        est = Estimator("gpt-mini", dtype="float32", machine=Machine(device_mem_gb=1.0, gpu="h100"),
+                        device=device)
+        est.estimate(1024, Layout(1), "memo", 0.5)
+        assert seen and set(seen) == {want}

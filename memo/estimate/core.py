@@ -116,7 +116,7 @@ class Estimator:
 
     def __init__(self, model: str, *, method: str = "plan", dtype: str = "bfloat16",
                  model_states: str = "formula", machine: Machine | None = None,
-                 log: Any = None) -> None:
+                 log: Any = None, device: str = "cuda") -> None:
         from memo.models import get_config
         from memo.pipeline import DTYPES
 
@@ -135,7 +135,9 @@ class Estimator:
         self.model_states = model_states
         self.machine = estimate_machine(machine)
         self.shape = FormulaShape.of(self.config)
-        self.profiler = RankProfiler(self.config, model, self.dtype, self.machine, log)
+        if device not in ("cuda", "cpu"):
+            raise MemoError(f"memo estimate: device must be 'cuda' or 'cpu', got {device!r}")
+        self.profiler = RankProfiler(self.config, model, self.dtype, self.machine, log, device)
 
     def strategies(self) -> tuple[str, ...]:
         return PLAN_STRATEGIES if self.method == "plan" else FORMULA_STRATEGIES

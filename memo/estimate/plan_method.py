@@ -200,8 +200,11 @@ class RankProfiler:
     """Meta profiles of first-stage ranks, cached by what they depend on."""
 
     def __init__(self, config: Any, source: Any, dtype: Any, machine: Machine,
-                 log: Callable[[str], None] | None = None) -> None:
+                 log: Callable[[str], None] | None = None, device: str = "cuda") -> None:
         self.config = config
+        #: The device type the estimate is for: "cuda" (machine.gpu's), or "cpu" (memo train on
+        #: the CPU, what tests compare with); it decides memo's tiles in the recorded pass.
+        self.device = device
         self.source = source
         self.dtype = dtype
         self.machine = machine
@@ -226,10 +229,13 @@ class RankProfiler:
             if strategy == "memo":
                 m = self.machine
                 kept = min(m.memo_keep_last, depth)
+                # gpu: the recorded pass runs the tiles of the GPU the estimate is for, not the meta
+                # device's (NOTE [Tiles of the device a plan is for] in memo/pipeline/job.py).
                 result = profile(model, seq_len, layout.micro_batch, self.dtype, "meta",
                                  policy=["memo"] * (depth - kept) + ["keep"] * kept, alpha=alpha,
                                  bandwidth_gbps=m.bandwidth_gbps, layer_ms=1.0, host_mem_gb=1e6,
-                                 gpus_per_node=1, plan=False, **common)
+                                 gpus_per_node=1, gpu=m.gpu if self.device == "cuda" else None,
+                                 plan=False, **common)
             else:
                 result = profile(model, seq_len, layout.micro_batch, self.dtype, "meta", solve=False,
                                  **common)
