@@ -42,12 +42,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from memo.errors import MemoError
-from memo.phase_names import is_backward_phase, phase_kind
+from memo.phase_names import phase_kind
 
 from .dsa import DSAResult, Item, greedy
 from .dsa import lower_bound as _units_lower_bound
 from .dsa_mip import mip, mip_neighbourhoods
 from .groups import compact_groups, expand_groups, greedy_groups
+from .outliving import GRADIENT_PLACES, gradients, left_to_fallback, outliving
 from .plan import ALIGNMENT, LAYER_KINDS, UNPHASED_MODES, Plan, validate_plan, without_unphased
 from .search import MAX_OFFSET_ORDER_ITEMS, count_overlapping_pairs, search
 from .solvers import require_solver
@@ -191,32 +192,11 @@ def _record(result: DSAResult, lb_units: int) -> dict[str, Any]:
             "heuristic_fallback": bool(result.extra.get("fallback", False)), "items": None}
 
 
-def outliving(trace: Trace | Mapping[str, Any]) -> list[Allocation]:
-    """Phased allocations never freed before the end of the trace: a replay plan leaves them to
-    the fallback allocator, or places the backward passes' ones, the parameter gradients, in the
-    arena (NOTE [Allocations that outlive the iteration])."""
-    t = _as_trace(trace)
-    return [a for a in t.allocations if a.phase is not None and a.end == t.end_time]
-
-
-_outliving = outliving  # for the functions whose ``outliving`` argument is a mode
-
-
-#: What a plan does with the allocations that outlive the traced iteration (:func:`outliving`):
-#: "plan" places them as any other; "fallback" leaves them all to the fallback allocator;
-#: "gradients-in-arena" places those of backward phases (the parameter gradients) in the arena,
-#: live until the iteration's end, and leaves the rest to the fallback (NOTE [Allocations that
-#: outlive the iteration]).
-OUTLIVING_MODES = ("plan", "fallback", "gradients-in-arena")
-#: Where a replay plan puts the parameter gradients (make_plan's ``gradients``).
-GRADIENT_PLACES = ("fallback", "arena")
-
-
 def _finish(t: Trace, offsets: list[int | None], solver: dict[str, Any], *, outliving: str,
             **fields: Any) -> Plan:
     """The plan of ``t`` at ``offsets``; ``outliving`` (:data:`OUTLIVING_MODES`) says which
     allocations were left to the fallback: no offset, no arena space."""
-    left_out = _left_out(t, outliving)
+    left_out = left_to_fallback(t, outliving)
     top = max((o + a.size for a, o in zip(t.allocations, offsets, strict=True) if o is not None), default=0)
     peak = _units(top) * ALIGNMENT
     planned = [a for a in t.allocations if not left_out or a.index not in left_out]
@@ -224,21 +204,13 @@ def _finish(t: Trace, offsets: list[int | None], solver: dict[str, Any], *, outl
         gone = [t.allocations[i] for i in sorted(left_out)]
         solver["persistent_left_to_fallback"] = {"allocations": len(gone), "bytes": sum(a.size for a in gone)}
     if outliving == "gradients-in-arena":
-        placed = [a for a in _outliving(t) if is_backward_phase(a.phase)]
+        placed = gradients(t)
         solver["gradients_in_arena"] = {"allocations": len(placed), "bytes": sum(a.size for a in placed)}
     plan = Plan(meta=dict(t.meta), allocations=list(t.allocations), offsets=offsets, peak=peak,
                 lower_bound=_units_lower_bound([Item(a.size, a.start, a.end) for a in planned]),
                 no_reuse_bytes=sum(a.size for a in planned), solver=solver, end_time=t.end_time, **fields)
     validate_plan(plan, t)
     return plan
-
-
-def _left_out(t: Trace, mode: str) -> frozenset[int] | None:
-    """The allocations a plan in ``mode`` (:data:`OUTLIVING_MODES`) leaves to the fallback."""
-    if mode == "plan":
-        return None
-    keep = mode == "gradients-in-arena"
-    return frozenset(a.index for a in _outliving(t) if not (keep and is_backward_phase(a.phase)))
 
 
 def _target_units(capacity: int | None) -> int | None:
@@ -250,7 +222,7 @@ def _flat(t: Trace, *, use_mip: bool, time_limit: float, solver: str, threads: i
           progress: bool | None = False, outliving: str = "plan", capacity: int | None = None
           ) -> Plan:
     t0 = time.perf_counter()
-    left_out = _left_out(t, outliving)
+    left_out = left_to_fallback(t, outliving)
     planned = [a for a in t.allocations if not left_out or a.index not in left_out]
     items = [Item(_units(a.size), a.start, a.end) for a in planned]
     bar = _progress(1, "memo plan", progress)
@@ -517,7 +489,7 @@ def plan_bilevel(trace: Trace | Mapping[str, Any], *, time_limit: float = 60.0, 
     allocations never freed are skeletal, so they are level-2 items, and those are left out."""
     t = _as_trace(trace)
     t0 = time.perf_counter()
-    left_out = _left_out(t, outliving)
+    left_out = left_to_fallback(t, outliving)
     notes: list[str] = []
     by_phase, layered = _layer_passes(t, notes)
     if not any(layered.values()):
@@ -556,42 +528,6 @@ def plan_bilevel(trace: Trace | Mapping[str, Any], *, time_limit: float = 60.0, 
     }
     return _finish(t, offsets, solver_info, outliving=outliving, level1=lv.level1,
                    level1_peak=lv.level1_peak, level2=level2, warnings=notes)
-
-
-# NOTE [Allocations that outlive the iteration]
-# A plan made for replay (make_plan(..., unphased="fallback")) gives no arena offset to a phased
-# allocation that is never freed before the end of the trace (:func:`outliving`). Those are model
-# states, not activations: chiefly the parameter gradients AccumulateGrad makes in ``layer.bwd[i]``,
-# ``embed.bwd`` and ``head.bwd`` (and, when the traced iteration is the first, optimizer state made
-# in ``optimizer``); they live until the optimizer step and zero_grad, past the iteration. An arena
-# slot is handed out again every iteration to the same (phase, request index). A gradient placed in
-# one would still own it when the next iteration makes the requests planned over those bytes, and
-# under gradient accumulation (K micro-batches, forward + backward each, with no zero_grad between)
-# that is the very next micro-batch: every such request would find its slot busy and go to the
-# fallback as a deviation. So, like unphased allocations (NOTE [Unphased allocations are not planned
-# for replay] in planner/plan.py), they are served by the fallback allocator by design and take no
-# arena space: the plan's peak, lower bound and no-reuse size count only the planned allocations.
-# They are not dropped from the trace: the allocator counts requests per phase, so they keep their
-# request index and their phase-table entry reads (size, None); every later request of the phase
-# keeps its index and its offset. In micro-batch 2 and later the same request is AccumulateGrad's
-# incoming gradient, which it adds into ``.grad`` in place and frees: served by the fallback too,
-# and correct either way. ``plan.solver["persistent_left_to_fallback"]`` records their count and
-# bytes; validate_plan checks that exactly these have no offset. The trace must start with the
-# gradients set to None (the profiler does, as zero_grad(set_to_none=True) does), as the first
-# micro-batch of a step sees them.
-# That is the safe default, but it costs the gradients' bytes beside the whole arena: the arena is
-# reserved at its peak for the run, and at the end of backward, when the gradients are all there,
-# most of it is idle (a 16-layer Llama under 40 MiB held 4 MiB of gradients in fallback segments
-# beside a 20 MiB arena whose activations were gone). Training without gradient accumulation sets
-# the gradients to None after each optimizer step, before the next forward: then a gradient's bytes
-# are free before any request planned over them, and make_plan(..., gradients="arena") places the
-# gradients (the outliving allocations of backward phases) in the arena, live to the iteration's
-# end, where they share bytes with the activations freed before them. The rest that outlives
-# (caches made in forward) still goes to the fallback. If a gradient is still alive when a request
-# planned over it comes (accumulation after all, or zero_grad called late), the allocator's range
-# check sends that request to the fallback as a "slot busy" deviation, counted and said once: more
-# memory than planned, never wrong data. ``plan.solver["gradients_in_arena"]`` records their count
-# and bytes. `memo train` plans so (it sets gradients to None every step).
 
 
 def _check_plan_arguments(capacity: int | None, time_limit: float, use_mip: bool, solver: str,

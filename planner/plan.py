@@ -80,11 +80,16 @@ def _object(value: Any, where: str) -> dict[str, Any]:
     return value
 
 
+def _optional_object(value: Any, name: str) -> Mapping[str, Any] | None:
+    """An optional object field of a plan: None, or a mapping (else the field is named)."""
+    if value is not None and not isinstance(value, Mapping):
+        raise MemoError(f"memo.plan: {name!r} must be an object, got {type(value).__name__}")
+    return value
+
+
 def _check_offload(value: Any) -> dict[str, Any] | None:
-    if value is None:
+    if _optional_object(value, "offload") is None:
         return None
-    if not isinstance(value, Mapping):
-        raise MemoError(f"memo.plan: 'offload' must be an object, got {type(value).__name__}")
     out: dict[str, Any] = {}
     for key in OFFLOAD_KEYS:
         out[key] = _count(value.get(key), f"offload.{key}")
@@ -120,10 +125,8 @@ def _check_tile(value: Any) -> int | None:
 
 
 def _check_device(value: Any) -> dict[str, Any] | None:
-    if value is None:
+    if _optional_object(value, "device") is None:
         return None
-    if not isinstance(value, Mapping):
-        raise MemoError(f"memo.plan: 'device' must be an object, got {type(value).__name__}")
     budget = value.get("budget_bytes")
     if budget is not None:
         _count(budget, "device.budget_bytes", low=1)

@@ -20,10 +20,13 @@ void require(bool ok, const std::string& what) {
 }
 
 // The arguments both searches take: one rank per item, and a time that is a number.
-void require_run_arguments(i64 n, const std::vector<i64>& rank, double seconds) {
+// A run's arguments checked; true when there is nothing to place (``out`` is then the answer).
+bool nothing_to_place(i64 n, const std::vector<i64>& rank, double seconds, DsaOutcome& out) {
   require(static_cast<i64>(rank.size()) == n,
           "rank must have one entry per item, got " + std::to_string(rank.size()) + " for " + std::to_string(n));
   require(!std::isnan(seconds), "the time left must be a number, got NaN");
+  out.found = n == 0;
+  return n == 0;
 }
 
 // What a node did below itself, so that undo can take it back.
@@ -91,12 +94,8 @@ DsaSearch::DsaSearch(DsaInstance instance) : inst_(std::move(instance)) {
 DsaOutcome DsaSearch::run(i64 capacity, const std::vector<i64>& rank, double seconds, i64 node_limit) const {
   const i64 n = num_items();
   const i64 sections = num_sections();
-  require_run_arguments(n, rank, seconds);
   DsaOutcome out;
-  if (n == 0) {
-    out.found = true;
-    return out;
-  }
+  if (nothing_to_place(n, rank, seconds, out)) return out;
   const auto& size = inst_.size;
   const auto& first = inst_.first;
   const auto& last = inst_.last;
@@ -519,12 +518,8 @@ class OffsetOrderRun {
 DsaOutcome DsaSearch::run_by_offset(i64 capacity, const std::vector<i64>& rank, double seconds,
                                     i64 node_limit, const std::string& keys) const {
   const i64 n = num_items();
-  require_run_arguments(n, rank, seconds);
   DsaOutcome out;
-  if (n == 0) {
-    out.found = true;
-    return out;
-  }
+  if (nothing_to_place(n, rank, seconds, out)) return out;
   if (*std::max_element(inst_.size.begin(), inst_.size.end()) > capacity ||
       *std::max_element(inst_.demand.begin(), inst_.demand.end()) > capacity) {
     out.exhausted = true;

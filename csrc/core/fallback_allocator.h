@@ -42,18 +42,13 @@
 namespace memo::core {
 
 struct FallbackStats {
-  std::size_t allocated_bytes = 0;
-  std::size_t reserved_bytes = 0;
-  std::size_t peak_allocated_bytes = 0;
-  std::size_t peak_reserved_bytes = 0;
-  std::size_t live_blocks = 0;
-  std::size_t free_blocks = 0;
-  std::size_t largest_free_block = 0;
-  std::uint64_t num_allocs = 0;
-  std::uint64_t num_frees = 0;
-  std::uint64_t segment_allocs = 0;
-  std::uint64_t segment_releases = 0;
-  std::size_t segments = 0;
+  // Bytes in live blocks and held from the backend, now and at their highest.
+  std::size_t allocated_bytes = 0, reserved_bytes = 0;
+  std::size_t peak_allocated_bytes = 0, peak_reserved_bytes = 0;
+  // The pool's shape now.
+  std::size_t live_blocks = 0, free_blocks = 0, largest_free_block = 0, segments = 0;
+  // Counters since the last reset.
+  std::uint64_t num_allocs = 0, num_frees = 0, segment_allocs = 0, segment_releases = 0;
 };
 
 // Why a request could not be served (try_allocate), for the out-of-memory message.

@@ -1,6 +1,10 @@
 // Python glue for the rounding-buffer CPU backend (memo._C.rounding). Validates
 // tensors and hands raw pointers to the torch-independent core in copy_worker.h.
-#include <torch/extension.h>
+// Not <torch/extension.h>: it pulls in all of libtorch's C++ API (nn, optim, ...) and was the
+// slowest file of the build; the tensor caster and from_blob are all this file needs.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/from_blob.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <memory>
 #include <new>
@@ -27,9 +31,9 @@ void check_copy(const at::Tensor& dst, const at::Tensor& src) {
 at::Tensor arena_tensor(const std::shared_ptr<HostArena>& arena) {
   // The tensor's deleter owns a reference (its captured shared_ptr), so the arena lives as long as any
   // view of it and goes with the storage.
-  return torch::from_blob(
+  return at::from_blob(
       arena->data(), {static_cast<int64_t>(arena->nbytes())},
-      [keep = arena](void*) mutable { keep.reset(); }, torch::TensorOptions().dtype(torch::kUInt8));
+      [keep = arena](void*) mutable { keep.reset(); }, at::TensorOptions().dtype(at::kByte));
 }
 
 void bind_rounding(py::module_& m) {
