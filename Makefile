@@ -61,21 +61,19 @@ typecheck:
 	$(PYTHON) -m mypy --strict
 
 # The planner is the lower, torch-free layer (issue 17): memo.planner must import and make plans
-# with its native exact search where torch is not installed. Checked in a venv without torch and
-# without the system site packages (made once, kept in build/notorch: a few seconds after that),
-# importing this checkout from PYTHONPATH with the memo/_planner_native*.so `install` built here.
-# The venv holds the planner's own requirements (setup.py's, less torch and matplotlib); it is
-# made again when this Makefile changes.
+# with its native exact search where torch is not installed. Checked with `python -S` (no
+# site-packages), importing this checkout and a folder of links to the planner's own requirements
+# (setup.py's, less torch and matplotlib) from PYTHONPATH, with the memo/_planner_native*.so
+# `install` built here: tests/notorch_check.py --make-site makes the folder (kept in
+# build/notorch; made again when this Makefile or the check changes).
 NOTORCH := build/notorch
-$(NOTORCH)/.ready: Makefile
-	@echo "memo: making $(NOTORCH), a venv without torch, for the torch-free planner check"
+$(NOTORCH)/.ready: Makefile tests/notorch_check.py
 	@rm -rf $(NOTORCH)
-	$(PYTHON) -m venv $(NOTORCH)
-	$(NOTORCH)/bin/pip install -q numpy "pulp>=2.8,<4" tqdm
+	$(PYTHON) tests/notorch_check.py --make-site $(NOTORCH)/site
 	@touch $@
 
 notorch-check: install $(NOTORCH)/.ready
-	@cd $(NOTORCH) && PYTHONPATH=$(CURDIR) bin/python $(CURDIR)/tests/notorch_check.py || { \
+	@cd / && PYTHONPATH=$(CURDIR)/$(NOTORCH)/site:$(CURDIR) $(PYTHON) -S -s $(CURDIR)/tests/notorch_check.py || { \
 		echo "make test: memo.planner fails without torch (above); it must stay torch-free: NOTE [A" \
 			"torch-free planner module] in csrc/planner/module.cpp, check: tests/notorch_check.py"; exit 1; }
 

@@ -1,9 +1,11 @@
 """`make test`'s check that memo.planner works where torch is not installed (issue 17).
 
 The planner is the lower, torch-free layer (NOTE [A torch-free planner module] in
-csrc/planner/module.cpp). The Makefile runs this file in a venv that has numpy and PuLP but no
-torch, with this checkout on PYTHONPATH; tests/test_torch_free_planner.py runs it with torch
-made unimportable. It imports memo.planner, makes a plan whose exact search runs (a guillotine
+csrc/planner/module.cpp). The Makefile runs this file with `python -S` (no site-packages) and
+PYTHONPATH holding this checkout and a folder of links to the planner's own requirements, numpy,
+PuLP and tqdm, which `--make-site DIR` makes from the environment that runs it (a venv and a pip
+install each time took half a minute of every `make test`): so there is no torch to import.
+tests/test_torch_free_planner.py runs it with torch made unimportable. It imports memo.planner, makes a plan whose exact search runs (a guillotine
 packing, which greedy misses) and checks that the native search made it and that no torch was
 loaded. Not a pytest file: it stands alone so that it runs without pytest and without torch.
 """
@@ -44,8 +46,11 @@ def _check_a_profile_plan_loads_and_shows() -> None:
     plan = load_plan(PLAN)
     if not plan.policy:
         _fail(f"{PLAN} records no layer policy, so this check would prove nothing")
-    shown = subprocess.run([sys.executable, "-m", "memo", "show", PLAN], capture_output=True, text=True,
-                           timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+    # The same interpreter as this one: without site-packages when this one is (the Makefile's run).
+    no_site = ["-S"] if sys.flags.no_site else []
+    shown = subprocess.run([sys.executable, *no_site, "-m", "memo", "show", PLAN], capture_output=True,
+                           text=True, timeout=120,
+                           env={**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH") or ROOT})
     if shown.returncode != 0 or "policy" not in shown.stdout:
         _fail(f"`python -m memo show {PLAN}` failed (exit {shown.returncode}):\n{shown.stderr[-2000:]}")
 
@@ -86,5 +91,30 @@ def main() -> None:
           "with a layer policy loads, and `memo show` prints it)")
 
 
+#: The planner's requirements (setup.py's, less torch and matplotlib): what --make-site links.
+REQUIREMENTS = ("numpy", "pulp", "tqdm")
+
+
+def make_site(folder: str) -> None:
+    """A folder of links to REQUIREMENTS' packages (and the shared libraries wheels keep beside
+    them, such as numpy.libs) in the environment running this: with it on PYTHONPATH, `python -S`
+    finds them and nothing else that is installed."""
+    import importlib.util
+
+    os.makedirs(folder, exist_ok=True)
+    for name in REQUIREMENTS:
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.origin is None:
+            raise SystemExit(f"notorch_check --make-site: {name} is not installed here; `make install` "
+                             "installs it")
+        package = os.path.dirname(spec.origin)
+        for path in (package, package + ".libs"):
+            if os.path.exists(path):
+                os.symlink(path, os.path.join(folder, os.path.basename(path)))
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--make-site"] and len(sys.argv) == 3:
+        make_site(sys.argv[2])
+    else:
+        main()
