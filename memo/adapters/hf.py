@@ -25,8 +25,9 @@ An HF decoder layer (Llama, Qwen2, Mistral: the three are the same code) takes
 - pack_output: ``y.transpose(0, 1)``, as a 1-tuple where the layer's ``forward`` returns a tuple
   (transformers 4.4x), else the tensor.
 
-Refused with a MemoError naming the layer class and the reason: a KV cache or ``use_cache=True``
-while training, ``output_attentions``, attention dropout > 0, an attention implementation other
+Refused with a MemoError naming the layer class and the reason: a KV cache that already holds
+tokens (an empty one, and ``use_cache=True``, are turned off in training forwards: NOTE [The KV
+cache in a training forward]), ``output_attentions``, attention dropout > 0, an attention implementation other
 than ``eager``/``sdpa``, HF gradient checkpointing, flash-attention varlen arguments, a mask that is
 not ``[B, 1 or n, s, s]``, and an active sliding window without a mask that encodes it.
 
@@ -66,6 +67,7 @@ import inspect
 import math
 import sys
 import typing
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -167,6 +169,34 @@ _REFUSED_IF_SET = {
              "position_ids or an attention mask)" for name in
        ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")},
 }
+
+
+# NOTE [The KV cache in a training forward]
+# HF configs default to use_cache=True, so the stock training call model(input_ids=..., labels=...)
+# hands every layer a fresh DynamicCache to fill. A training forward never reads it back, and HF's
+# own gradient checkpointing turns the cache off there with one warning. memo does the same: in a
+# grad-enabled forward an empty cache (and use_cache=True) is ignored, said once; the model returns
+# it empty. A cache that already holds tokens (a forward continuing from earlier ones) would change
+# the layer's attention, so it is still refused. Forwards without grad (eval, generate) never reach
+# memo's layer path and keep their cache.
+def _cache_turned_off(cache: Any) -> bool:
+    """Whether ``cache`` (None: the use_cache flag alone) is ignored in this forward (NOTE [The KV
+    cache in a training forward]), with one warning the first time."""
+    if not torch.is_grad_enabled():
+        return False
+    if cache is not None:
+        length = getattr(cache, "get_seq_length", None)
+        if length is None:
+            return False
+        try:
+            if int(length()) != 0:
+                return False
+        except (TypeError, ValueError):
+            return False
+    warnings.warn("memo.adapters.hf: `use_cache=True` is incompatible with memo's token-wise recompute; "
+                  "the KV cache is off in training forwards, as HF's gradient checkpointing does "
+                  "(set model.config.use_cache = False to silence this)", UserWarning, stacklevel=2)
+    return True
 
 
 @functools.cache
@@ -291,9 +321,11 @@ class HFDecoderLayerAdapter(LayerAdapter):
             if name in ("self", "hidden_states", "attention_mask", "position_embeddings") or name in _IGNORED:
                 continue
             if name in _CACHE:
-                if value is not None:
-                    problems.append(f"a KV cache ({name}={type(value).__name__}); memo trains without one "
-                                    "(pass use_cache=False or set model.config.use_cache = False)")
+                if value is not None and not _cache_turned_off(value):
+                    problems.append(f"a KV cache ({name}={type(value).__name__}) that holds tokens already; "
+                                    "memo trains without one (pass use_cache=False)")
+            elif name == "use_cache" and value and _cache_turned_off(None):
+                continue
             elif name in _REFUSED_IF_SET:
                 if value:
                     problems.append(_REFUSED_IF_SET[name])
