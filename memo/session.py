@@ -61,8 +61,9 @@ class Session:
             entry, before step 1 (without one, at the first forward).
         debug_copy_delay_us: see :class:`memo.runtime.MemoRuntime` (tests).
 
-    ``s.step(ids, labels)`` runs forward + backward and returns the loss; ``with s.iteration():``
-    wraps a forward + backward written out by hand (the optimizer step belongs outside it).
+    ``s.step(ids, labels)`` runs forward + backward and returns the loss, with ``labels`` in the
+    model's own convention (NOTE [Labels in the model's convention]); ``with s.iteration():`` wraps
+    a forward + backward written out by hand (the optimizer step belongs outside it).
     """
 
     def __init__(self, model: nn.Module, plan: Any = None, *, alpha: float | None = None,
@@ -229,12 +230,21 @@ class Session:
         with self.tracker.iteration():
             yield
 
+    # NOTE [Labels in the model's convention]
+    # memo's models take, at each position, the token that position predicts (labels already
+    # shifted: the data does it). Hugging Face's take the input ids as labels and shift them inside
+    # the model (logits[:, :-1] against labels[:, 1:]). Session.step takes the labels of the model it
+    # runs, as that model's own call does, so that an HF user's step(ids, ids) trains on the next
+    # token and reports HF's own loss; the one place that shifts is the model adapter's ``targets``.
+    # Inside memo (profiles, `memo train`, whose data makes the targets) the adapters' ``loss`` takes
+    # the targets.
     def step(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of one batch (``ids, labels: [b, s]``); returns the detached loss."""
+        """Forward and backward of one batch (``ids, labels: [b, s]``, labels as the model's own
+        call takes them: NOTE [Labels in the model's convention]); returns the detached loss."""
         if not self._open:
             raise MemoError("memo.Session: step() needs an open session: use `with memo.Session(...) as s:`")
         with self.iteration():
-            loss = self.adapter.loss(self.model, ids, labels)
+            loss = self.adapter.loss(self.model, ids, self.adapter.targets(self.model, labels))
             loss.backward()
         return loss.detach()
 

@@ -395,3 +395,30 @@ def test_finetune_example_runs_two_steps() -> None:
     assert [line.split()[:2] for line in lines if line.startswith("step")] == [["step", "1"], ["step", "2"]]
     described = json.loads(next(line for line in lines if line.startswith("memo:")).removeprefix("memo:"))
     assert described["policy"] == ["memo", "memo"] and described["stats"]["layer_backwards"] == 4
+
+
+def test_session_step_takes_hf_labels_and_reports_hfs_loss() -> None:
+    """Session.step(ids, labels) with HF's own labels (the model shifts them) trains on the next token
+    and reports HF's loss: five optimizer steps against the unwrapped model's own call (NOTE [Labels
+    in the model's convention] in memo/session.py)."""
+    model = _model("llama")
+    reference = copy.deepcopy(model)
+    batches = [_batch(13, "right", seed=k) for k in range(5)]
+    for b in batches:
+        b["labels"] = b["input_ids"].masked_fill(b["attention_mask"] == 0, -100)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    want = []
+    for b in batches:
+        ref_opt.zero_grad(set_to_none=True)
+        loss = reference(input_ids=b["input_ids"], labels=b["labels"]).loss
+        loss.backward()
+        ref_opt.step()
+        want.append(float(loss))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    got = []
+    with memo.Session(model, alpha=0.5, policy=["memo", "memo"], allocator=False) as s:
+        for b in batches:
+            opt.zero_grad(set_to_none=True)
+            got.append(float(s.step(b["input_ids"], b["labels"])))
+            opt.step()
+    assert got == pytest.approx(want, rel=1e-5)

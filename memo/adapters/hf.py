@@ -78,6 +78,7 @@ from torch import nn
 from memo.adapters.base import LayerAdapter, MLPSite
 from memo.adapters.model import ModelAdapter, ModelParts
 from memo.errors import MemoError
+from memo.models.loss import IGNORE_INDEX
 from memo.models.masked_attention import is_plain_causal, masked_attention_backward, masked_attention_forward
 
 try:
@@ -528,6 +529,13 @@ class CausalLMAdapter(ModelAdapter):
     def parts(self, model: nn.Module) -> ModelParts:
         base = model.model
         return ModelParts(base.embed_tokens, list(base.layers), [base.norm, self.loss_head(model)])
+
+    def targets(self, model: nn.Module, labels: torch.Tensor) -> torch.Tensor:
+        """HF's labels (``model(input_ids, labels=labels)``: the model shifts them) as the token
+        each position predicts: ``labels[:, 1:]``, the last position ignored, as HF's causal-LM
+        loss does (NOTE [Labels in the model's convention] in memo/session.py)."""
+        ignore = torch.full_like(labels[:, :1], IGNORE_INDEX)
+        return torch.cat([labels[:, 1:], ignore], dim=1)
 
     def loss(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean next-token loss; ``labels[:, t]`` is the target of position t (already shifted, -100

@@ -61,6 +61,12 @@ class ModelAdapter:
     def loss(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         raise MemoError(f"memo.adapters: {type(self).__name__} does not define loss()")
 
+    def targets(self, model: nn.Module, labels: torch.Tensor) -> torch.Tensor:
+        """``labels`` in the model's own convention as :meth:`loss` takes them: the token each
+        position predicts (NOTE [Labels in the model's convention]). memo's models take them so
+        already; a library that shifts its labels inside the model (HF) shifts them here."""
+        return labels
+
     def vocab_size(self, model: nn.Module) -> int:
         raise MemoError(f"memo.adapters: {type(self).__name__} does not define vocab_size()")
 
