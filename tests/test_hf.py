@@ -422,3 +422,37 @@ def test_session_step_takes_hf_labels_and_reports_hfs_loss() -> None:
             got.append(float(s.step(b["input_ids"], b["labels"])))
             opt.step()
     assert got == pytest.approx(want, rel=1e-5)
+
+
+class _LoRA(nn.Module):
+    """A LoRA-style adapter with dropout on its input, as PEFT's lora.Linear computes it."""
+
+    def __init__(self, base: nn.Linear, r: int = 4, p: float = 0.2) -> None:
+        super().__init__()
+        self.base, self.drop = base, nn.Dropout(p)
+        self.a = nn.Linear(base.in_features, r, bias=False)
+        self.b = nn.Linear(r, base.out_features, bias=False)
+        nn.init.normal_(self.b.weight, std=0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.b(self.a(self.drop(x)))
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5])
+def test_lora_dropout_masks_are_the_unwrapped_ones_at_batch_two(alpha: float) -> None:
+    """HF layers hold [b, s, h]: memo draws their dropout masks in that order (NOTE [Dropout as
+    unwrapped]), so with two sequences per batch the masks, loss and gradients are the unwrapped
+    model's under the same seed."""
+    model = _model("llama")
+    for layer in model.model.layers:
+        layer.self_attn.q_proj = _LoRA(layer.self_attn.q_proj)
+        layer.mlp.down_proj = _LoRA(layer.mlp.down_proj)
+    for name, p in model.named_parameters():
+        p.requires_grad_(".a." in name or ".b." in name)
+    wrapped = memo.wrap(copy.deepcopy(model), alpha=alpha, policy=["memo", "memo"])
+    batch = {"input_ids": torch.randint(0, V, (2, 37), generator=torch.Generator().manual_seed(3))}
+    batch["labels"] = batch["input_ids"]
+    torch.manual_seed(5)
+    want = _step(model, batch)
+    torch.manual_seed(5)
+    assert_same_step(_step(wrapped, batch), want)

@@ -68,6 +68,10 @@ class LayerAdapter:
 
     #: Short name used in error messages and ``MemoRuntime.describe()``.
     name: str = "adapter"
+    #: Whether the unwrapped layer holds its activations batch-first (``[b, s, h]``, Hugging Face)
+    #: rather than ``[s, b, h]`` (memo's models, megatron-core): the order its dropouts draw their
+    #: masks in, which memo's full-sequence masks follow (NOTE [Dropout as unwrapped]).
+    batch_first: bool = False
 
     def check(self, layer: nn.Module) -> None:
         """Raise :class:`MemoError` if this layer instance is configured in a way the adapter cannot split."""

@@ -273,6 +273,7 @@ class HFDecoderLayerAdapter(LayerAdapter):
     (NOTE [HF decoder layer anatomy], NOTE [HF attention masks])."""
 
     name = "hf"
+    batch_first = True  # HF layers run [b, s, h]: their dropouts draw masks in that order
 
     def __init__(self) -> None:
         self._verdicts = _MaskVerdicts()

@@ -321,7 +321,7 @@ class LayerCall:
         rec = LayerRecord(a=a, s=s, g=g, ctx=ctx, taps=TapGrads(), packer=packer,
                       autocast=AutocastState.capture(xc.device), input_only=input_only)
         if layer.training:
-            rec.dropout = LayerDropout(s, xc.device, self._say)
+            rec.dropout = LayerDropout(s, xc.device, self._say, batch_first=adapter.batch_first)
         rec.x_slot = sink.pack(xc, "layer input x")
         packer.add_base(xc, rec.x_slot)
 
