@@ -438,7 +438,7 @@ class _LoRA(nn.Module):
         return self.base(x) + self.b(self.a(self.drop(x)))
 
 
-@pytest.mark.parametrize("alpha", [0.0, 0.5])
+@pytest.mark.parametrize("alpha", [0.0, 0.5, 1.0])
 def test_lora_dropout_masks_are_the_unwrapped_ones_at_batch_two(alpha: float) -> None:
     """HF layers hold [b, s, h]: memo draws their dropout masks in that order (NOTE [Dropout as
     unwrapped]), so with two sequences per batch the masks, loss and gradients are the unwrapped
