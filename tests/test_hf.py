@@ -456,3 +456,19 @@ def test_lora_dropout_masks_are_the_unwrapped_ones_at_batch_two(alpha: float) ->
     want = _step(model, batch)
     torch.manual_seed(5)
     assert_same_step(_step(wrapped, batch), want)
+
+
+def test_a_hook_on_the_mlp_sees_the_models_layout() -> None:
+    """The HF submodules run on [b, t, h] (NOTE [HF layout] in memo/adapters/hf.py): a forward hook
+    on layer.mlp sees batch-first tensors covering the sequence, and memo says once that it sees
+    token ranges."""
+    model = _model("llama")
+    batch = _batch(37, None)
+    wrapped = _wrapped(model, alpha=0.5)
+    shapes: list[tuple[int, ...]] = []
+    wrapped.model.layers[0].mlp.register_forward_hook(lambda _m, _a, out: shapes.append(tuple(out.shape)))
+    with pytest.warns(UserWarning, match=r"forward hooks on mlp see a range of the tokens"):
+        wrapped(**batch).loss.backward()
+    b, s = batch["input_ids"].shape
+    assert shapes and all(len(sh) == 3 and sh[0] == b and sh[2] == 64 for sh in shapes), shapes
+    assert sum(sh[1] for sh in shapes) >= s  # every token, in ranges (and again where recomputed)

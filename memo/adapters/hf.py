@@ -17,13 +17,22 @@ An HF decoder layer (Llama, Qwen2, Mistral: the three are the same code) takes
   ``position_ids``) and the attention mask go into the context;
 - pre: ``input_layernorm`` -> ``q_proj``/``k_proj``/``v_proj`` (with their biases, Qwen2) ->
   the family's own ``apply_rotary_pos_emb`` with the cos/sin rows of tokens
-  ``[offset:offset+t]``;
+  ``[offset:offset+t]``; like post, it runs the layer's submodules on ``[b, t, h]``, the layer's own
+  layout (NOTE [HF layout]);
 - core: softmax attention with HF's scale (the attention module's ``scaling``, else
   ``1/sqrt(head_dim)``), through memo's causal kernels when the mask is plain causal, else
   through memo/models/masked_attention.py (NOTE [HF attention masks]);
 - post: ``o_proj`` -> residual -> ``post_attention_layernorm`` -> ``mlp`` -> residual;
 - pack_output: ``y.transpose(0, 1)``, as a 1-tuple where the layer's ``forward`` returns a tuple
   (transformers 4.4x), else the tensor.
+
+NOTE [HF layout]
+memo's runtime holds a layer's tokens as ``[s, b, h]`` and runs pre and post on token ranges. The
+HF submodules (norms, projections, the MLP, PEFT's LoRA modules) get their range as ``[b, t, h]``,
+a transposed view, the layout they see unwrapped: so a forward hook on ``layer.mlp`` sees
+``[b, t, h]``, and a dropout inside draws its mask in the unwrapped order (the adapter's
+``batch_first``, NOTE [Dropout as unwrapped] in memo/runtime/dropout.py). What pre and post return
+goes back to ``[t, b, ...]`` the same way.
 
 Refused with a MemoError naming the layer class and the reason: a KV cache that already holds
 tokens (an empty one, and ``use_cache=True``, are turned off in training forwards: NOTE [The KV
@@ -359,26 +368,28 @@ class HFDecoderLayerAdapter(LayerAdapter):
                 "got no attention mask that applies it; memo's causal attention would see every earlier "
                 "token. Call the model (with attn_implementation 'eager' or 'sdpa' its mask carries the "
                 f"window), or use sequences of at most {window} tokens")
-        ctx = _Ctx(cos=cos.transpose(0, 1), sin=sin.transpose(0, 1), mask=mask, scale=_scale(layer),
+        ctx = _Ctx(cos=cos, sin=sin, mask=mask, scale=_scale(layer),
                    as_tuple=_returns_tuple(cls))
         return hidden.transpose(0, 1), ctx
 
+    # The submodules run in the layer's own layout, [b, t, h] (NOTE [HF layout]): a hook on
+    # layer.mlp sees what it sees unwrapped (a range of tokens of it), and dropout draws in that order.
     def pre(self, layer: nn.Module, x: torch.Tensor, offset: int, ctx: _Ctx) -> tuple[
             torch.Tensor, torch.Tensor, torch.Tensor]:
         attn = layer.self_attn
         t, b, _ = x.shape
         d = attn.head_dim
-        h = layer.input_layernorm(x)
-        q = attn.q_proj(h).view(t, b, -1, d)
-        k = attn.k_proj(h).view(t, b, -1, d)
-        v = attn.v_proj(h).view(t, b, -1, d)
-        cos, sin = ctx.cos[offset:offset + t], ctx.sin[offset:offset + t]  # [t, B, d]
+        h = layer.input_layernorm(x.transpose(0, 1))
+        q = attn.q_proj(h).view(b, t, -1, d)
+        k = attn.k_proj(h).view(b, t, -1, d)
+        v = attn.v_proj(h).view(b, t, -1, d)
+        cos, sin = ctx.cos[:, offset:offset + t], ctx.sin[:, offset:offset + t]  # [B, t, d]
         q, k = _rotary_fn(type(layer))(q, k, cos, sin, unsqueeze_dim=2)
-        return q, k, v
+        return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
 
     def post(self, layer: nn.Module, o: torch.Tensor, x: torch.Tensor, ctx: _Ctx) -> torch.Tensor:
-        h = x + layer.self_attn.o_proj(o)
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        h = x.transpose(0, 1) + layer.self_attn.o_proj(o.transpose(0, 1))
+        return (h + layer.mlp(layer.post_attention_layernorm(h))).transpose(0, 1)
 
     def core_forward(self, layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      ctx: _Ctx) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,11 +22,12 @@ depend on grad mode, chunking or ``torch.compile``: the draw runs eagerly even i
 code (``torch._dynamo.disable``; dynamo breaks the graph there), where a compiled dropout could
 pick another kernel, and another random stream, for grad and no-grad mode.
 
-The mask is drawn in the order the unwrapped layer holds its activations: ``[s, b, ...]`` for
-memo's models and megatron-core's, ``[b, s, ...]`` for Hugging Face's (the adapter's
-``batch_first``), and viewed as ``[s, b, ...]``, the rows memo's ranges take. With more than one
-sequence per batch the two orders assign the random stream to different elements, so a mask drawn
-in the wrong one differs from the unwrapped layer's (PEFT's LoRA dropout was 8.5e-4 off in loss).
+The mask is drawn in the layout the unwrapped layer holds its activations in, which is also the
+layout memo runs its submodules in: ``[s, b, ...]`` for memo's models and megatron-core's,
+``[b, s, ...]`` for Hugging Face's (the adapter's ``batch_first``), and a range takes its tokens
+along that layout's sequence dimension. With more than one sequence per batch the two orders assign
+the random stream to different elements, so a mask drawn in the other one differs from the unwrapped
+layer's (PEFT's LoRA dropout was 8.5e-4 off in loss).
 
 A dropout whose input rows are not the range's tokens (a layer that gathers its sequence under
 tensor parallelism, a dropout on attention scores) cannot take rows of a full-sequence mask; it
@@ -108,8 +109,9 @@ class _Site:
         self.scale = noise.amax() if found else noise.new_ones(())
         del noise
 
-    def rows(self, t0: int, t1: int, dtype: torch.dtype) -> torch.Tensor:
-        return self.mask[t0:t1].to(dtype) * self.scale.to(dtype)
+    def rows(self, dim: int, t0: int, t1: int, dtype: torch.dtype) -> torch.Tensor:
+        """The mask of tokens ``[t0:t1]`` (along ``dim``) as the multiplier dropout applies."""
+        return self.mask.narrow(dim, t0, t1 - t0).to(dtype) * self.scale.to(dtype)
 
 
 class LayerDropout:
@@ -120,13 +122,15 @@ class LayerDropout:
         device: the layer's device (whose generator dropout draws from).
         say: ``say(topic, text)`` tells the user something once per runtime (a dropout whose rows
             are not tokens, a dropout inside compiled code).
-        batch_first: the unwrapped layer holds ``[b, s, ...]``: masks are drawn in that order.
+        batch_first: the layer holds ``[b, s, ...]`` (memo runs its submodules so): the sequence is
+            the dropouts' dimension 1, and masks are drawn in that order.
     """
 
     def __init__(self, s: int, device: torch.device, say: Callable[[str, str], None],
                  batch_first: bool = False) -> None:
         self.s = s
-        self.batch_first = batch_first
+        #: The dimension of the sequence in what the layer's dropouts see.
+        self.dim = 1 if batch_first else 0
         self.device = device
         self.say = say
         self.sites: dict[tuple[str, int], _Site] = {}
@@ -158,14 +162,13 @@ class LayerDropout:
         if site is None:
             if self.replaying:
                 raise RuntimeError(f"memo: dropout site {key} met in backward but not in forward")
-            batch_first = self.batch_first and x.dim() >= 2
-            shape = (x.shape[1], self.s, *x.shape[2:]) if batch_first else (self.s, *x.shape[1:])
+            shape = list(x.shape)
+            shape[self.dim] = self.s
             dtype, device = x.dtype, x.device
             rest, kw = args[1:], {n: v for n, v in kwargs.items() if n not in ("input", "inplace")}
 
             def draw() -> torch.Tensor:
-                noise = func(torch.ones(shape, dtype=dtype, device=device), *rest, **kw)
-                return noise.transpose(0, 1) if batch_first else noise
+                return func(torch.ones(shape, dtype=dtype, device=device), *rest, **kw)
 
             site = self.sites[key] = _Site(rng_state(self.device), draw)
             site.take()
@@ -205,13 +208,15 @@ class _DropoutMode(TorchFunctionMode):
                            "layer draws with the compiler's generator instead, so runs with and without "
                            "memo differ in their masks")
         k, self.count = self.count, self.count + 1
-        if x.dim() == 0 or x.shape[0] != self.t1 - self.t0:
-            self.owner.say("rows", f"a dropout in {self.phase}() takes {x.shape[0] if x.dim() else 0} rows "
-                           f"for {self.t1 - self.t0} tokens, so memo cannot give it rows of the "
+        dim = self.owner.dim
+        if x.dim() <= dim or x.shape[dim] != self.t1 - self.t0:
+            rows = x.shape[dim] if x.dim() > dim else 0
+            self.owner.say("rows", f"a dropout in {self.phase}() takes {rows} rows for {self.t1 - self.t0} "
+                           "tokens, so memo cannot give it rows of the "
                            "full-sequence mask the unwrapped layer draws; its masks are drawn per token "
                            "range and differ from the unwrapped layer's (gradients are exact for the masks "
                            "drawn)")
             return func(*args, **kwargs)
         site = self.owner.site(self.phase, k, func, x, args, kwargs)
-        noise = site.rows(self.t0, self.t1, x.dtype)
+        noise = site.rows(dim, self.t0, self.t1, x.dtype)
         return x.mul_(noise) if inplace else x * noise

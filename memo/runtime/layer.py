@@ -267,6 +267,7 @@ class LayerCall:
     def measure(self, x: torch.Tensor, ctx: Any) -> tuple[int, list[tuple[str, int]]]:
         """Dry run: the bytes one forward of this layer offloads for input ``x`` (nothing is kept),
         and what they are (``(what, bytes)`` per copied tensor)."""
+        self._say_hooks()
         sink = CountingSink()
         state = buffer_snapshot(self.layer)
         with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
@@ -543,6 +544,17 @@ class LayerCall:
                 kept = (x_c, parts)
             del parts, x_c
         return kept, qkv
+
+    def _say_hooks(self) -> None:
+        """Say once which of the layer's submodules have forward hooks: under memo they see one token
+        range per call, and run again in backward for the recomputed tokens, as under
+        torch.utils.checkpoint (NOTE [HF layout] in memo/adapters/hf.py)."""
+        hooked = [name for name, m in self.layer.named_modules()
+                  if name and (m._forward_hooks or m._forward_pre_hooks)]
+        if hooked:
+            self._say("hooks", f"forward hooks on {', '.join(hooked)} see a range of the tokens per call "
+                      "(memo runs the layer's token-wise parts in ranges), and run again in backward "
+                      "for the recomputed tokens, as under torch.utils.checkpoint")
 
     def _say(self, topic: str, text: str) -> None:
         """Warn about ``topic`` once per runtime (NOTE [Dropout as unwrapped])."""
