@@ -33,7 +33,8 @@ install: $(STAMP)
 $(STAMP): $(NATIVE)
 	@if [ -n "$(TORCH_SPEC)" ]; then $(PIP) install -q "$(TORCH_SPEC)"; fi
 	$(PIP) install -q "setuptools>=64" wheel ninja pybind11 numpy "pulp>=2.8,<4" tqdm matplotlib \
-		pytest pytest-xdist hypothesis ruff "mypy>=1.10" "megatron-core==0.16.1" "transformers==5.23.0"
+		pytest pytest-xdist hypothesis ruff "mypy>=1.10" "megatron-core==0.16.1" "transformers==5.23.0" \
+		"peft==0.21.2" "accelerate==1.15.0"
 	@mkdir -p build
 	@echo "memo: building the extension (compiler progress below; full log in build/install.log)"
 	@set -o pipefail; $(PIP) install -v --no-build-isolation --no-deps -e . 2>&1 | tee build/install.log \

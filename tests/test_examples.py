@@ -28,3 +28,19 @@ def test_train_long_context_replays_its_plan_exactly() -> None:
     per_step = {b - a for a, b in zip([0, *planned], planned, strict=False)}
     assert len(per_step) == 1 and per_step.pop() > 0, planned  # the same planned hits every step
     assert re.search(r"alpha [\d.]+ \((alpha<=1|bandwidth|host_memory|device_memory|none)\)", out), out
+
+
+def test_the_trainer_example_trains_as_without_memo() -> None:
+    """examples/trainer_hf.py: HF Trainer + PEFT LoRA (with dropout) + memo.wrap on a tiny random
+    Llama, four steps: the same training losses as the same Trainer run without memo (issue 30)."""
+    pytest.importorskip("peft")
+    pytest.importorskip("accelerate")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("trainer_hf", ROOT / "examples" / "trainer_hf.py")
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    with_memo = example.train(use_memo=True, seq=128, steps=4)
+    without = example.train(use_memo=False, seq=128, steps=4)
+    assert len(with_memo) == 4 and with_memo == pytest.approx(without, rel=1e-5)

@@ -472,3 +472,23 @@ def test_a_hook_on_the_mlp_sees_the_models_layout() -> None:
     b, s = batch["input_ids"].shape
     assert shapes and all(len(sh) == 3 and sh[0] == b and sh[2] == 64 for sh in shapes), shapes
     assert sum(sh[1] for sh in shapes) >= s  # every token, in ranges (and again where recomputed)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5, 1.0])
+def test_peft_lora_with_dropout_at_batch_two_matches_unwrapped(alpha: float) -> None:
+    """peft.get_peft_model (LoRA, lora_dropout=0.2) then memo.wrap: loss and LoRA gradients equal
+    the unwrapped model's under the same seed, two sequences per batch."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.2,
+                             target_modules=["q_proj", "v_proj", "down_proj"])
+    model = peft.get_peft_model(_model("llama"), config)
+    wrapped = memo.wrap(copy.deepcopy(model), alpha=alpha, policy=["memo", "memo"])
+    ids = torch.randint(0, V, (2, 37), generator=torch.Generator().manual_seed(3))
+    batch = {"input_ids": ids, "labels": ids}
+    torch.manual_seed(5)
+    want = _step(model, batch)
+    torch.manual_seed(5)
+    got = _step(wrapped, batch)
+    assert got[1] and set(got[1]) == set(want[1])  # the LoRA parameters, and only they, have gradients
+    assert all("lora_" in name for name in got[1])
+    assert_same_step(got, want)
