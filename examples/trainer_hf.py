@@ -64,8 +64,8 @@ def train(*, use_memo: bool, seq: int = 256, steps: int = 4, batch: int = 2, alp
     import transformers
 
     model = build(model_path, lora_dropout)
-    if use_memo:
-        memo.wrap(model, alpha=alpha, policy=["memo"] * model.config.num_hidden_layers)  # the one line memo adds
+    if use_memo:  # the one line memo adds
+        memo.wrap(model, alpha=alpha, policy=["memo"] * model.config.num_hidden_layers)
     with tempfile.TemporaryDirectory() as out:
         args = transformers.TrainingArguments(
             output_dir=out, per_device_train_batch_size=batch, max_steps=steps, learning_rate=1e-3,
