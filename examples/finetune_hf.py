@@ -3,10 +3,11 @@
 
 By default a tiny random Llama is built from a config (no download); ``--model-path DIR`` loads
 local weights instead (Llama, Qwen2 or Mistral; ``from_pretrained(DIR, local_files_only=True)``).
-Every weight is frozen except small low-rank adapters on the attention's q and v projections
-(a ten-line LoRA, no peft), the decoder layers are wrapped by memo (token-wise offload of
-``alpha`` of each layer's tokens, the rest recomputed in backward), and the loss is memo's
-chunked LM loss through the model adapter, so the ``[b, s, vocab]`` logits never exist.
+Every weight is frozen except PEFT's LoRA adapters on the attention's q and v projections
+(examples/trainer_hf.py trains the same way under HF Trainer), the decoder layers are wrapped by
+memo (token-wise offload of ``alpha`` of each layer's tokens, the rest recomputed in backward),
+and the loss is memo's chunked LM loss through the model adapter, so the ``[b, s, vocab]``
+logits never exist.
 
 This is the plain path: ``memo.wrap`` + a training loop, no profile or plan.
 
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 
@@ -34,33 +34,13 @@ from memo.runtime.wrap import runtime_of
 from memo.train.loop import SyntheticTokens, adamw
 
 
-class LoRALinear(nn.Module):
-    """``base(x) + (alpha / r) * x A^T B^T`` with ``base`` frozen; B starts at zero, so the model
-    starts exactly as loaded."""
+def add_lora(model: nn.Module, rank: int) -> nn.Module:
+    """PEFT's LoRA on each layer's q_proj and v_proj, everything else frozen; returns the model the
+    adapters live in (PEFT injects them in place, so memo wraps and trains that model)."""
+    import peft
 
-    def __init__(self, base: nn.Linear, rank: int, alpha: float = 16.0) -> None:
-        super().__init__()
-        self.base = base
-        self.lora_a = nn.Parameter(torch.empty(rank, base.in_features, device=base.weight.device,
-                                               dtype=base.weight.dtype))
-        self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank, device=base.weight.device,
-                                               dtype=base.weight.dtype))
-        nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
-        self.scale = alpha / rank
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + (x @ self.lora_a.t() @ self.lora_b.t()) * self.scale
-
-
-def add_lora(model: nn.Module, rank: int) -> int:
-    """Freeze every parameter, put LoRA on each layer's q_proj and v_proj; returns trainable count."""
-    for p in model.parameters():
-        p.requires_grad_(False)
-    for layer in model.model.layers:
-        attn = layer.self_attn
-        attn.q_proj = LoRALinear(attn.q_proj, rank)
-        attn.v_proj = LoRALinear(attn.v_proj, rank)
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+    config = peft.LoraConfig(r=rank, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    return peft.get_peft_model(model, config).get_base_model()
 
 
 def build(args: argparse.Namespace) -> nn.Module:
@@ -103,8 +83,9 @@ def main(argv: list[str] | None = None) -> int:
 def finetune(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     model = build(args).to(device).train()
-    model.config.use_cache = False  # no KV cache while training (memo refuses one)
-    trainable = add_lora(model, args.lora_rank)
+    model.config.use_cache = False  # no KV cache while training (memo would turn it off, with a warning)
+    model = add_lora(model, args.lora_rank)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     adapter = model_adapter_for(model, "finetune_hf")  # refuses what memo cannot train, with the reason
     n_layers = len(model.model.layers)
     precision = "bf16 autocast" if args.bf16 else "fp32"
