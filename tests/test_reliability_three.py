@@ -300,6 +300,27 @@ def test_make_plan_skips_what_the_time_limit_leaves_no_room_for(monkeypatch) -> 
     assert plan.solver["flat_comparison"] == "skipped: the time limit was reached"
 
 
+# ------------------------------------------------------------------ 7. memo plot of many allocations
+def test_plot_draws_the_largest_allocations_past_what_a_picture_shows(tmp_path, monkeypatch) -> None:
+    import memo.cli.plot as plot
+    from memo.planner import make_plan
+    from memo.planner.synthetic import layered_trace
+
+    plan = make_plan(layered_trace(4), use_mip=False)
+    placed = sum(off is not None for off in plan.offsets)
+    monkeypatch.setattr(plot, "MAX_DRAWN", placed // 3)
+    assert plot.plot_plan(plan, str(tmp_path / "p.png")) == placed // 3
+    assert (tmp_path / "p.png").stat().st_size > 10_000
+    monkeypatch.setattr(plot, "MAX_DRAWN", placed)
+    assert plot.plot_plan(plan, str(tmp_path / "all.png")) == placed
+    # memo plot imports no torch (it drew 10^5 allocations in 18 s, 3 of them importing torch)
+    import subprocess
+    import sys
+
+    code = "import sys, memo.cli.plot; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
 # ------------------------------------------------------------------ 8. strings from files, escaped
 def test_show_escapes_what_a_plan_file_says() -> None:
     from memo.planner import make_plan
