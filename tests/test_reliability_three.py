@@ -302,9 +302,10 @@ def test_make_plan_skips_what_the_time_limit_leaves_no_room_for(monkeypatch) -> 
 
 # ------------------------------------------------------------------ 7. memo plot of many allocations
 def test_plot_draws_the_largest_allocations_past_what_a_picture_shows(tmp_path, monkeypatch) -> None:
-    import memo.cli.plot as plot
     from memo.planner import make_plan
     from memo.planner.synthetic import layered_trace
+
+    import memo.cli.plot as plot
 
     plan = make_plan(layered_trace(4), use_mip=False)
     placed = sum(off is not None for off in plan.offsets)
