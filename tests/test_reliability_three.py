@@ -319,7 +319,8 @@ def test_plot_draws_the_largest_allocations_past_what_a_picture_shows(tmp_path, 
     import sys
 
     code = "import sys, memo.cli.plot; print('torch' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.stdout.strip() == "False", done.stderr
 
 
 # ------------------------------------------------------------------ 8. strings from files, escaped
