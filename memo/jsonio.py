@@ -67,11 +67,17 @@ def _parse_long_int(text: str) -> int | _Refused:
 def _too_deep(data: Any) -> bool:
     """Whether ``data`` nests arrays/objects more than :data:`MAX_DEPTH` levels (iterative: no recursion)."""
     stack = [(data, 1)]
+    containers = {dict, list}
     while stack:
         node, depth = stack.pop()
         if depth > MAX_DEPTH:
             return True
-        for child in node.values() if type(node) is dict else node:
+        children = node.values() if type(node) is dict else node
+        # The types of a node's children in one C-level pass: most nodes of a large file (the rows
+        # of a plan's allocations) hold numbers only, and are not walked element by element.
+        if containers.isdisjoint(set(map(type, children))):
+            continue
+        for child in children:
             if type(child) is dict or type(child) is list:
                 stack.append((child, depth + 1))
     return False

@@ -8,12 +8,15 @@ byte) and plot it. Every plan is validated when it is saved and when it is loade
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
+
+import numpy as np
 
 from memo.errors import MemoError, PlanMismatchError
 from memo.jsonio import atomic_write, read_json
@@ -455,6 +458,11 @@ def _allocations(rows: Any, phases: list[str]) -> list[Allocation]:
     """A plan's ``allocations`` rows, ``[phase index or -1, request, size, start, end, id]``, checked."""
     if not isinstance(rows, list):
         raise _bad("allocations", "a list", rows)
+    checked = _checked_rows(rows, len(phases))
+    if checked is not None:
+        names: list[str | None] = [*phases, None]  # index -1: unphased
+        return [Allocation(i, ident, size, start, end, names[pi], request, False)
+                for i, (pi, request, size, start, end, ident) in enumerate(checked)]
     allocations = []
     for index, row in enumerate(rows):
         where = f"allocations[{index}]"
@@ -471,6 +479,27 @@ def _allocations(rows: Any, phases: list[str]) -> list[Allocation]:
         allocations.append(Allocation(index, row[5], size, start, end, phases[pi] if pi >= 0 else None,
                                       request, False))
     return allocations
+
+
+def _checked_rows(rows: list[Any], n_phases: int) -> list[list[int]] | None:
+    """The rows as ints when every one is valid, checked a column at a time (a plan of a million
+    allocations took 20 s checked row by row); None when any is not, and the row-by-row check then
+    names the first bad one."""
+    if not rows:
+        return []
+    if set(map(type, rows)) != {list} or set(map(len, rows)) != {6}:
+        return None
+    if set(map(type, itertools.chain.from_iterable(rows))) != {int}:  # no bool, float, None, str
+        return None
+    try:
+        table = np.array(rows, dtype=np.int64)
+    except OverflowError:
+        return None
+    low = np.array([-1, 0, 1, 0, 0, np.iinfo(np.int64).min])
+    high = np.array([n_phases, MAX_BYTES, MAX_BYTES, MAX_BYTES, MAX_BYTES, np.iinfo(np.int64).max])
+    if not ((table >= low).all() and (table[:, :5] < high[:5]).all()):
+        return None
+    return table.tolist()  # type: ignore[no-any-return]
 
 
 def _offsets(allocations: list[Allocation], level1: dict[str, list[int | None]], level2: dict[str, int],
