@@ -2,7 +2,8 @@
 """Hugging Face ``Trainer`` + PEFT LoRA + memo, in the few lines a user adds to a run they have.
 
 A tiny random Llama is built from a config (no download; ``--model-path DIR`` loads local weights
-instead), PEFT puts LoRA adapters (with dropout) on its attention and MLP projections, and
+instead), PEFT puts LoRA adapters (with dropout) on its attention and MLP projections, the batches
+are packed (sequences of varying lengths end to end, HF's ``DataCollatorWithFlattening``), and
 ``memo.wrap`` wraps its decoder layers: ``alpha`` of each layer's tokens go to host memory, the
 rest are recomputed in backward. Then HF's ``Trainer`` trains it as it trains any model: the stock
 call ``model(input_ids=..., labels=...)`` (HF's labels, its default ``use_cache=True`` turned off in
@@ -45,17 +46,19 @@ def build(model_path: str | None, lora_dropout: float) -> torch.nn.Module:
 
 
 class Sequences(torch.utils.data.Dataset):
-    """Random token sequences, labels as HF takes them (the ids: the model shifts them)."""
+    """Random token sequences of varying lengths (half to all of ``length``), as a dataset of
+    documents gives them; the collator packs a batch of them into one row."""
 
     def __init__(self, vocab: int, length: int, count: int) -> None:
         gen = torch.Generator().manual_seed(1)
-        self.ids = torch.randint(0, vocab, (count, length), generator=gen)
+        sizes = torch.randint(length // 2, length + 1, (count,), generator=gen)
+        self.ids = [torch.randint(0, vocab, (int(n),), generator=gen).tolist() for n in sizes]
 
     def __len__(self) -> int:
         return len(self.ids)
 
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+    def __getitem__(self, i: int) -> dict[str, list[int]]:
+        return {"input_ids": self.ids[i]}
 
 
 def train(*, use_memo: bool, seq: int = 256, steps: int = 4, batch: int = 2, alpha: float = 0.5,
@@ -72,7 +75,10 @@ def train(*, use_memo: bool, seq: int = 256, steps: int = 4, batch: int = 2, alp
             logging_steps=1, report_to=[], save_strategy="no", use_cpu=not torch.cuda.is_available(),
             seed=0, dataloader_num_workers=0, disable_tqdm=True)
         data = Sequences(model.config.vocab_size, seq, steps * batch)
-        trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+        # Packing: the batch's sequences end to end in one row, position_ids restarting at each, so
+        # that no token attends across a boundary; labels as HF takes them (the model shifts them).
+        packing = transformers.DataCollatorWithFlattening(return_tensors="pt")
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data, data_collator=packing)
         trainer.train()
     return [row["loss"] for row in trainer.state.log_history if "loss" in row]
 

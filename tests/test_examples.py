@@ -31,8 +31,9 @@ def test_train_long_context_replays_its_plan_exactly() -> None:
 
 
 def test_the_trainer_example_trains_as_without_memo() -> None:
-    """examples/trainer_hf.py: HF Trainer + PEFT LoRA (with dropout) + memo.wrap on a tiny random
-    Llama, four steps: the same training losses as the same Trainer run without memo (issue 30)."""
+    """examples/trainer_hf.py: HF Trainer + PEFT LoRA (with dropout) + packed batches of varying
+    lengths + memo.wrap on a tiny random Llama, four steps: the same training losses as the same
+    Trainer run without memo (issue 30)."""
     pytest.importorskip("peft")
     pytest.importorskip("accelerate")
     import importlib.util
