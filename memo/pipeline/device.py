@@ -3,7 +3,10 @@ the optimizer's moment, and the model states' share of them."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from memo.planner import Trace
 
 __all__ = ["FALLBACK_HEADROOM", "FALLBACK_SEGMENT_BYTES", "usable_device_bytes"]
 
@@ -54,42 +57,28 @@ def _static_bytes(states: dict[str, Any]) -> int:
 # iteration frees, and with gradients in the arena the gradients too) beside what else outlives the
 # iteration, plus the model states. Under a budget only: without one, the cap is full recompute's
 # iteration need, and an iteration is compared with an iteration.
-def _optimizer_moment(trace: dict[str, Any], static: int, gradients: str = "fallback") -> int:
+def _optimizer_moment(trace: Trace, static: int, gradients: str = "fallback") -> int:
     """NOTE [The optimizer's moment]: the arena's bytes, what else outlives the iteration, and
-    ``static``; ``gradients`` as make_plan's (NOTE [Allocations that outlive the iteration])."""
-    from memo.phase_names import is_backward_phase
+    ``static``; ``gradients`` as make_plan's, whose rule for what the arena holds
+    (memo.planner.outliving) decides it here too."""
+    from memo.planner.dsa import Item, lower_bound
+    from memo.planner.outliving import left_to_fallback
 
-    sizes: dict[int, int] = {}
-    freed: set[int] = set()
-    placed: set[int] = set()
-    for ev in trace["events"]:
-        if ev["op"] == "malloc":
-            sizes[ev["id"]] = ev["size"]
-            if ev.get("phase") is not None:  # the arena serves phased requests only
-                placed.add(ev["id"])
-        elif ev["op"] == "free":
-            freed.add(ev["id"])
-    placed = {i for i in placed if i in freed} | (
-        {ev["id"] for ev in trace["events"] if ev["op"] == "malloc" and ev["id"] not in freed
-         and is_backward_phase(ev.get("phase"))} if gradients == "arena" else set())
-    live = arena = 0
-    for ev in trace["events"]:
-        ident = ev.get("id")
-        if ident not in placed:
-            continue
-        if ev["op"] == "malloc":
-            live += sizes[ident]
-            arena = max(arena, live)
-        elif ev["op"] == "free":
-            live -= sizes[ident]
-    outliving = sum(n for ident, n in sizes.items() if ident not in freed and ident not in placed)
-    return arena + outliving + int(static)
+    mode = "gradients-in-arena" if gradients == "arena" else "fallback"
+    left = left_to_fallback(trace, mode) or frozenset()
+    placed = [Item(a.size, a.start, a.end) for a in trace.allocations
+              if a.phase is not None and a.index not in left]  # the arena serves phased requests only
+    # What else outlives the iteration: those, and what was made outside every phase and never
+    # freed (the rounding buffers, made once).
+    outliving = sum(a.size for a in trace.allocations
+                    if a.index in left or (a.phase is None and a.end == trace.end_time))
+    return int(lower_bound(placed)) + outliving + int(static)
 
 
-def _iteration_total(trace: dict[str, Any], static: int) -> int:
+def _iteration_total(trace: Trace | dict[str, Any], static: int) -> int:
     """NOTE [Device total]: the most bytes live at once in a recorded iteration (activations, memo's
     rounding buffers, gradients as they appear, temporaries) plus ``static`` (parameters and
     optimizer states, which live across iterations and are not in the trace)."""
     from memo.planner import Trace, lower_bound
 
-    return int(lower_bound(Trace.from_dict(trace))) + int(static)
+    return int(lower_bound(trace if isinstance(trace, Trace) else Trace.from_dict(trace))) + int(static)

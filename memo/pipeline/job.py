@@ -17,6 +17,8 @@ from memo.machine import Machine
 from .device import _iteration_total
 
 if TYPE_CHECKING:
+    from memo.planner import Trace
+
     from .passes import ProbeKey, WrappedRun
 
 __all__ = ["build_profile_model", "example_batch"]
@@ -118,7 +120,7 @@ class _Job:
         the runtime's default)."""
         return chosen if chosen is not None else self.default_tile
 
-    def recorded_total(self, trace: dict[str, Any], static: int) -> int:
+    def recorded_total(self, trace: Trace | dict[str, Any], static: int) -> int:
         """:func:`_iteration_total` of a recorded iteration, the same on every rank."""
         return self.agree_max(_iteration_total(trace, static))
 

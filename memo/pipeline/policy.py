@@ -15,7 +15,7 @@ from torch import nn
 
 from memo.errors import MemoError
 from memo.machine import GB
-from memo.planner import LayerCosts, PolicySolution
+from memo.planner import LayerCosts, PolicySolution, Trace
 from memo.planner.calibrate import (
     AlphaInputs,
     PolicyRecording,
@@ -236,8 +236,9 @@ class _PolicyProbe:
         trace, wrapped = _wrapped_pass(job, self.net, self.ids, self.labels, alpha, False, self.plain,
                                        chosen.policy, chosen.tile_tokens)
         job.last_probe = (_probe_key(alpha, chosen), trace, wrapped)
-        total = job.recorded_total(trace, self.static)
+        parsed = Trace.from_dict(trace)  # once, for the iteration's total and the optimizer's moment
+        total = job.recorded_total(parsed, self.static)
         moment = None
         if job.machine.device_budget_bytes is not None:  # NOTE [The optimizer's moment]
-            moment = job.agree_max(_optimizer_moment(trace, self.static, job.gradients))
+            moment = job.agree_max(_optimizer_moment(parsed, self.static, job.gradients))
         return PolicyRecording(total, moment)

@@ -448,12 +448,11 @@ class MemoRuntime:
     def drop_abandoned(self) -> None:
         """Before a forward of the model: drop the flights of freed graphs (NOTE [Abandoned forward])."""
         buffers = self.buffers
-        live = {f for (f, _), ref in self.pending.items() if ref() is not None}
+        live = self._live_flights()
         dead = [f for f in buffers.busy_flights() if f not in live
                 and not any(slot.state is BufferState.READY for slot in buffers.layers[f])]
         if dead:
-            buffers.reset(dead)
-            self.pending = {key: ref for key, ref in self.pending.items() if key[0] not in dead}
+            self._drop_flights(dead)
             self.stats.abandoned_iterations += len(dead)
             if self.stats.abandoned_iterations == len(dead):
                 warnings.warn("memo.runtime: a forward's graph was freed without its backward (an exception, "
@@ -461,9 +460,18 @@ class MemoRuntime:
                               "offloaded activations and goes on (counted in stats.abandoned_iterations; "
                               "this is said once)", stacklevel=4)
 
+    def _live_flights(self) -> set[int]:
+        """The flights with a record still alive whose layer's backward has not run."""
+        return {f for (f, _), ref in self.pending.items() if ref() is not None}
+
+    def _drop_flights(self, flights: list[int]) -> None:
+        """Wait for their copies, set their slots idle and forget their records."""
+        self.buffers.reset(flights)
+        self.pending = {key: ref for key, ref in self.pending.items() if key[0] not in flights}
+
     def forwards_awaiting_backward(self) -> int:
         """Forwards whose graph is alive and whose wrapped layers' backward has not all run."""
-        return len({f for (f, _), ref in self.pending.items() if ref() is not None})
+        return len(self._live_flights())
 
     def begin_forward(self) -> None:
         """The first memo layer's forward: pick the flight of this forward of the model."""
@@ -488,8 +496,7 @@ class MemoRuntime:
         buffers = self.buffers
         if buffers is None or flight >= buffers.n_flights or buffers.layers[flight][index].epoch != epoch:
             return  # not that forward's flight any more: nothing of it to drop
-        buffers.reset([flight])
-        self.pending = {key: ref for key, ref in self.pending.items() if key[0] != flight}
+        self._drop_flights([flight])
         self.stats.failed_iterations += 1
         if "failed iteration" not in self.said:
             self.said.add("failed iteration")
