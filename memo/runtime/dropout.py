@@ -38,6 +38,7 @@ exact for the masks drawn) and memo says once that those masks differ from the u
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -88,6 +89,13 @@ def _dropout_args(func: Callable[..., Any], args: tuple[Any, ...],
     bound = dict(zip(names, args, strict=False)) | kwargs
     training = bound.get("training", bound.get("train", True))
     return bound["input"], float(bound.get("p", 0.5)), bool(training), bool(bound.get("inplace", False))
+
+
+@functools.cache
+def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.compiler.disable(fn)``, made on first use: it imports dynamo, about 2.5 s of every
+    process's start that no eager run needs (compiled code has imported it already)."""
+    return torch.compiler.disable(fn)
 
 
 @dataclass
@@ -194,11 +202,12 @@ class _DropoutMode(TorchFunctionMode):
         x, p, training, inplace = _dropout_args(func, args, kwargs)
         if not training or p <= 0.0 or p >= 1.0 or x.numel() == 0:
             return func(*args, **kwargs)  # no random draw: as unwrapped
-        return self._dropout(func, args, kwargs, x, inplace, torch.compiler.is_compiling())
+        if torch.compiler.is_compiling():
+            # Eager even inside compiled code: dynamo breaks the graph here, so the draw is PyTorch's
+            # eager dropout whatever compiles the layer (NOTE [Dropout as unwrapped]).
+            return _eager(type(self)._dropout)(self, func, args, kwargs, x, inplace, True)
+        return self._dropout(func, args, kwargs, x, inplace, False)
 
-    # Eager even inside compiled code: dynamo breaks the graph here, so the draw is PyTorch's eager
-    # dropout whatever compiles the layer (NOTE [Dropout as unwrapped]).
-    @torch._dynamo.disable
     def _dropout(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], x: torch.Tensor,
                  inplace: bool, compiled: bool) -> torch.Tensor:
         if compiled:
