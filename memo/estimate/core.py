@@ -70,10 +70,11 @@ class Estimate:
     activations_bytes: int
     device_mem_gb: float
     fit_fraction: float
-    alpha: float | None = None
-    alpha_binding: str | None = None
-    host_bytes_per_process: int | None = None
-    host_bytes_per_node: int | None = None
+    #: memo's alpha and what bound it; the host bytes its offload pins (None for other strategies).
+    alpha: float | None = field(default=None)
+    alpha_binding: str | None = field(default=None)
+    host_bytes_per_process: int | None = field(default=None)
+    host_bytes_per_node: int | None = field(default=None)
     notes: list[str] = field(default_factory=list)
 
     @property
