@@ -9,6 +9,7 @@ memo/estimate/formula.py that changes them fails here.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -163,8 +164,14 @@ def test_search_ranks_fitting_layouts_with_fewest_communicating_ranks_first(
     assert main(["estimate", "--model", "llama-3.1-8b", "--seq-len", "32K", "--gpus", "8", "--search",
                  "--method", "formula", "--strategy", "none", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["layouts"]
-    # t | 8 key/value heads, c, p | 32 layers: every (t, c, p) whose product divides 8.
-    assert len(rows) == 20
+    # t | 8 key/value heads, c, p | 32 layers: every (t, c, p) whose product divides 8, in each of
+    # the three model-state shardings (NOTE [Sharded model states]).
+    assert len(rows) == 20 * 3
+    states = {(r["tp"], r["cp"], r["pp"], r["sharding"]): r["estimate"]["model_states_bytes"] for r in rows}
+    for (t, c, p, sharding), b in states.items():
+        if sharding == "full":  # ZeRO-3 holds a share of every state: less than ZeRO-1 once d·c > 1
+            assert (b < states[t, c, p, "optimizer"]) == (8 // (t * p) > 1), (t, c, p, b)
+            assert states[t, c, p, "full-offload"] < b
     fits = [r["estimate"]["fits"] for r in rows]
     assert fits == sorted(fits, reverse=True)  # fitting layouts first
     fitting = [r for r in rows if r["estimate"]["fits"]]
@@ -218,7 +225,7 @@ def test_plan_method_orders_the_strategies_at_scale(gpt_7b_profiles: dict) -> No
 @pytest.mark.slow
 def test_memo_alpha_is_lowered_until_it_fits(gpt_7b_profiles: dict) -> None:
     roomy = Estimator("gpt-7b", machine=Machine(device_mem_gb=200))
-    tight = Estimator("gpt-7b", machine=Machine(device_mem_gb=55))
+    tight = Estimator("gpt-7b", machine=Machine(device_mem_gb=46))
     roomy.profiler.cache = tight.profiler.cache = gpt_7b_profiles
     layout = Layout(8, tp=8)
     a, b = roomy.estimate(1 << 20, layout, "memo"), tight.estimate(1 << 20, layout, "memo")
@@ -248,3 +255,59 @@ def test_plot_is_written(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
                  "--method", "formula", "--plot", str(out)]) == 0
     assert out.stat().st_size > 10_000
     assert f"plot: {out}" in capsys.readouterr().out
+
+
+def test_sharded_states_split_what_each_sharding_splits() -> None:
+    # NOTE [Sharded model states], counted by the closed form: w, g, o = 2, 4, 12 bytes per parameter.
+    from memo.estimate import FormulaShape, formula_layer_parameters, formula_parameters
+
+    est = Estimator("llama-3.1-8b", method="formula")
+    shape = FormulaShape.of(est.config)
+    for layout in (Layout(8, cp=8), Layout(8, tp=2, cp=2, pp=2)):
+        params = formula_parameters(shape, Layout(layout.gpus, layout.tp, layout.cp, layout.pp))
+        shards = layout.dp * layout.cp
+        gathered = (2 * 2 + 4) * formula_layer_parameters(shape, layout)
+        got = {sharding: est.state_bytes(dataclasses.replace(layout, sharding=sharding), 8192)
+               for sharding in ("optimizer", "full", "full-offload")}
+        assert got["optimizer"][1:] == (pytest.approx((6 + 12 / shards) * params, rel=1e-6), 0)
+        assert got["full"][1:] == (pytest.approx(18 * params / shards + gathered, rel=1e-6), 0)
+        assert got["full-offload"][1:] == (pytest.approx(gathered, rel=1e-6),
+                                           pytest.approx(18 * params / shards, rel=1e-6))
+    offloaded = Layout(8, cp=8, sharding="full-offload")
+    e = est.estimate(8192, offloaded, "none")
+    assert e.host_bytes_per_process == est.state_bytes(offloaded, 8192)[2] and "host memory" in e.notes[0]
+
+
+def test_memo_rows_use_the_plan_budget_and_the_others_the_80_percent_rule() -> None:
+    # NOTE [Fit limits]
+    from memo.pipeline.device import usable_device_bytes
+
+    est = Estimator("tiny", dtype="float32", machine=Machine(device_mem_gb=0.5, host_mem_gb=8))
+    memo, fr = est.estimate(2048, Layout(1), "memo"), est.estimate(2048, Layout(1), "full-recompute")
+    assert (memo.limit_rule, fr.limit_rule) == ("plan", "fraction")
+    assert memo.limit_bytes == usable_device_bytes(int(0.5e9)) > fr.limit_bytes == int(0.4e9)
+    assert memo.to_dict()["limit_rule"] == "plan" and memo.policy == "memo"
+
+
+def test_memo_goes_input_only_where_the_host_binds() -> None:
+    # NOTE [Memo's policy in an estimate]: a host that holds every layer's input but not its input and
+    # attention output as well.
+    probe = Estimator("gpt-mini", dtype="float32", machine=Machine(device_mem_gb=1.0))
+    s_in, s_attn, _ = probe.profiler.layer_sizes(Layout(1), 4096)
+    layers = probe.config.n_layers
+    per_process = layers * (s_in + s_attn // 2)  # between L·S_input and L·(S_input + S_attn)
+    machine = Machine(device_mem_gb=1.0, host_mem_gb=per_process / 0.8 / 1e9, gpus_per_node=1)
+    auto = Estimator("gpt-mini", dtype="float32", machine=machine)
+    auto.profiler.cache = probe.profiler.cache
+    e = auto.estimate(4096, Layout(1), "memo")
+    assert (e.policy, e.alpha, e.alpha_binding) == ("input-only", None, "host memory")
+    assert e.host_bytes_per_process == layers * s_in <= auto.machine.host_per_process()
+    forced = Estimator("gpt-mini", dtype="float32", machine=machine, memo_policy="memo")
+    with pytest.raises(MemoError, match="host memory too small"):
+        forced.estimate(4096, Layout(1), "memo")
+    small = Estimator("gpt-mini", dtype="float32",
+                      machine=Machine(device_mem_gb=1.0, host_mem_gb=s_in / 0.8 / 1e9, gpus_per_node=1))
+    with pytest.raises(MemoError, match="input-only layers need"):
+        small.estimate(4096, Layout(1), "memo")
+    with pytest.raises(MemoError, match="--memo-policy must be one of auto, memo, input-only"):
+        Estimator("gpt-mini", memo_policy="fastest")

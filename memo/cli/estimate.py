@@ -24,6 +24,8 @@ from typing import Any
 
 from memo.cli.args import figure_path, fraction, positive_float, positive_int, seq_len
 from memo.errors import MemoError
+from memo.estimate.core import MEMO_POLICIES
+from memo.estimate.layout import SHARDINGS
 from memo.estimate.plan_method import PLAN_STRATEGIES
 from memo.units import GiB
 
@@ -49,6 +51,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     job.add_argument("--pp", type=positive_int, default=1, help="pipeline stages P (1F1B; first stage shown)")
     job.add_argument("--micro-batch", type=positive_int, default=1,
                      help="sequences per micro-batch B (--search also tries the powers of two below it)")
+    job.add_argument("--sharding", choices=SHARDINGS, default=None,
+                     help="model states over the D·C ranks that share weights: optimizer (megatron's "
+                     "distributed optimizer, ZeRO-1), full (FSDP2, ZeRO-3) or full-offload (FSDP2 with "
+                     "the states in host memory). Default: optimizer; --search tries all three")
     p.add_argument("--strategy", choices=STRATEGY_CHOICES, default=None,
                    help="activation memory strategy (default: memo; --max-seq: all three)")
     p.add_argument("--alpha", type=_alpha, default=None,
@@ -76,6 +82,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     m.add_argument("--layer-ms-at", type=seq_len, default=None, help="tokens --layer-ms is for")
     m.add_argument("--gpu", default="a800", help="GPU for the FLOP estimate of the layer time (the paper's)")
     m.add_argument("--efficiency", type=fraction, default=0.5, help="share of --gpu's peak a layer reaches")
+    p.add_argument("--memo-policy", choices=MEMO_POLICIES, default="auto",
+                   help="memo's layers: memo (input and attention output to the host, alpha of the rest), "
+                   "input-only (the input alone to the host, everything else recomputed), or auto: memo "
+                   "while the host holds it, else input-only")
     p.add_argument("--memo-keep-last", type=int, choices=(0, 2), default=0,
                    help="layers at the end of a stage memo keeps whole: 0 (every layer offloads, memo's "
                    "leanest policy) or 2 (the paper's fixed rule)")
@@ -93,6 +103,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="draw per-GPU memory vs sequence length per strategy, with the GPU's memory")
     p.set_defaults(func=run)
     return p
+
+
+def _limit_rule(e: dict[str, Any]) -> str:
+    """How a row's fit limit was set (NOTE [Fit limits] in memo/estimate/core.py)."""
+    return "memo's plan budget" if e["limit_rule"] == "plan" else f"{e['fit_fraction']:.0%} rule"
 
 
 def _alpha(text: str) -> float:
@@ -146,13 +161,18 @@ def _estimator(args: argparse.Namespace) -> Any:
 
         gpu_peak_flops(args.gpu, DTYPES.get(args.dtype, DTYPES["bfloat16"]))  # an unknown --gpu fails here
     return Estimator(args.model, method=args.method, dtype=args.dtype, model_states=args.model_states,
-                     machine=machine, log=None)
+                     machine=machine, log=None, memo_policy=args.memo_policy)
 
 
 def _layout(args: argparse.Namespace) -> Any:
     from memo.estimate import Layout
 
-    return Layout(args.gpus, args.tp, args.cp, args.pp, args.micro_batch)
+    return Layout(args.gpus, args.tp, args.cp, args.pp, args.micro_batch, args.sharding or "optimizer")
+
+
+def _shardings(args: argparse.Namespace) -> tuple[str, ...]:
+    """The shardings a search tries: the one given, else all."""
+    return (args.sharding,) if args.sharding else SHARDINGS
 
 
 def _strategies(args: argparse.Namespace, estimator: Any) -> tuple[str, ...]:
@@ -242,14 +262,15 @@ def _run_search(args: argparse.Namespace, est: Any, log: Any) -> dict[str, Any]:
     (strategy,) = _strategies(args, est)
     log(f"memo estimate: every layout of {args.gpus} GPUs for {args.model} at {args.seq_len:,} tokens, "
         f"strategy {strategy}, method {args.method}")
-    rows = search_layouts(est, args.seq_len, args.gpus, strategy, _micro_batches(args), log)
+    rows = search_layouts(est, args.seq_len, args.gpus, strategy, _micro_batches(args), log,
+                          _shardings(args))
     if not args.json:
-        table = [("rank", "TP", "CP", "PP", "DP", "B", "t·c·p", "states GiB", "activations GiB", "total GiB",
-                  "fits", "alpha")]
+        table = [("rank", "TP", "CP", "PP", "DP", "B", "sharding", "t·c·p", "states GiB", "activations GiB",
+                  "total GiB", "fits", "alpha")]
         for i, r in enumerate(rows, 1):
             lay, e = r["layout"], r["estimate"]
             cells = (str(i), str(lay.tp), str(lay.cp), str(lay.pp), str(lay.dp), str(lay.micro_batch),
-                     str(lay.model_parallel))
+                     lay.sharding, str(lay.model_parallel))
             if e is None:
                 table.append((*cells, "-", "-", "-", "cannot run", "-"))
             else:
@@ -279,7 +300,8 @@ def _run_max_seq(args: argparse.Namespace, est: Any, log: Any) -> dict[str, Any]
 
     strategies = _strategies(args, est)
     if args.search:
-        layouts = valid_layouts(est.config, args.gpus, None, (args.micro_batch,), data_parallel_one=True)
+        layouts = valid_layouts(est.config, args.gpus, None, (args.micro_batch,), data_parallel_one=True,
+                                shardings=_shardings(args))
         layouts = [lay for lay in layouts if not lay.problems(est.config, args.granularity)]
         if not layouts:
             raise MemoError(f"memo estimate: no layout of {args.gpus} GPUs with DP 1 is valid for "
@@ -314,8 +336,8 @@ def _run_max_seq(args: argparse.Namespace, est: Any, log: Any) -> dict[str, Any]
         })
     if not args.json:
         base = next((o["longest"] for o in out_rows if o["strategy"] == "full-recompute"), 0)
-        table = [("strategy", "longest seq", "tokens", "vs full recompute", "layout (TP CP PP DP)",
-                  "GiB per GPU there", "memo alpha", "host GiB/node")]
+        table = [("strategy", "longest seq", "tokens", "vs full recompute", "layout (TP CP PP DP sharding)",
+                  "GiB per GPU there", "fit limit", "memo policy", "host GiB/node")]
         for o in out_rows:
             e = o["estimate"]
             lay = o["layout"]
@@ -325,28 +347,32 @@ def _run_max_seq(args: argparse.Namespace, est: Any, log: Any) -> dict[str, Any]
                 + (" (cap)" if o["capped_by_seq_cap"] else ""),
                 f"{o['longest']:,}",
                 f"{o['longest'] / base:.2f}x" if base and o["longest"] else "-",
-                "-" if lay is None else f"{lay['tp']} {lay['cp']} {lay['pp']} {lay['dp']}",
+                "-" if lay is None else f"{lay['tp']} {lay['cp']} {lay['pp']} {lay['dp']} {lay['sharding']}",
                 "-" if e is None else f"{e['total_gib']:,.2f}",
-                "-" if e is None or e["alpha"] is None else f"{e['alpha']:.3f}",
+                "-" if e is None else f"{e['limit_gib']:,.2f} ({_limit_rule(e)})",
+                "-" if e is None or e["policy"] is None else
+                e["policy"] + ("" if e["alpha"] is None else f", alpha {e['alpha']:.3f}"),
                 "-" if e is None or e["host_gib_per_node"] is None else f"{e['host_gib_per_node']:,.0f}",
             ))
         print(f"\nLongest sequence per strategy, {args.model} on {args.gpus} GPUs of "
               f"{args.device_mem_gb:g} GB "
-              f"(fit limit {args.fit_fraction:.0%}: {_gib(est.machine.limit_bytes)} GiB), host "
+              f"(fit limit {args.fit_fraction:.0%}: {_gib(est.machine.limit_bytes)} GiB; memo: its plan's "
+              "budget), host "
               f"{args.host_mem_gb:g} GB per node of {args.gpus_per_node}, {args.bandwidth_gbps:g} GB/s; "
               f"method {args.method}, model states {args.model_states}; to {tokens(args.granularity)}\n")
         print(align(table))
         if len(layouts) > 1:
-            head = ("layout (TP CP PP DP)",) + tuple(o["strategy"] for o in out_rows)
+            head = ("layout (TP CP PP DP sharding)",) + tuple(o["strategy"] for o in out_rows)
             grid = [head]
             for lay in layouts:
                 cells = []
                 for o in out_rows:
                     x = next(y for y in o["layouts"]
-                             if (y["tp"], y["cp"], y["pp"]) == (lay.tp, lay.cp, lay.pp))
+                             if (y["tp"], y["cp"], y["pp"], y["sharding"])
+                             == (lay.tp, lay.cp, lay.pp, lay.sharding))
                     cells.append(tokens(x["longest"]) if x["longest"] else
                                  f"~{tokens(x['guess'])}*" if x["pruned"] else "-")
-                grid.append((f"{lay.tp} {lay.cp} {lay.pp} {lay.dp}", *cells))
+                grid.append((f"{lay.tp} {lay.cp} {lay.pp} {lay.dp} {lay.sharding}", *cells))
             print("\nLongest sequence per layout (DP 1: NOTE [Longest sequence layouts])\n")
             print(align(grid))
             print("* not searched: the line through two lengths ends more than 25% short of the best layout")
@@ -389,7 +415,7 @@ def _plot(args: argparse.Namespace, est: Any, out: dict[str, Any]) -> None:
     series = []
     if out["kind"] == "memo.estimate.longest":
         top = max((s["longest"] for s in out["strategies"]), default=0) or args.granularity
-        fields = ("gpus", "tp", "cp", "pp", "micro_batch")
+        fields = ("gpus", "tp", "cp", "pp", "micro_batch", "sharding")
         pairs = [(s["strategy"], Layout(**{k: s["layout"][k] for k in fields}))
                  for s in out["strategies"] if s["layout"]]
     else:

@@ -22,6 +22,7 @@ from memo.estimate.formula import (
     FORMULA_STRATEGIES,
     FormulaShape,
     formula_activations,
+    formula_layer_parameters,
     formula_model_states,
     formula_parameters,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "analyse_trace",
     "estimate",
     "formula_activations",
+    "formula_layer_parameters",
     "formula_model_states",
     "formula_parameters",
     "first_guess",

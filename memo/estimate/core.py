@@ -18,7 +18,7 @@ from memo.estimate.formula import (
     FORMULA_STRATEGIES,
     FormulaShape,
     formula_activations,
-    formula_model_states,
+    formula_layer_parameters,
     formula_parameters,
 )
 from memo.estimate.layout import Layout
@@ -34,15 +34,48 @@ from memo.estimate.plan_method import (
 from memo.planner.vocab import ESTIMATE_METHODS
 from memo.units import GB, GiB
 
-__all__ = ["ESTIMATE_KIND", "ESTIMATE_VERSION", "METHODS", "MODEL_STATES", "Estimate", "Estimator",
+__all__ = ["ESTIMATE_KIND", "ESTIMATE_VERSION", "MEMO_POLICIES", "METHODS", "MODEL_STATES", "Estimate",
+           "Estimator",
            "estimate"]
 
 ESTIMATE_KIND = "memo.estimate"
 ESTIMATE_VERSION = 1
 METHODS = ESTIMATE_METHODS
 
+#: memo's layer policies an estimate may use (NOTE [Memo's policy in an estimate]).
+MEMO_POLICIES = ("auto", "memo", "input-only")
+
+# NOTE [Memo's policy in an estimate]
+# memo's rows run every offloading layer one way: "memo" (input and attention output to the host,
+# alpha of the rest; the least device memory at a given length) while the host holds that at
+# alpha = 0, else "input-only" (the input alone to the host, everything else recomputed, attention
+# included: half the host bytes, NOTE [Input-only layers] in memo/runtime/layer.py), which is what
+# decides the longest sequence once host memory binds. "auto" is that rule; "memo" and
+# "input-only" force one.
+#
+# NOTE [Fit limits]
+# The seed's 80% rule covers PyTorch's fragmentation and the temporaries no plan sees: full
+# recompute and the peers keep it. memo's plan has neither (every activation at a planned address),
+# so memo's rows are measured against the budget its plan uses on a device: the usable budget less
+# the fallback pool's headroom (NOTE [Fallback headroom] in memo/pipeline/device.py). Estimate.
+# limit_rule says which one a row used.
+
 #: How model states are counted (NOTE [Estimate model states]).
 MODEL_STATES = ("formula", "mixed", "same")
+
+# NOTE [Sharded model states]
+# How the d·c ranks that hold the same weights (data and context parallel ranks; tensor and pipeline
+# parallelism split the weights themselves) share the states, per parameter of w bytes of weight, g of
+# gradient and o of optimizer state (NOTE [Estimate model states] gives w, g, o):
+# - "optimizer", megatron's distributed optimizer (ZeRO-1): w + g + o/(d·c) on every GPU;
+# - "full", FSDP2's fully_shard (ZeRO-3): (w + g + o)/(d·c), plus what a layer needs whole while it
+#   runs: its weights gathered, and the next layer's prefetched (2·w per parameter of a layer), and in
+#   backward its unsharded gradients before the reduce-scatter (g per parameter of a layer);
+# - "full-offload", FSDP2 with CPUOffloadPolicy: the (w + g + o)/(d·c) shard lives in host memory, so
+#   the GPU holds only the gathered layer buffers, and the shard is taken from the host memory memo
+#   may pin for its offload.
+# A layer's parameters come from the closed form (NOTE [Estimator formula]) in every counting: the
+# gathered buffers are a few layers' worth, where the counting differs by biases and norms.
 
 # NOTE [Estimate model states]
 # "formula" (the default, both methods): the seed's closed form, (6 + 12/(d·c)) bytes per parameter
@@ -75,6 +108,12 @@ class Estimate:
     alpha_binding: str | None = field(default=None)
     host_bytes_per_process: int | None = field(default=None)
     host_bytes_per_node: int | None = field(default=None)
+    #: memo's layer policy: "memo" (every layer at alpha) or "input-only" (NOTE [Memo's policy in an
+    #: estimate]); None for other strategies.
+    policy: str | None = field(default=None)
+    #: What "fits" is measured against (NOTE [Fit limits]): "fraction" (fit_fraction of the GPU) or
+    #: "plan" (the usable budget of memo's plan).
+    limit_rule: str = field(default="fraction")
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -83,7 +122,12 @@ class Estimate:
 
     @property
     def limit_bytes(self) -> int:
-        return int(self.device_mem_gb * GB * self.fit_fraction)
+        device = int(self.device_mem_gb * GB)
+        if self.limit_rule == "plan":
+            from memo.pipeline.device import usable_device_bytes
+
+            return usable_device_bytes(device)
+        return int(device * self.fit_fraction)
 
     @property
     def fits(self) -> bool:
@@ -104,6 +148,7 @@ class Estimate:
             "total_bytes": self.total_bytes,
             "device_mem_gb": self.device_mem_gb, "fit_fraction": self.fit_fraction,
             "limit_gib": gib(self.limit_bytes), "fits": self.fits,
+            "limit_rule": self.limit_rule, "policy": self.policy,
             "alpha": self.alpha, "alpha_binding": self.alpha_binding,
             "host_bytes_per_process": self.host_bytes_per_process,
             "host_bytes_per_node": self.host_bytes_per_node,
@@ -117,7 +162,7 @@ class Estimator:
 
     def __init__(self, model: str, *, method: str = "plan", dtype: str = "bfloat16",
                  model_states: str = "formula", machine: Machine | None = None,
-                 log: Any = None, device: str = "cuda") -> None:
+                 log: Any = None, device: str = "cuda", memo_policy: str = "auto") -> None:
         from memo.models import get_config
         from memo.pipeline import DTYPES
 
@@ -139,20 +184,38 @@ class Estimator:
         if device not in ("cuda", "cpu"):
             raise MemoError(f"memo estimate: device must be 'cuda' or 'cpu', got {device!r}")
         self.profiler = RankProfiler(self.config, model, self.dtype, self.machine, log, device)
+        if memo_policy not in MEMO_POLICIES:
+            raise MemoError(f"memo estimate: --memo-policy must be one of {', '.join(MEMO_POLICIES)}, "
+                            f"got {memo_policy!r}")
+        #: NOTE [Memo's policy in an estimate].
+        self.memo_policy = memo_policy
 
     def strategies(self) -> tuple[str, ...]:
         return PLAN_STRATEGIES if self.method == "plan" else FORMULA_STRATEGIES
 
     def states(self, layout: Layout, seq_len: int) -> tuple[int, int]:
-        """(parameters, model-state bytes) of one first-stage GPU (NOTE [Estimate model states])."""
+        """(parameters, model-state bytes on the device) of one first-stage GPU (NOTE [Estimate model
+        states], [Sharded model states])."""
+        params, device, _ = self.state_bytes(layout, seq_len)
+        return params, device
+
+    def state_bytes(self, layout: Layout, seq_len: int) -> tuple[int, int, int]:
+        """(parameters, device bytes, host bytes) of one first-stage GPU's model states (NOTE
+        [Sharded model states])."""
         if self.model_states == "formula":
-            return int(round(formula_parameters(self.shape, layout))), int(round(
-                formula_model_states(self.shape, layout)))
-        params, elem = counted_parameters(self.config, layout, seq_len, self.dtype)
+            params = int(round(formula_parameters(self.shape, layout)))
+            weight, grad, optim = 2, 4, 12
+        else:
+            params, elem = counted_parameters(self.config, layout, seq_len, self.dtype)
+            weight, grad, optim = (elem, elem, 2 * elem) if self.model_states == "same" else (elem, 4, 12)
         shards = layout.dp * layout.cp
-        if self.model_states == "same":
-            return params, 2 * params * elem + -(-2 * params * elem // shards)
-        return params, params * elem + 4 * params + -(-12 * params // shards)
+        if layout.sharding == "optimizer":
+            return params, weight * params + grad * params + -(-optim * params // shards), 0
+        sharded = -(-(weight + grad + optim) * params // shards)
+        gathered = int(round((2 * weight + grad) * formula_layer_parameters(self.shape, layout)))
+        if layout.sharding == "full":
+            return params, sharded + gathered, 0
+        return params, gathered, sharded
 
     def estimate(self, seq_len: int, layout: Layout, strategy: str = "memo", alpha: float | None = None
                  ) -> Estimate:
@@ -163,12 +226,17 @@ class Estimator:
         if alpha is not None and strategy != "memo":
             raise MemoError(f"memo estimate: --alpha is memo's; strategy {strategy} has none")
         layout.check(self.config, seq_len)
-        params, states = self.states(layout, seq_len)
+        params, states, host_states = self.state_bytes(layout, seq_len)
         m = self.machine
         est = Estimate(model=self.config.name, seq_len=seq_len, layout=layout, strategy=strategy,
                        method=self.method, dtype=self.dtype_name, model_states=self.model_states,
                        parameters=params, model_states_bytes=states, activations_bytes=0,
-                       device_mem_gb=m.device_mem_gb, fit_fraction=m.fit_fraction)
+                       device_mem_gb=m.device_mem_gb, fit_fraction=m.fit_fraction,
+                       limit_rule="plan" if strategy == "memo" else "fraction")
+        if host_states:
+            est.host_bytes_per_process = host_states
+            est.host_bytes_per_node = host_states * min(m.gpus_per_node, layout.gpus)
+            est.notes.append(f"model states in host memory: {host_states / GiB:,.2f} GiB per GPU")
         if self.method == "formula":
             est.activations_bytes = int(round(formula_activations(self.shape, layout, seq_len, strategy)))
         elif strategy != "memo":
@@ -188,10 +256,19 @@ class Estimator:
         return n.activations
 
     def _memo(self, est: Estimate, alpha: float | None) -> None:
+        """NOTE [Memo's alpha in an estimate], [Memo's policy in an estimate]."""
         from memo.planner import evaluate_alpha
 
         layout, seq_len = est.layout, est.seq_len
-        solution = self.profiler.alpha(layout, seq_len, alpha)  # MemoError: host too small at alpha 0
+        host = self.machine.host_per_process() // layout.pp - (est.host_bytes_per_process or 0)
+        try:
+            solution = self.profiler.alpha(layout, seq_len, alpha, host)
+        except MemoError as err:  # the host cannot hold every layer's input and attention output
+            if alpha is not None or self.memo_policy == "memo":
+                raise
+            self._input_only(est, host, err)
+            return
+        est.policy = "memo"
 
         def total_at(a: float) -> int:
             return est.model_states_bytes + self._activations("memo", layout, seq_len, a)
@@ -210,15 +287,36 @@ class Estimator:
         # The LP's own solution where alpha was not lowered (re-evaluating it can miss the host
         # constraint by the solver's rounding); a lowered alpha needs less host memory.
         at = solution if chosen == solution.alpha else evaluate_alpha(
-            chosen, s_in, s_attn, s_oth, m.bandwidth_gbps * 1e9, layer_s, depth,
-            m.host_per_process() // layout.pp, offloaded_layers=self.profiler.offloaded_layers(layout))
+            chosen, s_in, s_attn, s_oth, m.bandwidth_gbps * 1e9, layer_s, depth, host,
+            offloaded_layers=self.profiler.offloaded_layers(layout))
         # Each of the p micro-batches in flight on the first stage has its own offloaded layers.
-        est.host_bytes_per_process = int(at.host_bytes) * layout.pp
-        est.host_bytes_per_node = est.host_bytes_per_process * min(m.gpus_per_node, layout.gpus)
+        self._host(est, int(at.host_bytes) * layout.pp)
         if not at.copies_hidden:
             est.notes.append(f"memo: at alpha {chosen:.3f} one layer's copy ({at.copy_seconds * 1e3:,.0f} "
                              f"ms) does not hide under its forward ({layer_s * 1e3:,.0f} ms): offload "
                              "stalls compute")
+
+    def _input_only(self, est: Estimate, host: int, memo_error: MemoError) -> None:
+        """Every offloading layer input-only: the host holds its input alone (NOTE [Memo's policy in
+        an estimate]); a MemoError when even that does not fit the host."""
+        layout, seq_len = est.layout, est.seq_len
+        s_in = self.profiler.layer_sizes(layout, seq_len)[0]
+        need = s_in * self.profiler.offloaded_layers(layout)
+        if need > host:
+            raise MemoError(
+                f"{memo_error}; input-only layers need {need / GiB:,.2f} GiB of it too (S_input "
+                f"{s_in / GiB:,.3f} GiB x {self.profiler.offloaded_layers(layout)} layers > "
+                f"{host / GiB:,.2f} GiB)") from memo_error
+        est.policy = "input-only"
+        est.activations_bytes = self._activations("input-only", layout, seq_len, None)
+        est.alpha, est.alpha_binding = None, "host memory"
+        self._host(est, need * layout.pp)
+
+    def _host(self, est: Estimate, offload_bytes: int) -> None:
+        """Adds memo's pinned offload bytes to the host bytes (the states' share when offloaded)."""
+        m = self.machine
+        est.host_bytes_per_process = (est.host_bytes_per_process or 0) + offload_bytes
+        est.host_bytes_per_node = est.host_bytes_per_process * min(m.gpus_per_node, est.layout.gpus)
 
     def _notes(self, layout: Layout, seq_len: int) -> list[str]:
         out = []

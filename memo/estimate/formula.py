@@ -48,8 +48,8 @@ from memo.errors import MemoError
 from memo.estimate.layout import Layout
 from memo.planner.vocab import Strategy
 
-__all__ = ["FORMULA_STRATEGIES", "FormulaShape", "formula_activations", "formula_model_states",
-           "formula_parameters"]
+__all__ = ["FORMULA_STRATEGIES", "FormulaShape", "formula_activations", "formula_layer_parameters",
+           "formula_model_states", "formula_parameters"]
 
 #: Strategies the closed form covers (NOTE [Estimator formula]).
 FORMULA_STRATEGIES = (Strategy.NONE.value, Strategy.FULL_RECOMPUTE.value)
@@ -85,12 +85,19 @@ class FormulaShape:
         return 12 + 4 * self.k / self.a + mlp * self.h_ffn / self.h
 
 
+def formula_layer_parameters(shape: FormulaShape, layout: Layout) -> float:
+    """Parameters of one transformer layer on one GPU: ``2·h²·((1 + k/a + m/2 · h_ffn/h)/t + 1/h)``."""
+    h = shape.h
+    split = (1 + shape.k / shape.a + shape.mlp_matrices / 2 * shape.h_ffn / h) / layout.tp
+    return 2 * h * h * (split + 1 / h)
+
+
 def formula_parameters(shape: FormulaShape, layout: Layout) -> float:
     """P_stage: the parameters one GPU of the first pipeline stage holds (NOTE [Estimator formula])."""
     h, t, p = shape.h, layout.tp, layout.pp
     if shape.n_layers % p:
         raise MemoError(f"memo estimate: PP {p} does not divide {shape.n_layers} layers")
-    per_layer = 2 * h * h * ((1 + shape.k / shape.a + shape.mlp_matrices / 2 * shape.h_ffn / h) / t + 1 / h)
+    per_layer = formula_layer_parameters(shape, layout)
     embedding = h * shape.v / t
     total = embedding + shape.n_layers / p * per_layer
     if p == 1:

@@ -21,7 +21,10 @@ from typing import Any
 
 from memo.errors import MemoError
 
-__all__ = ["Layout", "divisors", "valid_layouts"]
+__all__ = ["SHARDINGS", "Layout", "divisors", "valid_layouts"]
+
+#: Model-state sharding a layout may use (NOTE [Sharded model states] in memo/estimate/core.py).
+SHARDINGS = ("optimizer", "full", "full-offload")
 
 
 @dataclass(frozen=True)
@@ -38,12 +41,20 @@ class Layout:
     """p: pipeline stages (1F1B schedule; the estimate is the first stage's)."""
     micro_batch: int = 1
     """b: sequences per micro-batch."""
+    sharding: str = "optimizer"
+    """How the model states are split over the d·c ranks that share weights (NOTE [Sharded model
+    states]): ``"optimizer"`` (megatron's distributed optimizer, ZeRO-1), ``"full"`` (FSDP2,
+    ZeRO-3: weights, gradients and optimizer states) or ``"full-offload"`` (FSDP2 with its
+    states in host memory: ``CPUOffloadPolicy``)."""
 
     def __post_init__(self) -> None:
         for name in ("gpus", "tp", "cp", "pp", "micro_batch"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise MemoError(f"memo estimate: {name} must be a positive integer, got {value!r}")
+        if self.sharding not in SHARDINGS:
+            raise MemoError(f"memo estimate: --sharding must be one of {', '.join(SHARDINGS)}, got "
+                            f"{self.sharding!r}")
         group = self.tp * self.cp * self.pp
         if self.gpus % group:
             raise MemoError(
@@ -63,10 +74,13 @@ class Layout:
 
     def describe(self) -> str:
         return (f"TP {self.tp} x CP {self.cp} x PP {self.pp} x DP {self.dp}"
-                + (f", micro-batch {self.micro_batch}" if self.micro_batch > 1 else ""))
+                + (f", micro-batch {self.micro_batch}" if self.micro_batch > 1 else "")
+                + {"optimizer": "", "full": ", states fully sharded",
+                   "full-offload": ", states fully sharded in host memory"}[self.sharding])
 
     def short(self) -> str:
-        return f"t{self.tp} c{self.cp} p{self.pp} d{self.dp} b{self.micro_batch}"
+        return (f"t{self.tp} c{self.cp} p{self.pp} d{self.dp} b{self.micro_batch}"
+                + ("" if self.sharding == "optimizer" else f" {self.sharding}"))
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "dp": self.dp}
@@ -101,7 +115,8 @@ def divisors(n: int) -> list[int]:
 
 
 def valid_layouts(config: Any, gpus: int, seq_len: int | None = None, micro_batches: tuple[int, ...] = (1,),
-                  data_parallel_one: bool = False) -> list[Layout]:
+                  data_parallel_one: bool = False, shardings: tuple[str, ...] = ("optimizer",)
+                  ) -> list[Layout]:
     """Every layout of ``gpus`` GPUs valid for ``config`` (and ``seq_len``), NOTE [Valid layouts].
 
     ``data_parallel_one``: only layouts with d = 1 (the longest-sequence search: NOTE [Longest
@@ -113,7 +128,8 @@ def valid_layouts(config: Any, gpus: int, seq_len: int | None = None, micro_batc
                 if data_parallel_one and t * c * p != gpus:
                     continue
                 for b in micro_batches:
-                    layout = Layout(gpus, t, c, p, b)
-                    if not layout.problems(config, seq_len):
-                        out.append(layout)
+                    for sharding in shardings:
+                        layout = Layout(gpus, t, c, p, b, sharding)
+                        if not layout.problems(config, seq_len):
+                            out.append(layout)
     return out

@@ -226,13 +226,14 @@ class RankProfiler:
         common = {"tensor_parallel": layout.tp, "context_parallel": layout.cp}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the planner's notes on layer phases; alpha is checked here
-            if strategy == "memo":
+            if strategy in ("memo", "input-only"):  # NOTE [Memo's policy in an estimate] in core.py
                 m = self.machine
                 kept = min(m.memo_keep_last, depth)
                 # gpu: the recorded pass runs the tiles of the GPU the estimate is for, not the meta
                 # device's (NOTE [Tiles of the device a plan is for] in memo/pipeline/job.py).
                 result = profile(model, seq_len, layout.micro_batch, self.dtype, "meta",
-                                 policy=["memo"] * (depth - kept) + ["keep"] * kept, alpha=alpha,
+                                 policy=[strategy] * (depth - kept) + ["keep"] * kept,
+                                 alpha=0.0 if strategy == "input-only" else alpha,
                                  bandwidth_gbps=m.bandwidth_gbps, layer_ms=1.0, host_mem_gb=1e6,
                                  gpus_per_node=1, gpu=m.gpu if self.device == "cuda" else None,
                                  plan=False, **common)
@@ -267,15 +268,15 @@ class RankProfiler:
         depth = self.config.n_layers // layout.pp
         return depth - min(self.machine.memo_keep_last, depth)
 
-    def alpha(self, layout: Layout, seq_len: int, given: float | None) -> Any:
-        """The alpha LP for the stage's L/p layers with M_CPU / p (NOTE [First stage under 1F1B]):
-        an AlphaSolution, or a MemoError when the host cannot hold even alpha = 0."""
+    def alpha(self, layout: Layout, seq_len: int, given: float | None, host: int | None = None) -> Any:
+        """The alpha LP for the stage's L/p layers with ``host`` bytes (default M_CPU / p, NOTE [First
+        stage under 1F1B]): an AlphaSolution, or a MemoError when the host cannot hold even alpha = 0."""
         from memo.planner import evaluate_alpha, solve_alpha
 
         m = self.machine
         s_in, s_attn, s_oth = self.layer_sizes(layout, seq_len)
         layer_s = rank_layer_ms(m, self.config, layout, seq_len, self.dtype) / 1e3
-        host = m.host_per_process() // layout.pp
+        host = m.host_per_process() // layout.pp if host is None else host
         depth = self.config.n_layers // layout.pp
         args = (s_in, s_attn, s_oth, m.bandwidth_gbps * GB, layer_s, depth, host)
         offloaded = self.offloaded_layers(layout)

@@ -140,8 +140,8 @@ def rank_key(layout: Layout, fits: bool, total: int, gpus_per_node: int) -> tupl
 
 
 def search_layouts(estimator: Any, seq_len: int, gpus: int, strategy: str,
-                   micro_batches: tuple[int, ...] = (1,), log: Callable[[str], None] | None = None
-                   ) -> list[dict[str, Any]]:
+                   micro_batches: tuple[int, ...] = (1,), log: Callable[[str], None] | None = None,
+                   shardings: tuple[str, ...] = ("optimizer",)) -> list[dict[str, Any]]:
     """Every valid layout of ``gpus`` GPUs estimated and ranked (NOTE [Layout ranking]).
 
     Returns one row per layout, best first: ``layout``, ``estimate`` (None where it cannot run)
@@ -149,7 +149,7 @@ def search_layouts(estimator: Any, seq_len: int, gpus: int, strategy: str,
     need."""
     say = log or (lambda _line: None)
     config = estimator.config
-    layouts = valid_layouts(config, gpus, seq_len, micro_batches)
+    layouts = valid_layouts(config, gpus, seq_len, micro_batches, shardings=shardings)
     if not layouts:
         raise MemoError(f"memo estimate: no layout of {gpus} GPUs is valid for {config.name} at seq len "
                         f"{seq_len:,} (TP must divide its {config.n_heads} heads and {config.n_kv_heads} "
