@@ -102,6 +102,30 @@ def _expand_heads(t: torch.Tensor, n_heads: int) -> torch.Tensor:
     return t if group == 1 else t.repeat_interleave(group, dim=2)
 
 
+# NOTE [Attention in head groups]
+# The aten kernels want k and v with as many heads as q, and return dk, dv at that count too, so one
+# call over every head holds, beside its inputs, expanded copies of k and v and expanded gradients:
+# about five q-sized transients in backward. At long sequences that is the largest thing a layer
+# allocates (a Llama-3.1-8B rank at 512K tokens: q is 4 GiB, so ~20 GiB). Heads are independent, so
+# the kernels run on groups of whole key/value heads (with their query heads), each group's q at
+# most HEAD_GROUP_BYTES, writing into the full-size outputs: the transients shrink to one group's,
+# and the numbers are the same (each head's arithmetic is untouched). A q within the bound runs in
+# one call, as before; flash-attn takes grouped heads natively and always runs in one call.
+HEAD_GROUP_BYTES = 256 << 20
+
+
+def _head_groups(q: torch.Tensor, k: torch.Tensor) -> list[tuple[slice, slice]]:
+    """(query heads, key/value heads) of each group NOTE [Attention in head groups] runs."""
+    n, n_kv = q.shape[2], k.shape[2]
+    per_kv = q.numel() // n_kv * q.element_size()  # q bytes per key/value head
+    kv_per_group = max(1, min(n_kv, HEAD_GROUP_BYTES // max(per_kv, 1)))
+    while n_kv % kv_per_group:
+        kv_per_group -= 1
+    g = n // n_kv
+    return [(slice(j * g, (j + kv_per_group) * g), slice(j, j + kv_per_group))
+            for j in range(0, n_kv, kv_per_group)]
+
+
 def _reduce_heads(grad: torch.Tensor, n_kv: int) -> torch.Tensor:
     s, b, n, d = grad.shape
     return grad if n == n_kv else grad.view(s, b, n_kv, n // n_kv, d).sum(dim=3)
@@ -180,6 +204,22 @@ def _forward_kernels(
             bq, bk, bv, 0.0, scale, causal, -1, -1, 0.0, None, False
         )  # fmt: skip
         return out.transpose(0, 1).contiguous(), lse
+    groups = _head_groups(q, k)
+    if len(groups) > 1:  # NOTE [Attention in head groups]
+        o = q.new_empty(q.shape)
+        lse = None
+        for qh, kh in groups:
+            o_g, lse_g = _aten_forward(backend, q[:, :, qh], k[:, :, kh], v[:, :, kh], causal, scale)
+            if lse is None:
+                lse = lse_g.new_empty((lse_g.shape[0], q.shape[2], lse_g.shape[2]))
+            o[:, :, qh], lse[:, qh] = o_g, lse_g
+            del o_g, lse_g
+        return o, lse
+    return _aten_forward(backend, q, k, v, causal, scale)
+
+
+def _aten_forward(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     n = q.shape[2]
     kx, vx = _expand_heads(k, n), _expand_heads(v, n)
     if backend == "aten_cuda" and q.dtype in _FLASH_DTYPES:
@@ -204,7 +244,6 @@ def _backward_kernels(backend: str, grad_o: torch.Tensor, q: torch.Tensor, k: to
                       o: torch.Tensor, lse: torch.Tensor,
                       causal: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     scale = 1.0 / math.sqrt(q.shape[-1])
-    n, n_kv = q.shape[2], k.shape[2]
     if backend == "flash_attn":
         fa = _flash_attn_module()
         bq, bk, bv, bo, bg = (t.transpose(0, 1).contiguous() for t in (q, k, v, o, grad_o))
@@ -213,6 +252,22 @@ def _backward_kernels(backend: str, grad_o: torch.Tensor, q: torch.Tensor, k: to
             bg, bq, bk, bv, bo, lse, dq, dk, dv, 0.0, scale, causal, -1, -1, 0.0, None, False, None
         )  # fmt: skip
         return tuple(t.transpose(0, 1).contiguous() for t in (dq, dk, dv))  # type: ignore[return-value]
+    groups = _head_groups(q, k)
+    if len(groups) > 1:  # NOTE [Attention in head groups]
+        dq = q.new_empty(q.shape)
+        dk, dv = k.new_empty(k.shape), v.new_empty(v.shape)
+        for qh, kh in groups:
+            dq[:, :, qh], dk[:, :, kh], dv[:, :, kh] = _aten_backward(
+                backend, grad_o[:, :, qh], q[:, :, qh], k[:, :, kh], v[:, :, kh], o[:, :, qh],
+                lse[:, qh].contiguous(), causal, scale)
+        return dq, dk, dv
+    return _aten_backward(backend, grad_o, q, k, v, o, lse, causal, scale)
+
+
+def _aten_backward(backend: str, grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   o: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n, n_kv = q.shape[2], k.shape[2]
     kx, vx = _expand_heads(k, n), _expand_heads(v, n)
     if backend == "aten_cuda" and q.dtype in _FLASH_DTYPES:
         # A dense batch has no cumulative sequence lengths: the forward returns undefined tensors
