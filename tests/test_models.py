@@ -157,6 +157,35 @@ def test_chunked_loss_matches_cross_entropy(chunk: int) -> None:
         assert rel_err(g, r) < 1e-5
 
 
+@pytest.mark.parametrize("norm_class", [torch.nn.RMSNorm, torch.nn.LayerNorm])
+@pytest.mark.parametrize("frozen", [False, True])
+def test_the_final_norm_inside_the_loss_chunks(norm_class: type, frozen: bool) -> None:
+    # NOTE [The final norm in the loss's chunks]: the same loss and gradients (x, head weight, norm's
+    # parameters) as the norm applied to the whole sequence first; a frozen norm gets none.
+    torch.manual_seed(3)
+    s, b, h, vocab = 37, 3, 16, 101
+    norm = norm_class(h)
+    with torch.no_grad():
+        for p in norm.parameters():
+            p.uniform_(0.5, 1.5)
+        norm.requires_grad_(not frozen)
+    x = torch.randn(s, b, h, requires_grad=True)
+    w = torch.randn(vocab, h, requires_grad=True)
+    labels = torch.randint(0, vocab, (b, s))
+    labels[1, :4] = IGNORE_INDEX
+    params = [p for p in norm.parameters() if p.requires_grad]
+    inside = chunked_lm_loss(x, w, labels, 10, norm=norm)
+    got = torch.autograd.grad(inside, (x, w, *params))
+    outside = chunked_lm_loss(norm(x), w, labels, 10)
+    want = torch.autograd.grad(outside, (x, w, *params))
+    assert len(got) == (2 if frozen else 2 + len(list(norm.parameters())))
+    assert abs(inside.item() - outside.item()) <= 1e-6 * abs(outside.item())
+    for g, r in zip(got, want, strict=True):
+        assert rel_err(g, r) < 1e-5
+    with pytest.raises(MemoError, match="a norm inside the loss needs sequence_gather=1"):
+        chunked_lm_loss(x, w, labels.repeat(1, 2), 10, sequence_gather=2, norm=norm)
+
+
 def test_chunked_loss_float64_and_bfloat16_precision() -> None:
     s, b, h, vocab = 50, 2, 32, 300
     x64 = torch.randn(s, b, h, dtype=torch.float64, requires_grad=True)

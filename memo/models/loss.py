@@ -6,6 +6,17 @@ function below walks over token chunks: forward keeps only each token's
 log-sum-exp, backward recomputes one chunk's logits at a time and turns them
 into that chunk's gradient in place.
 
+NOTE [The final norm in the loss's chunks]
+The final norm is token-wise, so it can run chunk by chunk inside the loss too. Applied to the
+whole sequence first, it holds its input upcast to float32 and several float32 temporaries of the
+whole sequence in backward (five [s, h] float32 tensors for torch's RMSNorm on bf16): at long
+sequences the largest allocation of an iteration (a Llama-3.1-8B rank at 512K tokens: 8 GiB each).
+Inside the chunks, forward runs the norm without a graph, and backward runs it again on each chunk
+with autograd and takes that chunk's gradients for x and the norm's parameters (summed in float32
+over chunks, as the head weight's are), so only one chunk's temporaries exist at a time. What is
+saved is x before the norm instead of after it: the same size. A sequence-parallel rank keeps the
+norm outside (its norm sees the rank's own tokens, before the gather).
+
 NOTE [Chunked loss saved tensors]
 Saved for backward: the normed hidden states ``x``, the head weight, the labels
 and a float32 log-sum-exp per token (4 bytes per token, negligible next to x;
@@ -69,6 +80,8 @@ class _ChunkedLMLoss(torch.autograd.Function):
         chunk_tokens: int,
         ignore_index: int,
         gather: int,
+        norm: torch.nn.Module | None,
+        *norm_params: torch.Tensor,
     ) -> torch.Tensor:
         # gather > 1: one tensor-parallel rank's head; x is local, the logits cover gathered tokens.
         xg = x if gather == 1 else all_gather_tokens(x, gather)
@@ -84,7 +97,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
         total = torch.zeros((), dtype=stats, device=x.device)
         for start in range(0, n_tokens, chunk_tokens):
             end = min(start + chunk_tokens, n_tokens)
-            logits = _chunk_logits(flat_x[start:end], weight)
+            logits = _chunk_logits(_normed(norm, flat_x[start:end]), weight)
             chunk_lse = torch.logsumexp(logits, dim=-1)
             target = logits.gather(1, safe_labels[start:end, None]).squeeze(1)
             lse[start:end] = chunk_lse
@@ -92,7 +105,8 @@ class _ChunkedLMLoss(torch.autograd.Function):
             del logits
         del flat_x, xg
         n_valid = valid.sum()
-        ctx.save_for_backward(x, weight, flat_labels, lse, n_valid)
+        ctx.save_for_backward(x, weight, flat_labels, lse, n_valid, *norm_params)
+        ctx.norm = norm
         ctx.chunk_tokens = chunk_tokens
         ctx.ignore_index = ignore_index
         ctx.gather = gather
@@ -101,7 +115,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad_loss: torch.Tensor):
-        x, weight, flat_labels, lse, n_valid = ctx.saved_tensors
+        x, weight, flat_labels, lse, n_valid, *norm_params = ctx.saved_tensors
         xg = x if ctx.gather == 1 else all_gather_tokens(x, ctx.gather)
         s, b, h = xg.shape
         n_tokens = s * b
@@ -113,9 +127,17 @@ class _ChunkedLMLoss(torch.autograd.Function):
         grad_x = torch.empty_like(flat_x) if need_x else None
         acc_dtype = torch.float32 if weight.dtype in (torch.float16, torch.bfloat16) else weight.dtype
         grad_w = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_w else None
+        norm = ctx.norm
+        need_norm = [ctx.needs_input_grad[7 + i] for i in range(len(norm_params))]
+        grad_norm = [torch.zeros(p.shape, dtype=torch.promote_types(p.dtype, torch.float32), device=p.device)
+                     if need else None for p, need in zip(norm_params, need_norm, strict=True)]
         for start in range(0, n_tokens, ctx.chunk_tokens):
             end = min(start + ctx.chunk_tokens, n_tokens)
             x_chunk = flat_x[start:end]
+            if norm is not None:  # NOTE [The final norm in the loss's chunks]
+                x_in = x_chunk.detach().requires_grad_(need_x)
+                with torch.enable_grad():
+                    x_chunk = norm(x_in)
             # d loss / d logits = (softmax - onehot(target)) * scale, zero for ignored tokens.
             grad_logits = _chunk_logits(x_chunk, weight)
             grad_logits.sub_(lse[start:end, None]).exp_()
@@ -126,10 +148,14 @@ class _ChunkedLMLoss(torch.autograd.Function):
             )
             grad_logits.mul_((scale * valid[start:end])[:, None])
             grad_logits = grad_logits.to(x.dtype)
-            if grad_x is not None:
-                torch.matmul(grad_logits, weight, out=grad_x[start:end])
             if grad_w is not None:
-                grad_w.addmm_(grad_logits.t().to(acc_dtype), x_chunk.to(acc_dtype))
+                grad_w.addmm_(grad_logits.t().to(acc_dtype), x_chunk.detach().to(acc_dtype))
+            if norm is None:
+                if grad_x is not None:
+                    torch.matmul(grad_logits, weight, out=grad_x[start:end])
+            else:
+                _norm_backward(x_chunk, x_in, grad_logits @ weight, norm_params, grad_norm,
+                               None if grad_x is None else grad_x[start:end])
             del grad_logits
         del flat_x, xg
         if grad_x is not None:
@@ -143,7 +169,30 @@ class _ChunkedLMLoss(torch.autograd.Function):
             None,
             None,
             None,
+            None,
+            *(None if g is None else g.to(p.dtype) for g, p in zip(grad_norm, norm_params, strict=True)),
         )
+
+
+def _normed(norm: torch.nn.Module | None, x: torch.Tensor) -> torch.Tensor:
+    return x if norm is None else norm(x)
+
+
+def _norm_backward(normed: torch.Tensor, x_in: torch.Tensor, grad_normed: torch.Tensor,
+                   params: list[torch.Tensor], grad_params: list[torch.Tensor | None],
+                   grad_x: torch.Tensor | None) -> None:
+    """One chunk's gradients through the final norm: into ``grad_x`` (the chunk's rows) and added to
+    the float32 sums ``grad_params`` (NOTE [The final norm in the loss's chunks])."""
+    wanted = [x_in] if grad_x is not None else []
+    wanted += [p for p, g in zip(params, grad_params, strict=True) if g is not None]
+    if not wanted:
+        return
+    grads = iter(torch.autograd.grad(normed, wanted, grad_normed))
+    if grad_x is not None:
+        grad_x.copy_(next(grads))
+    for g in grad_params:
+        if g is not None:
+            g.add_(next(grads))
 
 
 def chunked_lm_loss(
@@ -153,8 +202,9 @@ def chunked_lm_loss(
     chunk_tokens: int | None = None,
     ignore_index: int = IGNORE_INDEX,
     sequence_gather: int = 1,
+    norm: torch.nn.Module | None = None,
 ) -> torch.Tensor:
-    """Mean cross-entropy of ``x @ weight.T`` against ``labels``, computed chunk by chunk.
+    """Mean cross-entropy of ``norm(x) @ weight.T`` against ``labels``, computed chunk by chunk.
 
     Args:
         x: ``[s, b, h]`` hidden states after the final norm (``[s/t, b, h]``, the rank's local
@@ -164,12 +214,37 @@ def chunked_lm_loss(
         chunk_tokens: tokens per chunk; default :func:`default_chunk_tokens` of V.
         ignore_index: label value excluded from the loss and from the mean's denominator.
         sequence_gather: t > 1 emulates the head of one tensor + sequence parallel rank: x is
-            gathered to ``s`` tokens inside (NOTE [Chunked loss saved tensors]).
+            gathered to ``s`` tokens inside (NOTE [The final norm in the loss's chunks]
+The final norm is token-wise, so it can run chunk by chunk inside the loss too. Applied to the
+whole sequence first, it holds its input upcast to float32 and several float32 temporaries of the
+whole sequence in backward (five [s, h] float32 tensors for torch's RMSNorm on bf16): at long
+sequences the largest allocation of an iteration (a Llama-3.1-8B rank at 512K tokens: 8 GiB each).
+Inside the chunks, forward runs the norm without a graph, and backward runs it again on each chunk
+with autograd and takes that chunk's gradients for x and the norm's parameters (summed in float32
+over chunks, as the head weight's are), so only one chunk's temporaries exist at a time. What is
+saved is x before the norm instead of after it: the same size. A sequence-parallel rank keeps the
+norm outside (its norm sees the rank's own tokens, before the gather).
+
+NOTE [Chunked loss saved tensors]).
+        norm: a token-wise module (the final norm) applied to each chunk of ``x`` inside, its
+            gradients computed chunk by chunk (NOTE [The final norm in the loss's chunks]); with
+            ``sequence_gather`` 1 only.
 
     Returns:
         Scalar loss in x's dtype, equal to ``F.cross_entropy(logits, labels)`` on the full
         logits. Saves only x, weight, labels and a float32 log-sum-exp per token
-        (NOTE [Chunked loss saved tensors]).
+        (NOTE [The final norm in the loss's chunks]
+The final norm is token-wise, so it can run chunk by chunk inside the loss too. Applied to the
+whole sequence first, it holds its input upcast to float32 and several float32 temporaries of the
+whole sequence in backward (five [s, h] float32 tensors for torch's RMSNorm on bf16): at long
+sequences the largest allocation of an iteration (a Llama-3.1-8B rank at 512K tokens: 8 GiB each).
+Inside the chunks, forward runs the norm without a graph, and backward runs it again on each chunk
+with autograd and takes that chunk's gradients for x and the norm's parameters (summed in float32
+over chunks, as the head weight's are), so only one chunk's temporaries exist at a time. What is
+saved is x before the norm instead of after it: the same size. A sequence-parallel rank keeps the
+norm outside (its norm sees the rank's own tokens, before the gather).
+
+NOTE [Chunked loss saved tensors]).
     """
     if x.dim() != 3 or weight.dim() != 2 or x.shape[2] != weight.shape[1]:
         raise MemoError(
@@ -191,4 +266,10 @@ def chunked_lm_loss(
         chunk_tokens = default_chunk_tokens(weight.shape[0])
     if chunk_tokens < 1:
         raise MemoError(f"memo.models.loss: chunk_tokens must be >= 1, got {chunk_tokens}")
-    return _ChunkedLMLoss.apply(x, weight, labels, int(chunk_tokens), int(ignore_index), sequence_gather)
+    if norm is not None and sequence_gather > 1:
+        raise MemoError("memo.models.loss: a norm inside the loss needs sequence_gather=1 (a "
+                        "sequence-parallel rank norms its own tokens before the gather); apply the norm "
+                        "to x first")
+    params = [] if norm is None else list(norm.parameters())
+    return _ChunkedLMLoss.apply(x, weight, labels, int(chunk_tokens), int(ignore_index), sequence_gather,
+                                norm, *params)

@@ -169,7 +169,10 @@ class LMHead(nn.Module):
     def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         t = self.sequence_gather
         labels = vocab_parallel_labels(labels, self.weight.shape[0], t, IGNORE_INDEX)
-        return chunked_lm_loss(self.norm(x), self.weight, labels, self.chunk_tokens, sequence_gather=t)
+        if t > 1:  # a sequence-parallel rank norms its own tokens first (NOTE [The final norm in the
+            # loss's chunks] in memo/models/loss.py)
+            return chunked_lm_loss(self.norm(x), self.weight, labels, self.chunk_tokens, sequence_gather=t)
+        return chunked_lm_loss(x, self.weight, labels, self.chunk_tokens, norm=self.norm)
 
 
 class TransformerModel(nn.Module):
