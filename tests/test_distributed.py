@@ -1,8 +1,9 @@
 """memo inside megatron-core's parallel layouts, several CPU processes over gloo (issue #14).
 
-Layouts: TP=2 with sequence parallelism and CP=2 (one world-2 launch, one layout after the other),
-TP=2 x DP=2 under megatron-core's ``DistributedDataParallel`` (``overlap_grad_reduce``,
-``use_distributed_optimizer``, ``finalize_model_grads``; one world-4 launch). Per layout, model
+Layouts: TP=2 with sequence parallelism and CP=2, by all-gather and by Ulysses all-to-all (one
+world-2 launch, one layout after the other), TP=2 x DP=2 under megatron-core's
+``DistributedDataParallel`` (``overlap_grad_reduce``, ``use_distributed_optimizer``,
+``finalize_model_grads``) then Ulysses CP=4 (one world-4 launch). Per layout, model
 style (GPT: LayerNorm, GELU, biases; Llama: RMSNorm, SwiGLU, GQA, RoPE, no biases) and alpha:
 
 - ``layout``: the unwrapped layers in the layout give the single-process (TP=1, CP=1, DP=1)
@@ -34,14 +35,15 @@ ALPHAS = (0.0, 0.25, 0.5, 1.0)
 HIDDEN, HEADS, GROUPS, FFN, LAYERS, BATCH = 32, 4, 2, 64, 2, 2
 # Global sequence lengths: TP2+SP holds 7 rows per rank (alpha*7 is never whole but at 0 and 1);
 # CP=2 cuts 20 into 4 chunks of 5, rank r holding chunks r and 3-r (10 rows: alpha=0.25 -> 2.5).
-SEQ = {"tp2sp": 14, "cp2": 20, "tp2dp2": 13}
+# Ulysses (a2a) keeps that layout: cp2a2a as cp2; cp4a2a cuts 24 into 8 chunks of 3 (6 rows a rank).
+SEQ = {"tp2sp": 14, "cp2": 20, "cp2a2a": 20, "tp2dp2": 13, "cp4a2a": 24}
 MODULE = "tests.test_distributed"
 
 
 # ----------------------------------------------------------------------------- worker side
 
 
-def _config(style: str, tp: int = 1, cp: int = 1, sp: bool = False) -> Any:
+def _config(style: str, tp: int = 1, cp: int = 1, sp: bool = False, cp_comm: str | None = None) -> Any:
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -49,7 +51,7 @@ def _config(style: str, tp: int = 1, cp: int = 1, sp: bool = False) -> Any:
         num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=FFN,
         use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
         params_dtype=torch.float32, tensor_model_parallel_size=tp, context_parallel_size=cp,
-        sequence_parallel=sp)
+        sequence_parallel=sp, cp_comm_type=cp_comm)
     if style == "gpt":
         kw.update(normalization="LayerNorm", add_bias_linear=True, activation_func=F.gelu)
     else:
@@ -229,8 +231,71 @@ def _wrapped_runs(record: dict[str, Any], name: str, model: torch.nn.Module, run
         check(record, f"{name}/memo/alpha={alpha}", one)
 
 
+def _context_parallel_layouts(record: Any, layout: str, refs: dict[tuple[str, int], dict[str, Any]],
+                              cp_comm: str | None, blackbox: bool) -> None:
+    """Layout ``layout`` (``SEQ[layout]`` tokens) over megatron's context-parallel group, already set up:
+    each style's unwrapped layers against the single-process ``refs``, memo against them, and with
+    ``blackbox`` the test's own CP attention as a core attention memo does not know."""
+    from megatron.core import parallel_state
+
+    cp_group, r = parallel_state.get_context_parallel_group(), parallel_state.get_context_parallel_rank()
+    c = cp_group.size()
+    s = SEQ[layout]
+    rows = _cp_rows(s, c, r)
+    for style in STYLES:
+        ref = refs[(style, s)]
+        x, w = _data(s, BATCH)
+        rope = _rope(s)[rows] if style == "llama" else None
+
+        def reduce_cp(out: dict[str, Any]) -> None:
+            torch.distributed.all_reduce(out["loss"], group=cp_group)
+            for g in out["grads"].values():  # every weight saw only this rank's tokens
+                torch.distributed.all_reduce(g, group=cp_group)
+
+        def run_cp(model: torch.nn.Module, x: torch.Tensor = x, w: torch.Tensor = w,
+                   rope: Any = rope) -> dict:
+            out = _step(model, x[rows], w[rows], rope)
+            out["grads"] = _param_grads(model)
+            return out
+
+        name = f"{layout}/{style}"
+        cfg = _config(style, cp=c, cp_comm=cp_comm)
+        memo_built: list[torch.nn.Module] = []
+
+        def build(cfg: Any = cfg, built: list = memo_built) -> str:
+            built.append(_build(cfg))
+            comm = built[0].layers[0].self_attention.core_attention.cp_comm_type
+            if comm != (cp_comm or "all_gather"):
+                raise AssertionError(f"memo's core attention communicates by {comm}, not {cp_comm}")
+            return comm
+
+        check(record, f"{name}/memo/build", build)
+        # The unwrapped run uses memo's core attention where it builds under CP, the test's own otherwise.
+        unwrapped = memo_built[0] if memo_built else _build(cfg, core=_CpReferenceAttention)
+        twin = run_cp(unwrapped)
+        reduce_cp(twin)
+
+        def layout_cp(ref: dict = ref, twin: dict = twin, name: str = name) -> str:
+            _same("loss", twin["loss"], ref["loss"])
+            _same("output rows", twin["y"], ref["y"][rows])
+            _same("input gradient rows", twin["dx"], ref["dx"][rows])
+            return _compare(name, twin["grads"], ref["grads"])
+
+        check(record, f"{name}/layout", layout_cp)
+        if memo_built:
+            _wrapped_runs(record, name, _build(cfg, like=unwrapped), run_cp, twin, reduce_cp)
+            if blackbox:  # a context-parallel core attention memo does not know runs as the layer's own
+                box = _build(cfg, core=_CpReferenceAttention, like=unwrapped)
+                _wrapped_runs(record, f"{name}/blackbox", box, run_cp, twin, reduce_cp, chunk_tokens=2)
+        else:
+            for alpha in ALPHAS:
+                record(f"{name}/memo/alpha={alpha}", False,
+                       f"not run: memo's layers did not build under CP={c}")
+
+
 def layouts_world2(rank: int, world: int, spec: dict[str, Any], record: Any) -> None:
-    """TP=2 + SP, then CP=2, each against the single-process run and memo against the unwrapped twin."""
+    """TP=2 + SP, then CP=2 (all-gather, then all-to-all), each against the single-process run and memo
+    against the unwrapped twin."""
     from megatron.core import parallel_state
 
     from memo.distributed.cpu_shims import install_cpu_shims
@@ -287,57 +352,17 @@ def layouts_world2(rank: int, world: int, spec: dict[str, Any], record: Any) -> 
         box = _build(cfg, core=_CpReferenceAttention, like=unwrapped)
         _wrapped_runs(record, f"{name}/blackbox", box, run, twin, reduce, chunk_tokens=2)
 
-    # CP=2: rank r holds chunks r and 3-r of 4; RoPE rows sliced by the same positions.
+    # CP=2: rank r holds chunks r and 3-r of 4; RoPE rows sliced by the same positions. K and V
+    # all-gathered, then the same layout by Ulysses all-to-all (NOTE [Ulysses context parallelism]).
     _init(cp=2)
-    cp_group, r = parallel_state.get_context_parallel_group(), parallel_state.get_context_parallel_rank()
-    s = SEQ["cp2"]
-    rows = _cp_rows(s, 2, r)
-    for style in STYLES:
-        ref = refs[(style, s)]
-        x, w = _data(s, BATCH)
-        rope = _rope(s)[rows] if style == "llama" else None
-
-        def reduce_cp(out: dict[str, Any]) -> None:
-            torch.distributed.all_reduce(out["loss"], group=cp_group)
-            for g in out["grads"].values():  # every weight saw only this rank's tokens
-                torch.distributed.all_reduce(g, group=cp_group)
-
-        def run_cp(model: torch.nn.Module, x: torch.Tensor = x, w: torch.Tensor = w,
-                   rope: Any = rope) -> dict:
-            out = _step(model, x[rows], w[rows], rope)
-            out["grads"] = _param_grads(model)
-            return out
-
-        name = f"cp2/{style}"
-        cfg = _config(style, cp=2)
-        memo_built: list[torch.nn.Module] = []
-        check(record, f"{name}/memo/build", lambda cfg=cfg, built=memo_built: built.append(_build(cfg)))
-        # The unwrapped run uses memo's core attention where it builds under CP, the test's own otherwise.
-        unwrapped = memo_built[0] if memo_built else _build(cfg, core=_CpReferenceAttention)
-        twin = run_cp(unwrapped)
-        reduce_cp(twin)
-
-        def layout_cp(ref: dict = ref, twin: dict = twin, name: str = name) -> str:
-            _same("loss", twin["loss"], ref["loss"])
-            _same("output rows", twin["y"], ref["y"][rows])
-            _same("input gradient rows", twin["dx"], ref["dx"][rows])
-            return _compare(name, twin["grads"], ref["grads"])
-
-        check(record, f"{name}/layout", layout_cp)
-        if memo_built:
-            _wrapped_runs(record, name, _build(cfg, like=unwrapped), run_cp, twin, reduce_cp)
-            # a context-parallel core attention memo does not know runs as the layer's own
-            box = _build(cfg, core=_CpReferenceAttention, like=unwrapped)
-            _wrapped_runs(record, f"{name}/blackbox", box, run_cp, twin, reduce_cp, chunk_tokens=2)
-        else:
-            for alpha in ALPHAS:
-                record(f"{name}/memo/alpha={alpha}", False, "not run: memo's layers did not build under CP=2")
+    _context_parallel_layouts(record, "cp2", refs, cp_comm=None, blackbox=True)
+    _context_parallel_layouts(record, "cp2a2a", refs, cp_comm="a2a", blackbox=False)
     parallel_state.destroy_model_parallel()
 
 
 def ddp_world4(rank: int, world: int, spec: dict[str, Any], record: Any) -> None:
     """TP=2 x DP=2 under megatron-core DDP (overlap_grad_reduce, distributed optimizer,
-    finalize_model_grads)."""
+    finalize_model_grads), then CP=4 by Ulysses all-to-all."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -349,6 +374,7 @@ def ddp_world4(rank: int, world: int, spec: dict[str, Any], record: Any) -> None
     install_cpu_shims()
     s, dp, b = SEQ["tp2dp2"], 2, BATCH
     _init()
+    cp4_refs = {(st, SEQ["cp4a2a"]): _reference(st, SEQ["cp4a2a"], BATCH) for st in STYLES}
     refs = {}
     for style in STYLES:  # the whole batch of both data-parallel ranks, loss averaged over them as DDP does
         x, w = _data(s, dp * b)
@@ -411,6 +437,10 @@ def ddp_world4(rank: int, world: int, spec: dict[str, Any], record: Any) -> None
 
         check(record, f"{name}/memo/build", lambda: None)
         _wrapped_runs(record, name, wrapped.module, run_inner, twin, reduce)
+
+    # Ulysses over all four ranks: GPT's 4 key/value heads split one a rank, Llama's 2 sent twice each.
+    _init(cp=4)
+    _context_parallel_layouts(record, "cp4a2a", cp4_refs, cp_comm="a2a", blackbox=False)
     parallel_state.destroy_model_parallel()
 
 
@@ -460,7 +490,7 @@ def _assert_passed(table: dict[str, list[dict[str, Any]]], name: str, world: int
 
 
 @pytest.mark.parametrize("style", STYLES)
-@pytest.mark.parametrize("layout", ["tp2sp", "cp2"])
+@pytest.mark.parametrize("layout", ["tp2sp", "cp2", "cp2a2a"])
 def test_layout_matches_single_process(world2, layout: str, style: str) -> None:
     """The unwrapped layers in the layout compute what one process computes on the whole sequence."""
     _assert_passed(world2, f"{layout}/{style}/layout", 2)
@@ -468,7 +498,7 @@ def test_layout_matches_single_process(world2, layout: str, style: str) -> None:
 
 @pytest.mark.parametrize("alpha", ALPHAS)
 @pytest.mark.parametrize("style", STYLES)
-@pytest.mark.parametrize("layout", ["tp2sp", "cp2"])
+@pytest.mark.parametrize("layout", ["tp2sp", "cp2", "cp2a2a"])
 def test_memo_matches_unwrapped_in_layout(world2, layout: str, style: str, alpha: float) -> None:
     _assert_passed(world2, f"{layout}/{style}/memo/build", 2)
     _assert_passed(world2, f"{layout}/{style}/memo/alpha={alpha}", 2)
@@ -493,6 +523,20 @@ def test_ddp_layout_matches_single_process(world4, style: str) -> None:
 @pytest.mark.parametrize("style", STYLES)
 def test_memo_under_ddp_matches_unwrapped(world4, style: str, alpha: float) -> None:
     _assert_passed(world4, f"tp2dp2/{style}/memo/alpha={alpha}", 4)
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_ulysses_cp4_matches_single_process(world4, style: str) -> None:
+    """NOTE [Ulysses context parallelism] over four ranks: GPT's key/value heads split, Llama's
+    (2 for 4 ranks) replicated; memo's attention in the unwrapped layers gives the single-process run."""
+    _assert_passed(world4, f"cp4a2a/{style}/memo/build", 4)
+    _assert_passed(world4, f"cp4a2a/{style}/layout", 4)
+
+
+@pytest.mark.parametrize("alpha", ALPHAS)
+@pytest.mark.parametrize("style", STYLES)
+def test_memo_under_ulysses_cp4_matches_unwrapped(world4, style: str, alpha: float) -> None:
+    _assert_passed(world4, f"cp4a2a/{style}/memo/alpha={alpha}", 4)
 
 
 def test_a_failing_rank_ends_the_launch() -> None:

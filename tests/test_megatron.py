@@ -7,6 +7,7 @@ fails here, it is not skipped.
 from __future__ import annotations
 
 import os
+import re
 import warnings
 
 import pytest
@@ -187,6 +188,21 @@ def test_core_attention_accepts_the_defaults_and_refuses_what_it_cannot_do() -> 
         MemoCoreAttention(cfg, 1, causal, "self", pg_collection=two_ranks)
     with pytest.raises(MemoError, match=r"context_parallel_size=2 but the context-parallel group has 1 rank"):
         MemoCoreAttention(SimpleNamespace(**{**vars(cfg), "context_parallel_size": 2}), 1, causal, "self")
+    # with a group of two: all-gather (the default) or Ulysses all-to-all; ring attention is refused
+    cp2 = SimpleNamespace(**{**vars(cfg), "context_parallel_size": 2})
+    for comm, built in ((None, "all_gather"), ("all_gather", "all_gather"), ("a2a", "a2a")):
+        core = MemoCoreAttention(cp2, 1, causal, "self", cp_comm_type=comm, pg_collection=two_ranks)
+        assert core.cp_comm_type == built
+    for comm in ("p2p", "a2a+p2p"):
+        supported = rf"cp_comm_type='{re.escape(comm)}'.*\"all_gather\".*and \"a2a\".*not ring"
+        with pytest.raises(MemoError, match=supported):
+            MemoCoreAttention(cp2, 1, causal, "self", cp_comm_type=comm, pg_collection=two_ranks)
+    # Ulysses gives each of the c ranks n/c heads: 4 heads and 2 query groups do not split over 3 ranks
+    three_ranks = SimpleNamespace(cp=SimpleNamespace(size=lambda: 3), tp=None)
+    with pytest.raises(MemoError, match=r"\"a2a\" with 4 attention heads.*4 query heads cannot be split "
+                                        r"over 3"):
+        MemoCoreAttention(SimpleNamespace(**{**vars(cfg), "context_parallel_size": 3}), 1, causal, "self",
+                          cp_comm_type="a2a", pg_collection=three_ranks)
     with pytest.raises(MemoError, match=r"got argument\(s\) window_size, which .*DotProductAttention"):
         MemoCoreAttention(cfg, 1, causal, "self", window_size=(8, 0))
     core = MemoCoreAttention(cfg, 1, causal, "self")

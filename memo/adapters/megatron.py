@@ -19,7 +19,7 @@ GPT layer (no cross attention) memo splits it as
   (QKV projection, optional q/k layernorm) -> rotary on ``q`` and ``k`` with the
   ``rotary_pos_emb`` rows of the slice's absolute positions;
 - core: the layer's core attention. memo's own (:class:`MemoCoreAttention`, causal, scale
-  ``1/sqrt(head_dim)``, context parallel by all-gather) runs as memo's core, once, without
+  ``1/sqrt(head_dim)``, context parallel by all-gather or all-to-all) runs as memo's core, once, without
   autograd; any other core attention (a sliding window, a custom mask, TransformerEngine's) runs
   as a black box, once, with autograd, its saved tensors offloaded (NOTE [Black-box core
   attention] in memo/runtime/core_attention.py). memo never substitutes its attention for another one;
@@ -41,6 +41,7 @@ from torch import nn
 from memo.adapters.base import LayerAdapter
 from memo.adapters.model import ModelAdapter, ModelParts
 from memo.errors import MemoError
+from memo.models.ulysses_attention import CP_COMM_TYPES
 
 try:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -70,12 +71,20 @@ class MemoCoreAttention(nn.Module):
     Takes the constructor and forward arguments of megatron's ``DotProductAttention``;
     refuses what it does not implement (non-causal masks, attention bias, packed sequences, a
     custom softmax scale, attention dropout, a context-parallel communication other than
-    all-gather, arguments ``DotProductAttention`` does not take) instead of ignoring it.
+    all-gather or all-to-all, arguments ``DotProductAttention`` does not take) instead of ignoring it.
 
-    Context parallelism (``context_parallel_size > 1``): K and V are all-gathered over the
-    context-parallel group (their gradients reduce-scattered back) and each rank's queries, in
-    megatron's load-balanced causal layout, attend to the keys before them (NOTE
-    [Context-parallel attention] in memo/models/cp_attention.py). The group is the
+    Context parallelism (``context_parallel_size > 1``), in megatron's load-balanced causal layout,
+    by the config's ``cp_comm_type``:
+
+    - ``None`` or ``"all_gather"``: K and V are all-gathered over the context-parallel group (their
+      gradients reduce-scattered back) and each rank's queries attend to the keys before them
+      (NOTE [Context-parallel attention] in memo/models/cp_attention.py);
+    - ``"a2a"`` (Ulysses): an all-to-all gives each rank all tokens of n/c of its heads, a full
+      causal attention runs over them, and a second all-to-all brings the output back (NOTE
+      [Ulysses context parallelism] in memo/models/ulysses_attention.py); the heads (this
+      tensor-parallel rank's) must split over the group, checked when the module is built.
+
+    ``"p2p"`` and ``"a2a+p2p"`` (TransformerEngine's ring attention) are refused. The group is the
     ``pg_collection``'s ``cp`` (megatron's ``SelfAttention`` always passes one), else megatron's
     global context-parallel group.
     """
@@ -103,6 +112,10 @@ class MemoCoreAttention(nn.Module):
         self.layer_number = layer_number
         #: The context-parallel group when it has more than one rank, else None.
         self.cp_group = _context_parallel_group(where, config, cp_comm_type, pg_collection)
+        #: How the context-parallel group communicates: "all_gather" or "a2a" (None without a group).
+        self.cp_comm_type = None if self.cp_group is None else (cp_comm_type or "all_gather")
+        if self.cp_comm_type == "a2a":
+            _check_ulysses_heads(where, config, get_pg_size(self.cp_group))
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any = None,
                 attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None,
@@ -118,7 +131,11 @@ class MemoCoreAttention(nn.Module):
                             "packed sequences")
         if attn_mask_type is not None and attn_mask_type != AttnMaskType.causal:
             raise MemoError(f"memo.adapters.megatron: attention must be causal, not {attn_mask_type}")
-        if self.cp_group is not None:
+        if self.cp_comm_type == "a2a":
+            from memo.models.ulysses_attention import ulysses_attention
+
+            o = ulysses_attention(query, key, value, self.cp_group)
+        elif self.cp_group is not None:
             from memo.models.cp_attention import cp_attention
 
             o = cp_attention(query, key, value, self.cp_group)
@@ -132,6 +149,10 @@ class MemoCoreAttention(nn.Module):
     def attention_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[
             torch.Tensor, torch.Tensor]:
         """:meth:`forward` without autograd -> ``(o [s, b, n, d], lse)`` (memo's runtime calls it)."""
+        if self.cp_comm_type == "a2a":
+            from memo.models.ulysses_attention import ulysses_attention_forward
+
+            return ulysses_attention_forward(q, k, v, self.cp_group)
         if self.cp_group is not None:
             from memo.models.cp_attention import cp_attention_forward
 
@@ -144,6 +165,10 @@ class MemoCoreAttention(nn.Module):
                            o: torch.Tensor, lse: torch.Tensor) -> tuple[
             torch.Tensor, torch.Tensor, torch.Tensor]:
         """The gradients of :meth:`attention_forward`, from its inputs and outputs."""
+        if self.cp_comm_type == "a2a":
+            from memo.models.ulysses_attention import ulysses_attention_backward
+
+            return ulysses_attention_backward(grad_o, q, k, v, o, lse, self.cp_group)
         if self.cp_group is not None:
             from memo.models.cp_attention import cp_attention_backward
 
@@ -153,8 +178,9 @@ class MemoCoreAttention(nn.Module):
         return attention_backward(grad_o, q, k, v, o, lse)
 
 
-#: Context-parallel communication memo's attention implements (None: megatron's default, unset).
-_CP_COMM_TYPES = (None, "all_gather")
+#: Context-parallel communication memo's attention implements (None: megatron's default, unset,
+#: which is all-gather here).
+_CP_COMM_TYPES = (None, *CP_COMM_TYPES)
 
 
 def _context_parallel_group(where: str, config: Any, cp_comm_type: Any, pg_collection: Any) -> Any:
@@ -172,10 +198,30 @@ def _context_parallel_group(where: str, config: Any, cp_comm_type: Any, pg_colle
                         "layout")
     if group_size > 1 and cp_comm_type not in _CP_COMM_TYPES:
         raise MemoError(
-            f"{where}: cp_comm_type={cp_comm_type!r}; memo's context-parallel attention all-gathers K and V "
-            "(\"all_gather\"). Set cp_comm_type to None or \"all_gather\", or use TransformerEngine's "
-            "attention (a spec without use_memo_core_attention)")
+            f"{where}: cp_comm_type={cp_comm_type!r}; memo's context-parallel attention supports None or "
+            "\"all_gather\" (K and V all-gathered) and \"a2a\" (Ulysses all-to-all), not ring attention "
+            "(\"p2p\", \"a2a+p2p\"). Set cp_comm_type to one of those, or use TransformerEngine's attention "
+            "(a spec without use_memo_core_attention)")
     return group if group_size > 1 else None
+
+
+def _check_ulysses_heads(where: str, config: Any, cp_size: int) -> None:
+    """Refuse, when the module is built, heads that a Ulysses group of ``cp_size`` cannot split (NOTE
+    [Ulysses context parallelism]); the heads are one tensor-parallel rank's."""
+    from memo.models.ulysses_attention import ulysses_heads_problem
+
+    tp = int(getattr(config, "tensor_model_parallel_size", 1) or 1)
+    heads = int(config.num_attention_heads)
+    groups = int(getattr(config, "num_query_groups", None) or heads)
+    if heads % tp or groups % tp:
+        return  # megatron's own attention refuses this layout
+    problem = ulysses_heads_problem(heads // tp, groups // tp, cp_size)
+    if problem is not None:
+        raise MemoError(
+            f"{where}: cp_comm_type=\"a2a\" with {heads} attention heads and {groups} query groups over "
+            f"tensor_model_parallel_size={tp}: per rank, {problem}. Use a context_parallel_size that divides "
+            "the heads per tensor-parallel rank and divides or is a multiple of its query groups, or "
+            "cp_comm_type \"all_gather\"")
 
 
 def use_memo_core_attention(spec: ModuleSpec) -> ModuleSpec:

@@ -1,0 +1,216 @@
+"""Causal attention over a context-parallel group by all-to-all: every rank attends all tokens of its heads.
+
+NOTE [Ulysses context parallelism]
+megatron-core's ``cp_comm_type="a2a"`` (DeepSpeed's Ulysses). The tokens are laid out as for the
+all-gather form (NOTE [Context-parallel attention] in memo/models/cp_attention.py): over c ranks
+a sequence of S tokens is cut into 2·c chunks of m = S/(2c), rank r holds chunks r and 2c-1-r,
+so its q ``[2m, b, n, d]``, k and v ``[2m, b, n_kv, d]`` are its own s = S/c tokens of every head.
+Attention alone needs other ranks' tokens. Instead of gathering K and V, one all-to-all turns
+sequence shards into head shards:
+
+- forward: every rank cuts its heads into c groups and sends group j of its s tokens to rank j;
+  rank j receives every rank's tokens of its own n/c heads (rank-major: rank 0's two chunks, then
+  rank 1's, ...), puts them in sequence order (``_sequence_order``, the all-gather form's), and
+  runs memo's full causal attention (:func:`memo.models.causal_attention.attention_forward`) over
+  all S tokens of its heads. A second all-to-all, the inverse reshuffle, sends ``o`` and ``lse``
+  back, so the caller holds ``o [s, b, n, d]`` and ``lse [b, n, s]`` of its own tokens, exactly
+  as from the all-gather form (memo's runtime offloads that attention output unchanged);
+- backward: the same reshuffle of ``grad_o, q, k, v, o, lse`` to head shards, the full causal
+  backward, and the inverse reshuffle of ``dq, dk, dv``.
+
+Both directions go through one collective (:func:`_all_to_all`, ``all_to_all_single`` on a
+``[c, ...]`` tensor whose part j goes to rank j); the reshuffles around it are pure functions.
+
+What a rank holds: during the kernel, q, k, v and o of all S tokens for n/c heads (k, v for its
+share of the key/value heads), as many elements as its own S/c tokens of all n heads; the
+all-gather form holds the full K and V of every key/value head instead. Nothing is saved across
+the calls: :func:`ulysses_attention` (differentiable) saves q, k, v, o, lse at the rank's own
+length, as :func:`memo.models.cp_attention.cp_attention` does.
+
+Grouped-query attention: query head i uses key/value head i // (n/n_kv), so query head group j
+(heads ``[j·n/c, (j+1)·n/c)``) needs key/value heads ``[j·n_kv/c, (j+1)·n_kv/c)``. c must divide
+n. When c divides n_kv the key/value heads are split the same way. When c > n_kv and n_kv divides
+c, each key/value head is replicated c/n_kv times before the all-to-all (rank j gets one, the one
+its query heads use), and backward sums the replicas' dk, dv (in float32 for low-precision inputs)
+after the inverse all-to-all. Any other head count is refused (:func:`ulysses_heads_problem`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from memo.errors import MemoError
+from memo.models.causal_attention import _check, attention_backward, attention_forward
+from memo.models.cp_attention import _lse_for_kernel, _lse_rows, _sequence_order
+
+__all__ = ["CP_COMM_TYPES", "kv_replicas", "ulysses_attention", "ulysses_attention_backward",
+           "ulysses_attention_forward", "ulysses_heads_problem"]
+
+#: megatron-core's names (``cp_comm_type``) for the context-parallel communications memo's attention
+#: implements: K/V all-gather (memo/models/cp_attention.py) and Ulysses all-to-all (this module).
+CP_COMM_TYPES = ("all_gather", "a2a")
+
+#: ``t: [c, ...] -> [c, ...]``: part j goes to rank j; part i of the result came from rank i.
+Exchange = Callable[[torch.Tensor], torch.Tensor]
+
+_WHERE = "memo.models.ulysses_attention"
+
+
+def ulysses_heads_problem(n_heads: int, n_kv_heads: int, size: int) -> str | None:
+    """Why ``n_heads`` query and ``n_kv_heads`` key/value heads (one tensor-parallel rank's) cannot be
+    shared by ``size`` Ulysses ranks, or None when they can (NOTE [Ulysses context parallelism])."""
+    if n_heads % size == 0 and (n_kv_heads % size == 0 or size % n_kv_heads == 0):
+        return None
+    if n_heads % size:
+        return (f"{n_heads} query heads cannot be split over {size} context-parallel ranks (each attends "
+                f"all tokens of n/c of the heads; c must divide the query heads)")
+    return (f"{n_kv_heads} key/value heads cannot be shared by {size} context-parallel ranks (c must divide "
+            f"them, or be a multiple of them so that each is replicated c/n_kv times)")
+
+
+def kv_replicas(n_heads: int, n_kv_heads: int, size: int) -> int:
+    """Copies of each key/value head sent by the all-to-all: 1, or ``size / n_kv_heads`` when there are
+    fewer key/value heads than ranks; a MemoError for heads the ranks cannot share."""
+    problem = ulysses_heads_problem(n_heads, n_kv_heads, size)
+    if problem is not None:
+        raise MemoError(f"{_WHERE}: {problem}. Use a context-parallel size that divides the query heads "
+                        "and divides or is a multiple of the key/value heads, or cp_comm_type "
+                        "\"all_gather\"")
+    return 1 if n_kv_heads % size == 0 else size // n_kv_heads
+
+
+def _all_to_all(t: torch.Tensor, group: Any) -> torch.Tensor:
+    """The collective of both directions (an :data:`Exchange` over ``group``)."""
+    t = t.contiguous()
+    out = torch.empty_like(t)
+    dist.all_to_all_single(out, t, group=group)
+    return out
+
+
+def _to_heads(t: torch.Tensor, size: int, exchange: Exchange) -> torch.Tensor:
+    """This rank's ``t: [s, b, h, d]`` (its tokens, all heads) -> ``[c·s, b, h/c, d]``: every rank's
+    tokens of its share of the heads, in sequence order."""
+    s, b, h, d = t.shape
+    parts = t.reshape(s, b, size, h // size, d).permute(2, 0, 1, 3, 4)  # part j: heads of rank j
+    received = exchange(parts).reshape(size * s, b, h // size, d)  # rank-major rows
+    return received.index_select(0, _sequence_order(size, s, t.device))
+
+
+def _to_tokens(t: torch.Tensor, size: int, exchange: Exchange) -> torch.Tensor:
+    """Inverse of :func:`_to_heads`: ``[c·s, b, h/c, d]`` in sequence order -> contiguous ``[s, b, h, d]``
+    (the layout the output projection reads, as from causal attention)."""
+    total, b, hc, d = t.shape
+    s = total // size
+    rank_major = torch.empty_like(t)
+    rank_major.index_copy_(0, _sequence_order(size, s, t.device), t)
+    received = exchange(rank_major.view(size, s, b, hc, d))  # part i: heads of rank i, my tokens
+    return received.permute(1, 2, 0, 3, 4).contiguous().view(s, b, size * hc, d)
+
+
+def _lse_to_heads(lse: torch.Tensor, size: int, exchange: Exchange) -> torch.Tensor:
+    """``lse [b, n, s]`` -> ``[b, n/c, c·s]``: :func:`_to_heads` of lse as ``[s, b, n, 1]``."""
+    return _to_heads(lse.permute(2, 0, 1).unsqueeze(-1), size, exchange).squeeze(-1).permute(1, 2, 0)
+
+
+def _lse_to_tokens(lse: torch.Tensor, size: int, exchange: Exchange) -> torch.Tensor:
+    """Inverse of :func:`_lse_to_heads`: ``[b, n/c, c·s]`` -> contiguous ``[b, n, s]``."""
+    out = _to_tokens(lse.permute(2, 0, 1).unsqueeze(-1), size, exchange)
+    return out.squeeze(-1).permute(1, 2, 0).contiguous()
+
+
+def _layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, size: int) -> int:
+    """Checks a rank's inputs; its key/value replicas (:func:`kv_replicas`)."""
+    _check(q, k, v)
+    if q.shape[0] % 2:
+        raise MemoError(
+            f"{_WHERE}: a context-parallel rank holds two equal chunks of the sequence (megatron's "
+            f"load-balanced layout), so its local sequence must be even; got {q.shape[0]} tokens. Make "
+            "the sequence a multiple of 2·cp")
+    return kv_replicas(q.shape[2], k.shape[2], size)
+
+
+def _replicate(t: torch.Tensor, replicas: int) -> torch.Tensor:
+    return t if replicas == 1 else t.repeat_interleave(replicas, dim=2)
+
+
+def _sum_replicas(grad: torch.Tensor, replicas: int, dtype: torch.dtype) -> torch.Tensor:
+    """dk or dv of the replicated heads ``[s, b, n_kv·replicas, d]`` -> ``[s, b, n_kv, d]`` in ``dtype``,
+    summed in float32 for low-precision inputs."""
+    if replicas == 1:
+        return grad
+    s, b, h, d = grad.shape
+    acc = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else grad.dtype
+    return grad.to(acc).view(s, b, h // replicas, replicas, d).sum(dim=3).to(dtype)
+
+
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, size: int, exchange: Exchange) -> tuple[
+        torch.Tensor, torch.Tensor]:
+    replicas = _layout(q, k, v, size)
+    with torch.no_grad():
+        qh = _to_heads(q, size, exchange)
+        kh, vh = (_to_heads(_replicate(t, replicas), size, exchange) for t in (k, v))
+        o, lse = attention_forward(qh, kh, vh)
+        del qh, kh, vh
+        lse = _lse_rows(lse, o.shape[0])  # NOTE [fp32 attention on CUDA]: no padded rows in the exchange
+        return _to_tokens(o, size, exchange), _lse_to_tokens(lse, size, exchange)
+
+
+def _backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+              lse: torch.Tensor, size: int, exchange: Exchange) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor]:
+    replicas = _layout(q, k, v, size)
+    with torch.no_grad():
+        qh, gh, oh = (_to_heads(t, size, exchange) for t in (q, grad_o, o))
+        kh, vh = (_to_heads(_replicate(t, replicas), size, exchange) for t in (k, v))
+        lseh = _lse_for_kernel(_lse_to_heads(lse, size, exchange), qh)
+        dq, dk, dv = attention_backward(gh, qh, kh, vh, oh, lseh)
+        del qh, gh, oh, kh, vh, lseh
+        dk = _sum_replicas(_to_tokens(dk, size, exchange), replicas, k.dtype)
+        dv = _sum_replicas(_to_tokens(dv, size, exchange), replicas, v.dtype)
+        return _to_tokens(dq, size, exchange), dk, dv
+
+
+def _exchange(group: Any) -> tuple[int, Exchange]:
+    return dist.get_world_size(group), functools.partial(_all_to_all, group=group)
+
+
+def ulysses_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any) -> tuple[
+        torch.Tensor, torch.Tensor]:
+    """This rank's causal attention over the context-parallel ``group`` by all-to-all (NOTE [Ulysses
+    context parallelism]); ``q: [2m, b, n, d]``, ``k, v: [2m, b, n_kv, d]`` in megatron's
+    load-balanced layout -> ``o [2m, b, n, d]``, ``lse [b, n, 2m]`` as
+    :func:`memo.models.causal_attention.attention_forward` (float32; float64 for float64 inputs)."""
+    return _forward(q, k, v, *_exchange(group))
+
+
+def ulysses_attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               o: torch.Tensor, lse: torch.Tensor, group: Any) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`ulysses_attention_forward` for this rank's ``q, k, v`` -> ``dq [2m, b, n, d]``,
+    ``dk, dv [2m, b, n_kv, d]``."""
+    return _backward(grad_o, q, k, v, o, lse, *_exchange(group))
+
+
+class _UlyssesAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any) -> torch.Tensor:
+        o, lse = ulysses_attention_forward(q, k, v, group)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.group = group
+        return o
+
+    @staticmethod
+    def backward(ctx: Any, grad_o: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, o, lse = ctx.saved_tensors
+        return (*ulysses_attention_backward(grad_o, q, k, v, o, lse, ctx.group), None)
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any) -> torch.Tensor:
+    """Differentiable :func:`ulysses_attention_forward`: ``-> o [2m, b, n, d]``; saves q, k, v, o, lse
+    at the rank's own length."""
+    return _UlyssesAttention.apply(q, k, v, group)
