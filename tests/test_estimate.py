@@ -164,14 +164,16 @@ def test_search_ranks_fitting_layouts_with_fewest_communicating_ranks_first(
     assert main(["estimate", "--model", "llama-3.1-8b", "--seq-len", "32K", "--gpus", "8", "--search",
                  "--method", "formula", "--strategy", "none", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["layouts"]
-    # t | 8 key/value heads, c, p | 32 layers: every (t, c, p) whose product divides 8, in each of
-    # the three model-state shardings (NOTE [Sharded model states]).
-    assert len(rows) == 20 * 3
-    states = {(r["tp"], r["cp"], r["pp"], r["sharding"]): r["estimate"]["model_states_bytes"] for r in rows}
-    for (t, c, p, sharding), b in states.items():
+    # t | 8 key/value heads, c, p | 32 layers: every (t, c, p) whose product divides 8 (10 of the 20 with
+    # c > 1, each also as Ulysses all-to-all: 32 heads and 8 key/value heads take any c | 8), in each
+    # of the three model-state shardings (NOTE [Sharded model states]).
+    assert len(rows) == (20 + 10) * 3
+    states = {(r["tp"], r["cp"], r["pp"], r["cp_comm"], r["sharding"]): r["estimate"]["model_states_bytes"]
+              for r in rows}
+    for (t, c, p, comm, sharding), b in states.items():
         if sharding == "full":  # ZeRO-3 holds a share of every state: less than ZeRO-1 once d·c > 1
-            assert (b < states[t, c, p, "optimizer"]) == (8 // (t * p) > 1), (t, c, p, b)
-            assert states[t, c, p, "full-offload"] < b
+            assert (b < states[t, c, p, comm, "optimizer"]) == (8 // (t * p) > 1), (t, c, p, b)
+            assert states[t, c, p, comm, "full-offload"] < b
     fits = [r["estimate"]["fits"] for r in rows]
     assert fits == sorted(fits, reverse=True)  # fitting layouts first
     fitting = [r for r in rows if r["estimate"]["fits"]]
@@ -311,3 +313,69 @@ def test_memo_goes_input_only_where_the_host_binds() -> None:
         small.estimate(4096, Layout(1), "memo")
     with pytest.raises(MemoError, match="--memo-policy must be one of auto, memo, input-only"):
         Estimator("gpt-mini", memo_policy="fastest")
+
+
+def test_confirm_reports_only_lengths_that_fit() -> None:
+    # NOTE [Fast longest-sequence search]: a total that bends upward (the line from short lengths
+    # overshoots), and one that cannot run past a length (a host limit): the answer fits, and the
+    # lengths tried around it say how close it is.
+    from memo.estimate.search import confirm
+
+    limit, g = 1000, 8
+
+    def bending(n: int) -> int:
+        return 100 + n + n * n // 4000
+
+    got = confirm(bending, limit, g, 10_000, [64, 128], 900)
+    assert got["longest"] % g == 0 and bending(got["longest"]) <= limit
+    assert got["first_failure"] is None or bending(got["first_failure"]) > limit
+    assert limit - bending(got["longest"]) <= 0.02 * limit or bending(got["longest"] + g) > limit
+    assert len(got["tries"]) <= 4
+
+    def host_bound(n: int) -> int | None:
+        return None if n > 400 else 100 + n
+
+    got = confirm(host_bound, limit, g, 10_000, [64, 128], 900)
+    assert 0 < got["longest"] <= 400 and got["longest"] % g == 0
+
+
+def test_plan_search_screens_families_and_confirms_its_answers(capsys: pytest.CaptureFixture[str]) -> None:
+    # 4 GPUs: six (TP, CP, PP) families, more than the search profiles; every length reported is one
+    # an estimate at that length found to fit.
+    from memo.estimate import longest_sequences, valid_layouts
+    from memo.estimate.search import SCREENED_FAMILIES, strategy_limit
+
+    est = Estimator("gpt-mini", dtype="float32", machine=Machine(device_mem_gb=0.08, host_mem_gb=1))
+    layouts = [lay for lay in valid_layouts(est.config, 4, None, (1,), data_parallel_one=True,
+                                            shardings=("optimizer", "full"))
+               if not lay.problems(est.config, 1024)]
+    rows = longest_sequences(est, layouts, ("full-recompute", "memo"), 1024, 64 << 10)
+    for row in rows:
+        searched = {(x["layout"].tp, x["layout"].cp, x["layout"].pp) for x in row["layouts"]
+                    if not (x["pruned"] and x["guess"] is None)}
+        assert len(searched) == SCREENED_FAMILIES
+        best = row["best"]
+        assert best is not None and best["longest"] > 0
+        again = est.estimate(best["longest"], best["layout"], row["strategy"], least=True)
+        assert again.total_bytes <= strategy_limit(est, row["strategy"]), row["strategy"]
+    memo, fr = (r["best"]["longest"] for r in rows[::-1])
+    assert memo >= fr
+
+
+def test_ulysses_layouts_and_their_exchange() -> None:
+    # NOTE [Context-parallel exchange in an estimate]: all-to-all holds ~4 of the rank's q, the
+    # all-gather the whole sequence's K and V with float32 gradients; a2a needs heads the ranks share.
+    from memo.estimate import attention_exchange_bytes, valid_layouts
+
+    est = Estimator("llama-3.1-8b", method="formula")
+    cfg, s = est.config, 1 << 20
+    a2a, gather = Layout(8, cp=8, cp_comm="a2a"), Layout(8, cp=8)
+    d = cfg.hidden // cfg.n_heads
+    assert attention_exchange_bytes(cfg, a2a, s, 2) == 4 * s * d * 2 * (cfg.n_heads // 8 + 1)
+    assert attention_exchange_bytes(cfg, gather, s, 2) == 2 * s * cfg.n_kv_heads * d * 6
+    assert attention_exchange_bytes(cfg, Layout(8, tp=8), s, 2) == 0
+    assert "Ulysses CP" in " ".join(Layout(6, cp=3, cp_comm="a2a").problems(cfg))
+    comms = {(lay.cp, lay.cp_comm) for lay in valid_layouts(cfg, 8, cp_comms=("all_gather", "a2a"))}
+    assert (1, "a2a") not in comms and (8, "a2a") in comms and (8, "all_gather") in comms
+    with pytest.raises(MemoError, match="--cp-comm must be one of all_gather, a2a"):
+        Layout(2, cp=2, cp_comm="ring")

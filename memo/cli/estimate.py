@@ -25,7 +25,7 @@ from typing import Any
 from memo.cli.args import figure_path, fraction, positive_float, positive_int, seq_len
 from memo.errors import MemoError
 from memo.estimate.core import MEMO_POLICIES
-from memo.estimate.layout import SHARDINGS
+from memo.estimate.layout import CP_COMMS, SHARDINGS
 from memo.estimate.plan_method import PLAN_STRATEGIES
 from memo.units import GiB
 
@@ -51,6 +51,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     job.add_argument("--pp", type=positive_int, default=1, help="pipeline stages P (1F1B; first stage shown)")
     job.add_argument("--micro-batch", type=positive_int, default=1,
                      help="sequences per micro-batch B (--search also tries the powers of two below it)")
+    job.add_argument("--cp-comm", choices=CP_COMMS, default=None,
+                     help="context-parallel attention: all_gather (K and V gathered) or a2a (Ulysses: "
+                     "all tokens of a share of the heads). Default: all_gather; --search tries both")
     job.add_argument("--sharding", choices=SHARDINGS, default=None,
                      help="model states over the D·C ranks that share weights: optimizer (megatron's "
                      "distributed optimizer, ZeRO-1), full (FSDP2, ZeRO-3) or full-offload (FSDP2 with "
@@ -167,12 +170,20 @@ def _estimator(args: argparse.Namespace) -> Any:
 def _layout(args: argparse.Namespace) -> Any:
     from memo.estimate import Layout
 
-    return Layout(args.gpus, args.tp, args.cp, args.pp, args.micro_batch, args.sharding or "optimizer")
+    return Layout(args.gpus, args.tp, args.cp, args.pp, args.micro_batch,
+                  cp_comm=args.cp_comm or "all_gather", sharding=args.sharding or "optimizer")
 
 
-def _shardings(args: argparse.Namespace) -> tuple[str, ...]:
-    """The shardings a search tries: the one given, else all."""
-    return (args.sharding,) if args.sharding else SHARDINGS
+def _layout_cell(lay: dict[str, Any]) -> str:
+    """``TP CP PP DP sharding`` of a layout's dict, ``a2a`` after CP where it is Ulysses."""
+    a2a = " a2a" if lay["cp"] > 1 and lay["cp_comm"] == "a2a" else ""
+    return f"{lay['tp']} {lay['cp']}{a2a} {lay['pp']} {lay['dp']} {lay['sharding']}"
+
+
+def _shardings(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
+    """The shardings and context-parallel communications a search tries: the ones given, else all."""
+    return {"shardings": (args.sharding,) if args.sharding else SHARDINGS,
+            "cp_comms": (args.cp_comm,) if args.cp_comm else CP_COMMS}
 
 
 def _strategies(args: argparse.Namespace, estimator: Any) -> tuple[str, ...]:
@@ -263,14 +274,14 @@ def _run_search(args: argparse.Namespace, est: Any, log: Any) -> dict[str, Any]:
     log(f"memo estimate: every layout of {args.gpus} GPUs for {args.model} at {args.seq_len:,} tokens, "
         f"strategy {strategy}, method {args.method}")
     rows = search_layouts(est, args.seq_len, args.gpus, strategy, _micro_batches(args), log,
-                          _shardings(args))
+                          **_shardings(args))
     if not args.json:
-        table = [("rank", "TP", "CP", "PP", "DP", "B", "sharding", "t·c·p", "states GiB", "activations GiB",
-                  "total GiB", "fits", "alpha")]
+        table = [("rank", "TP", "CP", "PP", "DP", "B", "CP comm", "sharding", "t·c·p", "states GiB",
+                  "activations GiB", "total GiB", "fits", "alpha")]
         for i, r in enumerate(rows, 1):
             lay, e = r["layout"], r["estimate"]
             cells = (str(i), str(lay.tp), str(lay.cp), str(lay.pp), str(lay.dp), str(lay.micro_batch),
-                     lay.sharding, str(lay.model_parallel))
+                     lay.cp_comm if lay.cp > 1 else "-", lay.sharding, str(lay.model_parallel))
             if e is None:
                 table.append((*cells, "-", "-", "-", "cannot run", "-"))
             else:
@@ -301,7 +312,7 @@ def _run_max_seq(args: argparse.Namespace, est: Any, log: Any) -> dict[str, Any]
     strategies = _strategies(args, est)
     if args.search:
         layouts = valid_layouts(est.config, args.gpus, None, (args.micro_batch,), data_parallel_one=True,
-                                shardings=_shardings(args))
+                                **_shardings(args))
         layouts = [lay for lay in layouts if not lay.problems(est.config, args.granularity)]
         if not layouts:
             raise MemoError(f"memo estimate: no layout of {args.gpus} GPUs with DP 1 is valid for "
@@ -347,7 +358,7 @@ def _run_max_seq(args: argparse.Namespace, est: Any, log: Any) -> dict[str, Any]
                 + (" (cap)" if o["capped_by_seq_cap"] else ""),
                 f"{o['longest']:,}",
                 f"{o['longest'] / base:.2f}x" if base and o["longest"] else "-",
-                "-" if lay is None else f"{lay['tp']} {lay['cp']} {lay['pp']} {lay['dp']} {lay['sharding']}",
+                "-" if lay is None else _layout_cell(lay),
                 "-" if e is None else f"{e['total_gib']:,.2f}",
                 "-" if e is None else f"{e['limit_gib']:,.2f} ({_limit_rule(e)})",
                 "-" if e is None or e["policy"] is None else
@@ -368,14 +379,16 @@ def _run_max_seq(args: argparse.Namespace, est: Any, log: Any) -> dict[str, Any]
                 cells = []
                 for o in out_rows:
                     x = next(y for y in o["layouts"]
-                             if (y["tp"], y["cp"], y["pp"], y["sharding"])
-                             == (lay.tp, lay.cp, lay.pp, lay.sharding))
+                             if _layout_cell(y) == _layout_cell(lay.to_dict()))
                     cells.append(tokens(x["longest"]) if x["longest"] else
+                                 "screened" if x["pruned"] and x["guess"] is None else
                                  f"~{tokens(x['guess'])}*" if x["pruned"] else "-")
-                grid.append((f"{lay.tp} {lay.cp} {lay.pp} {lay.dp} {lay.sharding}", *cells))
+                grid.append((_layout_cell(lay.to_dict()), *cells))
             print("\nLongest sequence per layout (DP 1: NOTE [Longest sequence layouts])\n")
             print(align(grid))
-            print("* not searched: the line through two lengths ends more than 25% short of the best layout")
+            print("* not searched: the line through two lengths ends short of a length already confirmed"
+                  + ("" if args.method == "formula" else "; screened: the closed form's screen left it out "
+                     "(NOTE [Fast longest-sequence search])"))
         # The notes of the longest row: the others say the same at other lengths.
         top = max((o for o in out_rows if o["estimate"]), key=lambda o: o["longest"], default=None)
         for n in top["estimate"]["notes"] if top else []:
@@ -415,7 +428,7 @@ def _plot(args: argparse.Namespace, est: Any, out: dict[str, Any]) -> None:
     series = []
     if out["kind"] == "memo.estimate.longest":
         top = max((s["longest"] for s in out["strategies"]), default=0) or args.granularity
-        fields = ("gpus", "tp", "cp", "pp", "micro_batch", "sharding")
+        fields = ("gpus", "tp", "cp", "pp", "micro_batch", "cp_comm", "sharding")
         pairs = [(s["strategy"], Layout(**{k: s["layout"][k] for k in fields}))
                  for s in out["strategies"] if s["layout"]]
     else:

@@ -27,7 +27,14 @@ from memo.estimate.formula import (
     formula_parameters,
 )
 from memo.estimate.layout import Layout, valid_layouts
-from memo.estimate.plan_method import DEPTHS, PLAN_STRATEGIES, Machine, RankNumbers, analyse_trace
+from memo.estimate.plan_method import (
+    DEPTHS,
+    PLAN_STRATEGIES,
+    Machine,
+    RankNumbers,
+    analyse_trace,
+    attention_exchange_bytes,
+)
 from memo.estimate.search import (
     align,
     first_guess,
@@ -54,6 +61,7 @@ __all__ = [
     "RankNumbers",
     "align",
     "analyse_trace",
+    "attention_exchange_bytes",
     "estimate",
     "formula_activations",
     "formula_layer_parameters",

@@ -26,6 +26,7 @@ from memo.estimate.plan_method import (
     PLAN_STRATEGIES,
     Machine,
     RankProfiler,
+    attention_exchange_bytes,
     counted_parameters,
     estimate_machine,
     memo_alpha_within,
@@ -217,9 +218,12 @@ class Estimator:
             return params, sharded + gathered, 0
         return params, gathered, sharded
 
-    def estimate(self, seq_len: int, layout: Layout, strategy: str = "memo", alpha: float | None = None
-                 ) -> Estimate:
-        """The per-GPU estimate; a MemoError for a layout the job cannot take."""
+    def estimate(self, seq_len: int, layout: Layout, strategy: str = "memo", alpha: float | None = None,
+                 *, least: bool = False) -> Estimate:
+        """The per-GPU estimate; a MemoError for a layout the job cannot take.
+
+        ``least``: memo at its least device need, alpha 0, or input-only where the host cannot hold
+        that (what the longest-sequence search asks; NOTE [Longest sequence search])."""
         if strategy not in PLAN_STRATEGIES:
             raise MemoError(f"memo estimate: --strategy must be one of {', '.join(PLAN_STRATEGIES)}, "
                             f"got {strategy!r}")
@@ -239,10 +243,13 @@ class Estimator:
             est.notes.append(f"model states in host memory: {host_states / GiB:,.2f} GiB per GPU")
         if self.method == "formula":
             est.activations_bytes = int(round(formula_activations(self.shape, layout, seq_len, strategy)))
-        elif strategy != "memo":
-            est.activations_bytes = self._activations(strategy, layout, seq_len, None)
         else:
-            self._memo(est, alpha)
+            exchange = attention_exchange_bytes(self.config, layout, seq_len, self.dtype.itemsize)
+            est.activations_bytes = exchange  # memo's alpha is lowered with it counted
+            if strategy != "memo":
+                est.activations_bytes += self._activations(strategy, layout, seq_len, None)
+            else:
+                self._memo(est, 0.0 if least else alpha, least or alpha is None)
         est.notes.extend(self._notes(layout, seq_len))
         return est
 
@@ -255,23 +262,28 @@ class Estimator:
             return n.iteration - n.gradients
         return n.activations
 
-    def _memo(self, est: Estimate, alpha: float | None) -> None:
+    def _memo(self, est: Estimate, alpha: float | None, may_go_input_only: bool) -> None:
         """NOTE [Memo's alpha in an estimate], [Memo's policy in an estimate]."""
         from memo.planner import evaluate_alpha
 
         layout, seq_len = est.layout, est.seq_len
         host = self.machine.host_per_process() // layout.pp - (est.host_bytes_per_process or 0)
+        if self.memo_policy == "input-only":
+            self._input_only(est, host, None)
+            return
         try:
             solution = self.profiler.alpha(layout, seq_len, alpha, host)
         except MemoError as err:  # the host cannot hold every layer's input and attention output
-            if alpha is not None or self.memo_policy == "memo":
+            if not may_go_input_only or self.memo_policy == "memo":
                 raise
             self._input_only(est, host, err)
             return
         est.policy = "memo"
 
+        exchange = est.activations_bytes
+
         def total_at(a: float) -> int:
-            return est.model_states_bytes + self._activations("memo", layout, seq_len, a)
+            return est.model_states_bytes + exchange + self._activations("memo", layout, seq_len, a)
 
         if alpha is None:  # NOTE [Memo's alpha in an estimate]
             chosen, total, _ = memo_alpha_within(total_at, solution.alpha, est.limit_bytes)
@@ -296,19 +308,22 @@ class Estimator:
                              f"ms) does not hide under its forward ({layer_s * 1e3:,.0f} ms): offload "
                              "stalls compute")
 
-    def _input_only(self, est: Estimate, host: int, memo_error: MemoError) -> None:
+    def _input_only(self, est: Estimate, host: int, memo_error: MemoError | None) -> None:
         """Every offloading layer input-only: the host holds its input alone (NOTE [Memo's policy in
         an estimate]); a MemoError when even that does not fit the host."""
         layout, seq_len = est.layout, est.seq_len
         s_in = self.profiler.layer_sizes(layout, seq_len)[0]
         need = s_in * self.profiler.offloaded_layers(layout)
         if need > host:
-            raise MemoError(
-                f"{memo_error}; input-only layers need {need / GiB:,.2f} GiB of it too (S_input "
-                f"{s_in / GiB:,.3f} GiB x {self.profiler.offloaded_layers(layout)} layers > "
-                f"{host / GiB:,.2f} GiB)") from memo_error
+            why = (f"input-only layers need {need / GiB:,.2f} GiB of host memory per process (S_input "
+                   f"{s_in / GiB:,.3f} GiB x {self.profiler.offloaded_layers(layout)} layers > "
+                   f"{host / GiB:,.2f} GiB)")
+            if memo_error is None:
+                raise MemoError(f"memo estimate: {why}; use more host memory, more GPUs or a shorter "
+                                "sequence")
+            raise MemoError(f"{memo_error}; {why.replace('of host memory ', '', 1)}") from memo_error
         est.policy = "input-only"
-        est.activations_bytes = self._activations("input-only", layout, seq_len, None)
+        est.activations_bytes += self._activations("input-only", layout, seq_len, None)
         est.alpha, est.alpha_binding = None, "host memory"
         self._host(est, need * layout.pp)
 
@@ -330,8 +345,11 @@ class Estimator:
                        "x9 with its gradient and optimizer states), which the seed's Llama formula has no "
                        "term for; --model-states mixed counts it")
         if layout.cp > 1 and self.method == "plan":
-            out.append("context parallel: ring attention's buffers (key/value chunks in flight) are not "
-                       "counted (NOTE [Context-parallel profile])")
+            exchange = attention_exchange_bytes(self.config, layout, seq_len, self.dtype.itemsize)
+            what = ("the head-sharded copies of an all-to-all" if layout.cp_comm == "a2a" else
+                    "the gathered K and V and their float32 gradients")
+            out.append(f"context parallel ({layout.cp_comm}): {what}, {exchange / GiB:,.2f} GiB, counted on "
+                       "top of the recorded peak (NOTE [Context-parallel exchange in an estimate])")
         if self.method == "formula" and self.dtype_name not in ("bfloat16", "bf16"):
             out.append("the formula counts bf16 activations and weights whatever --dtype says")
         out.extend(self.profiler.notes)

@@ -16,15 +16,19 @@ The vocabulary need not divide by t: Megatron pads it (memo's rank model does th
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
 from memo.errors import MemoError
 
-__all__ = ["SHARDINGS", "Layout", "divisors", "valid_layouts"]
+__all__ = ["CP_COMMS", "SHARDINGS", "Layout", "divisors", "valid_layouts"]
 
 #: Model-state sharding a layout may use (NOTE [Sharded model states] in memo/estimate/core.py).
 SHARDINGS = ("optimizer", "full", "full-offload")
+
+#: Context-parallel attention communications (megatron's cp_comm_type names).
+CP_COMMS = ("all_gather", "a2a")
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,10 @@ class Layout:
     """p: pipeline stages (1F1B schedule; the estimate is the first stage's)."""
     micro_batch: int = 1
     """b: sequences per micro-batch."""
+    cp_comm: str = "all_gather"
+    """How the c context-parallel ranks' attention communicates (megatron's ``cp_comm_type``):
+    ``"all_gather"`` (K and V) or ``"a2a"`` (Ulysses, NOTE [Ulysses context parallelism] in
+    memo/models/ulysses_attention.py)."""
     sharding: str = "optimizer"
     """How the model states are split over the d·c ranks that share weights (NOTE [Sharded model
     states]): ``"optimizer"`` (megatron's distributed optimizer, ZeRO-1), ``"full"`` (FSDP2,
@@ -52,6 +60,9 @@ class Layout:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise MemoError(f"memo estimate: {name} must be a positive integer, got {value!r}")
+        if self.cp_comm not in CP_COMMS:
+            raise MemoError(f"memo estimate: --cp-comm must be one of {', '.join(CP_COMMS)}, got "
+                            f"{self.cp_comm!r}")
         if self.sharding not in SHARDINGS:
             raise MemoError(f"memo estimate: --sharding must be one of {', '.join(SHARDINGS)}, got "
                             f"{self.sharding!r}")
@@ -75,11 +86,13 @@ class Layout:
     def describe(self) -> str:
         return (f"TP {self.tp} x CP {self.cp} x PP {self.pp} x DP {self.dp}"
                 + (f", micro-batch {self.micro_batch}" if self.micro_batch > 1 else "")
+                + (", Ulysses all-to-all" if self.cp > 1 and self.cp_comm == "a2a" else "")
                 + {"optimizer": "", "full": ", states fully sharded",
                    "full-offload": ", states fully sharded in host memory"}[self.sharding])
 
     def short(self) -> str:
-        return (f"t{self.tp} c{self.cp} p{self.pp} d{self.dp} b{self.micro_batch}"
+        return (f"t{self.tp} c{self.cp}{' a2a' if self.cp > 1 and self.cp_comm == 'a2a' else ''} p{self.pp} "
+                f"d{self.dp} b{self.micro_batch}"
                 + ("" if self.sharding == "optimizer" else f" {self.sharding}"))
 
     def to_dict(self) -> dict[str, Any]:
@@ -104,6 +117,12 @@ class Layout:
                 out.append(f"TP {t} does not divide its {value} {what}")
         if config.n_layers % self.pp:
             out.append(f"PP {self.pp} does not divide its {config.n_layers} layers")
+        if self.cp > 1 and self.cp_comm == "a2a" and not config.n_heads % t and not config.n_kv_heads % t:
+            from memo.models.ulysses_attention import ulysses_heads_problem
+
+            problem = ulysses_heads_problem(config.n_heads // t, config.n_kv_heads // t, self.cp)
+            if problem is not None:
+                out.append(f"Ulysses CP: {problem}")
         problem = None if seq_len is None else seq_len_problem(seq_len, t, self.cp)
         if problem is not None:
             out.append(problem)  # NOTE [Tokens per rank] in memo/token_split.py
@@ -115,8 +134,8 @@ def divisors(n: int) -> list[int]:
 
 
 def valid_layouts(config: Any, gpus: int, seq_len: int | None = None, micro_batches: tuple[int, ...] = (1,),
-                  data_parallel_one: bool = False, shardings: tuple[str, ...] = ("optimizer",)
-                  ) -> list[Layout]:
+                  data_parallel_one: bool = False, shardings: tuple[str, ...] = ("optimizer",),
+                  cp_comms: tuple[str, ...] = ("all_gather",)) -> list[Layout]:
     """Every layout of ``gpus`` GPUs valid for ``config`` (and ``seq_len``), NOTE [Valid layouts].
 
     ``data_parallel_one``: only layouts with d = 1 (the longest-sequence search: NOTE [Longest
@@ -127,9 +146,10 @@ def valid_layouts(config: Any, gpus: int, seq_len: int | None = None, micro_batc
             for p in divisors(gpus // (t * c)):
                 if data_parallel_one and t * c * p != gpus:
                     continue
-                for b in micro_batches:
-                    for sharding in shardings:
-                        layout = Layout(gpus, t, c, p, b, sharding)
-                        if not layout.problems(config, seq_len):
-                            out.append(layout)
+                for b, sharding, comm in itertools.product(micro_batches, shardings, cp_comms):
+                    if c == 1 and comm != cp_comms[0]:
+                        continue  # one context-parallel rank communicates nothing
+                    layout = Layout(gpus, t, c, p, b, comm, sharding)
+                    if not layout.problems(config, seq_len):
+                        out.append(layout)
     return out

@@ -64,7 +64,8 @@ from memo.planner.vocab import Strategy
 from memo.units import GB
 
 __all__ = ["DEPTHS", "ESTIMATE_DEFAULTS", "PLAN_STRATEGIES", "Machine", "RankNumbers", "RankProfiler",
-           "analyse_trace", "counted_parameters", "estimate_machine", "rank_layer_ms"]
+           "analyse_trace", "attention_exchange_bytes", "counted_parameters", "estimate_machine",
+           "rank_layer_ms"]
 
 
 #: The depths recorded and extended linearly to a stage's L/p layers (NOTE [Estimate from a meta
@@ -290,6 +291,32 @@ class RankProfiler:
             if note.startswith("memo") and note not in self.notes:
                 self.notes.append(note)
         return solution
+
+
+# NOTE [Context-parallel exchange in an estimate]
+# The meta profile of a context-parallel rank runs attention on the rank's own s/c tokens (NOTE
+# [Context-parallel profile]); what the exchange between the c ranks holds besides is counted here, in
+# a layer's backward (its larger direction), and added to the recorded peak, an upper bound (the peak
+# may fall elsewhere). Per micro-batch of b sequences, with e bytes per element, S = s tokens in all,
+# n and n_kv the heads of a tensor-parallel rank and d the head size:
+# - all-gather (memo/models/cp_attention.py): K and V of all S tokens gathered, and their float32
+#   gradients before the reduce-scatter: 2·S·b·n_kv·d·(e + 4);
+# - all-to-all (Ulysses, memo/models/ulysses_attention.py): the head-sharded copies of grad_o, q and o
+#   and the dq they give (4 · S·b·(n/c)·d·e), and of k, v and dk, dv (4 · S·b·max(n_kv/c, 1)·d·e):
+#   about four times the rank's own q, independent of c.
+
+
+def attention_exchange_bytes(config: Any, layout: Layout, seq_len: int, elem: int) -> int:
+    """NOTE [Context-parallel exchange in an estimate]: bytes a rank's attention exchange holds."""
+    c, t = layout.cp, layout.tp
+    if c == 1:
+        return 0
+    n, n_kv = config.n_heads // t, config.n_kv_heads // t
+    d = config.hidden // config.n_heads
+    tokens = seq_len * layout.micro_batch
+    if layout.cp_comm == "a2a":
+        return 4 * tokens * d * elem * (n // c + max(n_kv // c, 1))
+    return 2 * tokens * n_kv * d * (elem + 4)
 
 
 def memo_alpha_within(total_at: Callable[[float], int], alpha: float, limit: int) -> tuple[float, int, bool]:

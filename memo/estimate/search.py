@@ -22,7 +22,32 @@ does not), then bisection down to the granularity: a handful of estimates instea
 from the shortest length. memo fits a length when it fits at alpha = 0 (its least device need:
 NOTE [Memo's alpha in an estimate]), so the search records two depths per length, not the
 alpha corrections; the length found is then estimated once more with the LP's alpha, lowered
-until it fits.
+until it fits. This exact search is the formula method's (arithmetic costs nothing).
+
+NOTE [Fast longest-sequence search]
+The plan method's estimates are meta profiles, seconds each, and minutes each at millions of
+tokens, so its search spends them where they decide the answer:
+
+1. Screen. A meta profile depends on the layout's family (TP, CP, PP, micro-batch), not on the
+   sharding of the states or the CP communication, which are arithmetic. One full-recompute
+   estimate per layout at the first short length (its profiles shared by a family, and reused by
+   full recompute's line) gives bytes per token; the room its states leave, over that, ranks the
+   families (the closed form cannot: it divides every activation by t under sequence parallelism,
+   where a rank's profile holds gathered inputs). The SCREENED_FAMILIES best are searched, the
+   rest are reported as screened.
+2. Predict. At a fixed layout the per-GPU total is nearly affine in the length (activations grow
+   linearly under FlashAttention-style attention; states do not grow). Two short lengths give the
+   line, and where it meets the strategy's limit is the layout's guess (first_guess).
+3. Confirm. Layouts are taken in the order of their guesses. A guess is estimated at that length
+   (two depths, as any estimate): if it fits it is the layout's answer (within 2% of the limit, or
+   else re-aimed once more upward), if not the secant through the nearest fitting and failing
+   lengths re-aims it, at most CONFIRMATIONS times. A layout whose guess is no longer than a length
+   already confirmed is not confirmed. memo is confirmed at its least device need: alpha 0, or
+   input-only layers where the host binds (NOTE [Memo's policy in an estimate]); its LP's alpha at
+   the answer would cost profiles at that length and changes nothing about the fit.
+
+Every reported length is one an actual estimate at that length found to fit; it may lie below the
+exact longest by what the last line missed (at most the 2% margin, rounded to the granularity).
 """
 
 from __future__ import annotations
@@ -141,7 +166,8 @@ def rank_key(layout: Layout, fits: bool, total: int, gpus_per_node: int) -> tupl
 
 def search_layouts(estimator: Any, seq_len: int, gpus: int, strategy: str,
                    micro_batches: tuple[int, ...] = (1,), log: Callable[[str], None] | None = None,
-                   shardings: tuple[str, ...] = ("optimizer",)) -> list[dict[str, Any]]:
+                   shardings: tuple[str, ...] = ("optimizer",), cp_comms: tuple[str, ...] = ("all_gather",)
+                   ) -> list[dict[str, Any]]:
     """Every valid layout of ``gpus`` GPUs estimated and ranked (NOTE [Layout ranking]).
 
     Returns one row per layout, best first: ``layout``, ``estimate`` (None where it cannot run)
@@ -149,7 +175,7 @@ def search_layouts(estimator: Any, seq_len: int, gpus: int, strategy: str,
     need."""
     say = log or (lambda _line: None)
     config = estimator.config
-    layouts = valid_layouts(config, gpus, seq_len, micro_batches, shardings=shardings)
+    layouts = valid_layouts(config, gpus, seq_len, micro_batches, shardings=shardings, cp_comms=cp_comms)
     if not layouts:
         raise MemoError(f"memo estimate: no layout of {gpus} GPUs is valid for {config.name} at seq len "
                         f"{seq_len:,} (TP must divide its {config.n_heads} heads and {config.n_kv_heads} "
@@ -188,62 +214,212 @@ def search_layouts(estimator: Any, seq_len: int, gpus: int, strategy: str,
 #: its strategy is not searched further (NOTE [Longest sequence search]).
 PRUNE_MARGIN = 0.25
 
+#: Layout families (TP, CP, PP, micro-batch: what a meta profile depends on) the plan method profiles,
+#: the best by the closed form's screen (NOTE [Fast longest-sequence search]).
+SCREENED_FAMILIES = 3
+
+#: Lengths a confirmation may try before it settles on the longest one confirmed so far.
+CONFIRMATIONS = 4
+
+
+def strategy_limit(estimator: Any, strategy: str) -> int:
+    """The bytes one GPU may fill for ``strategy`` (NOTE [Fit limits] in memo/estimate/core.py)."""
+    if strategy == "memo":
+        from memo.pipeline.device import usable_device_bytes
+
+        return usable_device_bytes(int(estimator.machine.device_mem_gb * 1e9))
+    return int(estimator.machine.limit_bytes)
+
+
+class _Totals:
+    """One layout's estimates by length, for one strategy (a MemoError where it cannot run)."""
+
+    def __init__(self, estimator: Any, layout: Layout, strategy: str) -> None:
+        self.estimator, self.layout, self.strategy = estimator, layout, strategy
+        self.cache: dict[int, Any] = {}
+
+    def __call__(self, length: int) -> int | None:
+        if length not in self.cache:
+            try:
+                self.cache[length] = self.estimator.estimate(length, self.layout, self.strategy, least=True)
+            except MemoError as err:  # memo's host cannot hold even input-only layers, or invalid
+                self.cache[length] = err
+        got = self.cache[length]
+        return None if isinstance(got, MemoError) else got.total_bytes
+
 
 def longest_sequences(estimator: Any, layouts: list[Layout], strategies: tuple[str, ...], granularity: int,
                       max_seq: int, first: int | None = None, log: Callable[[str], None] | None = None
                       ) -> list[dict[str, Any]]:
-    """For every strategy, the longest sequence on each layout (NOTE [Longest sequence search]) and
-    the best layout (longest, then NOTE [Layout ranking]). Rows: ``strategy``, ``best`` (the
-    winning layout's result, or None where no layout fits ``granularity`` tokens) and ``layouts``.
+    """For every strategy, the longest sequence on each layout and the best layout (longest, then
+    NOTE [Layout ranking]). Rows: ``strategy``, ``best`` (the winning layout's result, or None where
+    no layout fits ``granularity`` tokens) and ``layouts``.
 
-    Layouts are searched in the order of their first guesses; one whose guess, PRUNE_MARGIN
-    longer, is still shorter than the best found is left at its guess (``pruned``)."""
-    say = log or (lambda _line: None)
-    limit = estimator.machine.limit_bytes
+    The formula method searches every layout exactly (NOTE [Longest sequence search]); the plan
+    method predicts from lines and confirms (NOTE [Fast longest-sequence search])."""
+    if getattr(estimator, "method", "plan") == "formula":
+        return [_exact_search(estimator, layouts, strategy, granularity, max_seq, first, log)
+                for strategy in strategies]
+    kept = screen_families(estimator, layouts, granularity, max_seq, log, first)
+    return [_predicted_search(estimator, layouts, kept, strategy, granularity, max_seq, first, log)
+            for strategy in strategies]
+
+
+def _family(layout: Layout) -> tuple[int, int, int, int]:
+    return layout.tp, layout.cp, layout.pp, layout.micro_batch
+
+
+def screen_families(estimator: Any, layouts: list[Layout], granularity: int, max_seq: int,
+                    log: Callable[[str], None] | None = None, first: int | None = None
+                    ) -> set[tuple[int, int, int, int]]:
+    """NOTE [Fast longest-sequence search]: the SCREENED_FAMILIES families whose best layout goes
+    longest under full recompute by one estimate at a short length, extended along its bytes per
+    token (the states do not grow with the length)."""
+    families = {_family(lay) for lay in layouts}
+    if len(families) <= SCREENED_FAMILIES:
+        return families
     first = first or 4 * granularity
+    limit = strategy_limit(estimator, "full-recompute")
+    best: dict[tuple[int, int, int, int], int] = {}
+    for lay in layouts:
+        try:
+            est = estimator.estimate(first, lay, "full-recompute")
+        except MemoError:
+            continue
+        per_token = est.activations_bytes / first
+        room = limit - est.model_states_bytes
+        n = int(room / per_token) if per_token > 0 and room > 0 else 0
+        best[_family(lay)] = max(best.get(_family(lay), 0), min(n, max_seq))
+    kept = sorted(best, key=lambda f: (-best[f], f[0] * f[1] * f[2]))[:SCREENED_FAMILIES]
+    if log:
+        log("  screened by full recompute at " + tokens(first) + ": "
+            + ", ".join(f"t{t} c{c} p{p} ~{tokens(best[t, c, p, b] // granularity * granularity)}"
+                        for t, c, p, b in kept))
+    return set(kept)
+
+
+def _exact_search(estimator: Any, layouts: list[Layout], strategy: str, granularity: int, max_seq: int,
+                  first: int | None, log: Callable[[str], None] | None) -> dict[str, Any]:
+    """NOTE [Longest sequence search]: every layout galloped from its line's guess, bisected to the
+    granularity (layouts whose guess is PRUNE_MARGIN short of the best found are left out)."""
+    say = log or (lambda _line: None)
+    limit = strategy_limit(estimator, strategy)
+    first = first or 4 * granularity
+    items = []
+    for layout in layouts:
+        total = _Totals(estimator, layout, strategy)
+        items.append({"layout": layout, "guess": first_guess(total, limit, granularity, max_seq, first),
+                      "total": total})
+    items.sort(key=lambda x: -x["guess"])
+    results: list[dict[str, Any]] = []
+    best_len = 0
+    for item in items:
+        layout, cache = item["layout"], item["total"].cache
+        if best_len and item["guess"] * (1 + PRUNE_MARGIN) < best_len:
+            results.append(_pruned(layout, item["guess"]))
+            say(f"  {strategy:<14} {layout.short()}: ~{tokens(item['guess'])} by the line, not searched")
+            continue
+        found = gallop(item["total"], limit, granularity, max_seq, item["guess"])
+        best_len = max(best_len, found["longest"])
+        results.append(_result(estimator, layout, strategy, found, item["guess"], cache))
+        got = tokens(found["longest"]) if found["longest"] else "-"
+        say(f"  {strategy:<14} {layout.short()}: longest {got} ({len(cache)} estimates)")
+    return _ranked(estimator, strategy, results)
+
+
+def _pruned(layout: Layout, guess: int | None) -> dict[str, Any]:
+    """A layout left out: by its line (``guess``), or by the screen (``guess`` None)."""
+    return {"layout": layout, "longest": 0, "first_failure": None, "capped_by_max_seq": False, "tries": [],
+            "estimate": None, "guess": guess, "pruned": True}
+
+
+def _result(estimator: Any, layout: Layout, strategy: str, found: dict[str, Any], guess: int,
+            cache: dict[int, Any], solve_alpha: bool = True) -> dict[str, Any]:
+    best = cache.get(found["longest"])
+    if solve_alpha and strategy == "memo" and found["longest"] and not isinstance(best, MemoError):
+        best = estimator.estimate(found["longest"], layout, strategy)  # the LP's alpha, lowered
+    return {"layout": layout, **found, "guess": guess, "pruned": False,
+            "estimate": best if not isinstance(best, MemoError) else None}
+
+
+def _ranked(estimator: Any, strategy: str, results: list[dict[str, Any]]) -> dict[str, Any]:
     per_node = estimator.machine.gpus_per_node
-    out = []
-    for strategy in strategies:
-        items = []
-        for layout in layouts:
-            cache: dict[int, Any] = {}
+    ranked = sorted(results, key=lambda r: (-r["longest"],) + rank_key(
+        r["layout"], True, r["estimate"].total_bytes if r["estimate"] else 0, per_node))
+    return {"strategy": strategy, "best": ranked[0] if ranked and ranked[0]["longest"] else None,
+            "layouts": ranked}
 
-            def total(length: int, layout: Layout = layout, strategy: str = strategy,
-                      cache: dict[int, Any] = cache) -> int | None:
-                if length not in cache:
-                    try:
-                        cache[length] = estimator.estimate(length, layout, strategy,
-                                                           0.0 if strategy == "memo" else None)
-                    except MemoError as err:  # memo's host memory cannot hold alpha = 0, or invalid
-                        cache[length] = err
-                got = cache[length]
-                return None if isinstance(got, MemoError) else got.total_bytes
 
-            guess = first_guess(total, limit, granularity, max_seq, first)
-            items.append({"layout": layout, "guess": guess, "total": total, "cache": cache})
-        items.sort(key=lambda x: -x["guess"])
-        results = []
-        best_len = 0
-        for item in items:
-            layout, cache = item["layout"], item["cache"]
-            if best_len and item["guess"] * (1 + PRUNE_MARGIN) < best_len:
-                results.append({"layout": layout, "longest": 0, "first_failure": None,
-                                "capped_by_max_seq": False, "tries": [], "estimate": None,
-                                "guess": item["guess"], "pruned": True})
-                say(f"  {strategy:<14} {layout.short()}: ~{tokens(item['guess'])} by the line, "
-                    "not searched")
-                continue
-            found = gallop(item["total"], limit, granularity, max_seq, item["guess"])
-            best = cache.get(found["longest"])
-            if strategy == "memo" and found["longest"]:
-                best = estimator.estimate(found["longest"], layout, strategy)  # the LP's alpha, lowered
-            best_len = max(best_len, found["longest"])
-            results.append({"layout": layout, **found, "guess": item["guess"], "pruned": False,
-                            "estimate": best if not isinstance(best, MemoError) else None})
-            got = tokens(found["longest"]) if found["longest"] else "-"
-            say(f"  {strategy:<14} {layout.short()}: longest {got} ({len(cache)} estimates)")
-        ranked = sorted(results, key=lambda r: (-r["longest"],) + rank_key(
-            r["layout"], True, r["estimate"].total_bytes if r["estimate"] else 0, per_node))
-        out.append({"strategy": strategy, "best": ranked[0] if ranked and ranked[0]["longest"] else None,
-                    "layouts": ranked})
-    return out
+def confirm(total: Callable[[int], int | None], limit: int, granularity: int, max_seq: int,
+            known: list[int], guess: int) -> dict[str, Any]:
+    """NOTE [Fast longest-sequence search]: from the line's ``guess``, the longest length an actual
+    estimate confirmed, re-aimed by the secant through the nearest fitting and failing lengths."""
+    g = granularity
+
+    def fits(length: int) -> bool:
+        t = total(length)
+        return t is not None and t <= limit
+
+    lo = max((n for n in known if fits(n)), default=0)
+    hi: int | None = min((n for n in known if not fits(n)), default=None)
+    tried = []
+    for _ in range(CONFIRMATIONS):
+        guess = min(max(guess // g * g, g), max_seq // g * g)
+        if guess <= lo or (hi is not None and guess >= hi):
+            break
+        tried.append(guess)
+        if fits(guess):
+            lo = guess
+            t_lo = total(lo)
+            if t_lo is None or limit - t_lo < 0.02 * limit or lo >= max_seq // g * g:
+                break  # within 2% of the limit (or at the cap): the line has done its work
+        else:
+            hi = guess
+        guess = _secant(total, limit, lo, hi, g)
+    return {"longest": lo, "first_failure": hi, "capped_by_max_seq": lo >= max_seq // g * g, "tries": tried}
+
+
+def _secant(total: Callable[[int], int | None], limit: int, lo: int, hi: int | None, g: int) -> int:
+    """Where the line through the totals at ``lo`` and ``hi`` meets ``limit`` (midway where one of
+    them cannot run); upward by doubling the step when nothing failed yet."""
+    t_lo = total(lo) if lo else None
+    t_hi = None if hi is None else total(hi)
+    if hi is None:
+        return 2 * lo
+    if t_lo is None or t_hi is None or t_hi <= t_lo:
+        return (lo + hi) // 2
+    return int(lo + (limit - t_lo) * (hi - lo) / (t_hi - t_lo))
+
+
+def _predicted_search(estimator: Any, layouts: list[Layout], kept: set[tuple[int, int, int, int]],
+                      strategy: str, granularity: int, max_seq: int, first: int | None,
+                      log: Callable[[str], None] | None) -> dict[str, Any]:
+    """NOTE [Fast longest-sequence search] for one strategy."""
+    say = log or (lambda _line: None)
+    limit = strategy_limit(estimator, strategy)
+    first = first or 4 * granularity
+    items = []
+    for layout in layouts:
+        if _family(layout) not in kept:
+            continue
+        total = _Totals(estimator, layout, strategy)
+        items.append({"layout": layout, "total": total,
+                      "guess": first_guess(total, limit, granularity, max_seq, first)})
+    items.sort(key=lambda x: -x["guess"])
+    results: list[dict[str, Any]] = []
+    best_len = 0
+    for item in items:
+        layout, total = item["layout"], item["total"]
+        if best_len >= item["guess"]:  # its line cannot beat a confirmed length
+            results.append(_pruned(layout, item["guess"]))
+            continue
+        found = confirm(total, limit, granularity, max_seq, [first, 2 * first], item["guess"])
+        best_len = max(best_len, found["longest"])
+        # memo at its least device need, as confirmed (solving alpha there costs profiles at that length)
+        results.append(_result(estimator, layout, strategy, found, item["guess"], total.cache, False))
+        say(f"  {strategy:<14} {layout.short()}: line ~{tokens(item['guess'])}, confirmed "
+            f"{tokens(found['longest']) if found['longest'] else '-'} ({len(found['tries'])} confirmations)")
+    for layout in layouts:
+        if _family(layout) not in kept:
+            results.append(_pruned(layout, None))
+    return _ranked(estimator, strategy, results)
