@@ -18,6 +18,10 @@ embedding, layers and head are, and how the loss is computed); only how the mode
 - ``--hf-config``: ``transformers.AutoModelForCausalLM.from_config`` of a config given as a
   JSON file, a directory with ``config.json`` (no weights are loaded), or inline JSON with a
   ``model_type``; randomly initialised, no download.
+- ``fsdp2``: memo's model of that name, or the ``--hf-config`` model, built as above on every rank
+  from the same seed, then sharded by PyTorch FSDP2 (``fully_shard`` per layer and on the root,
+  ``CPUOffloadPolicy`` with ``--offload-states``) over data-parallel ranks, under ``torchrun`` or as a
+  world of one (memo/distributed/fsdp2.py, NOTE [memo under FSDP2] there).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from memo.errors import MemoError
 
 __all__ = ["ENGINES", "build_hf_causal_lm", "build_megatron_gpt", "hf_config"]
 
-ENGINES = ("memo", "megatron")
+ENGINES = ("memo", "megatron", "fsdp2")
 
 
 def _init_megatron_world() -> None:
@@ -84,7 +88,8 @@ def build_megatron_gpt(config: Any, seq_len: int, device: torch.device | str, dt
         activation_func=torch.nn.functional.gelu if gpt else torch.nn.functional.silu, add_bias_linear=gpt,
         use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
         params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-        tensor_model_parallel_size=tp, context_parallel_size=cp, sequence_parallel=layout.sequence_parallel)
+        tensor_model_parallel_size=tp, context_parallel_size=cp, sequence_parallel=layout.sequence_parallel,
+        cp_comm_type=layout.cp_comm if cp > 1 else None)  # MemoCoreAttention's all-gather or Ulysses CP
     spec = get_memo_gpt_layer_local_spec()
     if layout.sequence_parallel:
         from memo.distributed.cpu_shims import sequence_parallel_norms

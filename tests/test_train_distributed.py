@@ -57,6 +57,16 @@ def test_layout_checks_name_what_to_change() -> None:
         _check(ParallelLayout(1, 2, 1), seq_len=250)
     with pytest.raises(MemoError, match=r"chunks and each of the c·t = 8 ranks.*of 8; use 256 or 264"):
         _check(ParallelLayout(4, 2, 1, True), seq_len=260)  # CP chunks and SP shares combined
+    # Ulysses (NOTE [Ulysses context parallelism]): the CP ranks share the heads of a TP rank
+    _check(ParallelLayout(1, 2, 1, cp_comm="a2a"))
+    _check(ParallelLayout(1, 4, 1, cp_comm="a2a"), n_query_groups=2)  # each key/value head sent twice
+    with pytest.raises(MemoError, match=r"--cp-comm a2a: .*4 attention heads and 4 query groups, 2 and 2 per "
+                                        r"--tp 2 rank, and 2 query heads cannot be split over 4 "
+                                        r".*all_gather"):
+        _check(ParallelLayout(2, 4, 1, cp_comm="a2a"))
+    _check(ParallelLayout(2, 4, 1))  # the all-gather form has no such limit
+    with pytest.raises(MemoError, match="--cp-comm must be one of all_gather, a2a .* got 'p2p'"):
+        resolve_layout(1, 2, None, False, 2, "p2p")
     with pytest.raises(MemoError, match=r"--micro-batch 3 \(the global batch\) cannot be split over --dp 2"):
         _check(ParallelLayout(1, 1, 2), micro_batch=3)
     with pytest.raises(MemoError, match="refuses it without one; give --tp 2"):

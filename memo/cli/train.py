@@ -11,6 +11,8 @@ Examples::
         --plot loss.png --compare memo.json
     torchrun --standalone --nproc-per-node 2 -m memo train --engine megatron --tp 2 --sp --model tiny \\
         --seq-len 2K --steps 10 --report tp2.json
+    torchrun --standalone --nproc-per-node 2 -m memo train --engine fsdp2 --offload-states --model tiny \\
+        --seq-len 1K --micro-batch 2 --steps 10 --report fsdp2.json
 
 Several processes (``torchrun``): NOTE [Parallel layout] in memo/distributed/layout.py. Every rank
 profiles and plans its own shard and trains; only rank 0 prints and writes the report, which
@@ -55,6 +57,10 @@ def run(args: argparse.Namespace) -> int:
     compare = [load_report(p) for p in args.compare]  # refuse bad files before training
     if args.compare and not args.plot:
         raise MemoError("memo train: --compare adds curves to --plot; give --plot out.png as well")
+    if args.plan and args.engine == "fsdp2":  # NOTE [memo under FSDP2] in memo/distributed/fsdp2.py
+        raise MemoError("memo train: --engine fsdp2 plans each rank from its own sharded model (FSDP2's "
+                        "gathered parameters and reduce-scatter buffers in the trace); `memo profile` "
+                        "records the unsharded model, so its --plan does not describe this run: drop --plan")
     options = StrategyOptions(
         strategy=args.strategy,
         alpha=args.alpha,
@@ -81,11 +87,13 @@ def run(args: argparse.Namespace) -> int:
         peak_tflops=args.peak_tflops,
         data=args.data,
         engine=args.engine,
+        offload_states=args.offload_states,
         hf_config=args.hf_config,
         tensor_parallel=args.tp,
         context_parallel=args.cp,
         data_parallel=args.dp,
         sequence_parallel=args.sp,
+        cp_comm=args.cp_comm,
     )
     if config.device.startswith("cuda") and args.strategy == "memo" and options.planned_allocator:
         from memo import allocator
@@ -122,8 +130,11 @@ def run(args: argparse.Namespace) -> int:
     if result.parallel is not None:
         par = result.parallel
         ranks = "1 rank" if par["world"] == 1 else f"{par['world']} ranks"
+        fsdp2 = "" if par.get("engine") != "fsdp2" else (
+            " fsdp2" + (" offload-states" if par.get("offload_states") else ""))
         print(f"memo train: {ranks} (tp={par['tp']} cp={par['cp']} dp={par['dp']}"
-              f"{' sp' if par['sp'] else ''}): "
+              f"{' sp' if par['sp'] else ''}{fsdp2}"
+              f"{' cp_comm=' + par['cp_comm'] if par['cp'] > 1 and 'cp_comm' in par else ''}): "
               + ", ".join(f"rank {r['rank']} peak device {format_mib(r['peak_device_bytes'])} host pinned "
                           f"{format_mib(r['host_pinned_bytes'])}" for r in par["ranks"]))
     if args.report:
@@ -143,6 +154,7 @@ def _rank() -> int:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     from memo.models import list_configs
+    from memo.models.ulysses_attention import CP_COMM_TYPES
     from memo.train.loop import DTYPES, TrainConfig
 
     d = TrainConfig()
@@ -177,16 +189,27 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--peak-tflops", type=positive_float, help="device peak TFLOPS for MFU (default: known GPUs)"
     )
     p.add_argument("--data", metavar="FILE", help="train on the bytes of FILE instead of synthetic tokens")
-    p.add_argument("--engine", choices=("memo", "megatron"), default="memo",
-                   help="who builds --model: memo's reference model, or a megatron-core GPTModel of the same "
-                   "shapes with memo's layer spec (one process); both go through the same profile, plan and "
+    p.add_argument("--engine", choices=("memo", "megatron", "fsdp2"), default="memo",
+                   help="who builds --model: memo's reference model, a megatron-core GPTModel of the same "
+                   "shapes with memo's layer spec, or memo's (or the --hf-config) model with its states "
+                   "sharded by PyTorch FSDP2 over data-parallel ranks (fully_shard per layer and on the "
+                   "root; under torchrun or as one process); all go through the same profile, plan and "
                    "training")
-    par = p.add_argument_group("several processes (launch with torchrun; --engine megatron)")
+    p.add_argument("--offload-states", action="store_true",
+                   help="--engine fsdp2: FSDP2's CPUOffloadPolicy, the parameter shards, gradients and "
+                   "optimizer states in host memory (each layer's parameters gathered to the device for its "
+                   "forward and backward)")
+    par = p.add_argument_group("several processes (launch with torchrun; --engine megatron, --dp also "
+                               "--engine fsdp2)")
     par.add_argument("--tp", type=positive_int, default=1,
                      help="tensor-parallel ranks: each layer's weights split over this many processes (1)")
     par.add_argument("--cp", type=positive_int, default=1,
                      help="context-parallel ranks: each sequence split over this many processes in "
                      "megatron's load-balanced causal layout (1)")
+    par.add_argument("--cp-comm", choices=CP_COMM_TYPES, default="all_gather",
+                     help="how the context-parallel ranks' attention communicates: all_gather (K and V "
+                     "gathered, the default) or a2a (Ulysses: an all-to-all gives each rank all tokens of "
+                     "1/cp of the heads; --cp must divide the heads per --tp rank)")
     par.add_argument("--dp", type=positive_int, default=None,
                      help="data-parallel ranks: --micro-batch (the global batch) split over this many model "
                      "replicas (default: WORLD_SIZE / (tp·cp))")

@@ -12,6 +12,9 @@ single-process weights, and reads the same global batch (same seed):
 - DP rank d keeps batch rows ``d·b/dp .. (d+1)·b/dp``;
 - CP rank r keeps chunks r and 2c-1-r of the sequence cut into 2c chunks (megatron's
   load-balanced causal layout, NOTE [Context-parallel profile]); labels and position ids the same;
+  the CP ranks' attention all-gathers K and V (``--cp-comm all_gather``) or exchanges heads for
+  tokens by all-to-all (``--cp-comm a2a``, NOTE [Ulysses context parallelism] in
+  memo/models/ulysses_attention.py), the tokens laid out the same either way;
 - TP ranks keep the same tokens.
 
 The loss is the mean over the counted tokens of the *global* batch: each rank sums its tokens'
@@ -82,6 +85,9 @@ class ParallelLayout:
     """Ranks the batch rows are split over."""
     sequence_parallel: bool = False
     """megatron's sequence parallelism inside each TP group (needs tensor_parallel > 1)."""
+    cp_comm: str = "all_gather"
+    """How the CP ranks' attention communicates (megatron's ``cp_comm_type``): ``"all_gather"`` (K and
+    V) or ``"a2a"`` (Ulysses: every rank attends all tokens of its share of the heads)."""
 
     @property
     def world(self) -> int:
@@ -90,11 +96,12 @@ class ParallelLayout:
     def as_dict(self) -> dict[str, Any]:
         """What reports record: ``tp, cp, sp, dp, world``."""
         return {"tp": self.tensor_parallel, "cp": self.context_parallel, "sp": self.sequence_parallel,
-                "dp": self.data_parallel, "world": self.world}
+                "dp": self.data_parallel, "world": self.world, "cp_comm": self.cp_comm}
 
     def __str__(self) -> str:
         return (f"tp={self.tensor_parallel} cp={self.context_parallel} dp={self.data_parallel}"
-                + (" sp" if self.sequence_parallel else ""))
+                + (" sp" if self.sequence_parallel else "")
+                + (f" cp_comm={self.cp_comm}" if self.context_parallel > 1 else ""))
 
 
 @dataclass(frozen=True)
@@ -141,7 +148,8 @@ class LaunchEnv:
 
 
 def resolve_layout(tensor_parallel: int = 1, context_parallel: int = 1, data_parallel: int | None = None,
-                   sequence_parallel: bool = False, world_size: int = 1) -> ParallelLayout:
+                   sequence_parallel: bool = False, world_size: int = 1,
+                   cp_comm: str = "all_gather") -> ParallelLayout:
     """The layout of ``world_size`` processes; ``data_parallel`` None is ``world / (tp·cp)``.
 
     Raises a MemoError when the layout does not make up the world (NOTE [Checks before any process
@@ -150,6 +158,11 @@ def resolve_layout(tensor_parallel: int = 1, context_parallel: int = 1, data_par
     for name, value in (("--tp", tensor_parallel), ("--cp", context_parallel), ("--dp", data_parallel)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise MemoError(f"memo.distributed: {name} must be a positive integer, got {value!r}")
+    from memo.models.ulysses_attention import CP_COMM_TYPES
+
+    if cp_comm not in CP_COMM_TYPES:
+        raise MemoError(f"memo.distributed: --cp-comm must be one of {', '.join(CP_COMM_TYPES)} (memo's "
+                        f"context-parallel attention), got {cp_comm!r}")
     model = tensor_parallel * context_parallel
     if data_parallel is None:
         if world_size % model:
@@ -158,7 +171,8 @@ def resolve_layout(tensor_parallel: int = 1, context_parallel: int = 1, data_par
                 f"model replica does not divide the world of {world_size} process(es) (WORLD_SIZE); launch "
                 f"a multiple of {model} processes (torchrun --nproc-per-node {model}), or change --tp/--cp")
         data_parallel = world_size // model
-    layout = ParallelLayout(tensor_parallel, context_parallel, data_parallel, bool(sequence_parallel))
+    layout = ParallelLayout(tensor_parallel, context_parallel, data_parallel, bool(sequence_parallel),
+                            cp_comm)
     if layout.world != world_size:
         raise MemoError(
             f"memo.distributed: --tp {tensor_parallel} x --cp {context_parallel} x --dp {data_parallel} = "
@@ -188,11 +202,16 @@ def check_layout(layout: ParallelLayout, *, engine: str, n_heads: int, n_query_g
 
     tp, cp, dp, sp = (layout.tensor_parallel, layout.context_parallel, layout.data_parallel,
                       layout.sequence_parallel)
-    if engine != "megatron" and (layout.world > 1 or sp):
+    if engine == "fsdp2" and (tp > 1 or cp > 1 or sp):  # memo/distributed/fsdp2.py
+        raise MemoError(
+            f"memo.train: --engine fsdp2 shards the model states over data-parallel ranks only; {layout} "
+            "needs megatron-core's parallel layers: use --engine megatron, or drop --tp/--cp/--sp")
+    if engine not in ("megatron", "fsdp2") and (layout.world > 1 or sp):
         raise MemoError(
             f"memo.train: --engine {engine} builds one process's model; {layout} needs megatron-core's "
-            "parallel layers: use --engine megatron, or run this model as one process (no torchrun, or "
-            "torchrun --nproc-per-node 1, with --tp/--cp/--dp 1 and no --sp)")
+            "parallel layers: use --engine megatron (or --engine fsdp2 for data parallelism alone), or "
+            "run this model as one process (no torchrun, or torchrun --nproc-per-node 1, with "
+            "--tp/--cp/--dp 1 and no --sp)")
     if sp and tp == 1:
         raise MemoError("memo.distributed: --sp (sequence parallelism) splits the tokens between the "
                         "ranks of a tensor-parallel group, and megatron-core refuses it without one; give "
@@ -202,6 +221,17 @@ def check_layout(layout: ParallelLayout, *, engine: str, n_heads: int, n_query_g
             raise MemoError(f"memo.distributed: the model has {count} {what}, which --tp {tp} cannot split "
                             f"evenly (each tensor-parallel rank holds a whole number of them); use a --tp "
                             f"that divides {count}")
+    if cp > 1 and layout.cp_comm == "a2a":  # the heads split over --tp (checked above)
+        from memo.models.ulysses_attention import ulysses_heads_problem
+
+        heads, groups = n_heads // tp, n_query_groups // tp
+        problem = ulysses_heads_problem(heads, groups, cp)
+        if problem is not None:  # NOTE [Ulysses context parallelism] in memo/models/ulysses_attention.py
+            raise MemoError(
+                f"memo.distributed: --cp-comm a2a: the model has {n_heads} attention heads and "
+                f"{n_query_groups} query groups, {heads} and {groups} per --tp {tp} rank, and {problem}; "
+                f"use a --cp that divides {heads} and divides or is a multiple of {groups}, or "
+                "--cp-comm all_gather")
     padded_vocab_size(vocab_size, tp)
     # memo's profile of a rank (NOTE [Context-parallel profile]) takes seq_len / (c·t) tokens per
     # layer input under TP, with or without --sp, and 2c load-balanced chunks under CP.
@@ -254,6 +284,10 @@ class ParallelRun:
     def is_first(self) -> bool:
         """Rank 0, the one that prints and writes the report."""
         return self.launch.rank == 0
+
+    def as_dict(self) -> dict[str, Any]:
+        """What reports record of this run: its layout (an engine's run adds its own settings)."""
+        return self.layout.as_dict()
 
     # ------------------------------------------------------------------------ start and stop
     @classmethod

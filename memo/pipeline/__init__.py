@@ -331,7 +331,7 @@ def _pass1(job: _Job, given: nn.Module | None, optimizer_states: str
                          f"({reason})")
         sized_on, sizing = job.device, given
         plain = _record(sizing, *job.inputs(), job.progress, "pass 1 (plain model)", job.meta)
-    states = model_states(sizing, optimizer_states)
+    states = model_states(sizing, optimizer_states, job.device)
     layers = model_parts(sizing).layers
     layer_params = sum(p.numel() for p in layers[0].parameters()) if layers else 0
     del sizing

@@ -63,7 +63,9 @@ def least_memory(model: nn.Module, tokens: int, micro_batch: int) -> LeastMemory
     hidden = getattr(getattr(model, "config", None), "hidden", None)
     if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 1:
         hidden = None  # a model without memo's config: its parameters alone
-    return LeastMemory(parameters=sum(p.numel() * p.element_size() for p in params),
+    from memo.profiler.device import local_tensor  # a rank's shard under FSDP2 (NOTE [Model states])
+
+    return LeastMemory(parameters=sum(local_tensor(p).numel() * p.element_size() for p in params),
                        layer_input=micro_batch * tokens * hidden * itemsize if hidden else 0,
                        tokens=tokens, micro_batch=micro_batch, hidden=hidden, itemsize=itemsize)
 

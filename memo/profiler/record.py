@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,7 +60,14 @@ def meta_copy(model: nn.Module) -> nn.Module:
     No parameter or buffer data is copied (NOTE [Sizes from meta] in memo/pipeline/__init__.py): each one is
     replaced by a meta tensor of the same shape, dtype and ``requires_grad`` before the module tree
     is deep-copied, so even a model that fills a GPU can be copied for sizing.
+
+    Raises TypeError for a model sharded by FSDP2, which refuses deep copies: its ranks are profiled
+    as they run, gathered parameters included (NOTE [memo under FSDP2] in memo/distributed/fsdp2.py).
     """
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing can be sharded
+    if fsdp is not None and any(isinstance(m, fsdp.FSDPModule) for m in model.modules()):
+        raise TypeError("its layers are sharded by FSDP2 (fully_shard), which cannot be deep-copied; each "
+                        "rank is recorded as it runs, its gathered parameters included")
     replacements: dict[int, Any] = {}
     for t in itertools.chain(model.parameters(), model.buffers()):
         if id(t) in replacements:

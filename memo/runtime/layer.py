@@ -73,7 +73,13 @@ from memo.profiler.saved import storage_id
 from memo.runtime.autocast import AutocastState
 from memo.runtime.core_attention import BlackBoxCore, MemoCore
 from memo.runtime.dropout import LayerDropout, replay_rng, rng_state, same_rng_state
-from memo.runtime.module_state import as_in_forward, buffer_snapshot, module_tensors, restore_changed
+from memo.runtime.module_state import (
+    as_in_forward,
+    buffer_snapshot,
+    gathered,
+    module_tensors,
+    restore_changed,
+)
 from memo.runtime.packing import BufferSink, CountingSink, Packer
 from memo.runtime.sequence_order import SequenceOrder
 from memo.runtime.taps import Tap, TapGrads
@@ -270,7 +276,8 @@ class LayerCall:
         self._say_hooks()
         sink = CountingSink()
         state = buffer_snapshot(self.layer)
-        with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
+        with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []), \
+                gathered(self.layer):  # NOTE [Dry runs under FSDP2] in module_state.py
             _, rec = self._forward(x.detach(), ctx, sink)
         changed = restore_changed(self.layer, state)  # NOTE [Layers with state] in module_state.py
         if changed and (rec.chunks or len(rec.head) > 1 or rec.input_only):
@@ -399,6 +406,19 @@ class LayerCall:
         """``grad_y: [s, b, h]`` -> ``grad_x: [s, b, h]`` and the gradients of ``params`` (NOTE
         [Gradients through the engine]), recomputing with the tensors forward ran with (NOTE
         [Recompute with the forward's tensors] in memo/runtime/module_state.py)."""
+        # A sharding wrapper frees a layer's gathered parameters after its forward and gathers them
+        # again before its backward (FSDP2: NOTE [memo under FSDP2] in memo/distributed/fsdp2.py). One
+        # still freed here would be read as empty memory by the recompute: refuse it by name.
+        freed = [name for name, t in rec.module_tensors.items()
+                 if type(t) in (torch.Tensor, nn.Parameter) and t.numel() and t.untyped_storage().size() == 0]
+        if freed:
+            raise MemoError(
+                f"memo.runtime: layer {self.index}'s backward found {', '.join(freed[:4])}"
+                f"{' ...' if len(freed) > 4 else ''} without storage: the tensors its forward ran with were "
+                "freed after the forward (a sharding wrapper's reshard) and not gathered again before this "
+                "backward, so memo's recompute would read freed memory. With FSDP2, let fully_shard's hooks "
+                "run around the layer's call (memo.wrap before or after fully_shard, NOTE [memo under "
+                "FSDP2]); do not call the layer's forward past them")
         with as_in_forward(self.layer, rec.module_tensors):
             return self._backward(rec, grad_y, params, anchor)
 

@@ -15,12 +15,13 @@ original call's closure.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 
 import torch
 from torch import nn
 
-__all__ = ["as_in_forward", "buffer_snapshot", "module_tensors", "restore_changed"]
+__all__ = ["as_in_forward", "buffer_snapshot", "gathered", "module_tensors", "restore_changed"]
 
 
 def module_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -56,6 +57,35 @@ def as_in_forward(module: nn.Module, saved: dict[str, torch.Tensor]) -> Iterator
     finally:
         for store, attr, old in reversed(undo):
             store[attr] = old
+
+
+# NOTE [Dry runs under FSDP2]
+# FSDP2 (fully_shard) keeps a layer's parameters sharded between its calls and gathers them in its
+# forward hooks (NOTE [memo under FSDP2] in memo/distributed/fsdp2.py). memo's sizing pass runs a
+# layer's pre/post outside the layer's call (LayerCall.measure, from the Session before step 1):
+# there the module holds its shards, DTensors that cannot meet the plain input. So the dry run
+# gathers them first with FSDP2's own unshard() and reshards after, where they are sharded; inside
+# the layer's forward (the first iteration sizes the buffers there) they are gathered already and
+# nothing is done. unshard() is a collective: every rank sizes the same layers.
+@contextlib.contextmanager
+def gathered(module: nn.Module) -> Iterator[None]:
+    """Run with ``module``'s parameters gathered where FSDP2 holds them sharded (NOTE [Dry runs under
+    FSDP2]); a module no one shards runs as it is."""
+    fsdp, dtensor = sys.modules.get("torch.distributed.fsdp"), sys.modules.get("torch.distributed.tensor")
+    if fsdp is None or dtensor is None:  # not imported: nothing is sharded
+        yield
+        return
+    sharded = [m for m in module.modules() if isinstance(m, fsdp.FSDPModule)]
+    if not sharded or not any(isinstance(p, dtensor.DTensor) for p in module.parameters()):
+        yield
+        return
+    for m in sharded:
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m in sharded:
+            m.reshard()
 
 
 # NOTE [Layers with state]

@@ -174,7 +174,11 @@ class TrainConfig:
     data: str | None = None
     """Text file whose bytes are the tokens; ``None`` means synthetic tokens."""
     engine: str = "memo"
-    """Who builds the model (NOTE [Training engines] in memo/engines.py): ``memo`` or ``megatron``."""
+    """Who builds the model (NOTE [Training engines] in memo/engines.py): ``memo``, ``megatron`` or ``fsdp2``
+    (memo's or a Hugging Face model, its states sharded by FSDP2: memo/distributed/fsdp2.py)."""
+    offload_states: bool = False
+    """``--offload-states``: FSDP2's ``CPUOffloadPolicy`` (parameter shards, gradients and optimizer states
+    in host memory); ``--engine fsdp2`` only."""
     hf_config: str | None = None
     """A Hugging Face causal-LM config (JSON file, directory or inline JSON) to train, not ``model``."""
     tensor_parallel: int = 1
@@ -185,15 +189,19 @@ class TrainConfig:
     """``--dp``: data-parallel ranks; None is world / (tp·cp). ``micro_batch`` is the global batch."""
     sequence_parallel: bool = False
     """``--sp``: megatron sequence parallelism inside the tensor-parallel group."""
+    cp_comm: str = "all_gather"  # --cp-comm: CP attention by K/V all-gather or Ulysses all-to-all ("a2a")
 
     def __post_init__(self) -> None:
         from memo.engines import ENGINES
 
         if self.engine not in ENGINES:
             raise MemoError(f"memo.train: --engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
-        if self.hf_config is not None and self.engine != "memo":
+        if self.hf_config is not None and self.engine not in ("memo", "fsdp2"):
             raise MemoError("memo.train: --hf-config builds a Hugging Face model; it does not combine with "
-                            f"--engine {self.engine}")
+                            f"--engine {self.engine} (--engine fsdp2 shards it)")
+        if self.offload_states and self.engine != "fsdp2":
+            raise MemoError("memo.train: --offload-states places the model states in host memory through "
+                            f"FSDP2's CPUOffloadPolicy; add --engine fsdp2 (got --engine {self.engine})")
         if self.hf_config is None and self.model not in list_configs():
             get_config(self.model)  # raises the error listing valid names
         for name in ("seq_len", "micro_batch", "steps"):
@@ -208,13 +216,17 @@ class TrainConfig:
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise MemoError(f"memo.train: --peak-tflops must be > 0, got {self.peak_tflops}")
         parallel = (self.tensor_parallel, self.context_parallel, self.data_parallel or 1)
-        if (max(parallel) > 1 or self.sequence_parallel) and (self.engine != "megatron"
-                                                              or self.hf_config is not None):
+        if self.engine == "fsdp2" and (max(parallel[:2]) > 1 or self.sequence_parallel):
+            raise MemoError("memo.train: --engine fsdp2 shards the model states over data-parallel ranks "
+                            "only; --tp/--cp > 1 and --sp need megatron-core's parallel layers: use --engine "
+                            "megatron, or drop them")
+        if (max(parallel) > 1 or self.sequence_parallel) and self.engine != "fsdp2" and (
+                self.engine != "megatron" or self.hf_config is not None):
             what = "--hf-config" if self.hf_config is not None else f"--engine {self.engine}"
             raise MemoError(
                 f"memo.train: {what} builds a single-process model; --tp/--cp/--dp > 1 and --sp need "
-                "megatron-core's parallel layers: use --engine megatron, or run with --tp/--cp/--dp 1 and "
-                "no --sp")
+                "megatron-core's parallel layers: use --engine megatron (--engine fsdp2 for --dp alone), or "
+                "run with --tp/--cp/--dp 1 and no --sp")
 
 
 @dataclass
@@ -511,7 +523,10 @@ def _build(config: TrainConfig, device: torch.device, dtype: torch.dtype, budget
 
 def _model_name(config: TrainConfig, model_config: Any) -> str:
     if config.hf_config is not None:
-        return f"{model_config.name} (Hugging Face)"
+        fsdp2 = ", FSDP2" + (", states offloaded" if config.offload_states else "")
+        return f"{model_config.name} (Hugging Face{fsdp2 if config.engine == 'fsdp2' else ''})"
+    if config.engine == "fsdp2":
+        return f"{config.model} (FSDP2{', states offloaded' if config.offload_states else ''})"
     return config.model if config.engine == "memo" else f"{config.model} (megatron-core GPTModel)"
 
 

@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from memo.profiler.device import local_tensor
 from memo.session import Session
 from memo.train.plan_checks import TrainRun
 
@@ -76,7 +77,8 @@ class MemoryMeter:
              example: tuple[torch.Tensor, torch.Tensor]) -> Session:
         """Enter the Session: memo's allocator, the wrapped layers, phases, sized buffers."""
         self.device = device
-        self.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        # a rank's shard of a parameter sharded by FSDP2 (NOTE [Model states] in memo/profiler/device.py)
+        self.param_bytes = sum(local_tensor(p).numel() * p.element_size() for p in model.parameters())
         # Garbage of earlier work in this process (a model in a reference cycle, its gradients) may
         # still hold blocks of memo's allocator; they would count in this run's peak until the
         # collector happens to run. Collect now, so that the peak is this run's.

@@ -33,7 +33,13 @@ def start_parallel(config: TrainConfig) -> Any:
 
     launch = LaunchEnv.from_environ()
     layout = resolve_layout(config.tensor_parallel, config.context_parallel, config.data_parallel,
-                            config.sequence_parallel, launch.world_size)
+                            config.sequence_parallel, launch.world_size, config.cp_comm)
+    if config.engine == "fsdp2":  # a world of one too: FSDP2 needs a process group (distributed/fsdp2.py)
+        from memo.distributed.fsdp2 import FSDP2Run
+
+        check_layout(layout, engine="fsdp2", n_heads=1, n_query_groups=1, vocab_size=1,
+                     seq_len=config.seq_len, micro_batch=config.micro_batch)
+        return FSDP2Run.start(layout, launch, config.device, config.seed, config.offload_states)
     megatron = config.engine == "megatron" and config.hf_config is None
     if layout.world == 1 and not layout.sequence_parallel and not (launch.launched and megatron):
         # One process, as before (megatron's world of one: memo/engines.py). Under torchrun a
@@ -92,7 +98,7 @@ def agree(parallel: Any, strategy: Any, emit: Callable[[str], None]) -> None:
     from memo.distributed.layout import plan_fingerprint, requests_fingerprint
 
     policy = getattr(strategy, "policy", None)
-    record = {"layout": parallel.layout.as_dict(), "strategy": strategy.name,
+    record = {"layout": parallel.as_dict(), "strategy": strategy.name,
               "alpha": None if strategy.alpha is None else round(float(strategy.alpha), 12),
               "policy": None if policy is None else list(policy),
               "plan": plan_fingerprint(strategy.plan)}
@@ -113,4 +119,4 @@ def parallel_record(parallel: Any, result: TrainResult) -> dict[str, Any]:
             "dp_rank": parallel.dp_rank, "peak_device_bytes": peak,
             "peak_device_kind": result.peak_memory_kind,
             "host_pinned_bytes": int(extras.get("host_pinned_bytes", 0))}
-    return {**parallel.layout.as_dict(), "ranks": parallel.gather(mine)}
+    return {**parallel.as_dict(), "ranks": parallel.gather(mine)}

@@ -275,15 +275,20 @@ class TiledMLP:
     """What replaces a layer's MLP (``site.owner.<site.attribute>``) while installed: the original MLP
     run by :func:`tiled_mlp`. ``tiles_run`` records the tile count of each call (tests, reports)."""
 
-    def __init__(self, site: MLPSite) -> None:
+    def __init__(self, site: MLPSite, layer: nn.Module | None = None) -> None:
         self.site = site
+        self.layer = layer
         self.fn = getattr(site.owner, site.attribute)
         self.tiles_run: list[int] = []
 
     def __call__(self, z: torch.Tensor) -> torch.Tensor:
         tiles = mlp_tiles(z.shape[self.site.token_dim], z.shape[-1])
         self.tiles_run.append(tiles)
-        return tiled_mlp(self.fn, z, self.site.parameters, self.site.token_dim, tiles)
+        # The parameters the MLP holds at this call, not those it held when it was tiled: a wrapper may
+        # register others for the call (FSDP2 its gathered ones in the layer's forward, NOTE [memo under
+        # FSDP2] in memo/distributed/fsdp2.py), and gradients of the old ones would go nowhere.
+        params = self.site.parameters if self.layer is None else find_mlp(self.layer).parameters
+        return tiled_mlp(self.fn, z, params, self.site.token_dim, tiles)
 
     def install(self) -> None:
         owner = self.site.owner
@@ -333,7 +338,7 @@ class CheckpointedLayers:
         self.layers = list(layers)
         self.offload = offload
         # Every MLP is found before anything is replaced: a model that cannot be tiled is refused whole.
-        self.mlps = [TiledMLP(find_mlp(layer)) for layer in self.layers] if tile_mlp else []
+        self.mlps = [TiledMLP(find_mlp(layer), layer) for layer in self.layers] if tile_mlp else []
         self._installed: list[nn.Module] = []
 
     def _checkpointed(self, forward: Callable[..., Any]) -> Callable[..., Any]:

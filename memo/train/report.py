@@ -15,7 +15,9 @@ Schema (version 1; docs/formats.md, "Training report", has the prose)::
       "peak_device_kind": str,               # what was measured (NOTE [Measuring device memory])
       "host_pinned_bytes": int,              # memo's host arena; the peers: peak of host copies held
       "allocator": {"planned": int, "fallback": int},
-      "parallel": {"tp": int, "cp": int, "sp": bool, "dp": int, "world": int,   # torchrun runs only
+      "plan": {"peak": int, "lower_bound": int, "device_total_bytes": int | null} | null,
+      "parallel": {"tp": int, "cp": int, "sp": bool, "dp": int, "world": int,   # torchrun, --engine fsdp2
+                   "engine": "fsdp2", "offload_states": bool,                 # --engine fsdp2 only
                    "ranks": [{"rank": int, "peak_device_bytes": int | null, "host_pinned_bytes": int,
                               ...}, ...]},
       ...                                    # more keys are allowed and kept
@@ -165,7 +167,11 @@ def build_report(result: Any) -> dict[str, Any]:
         "host_pinned_bytes": int(last.get("host_pinned_bytes", 0)),
         "allocator": dict(last.get("allocator", {"planned": 0, "fallback": 0})),
         "segment_allocs": last.get("segment_allocs"),
-        "plan": None if plan is None else {"peak": plan.peak, "lower_bound": plan.lower_bound},
+        # device_total_bytes: NOTE [Device total] in memo/pipeline/device.py (what `memo show` prints as
+        # device/rank), to compare with the measured peak; None for a plan that records no total
+        "plan": None if plan is None else {"peak": plan.peak, "lower_bound": plan.lower_bound,
+                                           "device_total_bytes": (getattr(plan, "device", None) or {}).get(
+                                               "total_bytes")},
         # NOTE [Planned and actual offload] in memo/planner/plan.py
         "offload": strategy.offload,
     }

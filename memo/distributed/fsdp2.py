@@ -1,0 +1,256 @@
+"""``memo train --engine fsdp2``: the model states sharded by PyTorch FSDP2, data parallel over the ranks.
+
+Every rank builds the same model from the same seed (memo's reference models or a Hugging Face
+causal LM), shards it with ``torch.distributed.fsdp.fully_shard`` (each transformer layer, then
+the root; ``CPUOffloadPolicy`` with ``--offload-states``) over a one-dimensional device mesh of all
+ranks, and takes its rows of each global batch as megatron's data-parallel ranks do (NOTE
+[Parallel layout] in memo/distributed/layout.py): DP rank d keeps rows ``d·b/dp .. (d+1)·b/dp``,
+back-propagates its tokens' summed loss over the global count times ``dp``, and FSDP2's
+reduce-scatter averages the gradients over the ``dp`` ranks, so every shard's gradient is the
+single-process one. One process without ``torchrun`` is a world of one (a gloo or NCCL group
+of one on a free port), so the same code path runs.
+
+NOTE [memo under FSDP2]
+The order is memo first, FSDP2 second, as with activation checkpointing (checkpoint the layer,
+then ``fully_shard`` it)::
+
+    memo.wrap(model, plan=plan)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+and ``memo.wrap`` after ``fully_shard`` works the same (``memo train`` does that: its Session wraps
+the model the engine built). Why both are correct:
+
+- Neither changes the module tree. memo sets an instance ``forward`` on each layer (NOTE
+  [Wrapping in place] in memo/runtime/wrap.py); ``fully_shard`` swaps the layer's class for an
+  FSDP subclass of it (memo's layer adapter is found through its bases) and adds module hooks.
+  ``nn.Module.__call__`` runs the hooks around whatever ``forward`` is, so in either order memo's
+  forward runs between FSDP2's pre-forward (all-gather, the unsharded parameters registered on
+  the module) and its post-forward (reshard: the unsharded parameters' storage freed).
+- Forward: memo's node takes the layer's parameters as it finds them when it runs (the gathered
+  ones) and records which tensor each name held (NOTE [Recompute with the forward's tensors] in
+  memo/runtime/module_state.py). The packer keeps parameters by reference, never copies them.
+- Backward: FSDP2's pre-backward hook sits on the layer's output, so it fires when that output's
+  gradient is ready, before memo's node runs; it all-gathers into the same storages and registers
+  the same unsharded parameters again. memo's recompute therefore runs with gathered parameters
+  (``as_in_forward`` finds the forward's tensors in place and swaps nothing). A parameter whose
+  storage is still freed when memo's backward starts is refused with a MemoError rather than read
+  (``LayerCall.backward``).
+- Gradients: memo's node returns the parameters' gradients to the autograd engine (NOTE
+  [Gradients through the engine] in memo/runtime/layer.py), which accumulates them into the
+  unsharded parameters' ``.grad`` (AccumulateGrad nodes run before any other ready node); FSDP2's
+  post-backward, on the layer's inputs, then reduce-scatters them into the shards' ``.grad``. memo
+  writes no ``.grad`` itself, so no gradient passes around the reduce-scatter.
+- Outside a layer's call: memo's sizing dry run of a layer gathers it with FSDP2's own
+  ``unshard()``/``reshard()`` (NOTE [Dry runs under FSDP2] in memo/runtime/module_state.py), and a
+  forward that memo stops at the first layer is followed by FSDP2's ``reset_iter_state()`` (NOTE
+  [An aborted forward under FSDP2] below).
+
+tests/test_fsdp2.py checks both orders against one process's gradients, with and without CPU
+offload, and that memo's recompute sees the gathered parameters while they are freed between
+forward and backward.
+
+NOTE [FSDP2's root is the loss]
+FSDP2 gathers the parameters of the root's own group (embedding, final norm, LM head) in the root's
+pre-forward hook, so the root's ``forward`` must be what computes the loss. A model adapter's loss
+need not call the model's ``forward`` (Hugging Face's calls ``model.model`` and then memo's chunked
+loss head), so the root here is a small module holding the model whose forward is the model adapter's
+loss; the model's own module tree, state dict and parameters are unchanged.
+
+NOTE [FSDP2's gathered parameters on the CPU backend]
+FSDP2 allocates each parameter's all-gather output once and afterwards only resizes its storage
+(``storage.resize_``: to 0 after the layer, back to its size before the next use). A CPU storage
+resizes through the allocator it was made by, not the one installed at the time. memo's CPU backend
+stands in for a device whose memory is what memo's allocator serves, and it is installed only
+inside a Session or a profile's recording; outside them, FSDP2's first all-gather would make those
+storages with PyTorch's CPU allocator, and every later gather would pass memo's trace, plan and
+measured peak by. So right after sharding, every FSDP2 module gathers and reshards once under memo's
+allocator (its fallback pool, no plan): the storages are then memo's, and each gathered layer is an
+allocation the trace records and the plan places. (On CUDA memo's allocator, when used, is PyTorch's
+CUDA allocator for the whole process, installed before the first CUDA tensor: nothing to do.)
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from memo.adapters.model import ModelAdapter, ModelParts, model_adapter_for
+from memo.distributed.layout import LaunchEnv, ParallelLayout, ParallelRun, free_port
+from memo.errors import MemoError
+
+__all__ = ["FSDP2Run", "LossRoot", "fsdp_modules", "shard_model"]
+
+
+class LossRoot(nn.Module):
+    """FSDP2's root around ``model``: its forward is the model adapter's loss (NOTE [FSDP2's root is
+    the loss]). ``ids, labels: [b, s]`` -> the mean loss over the counted tokens."""
+
+    def __init__(self, model: nn.Module, adapter: ModelAdapter) -> None:
+        super().__init__()
+        self.model = model
+        self._adapter = adapter
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self._adapter.loss(self.model, ids, labels)
+
+
+def shard_model(model: nn.Module, mesh: Any, offload_states: bool = False, device: torch.device | None = None
+                ) -> LossRoot:
+    """``fully_shard`` each of ``model``'s layers (its model adapter's) and then a :class:`LossRoot`
+    around it, over ``mesh``; ``CPUOffloadPolicy`` when ``offload_states`` (pinned host memory where
+    the device is CUDA). Returns the root, whose call is the loss."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    adapter = model_adapter_for(model, "memo.train")
+    parts = adapter.parts(model)
+    pin = device is not None and device.type == "cuda"
+    policy = CPUOffloadPolicy(pin_memory=pin) if offload_states else OffloadPolicy()
+    for layer in parts.layers:
+        fully_shard(layer, mesh=mesh, offload_policy=policy)
+    return fully_shard(LossRoot(model, adapter), mesh=mesh, offload_policy=policy)
+
+
+def fsdp_modules(module: nn.Module) -> list[nn.Module]:
+    """The modules under ``module`` (itself included) that ``fully_shard`` has sharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def _bind_gathers_to_memo(root: nn.Module) -> None:
+    """NOTE [FSDP2's gathered parameters on the CPU backend]: gather and reshard every FSDP2 module
+    once under memo's CPU allocator, so that every later gather is memo's."""
+    from memo import allocator
+
+    with allocator.planned({}, peak=0, device="cpu"):
+        for module in fsdp_modules(root):
+            module.unshard()
+            module.reshard()
+
+
+class _ShardLoss(ModelAdapter):
+    """The model's own adapter, with this rank's step loss (:meth:`FSDP2Run.loss`) as its loss: memo's
+    profile then records the iteration every step runs (as ``ParallelRun.model_adapter``)."""
+
+    name = "fsdp2-shard"
+
+    def __init__(self, run: FSDP2Run, base: ModelAdapter, positions: torch.Tensor, global_count: int) -> None:
+        self.run, self.base = run, base
+        self.positions, self.global_count = positions, global_count
+
+    def check(self, model: nn.Module) -> None:
+        self.base.check(model)
+
+    def parts(self, model: nn.Module) -> ModelParts:
+        return self.base.parts(model)
+
+    def loss(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.run.loss(model, ids, labels, self.positions, self.global_count)[0]
+
+    def targets(self, model: nn.Module, labels: torch.Tensor) -> torch.Tensor:
+        return self.base.targets(model, labels)
+
+    def vocab_size(self, model: nn.Module) -> int:
+        return self.base.vocab_size(model)
+
+
+class FSDP2Run(ParallelRun):
+    """One rank of ``memo train --engine fsdp2`` (the module docstring): a data-parallel
+    :class:`ParallelRun` whose model states FSDP2 shards; no megatron state."""
+
+    def __init__(self, layout: ParallelLayout, launch: LaunchEnv, device: torch.device,
+                 offload_states: bool = False) -> None:
+        super().__init__(layout, launch, device)
+        self.offload_states = offload_states
+        self.dp_rank = launch.rank
+        self.mesh: Any = None
+        self.root: nn.Module | None = None
+
+    @classmethod
+    def start(cls, layout: ParallelLayout, launch: LaunchEnv, device: str, seed: int,
+              offload_states: bool = False) -> FSDP2Run:
+        """Join the process group (gloo on CPU, NCCL on CUDA; a group of one on a free port when no
+        launcher made one) and make the device mesh of all ranks; ``layout`` was checked by
+        :func:`memo.distributed.layout.check_layout` (data parallel only). ``seed`` is the caller's."""
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            dev = torch.device("cuda", launch.local_rank)
+            torch.cuda.set_device(dev)
+        run = cls(layout, launch, dev, offload_states)
+        if not torch.distributed.is_initialized():
+            if launch.world_size == 1:
+                os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+                os.environ.setdefault("MASTER_PORT", str(free_port()))
+            torch.distributed.init_process_group("nccl" if dev.type == "cuda" else "gloo",
+                                                 rank=launch.rank, world_size=launch.world_size)
+            run._owns_group = True
+        from torch.distributed.device_mesh import init_device_mesh
+
+        run.mesh = init_device_mesh(dev.type, (launch.world_size,))
+        return run
+
+    def close(self) -> None:
+        """Let go of the model and destroy the process group when this run made it."""
+        # The model adapter given for the model (memo.adapters.model.use_model_adapter, a weak key)
+        # holds this run: through the root it would hold the model, its key, alive for good.
+        self.root = None
+        if self._owns_group and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        self._owns_group = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**super().as_dict(), "engine": "fsdp2", "offload_states": self.offload_states}
+
+    def wrap(self, model: nn.Module) -> None:
+        """Shard ``model`` with FSDP2 (:func:`shard_model`); on the CPU, bind its gathers to memo's
+        allocator (NOTE [FSDP2's gathered parameters on the CPU backend])."""
+        self.root = shard_model(model, self.mesh, self.offload_states, self.device)
+        if self.device.type == "cpu":
+            _bind_gathers_to_memo(self.root)
+
+    def loss(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor,
+             global_count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(to_backward, global_loss)`` as :meth:`ParallelRun.loss` (NOTE [Parallel layout]): the root's
+        mean over this rank's counted tokens times their count is its sum; FSDP2's reduce-scatter
+        averages over the ``dp`` ranks, so the rank back-propagates its sum over the global count
+        times ``dp``. ``positions`` are every row's 0..s-1 here (no context parallelism): unused."""
+        if self.root is None:
+            raise MemoError("memo.distributed: FSDP2Run.loss before wrap(model); shard the model first")
+        count = int((labels != -100).sum())
+        if count == 0:  # the model adapter's mean would be 0/0
+            raise MemoError("memo.distributed: this rank's rows of the batch hold no counted label (all "
+                            "-100); --engine fsdp2 takes the loss as the mean of each rank's tokens: give "
+                            "every rank rows with labels")
+        try:
+            local = self.root(ids, labels) * count
+        except BaseException:
+            # NOTE [An aborted forward under FSDP2]
+            # A forward can end early on purpose: memo stops the model's forward at its first layer to
+            # take that layer's inputs (NOTE [First layer's inputs] in memo/profiler/record.py). FSDP2
+            # would keep what it had gathered registered on the modules (the unsharded parameters of
+            # the root and the first layer), and an optimizer built then would hold those instead of
+            # the shards and never update them. FSDP2's recovery after an aborted forward is
+            # reset_iter_state() on the root: every group resharded, its iteration state cleared.
+            self.root.reset_iter_state()
+            raise
+        total = local.detach().clone()
+        if self.layout.data_parallel > 1:
+            torch.distributed.all_reduce(total)
+        scale = max(global_count, 1)
+        return local * (self.layout.data_parallel / scale), total / scale
+
+    def model_adapter(self, positions: torch.Tensor, global_count: int) -> ModelAdapter:
+        if self.root is None:
+            raise MemoError("memo.distributed: FSDP2Run.model_adapter before wrap(model)")
+        return _ShardLoss(self, self.root._adapter, positions, global_count)
+
+    def zero_grads(self) -> None:
+        """Nothing: the optimizer sets the shards' gradients to None."""
+
+    def finish_grads(self, model: nn.Module) -> None:
+        """Nothing: FSDP2 reduce-scattered the gradients into the shards' ``.grad`` in backward."""
