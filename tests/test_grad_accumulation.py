@@ -333,10 +333,11 @@ def test_gradients_in_the_arena_replay_exactly_and_hold_less() -> None:
     grads = sum(p.numel() * p.element_size() for p in build_model("llama-tiny").parameters())
     # The fallback no longer holds the gradients...
     assert held["fallback"][1] - held["arena"][1] >= grads * 0.9
-    # ...and the arena took (almost) none of them on: their bytes were its idle ones at the end of
+    # ...and the arena took few of them on: their bytes were mostly its idle ones at the end of
     # backward, so the device holds less (counted without the fallback's segment rounding, which at
-    # this size is one segment either way).
-    assert sum(held["fallback"]) - sum(held["arena"]) >= grads * 0.8
+    # this size is one segment either way). Here the whole sequence is one chunk of the loss, whose
+    # backward runs the final norm again (NOTE [The final norm in the loss's chunks]): ~0.78.
+    assert sum(held["fallback"]) - sum(held["arena"]) >= grads * 0.75
 
 
 def test_the_optimizers_moment_counts_the_arena_by_the_plans_rule() -> None:

@@ -81,6 +81,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
         ignore_index: int,
         gather: int,
         norm: torch.nn.Module | None,
+        norm_names: tuple[str, ...],
         *norm_params: torch.Tensor,
     ) -> torch.Tensor:
         # gather > 1: one tensor-parallel rank's head; x is local, the logits cover gathered tokens.
@@ -106,7 +107,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
         del flat_x, xg
         n_valid = valid.sum()
         ctx.save_for_backward(x, weight, flat_labels, lse, n_valid, *norm_params)
-        ctx.norm = norm
+        ctx.norm, ctx.norm_names = norm, norm_names
         ctx.chunk_tokens = chunk_tokens
         ctx.ignore_index = ignore_index
         ctx.gather = gather
@@ -128,7 +129,10 @@ class _ChunkedLMLoss(torch.autograd.Function):
         acc_dtype = torch.float32 if weight.dtype in (torch.float16, torch.bfloat16) else weight.dtype
         grad_w = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_w else None
         norm = ctx.norm
-        need_norm = [ctx.needs_input_grad[7 + i] for i in range(len(norm_params))]
+        need_norm = [ctx.needs_input_grad[8 + i] for i in range(len(norm_params))]
+        # the norm runs again with the tensors its forward ran with (a functional_call may have
+        # substituted them then: NOTE [Recompute with the forward's tensors] in memo/runtime/module_state.py)
+        forward_params = dict(zip(ctx.norm_names, norm_params, strict=True))
         grad_norm = [torch.zeros(p.shape, dtype=torch.promote_types(p.dtype, torch.float32), device=p.device)
                      if need else None for p, need in zip(norm_params, need_norm, strict=True)]
         for start in range(0, n_tokens, ctx.chunk_tokens):
@@ -137,7 +141,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
             if norm is not None:  # NOTE [The final norm in the loss's chunks]
                 x_in = x_chunk.detach().requires_grad_(need_x)
                 with torch.enable_grad():
-                    x_chunk = norm(x_in)
+                    x_chunk = torch.func.functional_call(norm, forward_params, (x_in,))
             # d loss / d logits = (softmax - onehot(target)) * scale, zero for ignored tokens.
             grad_logits = _chunk_logits(x_chunk, weight)
             grad_logits.sub_(lse[start:end, None]).exp_()
@@ -165,6 +169,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
         return (
             grad_x,
             grad_w.to(weight.dtype) if grad_w is not None else None,
+            None,
             None,
             None,
             None,
@@ -270,6 +275,6 @@ NOTE [Chunked loss saved tensors]).
         raise MemoError("memo.models.loss: a norm inside the loss needs sequence_gather=1 (a "
                         "sequence-parallel rank norms its own tokens before the gather); apply the norm "
                         "to x first")
-    params = [] if norm is None else list(norm.parameters())
+    named = {} if norm is None else dict(norm.named_parameters())
     return _ChunkedLMLoss.apply(x, weight, labels, int(chunk_tokens), int(ignore_index), sequence_gather,
-                                norm, *params)
+                                norm, tuple(named), *named.values())
