@@ -19,9 +19,10 @@ device (no GPU; NOTE [Sizes from meta] in memo/pipeline/__init__.py); each row s
   the host share are refused before recording.
 - **offloaded-checkpoint**: the peer of ``memo train --strategy offloaded-checkpoint`` (ALST's recipe:
   every layer under non-reentrant ``torch.utils.checkpoint``, its input moved to host by saved-tensor
-  hooks, ALST's tiled MLP), its own code (:class:`memo.train.peers.CheckpointedLayers`,
-  :class:`~memo.train.peers.TiledMLP`) recorded by memo's dispatch recorder; only the host copy is
-  shimmed for meta (:class:`MetaHostOffload`). NOTE [Peer depth] says how its depth is extrapolated.
+  hooks, ALST's tiled MLP), its own code (:class:`memo.runtime.peers.CheckpointedLayers`,
+  :class:`~memo.runtime.peers.TiledMLP`) recorded by memo's dispatch recorder; only the host copy is
+  shimmed for meta (:class:`memo.runtime.peers.MetaHostOffload`). NOTE [Peer depth] says how its depth
+  is extrapolated.
 
 Every row is judged against the same limits: the device total within the plan's usable budget
 (``usable_budget`` with the pipeline's FALLBACK_HEADROOM / FALLBACK_SEGMENT_BYTES: 76 GB of 80 GB)
@@ -102,7 +103,7 @@ from memo.units import GB, GiB
 if TYPE_CHECKING:
     from memo.planner import LayerCosts
 
-__all__ = ["MetaHostOffload", "main"]
+__all__ = ["main"]
 
 K = 1024
 INPUT_ONLY = "memo, all input-only (recorded)"
@@ -117,34 +118,6 @@ def _tok(n: int | None) -> str:
 
 def _gb(n: float | None) -> str:
     return "-" if n is None else f"{n / GB:.1f}"
-
-
-class MetaHostOffload:
-    """:class:`memo.train.peers.HostOffload`'s hooks for the meta device: a saved tensor is counted as
-    host bytes and forgotten on the device (nothing is allocated for the host copy, which holds no
-    device memory); unpacking allocates it on the device again, as ``host.to(device)`` does on a GPU."""
-
-    def __init__(self) -> None:
-        self.live = self.peak = self.copies = 0
-
-    def pack(self, tensor: torch.Tensor) -> Any:
-        if tensor.device.type != "meta" or isinstance(tensor, torch.nn.Parameter):
-            return False, tensor
-        n = tensor.numel() * tensor.element_size()
-        self.live += n
-        self.peak = max(self.peak, self.live)
-        self.copies += 1
-        return True, (tuple(tensor.shape), tensor.dtype)
-
-    def unpack(self, packed: Any) -> torch.Tensor:
-        moved, value = packed
-        if not moved:
-            return value
-        shape, dtype = value
-        return torch.empty(shape, dtype=dtype, device="meta")
-
-    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
 
 class OneGPU:
@@ -288,7 +261,7 @@ class OneGPU:
         from memo.planner import Trace, lower_bound
 
         from memo.profiler.record import phase_tracker, record
-        from memo.train.peers import CheckpointedLayers
+        from memo.runtime.peers import CheckpointedLayers, MetaHostOffload
 
         model = self.build(n_layers)
         offload = MetaHostOffload()

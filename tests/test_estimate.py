@@ -379,3 +379,21 @@ def test_ulysses_layouts_and_their_exchange() -> None:
     assert (1, "a2a") not in comms and (8, "a2a") in comms and (8, "all_gather") in comms
     with pytest.raises(MemoError, match="--cp-comm must be one of all_gather, a2a"):
         Layout(2, cp=2, cp_comm="ring")
+
+
+def test_the_offloaded_checkpoint_peer_is_estimated_from_its_own_recording() -> None:
+    # NOTE [The peer in an estimate]: full recompute with every layer's input in host memory instead,
+    # and the MLP tiled: less device memory than full recompute, L · S_input of host memory.
+    est = Estimator("gpt-mini", dtype="float32", machine=Machine(device_mem_gb=1.0, host_mem_gb=4,
+                                                                 gpus_per_node=1))
+    layout = Layout(1)
+    fr, peer = (est.estimate(4096, layout, s) for s in ("full-recompute", "offloaded-checkpoint"))
+    s_in = est.profiler.layer_sizes(layout, 4096)[0]
+    assert peer.host_bytes_per_process == est.config.n_layers * s_in
+    assert peer.activations_bytes < fr.activations_bytes - (est.config.n_layers - 2) * s_in
+    assert (peer.limit_rule, peer.policy, peer.alpha) == ("fraction", None, None)
+    small = Estimator("gpt-mini", dtype="float32", machine=Machine(device_mem_gb=1.0, host_mem_gb=0.01,
+                                                                   gpus_per_node=1))
+    small.profiler.cache = est.profiler.cache
+    with pytest.raises(MemoError, match="offloaded-checkpoint keeps every layer's input in host memory"):
+        small.estimate(4096, layout, "offloaded-checkpoint")

@@ -20,6 +20,7 @@ from memo.cli.main import main
 from memo.errors import MemoError
 from memo.models import build_model, get_config
 from memo.models.layers import LlamaLayer
+from memo.runtime.peers import CheckpointedLayers, find_mlp, mlp_tiles, tiled_mlp
 from memo.train import (
     STRATEGIES,
     MemoryMeter,
@@ -30,7 +31,6 @@ from memo.train import (
     make_strategy,
     train,
 )
-from memo.train.peers import CheckpointedLayers, find_mlp, mlp_tiles, tiled_mlp
 from memo.train.plan_checks import TrainRun
 from tests.grads import grads_of, random_batch, rel_err
 

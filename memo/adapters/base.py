@@ -43,7 +43,7 @@ __all__ = ["LayerAdapter", "AnatomyAdapter", "MLPSite", "register_adapter", "unr
 @dataclass(frozen=True)
 class MLPSite:
     """Where a layer computes its MLP, for strategies that run it their own way (ALST's tiled MLP,
-    NOTE [Tiled MLP] in memo/train/peers.py).
+    NOTE [Tiled MLP] in memo/runtime/peers.py).
 
     ``getattr(owner, attribute)`` is the MLP as a callable ``z -> out`` (no norm, no residual),
     token-wise along ``token_dim`` of ``z``; it uses exactly ``parameters``. A strategy replaces it by

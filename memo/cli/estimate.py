@@ -59,7 +59,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                      "distributed optimizer, ZeRO-1), full (FSDP2, ZeRO-3) or full-offload (FSDP2 with "
                      "the states in host memory). Default: optimizer; --search tries all three")
     p.add_argument("--strategy", choices=STRATEGY_CHOICES, default=None,
-                   help="activation memory strategy (default: memo; --max-seq: all three)")
+                   help="activation memory strategy (default: memo; --max-seq: all of them)")
     p.add_argument("--alpha", type=_alpha, default=None,
                    help="memo's offloaded share in [0, 1] (default: solved by the LP, lowered until it fits)")
     p.add_argument("--method", choices=("plan", "formula"), default="plan",

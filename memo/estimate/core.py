@@ -246,10 +246,12 @@ class Estimator:
         else:
             exchange = attention_exchange_bytes(self.config, layout, seq_len, self.dtype.itemsize)
             est.activations_bytes = exchange  # memo's alpha is lowered with it counted
-            if strategy != "memo":
-                est.activations_bytes += self._activations(strategy, layout, seq_len, None)
-            else:
+            if strategy == "memo":
                 self._memo(est, 0.0 if least else alpha, least or alpha is None)
+            else:
+                if strategy == "offloaded-checkpoint":
+                    self._peer_host(est)
+                est.activations_bytes += self._activations(strategy, layout, seq_len, None)
         est.notes.extend(self._notes(layout, seq_len))
         return est
 
@@ -325,6 +327,18 @@ class Estimator:
         est.policy = "input-only"
         est.activations_bytes += self._activations("input-only", layout, seq_len, None)
         est.alpha, est.alpha_binding = None, "host memory"
+        self._host(est, need * layout.pp)
+
+    def _peer_host(self, est: Estimate) -> None:
+        """NOTE [The peer in an estimate]: every layer's input in host memory, or a MemoError."""
+        layout = est.layout
+        host = self.machine.host_per_process() // layout.pp - (est.host_bytes_per_process or 0)
+        s_in = self.profiler.layer_sizes(layout, est.seq_len)[0]
+        need = s_in * (self.config.n_layers // layout.pp)
+        if need > host:
+            raise MemoError(f"memo estimate: offloaded-checkpoint keeps every layer's input in host memory, "
+                            f"{need / GiB:,.2f} GiB per process (S_input {s_in / GiB:,.3f} GiB x "
+                            f"{self.config.n_layers // layout.pp} layers) > {host / GiB:,.2f} GiB")
         self._host(est, need * layout.pp)
 
     def _host(self, est: Estimate, offload_bytes: int) -> None:

@@ -73,7 +73,15 @@ __all__ = ["DEPTHS", "ESTIMATE_DEFAULTS", "PLAN_STRATEGIES", "Machine", "RankNum
 #: comes from the embedding) and the last (its backward starts the prefetches) are already there.
 DEPTHS = (3, 4)
 
-PLAN_STRATEGIES = (*FORMULA_STRATEGIES, Strategy.MEMO.value)
+PLAN_STRATEGIES = (*FORMULA_STRATEGIES, Strategy.MEMO.value, Strategy.OFFLOADED_CHECKPOINT.value)
+
+# NOTE [The peer in an estimate]
+# ``offloaded-checkpoint`` is the peer ``memo train --strategy offloaded-checkpoint`` runs (ALST's
+# recipe with PyTorch's APIs: every layer under non-reentrant checkpoint, its input sent to the host
+# by saved-tensor hooks, the MLP over token tiles; memo/runtime/peers.py), recorded on the meta rank
+# model with the hooks counting host bytes instead of copying. Its device bytes extend over the depth
+# like the other strategies'; its host bytes are every layer's input, L/p · S_input per process,
+# which must fit the host memory a process may use (else it cannot run). It keeps the 80% rule.
 
 
 #: What memo estimate assumes of a machine field not given (NOTE [One machine description]): a node
@@ -197,6 +205,28 @@ def counted_parameters(config: Any, layout: Layout, seq_len: int, dtype: Any) ->
     return total, elem
 
 
+def _record_offloaded_checkpoint(model: Any, layout: Layout, seq_len: int) -> dict[str, Any]:
+    """One iteration of the ``offloaded-checkpoint`` peer on the meta rank model (NOTE [The peer in an
+    estimate]): its layers checkpointed with their inputs sent to the host, MLPs tiled; the trace."""
+    import torch
+
+    from memo.profiler.context_parallel import rank_tokens
+    from memo.profiler.record import phase_tracker, record
+    from memo.runtime.peers import CheckpointedLayers, MetaHostOffload
+
+    layers = CheckpointedLayers(model.layers, offload=MetaHostOffload(), tile_mlp=True)  # type: ignore[arg-type]
+    layers.install()
+    tracker = phase_tracker(model)
+    tokens = rank_tokens(seq_len, layout.tp, layout.cp)
+    ids = torch.zeros(layout.micro_batch, tokens, dtype=torch.long, device="meta")
+    try:
+        return record(model, ids, ids, tracker=tracker, meta={"model": model.config.name,
+                                                               "seq_len": seq_len}).trace
+    finally:
+        tracker.remove()
+        layers.remove()
+
+
 class RankProfiler:
     """Meta profiles of first-stage ranks, cached by what they depend on."""
 
@@ -238,10 +268,16 @@ class RankProfiler:
                                  bandwidth_gbps=m.bandwidth_gbps, layer_ms=1.0, host_mem_gb=1e6,
                                  gpus_per_node=1, gpu=m.gpu if self.device == "cuda" else None,
                                  plan=False, **common)
+            elif strategy == "offloaded-checkpoint":
+                trace = _record_offloaded_checkpoint(model, layout, seq_len)
             else:
                 result = profile(model, seq_len, layout.micro_batch, self.dtype, "meta", solve=False,
                                  **common)
         self.profiles += 1
+        if strategy == "offloaded-checkpoint":
+            out: tuple[RankNumbers, Any] = (analyse_trace(trace), None)
+            self.cache[key] = out
+            return out
         out = (analyse_trace(result.trace), result.layer_stats)
         self.cache[key] = out
         return out

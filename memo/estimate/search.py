@@ -31,7 +31,8 @@ tokens, so its search spends them where they decide the answer:
 1. Screen. A meta profile depends on the layout's family (TP, CP, PP, micro-batch), not on the
    sharding of the states or the CP communication, which are arithmetic. One full-recompute
    estimate per layout at the first short length (its profiles shared by a family, and reused by
-   full recompute's line) gives bytes per token; the room its states leave, over that, ranks the
+   full recompute's line) gives bytes per token (less the layer inputs full recompute keeps, for
+   the strategies that send them to the host); the room its states leave, over that, ranks the
    families (the closed form cannot: it divides every activation by t under sequence parallelism,
    where a rank's profile holds gathered inputs). The SCREENED_FAMILIES best are searched, the
    rest are reported as screened.
@@ -260,8 +261,9 @@ def longest_sequences(estimator: Any, layouts: list[Layout], strategies: tuple[s
     if getattr(estimator, "method", "plan") == "formula":
         return [_exact_search(estimator, layouts, strategy, granularity, max_seq, first, log)
                 for strategy in strategies]
-    kept = screen_families(estimator, layouts, granularity, max_seq, log, first)
-    return [_predicted_search(estimator, layouts, kept, strategy, granularity, max_seq, first, log)
+    return [_predicted_search(estimator, layouts,
+                              screen_families(estimator, layouts, granularity, max_seq, log, first, strategy),
+                              strategy, granularity, max_seq, first, log)
             for strategy in strategies]
 
 
@@ -270,29 +272,39 @@ def _family(layout: Layout) -> tuple[int, int, int, int]:
 
 
 def screen_families(estimator: Any, layouts: list[Layout], granularity: int, max_seq: int,
-                    log: Callable[[str], None] | None = None, first: int | None = None
-                    ) -> set[tuple[int, int, int, int]]:
+                    log: Callable[[str], None] | None = None, first: int | None = None,
+                    strategy: str = "full-recompute") -> set[tuple[int, int, int, int]]:
     """NOTE [Fast longest-sequence search]: the SCREENED_FAMILIES families whose best layout goes
-    longest under full recompute by one estimate at a short length, extended along its bytes per
-    token (the states do not grow with the length)."""
+    longest for ``strategy`` by one full-recompute estimate at a short length, extended along its
+    bytes per token (the states do not grow with the length). For the strategies that send every
+    layer's input to the host (memo, offloaded-checkpoint) the inputs full recompute keeps on the
+    device are taken out of the bytes per token."""
     families = {_family(lay) for lay in layouts}
     if len(families) <= SCREENED_FAMILIES:
         return families
     first = first or 4 * granularity
-    limit = strategy_limit(estimator, "full-recompute")
+    limit = strategy_limit(estimator, strategy)
+    offloads_inputs = strategy in ("memo", "offloaded-checkpoint")
     best: dict[tuple[int, int, int, int], int] = {}
     for lay in layouts:
         try:
-            est = estimator.estimate(first, lay, "full-recompute")
+            short, long = (estimator.estimate(n, lay, "full-recompute") for n in (first, 2 * first))
         except MemoError:
             continue
-        per_token = est.activations_bytes / first
-        room = limit - est.model_states_bytes
+        # the line through two lengths: what does not grow with the length (the embedding's and the
+        # head's gradients, one layer's weights) is not charged per token
+        per_token = (long.activations_bytes - short.activations_bytes) / first
+        fixed = short.activations_bytes - per_token * first
+        if offloads_inputs:  # every layer's input [s/(t·c), b, h] (NOTE [Tensor-parallel rank])
+            depth = estimator.config.n_layers // lay.pp
+            inputs = depth * lay.micro_batch * estimator.config.hidden * estimator.dtype.itemsize
+            per_token = max(per_token - inputs / (lay.tp * lay.cp), per_token / 8)
+        room = limit - short.model_states_bytes - fixed
         n = int(room / per_token) if per_token > 0 and room > 0 else 0
         best[_family(lay)] = max(best.get(_family(lay), 0), min(n, max_seq))
     kept = sorted(best, key=lambda f: (-best[f], f[0] * f[1] * f[2]))[:SCREENED_FAMILIES]
     if log:
-        log("  screened by full recompute at " + tokens(first) + ": "
+        log(f"  {strategy}: screened by full recompute at " + tokens(first) + ": "
             + ", ".join(f"t{t} c{c} p{p} ~{tokens(best[t, c, p, b] // granularity * granularity)}"
                         for t, c, p, b in kept))
     return set(kept)

@@ -6,7 +6,7 @@
 * :mod:`memo.train.strategies` -- one class per strategy behind the :class:`Strategy` protocol.
 * :mod:`memo.train.meter` -- the :class:`MemoryMeter` every strategy is measured with.
 * :mod:`memo.train.plan_checks` -- a loaded plan checked against the run.
-* :mod:`memo.train.peers` -- what the peers (the methods a user would pick instead of memo) are made
+* :mod:`memo.runtime.peers` (below train: memo estimate records them too) -- what the peers are made
   of: offload hooks, ALST's tiled MLP, checkpointed layers.
 * :mod:`memo.train.report` -- the versioned JSON report ``memo train --report`` writes.
 * :mod:`memo.train.plots` -- loss curves of reports.

@@ -20,7 +20,7 @@ are ``memo train --strategy`` (:data:`memo.train.STRATEGIES`); :func:`make_strat
 with the :class:`Metered` base they share and NOTE [Measuring device memory]); a plan given to
 ``memo`` is checked against the run by memo/train/plan_checks.py. The peers
 (``offloaded-checkpoint``, ``torchtune-offload``, ``save-on-cpu``, ``full-offload``) are what a user
-would pick instead of memo; their pieces are in :mod:`memo.train.peers`.
+would pick instead of memo; their pieces are in :mod:`memo.runtime.peers`.
 
 NOTE [save_on_cpu on the CPU backend]
 On a CPU device ``save_on_cpu`` moves nothing: ``tensor.cpu()`` of a CPU tensor is the tensor
@@ -47,10 +47,10 @@ from memo.errors import MemoError
 from memo.machine import Machine
 from memo.planner.vocab import Strategy as StrategyName
 from memo.runtime.layer import offload_tokens as runtime_offload_tokens
+from memo.runtime.peers import CheckpointedLayers, HostBytesMeter, HostOffload
+from memo.runtime.peers import host_copy as _host_copy
 from memo.train import STRATEGIES
 from memo.train.meter import Log, MemoryMeter, Metered, Wrapping
-from memo.train.peers import CheckpointedLayers, HostBytesMeter, HostOffload
-from memo.train.peers import host_copy as _host_copy
 from memo.train.plan_checks import TrainRun
 from memo.train.plan_checks import check_plan as _check_plan
 from memo.train.plan_checks import check_plan_budget as _check_plan_budget
@@ -400,7 +400,8 @@ class SaveOnCpu(Metered):
 
 class _CheckpointPeer(Metered):
     """What the peers that checkpoint every layer share (``offloaded-checkpoint``, ``torchtune-offload``):
-    the layers under non-reentrant ``torch.utils.checkpoint`` (:class:`memo.train.peers.CheckpointedLayers`),
+    the layers under non-reentrant ``torch.utils.checkpoint``
+    (:class:`memo.runtime.peers.CheckpointedLayers`),
     host copies counted by a :class:`HostBytesMeter`, everything undone by :meth:`close`."""
 
     def __init__(self, meter: MemoryMeter | None = None) -> None:
@@ -427,7 +428,7 @@ class _CheckpointPeer(Metered):
         return parts
 
     def host_pinned_bytes(self) -> int:
-        """The peak of host copies held (NOTE [Offload hooks] in memo/train/peers.py)."""
+        """The peak of host copies held (NOTE [Offload hooks] in memo/runtime/peers.py)."""
         return self.host.peak
 
     def close(self) -> None:
@@ -448,8 +449,8 @@ class OffloadedCheckpoint(_CheckpointPeer):
 
     Every layer runs under ``torch.utils.checkpoint(..., use_reentrant=False)``; a pair of saved-tensor
     hooks around each checkpointed call moves what checkpoint saves, the layer input, to (pinned) host
-    memory (NOTE [Offload hooks] in memo/train/peers.py); each layer's MLP runs over ALST's token tiles
-    (NOTE [Tiled MLP]). A model whose layers name no MLP is refused (:func:`memo.train.peers.find_mlp`).
+    memory (NOTE [Offload hooks] in memo/runtime/peers.py); each layer's MLP runs over ALST's token tiles
+    (NOTE [Tiled MLP]). A model whose layers name no MLP is refused (:func:`memo.runtime.peers.find_mlp`).
     Host bytes: n_layers x the layer input's bytes at the end of forward.
     """
 
@@ -483,7 +484,7 @@ class TorchtuneOffload(_CheckpointPeer):
     (``--no-deps``) but ``torchtune.training`` does not import without its data stack (``datasets``,
     torchao's ``nf4tensor``, ...), and ``OffloadActivations`` needs CUDA (its ``__init__`` takes
     ``torch.cuda.default_stream()``; its copies are ``pin_memory=True``), so it cannot run on memo's CPU
-    backend. The copies here are those of :class:`memo.train.peers.HostOffload` (NOTE [Offload hooks]);
+    backend. The copies here are those of :class:`memo.runtime.peers.HostOffload` (NOTE [Offload hooks]);
     the real one also overlaps them with compute on a second CUDA stream, which changes time, not bytes.
     """
 
