@@ -36,8 +36,7 @@ from memo.planner.vocab import ESTIMATE_METHODS
 from memo.units import GB, GiB
 
 __all__ = ["ESTIMATE_KIND", "ESTIMATE_VERSION", "MEMO_POLICIES", "METHODS", "MODEL_STATES", "Estimate",
-           "Estimator",
-           "estimate"]
+           "Estimator", "estimate", "strategy_problem"]
 
 ESTIMATE_KIND = "memo.estimate"
 ESTIMATE_VERSION = 1
@@ -158,6 +157,14 @@ class Estimate:
         }
 
 
+def strategy_problem(strategy: str, layout: Layout) -> str | None:
+    """Why ``strategy`` cannot run on ``layout`` at all, or None (NOTE [The peer in an estimate])."""
+    if strategy == "offloaded-checkpoint" and layout.tp > 1:
+        return ("offloaded-checkpoint tiles each MLP over the rank's own tokens, which a tensor + sequence "
+                "parallel rank cannot (its MLP gathers the sequence); it runs with TP 1")
+    return None
+
+
 class Estimator:
     """One model, dtype and machine; estimates any layout, length and strategy (profiles cached)."""
 
@@ -250,6 +257,9 @@ class Estimator:
                 self._memo(est, 0.0 if least else alpha, least or alpha is None)
             else:
                 if strategy == "offloaded-checkpoint":
+                    problem = strategy_problem(strategy, layout)
+                    if problem:
+                        raise MemoError(f"memo estimate: {problem}")
                     self._peer_host(est)
                 est.activations_bytes += self._activations(strategy, layout, seq_len, None)
         est.notes.extend(self._notes(layout, seq_len))

@@ -279,6 +279,9 @@ def screen_families(estimator: Any, layouts: list[Layout], granularity: int, max
     bytes per token (the states do not grow with the length). For the strategies that send every
     layer's input to the host (memo, offloaded-checkpoint) the inputs full recompute keeps on the
     device are taken out of the bytes per token."""
+    from memo.estimate.core import strategy_problem
+
+    layouts = [lay for lay in layouts if strategy_problem(strategy, lay) is None]
     families = {_family(lay) for lay in layouts}
     if len(families) <= SCREENED_FAMILIES:
         return families
