@@ -305,7 +305,9 @@ def screen_families(estimator: Any, layouts: list[Layout], granularity: int, max
         room = limit - short.model_states_bytes - fixed
         n = int(room / per_token) if per_token > 0 and room > 0 else 0
         best[_family(lay)] = max(best.get(_family(lay), 0), min(n, max_seq))
-    kept = sorted(best, key=lambda f: (-best[f], f[0] * f[1] * f[2]))[:SCREENED_FAMILIES]
+    # Ties (to the granularity) go to the smaller TP: a tensor + sequence parallel rank gathers each
+    # layer's input whole, which a context-parallel rank never holds.
+    kept = sorted(best, key=lambda f: (-(best[f] // granularity), f[0], f[2]))[:SCREENED_FAMILIES]
     if log:
         log(f"  {strategy}: screened by full recompute at " + tokens(first) + ": "
             + ", ".join(f"t{t} c{c} p{p} ~{tokens(best[t, c, p, b] // granularity * granularity)}"
