@@ -1,5 +1,5 @@
 """memo's vocabularies, each defined once (issue 32): layer policies, training strategies, estimate
-methods and trace recorders.
+methods, trace recorders, context-parallel communications and model-state shardings.
 
 Each is a ``str`` enum, so a member is its name wherever a string is expected (argparse choices,
 JSON files, comparisons with what a file or a flag holds), and the tuples beside them are what
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["ESTIMATE_METHODS", "LAYER_POLICIES", "OFFLOADING_POLICIES", "RECORDERS", "STRATEGIES",
-           "EstimateMethod", "LayerPolicy", "Recorder", "Strategy"]
+__all__ = ["CP_COMMS", "ESTIMATE_METHODS", "LAYER_POLICIES", "OFFLOADING_POLICIES", "RECORDERS", "SHARDINGS",
+           "STRATEGIES", "CPComm", "EstimateMethod", "LayerPolicy", "Recorder", "Sharding", "Strategy"]
 
 
 class LayerPolicy(str, enum.Enum):
@@ -60,9 +60,33 @@ class Recorder(str, enum.Enum):
         return self.value
 
 
+class CPComm(str, enum.Enum):
+    """How context-parallel ranks' attention communicates (megatron-core's ``cp_comm_type`` names)."""
+
+    ALL_GATHER = "all_gather"  # K and V gathered (memo/models/cp_attention.py)
+    A2A = "a2a"  # Ulysses: heads for tokens by all-to-all (memo/models/ulysses_attention.py)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Sharding(str, enum.Enum):
+    """How the ranks that hold the same weights share the model states (NOTE [Sharded model states]
+    in memo/estimate/core.py)."""
+
+    OPTIMIZER = "optimizer"  # megatron's distributed optimizer (ZeRO-1)
+    FULL = "full"  # FSDP2's fully_shard (ZeRO-3)
+    FULL_OFFLOAD = "full-offload"  # FSDP2 with CPUOffloadPolicy: the shard in host memory
+
+    def __str__(self) -> str:
+        return self.value
+
+
 LAYER_POLICIES: tuple[str, ...] = tuple(p.value for p in LayerPolicy)
 #: The policies whose layers copy to host memory.
 OFFLOADING_POLICIES: tuple[str, ...] = (LayerPolicy.MEMO.value, LayerPolicy.INPUT_ONLY.value)
 STRATEGIES: tuple[str, ...] = tuple(s.value for s in Strategy)
 ESTIMATE_METHODS: tuple[str, ...] = tuple(m.value for m in EstimateMethod)
 RECORDERS: tuple[str, ...] = tuple(r.value for r in Recorder)
+CP_COMMS: tuple[str, ...] = tuple(c.value for c in CPComm)
+SHARDINGS: tuple[str, ...] = tuple(s.value for s in Sharding)

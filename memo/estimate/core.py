@@ -32,7 +32,7 @@ from memo.estimate.plan_method import (
     memo_alpha_within,
     rank_layer_ms,
 )
-from memo.planner.vocab import ESTIMATE_METHODS
+from memo.planner.vocab import ESTIMATE_METHODS, OFFLOADING_POLICIES
 from memo.units import GB, GiB
 
 __all__ = ["ESTIMATE_KIND", "ESTIMATE_VERSION", "MEMO_POLICIES", "METHODS", "MODEL_STATES", "Estimate",
@@ -43,7 +43,7 @@ ESTIMATE_VERSION = 1
 METHODS = ESTIMATE_METHODS
 
 #: memo's layer policies an estimate may use (NOTE [Memo's policy in an estimate]).
-MEMO_POLICIES = ("auto", "memo", "input-only")
+MEMO_POLICIES = ("auto", *OFFLOADING_POLICIES)
 
 # NOTE [Memo's policy in an estimate]
 # memo's rows run every offloading layer one way: "memo" (input and attention output to the host,

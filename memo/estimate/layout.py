@@ -21,14 +21,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from memo.errors import MemoError
+from memo.planner.vocab import CP_COMMS, SHARDINGS
 
 __all__ = ["CP_COMMS", "SHARDINGS", "Layout", "divisors", "valid_layouts"]
 
-#: Model-state sharding a layout may use (NOTE [Sharded model states] in memo/estimate/core.py).
-SHARDINGS = ("optimizer", "full", "full-offload")
-
-#: Context-parallel attention communications (megatron's cp_comm_type names).
-CP_COMMS = ("all_gather", "a2a")
+# Model-state shardings (NOTE [Sharded model states] in memo/estimate/core.py) and context-parallel
+# communications a layout may use: planner/vocab.py.
 
 
 @dataclass(frozen=True)

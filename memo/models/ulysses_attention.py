@@ -47,13 +47,15 @@ import torch.distributed as dist
 from memo.errors import MemoError
 from memo.models.causal_attention import _check, attention_backward, attention_forward
 from memo.models.cp_attention import _lse_for_kernel, _lse_rows, _sequence_order
+from memo.planner.vocab import CP_COMMS
 
 __all__ = ["CP_COMM_TYPES", "kv_replicas", "ulysses_attention", "ulysses_attention_backward",
            "ulysses_attention_forward", "ulysses_heads_problem"]
 
 #: megatron-core's names (``cp_comm_type``) for the context-parallel communications memo's attention
-#: implements: K/V all-gather (memo/models/cp_attention.py) and Ulysses all-to-all (this module).
-CP_COMM_TYPES = ("all_gather", "a2a")
+#: implements: K/V all-gather (memo/models/cp_attention.py) and Ulysses all-to-all (this module);
+#: the vocabulary is planner/vocab.py's.
+CP_COMM_TYPES = CP_COMMS
 
 #: ``t: [c, ...] -> [c, ...]``: part j goes to rank j; part i of the result came from rank i.
 Exchange = Callable[[torch.Tensor], torch.Tensor]
