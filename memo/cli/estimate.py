@@ -51,13 +51,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     job.add_argument("--pp", type=positive_int, default=1, help="pipeline stages P (1F1B; first stage shown)")
     job.add_argument("--micro-batch", type=positive_int, default=1,
                      help="sequences per micro-batch B (--search also tries the powers of two below it)")
-    job.add_argument("--cp-comm", choices=CP_COMMS, default=None,
-                     help="context-parallel attention: all_gather (K and V gathered) or a2a (Ulysses: "
-                     "all tokens of a share of the heads). Default: all_gather; --search tries both")
-    job.add_argument("--sharding", choices=SHARDINGS, default=None,
-                     help="model states over the D·C ranks that share weights: optimizer (megatron's "
-                     "distributed optimizer, ZeRO-1), full (FSDP2, ZeRO-3) or full-offload (FSDP2 with "
-                     "the states in host memory). Default: optimizer; --search tries all three")
+    job.add_argument("--cp-comm", choices=CP_COMMS, default=None, help=_CP_COMM_HELP)
+    job.add_argument("--sharding", choices=SHARDINGS, default=None, help=_SHARDING_HELP)
     p.add_argument("--strategy", choices=STRATEGY_CHOICES, default=None,
                    help="activation memory strategy (default: memo; --max-seq: all of them)")
     p.add_argument("--alpha", type=_alpha, default=None,
@@ -106,6 +101,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="draw per-GPU memory vs sequence length per strategy, with the GPU's memory")
     p.set_defaults(func=run)
     return p
+
+
+_CP_COMM_HELP = ("context-parallel attention: all_gather (K and V gathered) or a2a (Ulysses: all tokens of "
+                 "a share of the heads). Default: all_gather; --search tries both")
+_SHARDING_HELP = ("model states over the D·C ranks that share weights: optimizer (megatron's distributed "
+                  "optimizer, ZeRO-1), full (FSDP2, ZeRO-3) or full-offload (FSDP2 with the states in "
+                  "host memory). Default: optimizer; --search tries all three")
 
 
 def _limit_rule(e: dict[str, Any]) -> str:

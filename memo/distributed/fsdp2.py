@@ -73,14 +73,19 @@ CUDA allocator for the whole process, installed before the first CUDA tensor: no
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 from torch import nn
 
 from memo.adapters.model import ModelAdapter, ModelParts, model_adapter_for
-from memo.distributed.layout import LaunchEnv, ParallelLayout, ParallelRun, free_port
+from memo.distributed.layout import (
+    LaunchEnv,
+    ParallelLayout,
+    ParallelRun,
+    join_process_group,
+    rank_device,
+)
 from memo.errors import MemoError
 
 __all__ = ["FSDP2Run", "LossRoot", "fsdp_modules", "shard_model"]
@@ -177,21 +182,11 @@ class FSDP2Run(ParallelRun):
         """Join the process group (gloo on CPU, NCCL on CUDA; a group of one on a free port when no
         launcher made one) and make the device mesh of all ranks; ``layout`` was checked by
         :func:`memo.distributed.layout.check_layout` (data parallel only). ``seed`` is the caller's."""
-        dev = torch.device(device)
-        if dev.type == "cuda":
-            dev = torch.device("cuda", launch.local_rank)
-            torch.cuda.set_device(dev)
-        run = cls(layout, launch, dev, offload_states)
-        if not torch.distributed.is_initialized():
-            if launch.world_size == 1:
-                os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-                os.environ.setdefault("MASTER_PORT", str(free_port()))
-            torch.distributed.init_process_group("nccl" if dev.type == "cuda" else "gloo",
-                                                 rank=launch.rank, world_size=launch.world_size)
-            run._owns_group = True
+        run = cls(layout, launch, rank_device(device, launch), offload_states)
+        run._owns_group = join_process_group(launch, run.device)
         from torch.distributed.device_mesh import init_device_mesh
 
-        run.mesh = init_device_mesh(dev.type, (launch.world_size,))
+        run.mesh = init_device_mesh(run.device.type, (launch.world_size,))
         return run
 
     def close(self) -> None:

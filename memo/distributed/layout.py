@@ -63,8 +63,10 @@ __all__ = [
     "ParallelRun",
     "check_layout",
     "free_port",
+    "join_process_group",
     "padded_vocab_size",
     "plan_fingerprint",
+    "rank_device",
     "resolve_layout",
 ]
 
@@ -263,6 +265,28 @@ def requests_fingerprint(plan: Any) -> str | None:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def rank_device(device: str, launch: LaunchEnv) -> torch.device:
+    """This rank's device: ``cuda:LOCAL_RANK`` (made current) for a CUDA run, else ``device``."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        dev = torch.device("cuda", launch.local_rank)
+        torch.cuda.set_device(dev)
+    return dev
+
+
+def join_process_group(launch: LaunchEnv, device: torch.device) -> bool:
+    """Join the launch's process group (nccl on CUDA, gloo otherwise; a group of one on a free port
+    when no launcher made one) unless one exists; True when this call made it (the run destroys it)."""
+    if torch.distributed.is_initialized():
+        return False
+    if launch.world_size == 1:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                         rank=launch.rank, world_size=launch.world_size)
+    return True
+
+
 class ParallelRun:
     """One rank of a parallel ``memo train`` job: its process groups, its share of the data, the
     global loss, the gradient reduction and the start-up agreement (NOTE [Parallel layout]).
@@ -296,18 +320,8 @@ class ParallelRun:
         CUDA, and set up megatron's parallel state and RNG tracker for ``layout``."""
         import warnings
 
-        dev = torch.device(device)
-        if dev.type == "cuda":
-            dev = torch.device("cuda", launch.local_rank)
-            torch.cuda.set_device(dev)
-        run = cls(layout, launch, dev)
-        if not torch.distributed.is_initialized():
-            if launch.world_size == 1:
-                os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-                os.environ.setdefault("MASTER_PORT", str(free_port()))
-            torch.distributed.init_process_group("nccl" if dev.type == "cuda" else "gloo",
-                                                 rank=launch.rank, world_size=launch.world_size)
-            run._owns_group = True
+        run = cls(layout, launch, rank_device(device, launch))
+        run._owns_group = join_process_group(launch, run.device)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed": expected
             from megatron.core import parallel_state

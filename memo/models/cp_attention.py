@@ -36,8 +36,9 @@ import torch.distributed as dist
 from memo.errors import MemoError
 from memo.models.causal_attention import _backward_kernels, _check, _forward_kernels, attention_backend
 
-__all__ = ["chunk_positions", "cp_attention", "cp_attention_backward", "cp_attention_forward",
-           "load_balanced_chunks", "segment_attention_backward", "segment_attention_forward"]
+__all__ = ["GroupAttention", "chunk_positions", "cp_attention", "cp_attention_backward",
+           "cp_attention_forward", "load_balanced_chunks", "segment_attention_backward",
+           "segment_attention_forward"]
 
 #: A query segment: rows ``[row, row + length)`` of the rank's q hold sequence positions
 #: ``[pos, pos + length)``; they attend causally to keys ``0 .. pos + length - 1``.
@@ -195,20 +196,26 @@ def cp_attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor
             _scatter_sequence(dv, v.shape[0], group).to(v.dtype))
 
 
-class _CPAttention(torch.autograd.Function):
+class GroupAttention(torch.autograd.Function):
+    """A context-parallel attention's two halves (``forward(q, k, v, group) -> (o, lse)``,
+    ``backward(grad_o, q, k, v, o, lse, group) -> (dq, dk, dv)``) as one differentiable call that
+    saves q, k, v at the rank's own length, o and lse: the all-gather form here, the Ulysses form in
+    memo/models/ulysses_attention.py."""
+
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any) -> torch.Tensor:
-        o, lse = cp_attention_forward(q, k, v, group)
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any,
+                halves: tuple[Any, Any]) -> torch.Tensor:
+        o, lse = halves[0](q, k, v, group)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.group = group
+        ctx.group, ctx.backward_half = group, halves[1]
         return o
 
     @staticmethod
     def backward(ctx: Any, grad_o: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, o, lse = ctx.saved_tensors
-        return (*cp_attention_backward(grad_o, q, k, v, o, lse, ctx.group), None)
+        return (*ctx.backward_half(grad_o, q, k, v, o, lse, ctx.group), None, None)
 
 
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any) -> torch.Tensor:
     """Differentiable :func:`cp_attention_forward`: ``-> o [2m, b, n, d]``."""
-    return _CPAttention.apply(q, k, v, group)
+    return GroupAttention.apply(q, k, v, group, (cp_attention_forward, cp_attention_backward))

@@ -212,25 +212,14 @@ def chunked_lm_loss(
     """Mean cross-entropy of ``norm(x) @ weight.T`` against ``labels``, computed chunk by chunk.
 
     Args:
-        x: ``[s, b, h]`` hidden states after the final norm (``[s/t, b, h]``, the rank's local
-            tokens, when ``sequence_gather=t``).
+        x: ``[s, b, h]`` hidden states after the final norm, or before it when ``norm`` is given
+            (``[s/t, b, h]``, the rank's local tokens, when ``sequence_gather=t``).
         weight: ``[V, h]`` output (LM head) weight.
         labels: ``[b, s]`` target ids (int64) in ``[0, V)``; ``ignore_index`` entries are left out.
         chunk_tokens: tokens per chunk; default :func:`default_chunk_tokens` of V.
         ignore_index: label value excluded from the loss and from the mean's denominator.
         sequence_gather: t > 1 emulates the head of one tensor + sequence parallel rank: x is
-            gathered to ``s`` tokens inside (NOTE [The final norm in the loss's chunks]
-The final norm is token-wise, so it can run chunk by chunk inside the loss too. Applied to the
-whole sequence first, it holds its input upcast to float32 and several float32 temporaries of the
-whole sequence in backward (five [s, h] float32 tensors for torch's RMSNorm on bf16): at long
-sequences the largest allocation of an iteration (a Llama-3.1-8B rank at 512K tokens: 8 GiB each).
-Inside the chunks, forward runs the norm without a graph, and backward runs it again on each chunk
-with autograd and takes that chunk's gradients for x and the norm's parameters (summed in float32
-over chunks, as the head weight's are), so only one chunk's temporaries exist at a time. What is
-saved is x before the norm instead of after it: the same size. A sequence-parallel rank keeps the
-norm outside (its norm sees the rank's own tokens, before the gather).
-
-NOTE [Chunked loss saved tensors]).
+            gathered to ``s`` tokens inside (NOTE [Chunked loss saved tensors]).
         norm: a token-wise module (the final norm) applied to each chunk of ``x`` inside, its
             gradients computed chunk by chunk (NOTE [The final norm in the loss's chunks]); with
             ``sequence_gather`` 1 only.
@@ -238,18 +227,7 @@ NOTE [Chunked loss saved tensors]).
     Returns:
         Scalar loss in x's dtype, equal to ``F.cross_entropy(logits, labels)`` on the full
         logits. Saves only x, weight, labels and a float32 log-sum-exp per token
-        (NOTE [The final norm in the loss's chunks]
-The final norm is token-wise, so it can run chunk by chunk inside the loss too. Applied to the
-whole sequence first, it holds its input upcast to float32 and several float32 temporaries of the
-whole sequence in backward (five [s, h] float32 tensors for torch's RMSNorm on bf16): at long
-sequences the largest allocation of an iteration (a Llama-3.1-8B rank at 512K tokens: 8 GiB each).
-Inside the chunks, forward runs the norm without a graph, and backward runs it again on each chunk
-with autograd and takes that chunk's gradients for x and the norm's parameters (summed in float32
-over chunks, as the head weight's are), so only one chunk's temporaries exist at a time. What is
-saved is x before the norm instead of after it: the same size. A sequence-parallel rank keeps the
-norm outside (its norm sees the rank's own tokens, before the gather).
-
-NOTE [Chunked loss saved tensors]).
+        (NOTE [Chunked loss saved tensors]).
     """
     if x.dim() != 3 or weight.dim() != 2 or x.shape[2] != weight.shape[1]:
         raise MemoError(

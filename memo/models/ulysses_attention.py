@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from memo.errors import MemoError
 from memo.models.causal_attention import _check, attention_backward, attention_forward
-from memo.models.cp_attention import _lse_for_kernel, _lse_rows, _sequence_order
+from memo.models.cp_attention import GroupAttention, _lse_for_kernel, _lse_rows, _sequence_order
 from memo.planner.vocab import CP_COMMS
 
 __all__ = ["CP_COMM_TYPES", "kv_replicas", "ulysses_attention", "ulysses_attention_backward",
@@ -198,21 +198,7 @@ def ulysses_attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.T
     return _backward(grad_o, q, k, v, o, lse, *_exchange(group))
 
 
-class _UlyssesAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any) -> torch.Tensor:
-        o, lse = ulysses_attention_forward(q, k, v, group)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.group = group
-        return o
-
-    @staticmethod
-    def backward(ctx: Any, grad_o: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, o, lse = ctx.saved_tensors
-        return (*ulysses_attention_backward(grad_o, q, k, v, o, lse, ctx.group), None)
-
-
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any) -> torch.Tensor:
     """Differentiable :func:`ulysses_attention_forward`: ``-> o [2m, b, n, d]``; saves q, k, v, o, lse
     at the rank's own length."""
-    return _UlyssesAttention.apply(q, k, v, group)
+    return GroupAttention.apply(q, k, v, group, (ulysses_attention_forward, ulysses_attention_backward))
