@@ -32,11 +32,11 @@ from memo.estimate.plan_method import (
     memo_alpha_within,
     rank_layer_ms,
 )
-from memo.planner.vocab import ESTIMATE_METHODS, OFFLOADING_POLICIES
+from memo.planner.vocab import ESTIMATE_METHODS, OFFLOADING_POLICIES, Strategy
 from memo.units import GB, GiB
 
 __all__ = ["ESTIMATE_KIND", "ESTIMATE_VERSION", "MEMO_POLICIES", "METHODS", "MODEL_STATES", "Estimate",
-           "Estimator", "estimate", "strategy_problem"]
+           "Estimator", "estimate", "fit_limit", "limit_rule", "strategy_problem"]
 
 ESTIMATE_KIND = "memo.estimate"
 ESTIMATE_VERSION = 1
@@ -87,6 +87,21 @@ MODEL_STATES = ("formula", "mixed", "same")
 # the peak]), counted likewise: what the validation against `memo train` uses.
 
 
+def limit_rule(strategy: str) -> str:
+    """NOTE [Fit limits]: "plan" for memo (its plan's usable budget), "fraction" for the others."""
+    return "plan" if strategy == Strategy.MEMO.value else "fraction"
+
+
+def fit_limit(device_mem_gb: float, fit_fraction: float, rule: str) -> int:
+    """The bytes one GPU may fill under ``rule`` (NOTE [Fit limits])."""
+    device = int(device_mem_gb * GB)
+    if rule == "plan":
+        from memo.pipeline.device import usable_device_bytes
+
+        return usable_device_bytes(device)
+    return int(device * fit_fraction)
+
+
 @dataclass
 class Estimate:
     """Per-GPU bytes of one job on one layout and strategy."""
@@ -122,12 +137,7 @@ class Estimate:
 
     @property
     def limit_bytes(self) -> int:
-        device = int(self.device_mem_gb * GB)
-        if self.limit_rule == "plan":
-            from memo.pipeline.device import usable_device_bytes
-
-            return usable_device_bytes(device)
-        return int(device * self.fit_fraction)
+        return fit_limit(self.device_mem_gb, self.fit_fraction, self.limit_rule)
 
     @property
     def fits(self) -> bool:
@@ -243,7 +253,7 @@ class Estimator:
                        method=self.method, dtype=self.dtype_name, model_states=self.model_states,
                        parameters=params, model_states_bytes=states, activations_bytes=0,
                        device_mem_gb=m.device_mem_gb, fit_fraction=m.fit_fraction,
-                       limit_rule="plan" if strategy == "memo" else "fraction")
+                       limit_rule=limit_rule(strategy))
         if host_states:
             est.host_bytes_per_process = host_states
             est.host_bytes_per_node = host_states * min(m.gpus_per_node, layout.gpus)

@@ -225,11 +225,10 @@ CONFIRMATIONS = 4
 
 def strategy_limit(estimator: Any, strategy: str) -> int:
     """The bytes one GPU may fill for ``strategy`` (NOTE [Fit limits] in memo/estimate/core.py)."""
-    if strategy == "memo":
-        from memo.pipeline.device import usable_device_bytes
+    from memo.estimate.core import fit_limit, limit_rule
 
-        return usable_device_bytes(int(estimator.machine.device_mem_gb * 1e9))
-    return int(estimator.machine.limit_bytes)
+    m = estimator.machine
+    return fit_limit(m.device_mem_gb, m.fit_fraction, limit_rule(strategy))
 
 
 class _Totals:
