@@ -22,6 +22,7 @@ import sys
 import time
 from typing import Any
 
+from memo import repeated_tiles
 from memo.cli.args import figure_path, fraction, positive_float, positive_int, seq_len
 from memo.errors import MemoError
 from memo.estimate.core import MEMO_POLICIES
@@ -203,6 +204,7 @@ def run(args: argparse.Namespace) -> int:
     est = _estimator(args)
     start = time.perf_counter()
     log = (lambda line: print(line, file=sys.stderr, flush=True)) if not args.json else (lambda _line: None)
+    skipped_before = repeated_tiles.skipped
     if args.max_seq:
         out = _run_max_seq(args, est, log)
     elif args.search:
@@ -215,7 +217,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=1))
     else:
         if args.method == "plan":
-            print(f"\n{est.profiler.profiles} meta profiles in {time.perf_counter() - start:.1f} s")
+            print(f"\n{est.profiler.profiles} meta profiles in {time.perf_counter() - start:.1f} s "
+                  f"({repeated_tiles.skipped - skipped_before:,} repeated tiles skipped: NOTE [Repeated "
+                  "tiles in a meta estimate])")
         if args.plot:
             print(f"plot: {args.plot}")
     return 0

@@ -61,6 +61,7 @@ from memo.estimate.formula import FORMULA_STRATEGIES
 from memo.estimate.layout import Layout
 from memo.machine import Machine
 from memo.planner.vocab import Strategy
+from memo.repeated_tiles import repeated_tiles_skipped
 from memo.units import GB
 
 __all__ = ["DEPTHS", "ESTIMATE_DEFAULTS", "PLAN_STRATEGIES", "Machine", "RankNumbers", "RankProfiler",
@@ -255,7 +256,7 @@ class RankProfiler:
         recompute = "full" if strategy == "full-recompute" else "none"
         model = _rank_model(self.config, depth, layout, seq_len, self.dtype, recompute)
         common = {"tensor_parallel": layout.tp, "context_parallel": layout.cp}
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), repeated_tiles_skipped():  # NOTE [Repeated tiles in a meta estimate]
             warnings.simplefilter("ignore")  # the planner's notes on layer phases; alpha is checked here
             if strategy in ("memo", "input-only"):  # NOTE [Memo's policy in an estimate] in core.py
                 m = self.machine

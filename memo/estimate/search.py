@@ -25,8 +25,9 @@ alpha corrections; the length found is then estimated once more with the LP's al
 until it fits. This exact search is the formula method's (arithmetic costs nothing).
 
 NOTE [Fast longest-sequence search]
-The plan method's estimates are meta profiles, seconds each, and minutes each at millions of
-tokens, so its search spends them where they decide the answer:
+The plan method's estimates are meta profiles, a second or so each (a tile that repeats another is
+recorded once: NOTE [Repeated tiles in a meta estimate] in memo/repeated_tiles.py), so its search
+spends them where they decide the answer:
 
 1. Screen. A meta profile depends on the layout's family (TP, CP, PP, micro-batch), not on the
    sharding of the states or the CP communication, which are arithmetic. One full-recompute

@@ -37,10 +37,13 @@ saved; ``weight`` is the rank's vocabulary slice, so each chunk's logits are
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from memo.errors import MemoError
 from memo.models.parallel import all_gather_tokens, reduce_scatter_tokens
+from memo.repeated_tiles import run_tiles
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "IGNORE_INDEX", "chunked_lm_loss", "default_chunk_tokens"]
 
@@ -96,7 +99,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
         stats = _stats_dtype(x.dtype)
         lse = torch.empty(n_tokens, dtype=stats, device=x.device)
         total = torch.zeros((), dtype=stats, device=x.device)
-        for start in range(0, n_tokens, chunk_tokens):
+        for start in _chunk_starts(n_tokens, chunk_tokens):
             end = min(start + chunk_tokens, n_tokens)
             logits = _chunk_logits(_normed(norm, flat_x[start:end]), weight)
             chunk_lse = torch.logsumexp(logits, dim=-1)
@@ -135,7 +138,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
         forward_params = dict(zip(ctx.norm_names, norm_params, strict=True))
         grad_norm = [torch.zeros(p.shape, dtype=torch.promote_types(p.dtype, torch.float32), device=p.device)
                      if need else None for p, need in zip(norm_params, need_norm, strict=True)]
-        for start in range(0, n_tokens, ctx.chunk_tokens):
+        for start in _chunk_starts(n_tokens, ctx.chunk_tokens):
             end = min(start + ctx.chunk_tokens, n_tokens)
             x_chunk = flat_x[start:end]
             if norm is not None:  # NOTE [The final norm in the loss's chunks]
@@ -177,6 +180,12 @@ class _ChunkedLMLoss(torch.autograd.Function):
             None,
             *(None if g is None else g.to(p.dtype) for g, p in zip(grad_norm, norm_params, strict=True)),
         )
+
+
+def _chunk_starts(n_tokens: int, chunk_tokens: int) -> Iterator[int]:
+    """The first token of each chunk to run (all of them, but for a meta estimate's repeated
+    ones: NOTE [Repeated tiles in a meta estimate] in memo/repeated_tiles.py)."""
+    return run_tiles(range(0, n_tokens, chunk_tokens))
 
 
 def _normed(norm: torch.nn.Module | None, x: torch.Tensor) -> torch.Tensor:

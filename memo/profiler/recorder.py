@@ -26,6 +26,7 @@ overload and cached.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 from collections.abc import Callable
@@ -36,6 +37,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from memo import repeated_tiles
 from memo.errors import internal_assert
 
 __all__ = ["Allocation", "DispatchRecorder", "RECORDER_NAME"]
@@ -119,6 +121,10 @@ class DispatchRecorder(TorchDispatchMode):
         # storage python id -> (record id, weakref). The weakref object must stay
         # referenced for its callback to fire, hence it lives in this dict.
         self._live: dict[int, tuple[int, weakref.ref]] = {}
+        #: Bytes of the storages in ``_live``: with their count, what a tile loop checks to skip
+        #: repeated tiles (NOTE [Repeated tiles in a meta estimate] in memo/repeated_tiles.py).
+        self.live_bytes = 0
+        self._skip_span: contextlib.AbstractContextManager | None = None
         self._fresh_cache: dict[torch._ops.OpOverload, _FreshPositions] = {}
         self._next_id = 0
         self._span = 0
@@ -202,6 +208,7 @@ class DispatchRecorder(TorchDispatchMode):
             alloc.tags.add("attn")
         self.allocations[rid] = alloc
         self._live[key] = (rid, weakref.ref(storage, self._make_free(key, rid)))
+        self.live_bytes += size
         event: dict[str, Any] = {"op": "malloc", "id": rid, "size": size}
         if phase is not None:
             # Unphased mallocs (e.g. the loss gradient seed autograd makes before the head's
@@ -214,6 +221,7 @@ class DispatchRecorder(TorchDispatchMode):
             # Dropping the entry first matters: CPython may reuse the id for the next storage.
             entry = self._live.pop(key, None)
             internal_assert(entry is not None and entry[0] == rid, f"storage {rid} freed twice")
+            self.live_bytes -= self.allocations[rid].size
             if self._closed:
                 return
             alloc = self.allocations[rid]
@@ -223,10 +231,20 @@ class DispatchRecorder(TorchDispatchMode):
 
         return on_free
 
+    def live_state(self) -> tuple[int, int]:
+        """(storages, bytes) recorded and alive now."""
+        return len(self._live), self.live_bytes
+
     def __enter__(self) -> DispatchRecorder:
         self._t0 = time.perf_counter()
+        if self._device_type == "meta":  # only meta recordings may skip repeated tiles
+            self._skip_span = repeated_tiles.recording(self.live_state)
+            self._skip_span.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc: object) -> None:
         self.seconds += time.perf_counter() - self._t0
         super().__exit__(*exc)
+        if self._skip_span is not None:
+            self._skip_span.__exit__(None, None, None)
+            self._skip_span = None

@@ -61,6 +61,7 @@ import functools
 import math
 import warnings
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -70,6 +71,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from memo.errors import MemoError, internal_assert
 from memo.profiler.saved import storage_id
+from memo.repeated_tiles import tile_indices
 from memo.runtime.autocast import AutocastState
 from memo.runtime.core_attention import BlackBoxCore, MemoCore
 from memo.runtime.dropout import LayerDropout, replay_rng, rng_state, same_rng_state
@@ -188,6 +190,13 @@ class _Rows:
         internal_assert(self.tensor is not None, "no rows were put")
         tensor, self.tensor = self.tensor, None
         return tensor
+
+
+def _chunks_run(rec: LayerRecord) -> Iterator[tuple[int, tuple[int, int]]]:
+    """(index, range) of the ``[a:s]`` chunks to run: every one, but for a meta estimate's repeated
+    ones (NOTE [Repeated tiles in a meta estimate] in memo/repeated_tiles.py)."""
+    for n in tile_indices(len(rec.chunks)):
+        yield n, rec.chunks[n]
 
 
 def _copy_or_zero(dst: torch.Tensor, src: torch.Tensor | None) -> None:
@@ -354,8 +363,9 @@ class LayerCall:
             x_taps.append(x_t)
             del parts
             packer.storages.retain({rec.x_slot})  # the tile's own tensors go with it
-        for c0, c1 in rec.chunks:
-            rec.rng_pre.append(rng_state(xc.device))
+        rec.rng_pre = [None] * len(rec.chunks)
+        for n, (c0, c1) in _chunks_run(rec):
+            rec.rng_pre[n] = rng_state(xc.device)
             with torch.no_grad(), rec.scope("pre", a + c0, a + c1):
                 parts = adapter.pre(layer, xc[a + c0:a + c1], a + c0, ctx)
             for rows, t in zip(qkv, parts, strict=True):
@@ -386,8 +396,9 @@ class LayerCall:
             del y_t, o_t
             packer.storages.retain({rec.x_slot, rec.o_slot})
         del x_taps
-        for c0, c1 in rec.chunks:
-            rec.rng_post.append(rng_state(xc.device))
+        rec.rng_post = [None] * len(rec.chunks)
+        for n, (c0, c1) in _chunks_run(rec):
+            rec.rng_post[n] = rng_state(xc.device)
             with torch.no_grad(), rec.scope("post", a + c0, a + c1):
                 y.put(a + c0, adapter.post(layer, o[ag + c0 * g:ag + c1 * g], xc[a + c0:a + c1], ctx))
         if rec.chunks and same_rng_state(rec.rng_pre[0], rng_state(xc.device)):
@@ -461,7 +472,8 @@ class LayerCall:
             run([edge], [grad_y[t0:t1]])
             _copy_or_zero(grad_o[t0 * gather:t1 * gather], rec.taps.pop(("o", t0)))
         rec.post_edges = []
-        for (c0, c1), rng in zip(rec.chunks, rec.rng_post, strict=True):
+        for n, (c0, c1) in _chunks_run(rec):
+            rng = rec.rng_post[n]
             x_c = x_dev[a + c0:a + c1].detach().requires_grad_()
             o_c = o_dev[ag + c0 * gather:ag + c1 * gather].detach().requires_grad_()
             with torch.enable_grad(), rec.autocast.replay(), replay_rng(rng, device), \
@@ -498,7 +510,8 @@ class LayerCall:
             _copy_or_zero(grad_x[t0:t1], rec.taps.pop(("x", t0)))
         rec.pre_edges = []
         last = len(rec.chunks) - 1
-        for n, ((c0, c1), rng) in enumerate(zip(rec.chunks, rec.rng_pre, strict=True)):
+        for n, (c0, c1) in _chunks_run(rec):
+            rng = rec.rng_pre[n]
             if n == last and kept is not None:
                 (x_c, parts), kept = kept, None
             else:
@@ -550,7 +563,8 @@ class LayerCall:
         # its tokens, not three times (one chunk: as full recompute; NOTE [Chunked recompute]).
         last = len(rec.chunks) - 1
         kept = None
-        for n, ((c0, c1), rng) in enumerate(zip(rec.chunks, rec.rng_pre, strict=True)):
+        for n, (c0, c1) in _chunks_run(rec):
+            rng = rec.rng_pre[n]
             x_c = x_dev[a + c0:a + c1].detach()
             grad_mode = torch.enable_grad() if n == last else torch.no_grad()
             if n == last:

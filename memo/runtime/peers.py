@@ -55,6 +55,7 @@ from torch import nn
 
 from memo.adapters.base import MLPSite, find_adapter
 from memo.errors import MemoError, internal_assert
+from memo.repeated_tiles import run_tiles
 
 __all__ = [
     "CheckpointedLayers",
@@ -240,7 +241,7 @@ class _TiledMLPFunction(torch.autograd.Function):
         ctx.state = _ReplayState(x)
         ctx.save_for_backward(x)
         out: torch.Tensor | None = None
-        for a, n in _tile_bounds(x.shape[token_dim], tiles):
+        for a, n in run_tiles(_tile_bounds(x.shape[token_dim], tiles)):
             y = fn(x.narrow(token_dim, a, n))
             if not isinstance(y, torch.Tensor) or y.shape[token_dim] != n:
                 got = type(y).__name__ if not isinstance(y, torch.Tensor) else f"shape {tuple(y.shape)}"
@@ -265,7 +266,7 @@ class _TiledMLPFunction(torch.autograd.Function):
         grad_x = torch.empty_like(x) if need_x else None
         grad_params: list[torch.Tensor | None] = [None] * len(params)
         with ctx.state.replay(), torch.enable_grad():
-            for a, n in _tile_bounds(x.shape[dim], ctx.tiles):
+            for a, n in run_tiles(_tile_bounds(x.shape[dim], ctx.tiles)):
                 tile = x.narrow(dim, a, n).detach().requires_grad_(need_x)
                 y = ctx.fn(tile)
                 inputs = ([tile] if need_x else []) + [params[i] for i in wanted]
