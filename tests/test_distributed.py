@@ -358,6 +358,33 @@ def layouts_world2(rank: int, world: int, spec: dict[str, Any], record: Any) -> 
     _context_parallel_layouts(record, "cp2", refs, cp_comm=None, blackbox=True)
     _context_parallel_layouts(record, "cp2a2a", refs, cp_comm="a2a", blackbox=False)
     parallel_state.destroy_model_parallel()
+    check(record, "train/cp2a2a", _ulysses_train_plan_vs_peak)
+
+
+#: plan's device total vs measured peak (the bar of tests/test_plan_truth.py)
+TOTAL_TOL = 0.03
+
+
+def _ulysses_train_plan_vs_peak() -> str:
+    """``memo train --engine megatron --cp 2 --cp-comm a2a`` in this world (memo's strategy, alpha 0.5):
+    each rank's plan (its Ulysses rank profiled: the all-to-all's head-sharded copies in the trace) is
+    within TOTAL_TOL of the peak the rank measures, with planned allocations served."""
+    from memo.train.loop import TrainConfig, train
+    from memo.train.strategies import StrategyOptions, make_strategy
+
+    strategy = make_strategy(StrategyOptions(alpha=0.5, layer_ms=5.0, bandwidth_gbps=10.0, host_mem_gb=64.0,
+                                             time_limit=2.0))
+    config = TrainConfig(engine="megatron", model="tiny", seq_len=1024, micro_batch=1, steps=3,
+                         context_parallel=2, cp_comm="a2a")
+    result = train(config, progress=False, strategy=strategy, log=lambda _line: None)
+    total = int(strategy.plan.device["total_bytes"])
+    measured = max(int(s.peak_memory_bytes) for s in result.steps)
+    counts = result.steps[-1].extras["allocator"]
+    assert counts["planned"] > 0, counts
+    assert result.parallel["cp"] == 2 and result.parallel["cp_comm"] == "a2a", result.parallel
+    what = f"plan total {total:,} B, measured {measured:,} B ({(measured - total) / total:+.2%})"
+    assert abs(measured - total) <= TOTAL_TOL * total, what
+    return f"{what}; allocations {counts}"
 
 
 def ddp_world4(rank: int, world: int, spec: dict[str, Any], record: Any) -> None:
@@ -487,6 +514,12 @@ def _assert_passed(table: dict[str, list[dict[str, Any]]], name: str, world: int
     assert len(recs) == world, f"{name}: recorded by {len(recs)} of {world} ranks. {launch}"
     failed = [f"rank {i}: {r['detail']}" for i, r in enumerate(recs) if not r["ok"]]
     assert not failed, f"{name}: " + " | ".join(failed)
+
+
+def test_memo_train_under_ulysses_cp2_plans_what_it_measures(world2) -> None:
+    """``memo train --engine megatron --cp 2 --cp-comm a2a``: each rank's plan device total within 3% of
+    its measured peak (NOTE [Ulysses context parallelism])."""
+    _assert_passed(world2, "train/cp2a2a", 2)
 
 
 @pytest.mark.parametrize("style", STYLES)
