@@ -36,7 +36,7 @@ from torch import nn
 
 from memo.errors import MemoError
 
-__all__ = ["ENGINES", "build_hf_causal_lm", "build_megatron_gpt", "hf_config"]
+__all__ = ["ENGINES", "build_hf_causal_lm", "build_megatron_gpt", "build_megatron_stages", "hf_config"]
 
 ENGINES = ("memo", "megatron", "fsdp2")
 
@@ -62,10 +62,34 @@ def build_megatron_gpt(config: Any, seq_len: int, device: torch.device | str, dt
     engines]); its position table (GPT) covers ``seq_len``.
 
     ``layout``: a :class:`memo.distributed.layout.ParallelLayout` whose parallel state is set up
-    (``ParallelRun.start``); the model is then this rank's. None: one process."""
+    (``ParallelRun.start``); the model is then this rank's. None: one process. A layout with pipeline
+    stages takes :func:`build_megatron_stages`."""
+    from memo.distributed.layout import ParallelLayout
+
+    if layout is None:
+        _init_megatron_world()
+        layout = ParallelLayout()
+    if layout.pipeline_parallel > 1:
+        raise MemoError(f"memo.train: this layout has {layout.pipeline_parallel} pipeline stages; a rank "
+                        "holds model chunks of its stage: build them with memo.engines.build_megatron_stages")
+    return _megatron_models(config, seq_len, device, dtype, layout)[0]
+
+
+def build_megatron_stages(config: Any, seq_len: int, device: torch.device | str, dtype: torch.dtype,
+                          layout: Any) -> list[nn.Module]:
+    """This pipeline rank's model chunks (one ``GPTModel`` each, in megatron's interleaved order: chunk v
+    of rank r holds the (v·P + r)-th L/(P·V) layers), with ``layout``'s parallel state set up
+    (``initialize_model_parallel`` with its pipeline sizes). NOTE [Pipeline stages] in
+    memo/distributed/pipeline.py."""
+    return _megatron_models(config, seq_len, device, dtype, layout)
+
+
+def _megatron_models(config: Any, seq_len: int, device: torch.device | str, dtype: torch.dtype,
+                     layout: Any) -> list[nn.Module]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed": expected here
         try:
+            from megatron.core import parallel_state
             from megatron.core.models.gpt import GPTModel
             from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -73,11 +97,9 @@ def build_megatron_gpt(config: Any, seq_len: int, device: torch.device | str, dt
         except ImportError as err:
             raise MemoError(f"memo.train: --engine megatron needs megatron-core ({err}); pip install "
                             "megatron-core==0.16.1, or memo[megatron]") from None
-    from memo.distributed.layout import ParallelLayout, padded_vocab_size
+    from memo.distributed.layout import padded_vocab_size
+    from memo.distributed.pipeline import pipeline_config
 
-    if layout is None:
-        _init_megatron_world()
-        layout = ParallelLayout()
     tp, cp = layout.tensor_parallel, layout.context_parallel
     gpt = config.arch == "gpt"
     tc = TransformerConfig(
@@ -89,7 +111,8 @@ def build_megatron_gpt(config: Any, seq_len: int, device: torch.device | str, dt
         use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
         params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         tensor_model_parallel_size=tp, context_parallel_size=cp, sequence_parallel=layout.sequence_parallel,
-        cp_comm_type=layout.cp_comm if cp > 1 else None)  # MemoCoreAttention's all-gather or Ulysses CP
+        cp_comm_type=layout.cp_comm if cp > 1 else None,  # MemoCoreAttention's all-gather or Ulysses CP
+        **pipeline_config(layout, dtype, torch.device(device)))
     spec = get_memo_gpt_layer_local_spec()
     if layout.sequence_parallel:
         from memo.distributed.cpu_shims import sequence_parallel_norms
@@ -98,14 +121,25 @@ def build_megatron_gpt(config: Any, seq_len: int, device: torch.device | str, dt
     extra: dict[str, Any] = {"position_embedding_type": "learned_absolute" if gpt else "rope"}
     if not gpt and config.rope_theta:
         extra["rotary_base"] = int(config.rope_theta)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = GPTModel(config=tc, transformer_layer_spec=spec,
-                         vocab_size=padded_vocab_size(config.vocab_size, tp), max_sequence_length=seq_len,
-                         **extra)
-    # memo's pipeline profiles a model "as one rank runs it" (NOTE [Per-rank sizes]) when told so.
-    model.tensor_parallel = tp
-    return model.to(device=device, dtype=dtype)
+    chunks = []
+    vpp = layout.virtual_pipeline if layout.pipeline_parallel > 1 else 1
+    for v in range(vpp):
+        if layout.pipeline_parallel > 1:
+            stage: dict[str, Any] = {
+                "pre_process": parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=v),
+                "post_process": parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=v),
+                "vp_stage": v if vpp > 1 else None}
+        else:
+            stage = {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = GPTModel(config=tc, transformer_layer_spec=spec,
+                             vocab_size=padded_vocab_size(config.vocab_size, tp), max_sequence_length=seq_len,
+                             **extra, **stage)
+        # memo's pipeline profiles a model "as one rank runs it" (NOTE [Per-rank sizes]) when told so.
+        model.tensor_parallel = tp
+        chunks.append(model.to(device=device, dtype=dtype))
+    return chunks
 
 
 def hf_config(text: str) -> Any:

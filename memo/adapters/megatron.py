@@ -371,6 +371,17 @@ class MegatronLayerAdapter(LayerAdapter):
 
 
 
+def _whole(model: nn.Module) -> None:
+    """Refuse a pipeline stage's chunk where the whole model is needed: its parts and its loss."""
+    if not (getattr(model, "pre_process", True) and getattr(model, "post_process", True)):
+        raise MemoError(
+            "memo.adapters.megatron: this GPTModel is one pipeline stage's chunk (pre_process="
+            f"{model.pre_process}, post_process={model.post_process}): it has no loss of its own, its input "
+            "and its output's gradient come from the other stages. memo.wrap it and run megatron's pipeline "
+            "schedule (NOTE [Pipeline stages] in memo/distributed/pipeline.py); memo profiles and plans a "
+            "whole GPTModel per process")
+
+
 def _rotary_rows(offset: int, n: int, tokens: int, gather: int, device: torch.device) -> Any:
     """Rows of the rotary table for pre's output on local tokens ``[offset:offset+n]`` of ``tokens``
     (NOTE [Megatron sequence parallelism]): a slice when nothing is gathered."""
@@ -395,21 +406,20 @@ class GPTModelAdapter(ModelAdapter):
     name = "megatron-gpt"
 
     def check(self, model: nn.Module) -> None:
-        if not (getattr(model, "pre_process", True) and getattr(model, "post_process", True)):
-            raise MemoError(
-                "memo.adapters.megatron: this GPTModel is one pipeline stage (pre_process="
-                f"{model.pre_process}, post_process={model.post_process}); memo profiles and trains a whole "
-                "GPTModel per process (pipeline_model_parallel_size=1)")
+        # A pipeline stage's chunk (pre_process or post_process False) is wrapped as any model (NOTE
+        # [Pipeline stages] in memo/distributed/pipeline.py); only its loss needs the whole model.
         if getattr(model, "mtp_process", False):
             raise MemoError("memo.adapters.megatron: multi-token prediction (mtp_num_layers) is not "
                             "supported; build the GPTModel without it")
 
     def parts(self, model: nn.Module) -> ModelParts:
+        _whole(model)
         decoder = model.decoder
         head = [m for m in (getattr(decoder, "final_layernorm", None), model.output_layer) if m is not None]
         return ModelParts(model.embedding, list(decoder.layers), head)
 
     def loss(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        _whole(model)
         b, s = ids.shape
         position_ids = torch.arange(s, device=ids.device).unsqueeze(0).expand(b, s)
         counted = labels != -100

@@ -103,6 +103,15 @@ def install_cpu_shims() -> None:
     for module in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding):
         _patch(module, "get_pos_emb_on_this_cp_rank", _cpu_pos_emb_on_this_cp_rank)
 
+    # NOTE [CPU pipeline schedules]: every schedule of megatron's pipeline_parallel/schedules.py
+    # (no pipelining, 1F1B, interleaved) starts its token count with ``torch.zeros(..., device="cuda")``.
+    # The module's ``torch`` is given a stand-in that reads "cuda" as the CPU in ``zeros`` and is torch
+    # for everything else. (Its p2p communication allocates on ``torch.cuda.current_device()``, patched
+    # above; batched p2p is off under gloo: NOTE [Batched p2p under gloo] in memo/distributed/pipeline.py.)
+    from megatron.core.pipeline_parallel import schedules
+
+    _patch(schedules, "torch", _CpuTorch(schedules.torch))
+
 
 def remove_cpu_shims() -> None:
     """Restore everything :func:`install_cpu_shims` patched (in reverse order). Idempotent."""
@@ -114,6 +123,21 @@ def remove_cpu_shims() -> None:
 def _patch(owner: Any, name: str, value: Callable[..., Any]) -> None:
     _PATCHED.append((owner, name, getattr(owner, name)))
     setattr(owner, name, value)
+
+
+class _CpuTorch:
+    """``torch`` whose ``zeros`` puts a tensor asked for on "cuda" on the CPU (NOTE [CPU pipeline schedules])."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def zeros(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if str(kwargs.get("device", "")).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        return self._real.zeros(*args, **kwargs)
 
 
 def _cpu_current_device() -> torch.device:

@@ -90,18 +90,26 @@ class ParallelLayout:
     cp_comm: str = "all_gather"
     """How the CP ranks' attention communicates (megatron's ``cp_comm_type``): ``"all_gather"`` (K and
     V) or ``"a2a"`` (Ulysses: every rank attends all tokens of its share of the heads)."""
+    pipeline_parallel: int = 1
+    """Pipeline stages (megatron's PP): each rank holds L/P layers (NOTE [Pipeline stages] in
+    memo/distributed/pipeline.py)."""
+    virtual_pipeline: int = 1
+    """Model chunks per pipeline rank (megatron's interleaved schedule); 1: the 1F1B schedule."""
 
     @property
     def world(self) -> int:
-        return self.tensor_parallel * self.context_parallel * self.data_parallel
+        return self.tensor_parallel * self.context_parallel * self.pipeline_parallel * self.data_parallel
 
     def as_dict(self) -> dict[str, Any]:
-        """What reports record: ``tp, cp, sp, dp, world``."""
+        """What reports record: ``tp, cp, sp, dp, pp, vpp, world``."""
         return {"tp": self.tensor_parallel, "cp": self.context_parallel, "sp": self.sequence_parallel,
-                "dp": self.data_parallel, "world": self.world, "cp_comm": self.cp_comm}
+                "dp": self.data_parallel, "pp": self.pipeline_parallel, "vpp": self.virtual_pipeline,
+                "world": self.world, "cp_comm": self.cp_comm}
 
     def __str__(self) -> str:
         return (f"tp={self.tensor_parallel} cp={self.context_parallel} dp={self.data_parallel}"
+                + (f" pp={self.pipeline_parallel}" if self.pipeline_parallel > 1 else "")
+                + (f" vpp={self.virtual_pipeline}" if self.virtual_pipeline > 1 else "")
                 + (" sp" if self.sequence_parallel else "")
                 + (f" cp_comm={self.cp_comm}" if self.context_parallel > 1 else ""))
 

@@ -79,10 +79,19 @@ __all__ = ["LAYER_POLICIES", "OFFLOADING_POLICIES", "MemoRuntime", "default_poli
 NOT_OFFLOADED_TAIL = 2
 
 
-def default_policy(n_layers: int) -> list[str]:
-    """The policy without a plan: offload all layers but the last two, which are kept."""
-    kept = min(n_layers, NOT_OFFLOADED_TAIL)
+def default_policy(n_layers: int, tail: int = NOT_OFFLOADED_TAIL) -> list[str]:
+    """The policy without a plan: offload all layers but the last ``tail`` (two; none for a pipeline
+    chunk whose output goes to the next stage: NOTE [Pipeline stages]), which are kept."""
+    kept = min(n_layers, tail)
     return ["memo"] * (n_layers - kept) + ["keep"] * kept
+
+
+def kept_tail(model: nn.Module, tail: int = NOT_OFFLOADED_TAIL) -> int:
+    """Layers at the end of ``model`` the default policy keeps whole: ``tail``, or 0 for a pipeline chunk
+    whose output goes to the next stage (megatron-core's ``post_process=False``, on a ``GPTModel`` or its
+    ``TransformerBlock``): its backward waits for the rest of the pipeline (NOTE [Pipeline stages] in
+    memo/distributed/pipeline.py)."""
+    return 0 if getattr(model, "post_process", True) is False else tail
 
 
 def validate_alpha(alpha: Any) -> float:
@@ -251,12 +260,13 @@ class MemoRuntime:
         policy])."""
         return sum(p in OFFLOADING_POLICIES for p in self.policy)
 
-    def attach(self, layers: list[tuple[nn.Module, Any]]) -> list[LayerCall]:
-        """Register the model's layers (in forward order) with their adapters."""
+    def attach(self, layers: list[tuple[nn.Module, Any]], tail: int = NOT_OFFLOADED_TAIL) -> list[LayerCall]:
+        """Register the model's layers (in forward order) with their adapters; without a policy the last
+        ``tail`` layers are kept (:func:`default_policy`)."""
         if self.calls:
             raise MemoError("memo.runtime: this MemoRuntime already serves a model; create one per model")
         given = self._given_policy
-        self.policy = default_policy(len(layers)) if given is None else validate_policy(given, len(layers))
+        self.policy = default_policy(len(layers), tail) if given is None else validate_policy(given, len(layers))
         self.calls = [LayerCall(self, layer, adapter, i) for i, (layer, adapter) in enumerate(layers)]
         return self.calls
 

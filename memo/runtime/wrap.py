@@ -46,7 +46,7 @@ from memo.adapters.model import find_model_adapter
 from memo.errors import MemoError
 from memo.runtime.layer import LayerCall
 from memo.runtime.module_state import as_in_forward, module_tensors
-from memo.runtime.runtime import NOT_OFFLOADED_TAIL, OFFLOADING_POLICIES, MemoRuntime
+from memo.runtime.runtime import NOT_OFFLOADED_TAIL, OFFLOADING_POLICIES, MemoRuntime, kept_tail
 
 __all__ = ["find_layers", "is_wrapped", "runtime_of", "unwrap", "wrap"]
 
@@ -253,7 +253,7 @@ def wrap(
         adapter.check(layer)
         if _CALL_ATTR in layer.__dict__:
             raise MemoError(f"memo.wrap: layer {type(layer).__name__} is already wrapped by another model")
-    calls = runtime.attach(layers)
+    calls = runtime.attach(layers, kept_tail(model, NOT_OFFLOADED_TAIL))
     if calls and runtime.n_offloaded == 0 and runtime._given_policy is None:
         warnings.warn(
             f"memo.wrap: none of the model's {len(calls)} layers offloads: without a plan or a policy memo "

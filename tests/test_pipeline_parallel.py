@@ -1,0 +1,266 @@
+"""memo under megatron-core pipeline parallelism (issue 29), two CPU processes over gloo.
+
+One launch runs, for GPT and Llama styles, megatron's 1F1B schedule (PP = 2, two layers a stage) and
+its interleaved schedule (PP = 2 x VPP = 2, one layer a chunk), each over 4 micro-batches:
+
+* the unwrapped stages give the single-process model's per-micro-batch losses and every parameter
+  gradient (fp32, 1e-5), with batched p2p off under gloo (NOTE [Batched p2p under gloo]);
+* each chunk ``memo.wrap``-ped with every layer offloaded, alpha 0, 0.5 and 1, gives them too, and
+  moves bytes to the host on every stage;
+* ``memo.wrap`` without a policy offloads every layer of a chunk whose output goes to the next stage
+  and keeps the paper's last two of the chunk that ends in the loss (NOTE [Pipeline stages]);
+* the forwards each chunk holds in flight are :func:`memo.distributed.pipeline.in_flight`'s count.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+from tests import dist_harness
+from tests.dist_harness import LaunchError, by_name, check
+from tests.grads import RTOL, rel_err
+
+pytest.importorskip("megatron.core")
+
+MODULE = "tests.test_pipeline_parallel"
+STYLES = ("gpt", "llama")
+ALPHAS = (0.0, 0.5, 1.0)
+SCHEDULES = {"1f1b": 1, "interleaved": 2}  # name -> model chunks per stage
+STAGES, LAYERS, MICRO_BATCHES, ROWS, SEQ = 2, 4, 4, 2, 16
+
+
+# ----------------------------------------------------------------------------- rank side
+
+
+def _config(style: str) -> Any:
+    from memo.models import ModelConfig
+
+    if style == "gpt":
+        return ModelConfig(name="pp-gpt", arch="gpt", n_layers=LAYERS, hidden=32, n_heads=4, vocab_size=128)
+    return ModelConfig(name="pp-llama", arch="llama", n_layers=LAYERS, hidden=32, n_heads=4, n_kv_heads=2,
+                       ffn_hidden=64, vocab_size=128)
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, 128, (ROWS, SEQ), generator=g), torch.randint(0, 128, (ROWS, SEQ), generator=g))
+            for _ in range(MICRO_BATCHES)]
+
+
+def _positions() -> torch.Tensor:
+    return torch.arange(SEQ).unsqueeze(0).expand(ROWS, SEQ)
+
+
+def _init(pp: int = 1, vpp: int = 1) -> None:
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp,
+                                             virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
+    model_parallel_cuda_manual_seed(0)
+
+
+def _reference(style: str) -> dict[str, Any]:
+    """The whole model in one process: each micro-batch's loss, and the gradients of their mean."""
+    from memo.distributed.layout import ParallelLayout
+    from memo.engines import build_megatron_gpt
+
+    _init()
+    torch.manual_seed(0)
+    model = build_megatron_gpt(_config(style), SEQ, "cpu", torch.float32, ParallelLayout())
+    losses = []
+    for ids, labels in _batches():
+        loss = model(ids, _positions(), None, labels=labels).mean()
+        (loss / MICRO_BATCHES).backward()
+        losses.append(loss.detach())
+    return {"losses": torch.stack(losses), "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+
+
+def _global_name(chunk: torch.nn.Module, name: str) -> str:
+    """The whole model's name of a chunk's parameter: its layers are numbered within the chunk."""
+    if name.startswith("decoder.layers."):
+        local, rest = name.removeprefix("decoder.layers.").split(".", 1)
+        return f"decoder.layers.{chunk.decoder.layers[int(local)].layer_number - 1}.{rest}"
+    return name
+
+
+def _stages(style: str, vpp: int, ref: dict[str, Any]) -> list[torch.nn.Module]:
+    """This rank's chunks, holding the whole model's weights."""
+    from memo.distributed.layout import ParallelLayout
+    from memo.engines import build_megatron_stages
+
+    chunks = build_megatron_stages(_config(style), SEQ, "cpu", torch.float32,
+                                   ParallelLayout(pipeline_parallel=STAGES, virtual_pipeline=vpp))
+    with torch.no_grad():
+        for chunk in chunks:
+            for name, p in chunk.named_parameters():
+                p.copy_(ref["params"][_global_name(chunk, name)])
+    return chunks
+
+
+def _run_schedule(chunks: list[torch.nn.Module]) -> list[torch.Tensor]:
+    """One step of megatron's schedule over the micro-batches; the losses the last stage saw."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
+        ids, labels = next(data_iterator)
+        out = model(ids, _positions(), None, labels=labels)
+
+        def loss_func(per_token: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            loss = per_token.mean()
+            return loss, {"loss": loss.detach().clone()}  # megatron divides loss in place
+
+        return out, loss_func
+
+    for chunk in chunks:
+        chunk.zero_grad(set_to_none=True)
+    out = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=[iter(_batches()) for _ in chunks],
+        model=chunks, num_microbatches=MICRO_BATCHES, seq_length=SEQ, micro_batch_size=ROWS)
+    return [d["loss"] for d in out]
+
+
+def _compare(chunks: list[torch.nn.Module], losses: list[torch.Tensor], ref: dict[str, Any]) -> str:
+    from megatron.core import parallel_state
+
+    if parallel_state.is_pipeline_last_stage():
+        err = rel_err(torch.stack(losses), ref["losses"])
+        if not err <= RTOL:
+            raise AssertionError(f"the micro-batches' losses differ: relative error {err:.3g}")
+    elif losses:
+        raise AssertionError(f"a stage before the last reported losses: {losses}")
+    worst = (0.0, "")
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            if p.grad is None:
+                raise AssertionError(f"{name} got no gradient")
+            worst = max(worst, (rel_err(p.grad, ref["grads"][_global_name(chunk, name)]), name))
+    if not worst[0] <= RTOL:
+        raise AssertionError(f"gradient of {worst[1]} differs: relative error {worst[0]:.3g}")
+    return f"worst parameter gradient {worst[1]}: {worst[0]:.2g}"
+
+
+def _memo_run(chunks: list[torch.nn.Module], ref: dict[str, Any], alpha: float, policy: bool) -> str:
+    """The schedule over the chunks, each wrapped (every layer offloaded, or memo's default policy)."""
+    import memo.runtime as mr
+    from memo.distributed.pipeline import in_flight
+
+    for chunk in chunks:
+        n = len(chunk.decoder.layers)
+        mr.wrap(chunk, alpha=alpha, policy=["memo"] * n if policy else None)
+    try:
+        detail = _compare(chunks, _run_schedule(chunks), ref)
+        moved = [mr.runtime_of(c).layer_bytes for c in chunks]
+        flights = [mr.runtime_of(c).buffers.n_flights if mr.runtime_of(c).buffers else 0 for c in chunks]
+        policies = [mr.runtime_of(c).policy for c in chunks]
+    finally:
+        for chunk in chunks:
+            if mr.is_wrapped(chunk):
+                mr.unwrap(chunk)
+    from megatron.core import parallel_state
+
+    stage, vpp = parallel_state.get_pipeline_model_parallel_rank(), len(chunks)
+    if policy:
+        if not all(moved):
+            raise AssertionError(f"a chunk of stage {stage} offloaded nothing: layer bytes {moved}")
+        want = in_flight(STAGES, stage, vpp, MICRO_BATCHES)
+        if flights != want:
+            raise AssertionError(f"stage {stage}'s chunks held {flights} forwards in flight, in_flight says {want}")
+    else:
+        last = [c.post_process for c in chunks]
+        want_policies = [["memo"] * (len(c.decoder.layers) - (2 if c.post_process else 0))
+                         + ["keep"] * (min(2, len(c.decoder.layers)) if c.post_process else 0) for c in chunks]
+        if policies != want_policies:
+            raise AssertionError(f"default policies {policies} (post_process {last}), expected {want_policies}")
+    return f"{detail}; layer bytes {moved}; forwards in flight {flights}; policies {policies}"
+
+
+def pipelines_world2(rank: int, world: int, spec: dict[str, Any], record: Any) -> None:
+    """Every check of this file, on each of the two stages."""
+    from megatron.core import parallel_state
+
+    from memo.distributed.cpu_shims import install_cpu_shims
+
+    warnings.simplefilter("ignore")
+    install_cpu_shims()
+    for style in STYLES:
+        ref = _reference(style)
+        for schedule, vpp in SCHEDULES.items():
+            _init(STAGES, vpp)
+            chunks = _stages(style, vpp, ref)
+            name = f"{schedule}/{style}"
+            check(record, f"{name}/unwrapped", lambda chunks=chunks, ref=ref: _compare(chunks, _run_schedule(chunks),
+                                                                                      ref))
+            for alpha in ALPHAS:
+                check(record, f"{name}/memo/alpha={alpha}",
+                      lambda chunks=chunks, ref=ref, alpha=alpha: _memo_run(chunks, ref, alpha, True))
+            check(record, f"{name}/memo/default-policy",
+                  lambda chunks=chunks, ref=ref: _memo_run(chunks, ref, 0.5, False))
+    parallel_state.destroy_model_parallel()
+
+
+# ----------------------------------------------------------------------------- test side
+
+
+@pytest.fixture(scope="module")
+def world2() -> dict[str, list[dict[str, Any]]]:
+    try:
+        return by_name(dist_harness.launch(f"{MODULE}:pipelines_world2", 2, {}, timeout_s=240))
+    except LaunchError as e:  # the records made before the failure still say what passed
+        table = by_name(e.results)
+        table["<launch>"] = [{"name": "<launch>", "ok": False, "detail": str(e)}]
+        return table
+
+
+def _assert_passed(table: dict[str, list[dict[str, Any]]], name: str) -> None:
+    recs = table.get(name, [])
+    launch = table.get("<launch>", [{}])[0].get("detail", "")
+    assert len(recs) == 2, f"{name}: recorded by {len(recs)} of 2 ranks. {launch}"
+    failed = [f"rank {i}: {r['detail']}" for i, r in enumerate(recs) if not r["ok"]]
+    assert not failed, f"{name}: " + " | ".join(failed)
+
+
+@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_pipeline_stages_give_the_single_process_gradients(world2, schedule: str, style: str) -> None:
+    """megatron's schedule over the unwrapped stages: one process's losses and gradients."""
+    _assert_passed(world2, f"{schedule}/{style}/unwrapped")
+
+
+@pytest.mark.parametrize("alpha", ALPHAS)
+@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_memo_on_every_stage_gives_the_single_process_gradients(world2, schedule: str, style: str,
+                                                                 alpha: float) -> None:
+    """Every chunk wrapped, every layer offloaded: one process's losses and gradients, bytes offloaded on
+    every stage, and the forwards in flight that in_flight counts."""
+    _assert_passed(world2, f"{schedule}/{style}/memo/alpha={alpha}")
+
+
+@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_the_default_policy_follows_the_stage(world2, schedule: str, style: str) -> None:
+    """Without a policy: every layer of a chunk that feeds the next stage offloads; the chunk that ends in
+    the loss keeps its last two (NOTE [Pipeline stages])."""
+    _assert_passed(world2, f"{schedule}/{style}/memo/default-policy")
+
+
+def test_forwards_in_flight_per_chunk() -> None:
+    """NOTE [Pipeline stages]: 1F1B holds stages - stage forwards (at most the micro-batches); the
+    interleaved schedule's counts per chunk, replayed by hand for 2 stages x 2 chunks x 4 micro-batches
+    (stage 0 warms up with 4 forwards: chunk 0 twice, chunk 1 twice; its steady steps add two more to
+    chunk 0 before chunk 0's first backward), are what the launch above measures."""
+    from memo.distributed.pipeline import in_flight
+    from memo.errors import MemoError
+
+    assert [in_flight(4, r, 1, 8) for r in range(4)] == [[4], [3], [2], [1]]
+    assert in_flight(4, 0, 1, 2) == [2]
+    assert in_flight(2, 0, 2, 4) == [4, 2] and in_flight(2, 1, 2, 4) == [3, 1]
+    with pytest.raises(MemoError, match="no stage 2 of 2"):
+        in_flight(2, 2, 1, 4)
