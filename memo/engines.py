@@ -98,21 +98,12 @@ def _megatron_models(config: Any, seq_len: int, device: torch.device | str, dtyp
             raise MemoError(f"memo.train: --engine megatron needs megatron-core ({err}); pip install "
                             "megatron-core==0.16.1, or memo[megatron]") from None
     from memo.distributed.layout import padded_vocab_size
-    from memo.distributed.pipeline import pipeline_config
 
-    tp, cp = layout.tensor_parallel, layout.context_parallel
+    tp = layout.tensor_parallel
     gpt = config.arch == "gpt"
-    tc = TransformerConfig(
-        num_layers=config.n_layers, hidden_size=config.hidden, num_attention_heads=config.n_heads,
-        num_query_groups=config.n_kv_heads or config.n_heads, ffn_hidden_size=config.ffn_hidden or
-        (4 * config.hidden if gpt else None), layernorm_epsilon=config.norm_eps,
-        normalization="LayerNorm" if gpt else "RMSNorm", gated_linear_unit=not gpt,
-        activation_func=torch.nn.functional.gelu if gpt else torch.nn.functional.silu, add_bias_linear=gpt,
-        use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
-        params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-        tensor_model_parallel_size=tp, context_parallel_size=cp, sequence_parallel=layout.sequence_parallel,
-        cp_comm_type=layout.cp_comm if cp > 1 else None,  # MemoCoreAttention's all-gather or Ulysses CP
-        **pipeline_config(layout, dtype, torch.device(device)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # megatron's notes on settings memo does not use
+        tc = _transformer_config(TransformerConfig, config, dtype, layout, device)
     spec = get_memo_gpt_layer_local_spec()
     if layout.sequence_parallel:
         from memo.distributed.cpu_shims import sequence_parallel_norms
@@ -140,6 +131,25 @@ def _megatron_models(config: Any, seq_len: int, device: torch.device | str, dtyp
         model.tensor_parallel = tp
         chunks.append(model.to(device=device, dtype=dtype))
     return chunks
+
+
+def _transformer_config(cls: Any, config: Any, dtype: torch.dtype, layout: Any, device: Any) -> Any:
+    """megatron's TransformerConfig of memo's ``config`` in ``layout`` (NOTE [Training engines])."""
+    from memo.distributed.pipeline import pipeline_config
+
+    tp, cp = layout.tensor_parallel, layout.context_parallel
+    gpt = config.arch == "gpt"
+    return cls(
+        num_layers=config.n_layers, hidden_size=config.hidden, num_attention_heads=config.n_heads,
+        num_query_groups=config.n_kv_heads or config.n_heads, ffn_hidden_size=config.ffn_hidden or
+        (4 * config.hidden if gpt else None), layernorm_epsilon=config.norm_eps,
+        normalization="LayerNorm" if gpt else "RMSNorm", gated_linear_unit=not gpt,
+        activation_func=torch.nn.functional.gelu if gpt else torch.nn.functional.silu, add_bias_linear=gpt,
+        use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
+        params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        tensor_model_parallel_size=tp, context_parallel_size=cp, sequence_parallel=layout.sequence_parallel,
+        cp_comm_type=layout.cp_comm if cp > 1 else None,  # MemoCoreAttention's all-gather or Ulysses CP
+        **pipeline_config(layout, dtype, torch.device(device)))
 
 
 def hf_config(text: str) -> Any:

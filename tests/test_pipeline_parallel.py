@@ -78,8 +78,9 @@ def _reference(style: str) -> dict[str, Any]:
         loss = model(ids, _positions(), None, labels=labels).mean()
         (loss / MICRO_BATCHES).backward()
         losses.append(loss.detach())
-    return {"losses": torch.stack(losses), "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+    named = list(model.named_parameters())
+    return {"losses": torch.stack(losses), "params": {n: p.detach().clone() for n, p in named},
+            "grads": {n: p.grad.clone() for n, p in named}}
 
 
 def _global_name(chunk: torch.nn.Module, name: str) -> str:
@@ -171,13 +172,16 @@ def _memo_run(chunks: list[torch.nn.Module], ref: dict[str, Any], alpha: float, 
             raise AssertionError(f"a chunk of stage {stage} offloaded nothing: layer bytes {moved}")
         want = in_flight(STAGES, stage, vpp, MICRO_BATCHES)
         if flights != want:
-            raise AssertionError(f"stage {stage}'s chunks held {flights} forwards in flight, in_flight says {want}")
+            raise AssertionError(f"stage {stage}'s chunks held {flights} forwards in flight, in_flight "
+                                 f"says {want}")
     else:
         last = [c.post_process for c in chunks]
-        want_policies = [["memo"] * (len(c.decoder.layers) - (2 if c.post_process else 0))
-                         + ["keep"] * (min(2, len(c.decoder.layers)) if c.post_process else 0) for c in chunks]
+        kept = [min(2, len(c.decoder.layers)) if c.post_process else 0 for c in chunks]
+        want_policies = [["memo"] * (len(c.decoder.layers) - k) + ["keep"] * k
+                         for c, k in zip(chunks, kept, strict=True)]
         if policies != want_policies:
-            raise AssertionError(f"default policies {policies} (post_process {last}), expected {want_policies}")
+            raise AssertionError(f"default policies {policies} (post_process {last}), expected "
+                                 f"{want_policies}")
     return f"{detail}; layer bytes {moved}; forwards in flight {flights}; policies {policies}"
 
 
@@ -195,14 +199,34 @@ def pipelines_world2(rank: int, world: int, spec: dict[str, Any], record: Any) -
             _init(STAGES, vpp)
             chunks = _stages(style, vpp, ref)
             name = f"{schedule}/{style}"
-            check(record, f"{name}/unwrapped", lambda chunks=chunks, ref=ref: _compare(chunks, _run_schedule(chunks),
-                                                                                      ref))
+            check(record, f"{name}/unwrapped",
+                  lambda chunks=chunks, ref=ref: _compare(chunks, _run_schedule(chunks), ref))
             for alpha in ALPHAS:
                 check(record, f"{name}/memo/alpha={alpha}",
                       lambda chunks=chunks, ref=ref, alpha=alpha: _memo_run(chunks, ref, alpha, True))
             check(record, f"{name}/memo/default-policy",
                   lambda chunks=chunks, ref=ref: _memo_run(chunks, ref, 0.5, False))
     parallel_state.destroy_model_parallel()
+    for schedule, vpp in SCHEDULES.items():
+        check(record, f"train/{schedule}", lambda vpp=vpp: _train(STAGES, vpp))
+
+
+#: ``memo train --engine megatron --micro-batches 4 --alpha 0.5`` on the 4-layer ``tiny`` model.
+TRAIN = {"engine": "megatron", "model": "tiny", "seq_len": 64, "micro_batch": 2, "steps": 3,
+         "micro_batches": MICRO_BATCHES}
+
+
+def _train(pp: int, vpp: int) -> str:
+    """``memo train`` pipelined (NOTE [Pipelined steps]): its losses and every rank's stage record."""
+    import json
+
+    from memo.train.loop import TrainConfig, train
+    from memo.train.strategies import StrategyOptions, make_strategy
+
+    config = TrainConfig(**TRAIN, pipeline_parallel=pp, virtual_pipeline=vpp)
+    result = train(config, progress=False, strategy=make_strategy(StrategyOptions(alpha=0.5)),
+                   log=lambda _line: None)
+    return json.dumps({"losses": [s.loss for s in result.steps], "ranks": result.parallel["ranks"]})
 
 
 # ----------------------------------------------------------------------------- test side
@@ -264,3 +288,79 @@ def test_forwards_in_flight_per_chunk() -> None:
     assert in_flight(2, 0, 2, 4) == [4, 2] and in_flight(2, 1, 2, 4) == [3, 1]
     with pytest.raises(MemoError, match="no stage 2 of 2"):
         in_flight(2, 2, 1, 4)
+
+
+@pytest.fixture(scope="module")
+def one_process_losses() -> list[float]:
+    """``memo train --engine megatron --micro-batches 4 --alpha 0.5`` in this process: megatron's schedule
+    without pipelining, the micro-batches' gradients accumulated."""
+    from memo.train.loop import TrainConfig, train
+    from memo.train.strategies import StrategyOptions, make_strategy
+
+    result = train(TrainConfig(**TRAIN), progress=False, strategy=make_strategy(StrategyOptions(alpha=0.5)),
+                   log=lambda _line: None)
+    return [s.loss for s in result.steps]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_memo_train_pipelined_gives_the_single_process_losses(world2, one_process_losses: list[float],
+                                                              schedule: str) -> None:
+    """``memo train --engine megatron --pp 2 [--vpp 2] --micro-batches 4``: the single-process losses
+    (1e-5), the first stage's chunks offload, each rank holds the forwards in flight that in_flight counts,
+    and rank 0's report has every stage (NOTE [Pipelined steps])."""
+    import json
+
+    _assert_passed(world2, f"train/{schedule}")
+    runs = [json.loads(r["detail"]) for r in world2[f"train/{schedule}"]]
+    for run in runs:
+        assert run["losses"] == pytest.approx(one_process_losses, rel=1e-5), (run, one_process_losses)
+    ranks = runs[0]["ranks"]
+    assert [r["pp_rank"] for r in ranks] == [0, 1]
+    assert all(r["forwards_in_flight"] == r["expected_in_flight"] for r in ranks), ranks
+    assert ranks[0]["host_pinned_bytes"] > 0 and all(ranks[0]["offloaded_layers"]), ranks[0]
+
+
+def test_pipeline_layouts_are_refused_with_what_to_change() -> None:
+    """Each refusal is made from the arguments, before any process group (NOTE [Checks before any process
+    group]): layers that the stages (and chunks) cannot share, a micro-batch count the interleaved schedule
+    cannot group, an engine without stages, data parallelism beside the pipeline, --vpp without --pp."""
+    from memo.distributed.layout import ParallelLayout, check_layout, resolve_layout
+    from memo.errors import MemoError
+
+    shapes = {"n_heads": 4, "n_query_groups": 4, "vocab_size": 512, "seq_len": 256, "micro_batch": 2}
+    check_layout(ParallelLayout(pipeline_parallel=2, virtual_pipeline=2), engine="megatron", n_layers=4,
+                 micro_batches=4, **shapes)
+    with pytest.raises(MemoError, match=r"6 layers cannot be split evenly over --pp 4 stages"):
+        check_layout(ParallelLayout(pipeline_parallel=4), engine="megatron", n_layers=6, **shapes)
+    with pytest.raises(MemoError, match=r"6 layers .* --pp 2 x --vpp 2 = 4 model chunks"):
+        check_layout(ParallelLayout(pipeline_parallel=2, virtual_pipeline=2), engine="megatron", n_layers=6,
+                     micro_batches=4, **shapes)
+    with pytest.raises(MemoError, match=r"--micro-batches 3: .* groups of --pp 2 .* multiple of 2"):
+        check_layout(ParallelLayout(pipeline_parallel=2, virtual_pipeline=2), engine="megatron", n_layers=4,
+                     micro_batches=3, **shapes)
+    with pytest.raises(MemoError, match="use --engine megatron"):
+        check_layout(ParallelLayout(pipeline_parallel=2), engine="memo", n_layers=4, **shapes)
+    with pytest.raises(MemoError, match=r"--pp 2 with --dp 2"):
+        check_layout(resolve_layout(world_size=4, pipeline_parallel=2), engine="megatron", n_layers=4, **shapes)
+    with pytest.raises(MemoError, match="--vpp 2 interleaves model chunks"):
+        resolve_layout(world_size=1, virtual_pipeline=2)
+    with pytest.raises(MemoError, match=r"--tp 1 x --cp 1 x --pp 2 = 2 ranks per model replica does not "
+                                        r"divide the world of 3"):
+        resolve_layout(world_size=3, pipeline_parallel=2)
+
+
+@pytest.mark.parametrize(("overrides", "options", "message"), [
+    ({"engine": "memo"}, {}, "runs megatron-core's schedules; use --engine megatron"),
+    ({}, {"alpha": "auto"}, "memo does not profile a pipeline stage yet.* give --alpha"),
+    ({}, {"plan": "plan.json"}, "--plan is a plan of one iteration"),
+    ({}, {"strategy": "full-offload"}, "--strategy full-offload is not run under megatron's schedules"),
+])
+def test_pipelined_runs_refuse_what_they_cannot_take(overrides: dict, options: dict, message: str) -> None:
+    """NOTE [Pipelined steps]: refused before any model is built, with what to give instead."""
+    from memo.errors import MemoError
+    from memo.train.loop import TrainConfig, train
+    from memo.train.strategies import StrategyOptions, make_strategy
+
+    with pytest.raises(MemoError, match=message):
+        train(TrainConfig(**{**TRAIN, **overrides}), progress=False,
+              strategy=make_strategy(StrategyOptions(**options)), log=lambda _line: None)

@@ -12,7 +12,7 @@ from memo import repeated_tiles
 from memo.estimate import Estimator, Layout, Machine
 from memo.models import ModelConfig, register_config
 
-# Small widths and a large vocabulary: 16 loss chunks (256 tokens each at 128K words), eight layer
+# Small widths and a large vocabulary: 8 loss chunks (256 tokens each at 128K words), eight layer
 # tiles (s / RECOMPUTE_CHUNKS on the CPU) and s / h tiles of the peer's MLP, in seconds on meta;
 # three layers, so that an estimate records the whole depth once (NOTE [Estimate from a meta profile]).
 CONFIGS = {
@@ -48,7 +48,7 @@ def test_tile_indices_skip_only_tiles_that_repeat_the_state() -> None:
 @pytest.mark.parametrize("arch,tp,cp,cp_comm", [("gpt", 1, 1, "all_gather"), ("llama", 2, 2, "a2a")])
 def test_an_estimate_skipping_repeated_tiles_reads_the_same_numbers(
         arch: str, tp: int, cp: int, cp_comm: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    seq_len = 4096 * tp * cp  # 4K tokens per rank
+    seq_len = 2048 * tp * cp  # 2K tokens per rank
     layout = Layout(tp * cp, tp=tp, cp=cp, cp_comm=cp_comm)
     cases = [("none", None), ("full-recompute", None), ("memo", 0.0), ("memo", 0.4), ("input-only", None)]
     if tp == 1:  # the peer's tiled MLP needs a whole-sequence rank (NOTE [The peer in an estimate])

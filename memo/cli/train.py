@@ -94,6 +94,9 @@ def run(args: argparse.Namespace) -> int:
         data_parallel=args.dp,
         sequence_parallel=args.sp,
         cp_comm=args.cp_comm,
+        pipeline_parallel=args.pp,
+        virtual_pipeline=args.vpp,
+        micro_batches=args.micro_batches,
     )
     if config.device.startswith("cuda") and args.strategy == "memo" and options.planned_allocator:
         from memo import allocator
@@ -132,11 +135,16 @@ def run(args: argparse.Namespace) -> int:
         ranks = "1 rank" if par["world"] == 1 else f"{par['world']} ranks"
         fsdp2 = "" if par.get("engine") != "fsdp2" else (
             " fsdp2" + (" offload-states" if par.get("offload_states") else ""))
-        print(f"memo train: {ranks} (tp={par['tp']} cp={par['cp']} dp={par['dp']}"
+        pp = "" if par.get("pp", 1) == 1 else (f" pp={par['pp']}"
+                                                 + (f" vpp={par['vpp']}" if par["vpp"] > 1 else ""))
+        print(f"memo train: {ranks} (tp={par['tp']} cp={par['cp']} dp={par['dp']}{pp}"
               f"{' sp' if par['sp'] else ''}{fsdp2}"
               f"{' cp_comm=' + par['cp_comm'] if par['cp'] > 1 and 'cp_comm' in par else ''}): "
-              + ", ".join(f"rank {r['rank']} peak device {format_mib(r['peak_device_bytes'])} host pinned "
-                          f"{format_mib(r['host_pinned_bytes'])}" for r in par["ranks"]))
+              + ", ".join(f"rank {r['rank']}" + (f" (stage {r['pp_rank']})" if pp else "")
+                          + f" peak device {format_mib(r['peak_device_bytes'])} host pinned "
+                          f"{format_mib(r['host_pinned_bytes'])}"
+                          + (f", forwards in flight {r['forwards_in_flight']}" if r.get("forwards_in_flight")
+                             else "") for r in par["ranks"]))
     if args.report:
         save_report(report, args.report)
         print(f"report written to {args.report}")
@@ -215,6 +223,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                      "replicas (default: WORLD_SIZE / (tp·cp))")
     par.add_argument("--sp", action="store_true",
                      help="megatron sequence parallelism inside each tensor-parallel group (needs --tp > 1)")
+    par.add_argument("--pp", type=positive_int, default=1,
+                     help="pipeline stages: each process holds L/pp layers, steps run by megatron's 1F1B "
+                     "schedule over --micro-batches (1)")
+    par.add_argument("--vpp", type=positive_int, default=1,
+                     help="model chunks per pipeline stage: megatron's interleaved schedule (needs --pp > 1; "
+                     "--micro-batches a multiple of --pp) (1)")
+    par.add_argument("--micro-batches", type=positive_int, default=1,
+                     help="micro-batches of --micro-batch sequences per optimizer step, gradients "
+                     "accumulated (more than 1, or --pp > 1: megatron's schedules, --engine megatron) (1)")
     p.add_argument("--hf-config", metavar="PATH_OR_JSON",
                    help="train a Hugging Face causal LM (Llama, Qwen2, Mistral) built from this config "
                    "instead of --model: a config.json, a directory holding one (no weights are loaded), or "

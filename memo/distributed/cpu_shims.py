@@ -126,7 +126,8 @@ def _patch(owner: Any, name: str, value: Callable[..., Any]) -> None:
 
 
 class _CpuTorch:
-    """``torch`` whose ``zeros`` puts a tensor asked for on "cuda" on the CPU (NOTE [CPU pipeline schedules])."""
+    """``torch`` whose ``zeros`` puts a tensor asked for on "cuda" on the CPU (NOTE [CPU pipeline
+    schedules])."""
 
     def __init__(self, real: Any) -> None:
         self._real = real

@@ -159,13 +159,15 @@ class LaunchEnv:
 
 def resolve_layout(tensor_parallel: int = 1, context_parallel: int = 1, data_parallel: int | None = None,
                    sequence_parallel: bool = False, world_size: int = 1,
-                   cp_comm: str = "all_gather") -> ParallelLayout:
-    """The layout of ``world_size`` processes; ``data_parallel`` None is ``world / (tp·cp)``.
+                   cp_comm: str = "all_gather", pipeline_parallel: int = 1,
+                   virtual_pipeline: int = 1) -> ParallelLayout:
+    """The layout of ``world_size`` processes; ``data_parallel`` None is ``world / (tp·cp·pp)``.
 
     Raises a MemoError when the layout does not make up the world (NOTE [Checks before any process
     group]).
     """
-    for name, value in (("--tp", tensor_parallel), ("--cp", context_parallel), ("--dp", data_parallel)):
+    for name, value in (("--tp", tensor_parallel), ("--cp", context_parallel), ("--dp", data_parallel),
+                        ("--pp", pipeline_parallel), ("--vpp", virtual_pipeline)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise MemoError(f"memo.distributed: {name} must be a positive integer, got {value!r}")
     from memo.models.ulysses_attention import CP_COMM_TYPES
@@ -173,22 +175,27 @@ def resolve_layout(tensor_parallel: int = 1, context_parallel: int = 1, data_par
     if cp_comm not in CP_COMM_TYPES:
         raise MemoError(f"memo.distributed: --cp-comm must be one of {', '.join(CP_COMM_TYPES)} (memo's "
                         f"context-parallel attention), got {cp_comm!r}")
-    model = tensor_parallel * context_parallel
+    if virtual_pipeline > 1 and pipeline_parallel == 1:
+        raise MemoError(f"memo.distributed: --vpp {virtual_pipeline} interleaves model chunks over pipeline "
+                        "stages; give --pp 2 or more, or drop --vpp")
+    model = tensor_parallel * context_parallel * pipeline_parallel
+    pp = f" x --pp {pipeline_parallel}" if pipeline_parallel > 1 else ""
     if data_parallel is None:
         if world_size % model:
             raise MemoError(
-                f"memo.distributed: --tp {tensor_parallel} x --cp {context_parallel} = {model} ranks per "
+                f"memo.distributed: --tp {tensor_parallel} x --cp {context_parallel}{pp} = {model} ranks per "
                 f"model replica does not divide the world of {world_size} process(es) (WORLD_SIZE); launch "
-                f"a multiple of {model} processes (torchrun --nproc-per-node {model}), or change --tp/--cp")
+                f"a multiple of {model} processes (torchrun --nproc-per-node {model}), or change "
+                "--tp/--cp/--pp")
         data_parallel = world_size // model
     layout = ParallelLayout(tensor_parallel, context_parallel, data_parallel, bool(sequence_parallel),
-                            cp_comm)
+                            cp_comm, pipeline_parallel, virtual_pipeline)
     if layout.world != world_size:
         raise MemoError(
-            f"memo.distributed: --tp {tensor_parallel} x --cp {context_parallel} x --dp {data_parallel} = "
-            f"{layout.world} ranks, but {world_size} process(es) were launched (WORLD_SIZE); launch "
-            f"torchrun --nproc-per-node {layout.world} (on one node), or leave --dp out to use "
-            "world / (tp·cp)")
+            f"memo.distributed: --tp {tensor_parallel} x --cp {context_parallel}{pp} x --dp "
+            f"{data_parallel} = {layout.world} ranks, but {world_size} process(es) were launched "
+            f"(WORLD_SIZE); launch torchrun --nproc-per-node {layout.world} (on one node), or leave --dp "
+            "out to use world / (tp·cp·pp)")
     return layout
 
 
@@ -205,13 +212,18 @@ def padded_vocab_size(vocab_size: int, tensor_parallel: int = 1) -> int:
 
 
 def check_layout(layout: ParallelLayout, *, engine: str, n_heads: int, n_query_groups: int,
-                 vocab_size: int, seq_len: int, micro_batch: int) -> None:
+                 vocab_size: int, seq_len: int, micro_batch: int, n_layers: int = 0,
+                 micro_batches: int = 1) -> None:
     """Refuse a layout this job cannot run, from the arguments alone (NOTE [Checks before any
-    process group]). ``micro_batch`` is the global batch (every DP rank keeps its share)."""
+    process group]). ``micro_batch`` is the global batch (every DP rank keeps its share) of each of
+    the step's ``micro_batches``."""
     from memo.token_split import seq_len_problem
 
     tp, cp, dp, sp = (layout.tensor_parallel, layout.context_parallel, layout.data_parallel,
                       layout.sequence_parallel)
+    pipeline_problem = _pipeline_problem(layout, engine, n_layers, micro_batches)
+    if pipeline_problem is not None:
+        raise MemoError(f"memo.distributed: {pipeline_problem}")
     if engine == "fsdp2" and (tp > 1 or cp > 1 or sp):  # memo/distributed/fsdp2.py
         raise MemoError(
             f"memo.train: --engine fsdp2 shards the model states over data-parallel ranks only; {layout} "
@@ -253,6 +265,28 @@ def check_layout(layout: ParallelLayout, *, engine: str, n_heads: int, n_query_g
         raise MemoError(
             f"memo.distributed: --micro-batch {micro_batch} (the global batch) cannot be split over --dp "
             f"{dp} data-parallel ranks; give a multiple of {dp}")
+
+
+def _pipeline_problem(layout: ParallelLayout, engine: str, n_layers: int, micro_batches: int) -> str | None:
+    """What keeps ``layout``'s pipeline from running (NOTE [Pipeline stages] in
+    memo/distributed/pipeline.py), or None."""
+    p, v, dp = layout.pipeline_parallel, layout.virtual_pipeline, layout.data_parallel
+    if p == 1:
+        return None
+    if engine != "megatron":
+        return (f"--pp {p}: pipeline stages are megatron-core's (its GPTModel chunks and schedules); use "
+                "--engine megatron")
+    if dp > 1:
+        return (f"--pp {p} with --dp {dp}: memo's pipeline runs do not replicate stages over data-parallel "
+                "ranks yet; launch tp·cp·pp processes (--dp 1)")
+    if n_layers % (p * v):
+        chunks = f"--pp {p} x --vpp {v} = {p * v} model chunks" if v > 1 else f"--pp {p} stages"
+        return (f"the model's {n_layers} layers cannot be split evenly over {chunks}; use a --pp"
+                + (" x --vpp" if v > 1 else "") + f" that divides {n_layers}")
+    if v > 1 and (micro_batches < p or micro_batches % p):
+        return (f"--micro-batches {micro_batches}: megatron's interleaved schedule (--vpp {v}) runs the "
+                f"micro-batches in groups of --pp {p} per model chunk; give a multiple of {p}")
+    return None
 
 
 def plan_fingerprint(plan: Any) -> str | None:
@@ -304,7 +338,7 @@ class ParallelRun:
 
     def __init__(self, layout: ParallelLayout, launch: LaunchEnv, device: torch.device) -> None:
         self.layout, self.launch, self.device = layout, launch, device
-        self.tp_rank = self.cp_rank = self.dp_rank = 0
+        self.tp_rank = self.cp_rank = self.dp_rank = self.pp_rank = 0
         self.ddp: Any = None
         self._owns_group = False
 
@@ -339,12 +373,16 @@ class ParallelRun:
         install_cpu_shims()  # nothing where CUDA is usable
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
+        v = layout.virtual_pipeline
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=layout.tensor_parallel,
-                                                 context_parallel_size=layout.context_parallel)
+                                                 context_parallel_size=layout.context_parallel,
+                                                 pipeline_model_parallel_size=layout.pipeline_parallel,
+                                                 virtual_pipeline_model_parallel_size=v if v > 1 else None)
         model_parallel_cuda_manual_seed(seed)
         run.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         run.cp_rank = parallel_state.get_context_parallel_rank()
         run.dp_rank = parallel_state.get_data_parallel_rank()
+        run.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
         return run
 
     def close(self) -> None:

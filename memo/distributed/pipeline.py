@@ -35,6 +35,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from memo.errors import MemoError
 
 __all__ = ["in_flight", "pipeline_config"]
@@ -46,13 +47,15 @@ def pipeline_config(layout: Any, dtype: torch.dtype, device: torch.device) -> di
     p, v = layout.pipeline_parallel, layout.virtual_pipeline
     if p == 1:
         if v != 1:
-            raise MemoError(f"memo.train: --vpp {v} interleaves model chunks over pipeline stages; give --pp > 1")
+            raise MemoError(f"memo.train: --vpp {v} interleaves model chunks over pipeline stages; "
+                            "give --pp > 1")
         return {}
     return {"pipeline_model_parallel_size": p, "virtual_pipeline_model_parallel_size": v if v > 1 else None,
             "pipeline_dtype": dtype, "batch_p2p_comm": device.type == "cuda"}
 
 
-def in_flight(stages: int, stage: int, chunks: int, micro_batches: int, group: int | None = None) -> list[int]:
+def in_flight(stages: int, stage: int, chunks: int, micro_batches: int,
+              group: int | None = None) -> list[int]:
     """The most forwards each model chunk of pipeline rank ``stage`` holds awaiting their backward in one
     step of megatron-core's schedule (NOTE [Pipeline stages]): 1F1B for one chunk, else the interleaved
     schedule with micro-batches taken ``group`` at a time per chunk (megatron's

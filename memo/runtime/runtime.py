@@ -266,7 +266,8 @@ class MemoRuntime:
         if self.calls:
             raise MemoError("memo.runtime: this MemoRuntime already serves a model; create one per model")
         given = self._given_policy
-        self.policy = default_policy(len(layers), tail) if given is None else validate_policy(given, len(layers))
+        self.policy = (default_policy(len(layers), tail) if given is None
+                       else validate_policy(given, len(layers)))
         self.calls = [LayerCall(self, layer, adapter, i) for i, (layer, adapter) in enumerate(layers)]
         return self.calls
 

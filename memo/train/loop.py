@@ -190,6 +190,13 @@ class TrainConfig:
     sequence_parallel: bool = False
     """``--sp``: megatron sequence parallelism inside the tensor-parallel group."""
     cp_comm: str = "all_gather"  # --cp-comm: CP attention by K/V all-gather or Ulysses all-to-all ("a2a")
+    pipeline_parallel: int = 1
+    """``--pp``: megatron pipeline stages (NOTE [Pipelined steps] in memo/train/pipelined.py)."""
+    virtual_pipeline: int = 1
+    """``--vpp``: model chunks per pipeline stage (megatron's interleaved schedule)."""
+    micro_batches: int = 1
+    """``--micro-batches``: micro-batches of ``micro_batch`` sequences per optimizer step, gradients
+    accumulated (more than one, or ``--pp`` > 1: megatron's schedules, NOTE [Pipelined steps])."""
 
     def __post_init__(self) -> None:
         from memo.engines import ENGINES
@@ -323,6 +330,10 @@ def train(
     """
     from tqdm import tqdm
 
+    if config.micro_batches > 1 or config.pipeline_parallel > 1:
+        from memo.train.pipelined import train_pipelined
+
+        return train_pipelined(config, log=log, progress=progress, strategy=strategy)
     if strategy is None:
         from memo.train.strategies import NoStrategy
 

@@ -33,7 +33,8 @@ def start_parallel(config: TrainConfig) -> Any:
 
     launch = LaunchEnv.from_environ()
     layout = resolve_layout(config.tensor_parallel, config.context_parallel, config.data_parallel,
-                            config.sequence_parallel, launch.world_size, config.cp_comm)
+                            config.sequence_parallel, launch.world_size, config.cp_comm,
+                            config.pipeline_parallel, config.virtual_pipeline)
     if config.engine == "fsdp2":  # a world of one too: FSDP2 needs a process group (distributed/fsdp2.py)
         from memo.distributed.fsdp2 import FSDP2Run
 
@@ -52,7 +53,8 @@ def start_parallel(config: TrainConfig) -> Any:
     shapes = get_config(config.model)
     check_layout(layout, engine=config.engine, n_heads=shapes.n_heads,
                  n_query_groups=shapes.n_kv_heads or shapes.n_heads, vocab_size=shapes.vocab_size,
-                 seq_len=config.seq_len, micro_batch=config.micro_batch)
+                 seq_len=config.seq_len, micro_batch=config.micro_batch, n_layers=shapes.n_layers,
+                 micro_batches=config.micro_batches)
     return ParallelRun.start(layout, launch, config.device, config.seed)
 
 

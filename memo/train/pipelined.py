@@ -1,0 +1,367 @@
+"""``memo train --engine megatron --micro-batches M [--pp P [--vpp V]]``: steps run by megatron-core's
+schedules (issue 29), memo's layers inside each model chunk (NOTE [Pipeline stages] in
+memo/distributed/pipeline.py).
+
+NOTE [Pipelined steps]
+A step is M micro-batches of ``--micro-batch`` sequences each, their gradients accumulated before one
+AdamW step: the loss is the mean of the micro-batches' losses (each the mean over its counted tokens),
+as megatron's schedules compute it. Each rank builds its stage's model chunks
+(:func:`memo.engines.build_megatron_stages`), each chunk under megatron's ``DistributedDataParallel``
+where a reduction is needed (context-parallel ranks, sequence-parallel norms), and runs one step with
+``get_forward_backward_func()``: no pipelining for P = 1 (gradient accumulation in one process: the
+single-process run the pipelines are checked against), 1F1B, or the interleaved schedule with V > 1.
+
+memo's part in each chunk: ``--strategy memo`` wraps every chunk with ``--alpha`` and memo's default
+policy for the chunk's place (every layer offloaded in a chunk that feeds the next stage);
+``full-recompute`` wraps every layer under torch's checkpoint (memo's "recompute" policy); ``none``
+leaves the chunks as they are. Each chunk's runtime keeps one host region per forward in flight, which
+:func:`memo.distributed.pipeline.in_flight` counts and the report shows per stage.
+
+What is not built yet: a stage's own profile and address plan. ``--alpha auto`` (the LP) and ``--plan``
+need a profile of the stage as its schedule runs it (the forwards and backwards of different
+micro-batches interleaved), so they are refused here with what to give instead; the chunks' memory is
+served by memo's fallback allocator, not a plan.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from memo.errors import MemoError
+
+__all__ = ["train_pipelined"]
+
+#: The strategies a pipelined step runs (NOTE [Pipelined steps]).
+PIPELINED_STRATEGIES = ("none", "full-recompute", "memo")
+
+
+def _check(config: Any, strategy: Any) -> float | None:
+    """Refuse what a pipelined run cannot take (NOTE [Pipelined steps]); memo's alpha, else None."""
+    what = f"--micro-batches {config.micro_batches}" + (f" --pp {config.pipeline_parallel}"
+                                                         if config.pipeline_parallel > 1 else "")
+    if config.engine != "megatron" or config.hf_config is not None:
+        raise MemoError(f"memo.train: {what} runs megatron-core's schedules; use --engine megatron "
+                        "(memo's models and Hugging Face's take one micro-batch per step)")
+    if strategy.name not in PIPELINED_STRATEGIES:
+        raise MemoError(f"memo.train: {what}: --strategy {strategy.name} is not run under megatron's "
+                        f"schedules; use one of {', '.join(PIPELINED_STRATEGIES)}")
+    if strategy.name != "memo":
+        return None
+    opts = strategy.options
+    if opts.plan is not None:
+        raise MemoError(f"memo.train: {what}: --plan is a plan of one iteration, and a pipeline stage runs "
+                        "the forwards and backwards of several micro-batches interleaved, which memo's plans "
+                        "do not describe yet; give --alpha instead")
+    if opts.alpha == "auto":
+        raise MemoError(f"memo.train: {what}: memo does not profile a pipeline stage yet, so it cannot solve "
+                        "alpha; give --alpha (a number in [0, 1]) (NOTE [Pipelined steps])")
+    from memo.runtime.runtime import validate_alpha
+
+    return validate_alpha(float(opts.alpha))
+
+
+def train_pipelined(config: Any, *, log: Callable[[str], None] | None = None, progress: bool = True,
+                    strategy: Any = None) -> Any:
+    """:func:`memo.train.train` for ``micro_batches > 1`` or ``pipeline_parallel > 1`` (NOTE [Pipelined
+    steps])."""
+    from tqdm import tqdm
+
+    from memo.engines import _init_megatron_world, build_megatron_stages
+    from memo.models import DEFAULT_MAX_SEQ_LEN, get_config
+    from memo.models.dtypes import DTYPES
+    from memo.train.loop import StepMetrics, _new_result, _step_line, _token_source, adamw
+    from memo.train.parallel import start_parallel
+    from memo.utils.flops import mfu
+
+    if strategy is None:
+        from memo.train.strategies import NoStrategy
+
+        strategy = NoStrategy()
+    alpha = _check(config, strategy)
+    strategy.alpha = alpha  # what the header and the report say
+    emit = log if log is not None else tqdm.write
+    dtype = DTYPES[config.dtype]
+    parallel = start_parallel(config)
+    try:
+        if parallel is None:
+            from memo.distributed.cpu_shims import install_cpu_shims
+            from memo.distributed.layout import ParallelLayout
+
+            install_cpu_shims()  # megatron's schedules on the CPU (nothing where CUDA is usable)
+            _init_megatron_world()
+            layout, device, first_rank = ParallelLayout(), torch.device(config.device), True
+        else:
+            layout, device, first_rank = parallel.layout, parallel.device, parallel.is_first
+        if not first_rank:
+            emit, progress = (lambda _line: None), False
+        torch.manual_seed(config.seed)
+        model_config = get_config(config.model)
+        max_seq_len = (max(config.seq_len, DEFAULT_MAX_SEQ_LEN) if model_config.arch == "gpt"
+                       else config.seq_len)
+        chunks = build_megatron_stages(model_config, max_seq_len, device, dtype, layout)
+        _initialise(chunks, config.seed, model_config.n_layers, layout)
+        runtimes = _apply(strategy.name, chunks, alpha)
+        ddp = _data_parallel(chunks, layout)
+        stage = 0 if parallel is None else parallel.pp_rank
+        result = _new_result(config, chunks[0], model_config, device, dtype, strategy)
+        result.num_parameters = _all_parameters(chunks, parallel)
+        result.world = layout.world
+        optimizer = adamw([p for c in chunks for p in c.parameters()], lr=config.lr)
+        source = iter(_token_source(config, model_config))
+        emit(f"memo.train: {config.model} (megatron-core GPTModel), seq {config.seq_len} x batch "
+             f"{config.micro_batch} x {config.micro_batches} micro-batches, {config.dtype} on {device}, "
+             f"strategy {strategy.name}" + ("" if alpha is None else f" (alpha {alpha:.4f})")
+             + f", {layout.world} rank(s) ({layout}), schedule {_schedule_name(layout)}")
+        bar = tqdm(range(1, config.steps + 1), desc="train", unit="step", file=sys.stderr,
+                   disable=not progress or not sys.stderr.isatty())
+        peak = 0
+        for step in bar:
+            batches = [_shard(next(source), parallel, device) for _ in range(config.micro_batches)]
+            start = time.perf_counter()
+            loss = _step(chunks, ddp, optimizer, batches, layout, config)
+            seconds = time.perf_counter() - start
+            loss = _loss_on_every_rank(loss, parallel)
+            if not math.isfinite(loss):
+                raise MemoError(f"memo.train: loss became {loss} at step {step}; lower --lr")
+            peak = max(peak, _peak_rss())
+            tokens = config.seq_len * config.micro_batch * config.micro_batches
+            tgs = tokens / seconds / layout.world
+            samples = config.micro_batch * config.micro_batches / layout.world
+            metrics = StepMetrics(step, loss, seconds, tgs,
+                                  mfu(result.flops_per_sample, samples, seconds, result.peak_flops),
+                                  peak, _extras(runtimes))
+            result.peak_memory_kind = "process max RSS"
+            result.steps.append(metrics)
+            bar.set_postfix(loss=f"{loss:.3f}")
+            emit(_step_line(metrics, result.peak_memory_kind))
+        bar.close()
+        if parallel is not None:
+            result.parallel = _stages_record(parallel, result, runtimes, stage, config)
+        for chunk in chunks:
+            _unwrap(chunk)
+    finally:
+        if parallel is not None:
+            parallel.close()
+    return result
+
+
+# NOTE [Pipeline initialisation]
+# megatron draws each stage's weights from the generator of the process that builds it, so a stage
+# built for PP = 2 does not hold the weights of the same layers built in one process, and a pipelined
+# run could not be checked against the single-process one. Each random weight (every matrix: the
+# embeddings, the projections, the LM head) is drawn again from a generator seeded by the run's seed and
+# the weight's name in the whole model (layers by their global number), with megatron's init: normal,
+# std 0.02, the two projections into the residual stream scaled by 1/sqrt(2L). A tensor-parallel rank
+# draws the whole tensor and keeps its slice, as megatron's CPU init does. Norms and biases keep the
+# constants megatron gave them. Any --pp, --vpp and --tp then start from one model.
+INIT_STD = 0.02
+
+
+def _initialise(chunks: list[torch.nn.Module], seed: int, n_layers: int, layout: Any) -> None:
+    """NOTE [Pipeline initialisation]."""
+    import zlib
+
+    tp = layout.tensor_parallel
+    rank = 0
+    if tp > 1:
+        from megatron.core import parallel_state
+
+        rank = parallel_state.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        for chunk in chunks:
+            for name, p in chunk.named_parameters():
+                if p.dim() < 2:
+                    continue
+                whole = _global_name(chunk, name)
+                std = INIT_STD / math.sqrt(2 * n_layers) if whole.endswith(
+                    ("linear_proj.weight", "linear_fc2.weight")) else INIT_STD
+                sliced = getattr(p, "tensor_model_parallel", False) and tp > 1
+                dim, stride = (p.partition_dim, getattr(p, "partition_stride", 1)) if sliced else (0, 1)
+                shape = list(p.shape)
+                if sliced:
+                    shape[dim] *= tp
+                g = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{whole}".encode()))
+                full = torch.randn(shape, generator=g, dtype=torch.float32) * std
+                if sliced:
+                    full = torch.cat(full.chunk(tp * stride, dim=dim)[rank::tp], dim=dim)
+                p.copy_(full)
+
+
+def _global_name(chunk: torch.nn.Module, name: str) -> str:
+    """A chunk's parameter name in the whole model: its layers are numbered within the chunk."""
+    if name.startswith("decoder.layers."):
+        local, rest = name.removeprefix("decoder.layers.").split(".", 1)
+        return f"decoder.layers.{chunk.decoder.layers[int(local)].layer_number - 1}.{rest}"
+    return name
+
+
+def _schedule_name(layout: Any) -> str:
+    if layout.pipeline_parallel == 1:
+        return "no pipelining (gradient accumulation)"
+    return "interleaved 1F1B" if layout.virtual_pipeline > 1 else "1F1B"
+
+
+def _apply(name: str, chunks: list[torch.nn.Module], alpha: float | None) -> list[Any]:
+    """Wrap each chunk for the strategy (NOTE [Pipelined steps]); the runtimes (empty for ``none``)."""
+    import memo.runtime as mr
+
+    if name == "none":
+        return []
+    for chunk in chunks:
+        n = len(chunk.decoder.layers)
+        if name == "memo":
+            mr.wrap(chunk, alpha=alpha)
+        else:
+            mr.wrap(chunk, alpha=0.0, policy=["recompute"] * n)
+    return [mr.runtime_of(c) for c in chunks]
+
+
+def _unwrap(chunk: torch.nn.Module) -> None:
+    import memo.runtime as mr
+
+    if mr.is_wrapped(chunk):
+        mr.unwrap(chunk)
+
+
+def _data_parallel(chunks: list[torch.nn.Module], layout: Any) -> list[Any] | None:
+    """megatron's DDP around each chunk where gradients need a reduction (context-parallel ranks, the
+    sequence-parallel norms): finalize_model_grads then reduces them (NOTE [Parallel layout])."""
+    if layout.context_parallel == 1 and not layout.sequence_parallel and layout.data_parallel == 1:
+        return None
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    return [DistributedDataParallel(c.config, DistributedDataParallelConfig(), c) for c in chunks]
+
+
+def _shard(batch: tuple[torch.Tensor, torch.Tensor], parallel: Any, device: torch.device
+           ) -> tuple[torch.Tensor, ...]:
+    """This rank's ``(ids, labels, positions, global counted tokens)`` of a global micro-batch."""
+    ids, labels = batch
+    count = torch.tensor(int((labels != -100).sum()))
+    if parallel is None:
+        b, s = ids.shape
+        positions = torch.arange(s).unsqueeze(0).expand(b, s)
+        return ids.to(device), labels.to(device), positions.to(device), count
+    ids, labels, positions = parallel.shard(ids, labels)
+    return ids.to(device), labels.to(device), positions.to(device), count
+
+
+def _step(chunks: list[torch.nn.Module], ddp: list[Any] | None, optimizer: torch.optim.Optimizer,
+          batches: list[tuple[torch.Tensor, ...]], layout: Any, config: Any) -> float | None:
+    """One step under megatron's schedule; the mean of the micro-batches' losses on the last stage
+    (None on the others)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed": expected here
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    scale = layout.context_parallel  # DDP averages the CP ranks' gradients: each holds 1/c of the tokens
+
+    def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
+        ids, labels, positions, count = next(data_iterator)
+        counted = labels != -100
+        per_token = model(ids, positions, None, labels=torch.where(counted, labels, 0))
+
+        def loss_func(out: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            local = (out * counted.to(out.dtype)).sum()
+            total = local.detach().clone()
+            if layout.context_parallel > 1:
+                torch.distributed.all_reduce(total, group=parallel_state.get_context_parallel_group())
+            n = max(int(count), 1)
+            # megatron divides what this returns by the micro-batch count, in place: a copy is reported
+            return local * (scale / n), {"loss": (total / n).clone()}
+
+        return per_token, loss_func
+
+    optimizer.zero_grad(set_to_none=True)
+    models = ddp if ddp is not None else chunks
+    if ddp is not None:
+        for d in ddp:
+            d.zero_grad_buffer()
+    out = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=[iter(batches) for _ in chunks], model=models,
+        num_microbatches=len(batches), seq_length=config.seq_len,  # megatron divides by CP (and TP under SP)
+        micro_batch_size=batches[0][0].shape[0])
+    if ddp is not None:
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads(ddp)
+        for chunk in chunks:
+            for p in chunk.parameters():
+                if getattr(p, "main_grad", None) is not None:
+                    p.grad = p.main_grad
+    optimizer.step()
+    if not out:
+        return None
+    return float(torch.stack([d["loss"] for d in out]).mean())
+
+
+def _loss_on_every_rank(loss: float | None, parallel: Any) -> float:
+    """The last stage's loss, on every rank (rank 0, on the first stage, prints it)."""
+    if parallel is None:
+        return float(loss)
+    from megatron.core import parallel_state
+
+    value = torch.tensor(loss if loss is not None else 0.0, dtype=torch.float64)
+    last = parallel_state.get_pipeline_model_parallel_last_rank()
+    torch.distributed.broadcast(value, src=last, group=parallel_state.get_pipeline_model_parallel_group())
+    return float(value)
+
+
+def _peak_rss() -> int:
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def _extras(runtimes: list[Any]) -> dict[str, Any]:
+    """Host bytes and forwards in flight of this rank's chunks (memo's runtimes)."""
+    if not runtimes:
+        return {}
+    return {"host_pinned_bytes": sum(rt.host_bytes for rt in runtimes),
+            "forwards_in_flight": [rt.buffers.n_flights if rt.buffers is not None else 0 for rt in runtimes],
+            "offloaded_layers": [rt.n_offloaded for rt in runtimes]}
+
+
+def _all_parameters(chunks: list[torch.nn.Module], parallel: Any) -> int:
+    """Parameters of the whole model: this rank's chunks summed over the pipeline's stages."""
+    mine = torch.tensor(sum(p.numel() for c in chunks for p in c.parameters()), dtype=torch.int64)
+    if parallel is not None and parallel.layout.pipeline_parallel > 1:
+        from megatron.core import parallel_state
+
+        torch.distributed.all_reduce(mine, group=parallel_state.get_pipeline_model_parallel_group())
+    return int(mine)
+
+
+def _stages_record(parallel: Any, result: Any, runtimes: list[Any], stage: int,
+                   config: Any) -> dict[str, Any]:
+    """The layout and every rank's stage, peak and host bytes, with the forwards its chunks held in
+    flight against :func:`memo.distributed.pipeline.in_flight` (a collective)."""
+    from memo.distributed.pipeline import in_flight
+
+    layout = parallel.layout
+    extras = result.steps[-1].extras if result.steps else {}
+    peak = max((s.peak_memory_bytes or 0) for s in result.steps) if result.steps else None
+    mine = {"rank": parallel.rank, "pp_rank": stage, "tp_rank": parallel.tp_rank, "cp_rank": parallel.cp_rank,
+            "dp_rank": parallel.dp_rank, "peak_device_bytes": peak,
+            "peak_device_kind": result.peak_memory_kind,
+            "host_pinned_bytes": int(extras.get("host_pinned_bytes", 0)),
+            "forwards_in_flight": extras.get("forwards_in_flight"),
+            # what in_flight counts for each chunk that offloads (a chunk that offloads nothing holds none)
+            "expected_in_flight": [n if k else 0 for n, k in zip(
+                in_flight(layout.pipeline_parallel, stage, layout.virtual_pipeline, config.micro_batches),
+                extras.get("offloaded_layers") or [0] * layout.virtual_pipeline, strict=True)]
+            if layout.pipeline_parallel > 1 else None,
+            "offloaded_layers": extras.get("offloaded_layers")}
+    return {**parallel.as_dict(), "micro_batches": config.micro_batches, "ranks": parallel.gather(mine)}
