@@ -147,3 +147,23 @@ def by_name(results: list[list[dict[str, Any]]]) -> dict[str, list[dict[str, Any
         for r in recs:
             table.setdefault(r["name"], []).append(r)
     return table
+
+
+def launch_table(worker: str, world_size: int, timeout_s: float) -> dict[str, list[dict[str, Any]]]:
+    """:func:`launch` as :func:`by_name`'s table; a failed launch keeps what was recorded before it and
+    adds its error under ``"<launch>"`` (each test then says which of its checks did not run)."""
+    try:
+        return by_name(launch(worker, world_size, {}, timeout_s))
+    except LaunchError as e:
+        table = by_name(e.results)
+        table["<launch>"] = [{"name": "<launch>", "ok": False, "detail": str(e)}]
+        return table
+
+
+def assert_passed(table: dict[str, list[dict[str, Any]]], name: str, world_size: int) -> None:
+    """Check ``name`` was recorded by every rank, and passed on each."""
+    recs = table.get(name, [])
+    launched = table.get("<launch>", [{}])[0].get("detail", "")
+    assert len(recs) == world_size, f"{name}: recorded by {len(recs)} of {world_size} ranks. {launched}"
+    failed = [f"rank {i}: {r['detail']}" for i, r in enumerate(recs) if not r["ok"]]
+    assert not failed, f"{name}: " + " | ".join(failed)

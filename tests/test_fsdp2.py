@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests import dist_harness
-from tests.dist_harness import LaunchError, by_name, check
+from tests.dist_harness import check
 from tests.grads import RTOL, random_batch, rel_err, small_model
 
 MODULE = "tests.test_fsdp2"
@@ -209,20 +209,11 @@ def fsdp2_world2(rank: int, world: int, spec: dict[str, Any], record: Any) -> No
 
 @pytest.fixture(scope="module")
 def world2() -> dict[str, list[dict[str, Any]]]:
-    try:
-        return by_name(dist_harness.launch(f"{MODULE}:fsdp2_world2", 2, {}, timeout_s=240))
-    except LaunchError as e:  # the records made before the failure still say what passed
-        table = by_name(e.results)
-        table["<launch>"] = [{"name": "<launch>", "ok": False, "detail": str(e)}]
-        return table
+    return dist_harness.launch_table(f"{MODULE}:fsdp2_world2", 2, timeout_s=240)
 
 
 def _assert_passed(table: dict[str, list[dict[str, Any]]], name: str, world: int = 2) -> None:
-    recs = table.get(name, [])
-    launch = table.get("<launch>", [{}])[0].get("detail", "")
-    assert len(recs) == world, f"{name}: recorded by {len(recs)} of {world} ranks. {launch}"
-    failed = [f"rank {i}: {r['detail']}" for i, r in enumerate(recs) if not r["ok"]]
-    assert not failed, f"{name}: " + " | ".join(failed)
+    dist_harness.assert_passed(table, name, world)
 
 
 @pytest.mark.parametrize(("order", "offload"), CASES)

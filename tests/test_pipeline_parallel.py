@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests import dist_harness
-from tests.dist_harness import LaunchError, by_name, check
+from tests.dist_harness import check
 from tests.grads import RTOL, rel_err
 
 pytest.importorskip("megatron.core")
@@ -234,20 +234,11 @@ def _train(pp: int, vpp: int) -> str:
 
 @pytest.fixture(scope="module")
 def world2() -> dict[str, list[dict[str, Any]]]:
-    try:
-        return by_name(dist_harness.launch(f"{MODULE}:pipelines_world2", 2, {}, timeout_s=240))
-    except LaunchError as e:  # the records made before the failure still say what passed
-        table = by_name(e.results)
-        table["<launch>"] = [{"name": "<launch>", "ok": False, "detail": str(e)}]
-        return table
+    return dist_harness.launch_table(f"{MODULE}:pipelines_world2", 2, timeout_s=240)
 
 
 def _assert_passed(table: dict[str, list[dict[str, Any]]], name: str) -> None:
-    recs = table.get(name, [])
-    launch = table.get("<launch>", [{}])[0].get("detail", "")
-    assert len(recs) == 2, f"{name}: recorded by {len(recs)} of 2 ranks. {launch}"
-    failed = [f"rank {i}: {r['detail']}" for i, r in enumerate(recs) if not r["ok"]]
-    assert not failed, f"{name}: " + " | ".join(failed)
+    dist_harness.assert_passed(table, name, 2)
 
 
 @pytest.mark.parametrize("style", STYLES)
@@ -341,7 +332,8 @@ def test_pipeline_layouts_are_refused_with_what_to_change() -> None:
     with pytest.raises(MemoError, match="use --engine megatron"):
         check_layout(ParallelLayout(pipeline_parallel=2), engine="memo", n_layers=4, **shapes)
     with pytest.raises(MemoError, match=r"--pp 2 with --dp 2"):
-        check_layout(resolve_layout(world_size=4, pipeline_parallel=2), engine="megatron", n_layers=4, **shapes)
+        check_layout(resolve_layout(world_size=4, pipeline_parallel=2), engine="megatron", n_layers=4,
+                     **shapes)
     with pytest.raises(MemoError, match="--vpp 2 interleaves model chunks"):
         resolve_layout(world_size=1, virtual_pipeline=2)
     with pytest.raises(MemoError, match=r"--tp 1 x --cp 1 x --pp 2 = 2 ranks per model replica does not "

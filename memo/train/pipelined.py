@@ -120,23 +120,24 @@ def train_pipelined(config: Any, *, log: Callable[[str], None] | None = None, pr
              + f", {layout.world} rank(s) ({layout}), schedule {_schedule_name(layout)}")
         bar = tqdm(range(1, config.steps + 1), desc="train", unit="step", file=sys.stderr,
                    disable=not progress or not sys.stderr.isatty())
-        peak = 0
+        meter = _DeviceMeter(device, chunks)
         for step in bar:
             batches = [_shard(next(source), parallel, device) for _ in range(config.micro_batches)]
             start = time.perf_counter()
-            loss = _step(chunks, ddp, optimizer, batches, layout, config)
+            with meter:
+                loss = _step(chunks, ddp, optimizer, batches, layout, config)
             seconds = time.perf_counter() - start
             loss = _loss_on_every_rank(loss, parallel)
             if not math.isfinite(loss):
                 raise MemoError(f"memo.train: loss became {loss} at step {step}; lower --lr")
-            peak = max(peak, _peak_rss())
+            peak = meter.peak
             tokens = config.seq_len * config.micro_batch * config.micro_batches
             tgs = tokens / seconds / layout.world
             samples = config.micro_batch * config.micro_batches / layout.world
             metrics = StepMetrics(step, loss, seconds, tgs,
                                   mfu(result.flops_per_sample, samples, seconds, result.peak_flops),
-                                  peak, _extras(runtimes))
-            result.peak_memory_kind = "process max RSS"
+                                  peak, {**_extras(runtimes), "allocator": dict(meter.counts)})
+            result.peak_memory_kind = meter.kind
             result.steps.append(metrics)
             bar.set_postfix(loss=f"{loss:.3f}")
             emit(_step_line(metrics, result.peak_memory_kind))
@@ -319,10 +320,44 @@ def _loss_on_every_rank(loss: float | None, parallel: Any) -> float:
     return float(value)
 
 
-def _peak_rss() -> int:
-    import resource
+class _DeviceMeter:
+    """The device peak of the steps run inside it (NOTE [Measuring device memory] in memo/train/meter.py):
+    on the CPU, memo's allocator serves the steps (no plan: its fallback) and its peak in use, plus the
+    chunks' parameters, is the emulated device's; on CUDA, torch's ``max_memory_allocated``."""
 
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    def __init__(self, device: torch.device, chunks: list[torch.nn.Module]) -> None:
+        self.device = device
+        self.params = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
+        self.peak = 0
+        self.kind = ("cuda_max_memory_allocated" if device.type == "cuda"
+                     else "memo_allocator_peak_in_use+params")
+        self._served: Any = None
+        self.counts: dict[str, int] = {}
+
+    def __enter__(self) -> _DeviceMeter:
+        if self.device.type == "cpu":
+            import gc
+
+            from memo import allocator
+
+            gc.collect()  # blocks a finished step left to the collector would count in this one
+            self._served = allocator.planned({"tables": {}, "peak": 0}, device=self.device)
+            self._served.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.device.type == "cuda":
+            self.peak = max(self.peak, int(torch.cuda.max_memory_allocated(self.device)))
+            return
+        from memo import allocator
+
+        st = allocator.stats(self.device)
+        self.peak = max(self.peak, self.params + int(st["peak_bytes_in_use"]))
+        # no plan: every request is the fallback's (the step's phases are not tracked: all "unplanned")
+        self.counts = {"planned": int(st["planned_hits"]), "fallback": int(st["fallback_requests"])
+                       - int(st["unplanned_requests"]), "unplanned": int(st["unplanned_requests"])}
+        self._served.__exit__(*exc)
+        self._served = None
 
 
 def _extras(runtimes: list[Any]) -> dict[str, Any]:
