@@ -270,15 +270,12 @@ def check_layout(layout: ParallelLayout, *, engine: str, n_heads: int, n_query_g
 def _pipeline_problem(layout: ParallelLayout, engine: str, n_layers: int, micro_batches: int) -> str | None:
     """What keeps ``layout``'s pipeline from running (NOTE [Pipeline stages] in
     memo/distributed/pipeline.py), or None."""
-    p, v, dp = layout.pipeline_parallel, layout.virtual_pipeline, layout.data_parallel
+    p, v = layout.pipeline_parallel, layout.virtual_pipeline
     if p == 1:
         return None
     if engine != "megatron":
         return (f"--pp {p}: pipeline stages are megatron-core's (its GPTModel chunks and schedules); use "
                 "--engine megatron")
-    if dp > 1:
-        return (f"--pp {p} with --dp {dp}: memo's pipeline runs do not replicate stages over data-parallel "
-                "ranks yet; launch tp·cp·pp processes (--dp 1)")
     if n_layers % (p * v):
         chunks = f"--pp {p} x --vpp {v} = {p * v} model chunks" if v > 1 else f"--pp {p} stages"
         return (f"the model's {n_layers} layers cannot be split evenly over {chunks}; use a --pp"

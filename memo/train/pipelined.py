@@ -267,7 +267,8 @@ def _step(chunks: list[torch.nn.Module], ddp: list[Any] | None, optimizer: torch
         from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    scale = layout.context_parallel  # DDP averages the CP ranks' gradients: each holds 1/c of the tokens
+    # DDP averages the gradients of the DP x CP ranks, each of which holds 1/(d·c) of the tokens
+    scale = layout.context_parallel * layout.data_parallel
 
     def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
         ids, labels, positions, count = next(data_iterator)
@@ -277,8 +278,9 @@ def _step(chunks: list[torch.nn.Module], ddp: list[Any] | None, optimizer: torch
         def loss_func(out: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             local = (out * counted.to(out.dtype)).sum()
             total = local.detach().clone()
-            if layout.context_parallel > 1:
-                torch.distributed.all_reduce(total, group=parallel_state.get_context_parallel_group())
+            if scale > 1:
+                torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group(
+                    with_context_parallel=True))
             n = max(int(count), 1)
             # megatron divides what this returns by the micro-batch count, in place: a copy is reported
             return local * (scale / n), {"loss": (total / n).clone()}
