@@ -209,6 +209,7 @@ def pipelines_world2(rank: int, world: int, spec: dict[str, Any], record: Any) -
     parallel_state.destroy_model_parallel()
     for schedule, vpp in SCHEDULES.items():
         check(record, f"train/{schedule}", lambda vpp=vpp: _train(STAGES, vpp))
+    check(record, "train/1f1b/alpha=auto", lambda: pipelined_train(AUTO, pipeline_parallel=STAGES))
 
 
 #: ``memo train --engine megatron --micro-batches 4 --alpha 0.5`` on the 4-layer ``tiny`` model.
@@ -220,16 +221,25 @@ def _train(pp: int, vpp: int) -> str:
     return pipelined_train(pipeline_parallel=pp, virtual_pipeline=vpp)
 
 
-def pipelined_train(**layout: Any) -> str:
+#: memo's alpha solved per stage (NOTE [A stage's profile]) with host memory that binds: 1 MB per
+#: process, where stage 0's 1F1B holds 2 forwards of its 2 layers.
+AUTO = {"alpha": "auto", "layer_ms": 1.0, "bandwidth_gbps": 10.0, "host_mem_gb": 0.0025,
+        "gpus_per_node": 2, "host_safety": 0.8}
+AUTO_HOST_BYTES = 1_000_000
+
+
+def pipelined_train(options: dict[str, Any] | None = None, **layout: Any) -> str:
     """``memo train`` pipelined (NOTE [Pipelined steps]) in this launch's world, ``layout`` the
-    TrainConfig's parallel fields: JSON of its losses and every rank's stage record."""
+    TrainConfig's parallel fields, ``options`` memo's (default alpha 0.5): JSON of its losses and every
+    rank's stage record."""
     import json
 
     from memo.train.loop import TrainConfig, train
     from memo.train.strategies import StrategyOptions, make_strategy
 
     result = train(TrainConfig(**TRAIN, **layout), progress=False,
-                   strategy=make_strategy(StrategyOptions(alpha=0.5)), log=lambda _line: None)
+                   strategy=make_strategy(StrategyOptions(**(options or {"alpha": 0.5}))),
+                   log=lambda _line: None)
     return json.dumps({"losses": [s.loss for s in result.steps], "ranks": result.parallel["ranks"]})
 
 
@@ -355,7 +365,6 @@ def test_pipeline_layouts_are_refused_with_what_to_change() -> None:
 
 @pytest.mark.parametrize(("overrides", "options", "message"), [
     ({"engine": "memo"}, {}, "runs megatron-core's schedules; use --engine megatron"),
-    ({}, {"alpha": "auto"}, "memo does not profile a pipeline stage yet.* give --alpha"),
     ({}, {"plan": "plan.json"}, "--plan is a plan of one iteration"),
     ({}, {"strategy": "full-offload"}, "--strategy full-offload is not run under megatron's schedules"),
 ])
@@ -368,3 +377,17 @@ def test_pipelined_runs_refuse_what_they_cannot_take(overrides: dict, options: d
     with pytest.raises(MemoError, match=message):
         train(TrainConfig(**{**TRAIN, **overrides}), progress=False,
               strategy=make_strategy(StrategyOptions(**options)), log=lambda _line: None)
+
+
+def test_each_stage_solves_alpha_for_the_forwards_it_holds(world2, one_process_losses: list[float]) -> None:
+    """``memo train --pp 2 --micro-batches 4`` with alpha auto (NOTE [A stage's profile]): stage 0 profiles
+    its chunk and solves the LP for its 2 layers x 2 forwards in flight; host memory binds, so its alpha
+    is inside (0, 1) and its arena within the 1 MB a process may pin; the losses are one process's."""
+    import json
+
+    _assert_passed(world2, "train/1f1b/alpha=auto")
+    run = json.loads(world2["train/1f1b/alpha=auto"][0]["detail"])
+    assert run["losses"] == pytest.approx(one_process_losses, rel=1e-5)
+    first = next(r for r in run["ranks"] if r["pp_rank"] == 0)
+    assert 0.0 < first["alpha"] < 1.0, first
+    assert first["forwards_in_flight"] == [2] and 0 < first["host_pinned_bytes"] <= AUTO_HOST_BYTES, first

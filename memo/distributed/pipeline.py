@@ -35,10 +35,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 
+from memo.adapters.model import ModelAdapter, ModelParts, register_model_adapter
 from memo.errors import MemoError
 
-__all__ = ["in_flight", "pipeline_config"]
+__all__ = ["StageAdapter", "StageModel", "in_flight", "pipeline_config"]
 
 
 def pipeline_config(layout: Any, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
@@ -95,3 +97,88 @@ def in_flight(stages: int, stage: int, chunks: int, micro_batches: int,
         forward(warmup + i)
         backward(i)
     return most
+
+
+# NOTE [A stage's profile]
+# memo's profiler records a model through its ModelAdapter: the module whose forward opens the
+# embedding phase, the layers, the head modules, and a loss from token ids. A pipeline chunk has
+# none of that around its layers unless it is the first (its embedding) or the last (its final norm,
+# LM head and loss). :class:`StageModel` gives a chunk that shape for the profile: before a chunk
+# that is not the first, an ``entry`` module hands it a fixed random input of the shape the previous
+# stage sends (``[s/c (/t under SP), b, h]``, requiring grad, as megatron's received tensor does);
+# after a chunk that is not the last, an ``exit`` module turns its output into a scalar whose gradient
+# is a fixed random tensor, the stand-in for the gradient the next stage sends back. One forward and
+# backward of one micro-batch through the chunk is then recorded as any model's: its layers' S_input,
+# S_attn and S_others are the chunk's own (its rank's tokens, TP and CP shards), which is what the
+# alpha LP needs. The LP's host memory is the rank's share for the forwards its schedule keeps in
+# flight (:func:`in_flight`); the address plan of the schedule's interleaved micro-batches is not made
+# (NOTE [Pipelined steps] in memo/train/pipelined.py).
+
+
+class _Entry(nn.Module):
+    """The stage's input: the tensor the previous stage would send (NOTE [A stage's profile])."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+class _Exit(nn.Module):
+    """A scalar whose gradient with respect to ``y`` is ``g``: the next stage's gradient, fixed."""
+
+    def forward(self, y: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        return (y * g).sum()
+
+
+class StageModel(nn.Module):
+    """One pipeline chunk as memo's profiler takes a model (NOTE [A stage's profile])."""
+
+    def __init__(self, chunk: nn.Module, positions: torch.Tensor, sends: tuple[int, ...],
+                 seed: int = 0) -> None:
+        super().__init__()
+        self.chunk = chunk
+        self.entry, self.exit = _Entry(), _Exit()
+        self.positions = positions
+        self.sends = sends
+        self.seed = seed
+        self.tensor_parallel = getattr(chunk, "tensor_parallel", 1)
+
+    def _random(self, shape: tuple[int, ...]) -> torch.Tensor:
+        p = next(self.chunk.parameters())
+        g = torch.Generator().manual_seed(self.seed)
+        return torch.randn(shape, generator=g, dtype=torch.float32).to(device=p.device, dtype=p.dtype)
+
+    def loss(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        chunk = self.chunk
+        if not chunk.pre_process:
+            x = self.entry(self._random(self.sends).requires_grad_())
+            chunk.set_input_tensor(x)
+        counted = labels != -100
+        out = chunk(ids, self.positions, None, labels=torch.where(counted, labels, 0) if chunk.post_process
+                    else None)
+        if chunk.post_process:
+            weight = counted.to(out.dtype)
+            return (out * weight).sum() / weight.sum().clamp(min=1)
+        return self.exit(out, self._random(tuple(out.shape)))
+
+
+class StageAdapter(ModelAdapter):
+    """:class:`StageModel`'s parts and loss (NOTE [A stage's profile])."""
+
+    name = "megatron-stage"
+
+    def parts(self, model: nn.Module) -> ModelParts:
+        chunk = model.chunk
+        entry = chunk.embedding if chunk.pre_process else model.entry
+        norm = getattr(chunk.decoder, "final_layernorm", None)
+        head = ([m for m in (norm, chunk.output_layer) if m is not None] if chunk.post_process
+                else [model.exit])
+        return ModelParts(entry, list(chunk.decoder.layers), head)
+
+    def loss(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return model.loss(ids, labels)
+
+    def vocab_size(self, model: nn.Module) -> int:
+        return int(model.chunk.vocab_size)
+
+
+register_model_adapter(StageModel, StageAdapter())

@@ -11,16 +11,19 @@ where a reduction is needed (context-parallel ranks, sequence-parallel norms), a
 ``get_forward_backward_func()``: no pipelining for P = 1 (gradient accumulation in one process: the
 single-process run the pipelines are checked against), 1F1B, or the interleaved schedule with V > 1.
 
-memo's part in each chunk: ``--strategy memo`` wraps every chunk with ``--alpha`` and memo's default
-policy for the chunk's place (every layer offloaded in a chunk that feeds the next stage);
-``full-recompute`` wraps every layer under torch's checkpoint (memo's "recompute" policy); ``none``
-leaves the chunks as they are. Each chunk's runtime keeps one host region per forward in flight, which
-:func:`memo.distributed.pipeline.in_flight` counts and the report shows per stage.
+memo's part in each chunk: ``--strategy memo`` wraps every chunk with memo's default policy for the
+chunk's place (every layer offloaded in a chunk that feeds the next stage) at ``--alpha``, or with
+``--alpha auto`` at the alpha each stage solves from a profile of its own chunk, with the host memory
+its arenas share over the forwards its schedule keeps in flight (NOTE [A stage's profile] in
+memo/distributed/pipeline.py; the smallest over the stage's ranks, which run each layer's collectives
+together). ``full-recompute`` wraps every layer under torch's checkpoint (memo's "recompute" policy);
+``none`` leaves the chunks as they are. Each chunk's runtime keeps one host region per forward in
+flight, which :func:`memo.distributed.pipeline.in_flight` counts and the report shows per stage.
 
-What is not built yet: a stage's own profile and address plan. ``--alpha auto`` (the LP) and ``--plan``
-need a profile of the stage as its schedule runs it (the forwards and backwards of different
-micro-batches interleaved), so they are refused here with what to give instead; the chunks' memory is
-served by memo's fallback allocator, not a plan.
+What is not built yet: an address plan of a stage as its schedule runs it (the forwards and backwards
+of different micro-batches interleaved), so ``--plan`` is refused here and the chunks' memory is served
+by memo's fallback allocator; nor the layer policy a stage's planner would choose (the default policy
+for its place is used).
 """
 
 from __future__ import annotations
@@ -57,10 +60,9 @@ def _check(config: Any, strategy: Any) -> float | None:
     if opts.plan is not None:
         raise MemoError(f"memo.train: {what}: --plan is a plan of one iteration, and a pipeline stage runs "
                         "the forwards and backwards of several micro-batches interleaved, which memo's plans "
-                        "do not describe yet; give --alpha instead")
+                        "do not describe yet; give --alpha, or leave it auto (each stage solves it)")
     if opts.alpha == "auto":
-        raise MemoError(f"memo.train: {what}: memo does not profile a pipeline stage yet, so it cannot solve "
-                        "alpha; give --alpha (a number in [0, 1]) (NOTE [Pipelined steps])")
+        return None  # each stage solves it (NOTE [A stage's profile])
     from memo.runtime.runtime import validate_alpha
 
     return validate_alpha(float(opts.alpha))
@@ -106,6 +108,11 @@ def train_pipelined(config: Any, *, log: Callable[[str], None] | None = None, pr
                        else config.seq_len)
         chunks = build_megatron_stages(model_config, max_seq_len, device, dtype, layout)
         _initialise(chunks, config.seed, model_config.n_layers, layout)
+        source = iter(_token_source(config, model_config))
+        batches = [_shard(next(source), parallel, device) for _ in range(config.micro_batches)]
+        if strategy.name == "memo" and alpha is None:
+            alpha = _stage_alpha(chunks, batches[0], strategy.options, layout, parallel, config, emit)
+            strategy.alpha = alpha
         runtimes = _apply(strategy.name, chunks, alpha)
         ddp = _data_parallel(chunks, layout)
         stage = 0 if parallel is None else parallel.pp_rank
@@ -113,7 +120,6 @@ def train_pipelined(config: Any, *, log: Callable[[str], None] | None = None, pr
         result.num_parameters = _all_parameters(chunks, parallel)
         result.world = layout.world
         optimizer = adamw([p for c in chunks for p in c.parameters()], lr=config.lr)
-        source = iter(_token_source(config, model_config))
         emit(f"memo.train: {config.model} (megatron-core GPTModel), seq {config.seq_len} x batch "
              f"{config.micro_batch} x {config.micro_batches} micro-batches, {config.dtype} on {device}, "
              f"strategy {strategy.name}" + ("" if alpha is None else f" (alpha {alpha:.4f})")
@@ -122,7 +128,8 @@ def train_pipelined(config: Any, *, log: Callable[[str], None] | None = None, pr
                    disable=not progress or not sys.stderr.isatty())
         meter = _DeviceMeter(device, chunks)
         for step in bar:
-            batches = [_shard(next(source), parallel, device) for _ in range(config.micro_batches)]
+            if step > 1:
+                batches = [_shard(next(source), parallel, device) for _ in range(config.micro_batches)]
             start = time.perf_counter()
             with meter:
                 loss = _step(chunks, ddp, optimizer, batches, layout, config)
@@ -200,6 +207,72 @@ def _global_name(chunk: torch.nn.Module, name: str) -> str:
         local, rest = name.removeprefix("decoder.layers.").split(".", 1)
         return f"decoder.layers.{chunk.decoder.layers[int(local)].layer_number - 1}.{rest}"
     return name
+
+
+def _stage_alpha(chunks: list[torch.nn.Module], batch: tuple[torch.Tensor, ...], options: Any, layout: Any,
+                 parallel: Any, config: Any, emit: Callable[[str], None]) -> float:
+    """memo's alpha for this rank's stage (NOTE [A stage's profile]): the alpha LP of a profile of its
+    first chunk, with the host memory this rank's arenas share over the forwards in flight, the
+    smallest over the ranks of the stage (they run each layer's collectives together)."""
+    import warnings
+
+    from memo import pipeline
+    from memo.distributed.pipeline import StageModel, in_flight
+    from memo.profiler.measure import GB, machine_memory_bytes
+    from memo.runtime.runtime import NOT_OFFLOADED_TAIL, kept_tail
+
+    p, v = layout.pipeline_parallel, layout.virtual_pipeline
+    stage = 0 if parallel is None else parallel.pp_rank
+    flights = in_flight(p, stage, v, config.micro_batches) if p > 1 else [1]
+    offloaded = [len(c.decoder.layers) - min(len(c.decoder.layers), kept_tail(c, NOT_OFFLOADED_TAIL))
+                 for c in chunks]
+    held = sum(f * n for f, n in zip(flights, offloaded, strict=True))  # layer regions of the rank's arenas
+    vote = 1.0  # a rank that offloads nothing does not bound its stage's alpha
+    if held:
+        from memo.planner import solve_alpha
+        from memo.profiler.measure import measure_bandwidth, time_layer_forward
+        from memo.profiler.record import layer_inputs
+
+        ids, labels, positions, _count = batch
+        chunk = chunks[0]
+        tokens = ids.shape[1] // (layout.tensor_parallel if layout.sequence_parallel else 1)
+        sends = (tokens, ids.shape[0], chunk.config.hidden_size)
+        model = StageModel(chunk, positions, sends, seed=config.seed)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plain = pipeline.profile(model, batch=(ids, labels), tensor_parallel=layout.tensor_parallel,
+                                     context_parallel=layout.context_parallel, solve=False)
+            layer_ms = options.layer_ms
+            if layer_ms is None:  # the stage's ranks time their first layer together (collectives pair up)
+                args, kwargs = layer_inputs(model, ids, labels)
+                first = chunk.decoder.layers[0]
+                layer_ms = float(time_layer_forward(first, *args, layer_kwargs=kwargs).value)
+        for p_ in chunk.parameters():  # the profile ran a backward; the step starts from no gradients
+            p_.grad = None
+        bandwidth = options.bandwidth_gbps or float(measure_bandwidth(ids.device).value)
+        host_gb = options.host_mem_gb if options.host_mem_gb is not None else machine_memory_bytes() / GB
+        host = options.machine().replace(host_mem_gb=host_gb).host_per_process()
+        sizes = plain.trace["layers"]
+        # the rank's arenas hold `held` layer regions at once: the LP's host constraint counts them all
+        solution = solve_alpha(sizes["S_input"], sizes["S_attn"], sizes["S_others"], bandwidth * GB,
+                               layer_ms / 1e3, held, host, offloaded_layers=held)
+        vote = float(solution.alpha)
+        emit(f"memo: stage {stage}: alpha {vote:.4f} ({solution.binding}) for {held} layer regions in "
+             f"flight ({flights} forwards per chunk); S_input {sizes['S_input']:,} B, S_attn "
+             f"{sizes['S_attn']:,} B, S_others {sizes['S_others']:,} B per layer")
+    return _stage_min(vote, parallel)
+
+
+def _stage_min(value: float, parallel: Any) -> float:
+    """The smallest ``value`` over the ranks of this rank's pipeline stage (every rank calls it)."""
+    if parallel is None:
+        return value
+    from megatron.core import parallel_state
+
+    stages = parallel.gather(parallel_state.get_pipeline_model_parallel_rank())
+    values = parallel.gather(value)
+    mine = stages[parallel.rank]
+    return min(v for s, v in zip(stages, values, strict=True) if s == mine)
 
 
 def _schedule_name(layout: Any) -> str:
@@ -390,7 +463,8 @@ def _stages_record(parallel: Any, result: Any, runtimes: list[Any], stage: int,
     layout = parallel.layout
     extras = result.steps[-1].extras if result.steps else {}
     peak = max((s.peak_memory_bytes or 0) for s in result.steps) if result.steps else None
-    mine = {"rank": parallel.rank, "pp_rank": stage, "tp_rank": parallel.tp_rank, "cp_rank": parallel.cp_rank,
+    mine = {"rank": parallel.rank, "pp_rank": stage, "alpha": getattr(result.strategy, "alpha", None),
+            "tp_rank": parallel.tp_rank, "cp_rank": parallel.cp_rank,
             "dp_rank": parallel.dp_rank, "peak_device_bytes": peak,
             "peak_device_kind": result.peak_memory_kind,
             "host_pinned_bytes": int(extras.get("host_pinned_bytes", 0)),
