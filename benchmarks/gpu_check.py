@@ -262,6 +262,17 @@ def main(argv: list[str] | None = None) -> int:
                    *_train_cmd("memo", "gpt-125m", seq, steps, report, "--engine", "megatron")[1:]], 600)
         _train_numbers(c.run(logs), report)
         checks.append(c)
+        # Issue 28: FSDP2's sharded states, on the device and in host memory (CPUOffloadPolicy), and
+        # issue 29: megatron's schedule over micro-batches (no pipelining at world 1), all under NCCL.
+        for name, extra in (("fsdp2", ("--engine", "fsdp2")),
+                            ("fsdp2-offload", ("--engine", "fsdp2", "--offload-states")),
+                            ("megatron-microbatches", ("--engine", "megatron", "--micro-batches", "4"))):
+            report = work / f"train-{name}-torchrun.json"
+            c = Check(f"torchrun memo train {' '.join(extra)} gpt-125m {seq} bf16 (NCCL, world 1)",
+                      [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                       *_train_cmd("memo", "gpt-125m", seq, steps, report, *extra)[1:]], 600)
+            _train_numbers(c.run(logs), report)
+            checks.append(c)
 
     if "sanitizer" not in args.skip:
         sanitizer = shutil.which("compute-sanitizer")

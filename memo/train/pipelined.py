@@ -90,12 +90,12 @@ def train_pipelined(config: Any, *, log: Callable[[str], None] | None = None, pr
     emit = log if log is not None else tqdm.write
     dtype = DTYPES[config.dtype]
     parallel = start_parallel(config)
+    undo: list[Callable[[], None]] = []  # what a single-process run set up, undone at its end
     try:
         if parallel is None:
-            from memo.distributed.cpu_shims import install_cpu_shims
             from memo.distributed.layout import ParallelLayout
 
-            install_cpu_shims()  # megatron's schedules on the CPU (nothing where CUDA is usable)
+            undo = _one_process_world()
             _init_megatron_world()
             layout, device, first_rank = ParallelLayout(), torch.device(config.device), True
         else:
@@ -156,7 +156,28 @@ def train_pipelined(config: Any, *, log: Callable[[str], None] | None = None, pr
     finally:
         if parallel is not None:
             parallel.close()
+        for step in reversed(undo):
+            step()
     return result
+
+
+def _one_process_world() -> list[Callable[[], None]]:
+    """Install what megatron's schedules need in one process (the CPU shims; megatron's parallel state
+    and a process group of one come with ``_init_megatron_world``) and return how to undo what was not
+    there before, so that the process is left as it was found."""
+    from megatron.core import parallel_state
+
+    from memo.distributed.cpu_shims import cpu_shims_installed, install_cpu_shims, remove_cpu_shims
+
+    undo: list[Callable[[], None]] = []
+    if not cpu_shims_installed():
+        install_cpu_shims()  # megatron's schedules on the CPU (nothing where CUDA is usable)
+        undo.append(remove_cpu_shims)
+    if not torch.distributed.is_initialized():
+        undo.append(torch.distributed.destroy_process_group)
+    if not parallel_state.model_parallel_is_initialized():
+        undo.append(parallel_state.destroy_model_parallel)
+    return undo
 
 
 # NOTE [Pipeline initialisation]
@@ -421,10 +442,15 @@ class _DeviceMeter:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.device.type == "cuda":
-            self.peak = max(self.peak, int(torch.cuda.max_memory_allocated(self.device)))
-            return
         from memo import allocator
+
+        if self.device.type == "cuda":
+            if allocator.cuda_installed():  # memo's CUDA allocator serves everything (torch's stats are off)
+                self.kind = "memo_allocator_peak_in_use"
+                self.peak = max(self.peak, int(allocator.stats(self.device)["peak_bytes_in_use"]))
+            else:
+                self.peak = max(self.peak, int(torch.cuda.max_memory_allocated(self.device)))
+            return
 
         st = allocator.stats(self.device)
         self.peak = max(self.peak, self.params + int(st["peak_bytes_in_use"]))
