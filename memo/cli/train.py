@@ -210,10 +210,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     par = p.add_argument_group("several processes (launch with torchrun; --engine megatron, --dp also "
                                "--engine fsdp2)")
     par.add_argument("--tp", type=positive_int, default=1,
-                     help="tensor-parallel ranks: each layer's weights split over this many processes (1)")
+                     help="tensor-parallel ranks: each layer's weights split over this many processes")
     par.add_argument("--cp", type=positive_int, default=1,
                      help="context-parallel ranks: each sequence split over this many processes in "
-                     "megatron's load-balanced causal layout (1)")
+                     "megatron's load-balanced causal layout")
     par.add_argument("--cp-comm", choices=CP_COMM_TYPES, default="all_gather",
                      help="how the context-parallel ranks' attention communicates: all_gather (K and V "
                      "gathered, the default) or a2a (Ulysses: an all-to-all gives each rank all tokens of "
@@ -225,13 +225,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                      help="megatron sequence parallelism inside each tensor-parallel group (needs --tp > 1)")
     par.add_argument("--pp", type=positive_int, default=1,
                      help="pipeline stages: each process holds L/pp layers, steps run by megatron's 1F1B "
-                     "schedule over --micro-batches (1)")
+                     "schedule over --micro-batches")
     par.add_argument("--vpp", type=positive_int, default=1,
                      help="model chunks per pipeline stage: megatron's interleaved schedule (needs --pp > 1; "
-                     "--micro-batches a multiple of --pp) (1)")
+                     "--micro-batches a multiple of --pp)")
     par.add_argument("--micro-batches", type=positive_int, default=1,
                      help="micro-batches of --micro-batch sequences per optimizer step, gradients "
-                     "accumulated (more than 1, or --pp > 1: megatron's schedules, --engine megatron) (1)")
+                     "accumulated (more than 1, or --pp > 1: megatron's schedules, --engine megatron)")
     p.add_argument("--hf-config", metavar="PATH_OR_JSON",
                    help="train a Hugging Face causal LM (Llama, Qwen2, Mistral) built from this config "
                    "instead of --model: a config.json, a directory holding one (no weights are loaded), or "
