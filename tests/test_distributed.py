@@ -373,8 +373,8 @@ def _ulysses_train_plan_vs_peak() -> str:
     from memo.train.strategies import StrategyOptions, make_strategy
 
     strategy = make_strategy(StrategyOptions(alpha=0.5, layer_ms=5.0, bandwidth_gbps=10.0, host_mem_gb=64.0,
-                                             time_limit=2.0))
-    config = TrainConfig(engine="megatron", model="tiny", seq_len=1024, micro_batch=1, steps=3,
+                                             time_limit=1.0))
+    config = TrainConfig(engine="megatron", model="tiny", seq_len=512, micro_batch=1, steps=2,
                          context_parallel=2, cp_comm="a2a")
     result = train(config, progress=False, strategy=strategy, log=lambda _line: None)
     total = int(strategy.plan.device["total_bytes"])
