@@ -36,12 +36,13 @@ from torch import nn
 
 from memo.errors import MemoError
 
-__all__ = ["ENGINES", "build_hf_causal_lm", "build_megatron_gpt", "build_megatron_stages", "hf_config"]
+__all__ = ["ENGINES", "build_hf_causal_lm", "build_megatron_gpt", "build_megatron_stages", "hf_config",
+           "init_megatron_world"]
 
 ENGINES = ("memo", "megatron", "fsdp2")
 
 
-def _init_megatron_world() -> None:
+def init_megatron_world() -> None:
     """megatron's model-parallel state over one process (gloo), unless a process group exists."""
     from megatron.core import parallel_state
 
@@ -67,7 +68,7 @@ def build_megatron_gpt(config: Any, seq_len: int, device: torch.device | str, dt
     from memo.distributed.layout import ParallelLayout
 
     if layout is None:
-        _init_megatron_world()
+        init_megatron_world()
         layout = ParallelLayout()
     if layout.pipeline_parallel > 1:
         raise MemoError(f"memo.train: this layout has {layout.pipeline_parallel} pipeline stages; a rank "

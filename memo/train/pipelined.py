@@ -7,7 +7,8 @@ A step is M micro-batches of ``--micro-batch`` sequences each, their gradients a
 AdamW step: the loss is the mean of the micro-batches' losses (each the mean over its counted tokens),
 as megatron's schedules compute it. Each rank builds its stage's model chunks
 (:func:`memo.engines.build_megatron_stages`), each chunk under megatron's ``DistributedDataParallel``
-where a reduction is needed (context-parallel ranks, sequence-parallel norms), and runs one step with
+where a reduction is needed (data-parallel replicas, context-parallel ranks, sequence-parallel norms),
+and runs one step with
 ``get_forward_backward_func()``: no pipelining for P = 1 (gradient accumulation in one process: the
 single-process run the pipelines are checked against), 1F1B, or the interleaved schedule with V > 1.
 
@@ -74,7 +75,7 @@ def train_pipelined(config: Any, *, log: Callable[[str], None] | None = None, pr
     steps])."""
     from tqdm import tqdm
 
-    from memo.engines import _init_megatron_world, build_megatron_stages
+    from memo.engines import build_megatron_stages, init_megatron_world
     from memo.models import DEFAULT_MAX_SEQ_LEN, get_config
     from memo.models.dtypes import DTYPES
     from memo.train.loop import StepMetrics, _new_result, _step_line, _token_source, adamw
@@ -96,7 +97,7 @@ def train_pipelined(config: Any, *, log: Callable[[str], None] | None = None, pr
             from memo.distributed.layout import ParallelLayout
 
             undo = _one_process_world()
-            _init_megatron_world()
+            init_megatron_world()
             layout, device, first_rank = ParallelLayout(), torch.device(config.device), True
         else:
             layout, device, first_rank = parallel.layout, parallel.device, parallel.is_first
@@ -163,7 +164,7 @@ def train_pipelined(config: Any, *, log: Callable[[str], None] | None = None, pr
 
 def _one_process_world() -> list[Callable[[], None]]:
     """Install what megatron's schedules need in one process (the CPU shims; megatron's parallel state
-    and a process group of one come with ``_init_megatron_world``) and return how to undo what was not
+    and a process group of one come with ``init_megatron_world``) and return how to undo what was not
     there before, so that the process is left as it was found."""
     from megatron.core import parallel_state
 
