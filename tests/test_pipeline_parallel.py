@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 
+from memo.distributed.pipeline import whole_model_name
 from tests import dist_harness
 from tests.dist_harness import check
 from tests.grads import RTOL, rel_err
@@ -86,14 +87,6 @@ def _reference(style: str) -> dict[str, Any]:
             "grads": {n: p.grad.clone() for n, p in named}}
 
 
-def _global_name(chunk: torch.nn.Module, name: str) -> str:
-    """The whole model's name of a chunk's parameter: its layers are numbered within the chunk."""
-    if name.startswith("decoder.layers."):
-        local, rest = name.removeprefix("decoder.layers.").split(".", 1)
-        return f"decoder.layers.{chunk.decoder.layers[int(local)].layer_number - 1}.{rest}"
-    return name
-
-
 def _stages(style: str, vpp: int, ref: dict[str, Any]) -> list[torch.nn.Module]:
     """This rank's chunks, holding the whole model's weights."""
     from memo.distributed.layout import ParallelLayout
@@ -104,7 +97,7 @@ def _stages(style: str, vpp: int, ref: dict[str, Any]) -> list[torch.nn.Module]:
     with torch.no_grad():
         for chunk in chunks:
             for name, p in chunk.named_parameters():
-                p.copy_(ref["params"][_global_name(chunk, name)])
+                p.copy_(ref["params"][whole_model_name(chunk, name)])
     return chunks
 
 
@@ -144,7 +137,7 @@ def _compare(chunks: list[torch.nn.Module], losses: list[torch.Tensor], ref: dic
         for name, p in chunk.named_parameters():
             if p.grad is None:
                 raise AssertionError(f"{name} got no gradient")
-            worst = max(worst, (rel_err(p.grad, ref["grads"][_global_name(chunk, name)]), name))
+            worst = max(worst, (rel_err(p.grad, ref["grads"][whole_model_name(chunk, name)]), name))
     if not worst[0] <= RTOL:
         raise AssertionError(f"gradient of {worst[1]} differs: relative error {worst[0]:.3g}")
     return f"worst parameter gradient {worst[1]}: {worst[0]:.2g}"

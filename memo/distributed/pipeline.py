@@ -40,7 +40,7 @@ from torch import nn
 from memo.adapters.model import ModelAdapter, ModelParts, register_model_adapter
 from memo.errors import MemoError
 
-__all__ = ["StageAdapter", "StageModel", "in_flight", "pipeline_config"]
+__all__ = ["StageAdapter", "StageModel", "in_flight", "pipeline_config", "whole_model_name"]
 
 
 def pipeline_config(layout: Any, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
@@ -54,6 +54,15 @@ def pipeline_config(layout: Any, dtype: torch.dtype, device: torch.device) -> di
         return {}
     return {"pipeline_model_parallel_size": p, "virtual_pipeline_model_parallel_size": v if v > 1 else None,
             "pipeline_dtype": dtype, "batch_p2p_comm": device.type == "cuda"}
+
+
+def whole_model_name(chunk: nn.Module, name: str) -> str:
+    """The name in the whole model of a chunk's parameter ``name``: a chunk numbers its layers from 0,
+    megatron's ``layer_number`` (from 1) is the layer's place in the whole model."""
+    if name.startswith("decoder.layers."):
+        local, rest = name.removeprefix("decoder.layers.").split(".", 1)
+        return f"decoder.layers.{chunk.decoder.layers[int(local)].layer_number - 1}.{rest}"
+    return name
 
 
 def in_flight(stages: int, stage: int, chunks: int, micro_batches: int,

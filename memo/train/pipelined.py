@@ -197,6 +197,8 @@ def _initialise(chunks: list[torch.nn.Module], seed: int, n_layers: int, layout:
     """NOTE [Pipeline initialisation]."""
     import zlib
 
+    from memo.distributed.pipeline import whole_model_name
+
     tp = layout.tensor_parallel
     rank = 0
     if tp > 1:
@@ -208,7 +210,7 @@ def _initialise(chunks: list[torch.nn.Module], seed: int, n_layers: int, layout:
             for name, p in chunk.named_parameters():
                 if p.dim() < 2:
                     continue
-                whole = _global_name(chunk, name)
+                whole = whole_model_name(chunk, name)
                 std = INIT_STD / math.sqrt(2 * n_layers) if whole.endswith(
                     ("linear_proj.weight", "linear_fc2.weight")) else INIT_STD
                 sliced = getattr(p, "tensor_model_parallel", False) and tp > 1
@@ -221,14 +223,6 @@ def _initialise(chunks: list[torch.nn.Module], seed: int, n_layers: int, layout:
                 if sliced:
                     full = torch.cat(full.chunk(tp * stride, dim=dim)[rank::tp], dim=dim)
                 p.copy_(full)
-
-
-def _global_name(chunk: torch.nn.Module, name: str) -> str:
-    """A chunk's parameter name in the whole model: its layers are numbered within the chunk."""
-    if name.startswith("decoder.layers."):
-        local, rest = name.removeprefix("decoder.layers.").split(".", 1)
-        return f"decoder.layers.{chunk.decoder.layers[int(local)].layer_number - 1}.{rest}"
-    return name
 
 
 def _stage_alpha(chunks: list[torch.nn.Module], batch: tuple[torch.Tensor, ...], options: Any, layout: Any,
