@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from tests import dist_harness
-from tests.dist_harness import LaunchError, by_name, check
+from tests.dist_harness import LaunchError, check
 from tests.grads import RTOL, rel_err
 
 pytestmark = pytest.mark.megatron
@@ -496,12 +496,7 @@ def sleeping_worker(rank: int, world: int, spec: dict[str, Any], record: Any) ->
 
 
 def _launch(worker: str, world: int, timeout_s: float) -> dict[str, list[dict[str, Any]]]:
-    try:
-        return by_name(dist_harness.launch(f"{MODULE}:{worker}", world, {}, timeout_s))
-    except LaunchError as e:  # the records made before the failure still say what passed
-        table = by_name(e.results)
-        table["<launch>"] = [{"name": "<launch>", "ok": False, "detail": str(e)}]
-        return table
+    return dist_harness.launch_table(f"{MODULE}:{worker}", world, timeout_s)
 
 
 @pytest.fixture(scope="module")
@@ -515,11 +510,7 @@ def world4() -> dict[str, list[dict[str, Any]]]:
 
 
 def _assert_passed(table: dict[str, list[dict[str, Any]]], name: str, world: int) -> None:
-    recs = table.get(name, [])
-    launch = table.get("<launch>", [{}])[0].get("detail", "")
-    assert len(recs) == world, f"{name}: recorded by {len(recs)} of {world} ranks. {launch}"
-    failed = [f"rank {i}: {r['detail']}" for i, r in enumerate(recs) if not r["ok"]]
-    assert not failed, f"{name}: " + " | ".join(failed)
+    dist_harness.assert_passed(table, name, world)
 
 
 def test_memo_train_under_ulysses_cp2_plans_what_it_measures(world2) -> None:
