@@ -285,10 +285,9 @@ def _stage_min(value: float, parallel: Any) -> float:
         return value
     from megatron.core import parallel_state
 
-    stages = parallel.gather(parallel_state.get_pipeline_model_parallel_rank())
-    values = parallel.gather(value)
-    mine = stages[parallel.rank]
-    return min(v for s, v in zip(stages, values, strict=True) if s == mine)
+    votes = parallel.gather((parallel_state.get_pipeline_model_parallel_rank(), value))
+    mine = votes[parallel.rank][0]
+    return min(v for stage, v in votes if stage == mine)
 
 
 def _schedule_name(layout: Any) -> str:
