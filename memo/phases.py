@@ -29,7 +29,14 @@ import torch
 from torch import nn
 
 # The names live in a torch-free module (the planner reads them); re-exported here for callers.
-from memo.phase_names import PHASE_KINDS, is_backward_phase, layer_phase, parse_phase, phase_kind
+from memo.phase_names import (
+    PHASE_KINDS,
+    is_backward_phase,
+    layer_phase,
+    micro_batch_phase,
+    parse_phase,
+    phase_kind,
+)
 
 __all__ = [
     "PHASE_KINDS",
@@ -57,6 +64,13 @@ class PhaseTracker:
             that together make the head (a final norm, then the LM head / loss module): each one's
             forward is ``head.fwd`` and the gradient of each one's output opens ``head.bwd``.
         listeners: callables ``f(phase_or_None)`` called on every change.
+        first_layer: the number of ``layers[0]`` (a pipeline stage's chunks number their layers on
+            from the chunk before).
+        micro_batch: a pipeline stage's micro-batch counter: each phase then carries the micro-batch
+            its forward ran for (NOTE [Micro-batch phases] in memo/phase_names.py), taken when the
+            forward runs, so a backward is named for the forward it belongs to, whatever order the
+            schedule runs them in. A stage without an embedding passes ``embedding=None``, one without
+            the loss head ``head=()``.
 
     Use ``tracker.iteration()`` around forward + backward so the last backward
     phase closes when backward returns, and ``tracker.phase("optimizer")``
@@ -65,17 +79,22 @@ class PhaseTracker:
 
     def __init__(
         self,
-        embedding: nn.Module,
+        embedding: nn.Module | None,
         layers: Sequence[nn.Module],
         head: nn.Module | Sequence[nn.Module],
         listeners: Sequence[PhaseListener] = (),
+        *,
+        first_layer: int = 0,
+        micro_batch: Callable[[], int] | None = None,
     ) -> None:
         self._listeners: list[PhaseListener] = list(listeners)
         self._current: str | None = None
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._hook("embed", None, embedding)
+        self._micro_batch = micro_batch
+        if embedding is not None:
+            self._hook("embed", None, embedding)
         for i, layer in enumerate(layers):
-            self._hook("layer", i, layer)
+            self._hook("layer", first_layer + i, layer)
         heads = [head] if isinstance(head, nn.Module) else list(head)
         for k, module in enumerate(heads):
             # NOTE [One head phase]: head.fwd runs from the first head module's forward to the
@@ -133,14 +152,14 @@ class PhaseTracker:
         fwd = f"{part}.fwd" if index is None else layer_phase("fwd", index)
         bwd = f"{part}.bwd" if index is None else layer_phase("bwd", index)
 
+        def named(phase: str) -> str:
+            return phase if self._micro_batch is None else micro_batch_phase(phase, self._micro_batch())
+
         # A forward that runs inside backward is a recomputation (checkpointing, memo's
         # token-wise recompute): it belongs to the backward phase already open.
         def open_fwd(_module: nn.Module, _args: object) -> None:
             if not _in_backward():
-                self.set(fwd)
-
-        def open_bwd(_grad: torch.Tensor) -> None:
-            self.set(bwd)
+                self.set(named(fwd))
 
         def close_fwd(_module: nn.Module, _args: object, out: object) -> None:
             if _in_backward():
@@ -149,7 +168,8 @@ class PhaseTracker:
                 self.set(None)
             output = _first_grad_tensor(out)
             if output is not None:
-                output.register_hook(open_bwd)
+                backward = named(bwd)
+                output.register_hook(lambda _grad: self.set(backward))
 
         self._handles.append(module.register_forward_pre_hook(open_fwd))
         self._handles.append(module.register_forward_hook(close_fwd))

@@ -154,6 +154,28 @@ def _check_device(value: Any) -> dict[str, Any] | None:
     return dict(value)
 
 
+#: What a pipeline stage's plan records of the stage and schedule it was made for (NOTE [A stage's
+#: address plan] in memo/distributed/stage_plan.py): field -> its type.
+PIPELINE_FIELDS = {"stage": int, "stages": int, "virtual_stages": int, "schedule": str, "micro_batches": int,
+                   "chunk_layers": list}
+
+
+def _check_pipeline(value: Any) -> dict[str, Any] | None:
+    if _optional_object(value, "pipeline") is None:
+        return None
+    for key, kind in PIPELINE_FIELDS.items():
+        got = value.get(key)
+        if kind is list:
+            if not isinstance(got, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0
+                                                    for n in got):
+                raise _bad(f"pipeline.{key}", "a list of layer counts", got)
+        elif kind is int:
+            _count(got, f"pipeline.{key}")
+        elif not isinstance(got, kind):
+            raise _bad(f"pipeline.{key}", f"a {kind.__name__}", got)
+    return dict(value)
+
+
 def _check_solver(value: Any) -> dict[str, Any]:
     """The solver record: free-form, but what `memo show` prints has the type it prints."""
     solver = _object(value, "solver")
@@ -205,6 +227,8 @@ class Plan:
             the runtime's default.
         tile_tokens: tokens per tile of the memo and input-only layers' token-wise parts, as the
             policy chose them (NOTE [Tiles bounded by memory]); None: the runtime's default.
+        pipeline: the pipeline stage and schedule the plan was made for (NOTE [A stage's address plan]
+            in memo/distributed/stage_plan.py); None: one iteration of a whole model.
         device: one rank's device memory (NOTE [Model states]): ``budget_bytes`` (None: no budget),
             ``model_states`` (None: not known, the total is the iteration's alone), ``activations_bytes``
             (= ``peak``), ``total_bytes``, the policy's ``estimate`` and the ``binding`` constraint
@@ -236,6 +260,7 @@ class Plan:
     policy: list[str] | None = None
     tile_tokens: int | None = None
     device: dict[str, Any] | None = None
+    pipeline: dict[str, Any] | None = None
     solver: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     end_time: int = 0
@@ -335,6 +360,7 @@ class Plan:
             "policy": self.policy,
             "tile_tokens": self.tile_tokens,
             "device": self.device,
+            "pipeline": self.pipeline,
             "peak": self.peak,
             "lower_bound": self.lower_bound,
             "no_reuse_bytes": self.no_reuse_bytes,
@@ -447,6 +473,7 @@ class Plan:
             policy=_check_policy(data.get("policy")),
             tile_tokens=_check_tile(data.get("tile_tokens")),
             device=_check_device(data.get("device")),
+            pipeline=_check_pipeline(data.get("pipeline")),
             solver=solver,
             warnings=list(warnings),
             end_time=_count(data.get("end_time", 0), "end_time"),

@@ -575,7 +575,7 @@ def test_memo_train_pipelined_with_tp2_sp_gives_the_single_process_losses(world4
     alike."""
     import json
 
-    from tests.test_pipeline_parallel import pipelined_losses
+    from tests.test_pipeline_parallel import assert_stage_plans_hold, pipelined_losses
 
     _assert_passed(world4, "train/pp2tp2sp", 4)
     want = pipelined_losses()
@@ -585,6 +585,7 @@ def test_memo_train_pipelined_with_tp2_sp_gives_the_single_process_losses(world4
         assert sorted(r["pp_rank"] for r in run["ranks"]) == [0, 0, 1, 1]
         first = [r for r in run["ranks"] if r["pp_rank"] == 0]
         assert all(r["host_pinned_bytes"] > 0 for r in first), first
+        assert_stage_plans_hold(run["ranks"])
 
 
 def test_a_failing_rank_ends_the_launch() -> None:

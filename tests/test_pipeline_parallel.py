@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -206,6 +207,7 @@ def pipelines_world2(rank: int, world: int, spec: dict[str, Any], record: Any) -
     for schedule, vpp in SCHEDULES.items():
         check(record, f"train/{schedule}", lambda vpp=vpp: _train(STAGES, vpp))
     check(record, "train/1f1b/alpha=auto", lambda: pipelined_train(AUTO, pipeline_parallel=STAGES))
+    check(record, "train/1f1b/saved-plans", _saved_plans)
 
 
 #: ``memo train --engine megatron --micro-batches 4 --alpha 0.5`` on the 4-layer ``tiny`` model.
@@ -217,6 +219,48 @@ def _train(pp: int, vpp: int) -> str:
     return pipelined_train(pipeline_parallel=pp, virtual_pipeline=vpp)
 
 
+def plans_dir(launcher_pid: int) -> str:
+    """Where a launch's ranks write their stages' plans: one folder per launching (pytest) process."""
+    import os
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), f"memo-stage-plans-{launcher_pid}")
+
+
+def _saved_plans() -> str:
+    """NOTE [A stage's address plan]: ``--save-plan`` writes one plan per stage; ``--plan`` with the same
+    pattern trains on them with the same losses; the other stage's plan, or one made for another
+    micro-batch count, stops every rank with what differs."""
+    import json
+    import os
+
+    from memo.errors import MemoError
+
+    pattern = os.path.join(plans_dir(os.getppid()), "stage{stage}.json")
+    saved = json.loads(pipelined_train({"alpha": 0.5, "time_limit": 1.0, "save_plan": pattern},
+                                       pipeline_parallel=STAGES))
+    given = json.loads(pipelined_train({"plan": pattern}, pipeline_parallel=STAGES))
+    if given["losses"] != pytest.approx(saved["losses"], rel=1e-6):
+        raise AssertionError(f"losses on the saved plans {given['losses']}, when saved {saved['losses']}")
+    counts = [r["allocator"] for r in given["ranks"]]
+    if not all(c["planned"] > 0 for c in counts):
+        raise AssertionError(f"the given plans served nothing: {counts}")
+    refused = []
+    other_count = f"micro_batches {MICRO_BATCHES} (this run: {MICRO_BATCHES // 2})"
+    for plan, micro_batches, what in ((pattern.format(stage=1), MICRO_BATCHES, "stage 1 (this run: 0)"),
+                                      (pattern, MICRO_BATCHES // 2, other_count)):
+        try:
+            train_with = {**TRAIN, "micro_batches": micro_batches}
+            pipelined_train({"plan": plan}, pipeline_parallel=STAGES, _train=train_with)
+        except MemoError as e:
+            if what not in str(e) or "another stage or schedule" not in str(e):
+                raise AssertionError(f"refused, but not with {what!r}: {e}") from None
+            refused.append(str(e))
+        else:
+            raise AssertionError(f"--plan {plan} with {micro_batches} micro-batches was taken")
+    return f"saved and given losses {given['losses']}; allocations {counts}; refused: {refused}"
+
+
 #: memo's alpha solved per stage (NOTE [A stage's profile]) with host memory that binds: 1 MB per
 #: process, where stage 0's 1F1B holds 2 forwards of its 2 layers.
 AUTO = {"alpha": "auto", "layer_ms": 1.0, "bandwidth_gbps": 10.0, "host_mem_gb": 0.0025,
@@ -224,17 +268,18 @@ AUTO = {"alpha": "auto", "layer_ms": 1.0, "bandwidth_gbps": 10.0, "host_mem_gb":
 AUTO_HOST_BYTES = 1_000_000
 
 
-def pipelined_train(options: dict[str, Any] | None = None, **layout: Any) -> str:
+def pipelined_train(options: dict[str, Any] | None = None, _train: dict[str, Any] | None = None,
+                    **layout: Any) -> str:
     """``memo train`` pipelined (NOTE [Pipelined steps]) in this launch's world, ``layout`` the
-    TrainConfig's parallel fields, ``options`` memo's (default alpha 0.5): JSON of its losses and every
-    rank's stage record."""
+    TrainConfig's parallel fields, ``options`` memo's (default alpha 0.5, each stage planning itself),
+    ``_train`` the run (default TRAIN): JSON of its losses and every rank's stage record."""
     import json
 
     from memo.train.loop import TrainConfig, train
     from memo.train.strategies import StrategyOptions, make_strategy
 
-    result = train(TrainConfig(**TRAIN, **layout), progress=False,
-                   strategy=make_strategy(StrategyOptions(**(options or {"alpha": 0.5}))),
+    result = train(TrainConfig(**(_train or TRAIN), **layout), progress=False,
+                   strategy=make_strategy(StrategyOptions(**(options or {"alpha": 0.5, "time_limit": 1.0}))),
                    log=lambda _line: None)
     return json.dumps({"losses": [s.loss for s in result.steps], "ranks": result.parallel["ranks"]})
 
@@ -259,8 +304,38 @@ def pipelined_losses() -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def world2() -> dict[str, list[dict[str, Any]]]:
-    return dist_harness.launch_table(f"{MODULE}:pipelines_world2", 2, timeout_s=240)
+def world2() -> Iterator[dict[str, list[dict[str, Any]]]]:
+    import os
+    import shutil
+
+    try:
+        yield dist_harness.launch_table(f"{MODULE}:pipelines_world2", 2, timeout_s=240)
+    finally:
+        shutil.rmtree(plans_dir(os.getpid()), ignore_errors=True)
+
+
+#: NOTE [A stage's address plan]: a stage plan's device total against the peak its rank measured (the
+#: bar of tests/test_plan_truth.py).
+TOTAL_TOL = 0.03
+
+
+def assert_stage_plans_hold(ranks: list[dict[str, Any]]) -> None:
+    """Every rank's plan of its stage's step served its requests, its device total is within TOTAL_TOL of
+    the rank's measured peak, and its host bytes (one forward's offload times the forwards in_flight
+    counts, per chunk) are the arenas the rank's runtimes held."""
+    for r in ranks:
+        total, peak = r["plan_device_total_bytes"], r["peak_device_bytes"]
+        assert total is not None and abs(peak - total) <= TOTAL_TOL * total, (
+            f"rank {r['rank']} (stage {r['pp_rank']}): plan {total:,} B, measured {peak:,} B")
+        assert r["plan_host_bytes"] == r["host_pinned_bytes"], r
+        assert r["allocator"]["planned"] > 0, r
+
+
+def test_saved_stage_plans_train_and_another_stages_is_refused(world2) -> None:
+    """NOTE [A stage's address plan]: --save-plan, then --plan with the same pattern: the same losses, the
+    plans served; stage 1's plan on stage 0, or a plan made for 4 micro-batches in a run of 2, is refused
+    on every rank with what differs."""
+    _assert_passed(world2, "train/1f1b/saved-plans")
 
 
 def _assert_passed(table: dict[str, list[dict[str, Any]]], name: str) -> None:
@@ -328,6 +403,7 @@ def test_memo_train_pipelined_gives_the_single_process_losses(world2, one_proces
     assert [r["pp_rank"] for r in ranks] == [0, 1]
     assert all(r["forwards_in_flight"] == r["expected_in_flight"] for r in ranks), ranks
     assert ranks[0]["host_pinned_bytes"] > 0 and all(ranks[0]["offloaded_layers"]), ranks[0]
+    assert_stage_plans_hold(ranks)
 
 
 def test_pipeline_layouts_are_refused_with_what_to_change() -> None:
@@ -361,7 +437,7 @@ def test_pipeline_layouts_are_refused_with_what_to_change() -> None:
 
 @pytest.mark.parametrize(("overrides", "options", "message"), [
     ({"engine": "memo"}, {}, "runs megatron-core's schedules; use --engine megatron"),
-    ({}, {"plan": "plan.json"}, "--plan is a plan of one iteration"),
+    ({}, {"plan": "plan.json", "planned_allocator": False}, "--no-planned-allocator does not use"),
     ({}, {"strategy": "full-offload"}, "--strategy full-offload is not run under megatron's schedules"),
 ])
 def test_pipelined_runs_refuse_what_they_cannot_take(overrides: dict, options: dict, message: str) -> None:

@@ -65,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
         strategy=args.strategy,
         alpha=args.alpha,
         plan=args.plan,
+        save_plan=args.save_plan,
         planned_allocator=not args.no_planned_allocator,
         bandwidth_gbps=args.bandwidth_gbps,
         layer_ms=args.layer_ms,
@@ -141,8 +142,12 @@ def run(args: argparse.Namespace) -> int:
               f"{' sp' if par['sp'] else ''}{fsdp2}"
               f"{' cp_comm=' + par['cp_comm'] if par['cp'] > 1 and 'cp_comm' in par else ''}): "
               + ", ".join(f"rank {r['rank']}" + (f" (stage {r['pp_rank']})" if pp else "")
-                          + f" peak device {format_mib(r['peak_device_bytes'])} host pinned "
-                          f"{format_mib(r['host_pinned_bytes'])}"
+                          + f" peak device {format_mib(r['peak_device_bytes'])}"
+                          + (f" (plan {format_mib(r['plan_device_total_bytes'])})"
+                             if r.get("plan_device_total_bytes") is not None else "")
+                          + f" host pinned {format_mib(r['host_pinned_bytes'])}"
+                          + (f" (plan {format_mib(r['plan_host_bytes'])})"
+                             if r.get("plan_host_bytes") is not None else "")
                           + (f", forwards in flight {r['forwards_in_flight']}" if r.get("forwards_in_flight")
                              else "") for r in par["ranks"]))
     if args.report:
@@ -241,7 +246,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--alpha", default="auto",
         help="'auto' solves the alpha LP from measured (or given) machine numbers; or a number in [0, 1]",
     )
-    p.add_argument("--plan", metavar="PLAN.json", help="use a plan from `memo profile` instead of profiling")
+    p.add_argument("--plan", metavar="PLAN.json",
+                   help="use a plan from `memo profile` instead of profiling; under --pp/--micro-batches, "
+                        "the stages' plans from --save-plan (the same pattern)")
+    p.add_argument("--save-plan", metavar="PATTERN",
+                   help="under --pp/--micro-batches: write each stage's plan of its step to PATTERN, "
+                        "{stage} filled in by the stage's number ({rank} by the rank's, where each rank "
+                        "should write its own), e.g. plans/stage{stage}.json")
     p.add_argument(
         "--no-planned-allocator", action="store_true",
         help="memo strategy without the planned allocator (wrapper only; all allocations via the fallback)",

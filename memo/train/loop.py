@@ -334,6 +334,10 @@ def train(
         from memo.train.pipelined import train_pipelined
 
         return train_pipelined(config, log=log, progress=progress, strategy=strategy)
+    if getattr(getattr(strategy, "options", None), "save_plan", None):
+        raise MemoError("memo.train: --save-plan writes the stages' plans of a pipelined run "
+                        "(--micro-batches or --pp); `memo profile -o PLAN.json` writes the plan of one "
+                        "iteration")
     if strategy is None:
         from memo.train.strategies import NoStrategy
 

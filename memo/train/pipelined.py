@@ -29,6 +29,7 @@ for its place is used).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
@@ -58,12 +59,11 @@ def _check(config: Any, strategy: Any) -> float | None:
     if strategy.name != "memo":
         return None
     opts = strategy.options
-    if opts.plan is not None:
-        raise MemoError(f"memo.train: {what}: --plan is a plan of one iteration, and a pipeline stage runs "
-                        "the forwards and backwards of several micro-batches interleaved, which memo's plans "
-                        "do not describe yet; give --alpha, or leave it auto (each stage solves it)")
+    if (opts.plan is not None or opts.save_plan) and not opts.planned_allocator:
+        raise MemoError(f"memo.train: {what}: --plan and --save-plan are the stages' address plans, which "
+                        "--no-planned-allocator does not use; drop one or the other")
     if opts.alpha == "auto":
-        return None  # each stage solves it (NOTE [A stage's profile])
+        return None  # each stage solves it (NOTE [A stage's profile]), or its --plan carries it
     from memo.runtime.runtime import validate_alpha
 
     return validate_alpha(float(opts.alpha))
@@ -91,7 +91,7 @@ def train_pipelined(config: Any, *, log: Callable[[str], None] | None = None, pr
     emit = log if log is not None else tqdm.write
     dtype = DTYPES[config.dtype]
     parallel = start_parallel(config)
-    undo: list[Callable[[], None]] = []  # what a single-process run set up, undone at its end
+    undo: list[Callable[[], None]] = []  # what the run set up (a one-process world, the meter), undone last
     try:
         if parallel is None:
             from memo.distributed.layout import ParallelLayout
@@ -111,12 +111,28 @@ def train_pipelined(config: Any, *, log: Callable[[str], None] | None = None, pr
         _initialise(chunks, config.seed, model_config.n_layers, layout)
         source = iter(_token_source(config, model_config))
         batches = [_shard(next(source), parallel, device) for _ in range(config.micro_batches)]
-        if strategy.name == "memo" and alpha is None:
+        stage = 0 if parallel is None else parallel.pp_rank
+        given = None
+        if strategy.name == "memo" and strategy.options.plan is not None:
+            from memo.distributed.stage_plan import given_stage_plan, stage_schedule
+            from memo.planner.job import JobSpec
+
+            meta = _stage_meta(config, layout)
+            job = JobSpec(**{k: v for k, v in meta.items() if k != "recorder"})
+            schedule = stage_schedule(layout, stage, config.micro_batches, chunks)
+            given = given_stage_plan(strategy.options.plan, schedule, job, parallel)
+            alpha = float(given.alpha)
+            strategy.alpha = alpha
+        elif strategy.name == "memo" and alpha is None:
             alpha = _stage_alpha(chunks, batches[0], strategy.options, layout, parallel, config, emit)
             strategy.alpha = alpha
         runtimes = _apply(strategy.name, chunks, alpha)
         ddp = _data_parallel(chunks, layout)
-        stage = 0 if parallel is None else parallel.pp_rank
+        plan = None
+        if strategy.name == "memo" and strategy.options.planned_allocator and _can_plan(device, emit):
+            plan = _stage_plan(chunks, ddp, batches, layout, parallel, config, stage, runtimes, alpha, given,
+                               strategy.options, emit)
+            strategy.plan = plan
         result = _new_result(config, chunks[0], model_config, device, dtype, strategy)
         result.num_parameters = _all_parameters(chunks, parallel)
         result.world = layout.world
@@ -127,13 +143,14 @@ def train_pipelined(config: Any, *, log: Callable[[str], None] | None = None, pr
              + f", {layout.world} rank(s) ({layout}), schedule {_schedule_name(layout)}")
         bar = tqdm(range(1, config.steps + 1), desc="train", unit="step", file=sys.stderr,
                    disable=not progress or not sys.stderr.isatty())
-        meter = _DeviceMeter(device, chunks)
+        meter = _DeviceMeter(device, chunks, ddp, plan)
+        undo.append(meter.close)  # the steps' allocator context ends with the run, or when it fails
         for step in bar:
             if step > 1:
                 batches = [_shard(next(source), parallel, device) for _ in range(config.micro_batches)]
             start = time.perf_counter()
-            with meter:
-                loss = _step(chunks, ddp, optimizer, batches, layout, config)
+            loss = _step(chunks, ddp, optimizer, batches, layout, config, meter.phases)
+            meter.read()
             seconds = time.perf_counter() - start
             loss = _loss_on_every_rank(loss, parallel)
             if not math.isfinite(loss):
@@ -279,6 +296,95 @@ def _stage_alpha(chunks: list[torch.nn.Module], batch: tuple[torch.Tensor, ...],
     return _stage_min(vote, parallel)
 
 
+def _stage_plan(chunks: list[torch.nn.Module], ddp: list[Any] | None, batches: list[tuple[torch.Tensor, ...]],
+                layout: Any, parallel: Any, config: Any, stage: int, runtimes: list[Any], alpha: float,
+                given: Any, options: Any, emit: Callable[[str], None]) -> Any:
+    """This rank's plan of its stage's step (NOTE [A stage's address plan] in
+    memo/distributed/stage_plan.py): ``given`` (from --plan), else recorded, planned and agreed on by
+    the stage's ranks; written to --save-plan when asked."""
+    from memo.distributed import stage_plan as sp
+
+    def run() -> None:
+        _forward_backward(chunks, ddp, batches, layout, config)
+        for chunk in chunks:  # the step starts from no gradients (NOTE [A stage's address plan])
+            for p in chunk.parameters():
+                p.grad = None
+        for d in ddp or ():
+            d.zero_grad_buffer()
+
+    schedule = sp.stage_schedule(layout, stage, config.micro_batches, chunks)
+    if given is not None:
+        run()  # the warm-up a recorded plan had: one-time buffers made before the planned steps
+        plan = given
+    else:
+        trace = sp.record_stage(run, chunks, batches[0][0].device, _stage_meta(config, layout))
+        plan = sp.stage_plan(trace, schedule, _state_bytes(chunks, ddp),
+                             host_bytes=_schedule_host_bytes(runtimes, layout, stage, config.micro_batches),
+                             time_limit=options.time_limit)
+        plan.alpha = alpha
+        plan = sp.agree_on_plan(plan, trace, parallel, stage)
+    if options.save_plan:
+        sp.save_stage_plan(plan, options.save_plan, parallel, stage)
+    emit(f"memo: stage {stage}: plan of its step ({schedule['schedule']}, {config.micro_batches} "
+         f"micro-batches, {len(plan.allocations):,} allocations): arena {plan.peak / 2**20:.1f} MiB, "
+         f"device total {plan.device['total_bytes'] / 2**20:.1f} MiB, host "
+         f"{plan.device['host_bytes'] / 2**20:.1f} MiB"
+         + ("" if given is None else f" (from {options.plan})"))
+    return plan
+
+
+def _can_plan(device: torch.device, emit: Callable[[str], None]) -> bool:
+    """Whether memo's allocator can serve this device: the CPU, or CUDA once memo's CUDA allocator is
+    PyTorch's (``memo train`` installs it before CUDA starts)."""
+    from memo import allocator
+
+    if device.type == "cpu" or (device.type == "cuda" and allocator.cuda_installed()):
+        return True
+    emit(f"memo: the stages run without a plan: memo's allocator does not serve {device} in this process "
+         "(install it with memo.allocator.install_cuda() before CUDA starts, as `memo train` does)")
+    return False
+
+
+def _stage_meta(config: Any, layout: Any) -> dict[str, Any]:
+    """The job a stage's plan is made for (memo.planner.job): model, sequence, batch, dtype, shards."""
+    from memo.models import fingerprint, get_config
+
+    return {"model": config.model, "fingerprint": fingerprint(get_config(config.model)),
+            "seq_len": config.seq_len, "micro_batch": config.micro_batch, "dtype": config.dtype,
+            "tensor_parallel": layout.tensor_parallel, "context_parallel": layout.context_parallel,
+            "sequence_parallel": bool(layout.sequence_parallel), "recorder": "allocator"}
+
+
+def _schedule_host_bytes(runtimes: list[Any], layout: Any, stage: int, micro_batches: int) -> int:
+    """The host arenas this rank's schedule needs: per chunk, one forward's offloaded bytes times the
+    forwards :func:`memo.distributed.pipeline.in_flight` says the chunk holds at once (a chunk that
+    offloads nothing holds none)."""
+    from memo.distributed.pipeline import in_flight
+
+    p, v = layout.pipeline_parallel, layout.virtual_pipeline
+    flights = in_flight(p, stage, v, micro_batches) if p > 1 else [1] * len(runtimes)
+    return sum(f * rt.buffers.flight_bytes for f, rt in zip(flights, runtimes, strict=True)
+               if rt.buffers is not None and rt.n_offloaded)
+
+
+def _state_bytes(chunks: list[torch.nn.Module], ddp: list[Any] | None) -> int:
+    """What lives across steps and is not in a step's trace: the parameters, AdamW's two moments of
+    each, and megatron DDP's gradient buffers (made when the chunks were wrapped)."""
+    params = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
+    return 3 * params + _ddp_buffer_bytes(ddp)
+
+
+def _ddp_buffer_bytes(ddp: list[Any] | None) -> int:
+    """Bytes of megatron DDP's contiguous gradient buffers."""
+    total = 0
+    for d in ddp or ():
+        for buffer in list(getattr(d, "buffers", [])) + list(getattr(d, "expert_parallel_buffers", [])):
+            grad = getattr(buffer, "grad_data", None)
+            if grad is not None:
+                total += grad.numel() * grad.element_size()
+    return total
+
+
 def _stage_min(value: float, parallel: Any) -> float:
     """The smallest ``value`` over the ranks of this rank's pipeline stage (every rank calls it)."""
     if parallel is None:
@@ -345,15 +451,31 @@ def _shard(batch: tuple[torch.Tensor, torch.Tensor], parallel: Any, device: torc
 
 
 def _step(chunks: list[torch.nn.Module], ddp: list[Any] | None, optimizer: torch.optim.Optimizer,
-          batches: list[tuple[torch.Tensor, ...]], layout: Any, config: Any) -> float | None:
-    """One step under megatron's schedule; the mean of the micro-batches' losses on the last stage
+          batches: list[tuple[torch.Tensor, ...]], layout: Any, config: Any,
+          phases: Callable[[], contextlib.AbstractContextManager[None]]) -> float | None:
+    """One step under megatron's schedule, its forwards and backwards inside ``phases`` (the stage
+    plan's, NOTE [A stage's address plan]); the mean of the micro-batches' losses on the last stage
     (None on the others)."""
-    import warnings
+    optimizer.zero_grad(set_to_none=True)
+    with phases():
+        out = _forward_backward(chunks, ddp, batches, layout, config)
+    if ddp is not None:
+        from megatron.core.distributed import finalize_model_grads
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed": expected here
-        from megatron.core import parallel_state
-        from megatron.core.pipeline_parallel import get_forward_backward_func
+        finalize_model_grads(ddp)
+        for chunk in chunks:
+            for p in chunk.parameters():
+                if getattr(p, "main_grad", None) is not None:
+                    p.grad = p.main_grad
+    optimizer.step()
+    if not out:
+        return None
+    return float(torch.stack([d["loss"] for d in out]).mean())
+
+
+def _forward_step(layout: Any) -> Callable[[Any, torch.nn.Module], tuple[torch.Tensor, Any]]:
+    """megatron's ``forward_step_func``: one micro-batch through a chunk, and the last stage's loss."""
+    from megatron.core import parallel_state
 
     # DDP averages the gradients of the DP x CP ranks, each of which holds 1/(d·c) of the tokens
     scale = layout.context_parallel * layout.data_parallel
@@ -375,27 +497,28 @@ def _step(chunks: list[torch.nn.Module], ddp: list[Any] | None, optimizer: torch
 
         return per_token, loss_func
 
-    optimizer.zero_grad(set_to_none=True)
-    models = ddp if ddp is not None else chunks
+    return forward_step
+
+
+def _forward_backward(chunks: list[torch.nn.Module], ddp: list[Any] | None,
+                      batches: list[tuple[torch.Tensor, ...]], layout: Any, config: Any
+                      ) -> list[dict[str, torch.Tensor]]:
+    """The schedule's forwards and backwards of ``batches`` from zero gradients; what the last stage's
+    loss functions reported."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed": expected here
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
     if ddp is not None:
         for d in ddp:
             d.zero_grad_buffer()
-    out = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=[iter(batches) for _ in chunks], model=models,
-        num_microbatches=len(batches), seq_length=config.seq_len,  # megatron divides by CP (and TP under SP)
+    return get_forward_backward_func()(
+        forward_step_func=_forward_step(layout), data_iterator=[iter(batches) for _ in chunks],
+        model=ddp if ddp is not None else chunks, num_microbatches=len(batches),
+        seq_length=config.seq_len,  # megatron divides by CP (and TP under SP)
         micro_batch_size=batches[0][0].shape[0])
-    if ddp is not None:
-        from megatron.core.distributed import finalize_model_grads
-
-        finalize_model_grads(ddp)
-        for chunk in chunks:
-            for p in chunk.parameters():
-                if getattr(p, "main_grad", None) is not None:
-                    p.grad = p.main_grad
-    optimizer.step()
-    if not out:
-        return None
-    return float(torch.stack([d["loss"] for d in out]).mean())
 
 
 def _loss_on_every_rank(loss: float | None, parallel: Any) -> float:
@@ -411,48 +534,68 @@ def _loss_on_every_rank(loss: float | None, parallel: Any) -> float:
 
 
 class _DeviceMeter:
-    """The device peak of the steps run inside it (NOTE [Measuring device memory] in memo/train/meter.py):
-    on the CPU, memo's allocator serves the steps (no plan: its fallback) and its peak in use, plus the
-    chunks' parameters, is the emulated device's; on CUDA, torch's ``max_memory_allocated``."""
+    """The device peak of the steps (NOTE [Measuring device memory] in memo/train/meter.py): on the CPU,
+    memo's allocator serves the steps (the stage's plan, NOTE [A stage's address plan], else its fallback
+    alone) from one context opened here, and its running peak in use, plus what the device held before
+    (the chunks' parameters, DDP's gradient buffers, memo's rounding buffers), is the emulated device's;
+    on CUDA, torch's ``max_memory_allocated`` or memo's CUDA allocator's peak."""
 
-    def __init__(self, device: torch.device, chunks: list[torch.nn.Module]) -> None:
+    def __init__(self, device: torch.device, chunks: list[torch.nn.Module], ddp: list[Any] | None = None,
+                 plan: Any = None) -> None:
+        import gc
+
+        from memo import allocator
+        from memo.pipeline.passes import _runtime_device_buffers
+
         self.device = device
-        self.params = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
+        self.before = (sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
+                       + _ddp_buffer_bytes(ddp) + sum(sum(_runtime_device_buffers(c)) for c in chunks))
         self.peak = 0
         self.kind = ("cuda_max_memory_allocated" if device.type == "cuda"
                      else "memo_allocator_peak_in_use+params")
-        self._served: Any = None
         self.counts: dict[str, int] = {}
+        self._phases: Any = None
+        self._served: Any = None
+        if device.type != "cpu" and not (device.type == "cuda" and allocator.cuda_installed()):
+            return  # torch's allocator serves the steps: read() takes its peak
+        gc.collect()  # blocks earlier work left to the collector would count in this run's peak
+        tables = plan if plan is not None else {"tables": {}, "peak": 0}  # none: the fallback serves all
+        self._served = allocator.planned(tables, device=device)
+        self._served.__enter__()
+        if plan is not None:
+            from memo.distributed.stage_plan import StagePhases
 
-    def __enter__(self) -> _DeviceMeter:
-        if self.device.type == "cpu":
-            import gc
+            self._phases = StagePhases(chunks, allocator.set_phase)
 
-            from memo import allocator
+    def phases(self) -> contextlib.AbstractContextManager[None]:
+        """Where the stage plan's phases are open: the schedule's forwards and backwards of a step."""
+        return self._phases.step() if self._phases is not None else contextlib.nullcontext()
 
-            gc.collect()  # blocks a finished step left to the collector would count in this one
-            self._served = allocator.planned({"tables": {}, "peak": 0}, device=self.device)
-            self._served.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
+    def read(self) -> None:
+        """The running peak and the allocator's counters, after a step."""
         from memo import allocator
 
-        if self.device.type == "cuda":
-            if allocator.cuda_installed():  # memo's CUDA allocator serves everything (torch's stats are off)
-                self.kind = "memo_allocator_peak_in_use"
-                self.peak = max(self.peak, int(allocator.stats(self.device)["peak_bytes_in_use"]))
-            else:
-                self.peak = max(self.peak, int(torch.cuda.max_memory_allocated(self.device)))
+        if self._served is None:
+            self.peak = max(self.peak, int(torch.cuda.max_memory_allocated(self.device)))
             return
-
         st = allocator.stats(self.device)
-        self.peak = max(self.peak, self.params + int(st["peak_bytes_in_use"]))
-        # no plan: every request is the fallback's (the step's phases are not tracked: all "unplanned")
+        if self.device.type == "cuda":  # memo's CUDA allocator served the parameters too
+            self.kind = "memo_allocator_peak_in_use"
+            self.peak = max(self.peak, int(st["peak_bytes_in_use"]))
+        else:
+            self.peak = max(self.peak, self.before + int(st["peak_bytes_in_use"]))
+        # "fallback": requests the plan covered but could not serve (a slot still busy); "unplanned":
+        # requests outside its phases (without a plan, all of them), the fallback's by design
         self.counts = {"planned": int(st["planned_hits"]), "fallback": int(st["fallback_requests"])
                        - int(st["unplanned_requests"]), "unplanned": int(st["unplanned_requests"])}
-        self._served.__exit__(*exc)
-        self._served = None
+
+    def close(self) -> None:
+        if self._phases is not None:
+            self._phases.remove()
+            self._phases = None
+        if self._served is not None:
+            served, self._served = self._served, None
+            served.__exit__(None, None, None)
 
 
 def _extras(runtimes: list[Any]) -> dict[str, Any]:
@@ -494,5 +637,15 @@ def _stages_record(parallel: Any, result: Any, runtimes: list[Any], stage: int,
                 in_flight(layout.pipeline_parallel, stage, layout.virtual_pipeline, config.micro_batches),
                 extras.get("offloaded_layers") or [0] * layout.virtual_pipeline, strict=True)]
             if layout.pipeline_parallel > 1 else None,
-            "offloaded_layers": extras.get("offloaded_layers")}
+            "offloaded_layers": extras.get("offloaded_layers"),
+            # NOTE [A stage's address plan]: what this rank's plan expects, beside what it measured
+            "plan_device_total_bytes": _plan_field(result, "total_bytes"),
+            "plan_host_bytes": _plan_field(result, "host_bytes"),
+            "allocator": extras.get("allocator")}
     return {**parallel.as_dict(), "micro_batches": config.micro_batches, "ranks": parallel.gather(mine)}
+
+
+def _plan_field(result: Any, key: str) -> int | None:
+    plan = getattr(result.strategy, "plan", None)
+    device = getattr(plan, "device", None) or {}
+    return None if device.get(key) is None else int(device[key])

@@ -131,7 +131,10 @@ class StrategyOptions:
     alpha: float | str = "auto"
     """``"auto"`` solves the alpha LP; a number in [0, 1] (or its text) fixes it (``memo`` only)."""
     plan: str | None = None
-    """A plan file from ``memo profile``; checked against the run (model, seq_len, ...)."""
+    """A plan file from ``memo profile``; checked against the run (model, seq_len, ...). Under a pipeline
+    schedule, the stages' plans from ``save_plan`` (NOTE [A stage's address plan])."""
+    save_plan: str | None = None
+    """Under a pipeline schedule: where each stage writes its plan (``{stage}``, ``{rank}`` filled in)."""
     planned_allocator: bool = True
     """Replay the plan with memo's allocator (``memo`` strategy); off keeps the fallback only."""
     bandwidth_gbps: float | None = None
