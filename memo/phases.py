@@ -36,6 +36,7 @@ from memo.phase_names import (
     micro_batch_phase,
     parse_phase,
     phase_kind,
+    phase_micro_batch,
 )
 
 __all__ = [
@@ -43,8 +44,10 @@ __all__ = [
     "PhaseTracker",
     "is_backward_phase",
     "layer_phase",
+    "micro_batch_phase",
     "parse_phase",
     "phase_kind",
+    "phase_micro_batch",
 ]
 
 PhaseListener = Callable[[str | None], None]

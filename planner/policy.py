@@ -24,6 +24,13 @@ what the layers hold, the device needs:
   backward, their gradients, the gradient of o), which is not modelled: a recorded memo
   iteration measures it (``memo_overhead``, NOTE [Calibrated policy] in memo/pipeline/policy.py).
 
+NOTE [Forwards in flight in the policy]
+A pipeline stage runs the forwards of several micro-batches before their backwards (1F1B: up to P - i
+at stage i), so what a layer holds from its forward to its backward is held ``in_flight`` times: a kept
+layer's K, a recomputed layer's input, and a memo or input-only layer's host region. What one backward
+needs at a time (the transient term) and the two rounding buffers are not: one layer's backward runs at
+a time, and memo's buffers are the runtime's, shared by every forward. The time is per micro-batch.
+
 The memo layers come first, then the recomputed ones, then the kept ones (their backward
 follows their forward soonest). Layers are alike, so a policy is three counts and alpha; every
 split of the layers is tried (O(n_layers^2)) with alpha at the largest value its constraints
@@ -106,6 +113,9 @@ class LayerCosts:
     #: The device pool serves each rounding buffer in whole segments of this many bytes (0: exact):
     #: NOTE [Fallback headroom] in memo/pipeline/device.py.
     buffer_rounding: int = 0
+    #: Forwards whose activations the layers hold at once (NOTE [Forwards in flight in the policy]):
+    #: 1 for one iteration; a pipeline stage's schedule keeps more.
+    in_flight: int = 1
 
     @property
     def keep_bytes(self) -> int:
@@ -185,8 +195,8 @@ def device_need(c: LayerCosts, n_memo: int, n_fr: int, n_keep: int, alpha: float
         correction = c.input_overhead
     return {
         "base (model states, other activations)": c.base_bytes,
-        "kept layers": n_keep * c.keep_bytes,
-        "recomputed layers' inputs": n_fr * c.s_input,
+        "kept layers": n_keep * c.keep_bytes * c.in_flight,
+        "recomputed layers' inputs": n_fr * c.s_input * c.in_flight,
         "rounding buffers": buffers,
         "one layer's backward": transient,
         # NOTE [Calibrated policy] in memo/pipeline/policy.py: what a recorded memo iteration showed
@@ -210,7 +220,8 @@ def _alpha_upper(c: LayerCosts, n_memo: int, n_fr: int, n_keep: int, cap: float,
     """Largest alpha each constraint allows for this split (may be < 0: infeasible)."""
     base = c.s_input + c.s_attn
     so = max(c.s_others, 1e-9)
-    fixed = c.base_bytes + n_keep * c.keep_bytes + n_fr * c.s_input + c.memo_overhead
+    f = c.in_flight
+    fixed = c.base_bytes + (n_keep * c.keep_bytes + n_fr * c.s_input) * f + c.memo_overhead
     room = cap - fixed - 2 * base - 2 * c.buffer_rounding  # each buffer rounds up by < one segment
     # buffers 2(base + a So) plus max(C, (1 - a) R), C the other layers' backward: two linear bounds,
     # both upper bounds on a (R <= So, so 2 So - R > 0).
@@ -220,7 +231,7 @@ def _alpha_upper(c: LayerCosts, n_memo: int, n_fr: int, n_keep: int, cap: float,
     dev = min(dev, (room - r) / (slope - r))
     return {
         "bandwidth": (c.layer_time * c.bandwidth - base) / so,
-        "host_memory": ((c.host_memory - n_in * c.s_input) / n_memo - base) / so,
+        "host_memory": ((c.host_memory - n_in * c.s_input * f) / (n_memo * f) - base) / so,
         "device_memory": dev,
     }
 
@@ -238,12 +249,13 @@ def _split_alpha(c: LayerCosts, n_memo: int, n_fr: int, n_keep: int, cap: float,
     """The alpha of one split (memo / full-recompute / keep / input-only layer counts) and what binds
     it: the given one, or the largest every hard bound allows; None when it does not fit in host
     memory."""
-    if n_in * c.s_input > c.host_memory:
+    f = c.in_flight
+    if n_in * c.s_input * f > c.host_memory:
         return None
     if not n_memo:
         # no memo layer: alpha does nothing, but a given one is kept (it is what was asked)
         a = 0.0 if alpha is None else alpha
-        if n_in and c.n_layers * c.copy_bytes(0.0) > c.host_memory:
+        if n_in and c.n_layers * c.copy_bytes(0.0) * f > c.host_memory:
             return a, "host_memory"  # input-only because memo's host bytes do not fit
         return a, "device_memory" if n_keep < c.n_layers else "none"
     bounds = _alpha_upper(c, n_memo, n_fr, n_keep, cap, n_in)
@@ -261,7 +273,7 @@ def _split_alpha(c: LayerCosts, n_memo: int, n_fr: int, n_keep: int, cap: float,
         if a >= 1.0:
             a, why = 1.0, "alpha<=1"
         a = max(a, 0.0)
-    if n_memo * c.copy_bytes(a) + n_in * c.s_input > c.host_memory:
+    if (n_memo * c.copy_bytes(a) + n_in * c.s_input) * f > c.host_memory:
         return None
     return a, why
 
@@ -328,7 +340,7 @@ def _lp_alpha(c: LayerCosts, split: Split, cap: float, a: float, why: str
     Returns the alpha and what binds it (the LP's where it differs, bandwidth aside) and the LP's
     solution."""
     n_memo, n_fr, n_keep, n_in = split
-    fixed_other = c.base_bytes + n_keep * c.keep_bytes + n_fr * c.s_input + c.memo_overhead
+    fixed_other = c.base_bytes + (n_keep * c.keep_bytes + n_fr * c.s_input) * c.in_flight + c.memo_overhead
     # the buffers' rounding to whole segments, as it is at the split's alpha (a constant near it)
     rounding = c.buffer_bytes(c.copy_bytes(a)) - int(math.ceil(c.copy_bytes(a)))
     linear: float = 2 * (c.s_input + c.s_attn + rounding)
@@ -339,8 +351,10 @@ def _lp_alpha(c: LayerCosts, split: Split, cap: float, a: float, why: str
         linear, slope = linear + r, slope - r
     else:
         linear += max(other, r)
-    solution = solve_alpha(c.s_input, c.s_attn, c.s_others, c.bandwidth, c.layer_time, c.n_layers,
-                           c.host_memory - n_in * c.s_input, offloaded_layers=n_memo, device_memory=cap,
+    # the host holds each memo layer's region once per forward in flight
+    solution = solve_alpha(c.s_input, c.s_attn, c.s_others, c.bandwidth, c.layer_time, c.n_layers * c.in_flight,
+                           c.host_memory - n_in * c.s_input * c.in_flight,
+                           offloaded_layers=n_memo * c.in_flight, device_memory=cap,
                            device_fixed=fixed_other + linear, device_per_alpha=slope)
     if abs(solution.alpha - a) > 1e-6 and why != "bandwidth":
         a, why = min(a, solution.alpha), solution.binding

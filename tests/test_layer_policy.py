@@ -136,6 +136,30 @@ def test_a_larger_budget_keeps_layers_and_a_smaller_one_offloads() -> None:
     assert tight.binding == "device_memory"
 
 
+def test_forwards_in_flight_multiply_what_layers_hold_to_their_backward() -> None:
+    """NOTE [Forwards in flight in the policy]: with a pipeline stage's F forwards in flight, kept layers
+    and recomputed inputs are held F times and memo's host regions F times; the transient and the two
+    rounding buffers once. So a budget that keeps every layer of one forward keeps fewer of two, and the
+    host-bound alpha of two forwards fills the host with twice the regions."""
+    from memo.planner import choose_policy, device_need
+
+    one, two = _costs(), _costs(in_flight=2)
+    parts1, parts2 = device_need(one, 4, 4, 4, 0.5), device_need(two, 4, 4, 4, 0.5)
+    for part in ("kept layers", "recomputed layers' inputs"):
+        assert parts2[part] == 2 * parts1[part]
+    for part in ("base (model states, other activations)", "rounding buffers", "one layer's backward"):
+        assert parts2[part] == parts1[part]
+    budget = sum(device_need(one, 0, 0, 12, 0.0).values())
+    assert choose_policy(one, device_budget=budget).policy == ["keep"] * 12
+    assert choose_policy(two, device_budget=budget).counts["keep"] < 12
+    host = 200 << 20
+    for f, want_alpha in ((1, (200 / 12 - 4) / 28), (2, (200 / 24 - 4) / 28)):
+        sol = choose_policy(_costs(host_memory=host, in_flight=f, bandwidth=1e12))
+        assert sol.counts["memo"] == 12 and sol.binding == "host_memory", sol
+        assert sol.alpha == pytest.approx(want_alpha, rel=1e-3)
+        assert 12 * f * _costs().copy_bytes(sol.alpha) == pytest.approx(host, rel=1e-3)
+
+
 def test_too_small_a_budget_names_the_smallest_need() -> None:
     from memo.planner import choose_policy
 

@@ -206,7 +206,8 @@ def pipelines_world2(rank: int, world: int, spec: dict[str, Any], record: Any) -
     parallel_state.destroy_model_parallel()
     for schedule, vpp in SCHEDULES.items():
         check(record, f"train/{schedule}", lambda vpp=vpp: _train(STAGES, vpp))
-    check(record, "train/1f1b/alpha=auto", lambda: pipelined_train(AUTO, pipeline_parallel=STAGES))
+    check(record, "train/1f1b/planned-policy",
+          lambda: pipelined_train(AUTO, _train=AUTO_TRAIN, pipeline_parallel=STAGES))
     check(record, "train/1f1b/saved-plans", _saved_plans)
 
 
@@ -261,11 +262,14 @@ def _saved_plans() -> str:
     return f"saved and given losses {given['losses']}; allocations {counts}; refused: {refused}"
 
 
-#: memo's alpha solved per stage (NOTE [A stage's profile]) with host memory that binds: 1 MB per
-#: process, where stage 0's 1F1B holds 2 forwards of its 2 layers.
-AUTO = {"alpha": "auto", "layer_ms": 1.0, "bandwidth_gbps": 10.0, "host_mem_gb": 0.0025,
-        "gpus_per_node": 2, "host_safety": 0.8}
-AUTO_HOST_BYTES = 1_000_000
+#: memo's layer policy and alpha chosen per stage (NOTE [A stage's profile], NOTE [Forwards in flight in
+#: the policy]) with host memory that binds: 3 MB per process, where stage 0's 1F1B holds 2 forwards of
+#: its 2 layers, and a 20 MB device that does not hold stage 0's layers kept whole (4 x 4.2 MB).
+AUTO = {"alpha": "auto", "layer_ms": 1.0, "bandwidth_gbps": 10.0, "host_mem_gb": 0.0075,
+        "gpus_per_node": 2, "host_safety": 0.8, "device_mem_gb": 0.02, "time_limit": 1.0}
+AUTO_HOST_BYTES = 3_000_000
+#: Layers that hold MBs, so that memo's layers beat the rounding of its two buffers to 2 MiB segments.
+AUTO_TRAIN = {**TRAIN, "seq_len": 1024, "micro_batch": 1}
 
 
 def pipelined_train(options: dict[str, Any] | None = None, _train: dict[str, Any] | None = None,
@@ -284,20 +288,25 @@ def pipelined_train(options: dict[str, Any] | None = None, _train: dict[str, Any
     return json.dumps({"losses": [s.loss for s in result.steps], "ranks": result.parallel["ranks"]})
 
 
-_ONE_PROCESS: list[float] = []
+_ONE_PROCESS: dict[str, list[float]] = {}
 
 
-def pipelined_losses() -> list[float]:
-    """``memo train --engine megatron --micro-batches 4 --alpha 0.5`` in this process (once): megatron's
-    schedule without pipelining, the micro-batches' gradients accumulated."""
+def pipelined_losses(run: dict[str, Any] | None = None, strategy: str = "memo") -> list[float]:
+    """``memo train --engine megatron --micro-batches 4`` (``run``: TRAIN) in this process, ``--alpha 0.5``
+    (or ``strategy``), once each: megatron's schedule without pipelining, the micro-batches' gradients
+    accumulated."""
+    import json
+
     from memo.train.loop import TrainConfig, train
     from memo.train.strategies import StrategyOptions, make_strategy
 
-    if not _ONE_PROCESS:
-        result = train(TrainConfig(**TRAIN), progress=False,
-                       strategy=make_strategy(StrategyOptions(alpha=0.5)), log=lambda _line: None)
-        _ONE_PROCESS.extend(s.loss for s in result.steps)
-    return list(_ONE_PROCESS)
+    key = json.dumps([run, strategy], sort_keys=True)
+    if key not in _ONE_PROCESS:
+        options = StrategyOptions(alpha=0.5) if strategy == "memo" else StrategyOptions(strategy=strategy)
+        result = train(TrainConfig(**(run or TRAIN)), progress=False, strategy=make_strategy(options),
+                       log=lambda _line: None)
+        _ONE_PROCESS[key] = [s.loss for s in result.steps]
+    return list(_ONE_PROCESS[key])
 
 
 # ----------------------------------------------------------------------------- test side
@@ -451,15 +460,19 @@ def test_pipelined_runs_refuse_what_they_cannot_take(overrides: dict, options: d
               strategy=make_strategy(StrategyOptions(**options)), log=lambda _line: None)
 
 
-def test_each_stage_solves_alpha_for_the_forwards_it_holds(world2, one_process_losses: list[float]) -> None:
-    """``memo train --pp 2 --micro-batches 4`` with alpha auto (NOTE [A stage's profile]): stage 0 profiles
-    its chunk and solves the LP for its 2 layers x 2 forwards in flight; host memory binds, so its alpha
-    is inside (0, 1) and its arena within the 1 MB a process may pin; the losses are one process's."""
+def test_each_stage_plans_its_layer_policy_for_the_forwards_it_holds(world2) -> None:
+    """``memo train --pp 2 --micro-batches 4`` with alpha auto (NOTE [A stage's profile]): each stage
+    chooses its layer policy and alpha with its schedule's forwards in flight counted. Stage 0 (2
+    forwards of its 2 layers) cannot keep them on the 20 MB device and offloads them with an alpha that
+    its 3 MB of host memory bounds (one forward's worth would overflow it); the last stage (1 forward)
+    keeps its layers; the losses are the unwrapped single-process run's, and each stage's plan holds."""
     import json
 
-    _assert_passed(world2, "train/1f1b/alpha=auto")
-    run = json.loads(world2["train/1f1b/alpha=auto"][0]["detail"])
-    assert run["losses"] == pytest.approx(one_process_losses, rel=1e-5)
-    first = next(r for r in run["ranks"] if r["pp_rank"] == 0)
-    assert 0.0 < first["alpha"] < 1.0, first
+    _assert_passed(world2, "train/1f1b/planned-policy")
+    run = json.loads(world2["train/1f1b/planned-policy"][0]["detail"])
+    assert run["losses"] == pytest.approx(pipelined_losses(AUTO_TRAIN, "none"), rel=1e-5)
+    first, last = sorted(run["ranks"], key=lambda r: r["pp_rank"])
+    assert first["policy"] == [["memo", "memo"]] and 0.0 < first["alpha"] < 1.0, first
     assert first["forwards_in_flight"] == [2] and 0 < first["host_pinned_bytes"] <= AUTO_HOST_BYTES, first
+    assert last["policy"] == [["keep", "keep"]], last
+    assert_stage_plans_hold(run["ranks"])

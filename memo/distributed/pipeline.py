@@ -119,9 +119,10 @@ def in_flight(stages: int, stage: int, chunks: int, micro_batches: int,
 # is a fixed random tensor, the stand-in for the gradient the next stage sends back. One forward and
 # backward of one micro-batch through the chunk is then recorded as any model's: its layers' S_input,
 # S_attn and S_others are the chunk's own (its rank's tokens, TP and CP shards), which is what the
-# alpha LP needs. The LP's host memory is the rank's share for the forwards its schedule keeps in
-# flight (:func:`in_flight`); the address plan of the schedule's interleaved micro-batches is not made
-# (NOTE [Pipelined steps] in memo/train/pipelined.py).
+# layer policy's cost model needs: with the forwards its schedule keeps in flight (:func:`in_flight`;
+# NOTE [Forwards in flight in the policy] in planner/policy.py) it chooses the stage's layer policy
+# and alpha. The address plan of the schedule's interleaved micro-batches is recorded from the stage's
+# real step instead (NOTE [A stage's address plan] in memo/distributed/stage_plan.py).
 
 
 class _Entry(nn.Module):

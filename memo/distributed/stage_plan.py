@@ -47,7 +47,7 @@ from torch import nn
 from memo.errors import MemoError
 
 __all__ = ["StagePhases", "agree_on_plan", "check_stage_plan", "given_stage_plan", "record_stage",
-           "save_stage_plan", "stage_plan", "stage_schedule"]
+           "save_stage_plan", "stage_plan", "stage_schedule", "stop_together"]
 
 
 def stage_parts(chunk: nn.Module) -> tuple[nn.Module | None, list[nn.Module], list[nn.Module]]:
@@ -186,7 +186,7 @@ def _fill(pattern: str, stage: int, rank: int) -> str:
                         ) from None
 
 
-def _stop_together(problem: str | None, parallel: Any) -> None:
+def stop_together(problem: str | None, parallel: Any) -> None:
     """Raise on every rank when any rank has a problem (a collective; None: this rank has none)."""
     problems = [problem] if parallel is None else parallel.gather(problem)
     found = [(r, p) for r, p in enumerate(problems) if p is not None]
@@ -219,7 +219,7 @@ def given_stage_plan(pattern: str, schedule: dict[str, Any], job: Any, parallel:
                             "`memo train --save-plan`")
     except MemoError as e:
         problem = str(e)
-    _stop_together(problem, parallel)
+    stop_together(problem, parallel)
     return plan
 
 
@@ -237,7 +237,7 @@ def save_stage_plan(plan: Any, pattern: str, parallel: Any, stage: int) -> None:
             save_plan(plan, path)
         except (MemoError, OSError) as e:
             problem = f"memo.train: --save-plan {pattern}: {e}"
-    _stop_together(problem, parallel)
+    stop_together(problem, parallel)
 
 
 def agree_on_plan(plan: Any, trace: dict[str, Any], parallel: Any, stage: int) -> Any:

@@ -14,17 +14,18 @@ single-process run the pipelines are checked against), 1F1B, or the interleaved 
 
 memo's part in each chunk: ``--strategy memo`` wraps every chunk with memo's default policy for the
 chunk's place (every layer offloaded in a chunk that feeds the next stage) at ``--alpha``, or with
-``--alpha auto`` at the alpha each stage solves from a profile of its own chunk, with the host memory
-its arenas share over the forwards its schedule keeps in flight (NOTE [A stage's profile] in
-memo/distributed/pipeline.py; the smallest over the stage's ranks, which run each layer's collectives
-together). ``full-recompute`` wraps every layer under torch's checkpoint (memo's "recompute" policy);
+``--alpha auto`` with the layer policy and alpha each stage's planner chooses from a profile of its
+first chunk, counting the forwards its schedule keeps in flight on the device and in the host memory
+its arenas share (NOTE [A stage's profile] in memo/distributed/pipeline.py; on the slowest link and
+layer and the smallest host of the stage's ranks, which run each layer's collectives together), within
+``--device-mem-gb`` when given, else within what full recompute would need. ``full-recompute`` wraps every layer under torch's checkpoint (memo's "recompute" policy);
 ``none`` leaves the chunks as they are. Each chunk's runtime keeps one host region per forward in
 flight, which :func:`memo.distributed.pipeline.in_flight` counts and the report shows per stage.
 
-What is not built yet: an address plan of a stage as its schedule runs it (the forwards and backwards
-of different micro-batches interleaved), so ``--plan`` is refused here and the chunks' memory is served
-by memo's fallback allocator; nor the layer policy a stage's planner would choose (the default policy
-for its place is used).
+With memo's allocator (the default; ``--no-planned-allocator`` leaves the fallback alone), each stage
+records its schedule's step, plans its addresses and runs every step on that plan (NOTE [A stage's
+address plan] in memo/distributed/stage_plan.py); ``--save-plan`` writes the stages' plans and
+``--plan`` runs them again. A stage whose plan needs more than ``--device-mem-gb`` stops every rank.
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ def train_pipelined(config: Any, *, log: Callable[[str], None] | None = None, pr
         source = iter(_token_source(config, model_config))
         batches = [_shard(next(source), parallel, device) for _ in range(config.micro_batches)]
         stage = 0 if parallel is None else parallel.pp_rank
-        given = None
+        given, policies = None, None  # policies: the default for each chunk's place
         if strategy.name == "memo" and strategy.options.plan is not None:
             from memo.distributed.stage_plan import given_stage_plan, stage_schedule
             from memo.planner.job import JobSpec
@@ -123,10 +124,12 @@ def train_pipelined(config: Any, *, log: Callable[[str], None] | None = None, pr
             given = given_stage_plan(strategy.options.plan, schedule, job, parallel)
             alpha = float(given.alpha)
             strategy.alpha = alpha
+            policies = _per_chunk(given.policy, chunks) if given.policy is not None else None
         elif strategy.name == "memo" and alpha is None:
-            alpha = _stage_alpha(chunks, batches[0], strategy.options, layout, parallel, config, emit)
+            alpha, policies = _stage_policy(chunks, batches[0], strategy.options, layout, parallel, config,
+                                            emit)
             strategy.alpha = alpha
-        runtimes = _apply(strategy.name, chunks, alpha)
+        runtimes = _apply(strategy.name, chunks, alpha, policies)
         ddp = _data_parallel(chunks, layout)
         plan = None
         if strategy.name == "memo" and strategy.options.planned_allocator and _can_plan(device, emit):
@@ -242,58 +245,84 @@ def _initialise(chunks: list[torch.nn.Module], seed: int, n_layers: int, layout:
                 p.copy_(full)
 
 
-def _stage_alpha(chunks: list[torch.nn.Module], batch: tuple[torch.Tensor, ...], options: Any, layout: Any,
-                 parallel: Any, config: Any, emit: Callable[[str], None]) -> float:
-    """memo's alpha for this rank's stage (NOTE [A stage's profile]): the alpha LP of a profile of its
-    first chunk, with the host memory this rank's arenas share over the forwards in flight, the
-    smallest over the ranks of the stage (they run each layer's collectives together)."""
+def _stage_policy(chunks: list[torch.nn.Module], batch: tuple[torch.Tensor, ...], options: Any, layout: Any,
+                  parallel: Any, config: Any, emit: Callable[[str], None]) -> tuple[float, list[list[str]]]:
+    """memo's alpha and layer policy for this rank's stage (NOTE [A stage's profile]): the layer policy's
+    cost model (NOTE [Policy cost model]) of a profile of the stage's first chunk, for all the stage's
+    layers and the forwards its schedule keeps in flight (NOTE [Forwards in flight in the policy]), on
+    the machine numbers its ranks agree on; the policy per chunk."""
+    import dataclasses
     import warnings
 
     from memo import pipeline
     from memo.distributed.pipeline import StageModel, in_flight
-    from memo.profiler.measure import GB, machine_memory_bytes
-    from memo.runtime.runtime import NOT_OFFLOADED_TAIL, kept_tail
+    from memo.pipeline.device import FALLBACK_HEADROOM, FALLBACK_SEGMENT_BYTES
+    from memo.pipeline.policy import _layer_costs
+    from memo.planner import choose_policy, describe_policy
+    from memo.planner.calibrate import AlphaInputs
+    from memo.profiler.measure import GB, machine_memory_bytes, measure_bandwidth, time_layer_forward
+    from memo.profiler.record import layer_inputs
 
     p, v = layout.pipeline_parallel, layout.virtual_pipeline
     stage = 0 if parallel is None else parallel.pp_rank
-    flights = in_flight(p, stage, v, config.micro_batches) if p > 1 else [1]
-    offloaded = [len(c.decoder.layers) - min(len(c.decoder.layers), kept_tail(c, NOT_OFFLOADED_TAIL))
-                 for c in chunks]
-    held = sum(f * n for f, n in zip(flights, offloaded, strict=True))  # layer regions of the rank's arenas
-    vote = 1.0  # a rank that offloads nothing does not bound its stage's alpha
-    if held:
-        from memo.planner import solve_alpha
-        from memo.profiler.measure import measure_bandwidth, time_layer_forward
-        from memo.profiler.record import layer_inputs
+    flights = in_flight(p, stage, v, config.micro_batches) if p > 1 else [1] * len(chunks)
+    ids, labels, positions, _count = batch
+    chunk = chunks[0]
+    tokens = ids.shape[1] // (layout.tensor_parallel if layout.sequence_parallel else 1)
+    model = StageModel(chunk, positions, (tokens, ids.shape[0], chunk.config.hidden_size), seed=config.seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain = pipeline.profile(model, batch=(ids, labels), tensor_parallel=layout.tensor_parallel,
+                                 context_parallel=layout.context_parallel, solve=False)
+        layer_ms = options.layer_ms
+        if layer_ms is None:  # the stage's ranks time their first layer together (collectives pair up)
+            args, kwargs = layer_inputs(model, ids, labels)
+            layer_ms = float(time_layer_forward(chunk.decoder.layers[0], *args, layer_kwargs=kwargs).value)
+    for p_ in chunk.parameters():  # the profile ran a backward; the step starts from no gradients
+        p_.grad = None
+    bandwidth = options.bandwidth_gbps or float(measure_bandwidth(ids.device).value)
+    host_gb = options.host_mem_gb if options.host_mem_gb is not None else machine_memory_bytes() / GB
+    host = options.machine().replace(host_mem_gb=host_gb).host_per_process()
+    bandwidth, layer_ms, host = _stage_machine((bandwidth, layer_ms, host), parallel, stage)
+    sizes = plain.trace["layers"]
+    lp = AlphaInputs(sizes["S_input"], sizes["S_attn"], sizes["S_others"], bandwidth * GB, layer_ms / 1e3,
+                     len(chunk.decoder.layers), host)
+    params = sum(x.numel() * x.element_size() for c in chunks for x in c.parameters())
+    states = {"parameters": {"bytes": params}, "optimizer": {"bytes": 2 * params}}
+    layer_params = sum(x.numel() for x in chunk.decoder.layers[0].parameters())
+    elem = next(chunk.parameters()).element_size()
+    costs = _layer_costs(plain.trace, lp, tokens, ids.shape[0], elem, layer_params, states, ids.device.type)
+    # the whole stage's layers, each holding what it keeps once per forward in flight (the most any of
+    # the stage's chunks holds: the interleaved schedule's first chunk)
+    costs = dataclasses.replace(costs, n_layers=sum(len(c.decoder.layers) for c in chunks),
+                                in_flight=max(flights))
+    budget = options.device_budget_bytes()
+    solution = choose_policy(costs, budget, headroom=FALLBACK_HEADROOM if budget else 0.0,
+                             headroom_bytes=FALLBACK_SEGMENT_BYTES if budget else 0)
+    policies = _per_chunk(solution.policy, chunks)
+    emit(f"memo: stage {stage}: {describe_policy(solution.policy)} at alpha {solution.alpha:.4f} "
+         f"({solution.binding}), {max(flights)} forward(s) in flight; S_input {sizes['S_input']:,} B, "
+         f"S_attn {sizes['S_attn']:,} B, S_others {sizes['S_others']:,} B per layer")
+    return float(solution.alpha), policies
 
-        ids, labels, positions, _count = batch
-        chunk = chunks[0]
-        tokens = ids.shape[1] // (layout.tensor_parallel if layout.sequence_parallel else 1)
-        sends = (tokens, ids.shape[0], chunk.config.hidden_size)
-        model = StageModel(chunk, positions, sends, seed=config.seed)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            plain = pipeline.profile(model, batch=(ids, labels), tensor_parallel=layout.tensor_parallel,
-                                     context_parallel=layout.context_parallel, solve=False)
-            layer_ms = options.layer_ms
-            if layer_ms is None:  # the stage's ranks time their first layer together (collectives pair up)
-                args, kwargs = layer_inputs(model, ids, labels)
-                first = chunk.decoder.layers[0]
-                layer_ms = float(time_layer_forward(first, *args, layer_kwargs=kwargs).value)
-        for p_ in chunk.parameters():  # the profile ran a backward; the step starts from no gradients
-            p_.grad = None
-        bandwidth = options.bandwidth_gbps or float(measure_bandwidth(ids.device).value)
-        host_gb = options.host_mem_gb if options.host_mem_gb is not None else machine_memory_bytes() / GB
-        host = options.machine().replace(host_mem_gb=host_gb).host_per_process()
-        sizes = plain.trace["layers"]
-        # the rank's arenas hold `held` layer regions at once: the LP's host constraint counts them all
-        solution = solve_alpha(sizes["S_input"], sizes["S_attn"], sizes["S_others"], bandwidth * GB,
-                               layer_ms / 1e3, held, host, offloaded_layers=held)
-        vote = float(solution.alpha)
-        emit(f"memo: stage {stage}: alpha {vote:.4f} ({solution.binding}) for {held} layer regions in "
-             f"flight ({flights} forwards per chunk); S_input {sizes['S_input']:,} B, S_attn "
-             f"{sizes['S_attn']:,} B, S_others {sizes['S_others']:,} B per layer")
-    return _stage_min(vote, parallel)
+
+def _per_chunk(policy: list[str], chunks: list[torch.nn.Module]) -> list[list[str]]:
+    """A stage's layer policy (its layers in order, chunk after chunk) cut into each chunk's."""
+    out, first = [], 0
+    for chunk in chunks:
+        out.append(list(policy[first:first + len(chunk.decoder.layers)]))
+        first += len(chunk.decoder.layers)
+    return out
+
+
+def _stage_machine(mine: tuple[float, float, int], parallel: Any, stage: int) -> tuple[float, float, int]:
+    """The slowest link, the slowest layer and the smallest host share over the ranks of this rank's stage
+    (a collective): every rank of a stage then solves the same policy (NOTE [Decisions every rank
+    shares] in memo/pipeline/policy.py)."""
+    if parallel is None:
+        return mine
+    votes = [(st, m) for st, m in parallel.gather((stage, mine)) if st == stage]
+    return (min(m[0] for _, m in votes), max(m[1] for _, m in votes), min(m[2] for _, m in votes))
 
 
 def _stage_plan(chunks: list[torch.nn.Module], ddp: list[Any] | None, batches: list[tuple[torch.Tensor, ...]],
@@ -322,7 +351,14 @@ def _stage_plan(chunks: list[torch.nn.Module], ddp: list[Any] | None, batches: l
                              host_bytes=_schedule_host_bytes(runtimes, layout, stage, config.micro_batches),
                              time_limit=options.time_limit)
         plan.alpha = alpha
+        plan.policy = [kind for rt in runtimes for kind in rt.policy]  # what each chunk runs
         plan = sp.agree_on_plan(plan, trace, parallel, stage)
+    budget = options.device_budget_bytes()
+    need = int(plan.device["total_bytes"])
+    sp.stop_together(None if budget is None or need <= budget else (
+        f"memo.train: stage {stage}'s plan needs {need / 2**20:.1f} MiB of device memory, more than "
+        f"--device-mem-gb {options.device_mem_gb:g} ({budget / 2**20:.1f} MiB); give more device memory, "
+        "more pipeline stages or tensor parallelism, or a shorter sequence"), parallel)
     if options.save_plan:
         sp.save_stage_plan(plan, options.save_plan, parallel, stage)
     emit(f"memo: stage {stage}: plan of its step ({schedule['schedule']}, {config.micro_batches} "
@@ -385,33 +421,24 @@ def _ddp_buffer_bytes(ddp: list[Any] | None) -> int:
     return total
 
 
-def _stage_min(value: float, parallel: Any) -> float:
-    """The smallest ``value`` over the ranks of this rank's pipeline stage (every rank calls it)."""
-    if parallel is None:
-        return value
-    from megatron.core import parallel_state
-
-    votes = parallel.gather((parallel_state.get_pipeline_model_parallel_rank(), value))
-    mine = votes[parallel.rank][0]
-    return min(v for stage, v in votes if stage == mine)
-
-
 def _schedule_name(layout: Any) -> str:
     if layout.pipeline_parallel == 1:
         return "no pipelining (gradient accumulation)"
     return "interleaved 1F1B" if layout.virtual_pipeline > 1 else "1F1B"
 
 
-def _apply(name: str, chunks: list[torch.nn.Module], alpha: float | None) -> list[Any]:
-    """Wrap each chunk for the strategy (NOTE [Pipelined steps]); the runtimes (empty for ``none``)."""
+def _apply(name: str, chunks: list[torch.nn.Module], alpha: float | None,
+           policies: list[list[str]] | None = None) -> list[Any]:
+    """Wrap each chunk for the strategy (NOTE [Pipelined steps]), memo's with its layer policy (None: the
+    default for the chunk's place); the runtimes (empty for ``none``)."""
     import memo.runtime as mr
 
     if name == "none":
         return []
-    for chunk in chunks:
+    for c, chunk in enumerate(chunks):
         n = len(chunk.decoder.layers)
         if name == "memo":
-            mr.wrap(chunk, alpha=alpha)
+            mr.wrap(chunk, alpha=alpha, policy=None if policies is None else policies[c])
         else:
             mr.wrap(chunk, alpha=0.0, policy=["recompute"] * n)
     return [mr.runtime_of(c) for c in chunks]
@@ -604,7 +631,8 @@ def _extras(runtimes: list[Any]) -> dict[str, Any]:
         return {}
     return {"host_pinned_bytes": sum(rt.host_bytes for rt in runtimes),
             "forwards_in_flight": [rt.buffers.n_flights if rt.buffers is not None else 0 for rt in runtimes],
-            "offloaded_layers": [rt.n_offloaded for rt in runtimes]}
+            "offloaded_layers": [rt.n_offloaded for rt in runtimes],
+            "policy": [list(rt.policy) for rt in runtimes]}
 
 
 def _all_parameters(chunks: list[torch.nn.Module], parallel: Any) -> int:
@@ -638,6 +666,7 @@ def _stages_record(parallel: Any, result: Any, runtimes: list[Any], stage: int,
                 extras.get("offloaded_layers") or [0] * layout.virtual_pipeline, strict=True)]
             if layout.pipeline_parallel > 1 else None,
             "offloaded_layers": extras.get("offloaded_layers"),
+            "policy": extras.get("policy"),
             # NOTE [A stage's address plan]: what this rank's plan expects, beside what it measured
             "plan_device_total_bytes": _plan_field(result, "total_bytes"),
             "plan_host_bytes": _plan_field(result, "host_bytes"),
