@@ -352,8 +352,8 @@ def _lp_alpha(c: LayerCosts, split: Split, cap: float, a: float, why: str
     else:
         linear += max(other, r)
     # the host holds each memo layer's region once per forward in flight
-    solution = solve_alpha(c.s_input, c.s_attn, c.s_others, c.bandwidth, c.layer_time, c.n_layers * c.in_flight,
-                           c.host_memory - n_in * c.s_input * c.in_flight,
+    solution = solve_alpha(c.s_input, c.s_attn, c.s_others, c.bandwidth, c.layer_time,
+                           c.n_layers * c.in_flight, c.host_memory - n_in * c.s_input * c.in_flight,
                            offloaded_layers=n_memo * c.in_flight, device_memory=cap,
                            device_fixed=fixed_other + linear, device_per_alpha=slope)
     if abs(solution.alpha - a) > 1e-6 and why != "bandwidth":
