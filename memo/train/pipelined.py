@@ -19,8 +19,9 @@ first chunk, counting the forwards its schedule keeps in flight on the device an
 its arenas share (NOTE [A stage's profile] in memo/distributed/pipeline.py; on the slowest link and
 layer and the smallest host of the stage's ranks, which run each layer's collectives together), within
 ``--device-mem-gb`` when given, else within what full recompute would need. ``full-recompute``
-wraps every layer under torch's checkpoint (memo's "recompute" policy); ``none`` leaves the chunks as they are. Each chunk's runtime keeps one host region per forward in
-flight, which :func:`memo.distributed.pipeline.in_flight` counts and the report shows per stage.
+wraps every layer under torch's checkpoint (memo's "recompute" policy); ``none`` leaves the chunks
+as they are. Each chunk's runtime keeps one host region per forward in flight, which
+:func:`memo.distributed.pipeline.in_flight` counts and the report shows per stage.
 
 With memo's allocator (the default; ``--no-planned-allocator`` leaves the fallback alone), each stage
 records its schedule's step, plans its addresses and runs every step on that plan (NOTE [A stage's
