@@ -197,6 +197,30 @@ def test_two_depths_extended_are_the_whole_depth(strategy: str, pp: int) -> None
         assert abs(a - b) <= 0.005 * b, (name, a, b)
 
 
+@pytest.mark.usefixtures("one_thread")
+def test_the_first_stage_is_recorded_with_its_forwards_in_flight() -> None:
+    """NOTE [First stage under 1F1B]: the first stage's 1F1B step is recorded, p forwards before the first
+    backward, phases named per micro-batch. Without any saving, L/p layers of p micro-batches hold what
+    L layers of one do: the first stage's activations hardly change with p, where one micro-batch's
+    stage falls as 1/p."""
+    from memo.estimate.plan_method import _rank_model, record_first_stage
+    from memo.phase_names import phase_micro_batch
+
+    est = Estimator("gpt-mini", dtype="float32", machine=Machine(device_mem_gb=1.0))
+    stage = {p: est.profiler.numbers("none", Layout(p, pp=p), 2048).activations for p in (2, 4)}
+    one = {p: est.profiler._record("none", Layout(p, pp=p), 2048, 12 // p, None, stage=False)[0].activations
+           for p in (2, 4)}
+    assert abs(stage[4] - stage[2]) <= 0.01 * stage[2], stage
+    assert one[4] < 0.6 * one[2] and stage[4] > 1.5 * one[4], (one, stage)
+    model = _rank_model(est.config, 3, Layout(3, pp=3), 512, est.dtype, "none")
+    trace = record_first_stage(model, Layout(3, pp=3), 512, {})
+    phases = [e["phase"] for e in trace["events"] if e["op"] == "malloc" and e.get("phase")]
+    assert {phase_micro_batch(ph) for ph in phases} == {0, 1, 2}
+    first_backward = next(i for i, ph in enumerate(phases) if ph.startswith("layer.bwd"))
+    assert {phase_micro_batch(ph) for ph in phases[:first_backward]} == {0, 1, 2}  # 3 forwards first
+    assert phases[first_backward] == "layer.bwd[2]@0"
+
+
 @pytest.fixture(scope="module")
 def gpt_7b_profiles() -> dict:
     """The meta profiles of gpt-7b's TP-8 rank at 1M tokens, shared by the Estimators below.

@@ -278,7 +278,7 @@ class Estimator:
     def _activations(self, strategy: str, layout: Layout, seq_len: int, alpha: float | None) -> int:
         """NOTE [Gradients in the peak] and [First stage under 1F1B] in memo/estimate/plan_method.py."""
         n = self.profiler.numbers(strategy, layout, seq_len, alpha)
-        if layout.pp > 1:
+        if layout.pp > 1 and strategy == "offloaded-checkpoint":  # one iteration of the peer, not a stage's
             return n.stage_activations + (layout.pp - 1) * n.held
         if self.model_states == "same":
             return n.iteration - n.gradients

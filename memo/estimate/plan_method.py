@@ -31,10 +31,13 @@ are counted whole and the activations are the peak of everything else the iterat
 
 NOTE [First stage under 1F1B]
 With p > 1 the first stage runs the embedding and L/p layers, not the LM head, and holds p
-micro-batches at once. Its activations are the peak of one micro-batch outside the head's phases
-plus (p - 1) times what one micro-batch keeps when its forward leaves the stage (the allocations
-live when the head's forward begins that are freed later). For memo the host memory of a process
-is shared by the p micro-batches in flight, so alpha is solved with M_CPU / p.
+micro-batches at once. What is recorded is that stage's step as its schedule runs it (NOTE [A stage's
+address plan] in memo/distributed/stage_plan.py, here on meta): p forwards of the rank model without
+its head, each one's output sent on (its data freed, as megatron's schedule frees it) and the next
+stage's gradient received, before the first backward, then the backwards and the forwards 1F1B
+alternates, phases named per micro-batch. Its lower bound, the device total a stage plan of that step
+counts, is the stage's. For memo the host memory of a process is shared by the p micro-batches in
+flight, so alpha is solved with M_CPU / p.
 
 NOTE [Memo's alpha in an estimate]
 ``memo`` is every layer under memo at the LP's alpha, the last two included (the leanest policy
@@ -206,6 +209,68 @@ def counted_parameters(config: Any, layout: Layout, seq_len: int, dtype: Any) ->
     return total, elem
 
 
+def record_first_stage(model: Any, layout: Layout, seq_len: int, meta: dict[str, Any]) -> dict[str, Any]:
+    """NOTE [First stage under 1F1B]: the trace of the first of ``layout.pp`` stages running the 1F1B
+    step of ``layout.pp`` micro-batches, on the meta rank model (its head replaced by the send)."""
+    import torch
+
+    from memo.phases import PhaseTracker
+    from memo.profiler.context_parallel import rank_tokens
+    from memo.profiler.record import _tag_param_grads
+    from memo.profiler.recorder import DispatchRecorder
+    from memo.trace_format import TraceBuilder
+
+    class SendOnward(torch.nn.Module):
+        """The first stage's end: its hidden states go to the next stage (the head is not on it)."""
+
+        def forward(self, x: torch.Tensor, _labels: torch.Tensor) -> torch.Tensor:
+            return x
+
+    p = layout.pp
+    head, model.head = model.head, SendOnward()
+    counter = [-1]
+    tracker = PhaseTracker(model.embedding, list(model.layers), [], micro_batch=lambda: counter[0])
+    rec = DispatchRecorder(lambda: tracker.current, device=torch.device("meta"))
+    tracker.add_listener(rec.on_phase)
+    ids = torch.zeros(layout.micro_batch, rank_tokens(seq_len, layout.tp, layout.cp), dtype=torch.long,
+                      device="meta")
+    params = list(model.parameters())
+    for param in params:
+        param.grad = None
+    sent: list[tuple[torch.Tensor, torch.Size]] = []
+
+    def forward() -> None:
+        counter[0] += 1
+        out = model(ids, ids)
+        shape = out.shape
+        out.data = torch.empty(1, dtype=out.dtype, device=out.device)  # sent on: only its graph stays
+        sent.append((out, shape))
+
+    def backward() -> None:
+        out, shape = sent.pop(0)
+        grad = torch.zeros(shape, dtype=out.dtype, device=out.device)  # the next stage's gradient
+        # megatron's custom_backward: the output's data is gone, so no shape check
+        torch.autograd.Variable._execution_engine.run_backward(  # type: ignore[attr-defined]
+            (out,), (grad,), False, False, (), True, True)
+
+    try:
+        with tracker.iteration(), rec:
+            # 1F1B on the first stage: p - 1 forwards of warm-up, one steady forward and backward, then
+            # the p - 1 backwards of the cool-down: p forwards are in flight at the first backward
+            for _ in range(p):
+                forward()
+            for _ in range(p):
+                backward()
+        rec.close()
+    finally:
+        tracker.remove()
+        model.head = head
+    _tag_param_grads(rec, params)
+    builder = TraceBuilder(meta=meta)
+    builder.events = rec.events
+    return builder.finish()
+
+
 def _record_offloaded_checkpoint(model: Any, layout: Layout, seq_len: int) -> dict[str, Any]:
     """One iteration of the ``offloaded-checkpoint`` peer on the meta rank model (NOTE [The peer in an
     estimate]): its layers checkpointed with their inputs sent to the host, MLPs tiled; the trace."""
@@ -245,16 +310,25 @@ class RankProfiler:
         self.profiles = 0
         self.notes: list[str] = []
 
-    def _record(self, strategy: str, layout: Layout, seq_len: int, depth: int, alpha: float | None
-                ) -> tuple[RankNumbers, Any]:
+    def _record(self, strategy: str, layout: Layout, seq_len: int, depth: int, alpha: float | None,
+                stage: bool = True) -> tuple[RankNumbers, Any]:
+        """The numbers of one recorded iteration (and pass 1's layer statistics), or with ``stage`` and
+        p > 1 of the first stage's 1F1B step (NOTE [First stage under 1F1B]; no statistics)."""
+        stages = layout.pp if stage and strategy != "offloaded-checkpoint" else 1
         key = (strategy, layout.tp, layout.cp, layout.micro_batch, seq_len, depth,
-               None if alpha is None else round(alpha, 6))
+               None if alpha is None else round(alpha, 6), stages)
         if key in self.cache:
             return self.cache[key]
         from memo.pipeline import profile
 
         recompute = "full" if strategy == "full-recompute" else "none"
         model = _rank_model(self.config, depth, layout, seq_len, self.dtype, recompute)
+        if stages > 1:
+            out: tuple[RankNumbers, Any] = (analyse_trace(self._first_stage(model, strategy, layout, seq_len,
+                                                                            depth, alpha)), None)
+            self.profiles += 1
+            self.cache[key] = out
+            return out
         common = {"tensor_parallel": layout.tp, "context_parallel": layout.cp}
         with warnings.catch_warnings(), repeated_tiles_skipped():  # NOTE [Repeated tiles in a meta estimate]
             warnings.simplefilter("ignore")  # the planner's notes on layer phases; alpha is checked here
@@ -276,12 +350,54 @@ class RankProfiler:
                                  **common)
         self.profiles += 1
         if strategy == "offloaded-checkpoint":
-            out: tuple[RankNumbers, Any] = (analyse_trace(trace), None)
+            out = (analyse_trace(trace), None)
             self.cache[key] = out
             return out
         out = (analyse_trace(result.trace), result.layer_stats)
         self.cache[key] = out
         return out
+
+    def _first_stage(self, model: Any, strategy: str, layout: Layout, seq_len: int, depth: int,
+                     alpha: float | None) -> dict[str, Any]:
+        """NOTE [First stage under 1F1B]: the first stage's step, memo's layers wrapped as the single
+        iteration's profile wraps them (its policy, alpha and the tiles of the device the estimate is
+        for)."""
+        from memo import runtime
+
+        meta = {"model": self.config.name, "seq_len": seq_len}
+        if strategy not in ("memo", "input-only"):
+            with repeated_tiles_skipped():
+                return record_first_stage(model, layout, seq_len, meta)
+        kept = min(self.machine.memo_keep_last, depth)
+        runtime.wrap(model, alpha=0.0 if strategy == "input-only" else alpha,
+                     policy=[strategy] * (depth - kept) + ["keep"] * kept,
+                     recompute_chunk_tokens=self._tile(model, layout, seq_len))
+        try:
+            with warnings.catch_warnings(), repeated_tiles_skipped():
+                warnings.simplefilter("ignore")
+                return record_first_stage(model, layout, seq_len, meta)
+        finally:
+            runtime.unwrap(model, force=True)
+
+    def _tile(self, model: Any, layout: Layout, seq_len: int) -> int | None:
+        """The tile memo's runtime runs on the GPU the estimate is for (NOTE [Tiles of the device a plan
+        is for] in memo/pipeline/job.py); None on the CPU: the runtime's default where it records."""
+        if self.device != "cuda":
+            return None
+        import torch
+
+        from memo.pipeline.policy import _token_bytes
+        from memo.profiler.context_parallel import rank_tokens
+        from memo.runtime.tiles import default_tile_tokens
+
+        ids = torch.zeros(layout.micro_batch, rank_tokens(seq_len, layout.tp, layout.cp), dtype=torch.long,
+                          device="meta")
+        with torch.no_grad():
+            rows = int(model.embedding(ids).shape[0])
+        hidden = int(self.config.hidden)
+        layer_params = sum(p.numel() for p in model.layers[0].parameters())
+        return default_tile_tokens(rows, batch=layout.micro_batch, hidden=hidden, device_type="cuda",
+                                   token_bytes=_token_bytes(layer_params, hidden, self.dtype.itemsize))
 
     def numbers(self, strategy: str, layout: Layout, seq_len: int, alpha: float | None = None,
                 whole_depth: bool = False) -> RankNumbers:
@@ -298,7 +414,7 @@ class RankProfiler:
     def layer_sizes(self, layout: Layout, seq_len: int) -> tuple[int, int, int]:
         """S_input, S_attn, S_others of one layer of the rank (pass 1 of the plain model)."""
         depth = min(self.config.n_layers // layout.pp, DEPTHS[0])
-        stats = self._record("none", layout, seq_len, depth, None)[1]
+        stats = self._record("none", layout, seq_len, depth, None, stage=False)[1]
         return (max(s.s_input for s in stats), max(s.s_attn for s in stats), max(s.s_others for s in stats))
 
     def offloaded_layers(self, layout: Layout) -> int:
