@@ -6,7 +6,8 @@ Each row is one ``memo train --engine megatron --micro-batches M`` run (the same
 micro-batches), launched with ``torchrun`` for PP = 2; the numbers are the runs' own reports: each rank's
 device peak (on the CPU: memo's allocator serving the steps, its peak in use plus the rank's parameters,
 NOTE [Measuring device memory]), its pinned host bytes (memo's arenas) and the forwards its chunks held
-in flight (NOTE [Pipeline stages]). The losses of every row are printed too: every layout trains the
+in flight (NOTE [Pipeline stages]), beside what the stage's plan of its step expected of them (memo's
+rows: NOTE [A stage's address plan]). The losses of every row are printed too: every layout trains the
 same model (NOTE [Pipeline initialisation]).
 
 Usage::
@@ -27,10 +28,12 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-#: (strategy, flags) of the rows: memo at a fixed alpha (a stage is not profiled yet: NOTE [Pipelined
-#: steps]) and full recompute.
-STRATEGIES = (("memo", ["--strategy", "memo", "--alpha", "0.25"]), ("full-recompute", ["--strategy",
-                                                                                        "full-recompute"]))
+#: (strategy, flags) of the rows: memo at a fixed alpha with the default policy for each chunk's place,
+#: memo with the policy and alpha each stage's planner chooses (NOTE [A stage's profile]), and full
+#: recompute.
+STRATEGIES = (("memo alpha 0.25", ["--strategy", "memo", "--alpha", "0.25"]),
+              ("memo planned", ["--strategy", "memo"]),
+              ("full-recompute", ["--strategy", "full-recompute"]))
 #: (name, processes, flags) of the layouts.
 LAYOUTS = (("PP 1", 1, []), ("PP 2 (1F1B)", 2, ["--pp", "2"]),
            ("PP 2 x VPP 2", 2, ["--pp", "2", "--vpp", "2"]))
@@ -40,7 +43,7 @@ def run(layout: tuple[str, int, list[str]], strategy: tuple[str, list[str]], arg
         out: Path) -> dict[str, Any]:
     """One ``memo train`` run; its report."""
     name, procs, flags = layout
-    report = out / f"{name.replace(' ', '_')}-{strategy[0]}.json"
+    report = out / f"{name.replace(' ', '_')}-{strategy[0].replace(' ', '_')}.json"
     train = ["train", "--engine", "megatron", "--model", args.model, "--seq-len", str(args.seq_len),
              "--micro-batches", str(args.micro_batches), "--steps", str(args.steps), "--no-progress",
              "--report", str(report), *strategy[1], *flags]
@@ -62,24 +65,42 @@ def rows(report: dict[str, Any], layout: str, strategy: str) -> list[dict[str, A
     losses = [s["loss"] for s in report["steps"]]
     par = report.get("parallel")
     if par is None:
+        plan = report.get("plan") or {}
         return [{"layout": layout, "strategy": strategy, "stage": 0, "peak": report["peak_device_bytes"],
-                 "host": report["host_pinned_bytes"], "in_flight": None, "losses": losses}]
+                 "host": report["host_pinned_bytes"], "in_flight": None, "losses": losses,
+                 "plan_total": plan.get("device_total_bytes"), "plan_host": report.get("host_pinned_bytes")
+                 if plan else None, "policy": None}]
     stages: dict[int, dict[str, Any]] = {}
     for r in par["ranks"]:
         stages.setdefault(r["pp_rank"], r)
     return [{"layout": layout, "strategy": strategy, "stage": s, "peak": r["peak_device_bytes"],
-             "host": r["host_pinned_bytes"], "in_flight": r.get("forwards_in_flight"), "losses": losses}
+             "host": r["host_pinned_bytes"], "in_flight": r.get("forwards_in_flight"), "losses": losses,
+             "plan_total": r.get("plan_device_total_bytes"), "plan_host": r.get("plan_host_bytes"),
+             "policy": r.get("policy"), "alpha": r.get("alpha")}
             for s, r in sorted(stages.items())]
+
+
+def _policy(r: dict[str, Any]) -> str:
+    """``"6 memo"`` per chunk, ``/`` between chunks, with alpha."""
+    if not r.get("policy"):
+        return "-"
+    kinds = ("memo", "input-only", "recompute", "keep")
+    chunks = [", ".join(f"{c.count(k)} {k}" for k in kinds if c.count(k)) for c in r["policy"]]
+    return " / ".join(chunks) + (f" (alpha {r['alpha']:.3f})" if r.get("alpha") is not None else "")
 
 
 def table(all_rows: list[dict[str, Any]]) -> str:
     mib = 2**20
-    lines = ["| layout | strategy | stage | device peak MiB | host pinned MiB | forwards in flight per "
-             "chunk | losses (first -> last) |", "|---|---|---|---|---|---|---|"]
+    lines = ["| layout | strategy | stage | layer policy | device peak MiB | plan's device total MiB | host "
+             "pinned MiB | plan's host MiB | forwards in flight per chunk | losses (first -> last) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in all_rows:
         flights = "-" if not r["in_flight"] else ", ".join(map(str, r["in_flight"]))
-        lines.append(f"| {r['layout']} | {r['strategy']} | {r['stage']} | {r['peak'] / mib:.2f} | "
-                     f"{r['host'] / mib:.2f} | {flights} | {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f} |")
+        total = "-" if r.get("plan_total") is None else f"{r['plan_total'] / mib:.2f}"
+        host = "-" if r.get("plan_host") is None else f"{r['plan_host'] / mib:.2f}"
+        lines.append(f"| {r['layout']} | {r['strategy']} | {r['stage']} | {_policy(r)} | "
+                     f"{r['peak'] / mib:.2f} | {total} | {r['host'] / mib:.2f} | {host} | {flights} | "
+                     f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f} |")
     return "\n".join(lines)
 
 

@@ -23,7 +23,7 @@ PHASE_KINDS = ("embed.fwd", "layer.fwd", "head.fwd", "head.bwd", "layer.bwd", "e
 # NOTE [Micro-batch phases]: under a pipeline schedule a stage runs each layer's forward and backward
 # once per micro-batch, interleaved, and the saved activations of different micro-batches live side by
 # side; so a stage's phases carry the micro-batch after "@" ("layer.fwd[3]@2"), one phase instance each
-# (NOTE [A stage's address plan] in memo/distributed/stage_plan.py). Its kind is the phase's kind.
+# (NOTE [A stage's address plan] in memo/pipeline/stage_plan.py). Its kind is the phase's kind.
 _PHASE_RE = re.compile(r"^(?:(embed\.fwd|head\.fwd|head\.bwd|embed\.bwd|layer\.(?:fwd|bwd)\[(\d+)\])"
                        r"(?:@(\d+))?|optimizer)$")
 

@@ -155,7 +155,7 @@ def _check_device(value: Any) -> dict[str, Any] | None:
 
 
 #: What a pipeline stage's plan records of the stage and schedule it was made for (NOTE [A stage's
-#: address plan] in memo/distributed/stage_plan.py): field -> its type.
+#: address plan] in memo/pipeline/stage_plan.py): field -> its type.
 PIPELINE_FIELDS = {"stage": int, "stages": int, "virtual_stages": int, "schedule": str, "micro_batches": int,
                    "chunk_layers": list}
 
@@ -228,7 +228,7 @@ class Plan:
         tile_tokens: tokens per tile of the memo and input-only layers' token-wise parts, as the
             policy chose them (NOTE [Tiles bounded by memory]); None: the runtime's default.
         pipeline: the pipeline stage and schedule the plan was made for (NOTE [A stage's address plan]
-            in memo/distributed/stage_plan.py); None: one iteration of a whole model.
+            in memo/pipeline/stage_plan.py); None: one iteration of a whole model.
         device: one rank's device memory (NOTE [Model states]): ``budget_bytes`` (None: no budget),
             ``model_states`` (None: not known, the total is the iteration's alone), ``activations_bytes``
             (= ``peak``), ``total_bytes``, the policy's ``estimate`` and the ``binding`` constraint

@@ -199,7 +199,8 @@ def test_a_phase_name_with_a_trailing_newline_is_refused(tmp_path) -> None:
         load_trace(path)
     assert str(err.value) == ("memo.trace: event 0: memo.phases: 'embed.fwd\\n' is not a phase name; "
                               "expected one of embed.fwd, layer.fwd[i], head.fwd, head.bwd, layer.bwd[i], "
-                              "embed.bwd, optimizer")
+                              "embed.bwd, optimizer (a pipeline stage's with the micro-batch after '@': "
+                              "layer.fwd[i]@k)")
 
 
 @pytest.mark.parametrize(("mutate", "needle"), [

@@ -1,4 +1,4 @@
-"""A pipeline stage's address plan (NOTE [A stage's address plan] in memo/distributed/stage_plan.py), in
+"""A pipeline stage's address plan (NOTE [A stage's address plan] in memo/pipeline/stage_plan.py), in
 one process: micro-batch phases, the stage's phase tracker, the plan's record of its stage and schedule,
 and a planned ``memo train --micro-batches`` run against its measured peak. The two- and four-rank
 pipelines are in tests/test_pipeline_parallel.py and tests/test_distributed.py."""
@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-from memo.distributed.stage_plan import StagePhases, check_stage_plan
 from memo.errors import MemoError
 from memo.phase_names import is_backward_phase, micro_batch_phase, parse_phase, phase_kind, phase_micro_batch
+from memo.pipeline.stage_plan import StagePhases, check_stage_plan
 
 
 def test_micro_batch_phases_keep_their_kind_and_layer() -> None:

@@ -122,7 +122,7 @@ def in_flight(stages: int, stage: int, chunks: int, micro_batches: int,
 # layer policy's cost model needs: with the forwards its schedule keeps in flight (:func:`in_flight`;
 # NOTE [Forwards in flight in the policy] in planner/policy.py) it chooses the stage's layer policy
 # and alpha. The address plan of the schedule's interleaved micro-batches is recorded from the stage's
-# real step instead (NOTE [A stage's address plan] in memo/distributed/stage_plan.py).
+# real step instead (NOTE [A stage's address plan] in memo/pipeline/stage_plan.py).
 
 
 class _Entry(nn.Module):

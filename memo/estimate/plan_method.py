@@ -32,7 +32,7 @@ are counted whole and the activations are the peak of everything else the iterat
 NOTE [First stage under 1F1B]
 With p > 1 the first stage runs the embedding and L/p layers, not the LM head, and holds p
 micro-batches at once. What is recorded is that stage's step as its schedule runs it (NOTE [A stage's
-address plan] in memo/distributed/stage_plan.py, here on meta): p forwards of the rank model without
+address plan] in memo/pipeline/stage_plan.py, here on meta): p forwards of the rank model without
 its head, each one's output sent on (its data freed, as megatron's schedule frees it) and the next
 stage's gradient received, before the first backward, then the backwards and the forwards 1F1B
 alternates, phases named per micro-batch. Its lower bound, the device total a stage plan of that step

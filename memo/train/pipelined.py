@@ -25,7 +25,7 @@ as they are. Each chunk's runtime keeps one host region per forward in flight, w
 
 With memo's allocator (the default; ``--no-planned-allocator`` leaves the fallback alone), each stage
 records its schedule's step, plans its addresses and runs every step on that plan (NOTE [A stage's
-address plan] in memo/distributed/stage_plan.py); ``--save-plan`` writes the stages' plans and
+address plan] in memo/pipeline/stage_plan.py); ``--save-plan`` writes the stages' plans and
 ``--plan`` runs them again. A stage whose plan needs more than ``--device-mem-gb`` stops every rank.
 """
 
@@ -116,7 +116,7 @@ def train_pipelined(config: Any, *, log: Callable[[str], None] | None = None, pr
         stage = 0 if parallel is None else parallel.pp_rank
         given, policies = None, None  # policies: the default for each chunk's place
         if strategy.name == "memo" and strategy.options.plan is not None:
-            from memo.distributed.stage_plan import given_stage_plan, stage_schedule
+            from memo.pipeline.stage_plan import given_stage_plan, stage_schedule
             from memo.planner.job import JobSpec
 
             meta = _stage_meta(config, layout)
@@ -330,9 +330,9 @@ def _stage_plan(chunks: list[torch.nn.Module], ddp: list[Any] | None, batches: l
                 layout: Any, parallel: Any, config: Any, stage: int, runtimes: list[Any], alpha: float,
                 given: Any, options: Any, emit: Callable[[str], None]) -> Any:
     """This rank's plan of its stage's step (NOTE [A stage's address plan] in
-    memo/distributed/stage_plan.py): ``given`` (from --plan), else recorded, planned and agreed on by
+    memo/pipeline/stage_plan.py): ``given`` (from --plan), else recorded, planned and agreed on by
     the stage's ranks; written to --save-plan when asked."""
-    from memo.distributed import stage_plan as sp
+    from memo.pipeline import stage_plan as sp
 
     def run() -> None:
         _forward_backward(chunks, ddp, batches, layout, config)
@@ -591,7 +591,7 @@ class _DeviceMeter:
         self._served = allocator.planned(tables, device=device)
         self._served.__enter__()
         if plan is not None:
-            from memo.distributed.stage_plan import StagePhases
+            from memo.pipeline.stage_plan import StagePhases
 
             self._phases = StagePhases(chunks, allocator.set_phase)
 
