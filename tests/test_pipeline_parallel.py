@@ -206,8 +206,11 @@ def pipelines_world2(rank: int, world: int, spec: dict[str, Any], record: Any) -
     parallel_state.destroy_model_parallel()
     for schedule, vpp in SCHEDULES.items():
         check(record, f"train/{schedule}", lambda vpp=vpp: _train(STAGES, vpp))
-    check(record, "train/1f1b/planned-policy",
-          lambda: pipelined_train(AUTO, _train=AUTO_TRAIN, pipeline_parallel=STAGES))
+    for style, (model, device_gb) in PLANNED.items():
+        check(record, f"train/1f1b/planned-policy/{style}",
+              lambda model=model, device_gb=device_gb: pipelined_train(
+                  {**AUTO, "device_mem_gb": device_gb}, _train={**AUTO_TRAIN, "model": model},
+                  pipeline_parallel=STAGES))
     check(record, "train/1f1b/saved-plans", _saved_plans)
 
 
@@ -263,10 +266,12 @@ def _saved_plans() -> str:
 
 
 #: memo's layer policy and alpha chosen per stage (NOTE [A stage's profile], NOTE [Forwards in flight in
-#: the policy]) with host memory that binds: 3 MB per process, where stage 0's 1F1B holds 2 forwards of
-#: its 2 layers, and a 20 MB device that does not hold stage 0's layers kept whole (4 x 4.2 MB).
+#: the policy]) with host memory that binds: 3 MB per process, where stage 0's 1F1B holds 2 forwards.
 AUTO = {"alpha": "auto", "layer_ms": 1.0, "bandwidth_gbps": 10.0, "host_mem_gb": 0.0075,
-        "gpus_per_node": 2, "host_safety": 0.8, "device_mem_gb": 0.02, "time_limit": 1.0}
+        "gpus_per_node": 2, "host_safety": 0.8, "time_limit": 1.0}
+#: style -> (model, device GB): a device that does not hold stage 0's layers kept whole for its 2
+#: forwards (tiny: 2 layers of 4.2 MB; llama-tiny: 1 layer of 6.3 MB).
+PLANNED = {"gpt": ("tiny", 0.02), "llama": ("llama-tiny", 0.013)}
 AUTO_HOST_BYTES = 3_000_000
 #: Layers that hold MBs, so that memo's layers beat the rounding of its two buffers to 2 MiB segments.
 AUTO_TRAIN = {**TRAIN, "seq_len": 1024, "micro_batch": 1}
@@ -460,19 +465,21 @@ def test_pipelined_runs_refuse_what_they_cannot_take(overrides: dict, options: d
               strategy=make_strategy(StrategyOptions(**options)), log=lambda _line: None)
 
 
-def test_each_stage_plans_its_layer_policy_for_the_forwards_it_holds(world2) -> None:
+@pytest.mark.parametrize("style", PLANNED)
+def test_each_stage_plans_its_layer_policy_for_the_forwards_it_holds(world2, style: str) -> None:
     """``memo train --pp 2 --micro-batches 4`` with alpha auto (NOTE [A stage's profile]): each stage
     chooses its layer policy and alpha with its schedule's forwards in flight counted. Stage 0 (2
-    forwards of its 2 layers) cannot keep them on the 20 MB device and offloads them with an alpha that
-    its 3 MB of host memory bounds (one forward's worth would overflow it); the last stage (1 forward)
-    keeps its layers; the losses are the unwrapped single-process run's, and each stage's plan holds."""
+    forwards) cannot keep its layers on the device and offloads them with an alpha that its 3 MB of host
+    memory bounds (an alpha for one forward would overflow it); the losses are the unwrapped single-process
+    run's, and each stage's plan holds."""
     import json
 
-    _assert_passed(world2, "train/1f1b/planned-policy")
-    run = json.loads(world2["train/1f1b/planned-policy"][0]["detail"])
-    assert run["losses"] == pytest.approx(pipelined_losses(AUTO_TRAIN, "none"), rel=1e-5)
-    first, last = sorted(run["ranks"], key=lambda r: r["pp_rank"])
-    assert first["policy"] == [["memo", "memo"]] and 0.0 < first["alpha"] < 1.0, first
+    name = f"train/1f1b/planned-policy/{style}"
+    _assert_passed(world2, name)
+    run = json.loads(world2[name][0]["detail"])
+    model = PLANNED[style][0]
+    assert run["losses"] == pytest.approx(pipelined_losses({**AUTO_TRAIN, "model": model}, "none"), rel=1e-5)
+    first = min(run["ranks"], key=lambda r: r["pp_rank"])
+    assert all(kind == "memo" for kind in first["policy"][0]) and 0.0 < first["alpha"] < 1.0, first
     assert first["forwards_in_flight"] == [2] and 0 < first["host_pinned_bytes"] <= AUTO_HOST_BYTES, first
-    assert last["policy"] == [["keep", "keep"]], last
     assert_stage_plans_hold(run["ranks"])

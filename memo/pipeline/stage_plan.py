@@ -46,7 +46,7 @@ from torch import nn
 
 from memo.errors import MemoError
 
-__all__ = ["StagePhases", "agree_on_plan", "check_stage_plan", "given_stage_plan", "record_stage",
+__all__ = ["StagePhases", "agree_on_plan", "all_done", "check_stage_plan", "given_stage_plan", "record_stage",
            "save_stage_plan", "stage_plan", "stage_schedule", "stop_together"]
 
 
@@ -194,6 +194,11 @@ def stop_together(problem: str | None, parallel: Any) -> None:
         rank, first = found[0]
         more = f" (and {len(found) - 1} other rank(s))" if len(found) > 1 else ""
         raise MemoError(first if parallel is None else f"rank {rank}{more}: {first}")
+
+
+def all_done(done: bool, parallel: Any) -> bool:
+    """Whether every rank is done (a collective; one process: ``done``)."""
+    return bool(done) if parallel is None else all(parallel.gather(bool(done)))
 
 
 def given_stage_plan(pattern: str, schedule: dict[str, Any], job: Any, parallel: Any) -> Any:

@@ -126,16 +126,24 @@ def train_pipelined(config: Any, *, log: Callable[[str], None] | None = None, pr
             alpha = float(given.alpha)
             strategy.alpha = alpha
             policies = _per_chunk(given.policy, chunks) if given.policy is not None else None
-        elif strategy.name == "memo" and alpha is None:
-            alpha, policies = _stage_policy(chunks, batches[0], strategy.options, layout, parallel, config,
-                                            emit)
-            strategy.alpha = alpha
-        runtimes = _apply(strategy.name, chunks, alpha, policies)
+        planning = strategy.name == "memo" and strategy.options.planned_allocator and _can_plan(device, emit)
+        costs = None  # the stage's cost model, where its policy is chosen (alpha auto)
+        if strategy.name == "memo" and given is None and alpha is None:
+            costs = _stage_costs(chunks, batches[0], strategy.options, layout, parallel, config, emit)
+            if not planning:  # the model's choice, unchecked (NOTE [A stage's calibrated policy])
+                solution = _choose(costs, strategy.options, stage, emit)
+                alpha, policies = float(solution.alpha), _per_chunk(solution.policy, chunks)
+        runtimes = [] if costs is not None and planning else _apply(strategy.name, chunks, alpha, policies)
         ddp = _data_parallel(chunks, layout)
+        trace = None
+        if costs is not None and planning:
+            alpha, policies, runtimes, trace = _calibrated_policy(
+                chunks, ddp, batches, layout, parallel, config, stage, costs, strategy.options, emit)
+        strategy.alpha = alpha
         plan = None
-        if strategy.name == "memo" and strategy.options.planned_allocator and _can_plan(device, emit):
+        if planning:
             plan = _stage_plan(chunks, ddp, batches, layout, parallel, config, stage, runtimes, alpha, given,
-                               strategy.options, emit)
+                               strategy.options, emit, trace)
             strategy.plan = plan
         result = _new_result(config, chunks[0], model_config, device, dtype, strategy)
         result.num_parameters = _all_parameters(chunks, parallel)
@@ -246,20 +254,18 @@ def _initialise(chunks: list[torch.nn.Module], seed: int, n_layers: int, layout:
                 p.copy_(full)
 
 
-def _stage_policy(chunks: list[torch.nn.Module], batch: tuple[torch.Tensor, ...], options: Any, layout: Any,
-                  parallel: Any, config: Any, emit: Callable[[str], None]) -> tuple[float, list[list[str]]]:
-    """memo's alpha and layer policy for this rank's stage (NOTE [A stage's profile]): the layer policy's
-    cost model (NOTE [Policy cost model]) of a profile of the stage's first chunk, for all the stage's
-    layers and the forwards its schedule keeps in flight (NOTE [Forwards in flight in the policy]), on
-    the machine numbers its ranks agree on; the policy per chunk."""
+def _stage_costs(chunks: list[torch.nn.Module], batch: tuple[torch.Tensor, ...], options: Any, layout: Any,
+                 parallel: Any, config: Any, emit: Callable[[str], None]) -> Any:
+    """The layer policy's cost model of this rank's stage (NOTE [A stage's profile], NOTE [Policy cost
+    model]): a profile of the stage's first chunk, for all the stage's layers and the forwards its
+    schedule keeps in flight (NOTE [Forwards in flight in the policy]), on the machine numbers its ranks
+    agree on."""
     import dataclasses
     import warnings
 
     from memo import pipeline
     from memo.distributed.pipeline import StageModel, in_flight
-    from memo.pipeline.device import FALLBACK_HEADROOM, FALLBACK_SEGMENT_BYTES
     from memo.pipeline.policy import _layer_costs
-    from memo.planner import choose_policy, describe_policy
     from memo.planner.calibrate import AlphaInputs
     from memo.profiler.measure import GB, machine_memory_bytes, measure_bandwidth, time_layer_forward
     from memo.profiler.record import layer_inputs
@@ -295,16 +301,131 @@ def _stage_policy(chunks: list[torch.nn.Module], batch: tuple[torch.Tensor, ...]
     costs = _layer_costs(plain.trace, lp, tokens, ids.shape[0], elem, layer_params, states, ids.device.type)
     # the whole stage's layers, each holding what it keeps once per forward in flight (the most any of
     # the stage's chunks holds: the interleaved schedule's first chunk)
-    costs = dataclasses.replace(costs, n_layers=sum(len(c.decoder.layers) for c in chunks),
-                                in_flight=max(flights))
+    emit(f"memo: stage {stage}: {max(flights)} forward(s) in flight; S_input {sizes['S_input']:,} B, "
+         f"S_attn {sizes['S_attn']:,} B, S_others {sizes['S_others']:,} B per layer")
+    return dataclasses.replace(costs, n_layers=sum(len(c.decoder.layers) for c in chunks),
+                               in_flight=max(flights))
+
+
+def _choose(costs: Any, options: Any, stage: int, emit: Callable[[str], None]) -> Any:
+    """The stage's layer policy from its cost model, within --device-mem-gb or full recompute's need."""
+    from memo.pipeline.device import FALLBACK_HEADROOM, FALLBACK_SEGMENT_BYTES
+    from memo.planner import choose_policy, describe_policy
+
     budget = options.device_budget_bytes()
     solution = choose_policy(costs, budget, headroom=FALLBACK_HEADROOM if budget else 0.0,
                              headroom_bytes=FALLBACK_SEGMENT_BYTES if budget else 0)
-    policies = _per_chunk(solution.policy, chunks)
     emit(f"memo: stage {stage}: {describe_policy(solution.policy)} at alpha {solution.alpha:.4f} "
-         f"({solution.binding}), {max(flights)} forward(s) in flight; S_input {sizes['S_input']:,} B, "
-         f"S_attn {sizes['S_attn']:,} B, S_others {sizes['S_others']:,} B per layer")
-    return float(solution.alpha), policies
+         f"({solution.binding})")
+    return solution
+
+
+# NOTE [A stage's calibrated policy]
+# The cost model of a stage comes from one micro-batch through its first chunk; what the stage's step
+# really holds (the schedule's p2p buffers, the embedding's or the head's share, memo's runtime beyond
+# the model) it does not see, and a policy it says fits may not: on gpt-mini at 2K tokens its choice
+# needed 108 MiB where full recompute needed 68. So, where memo's allocator records the stage, the
+# choice is checked as the single iteration's is (NOTE [Calibrated policy] in memo/pipeline/policy.py):
+# the stage records its step under full recompute (the device cap without --device-mem-gb, and the
+# cost model's base is corrected to give that total), then under the policy chosen within the cap;
+# where the recorded total exceeds the cap, the excess is added to the model's memo correction and
+# the policy is chosen again, at most CALIBRATION_ROUNDS times, full recompute being the fallback that
+# fits. The ranks of a stage agree on each total (the largest), and every stage records in every round
+# (a schedule runs every stage), a stage that is done running its accepted policy again. The last
+# recording of the accepted policy is the trace its address plan is made from.
+CALIBRATION_ROUNDS = 3
+
+
+def _calibrated_policy(chunks: list[torch.nn.Module], ddp: list[Any] | None,
+                       batches: list[tuple[torch.Tensor, ...]], layout: Any, parallel: Any, config: Any,
+                       stage: int, costs: Any, options: Any, emit: Callable[[str], None]
+                       ) -> tuple[float, list[list[str]], list[Any], dict[str, Any]]:
+    """NOTE [A stage's calibrated policy]: alpha, the policy per chunk, the runtimes and the trace of the
+    step recorded with them."""
+    import dataclasses
+
+    from memo.pipeline import stage_plan as sp
+    from memo.pipeline.device import _iteration_total, usable_device_bytes
+    from memo.planner import describe_policy, full_recompute_need
+    from memo.planner.policy import choose_policy
+
+    static = _state_bytes(chunks, ddp)
+    meta = _stage_meta(config, layout)
+
+    def record(policies: list[list[str]], alpha: float) -> tuple[dict[str, Any], int, list[Any]]:
+        for chunk in chunks:
+            _unwrap(chunk)
+        runtimes = _apply("memo", chunks, alpha, policies)
+        trace = sp.record_stage(lambda: _no_update_step(chunks, ddp, batches, layout, config), chunks,
+                                batches[0][0].device, meta)
+        return trace, _stage_max(_iteration_total(trace, static), parallel, stage), runtimes
+
+    full = [["recompute"] * len(c.decoder.layers) for c in chunks]
+    budget = options.device_budget_bytes()
+    trace, fr_total, runtimes = record(full, 0.0)
+    wrapped: tuple[float, list[list[str]]] = (0.0, full)
+    cap = usable_device_bytes(budget) if budget is not None else fr_total
+    base = costs.base_bytes + fr_total - full_recompute_need(costs)  # the model's full recompute: recorded
+    costs = dataclasses.replace(costs, base_bytes=max(0, base))
+    accepted = (0.0, full, runtimes, trace) if fr_total <= cap else None
+    done = False
+    for _round in range(CALIBRATION_ROUNDS):
+        if not done:
+            try:
+                solution = choose_policy(costs, device_budget=cap)
+            except MemoError:  # no policy fits by the model: full recompute, where it fits, is all there is
+                solution = None
+            done = solution is None or all(kind == "recompute" for kind in solution.policy)
+        if sp.all_done(done, parallel):
+            break
+        if done:  # a schedule runs every stage: this one runs its accepted policy again
+            alpha, policies = (accepted[0], accepted[1]) if accepted is not None else wrapped
+        else:
+            alpha, policies = float(solution.alpha), _per_chunk(solution.policy, chunks)
+        trace, total, runtimes = record(policies, alpha)
+        wrapped = (alpha, policies)
+        if done:
+            if accepted is not None:
+                accepted = (alpha, policies, runtimes, trace)
+        elif total <= cap:
+            accepted, done = (alpha, policies, runtimes, trace), True
+            emit(f"memo: stage {stage}: {describe_policy(solution.policy)} at alpha {alpha:.4f} recorded "
+                 f"{total / 2**20:.1f} MiB, within {cap / 2**20:.1f} MiB")
+        else:  # the model missed by this much: the next choice counts it
+            missed = total - solution.device_bytes
+            costs = dataclasses.replace(costs, memo_overhead=costs.memo_overhead + missed)
+            emit(f"memo: stage {stage}: {describe_policy(solution.policy)} at alpha {alpha:.4f} recorded "
+                 f"{total / 2**20:.1f} MiB, over {cap / 2**20:.1f} MiB: choosing again")
+    sp.stop_together(None if accepted is not None else (
+        f"memo.train: stage {stage}: no layer policy fits --device-mem-gb {options.device_mem_gb:g}: full "
+        f"recompute alone records {fr_total / 2**20:.1f} MiB; give more device memory, more pipeline stages "
+        "or tensor parallelism, or a shorter sequence"), parallel)
+    assert accepted is not None  # stop_together raised otherwise
+    alpha, policies, runtimes, trace = accepted
+    if wrapped != (alpha, policies):  # the chunks run the accepted policy (its trace was recorded earlier)
+        for chunk in chunks:
+            _unwrap(chunk)
+        runtimes = _apply("memo", chunks, alpha, policies)
+    return alpha, policies, runtimes, trace
+
+
+def _no_update_step(chunks: list[torch.nn.Module], ddp: list[Any] | None,
+                    batches: list[tuple[torch.Tensor, ...]], layout: Any, config: Any) -> None:
+    """The schedule's forwards and backwards, and no gradient kept: a recorded step (NOTE [A stage's
+    address plan]) leaves the model as it found it."""
+    _forward_backward(chunks, ddp, batches, layout, config)
+    for chunk in chunks:
+        for p in chunk.parameters():
+            p.grad = None
+    for d in ddp or ():
+        d.zero_grad_buffer()
+
+
+def _stage_max(value: int, parallel: Any, stage: int) -> int:
+    """The largest ``value`` over the ranks of this rank's stage (a collective)."""
+    if parallel is None:
+        return int(value)
+    return int(max(v for st, v in parallel.gather((stage, int(value))) if st == stage))
 
 
 def _per_chunk(policy: list[str], chunks: list[torch.nn.Module]) -> list[list[str]]:
@@ -328,26 +449,24 @@ def _stage_machine(mine: tuple[float, float, int], parallel: Any, stage: int) ->
 
 def _stage_plan(chunks: list[torch.nn.Module], ddp: list[Any] | None, batches: list[tuple[torch.Tensor, ...]],
                 layout: Any, parallel: Any, config: Any, stage: int, runtimes: list[Any], alpha: float,
-                given: Any, options: Any, emit: Callable[[str], None]) -> Any:
+                given: Any, options: Any, emit: Callable[[str], None], trace: dict[str, Any] | None = None
+                ) -> Any:
     """This rank's plan of its stage's step (NOTE [A stage's address plan] in
-    memo/pipeline/stage_plan.py): ``given`` (from --plan), else recorded, planned and agreed on by
-    the stage's ranks; written to --save-plan when asked."""
+    memo/pipeline/stage_plan.py): ``given`` (from --plan), else made from ``trace`` (the step recorded
+    already) or a step recorded here, planned and agreed on by the stage's ranks; written to --save-plan
+    when asked."""
     from memo.pipeline import stage_plan as sp
 
     def run() -> None:
-        _forward_backward(chunks, ddp, batches, layout, config)
-        for chunk in chunks:  # the step starts from no gradients (NOTE [A stage's address plan])
-            for p in chunk.parameters():
-                p.grad = None
-        for d in ddp or ():
-            d.zero_grad_buffer()
+        _no_update_step(chunks, ddp, batches, layout, config)
 
     schedule = sp.stage_schedule(layout, stage, config.micro_batches, chunks)
     if given is not None:
         run()  # the warm-up a recorded plan had: one-time buffers made before the planned steps
         plan = given
     else:
-        trace = sp.record_stage(run, chunks, batches[0][0].device, _stage_meta(config, layout))
+        if trace is None:
+            trace = sp.record_stage(run, chunks, batches[0][0].device, _stage_meta(config, layout))
         plan = sp.stage_plan(trace, schedule, _state_bytes(chunks, ddp),
                              host_bytes=_schedule_host_bytes(runtimes, layout, stage, config.micro_batches),
                              time_limit=options.time_limit)
