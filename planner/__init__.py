@@ -42,6 +42,7 @@ from .policy import (
     full_recompute_need,
     given_policy,
 )
+from .summary import PlanSummary, read_plan_summary
 from .trace import Allocation, Trace, TraceBuilder, load_trace, save_trace
 
 __all__ = [
@@ -52,6 +53,7 @@ __all__ = [
     "AlphaSolution",
     "LayerCosts",
     "Plan",
+    "PlanSummary",
     "PolicyRecording",
     "PolicySolution",
     "ProbedPolicy",
@@ -77,6 +79,7 @@ __all__ = [
     "plan_heuristic",
     "plan_mip",
     "probe_policy",
+    "read_plan_summary",
     "save_plan",
     "save_trace",
     "solve_alpha",

@@ -373,6 +373,9 @@ class Plan:
             "phases": phases,
             "end_time": self.end_time,
             "unphased": self.unphased,
+            # NOTE [A plan's summary] in planner/summary.py: what `memo show` prints without the rows
+            "allocation_count": len(self.allocations),
+            "phase_peaks": self.phase_peaks(),
             # [phase index or -1, request index, size, start, end, trace id], in malloc order.
             "allocations": [[phase_index.get(a.phase, -1), a.request, a.size, a.start, a.end, a.id]
                             for a in self.allocations],
@@ -455,7 +458,7 @@ class Plan:
         unphased = data.get("unphased", "fallback" if "unphased_left_to_fallback" in solver else "plan")
         if unphased not in UNPHASED_MODES:
             raise _bad("unphased", "'plan' or 'fallback'", unphased)
-        return cls(
+        plan = cls(
             meta=validate_meta(data.get("meta") or {}, "memo.plan"),
             allocations=allocations,
             offsets=offsets,
@@ -479,6 +482,13 @@ class Plan:
             end_time=_count(data.get("end_time", 0), "end_time"),
             unphased=unphased,
         )
+        # NOTE [A plan's summary]: what a summary reader takes on trust must be what the rows give
+        count, peaks = data.get("allocation_count"), data.get("phase_peaks")
+        if count is not None and count != len(allocations):
+            raise _bad("allocation_count", f"the {len(allocations):,} rows' count", count)
+        if peaks is not None and peaks != plan.phase_peaks():
+            raise _bad("phase_peaks", "the peaks its allocations reach", peaks)
+        return plan
 
 
 def _allocations(rows: Any, phases: list[str]) -> list[Allocation]:

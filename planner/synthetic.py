@@ -12,6 +12,8 @@ head, and the backward passes in reverse order that free the skeletal tensors.
 
 from __future__ import annotations
 
+import json
+import os
 import random
 from typing import Any
 
@@ -20,7 +22,7 @@ from memo.units import ALIGNMENT
 from .dsa import Item
 from .trace import TraceBuilder
 
-__all__ = ["guillotine_instance", "items_to_trace", "layered_trace"]
+__all__ = ["guillotine_instance", "items_to_trace", "layered_trace", "write_layered_plan"]
 
 
 def guillotine_instance(n_items: int, *, time_span: int = 1000, height: int = 1000,
@@ -155,3 +157,38 @@ def items_to_trace(items: list[Item], *, unit: int = ALIGNMENT, phase: str | Non
         else:
             trace.free(k)
     return trace.finish()
+
+
+def write_layered_plan(path: str | os.PathLike[str], layers: int, requests: int,
+                       size: int = ALIGNMENT) -> int:
+    """A valid plan of ``2 * layers * requests`` allocations at ``path``, written row by row in
+    save_plan's layout without building it in memory (NOTE [A plan's summary] in planner/summary.py):
+    ``layers`` layers, each a forward and a backward pass of ``requests`` allocations that live within
+    the pass, every pass one level-1 block at offset 0. Returns the count."""
+    phases = [f"layer.fwd[{i}]" for i in range(layers)] + [f"layer.bwd[{i}]" for i in reversed(range(layers))]
+    block = [j * size for j in range(requests)]
+    n = len(phases) * requests
+    head: dict[str, Any] = {
+        "version": 1, "kind": "memo.plan", "meta": {"model": "show-scale", "seq_len": 1},
+        "alignment": ALIGNMENT, "alpha": None, "alpha_binding": None, "alpha_detail": None,
+        "host_bytes": None, "offload": None, "policy": None, "tile_tokens": None, "device": None,
+        "pipeline": None,
+        "peak": requests * size, "lower_bound": requests * size, "no_reuse_bytes": n * size,
+        "solver": {"kind": "synthetic", "seconds": 0.0}, "warnings": [],
+        "level1": {"layer.fwd": block, "layer.bwd": block},
+        "level1_peak": {"layer.fwd": requests * size, "layer.bwd": requests * size},
+        "level2": {p: 0 for p in phases}, "items": {}, "phases": phases,
+        "end_time": 2 * n, "unphased": "fallback",
+        "allocation_count": n, "phase_peaks": {p: requests * size for p in phases},
+    }
+    with open(path, "w") as f:
+        f.write(json.dumps(head, indent=1)[:-2] + ',\n "allocations": [\n')
+        ident = 0
+        for p in range(len(phases)):
+            # a pass: requests allocations, the j-th live over [t + j, t + requests + j)
+            t = 2 * requests * p
+            rows = [f"[{p}, {j}, {size}, {t + j}, {t + requests + j}, {ident + j}]" for j in range(requests)]
+            ident += requests
+            f.write(",\n".join(rows) + (",\n" if p + 1 < len(phases) else "\n"))
+        f.write(" ]\n}\n")
+    return n

@@ -323,6 +323,48 @@ def test_plot_draws_the_largest_allocations_past_what_a_picture_shows(tmp_path, 
     assert done.stdout.strip() == "False", done.stderr
 
 
+# ------------------------------------------------------------------ 7. memo show of many allocations
+def test_show_reads_a_plans_summary_without_its_rows(tmp_path, monkeypatch) -> None:
+    """NOTE [A plan's summary]: ``memo show`` prints what the whole plan gives, from the summary fields,
+    building no allocation (10^7 of them took over 8 GB); the highest phases of a plan with many; a plan
+    whose summary fields disagree with its rows is refused when it is loaded whole."""
+    import json
+
+    from memo.cli.show import MAX_PHASE_LINES, format_plan
+    from memo.planner import Plan, load_plan, make_plan, read_plan_summary, save_plan
+    from memo.planner.summary import PlanSummary
+    from memo.planner.synthetic import layered_trace, write_layered_plan
+
+    path = tmp_path / "big.json"
+    n = write_layered_plan(path, layers=40, requests=50)
+    whole = format_plan(load_plan(path))
+    monkeypatch.setattr(Plan, "from_dict", lambda *_a, **_k: pytest.fail("memo show loaded every row"))
+    summary = read_plan_summary(path)
+    assert isinstance(summary, PlanSummary) and summary.allocation_count == n == 4000
+    assert format_plan(summary) == whole
+    assert f"allocations   {n:,}" in whole
+    assert f"the {MAX_PHASE_LINES // 2} highest of 80 phases" in whole and whole.count("\n  layer.") == 32
+    monkeypatch.undo()
+    # a plan save_plan writes has them; one without them (older) is loaded whole
+    plan = make_plan(layered_trace(3), use_mip=False)
+    save_plan(plan, tmp_path / "p.json")
+    assert format_plan(read_plan_summary(tmp_path / "p.json")) == format_plan(plan)
+    data = json.loads((tmp_path / "p.json").read_text())
+    for key in ("allocation_count", "phase_peaks"):
+        data.pop(key)
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    assert isinstance(read_plan_summary(tmp_path / "old.json"), Plan)
+    # the summary must be what the rows give
+    data = plan.to_dict()
+    data["allocation_count"] += 1
+    with pytest.raises(MemoError, match="allocation_count must be the"):
+        Plan.from_dict(data)
+    text = path.read_text().replace('"allocation_count": 4000', '"allocation_count": 4001')
+    (tmp_path / "bad.json").write_text(text)
+    with pytest.raises(MemoError, match="allocation_count must be the 4,000 rows' count"):
+        read_plan_summary(tmp_path / "bad.json")
+
+
 # ------------------------------------------------------------------ 8. strings from files, escaped
 def test_show_escapes_what_a_plan_file_says() -> None:
     from memo.planner import make_plan

@@ -7,8 +7,9 @@ peaks, host bytes, and how the solver did.
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
-from memo.planner import Plan, load_plan, offload_difference
+from memo.planner import offload_difference, read_plan_summary
 from memo.units import format_bytes
 
 __all__ = ["add_parser", "format_plan", "parallel_line", "run", "safe_text", "warning_lines"]
@@ -40,7 +41,13 @@ def _mib(n: int | None) -> str:
 MODEL_KEYS = ("model", "seq_len", "micro_batch", "dtype", "n_layers", "fingerprint")
 
 
-def format_plan(plan: Plan) -> str:
+#: Phases listed one by one up to this many; past it, the highest ones and a count (a plan of 10^7
+#: allocations has 10^5 phase instances: NOTE [A plan's summary] in planner/summary.py).
+MAX_PHASE_LINES = 64
+
+
+def format_plan(plan: Any) -> str:
+    """The summary of a :class:`memo.planner.Plan` or :class:`memo.planner.PlanSummary`."""
     meta = plan.meta
     out = [
         "model         " + " ".join(f"{k}={safe_text(meta[k])}" for k in MODEL_KEYS if k in meta),
@@ -52,6 +59,7 @@ def format_plan(plan: Plan) -> str:
         f"ratio         {plan.ratio:.4f}",
         f"no reuse      {_mib(plan.no_reuse_bytes)}",
         f"host bytes    {_mib(plan.host_bytes)}",
+        f"allocations   {_allocations(plan):,}",
     ]
     if plan.policy:  # NOTE [Layer policy] in memo/runtime/runtime.py
         from memo.planner import describe_policy
@@ -84,9 +92,16 @@ def format_plan(plan: Plan) -> str:
                    f"items {safe_text(st.get('items'))}")
     for kind, height in plan.level1_peak.items():
         out.append(f"level 1       {safe_text(kind)}: block {_mib(height)}")
-    out.append("phase peaks (highest arena byte each phase's allocations reach):")
-    for phase, top in plan.phase_peaks().items():
-        out.append(f"  {phase:<20} {_mib(top)}")
+    peaks = plan.phase_peaks()
+    shown = list(peaks.items())
+    if len(shown) > MAX_PHASE_LINES:
+        shown = sorted(shown, key=lambda kv: -kv[1])[:MAX_PHASE_LINES // 2]
+        out.append(f"phase peaks (highest arena byte each phase's allocations reach; the {len(shown)} "
+                   f"highest of {len(peaks):,} phases):")
+    else:
+        out.append("phase peaks (highest arena byte each phase's allocations reach):")
+    for phase, top in shown:
+        out.append(f"  {safe_text(phase):<20} {_mib(top)}")
     out += warning_lines(plan.warnings)
     return "\n".join(out)
 
@@ -165,6 +180,12 @@ def warning_lines(warnings: list[str]) -> list[str]:
     return [f"warning       {w}" for w in rest] + out
 
 
+def _allocations(plan: Any) -> int:
+    count = getattr(plan, "allocation_count", None)
+    return int(count) if count is not None else len(plan.allocations)
+
+
 def run(args: argparse.Namespace) -> int:
-    print(format_plan(load_plan(args.plan)))
+    # NOTE [A plan's summary]: the printed fields only, where the file has them; else the whole plan
+    print(format_plan(read_plan_summary(args.plan)))
     return 0
