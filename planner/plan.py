@@ -438,49 +438,22 @@ class Plan:
                 requests[int(r)] = _offset(o, f"items.{phase}.{r}")
         allocations = _allocations(data["allocations"], phases)
         offsets = _offsets(allocations, level1, level2, items)
-        level1_peak = {}
-        for kind, height in _object(data.get("level1_peak", {}), "level1_peak").items():
-            if kind not in LAYER_KINDS:
-                raise _bad("a key of level1_peak", f"one of {LAYER_KINDS}", kind)
-            level1_peak[kind] = _count(height, f"level1_peak.{kind}")
-        alpha = data.get("alpha")
-        if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float))):
-            raise MemoError(f"memo.plan: alpha must be a number in [0, 1], got {alpha!r:.80}; {_DAMAGED}")
-        binding = data.get("alpha_binding")
-        if binding is not None and not isinstance(binding, str):
-            raise _bad("alpha_binding", "a string or null", binding)
+        fields = summary_fields(data)
         detail = data.get("alpha_detail")
-        warnings = data.get("warnings") or []
-        if not isinstance(warnings, list) or not all(isinstance(w, str) for w in warnings):
-            raise _bad("warnings", "a list of strings", warnings)
-        solver = _check_solver(data.get("solver") or {})
         # Plans written before the field said so only in their solver record.
-        unphased = data.get("unphased", "fallback" if "unphased_left_to_fallback" in solver else "plan")
+        old_default = "fallback" if "unphased_left_to_fallback" in fields["solver"] else "plan"
+        unphased = data.get("unphased", old_default)
         if unphased not in UNPHASED_MODES:
             raise _bad("unphased", "'plan' or 'fallback'", unphased)
         plan = cls(
-            meta=validate_meta(data.get("meta") or {}, "memo.plan"),
             allocations=allocations,
             offsets=offsets,
-            peak=_count(data["peak"], "peak"),
-            lower_bound=_count(data["lower_bound"], "lower_bound"),
-            no_reuse_bytes=_count(data["no_reuse_bytes"], "no_reuse_bytes"),
             level1=level1,
-            level1_peak=level1_peak,
             level2=level2,
-            alpha=None if alpha is None else float(alpha),
-            alpha_binding=binding,
             alpha_detail=None if detail is None else dict(_object(detail, "alpha_detail")),
-            host_bytes=None if data.get("host_bytes") is None else _count(data["host_bytes"], "host_bytes"),
-            offload=_check_offload(data.get("offload")),
-            policy=_check_policy(data.get("policy")),
-            tile_tokens=_check_tile(data.get("tile_tokens")),
-            device=_check_device(data.get("device")),
-            pipeline=_check_pipeline(data.get("pipeline")),
-            solver=solver,
-            warnings=list(warnings),
             end_time=_count(data.get("end_time", 0), "end_time"),
             unphased=unphased,
+            **fields,
         )
         # NOTE [A plan's summary]: what a summary reader takes on trust must be what the rows give
         count, peaks = data.get("allocation_count"), data.get("phase_peaks")
@@ -489,6 +462,42 @@ class Plan:
         if peaks is not None and peaks != plan.phase_peaks():
             raise _bad("phase_peaks", "the peaks its allocations reach", peaks)
         return plan
+
+
+def summary_fields(data: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields of a plan dict that describe it rather than place its allocations, checked: what
+    :meth:`Plan.from_dict` and a plan's summary (NOTE [A plan's summary] in planner/summary.py) share."""
+    level1_peak = {}
+    for kind, height in _object(data.get("level1_peak", {}), "level1_peak").items():
+        if kind not in LAYER_KINDS:
+            raise _bad("a key of level1_peak", f"one of {LAYER_KINDS}", kind)
+        level1_peak[kind] = _count(height, f"level1_peak.{kind}")
+    alpha = data.get("alpha")
+    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float))):
+        raise MemoError(f"memo.plan: alpha must be a number in [0, 1], got {alpha!r:.80}; {_DAMAGED}")
+    binding = data.get("alpha_binding")
+    if binding is not None and not isinstance(binding, str):
+        raise _bad("alpha_binding", "a string or null", binding)
+    warnings = data.get("warnings") or []
+    if not isinstance(warnings, list) or not all(isinstance(w, str) for w in warnings):
+        raise _bad("warnings", "a list of strings", warnings)
+    return {
+        "meta": validate_meta(data.get("meta") or {}, "memo.plan"),
+        "peak": _count(data.get("peak"), "peak"),
+        "lower_bound": _count(data.get("lower_bound"), "lower_bound"),
+        "no_reuse_bytes": _count(data.get("no_reuse_bytes"), "no_reuse_bytes"),
+        "level1_peak": level1_peak,
+        "alpha": None if alpha is None else float(alpha),
+        "alpha_binding": binding,
+        "host_bytes": None if data.get("host_bytes") is None else _count(data["host_bytes"], "host_bytes"),
+        "offload": _check_offload(data.get("offload")),
+        "policy": _check_policy(data.get("policy")),
+        "tile_tokens": _check_tile(data.get("tile_tokens")),
+        "device": _check_device(data.get("device")),
+        "pipeline": _check_pipeline(data.get("pipeline")),
+        "solver": _check_solver(data.get("solver") or {}),
+        "warnings": list(warnings),
+    }
 
 
 def _allocations(rows: Any, phases: list[str]) -> list[Allocation]:

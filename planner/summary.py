@@ -25,19 +25,7 @@ from typing import Any
 
 from memo.errors import MemoError
 
-from .plan import (
-    _bad,
-    _check_device,
-    _check_offload,
-    _check_pipeline,
-    _check_policy,
-    _check_solver,
-    _check_tile,
-    _count,
-    _object,
-    load_plan,
-)
-from .trace import validate_meta
+from .plan import _bad, _count, _object, load_plan, summary_fields
 
 __all__ = ["PlanSummary", "read_plan_summary"]
 
@@ -141,32 +129,8 @@ def _checked(data: dict[str, Any], rows: int) -> PlanSummary:
     if count != rows:
         raise _bad("allocation_count", f"the {rows:,} rows' count", count)
     peaks = _object(data.get("phase_peaks"), "phase_peaks")
-    alpha = data.get("alpha")
-    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float))):
-        raise _bad("alpha", "a number in [0, 1]", alpha)
-    binding = data.get("alpha_binding")
-    if binding is not None and not isinstance(binding, str):
-        raise _bad("alpha_binding", "a string or null", binding)
-    warnings = data.get("warnings") or []
-    if not isinstance(warnings, list) or not all(isinstance(w, str) for w in warnings):
-        raise _bad("warnings", "a list of strings", warnings)
     return PlanSummary(
-        meta=validate_meta(data.get("meta") or {}, "memo.plan"),
-        alpha=None if alpha is None else float(alpha),
-        alpha_binding=binding,
-        peak=_count(data.get("peak"), "peak"),
-        lower_bound=_count(data.get("lower_bound"), "lower_bound"),
-        no_reuse_bytes=_count(data.get("no_reuse_bytes"), "no_reuse_bytes"),
-        host_bytes=None if data.get("host_bytes") is None else _count(data["host_bytes"], "host_bytes"),
-        offload=_check_offload(data.get("offload")),
-        policy=_check_policy(data.get("policy")),
-        tile_tokens=_check_tile(data.get("tile_tokens")),
-        device=_check_device(data.get("device")),
-        pipeline=_check_pipeline(data.get("pipeline")),
-        solver=_check_solver(data.get("solver") or {}),
-        warnings=list(warnings),
-        level1_peak={str(k): _count(v, f"level1_peak.{k}")
-                     for k, v in _object(data.get("level1_peak", {}), "level1_peak").items()},
+        **summary_fields(data),
         allocation_count=count,
         peaks={str(k): _count(v, f"phase_peaks.{k}") for k, v in peaks.items()},
     )

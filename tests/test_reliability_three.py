@@ -330,10 +330,11 @@ def test_show_reads_a_plans_summary_without_its_rows(tmp_path, monkeypatch) -> N
     whose summary fields disagree with its rows is refused when it is loaded whole."""
     import json
 
-    from memo.cli.show import MAX_PHASE_LINES, format_plan
     from memo.planner import Plan, load_plan, make_plan, read_plan_summary, save_plan
     from memo.planner.summary import PlanSummary
     from memo.planner.synthetic import layered_trace, write_layered_plan
+
+    from memo.cli.show import MAX_PHASE_LINES, format_plan
 
     path = tmp_path / "big.json"
     n = write_layered_plan(path, layers=40, requests=50)
