@@ -100,7 +100,7 @@ def _summary(mm: mmap.mmap) -> PlanSummary | None:
                 data[key] = json.loads(mm[start:end].rstrip(b",\n "))
             except ValueError:
                 return None  # not the layout save_plan writes: load the whole plan and its errors
-    tail = mm[rows + len(_ROWS):].rstrip()
+    tail = mm[max(rows + len(_ROWS), len(mm) - 64):].rstrip()  # the closing brackets, not the rows
     if not tail.endswith(b"]\n}") and not tail.endswith(b"]}"):
         return None
     return _checked(data, _count_rows(mm, rows + len(_ROWS)))
