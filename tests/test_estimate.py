@@ -221,6 +221,21 @@ def test_the_first_stage_is_recorded_with_its_forwards_in_flight() -> None:
     assert phases[first_backward] == "layer.bwd[2]@0"
 
 
+@pytest.mark.usefixtures("one_thread")
+def test_a_pipeline_estimate_is_its_larger_stage() -> None:
+    """NOTE [Last stage under 1F1B]: the activations of a p > 1 layout are the larger of the first stage's
+    step (p forwards) and the last stage's iteration (its LM head)."""
+    est = Estimator("gpt-mini", dtype="float32", machine=Machine(device_mem_gb=1.0))
+    layout = Layout(2, pp=2)
+    first = est.profiler.numbers("memo", layout, 2048, 0.3)
+    last = est.profiler.numbers("memo", layout, 2048, 0.3, stage=False)
+    assert last.activations != first.activations
+    assert est._activations("memo", layout, 2048, 0.3) == max(first.activations, last.activations)
+    none = est.profiler.numbers("none", layout, 2048)
+    assert est._activations("none", layout, 2048, None) == max(
+        none.activations, est.profiler.numbers("none", layout, 2048, stage=False).activations)
+
+
 @pytest.fixture(scope="module")
 def gpt_7b_profiles() -> dict:
     """The meta profiles of gpt-7b's TP-8 rank at 1M tokens, shared by the Estimators below.

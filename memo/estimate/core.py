@@ -280,9 +280,12 @@ class Estimator:
         n = self.profiler.numbers(strategy, layout, seq_len, alpha)
         if layout.pp > 1 and strategy == "offloaded-checkpoint":  # one iteration of the peer, not a stage's
             return n.stage_activations + (layout.pp - 1) * n.held
+        stages = [n]
+        if layout.pp > 1:  # NOTE [Last stage under 1F1B]: its head, one micro-batch
+            stages.append(self.profiler.numbers(strategy, layout, seq_len, alpha, stage=False))
         if self.model_states == "same":
-            return n.iteration - n.gradients
-        return n.activations
+            return max(s.iteration - s.gradients for s in stages)
+        return max(s.activations for s in stages)
 
     def _memo(self, est: Estimate, alpha: float | None, may_go_input_only: bool) -> None:
         """NOTE [Memo's alpha in an estimate], [Memo's policy in an estimate]."""

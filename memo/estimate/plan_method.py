@@ -39,6 +39,13 @@ alternates, phases named per micro-batch. Its lower bound, the device total a st
 counts, is the stage's. For memo the host memory of a process is shared by the p micro-batches in
 flight, so alpha is solved with M_CPU / p.
 
+NOTE [Last stage under 1F1B]
+The last stage holds one micro-batch at a time, but its LM head's logits (s x V per sequence) can
+outweigh the first stage's p forwards at long sequences and large vocabularies. One iteration of one
+micro-batch through L/p layers and the head (the single-iteration profile at the stage's depth, the
+embedding's small share included) bounds it; the activations an estimate reports are the larger of
+the two stages'.
+
 NOTE [Memo's alpha in an estimate]
 ``memo`` is every layer under memo at the LP's alpha, the last two included (the leanest policy
 memo's planner has; the paper's fixed rule keeps the last two whole, and the planner's per-layer
@@ -400,15 +407,17 @@ class RankProfiler:
                                    token_bytes=_token_bytes(layer_params, hidden, self.dtype.itemsize))
 
     def numbers(self, strategy: str, layout: Layout, seq_len: int, alpha: float | None = None,
-                whole_depth: bool = False) -> RankNumbers:
+                whole_depth: bool = False, stage: bool = True) -> RankNumbers:
         """The first stage's :class:`RankNumbers` at its L/p layers (NOTE [Estimate from a meta profile]);
-        ``whole_depth`` records all L/p layers instead of extending two depths (what the tests compare)."""
+        ``whole_depth`` records all L/p layers instead of extending two depths (what the tests compare);
+        ``stage=False``: one iteration of one micro-batch through them and the head (NOTE [Last stage
+        under 1F1B])."""
         depth = self.config.n_layers // layout.pp
         if depth <= DEPTHS[-1] or whole_depth:
-            return self._record(strategy, layout, seq_len, depth, alpha)[0]
+            return self._record(strategy, layout, seq_len, depth, alpha, stage)[0]
         lo, hi = DEPTHS[0], DEPTHS[-1]
-        a = self._record(strategy, layout, seq_len, lo, alpha)[0]
-        b = self._record(strategy, layout, seq_len, hi, alpha)[0]
+        a = self._record(strategy, layout, seq_len, lo, alpha, stage)[0]
+        b = self._record(strategy, layout, seq_len, hi, alpha, stage)[0]
         return a.extend(b, lo, hi, depth)
 
     def layer_sizes(self, layout: Layout, seq_len: int) -> tuple[int, int, int]:
