@@ -207,8 +207,8 @@ def test_the_first_stage_is_recorded_with_its_forwards_in_flight() -> None:
     from memo.phase_names import phase_micro_batch
 
     est = Estimator("gpt-mini", dtype="float32", machine=Machine(device_mem_gb=1.0))
-    stage = {p: est.profiler.numbers("none", Layout(p, pp=p), 2048).activations for p in (2, 4)}
-    one = {p: est.profiler._record("none", Layout(p, pp=p), 2048, 12 // p, None, stage=False)[0].activations
+    stage = {p: est.profiler.numbers("none", Layout(p, pp=p), 1024).activations for p in (2, 4)}
+    one = {p: est.profiler._record("none", Layout(p, pp=p), 1024, 12 // p, None, stage=False)[0].activations
            for p in (2, 4)}
     assert abs(stage[4] - stage[2]) <= 0.01 * stage[2], stage
     assert one[4] < 0.6 * one[2] and stage[4] > 1.5 * one[4], (one, stage)
@@ -227,13 +227,13 @@ def test_a_pipeline_estimate_is_its_larger_stage() -> None:
     step (p forwards) and the last stage's iteration (its LM head)."""
     est = Estimator("gpt-mini", dtype="float32", machine=Machine(device_mem_gb=1.0))
     layout = Layout(2, pp=2)
-    first = est.profiler.numbers("memo", layout, 2048, 0.3)
-    last = est.profiler.numbers("memo", layout, 2048, 0.3, stage=False)
+    first = est.profiler.numbers("memo", layout, 1024, 0.3)
+    last = est.profiler.numbers("memo", layout, 1024, 0.3, stage=False)
     assert last.activations != first.activations
-    assert est._activations("memo", layout, 2048, 0.3) == max(first.activations, last.activations)
-    none = est.profiler.numbers("none", layout, 2048)
-    assert est._activations("none", layout, 2048, None) == max(
-        none.activations, est.profiler.numbers("none", layout, 2048, stage=False).activations)
+    assert est._activations("memo", layout, 1024, 0.3) == max(first.activations, last.activations)
+    none = est.profiler.numbers("none", layout, 1024)
+    assert est._activations("none", layout, 1024, None) == max(
+        none.activations, est.profiler.numbers("none", layout, 1024, stage=False).activations)
 
 
 @pytest.fixture(scope="module")

@@ -204,14 +204,19 @@ def pipelines_world2(rank: int, world: int, spec: dict[str, Any], record: Any) -
             check(record, f"{name}/memo/default-policy",
                   lambda chunks=chunks, ref=ref: _memo_run(chunks, ref, 0.5, False))
     parallel_state.destroy_model_parallel()
+    trained: dict[str, str] = {}  # the runs' JSON, by schedule
     for schedule, vpp in SCHEDULES.items():
-        check(record, f"train/{schedule}", lambda vpp=vpp: _train(STAGES, vpp))
+        def run(schedule: str = schedule, vpp: int = vpp) -> str:
+            trained[schedule] = _train(STAGES, vpp, save=vpp == 1)
+            return trained[schedule]
+
+        check(record, f"train/{schedule}", run)
     for style, (model, device_gb) in PLANNED.items():
         check(record, f"train/1f1b/planned-policy/{style}",
               lambda model=model, device_gb=device_gb: pipelined_train(
                   {**AUTO, "device_mem_gb": device_gb}, _train={**AUTO_TRAIN, "model": model},
                   pipeline_parallel=STAGES))
-    check(record, "train/1f1b/saved-plans", _saved_plans)
+    check(record, "train/1f1b/saved-plans", lambda: _saved_plans(trained["1f1b"]))
 
 
 #: ``memo train --engine megatron --micro-batches 4 --alpha 0.5`` on the 4-layer ``tiny`` model.
@@ -219,8 +224,14 @@ TRAIN = {"engine": "megatron", "model": "tiny", "seq_len": 64, "micro_batch": 2,
          "micro_batches": MICRO_BATCHES}
 
 
-def _train(pp: int, vpp: int) -> str:
-    return pipelined_train(pipeline_parallel=pp, virtual_pipeline=vpp)
+def _train(pp: int, vpp: int, save: bool = False) -> str:
+    """``save``: the stages' plans are written too (the saved-plans check trains on them)."""
+    import os
+
+    options = {"alpha": 0.5, "time_limit": 1.0}
+    if save:
+        options["save_plan"] = os.path.join(plans_dir(os.getppid()), "stage{stage}.json")
+    return pipelined_train(options, pipeline_parallel=pp, virtual_pipeline=vpp)
 
 
 def plans_dir(launcher_pid: int) -> str:
@@ -231,21 +242,20 @@ def plans_dir(launcher_pid: int) -> str:
     return os.path.join(tempfile.gettempdir(), f"memo-stage-plans-{launcher_pid}")
 
 
-def _saved_plans() -> str:
-    """NOTE [A stage's address plan]: ``--save-plan`` writes one plan per stage; ``--plan`` with the same
-    pattern trains on them with the same losses; the other stage's plan, or one made for another
-    micro-batch count, stops every rank with what differs."""
+def _saved_plans(saved: str) -> str:
+    """NOTE [A stage's address plan]: ``--save-plan`` wrote one plan per stage (the ``train/1f1b`` run,
+    ``saved``: its JSON); ``--plan`` with the same pattern trains on them with the same losses; the other
+    stage's plan, or one made for another micro-batch count, stops every rank with what differs."""
     import json
     import os
 
     from memo.errors import MemoError
 
     pattern = os.path.join(plans_dir(os.getppid()), "stage{stage}.json")
-    saved = json.loads(pipelined_train({"alpha": 0.5, "time_limit": 1.0, "save_plan": pattern},
-                                       pipeline_parallel=STAGES))
+    saved_losses = json.loads(saved)["losses"]
     given = json.loads(pipelined_train({"plan": pattern}, pipeline_parallel=STAGES))
-    if given["losses"] != pytest.approx(saved["losses"], rel=1e-6):
-        raise AssertionError(f"losses on the saved plans {given['losses']}, when saved {saved['losses']}")
+    if given["losses"] != pytest.approx(saved_losses, rel=1e-6):
+        raise AssertionError(f"losses on the saved plans {given['losses']}, when saved {saved_losses}")
     counts = [r["allocator"] for r in given["ranks"]]
     if not all(c["planned"] > 0 for c in counts):
         raise AssertionError(f"the given plans served nothing: {counts}")
@@ -274,7 +284,7 @@ AUTO = {"alpha": "auto", "layer_ms": 1.0, "bandwidth_gbps": 10.0, "host_mem_gb":
 PLANNED = {"gpt": ("tiny", 0.02), "llama": ("llama-tiny", 0.013)}
 AUTO_HOST_BYTES = 3_000_000
 #: Layers that hold MBs, so that memo's layers beat the rounding of its two buffers to 2 MiB segments.
-AUTO_TRAIN = {**TRAIN, "seq_len": 1024, "micro_batch": 1}
+AUTO_TRAIN = {**TRAIN, "seq_len": 1024, "micro_batch": 1, "steps": 2}
 
 
 def pipelined_train(options: dict[str, Any] | None = None, _train: dict[str, Any] | None = None,
