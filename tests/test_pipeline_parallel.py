@@ -220,7 +220,7 @@ def pipelines_world2(rank: int, world: int, spec: dict[str, Any], record: Any) -
 
 
 #: ``memo train --engine megatron --micro-batches 4 --alpha 0.5`` on the 4-layer ``tiny`` model.
-TRAIN = {"engine": "megatron", "model": "tiny", "seq_len": 64, "micro_batch": 2, "steps": 3,
+TRAIN = {"engine": "megatron", "model": "tiny", "seq_len": 64, "micro_batch": 2, "steps": 2,
          "micro_batches": MICRO_BATCHES}
 
 
@@ -284,7 +284,7 @@ AUTO = {"alpha": "auto", "layer_ms": 1.0, "bandwidth_gbps": 10.0, "host_mem_gb":
 PLANNED = {"gpt": ("tiny", 0.02), "llama": ("llama-tiny", 0.013)}
 AUTO_HOST_BYTES = 3_000_000
 #: Layers that hold MBs, so that memo's layers beat the rounding of its two buffers to 2 MiB segments.
-AUTO_TRAIN = {**TRAIN, "seq_len": 1024, "micro_batch": 1, "steps": 2}
+AUTO_TRAIN = {**TRAIN, "seq_len": 1024, "micro_batch": 1}
 
 
 def pipelined_train(options: dict[str, Any] | None = None, _train: dict[str, Any] | None = None,
