@@ -146,3 +146,19 @@ def test_gradient_accumulation_runs_on_its_plan() -> None:
     assert counts["planned"] == 2 * sum(1 for a in strategy.plan.allocations if a.phase is not None), counts
     assert counts["fallback"] == 0, counts
     assert strategy.plan.pipeline["schedule"] == "none" and strategy.plan.pipeline["micro_batches"] == 2
+
+
+@pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed")
+def test_a_device_no_policy_fits_is_refused_with_what_full_recompute_needs() -> None:
+    """NOTE [A stage's calibrated policy]: under a budget that not even full recompute's recorded step
+    fits, and no other policy does, the stage stops with the recorded need and what to change."""
+    from memo.train.loop import TrainConfig, train
+    from memo.train.strategies import StrategyOptions, make_strategy
+
+    config = TrainConfig(engine="megatron", model="tiny", seq_len=256, steps=1, micro_batches=2)
+    strategy = make_strategy(StrategyOptions(device_mem_gb=0.001, time_limit=0.5))
+    with warnings.catch_warnings(), pytest.raises(MemoError, match=r"stage 0: no layer policy fits "
+                                                  r"--device-mem-gb 0.001: full recompute alone records "
+                                                  r"[0-9.]+ MiB; give more device memory"):
+        warnings.simplefilter("ignore")
+        train(config, progress=False, strategy=strategy, log=lambda _line: None)
