@@ -278,7 +278,7 @@ def _saved_plans(saved: str) -> str:
 #: memo's layer policy and alpha chosen per stage (NOTE [A stage's profile], NOTE [Forwards in flight in
 #: the policy]) with host memory that binds: 3 MB per process, where stage 0's 1F1B holds 2 forwards.
 AUTO = {"alpha": "auto", "layer_ms": 1.0, "bandwidth_gbps": 10.0, "host_mem_gb": 0.0075,
-        "gpus_per_node": 2, "host_safety": 0.8, "time_limit": 1.0}
+        "gpus_per_node": 2, "host_safety": 0.8, "time_limit": 0.25}
 #: style -> (model, device GB): a device that does not hold stage 0's layers kept whole for its 2
 #: forwards (tiny: 2 layers of 4.2 MB; llama-tiny: 1 layer of 6.3 MB).
 PLANNED = {"gpt": ("tiny", 0.02), "llama": ("llama-tiny", 0.013)}

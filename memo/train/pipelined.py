@@ -330,7 +330,8 @@ def _choose(costs: Any, options: Any, stage: int, emit: Callable[[str], None]) -
 # cost model's base is corrected to give that total), then under the policy chosen within the cap;
 # where the recorded total exceeds the cap, the excess is added to the model's memo correction and
 # the policy is chosen again, at most CALIBRATION_ROUNDS times, full recompute being the fallback that
-# fits. The ranks of a stage agree on each total (the largest), and every stage records in every round
+# fits (a miss of a split without memo layers corrects the model's base instead, which every split
+# shares). The ranks of a stage agree on each total (the largest), and every stage records in every round
 # (a schedule runs every stage), a stage that is done running its accepted policy again. The last
 # recording of the accepted policy is the trace its address plan is made from.
 CALIBRATION_ROUNDS = 3
@@ -391,9 +392,12 @@ def _calibrated_policy(chunks: list[torch.nn.Module], ddp: list[Any] | None,
             accepted, done = (alpha, policies, runtimes, trace), True
             emit(f"memo: stage {stage}: {describe_policy(solution.policy)} at alpha {alpha:.4f} recorded "
                  f"{total / 2**20:.1f} MiB, within {cap / 2**20:.1f} MiB")
-        else:  # the model missed by this much: the next choice counts it
+        else:  # the model missed by this much: the next choice counts it (in what the split had)
             missed = total - solution.device_bytes
-            costs = dataclasses.replace(costs, memo_overhead=costs.memo_overhead + missed)
+            if any(kind in ("memo", "input-only") for kind in solution.policy):
+                costs = dataclasses.replace(costs, memo_overhead=costs.memo_overhead + missed)
+            else:  # kept and recomputed layers only: the model's base was short for every split
+                costs = dataclasses.replace(costs, base_bytes=costs.base_bytes + missed)
             emit(f"memo: stage {stage}: {describe_policy(solution.policy)} at alpha {alpha:.4f} recorded "
                  f"{total / 2**20:.1f} MiB, over {cap / 2**20:.1f} MiB: choosing again")
     sp.stop_together(None if accepted is not None else (
