@@ -344,6 +344,7 @@ def _calibrated_policy(chunks: list[torch.nn.Module], ddp: list[Any] | None,
     """NOTE [A stage's calibrated policy]: alpha, the policy per chunk, the runtimes and the trace of the
     step recorded with them."""
     import dataclasses
+    import functools
 
     from memo.pipeline import stage_plan as sp
     from memo.pipeline.device import _iteration_total, usable_device_bytes
@@ -352,13 +353,13 @@ def _calibrated_policy(chunks: list[torch.nn.Module], ddp: list[Any] | None,
 
     static = _state_bytes(chunks, ddp)
     meta = _stage_meta(config, layout)
+    step = functools.partial(_no_update_step, chunks, ddp, batches, layout, config)
 
     def record(policies: list[list[str]], alpha: float) -> tuple[dict[str, Any], int, list[Any]]:
         for chunk in chunks:
             _unwrap(chunk)
         runtimes = _apply("memo", chunks, alpha, policies)
-        trace = sp.record_stage(lambda: _no_update_step(chunks, ddp, batches, layout, config), chunks,
-                                batches[0][0].device, meta)
+        trace = sp.record_stage(step, chunks, batches[0][0].device, meta)
         return trace, _stage_max(_iteration_total(trace, static), parallel, stage), runtimes
 
     full = [["recompute"] * len(c.decoder.layers) for c in chunks]
@@ -425,11 +426,16 @@ def _no_update_step(chunks: list[torch.nn.Module], ddp: list[Any] | None,
         d.zero_grad_buffer()
 
 
+def _stage_votes(value: Any, parallel: Any, stage: int) -> list[Any]:
+    """``value`` of every rank of this rank's stage (a collective; one process: its own)."""
+    if parallel is None:
+        return [value]
+    return [v for st, v in parallel.gather((stage, value)) if st == stage]
+
+
 def _stage_max(value: int, parallel: Any, stage: int) -> int:
     """The largest ``value`` over the ranks of this rank's stage (a collective)."""
-    if parallel is None:
-        return int(value)
-    return int(max(v for st, v in parallel.gather((stage, int(value))) if st == stage))
+    return int(max(_stage_votes(int(value), parallel, stage)))
 
 
 def _per_chunk(policy: list[str], chunks: list[torch.nn.Module]) -> list[list[str]]:
@@ -445,10 +451,8 @@ def _stage_machine(mine: tuple[float, float, int], parallel: Any, stage: int) ->
     """The slowest link, the slowest layer and the smallest host share over the ranks of this rank's stage
     (a collective): every rank of a stage then solves the same policy (NOTE [Decisions every rank
     shares] in memo/pipeline/policy.py)."""
-    if parallel is None:
-        return mine
-    votes = [(st, m) for st, m in parallel.gather((stage, mine)) if st == stage]
-    return (min(m[0] for _, m in votes), max(m[1] for _, m in votes), min(m[2] for _, m in votes))
+    votes = _stage_votes(mine, parallel, stage)
+    return (min(m[0] for m in votes), max(m[1] for m in votes), min(m[2] for m in votes))
 
 
 def _stage_plan(chunks: list[torch.nn.Module], ddp: list[Any] | None, batches: list[tuple[torch.Tensor, ...]],
@@ -459,11 +463,11 @@ def _stage_plan(chunks: list[torch.nn.Module], ddp: list[Any] | None, batches: l
     memo/pipeline/stage_plan.py): ``given`` (from --plan), else made from ``trace`` (the step recorded
     already) or a step recorded here, planned and agreed on by the stage's ranks; written to --save-plan
     when asked."""
+    import functools
+
     from memo.pipeline import stage_plan as sp
 
-    def run() -> None:
-        _no_update_step(chunks, ddp, batches, layout, config)
-
+    run = functools.partial(_no_update_step, chunks, ddp, batches, layout, config)
     schedule = sp.stage_schedule(layout, stage, config.micro_batches, chunks)
     if given is not None:
         run()  # the warm-up a recorded plan had: one-time buffers made before the planned steps
