@@ -6,6 +6,9 @@ inputs it meets (a dry run of the layers per new input shape, NOTE [Sizing the h
 they only grow; this measures what that costs. ``--steps`` optimizer steps draw their lengths from
 ``--lengths`` distinct ones; the same batches run unwrapped, under memo, and under memo at one
 fixed length of the same mean (which separates the cost of the lengths from that of the recompute).
+The four runs take turns step by step in a rotating order (a shared machine's load falls on all
+alike); ``--rounds`` rounds do so on fresh copies (memo sizes every new length again), and each row
+is its median round.
 Every step's loss is compared with the unwrapped model's (exact, not timed).
 
 Example:
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import copy
 import random
+import statistics
 import time
 import warnings
 
@@ -43,18 +47,39 @@ def _model(name: str) -> tuple[torch.nn.Module, int, bool]:
     return model, model.config.vocab_size, False
 
 
-def _train(model: torch.nn.Module, batches: list[torch.Tensor], hf: bool) -> tuple[float, list[float]]:
-    """Seconds for the steps, and each step's loss."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    losses = []
-    start = time.perf_counter()
-    for ids in batches:
-        loss = model(input_ids=ids, labels=ids).loss if hf else model(ids, ids)
+class _Run:
+    """One model training on its batches, a step at a time: the runs take turns step by step, so
+    the load of a shared machine falls on all of them alike."""
+
+    def __init__(self, model: torch.nn.Module, hf: bool) -> None:
+        self.model, self.hf = model, hf
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        self.seconds, self.losses = 0.0, []
+
+    def step(self, ids: torch.Tensor) -> None:
+        start = time.perf_counter()
+        loss = self.model(input_ids=ids, labels=ids).loss if self.hf else self.model(ids, ids)
         loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(float(loss))
-    return time.perf_counter() - start, losses
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.losses.append(float(loss))
+        self.seconds += time.perf_counter() - start
+
+
+def _worst_gradient(model: torch.nn.Module, wrapped: torch.nn.Module, batches: list[torch.Tensor],
+                    hf: bool) -> float:
+    """The largest relative error (norm of the difference over the norm) of any parameter's
+    gradient, memo against the unwrapped model, over one backward per batch, without a step."""
+    worst = 0.0
+    for ids in batches:
+        for net in (model, wrapped):
+            net.zero_grad(set_to_none=True)
+            (net(input_ids=ids, labels=ids).loss if hf else net(ids, ids)).backward()
+        for p, q in zip(model.parameters(), wrapped.parameters(), strict=True):
+            if p.grad is not None:
+                err = float((q.grad - p.grad).norm() / p.grad.norm().clamp_min(1e-30))
+                worst = max(worst, err)
+    return worst
 
 
 def main() -> int:
@@ -66,6 +91,8 @@ def main() -> int:
     p.add_argument("--base", type=int, default=256, help="lengths are multiples of this (default 256)")
     p.add_argument("--alpha", type=float, default=0.5, help="memo's offloaded fraction (default 0.5)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of the four runs; each row is the median "
+                   "(default 3)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore")
@@ -81,20 +108,38 @@ def main() -> int:
     def wrapped() -> torch.nn.Module:
         return memo.wrap(copy.deepcopy(model), alpha=args.alpha, policy=["memo"] * n)
 
+    runs = (("unwrapped, varying lengths", lambda: copy.deepcopy(model), varying),
+            ("memo, varying lengths", wrapped, varying),
+            ("unwrapped, one length", lambda: copy.deepcopy(model), fixed),
+            ("memo, one length", wrapped, fixed))
+    seconds: list[list[float]] = [[] for _ in runs]
+    losses: list[list[float]] = [[] for _ in runs]
+    for r in range(max(1, args.rounds)):
+        trainers = [_Run(make(), hf) for _, make, _ in runs]
+        for k in range(args.steps):
+            for j in range(len(runs)):
+                i = (j + k + r) % len(runs)
+                trainers[i].step(runs[i][2][k])
+        for i, trainer in enumerate(trainers):
+            seconds[i].append(trainer.seconds)
+            losses[i] = trainer.losses
     rows = []
-    for label, net, batches in (("unwrapped, varying lengths", copy.deepcopy(model), varying),
-                                ("memo, varying lengths", wrapped(), varying),
-                                ("unwrapped, one length", copy.deepcopy(model), fixed),
-                                ("memo, one length", wrapped(), fixed)):
-        seconds, losses = _train(net, batches, hf)
-        rows.append((label, seconds, losses))
-        print(f"{label:<28} {seconds:7.2f} s")
+    for (label, _, _), times, run_losses in zip(runs, seconds, losses, strict=True):
+        rows.append((label, statistics.median(times), run_losses))
+        print(f"{label:<28} {rows[-1][1]:7.2f} s   (rounds: {', '.join(f'{t:.2f}' for t in times)})")
     worst = max(abs(a - b) / abs(b) for a, b in zip(rows[1][2], rows[0][2], strict=True))
     print(f"\n{args.model}, {args.steps} steps over {args.lengths} lengths ({lengths[0]}..{lengths[-1]} "
           f"tokens), alpha {args.alpha}, {args.threads} thread(s)")
-    print(f"memo / unwrapped, varying lengths: {rows[1][1] / rows[0][1]:.2f}x   "
-          f"(one length of {mean} tokens: {rows[3][1] / rows[2][1]:.2f}x)")
+    # The ratio of each round (its runs took turns, under the same load), then the median of those.
+    varying_ratio = statistics.median(m / u for m, u in zip(seconds[1], seconds[0], strict=True))
+    fixed_ratio = statistics.median(m / u for m, u in zip(seconds[3], seconds[2], strict=True))
+    print(f"memo / unwrapped, varying lengths: {varying_ratio:.2f}x   (one length of {mean} tokens: "
+          f"{fixed_ratio:.2f}x; median of the rounds' ratios)")
     print(f"losses, memo against unwrapped: largest relative difference {worst:.1e}")
+    distinct = sorted({b.shape[1]: b for b in varying}.items())
+    gradient = _worst_gradient(copy.deepcopy(model), wrapped(), [b for _, b in distinct], hf)
+    print(f"gradients at each of the {len(distinct)} lengths, memo against unwrapped: largest relative "
+          f"error {gradient:.1e} (bar 1e-5)")
     return 0
 
 

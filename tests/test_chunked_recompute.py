@@ -25,6 +25,7 @@ from memo.runtime.layer import (
     min_chunk_tokens,
     token_chunks,
 )
+from memo.runtime.tiles import MIN_CPU_CHUNK_WORK, min_tile_tokens
 from tests.grads import assert_same_step, random_batch, small_model, train_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -52,7 +53,8 @@ def test_token_chunks_cover_every_token_once() -> None:
 def test_chunks_carry_enough_work() -> None:
     """NOTE [How small a chunk]: on an accelerator a small layer recomputes in one chunk and a large
     one at a long sequence in RECOMPUTE_CHUNKS chunks, the floor being tokens x batch x hidden^2 of
-    MIN_CHUNK_WORK; on the CPU and on meta the floor is MIN_CPU_CHUNK_TOKENS."""
+    MIN_CHUNK_WORK; on the CPU and on meta, a thousandth of that work and at least MIN_CPU_CHUNK_TOKENS,
+    which is also the smallest tile a policy may choose there to fit a budget."""
     assert min_chunk_tokens(1, 768, "cuda") == -(-MIN_CHUNK_WORK // 768**2) == 58_255
     assert min_chunk_tokens(2, 768, "cuda") == -(-MIN_CHUNK_WORK // (2 * 768**2))
     assert min_chunk_tokens(2, 768, "meta") == MIN_CPU_CHUNK_TOKENS
@@ -66,7 +68,14 @@ def test_chunks_carry_enough_work() -> None:
         token_chunks(30_000, batch=1, hidden=4096, device_type="cuda")
     assert len(token_chunks(1 << 20, batch=1, hidden=4096, device_type="cuda")) == RECOMPUTE_CHUNKS  # 7B, 1M
     assert len(token_chunks(5_000, batch=1, hidden=4096, device_type="cuda")) == 3  # 2,048-token chunks
-    assert len(token_chunks(500, batch=1, hidden=64, device_type="cpu")) == 2
+    assert len(token_chunks(500, batch=1, hidden=512, device_type="cpu")) == 2  # 256-token tiles
+    # A hidden-64 layer on the CPU: 2^25 / 64^2 = 8,192 tokens of work floor, one tile at 500 tokens
+    # (issue 30: five 256-token tiles of a hidden-128 Llama cost 1.57x its unwrapped step, one 1.24x).
+    assert min_chunk_tokens(1, 64, "cpu") == MIN_CPU_CHUNK_WORK // 64**2 == 8192
+    assert min_chunk_tokens(1, 128, "meta") == 2048 and min_chunk_tokens(4, 128, "cpu") == 512
+    assert len(token_chunks(500, batch=1, hidden=64, device_type="cpu")) == 1
+    assert min_tile_tokens(1, 64, "cpu") == MIN_CPU_CHUNK_TOKENS
+    assert min_tile_tokens(1, 4096, "cuda") == min_chunk_tokens(1, 4096, "cuda")
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, "8"])

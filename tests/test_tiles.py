@@ -19,6 +19,7 @@ from memo.adapters import AnatomyAdapter, register_adapter, unregister_adapter
 from memo.models import ModelConfig, attention, build_model
 from memo.profiler import record
 from memo.runtime.layer import MIN_CPU_CHUNK_TOKENS, TILE_BYTES, token_chunks
+from memo.runtime.tiles import MIN_CPU_CHUNK_WORK
 from tests.grads import assert_same_step, random_batch, small_model, train_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -89,8 +90,10 @@ def test_tiles_are_bounded_by_memory_and_grow_with_s() -> None:
     assert len(token_chunks(4096, batch=1, hidden=4096, device_type="cuda", token_bytes=token_bytes)) == 2
     floor = token_chunks(1 << 20, batch=1, hidden=768, device_type="cuda", token_bytes=1 << 30)
     assert floor[0][1] == -(-(1 << 35) // 768**2)  # never below the work floor
-    cpu = token_chunks(10_000, batch=1, hidden=64, device_type="cpu", token_bytes=1 << 30)
+    cpu = token_chunks(10_000, batch=1, hidden=4096, device_type="cpu", token_bytes=1 << 30)
     assert cpu[0][1] == MIN_CPU_CHUNK_TOKENS
+    small = token_chunks(10_000, batch=1, hidden=64, device_type="cpu", token_bytes=1 << 30)
+    assert small[0][1] == MIN_CPU_CHUNK_WORK // 64**2  # a small layer's work floor on the CPU
 
 
 

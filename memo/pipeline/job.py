@@ -57,7 +57,8 @@ def example_batch(model: nn.Module, seq_len: int, micro_batch: int, device: torc
 
 # NOTE [Tiles of the device a plan is for]
 # A memo layer's token tiles have a floor that depends on the device (NOTE [How small a chunk] in
-# memo/runtime/tiles.py): 256 tokens on the CPU and on meta, ~2,048 at hidden 4096 on a GPU. A plan
+# memo/runtime/tiles.py): on the CPU and on meta 2,048 tokens at hidden 128 and 256 from hidden
+# 362 up, ~2,048 at hidden 4096 on a GPU. A plan
 # made on meta is made for some other device, and its tiles must be that device's: the plan's
 # transient bytes are the recorded tiles', and a GPU running CPU-sized tiles regresses in step time
 # (many small kernels, the host's launch cost exposed) while meta records ~8x the ops. The rule,

@@ -80,7 +80,7 @@ def _policy_costs(job: _Job, plain: Recording, states: dict[str, Any], layer_par
     # in memo/runtime/buffers.py), which the S_* do not count: a few dozen tensors per tile of every
     # offloaded layer. Leave that room, so that an arena the LP filled to the byte still fits.
     from memo.runtime.buffers import SLOT_ALIGNMENT
-    from memo.runtime.tiles import default_tile_tokens, min_chunk_tokens
+    from memo.runtime.tiles import default_tile_tokens, min_tile_tokens
 
     rows = int(summary.get("rows", 0))
     hidden = int(summary["S_input"]) // max(1, rows * job.micro_batch * job.dtype.itemsize)
@@ -91,7 +91,7 @@ def _policy_costs(job: _Job, plain: Recording, states: dict[str, Any], layer_par
         token_bytes = _token_bytes(layer_params, hidden, job.dtype.itemsize)
         job.default_tile = default_tile_tokens(rows, batch=job.micro_batch, hidden=hidden, device_type=target,
                                                token_bytes=token_bytes)
-    most_tiles = 1 + rows // min_chunk_tokens(job.micro_batch, hidden, target)
+    most_tiles = 1 + rows // min_tile_tokens(job.micro_batch, hidden, target)
     slack = len(stats) * SLOT_ALIGNMENT * 32 * most_tiles
     host = max(0, job.machine.host_per_process(int(q["host_memory_bytes"].value)) - slack)
     # NOTE [Per-rank sizes]: with Megatron tensor + sequence parallelism over tp ranks, the
@@ -134,9 +134,10 @@ def _layer_costs(trace: dict[str, Any], lp_inputs: AlphaInputs, seq_len: int, mi
     fraction = attn / (attn + layer_params) if attn + layer_params > 0 else 0.0
     static = _static_bytes(states)
     # NOTE [Tiles bounded by memory] (memo/runtime/layer.py): how many tiles a memo layer runs in, by
-    # the runtime's default and for each smaller tile the policy may choose (halving, down to the
-    # work floor of NOTE [How small a chunk]).
-    from memo.runtime.tiles import min_chunk_tokens, token_chunks
+    # the runtime's default and for each smaller tile the policy may choose (halving, down to
+    # min_tile_tokens: the work floor on an accelerator, 256 tokens on the CPU; NOTE [How small a
+    # chunk]).
+    from memo.runtime.tiles import min_tile_tokens, token_chunks
 
     # The layer input is [rows, micro_batch, hidden]: its width per token gives the hidden size.
     rows = int(trace["layers"].get("rows", 0))
@@ -144,7 +145,7 @@ def _layer_costs(trace: dict[str, Any], lp_inputs: AlphaInputs, seq_len: int, mi
     tiles = functools.partial(token_chunks, rows, batch=micro_batch, hidden=hidden, device_type=device_type,
                               token_bytes=_token_bytes(layer_params, hidden, elem_size))
     chunks = max(1, len(tiles()))
-    floor = min_chunk_tokens(micro_batch, hidden, device_type)
+    floor = min_tile_tokens(micro_batch, hidden, device_type)
     choices = []
     size = -(-rows // chunks) // 2
     while size >= floor:

@@ -15,13 +15,19 @@ MIN_CHUNK_WORK (2^35, ~2 ms of ``pre`` + ``post`` at the H100's dense bf16 rate)
 models then recompute in one chunk (a hidden size of 768 chunks only past ~58K tokens, 4096
 past ~2K), where their activations are small anyway; the memory saving of chunks matters for
 large layers at long sequences, where the floor is far below ``s / RECOMPUTE_CHUNKS``. On the
-CPU the kernels are a thousand times slower and hide the host's cost at any size, so there the
-floor stays MIN_CPU_CHUNK_TOKENS; meta follows the CPU, so that a plan made on meta is the plan
-made on the CPU (tests/test_plan_truth.py). A profile on meta for a GPU (``--gpu``) records and
-plans the GPU's tiles instead: it gives the runtime on meta the tile the GPU's default makes
-(:func:`default_tile_tokens` with ``"cuda"``) and the plan records it, so the GPU replays exactly
-those tiles (NOTE [Tiles of the device a plan is for] in memo/pipeline/job.py). The policy's cost
-model counts the chunks of the device the plan is for (``_layer_costs`` in memo/pipeline/policy.py).
+CPU a chunk's host cost is a few ms too (Python, some hundred small ops, a weight gradient written
+per chunk), and its kernels are about a thousand times slower, so the floor there is a thousandth
+of the work, MIN_CPU_CHUNK_WORK (2^25), and never under MIN_CPU_CHUNK_TOKENS: a hidden-128 Llama
+at 1,280 tokens in five 256-token tiles ran 1.57x its unwrapped step, in one tile 1.24x (issue
+30, benchmarks/varlen.py); its floor is 2,048 tokens, from hidden 362 up it is 256. That floor is
+for speed; where a budget binds, the policy may still choose tiles down to MIN_CPU_CHUNK_TOKENS on
+the CPU (:func:`min_tile_tokens`), trading host time for memory. Meta follows the CPU, so that a
+plan made on meta is the plan made on the CPU (tests/test_plan_truth.py). A profile on meta for a
+GPU (``--gpu``) records and plans the GPU's tiles instead: it gives the runtime on meta the tile
+the GPU's default makes (:func:`default_tile_tokens` with ``"cuda"``) and the plan records it, so
+the GPU replays exactly those tiles (NOTE [Tiles of the device a plan is for] in
+memo/pipeline/job.py). The policy's cost model counts the chunks of the device the plan is for
+(``_layer_costs`` in memo/pipeline/policy.py).
 """
 
 from __future__ import annotations
@@ -32,8 +38,9 @@ if TYPE_CHECKING:
     from torch import nn
 
 __all__ = [
-    "MIN_CHUNK_WORK", "MIN_CPU_CHUNK_TOKENS", "RECOMPUTE_CHUNKS", "TILE_BYTES", "default_tile_tokens",
-    "layer_token_bytes", "min_chunk_tokens", "tile_bound_tokens", "token_chunks",
+    "MIN_CHUNK_WORK", "MIN_CPU_CHUNK_TOKENS", "MIN_CPU_CHUNK_WORK", "RECOMPUTE_CHUNKS", "TILE_BYTES",
+    "default_tile_tokens", "layer_token_bytes", "min_chunk_tokens", "min_tile_tokens", "tile_bound_tokens",
+    "token_chunks",
 ]
 
 
@@ -45,7 +52,9 @@ TILE_BYTES = 256 << 20
 #: ... but none has less work than this on an accelerator: tokens x batch x hidden^2 multiply-adds,
 #: about 2 ms of ``pre`` + ``post`` on an H100 ...
 MIN_CHUNK_WORK = 1 << 35
-#: ... and none is shorter than this many tokens on the CPU and on meta (NOTE [How small a chunk]).
+#: ... and on the CPU and on meta, where kernels are about a thousand times slower, a thousandth of it ...
+MIN_CPU_CHUNK_WORK = MIN_CHUNK_WORK >> 10
+#: ... and none shorter than this many tokens (NOTE [How small a chunk]).
 MIN_CPU_CHUNK_TOKENS = 256
 
 
@@ -71,6 +80,14 @@ MIN_CPU_CHUNK_TOKENS = 256
 def min_chunk_tokens(batch: int, hidden: int, device_type: str) -> int:
     """The fewest tokens a recompute chunk of a layer with input ``[s, batch, hidden]`` holds on
     a device of ``device_type`` (NOTE [How small a chunk])."""
+    work = MIN_CPU_CHUNK_WORK if device_type in ("cpu", "meta") else MIN_CHUNK_WORK
+    tokens = -(-work // max(1, batch * hidden * hidden))
+    return max(tokens, min_tile_tokens(batch, hidden, device_type))
+
+
+def min_tile_tokens(batch: int, hidden: int, device_type: str) -> int:
+    """The fewest tokens a tile the policy chooses to fit a device budget holds (NOTE [How small a
+    chunk]): the work floor on an accelerator, MIN_CPU_CHUNK_TOKENS on the CPU and on meta."""
     if device_type in ("cpu", "meta"):
         return MIN_CPU_CHUNK_TOKENS
     return max(1, -(-MIN_CHUNK_WORK // max(1, batch * hidden * hidden)))
