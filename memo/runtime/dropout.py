@@ -38,7 +38,6 @@ exact for the masks drawn) and memo says once that those masks differ from the u
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +45,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+
+from memo.runtime.compiled import eager
 
 __all__ = ["LayerDropout", "replay_rng", "rng_state", "same_rng_state"]
 
@@ -89,13 +90,6 @@ def _dropout_args(func: Callable[..., Any], args: tuple[Any, ...],
     bound = dict(zip(names, args, strict=False)) | kwargs
     training = bound.get("training", bound.get("train", True))
     return bound["input"], float(bound.get("p", 0.5)), bool(training), bool(bound.get("inplace", False))
-
-
-@functools.cache
-def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``torch.compiler.disable(fn)``, made on first use: it imports dynamo, about 2.5 s of every
-    process's start that no eager run needs (compiled code has imported it already)."""
-    return torch.compiler.disable(fn)
 
 
 @dataclass
@@ -205,7 +199,7 @@ class _DropoutMode(TorchFunctionMode):
         if torch.compiler.is_compiling():
             # Eager even inside compiled code: dynamo breaks the graph here, so the draw is PyTorch's
             # eager dropout whatever compiles the layer (NOTE [Dropout as unwrapped]).
-            return _eager(type(self)._dropout)(self, func, args, kwargs, x, inplace, True)
+            return eager(type(self)._dropout)(self, func, args, kwargs, x, inplace, True)
         return self._dropout(func, args, kwargs, x, inplace, False)
 
     def _dropout(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], x: torch.Tensor,

@@ -44,6 +44,7 @@ from torch.utils.checkpoint import checkpoint
 from memo.adapters.base import LayerAdapter, find_adapter, registered_adapters
 from memo.adapters.model import find_model_adapter
 from memo.errors import MemoError
+from memo.runtime.compiled import eager
 from memo.runtime.layer import LayerCall
 from memo.runtime.module_state import as_in_forward, module_tensors
 from memo.runtime.runtime import NOT_OFFLOADED_TAIL, OFFLOADING_POLICIES, MemoRuntime, kept_tail
@@ -125,6 +126,13 @@ def _unsupported_message(model: nn.Module) -> str:
 def _wrapped_forward(call: LayerCall, original: Any, *args: Any, **kwargs: Any) -> Any:
     """``forward`` of a wrapped layer; ``original`` is the forward the user had set on the instance,
     or None for the class's (looked up at each call, so that a copy calls its own layer's)."""
+    if torch.compiler.is_compiling():
+        # NOTE [memo under torch.compile] (memo/runtime/compiled.py): opaque to the compiler.
+        return eager(_layer_forward)(call, original, *args, **kwargs)
+    return _layer_forward(call, original, *args, **kwargs)
+
+
+def _layer_forward(call: LayerCall, original: Any, *args: Any, **kwargs: Any) -> Any:
     rt = call.runtime
     if original is None:
         original = type(call.layer).forward.__get__(call.layer)
