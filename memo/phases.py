@@ -92,6 +92,7 @@ class PhaseTracker:
     ) -> None:
         self._listeners: list[PhaseListener] = list(listeners)
         self._current: str | None = None
+        self._paused = False
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._micro_batch = micro_batch
         if embedding is not None:
@@ -121,6 +122,8 @@ class PhaseTracker:
         """Open ``phase`` (closing the current one), or close the current one with ``None``."""
         if phase is not None:
             parse_phase(phase)
+            if self._paused:
+                return
         if phase == self._current:
             return
         self._current = phase
@@ -144,6 +147,18 @@ class PhaseTracker:
         try:
             yield
         finally:
+            self.set(None)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Open no phase in the body (a step its plan was not made for: NOTE [A batch of another
+        length] in memo/session.py); no phase is open before or after it."""
+        self.set(None)
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
             self.set(None)
 
     def remove(self) -> None:

@@ -19,6 +19,7 @@ layer's inputs (NOTE [First layer's inputs] in memo/profiler/record.py) opens no
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -93,6 +94,9 @@ class Session:
         self._stack = contextlib.ExitStack()
         self._entered = False
         self._open = False
+        #: Steps whose batch had another shape than the plan's, run outside it (NOTE [A batch of
+        #: another length]).
+        self.off_plan_steps = 0
 
     # Entry and exit -----------------------------------------------------------------------------
     def __enter__(self) -> Session:
@@ -221,14 +225,55 @@ class Session:
                                     listeners=[allocator.set_phase])
 
     # Steps --------------------------------------------------------------------------------------
+    # NOTE [A batch of another length]
+    # A plan is made for one batch shape: its tables hold each phase's requests, in order, at that
+    # length. A batch of another length (the shorter ones of a variable-length loader, the short
+    # last batch) makes other requests: served from the plan request by request, it would deviate
+    # at the first one and then go on half planned, a deviation counted for each request after it.
+    # So a step whose ids are not the plan's [micro_batch, seq_len] runs outside the plan as a
+    # whole: no phase is open and memo's allocator serves every request from its fallback pool
+    # (``memo.allocator.unplanned``), which the device budget caps (NOTE [Device budget]). Its cost
+    # is stated once and bounded: the batch's own allocations on top of the plan's arena, which
+    # stays reserved for the planned length; the steps are counted in ``off_plan_steps``, their
+    # requests in the allocator's ``unplanned_requests``, and none is a deviation. Plan for the
+    # longest length to keep its steps planned; the runtime sizes its host buffers for each
+    # length anyway (NOTE [Sizing the host arena]).
     @contextlib.contextmanager
-    def iteration(self) -> Iterator[None]:
-        """Wrap one forward + backward (not the optimizer step: it is no layer's work)."""
+    def iteration(self, ids: torch.Tensor | None = None) -> Iterator[None]:
+        """Wrap one forward + backward (not the optimizer step: it is no layer's work). ``ids``:
+        the batch's token ids, so that a batch of another shape than the plan's runs outside it
+        (NOTE [A batch of another length])."""
         if self.tracker is None:
             yield
             return
-        with self.tracker.iteration():
+        planned = self._planned_shape()
+        if ids is None or planned is None or tuple(ids.shape) == planned:
+            with self.tracker.iteration():
+                yield
+            return
+        from memo.allocator import unplanned
+
+        self.off_plan_steps += 1
+        if self.off_plan_steps == 1:
+            warnings.warn(
+                f"memo.Session: this batch is {list(ids.shape)} tokens, the plan was made for "
+                f"{list(planned)}; such steps run outside the plan, every allocation from memo's "
+                "fallback pool (capped by the device budget): their cost is their own allocations on "
+                "top of the plan's arena. Counted in Session.off_plan_steps; this is said once. Plan "
+                "for the longest length to keep its steps planned (NOTE [A batch of another length])",
+                stacklevel=3)
+        with self.tracker.paused(), unplanned():
             yield
+
+    def _planned_shape(self) -> tuple[int, int] | None:
+        """``(micro_batch, seq_len)`` of the plan memo's allocator serves, or None without one."""
+        meta = getattr(self.plan, "meta", None) or {}
+        if not (self.allocator_on and self.planned_allocator and "seq_len" in meta):
+            return None
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            return None  # a rank's ids may be its shard of the planned sequence (context parallel)
+        return int(meta.get("micro_batch", 1)), int(meta["seq_len"])
 
     # NOTE [Labels in the model's convention]
     # memo's models take, at each position, the token that position predicts (labels already
@@ -243,10 +288,12 @@ class Session:
         call takes them: NOTE [Labels in the model's convention]); returns the detached loss."""
         if not self._open:
             raise MemoError("memo.Session: step() needs an open session: use `with memo.Session(...) as s:`")
-        with self.iteration():
+        with self.iteration(ids):
             loss = self.adapter.loss(self.model, ids, self.adapter.targets(self.model, labels))
             loss.backward()
-        return loss.detach()
+        # A copy made outside the iteration: the loss itself sits in a slot of the plan's arena,
+        # which a caller keeping the returned value would hold busy into the next step.
+        return loss.detach().clone()
 
     @property
     def runtime(self) -> Any:
