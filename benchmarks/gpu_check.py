@@ -316,6 +316,20 @@ def main(argv: list[str] | None = None) -> int:
                    "--heads", "8"], 900)
         c.run(logs)
         checks.append(c)
+        # Issue 30: the PEFT example in bf16 at 32K tokens, memo against HF's own gradient
+        # checkpointing (use_reentrant=False), one process: step time and peak device memory.
+        compare_json = work / "finetune_compare.json"
+        c = Check("examples/finetune_hf.py --compare bf16 32K",
+                  [py, "examples/finetune_hf.py", "--device", "cuda", "--bf16", "--steps", "4",
+                   "--seq-len", "16K" if args.quick else "32K", "--hidden", "2048", "--layers", "16",
+                   "--heads", "16", "--compare", "--json", str(compare_json)], 900)
+        c.run(logs)
+        if compare_json.exists():
+            runs = json.loads(compare_json.read_text())["runs"]
+            c.numbers = {name: {"median_step_s": run["median_step_seconds"],
+                                "peak_gib": (run["peak_device_bytes"] or 0) / 2**30}
+                         for name, run in runs.items()}
+        checks.append(c)
 
     results = _save(out, date, hw, args.quick, checks)
     print(f"\nmemo gpu-check {date} on {hw['gpu']} (torch {hw['torch']}, CUDA {hw['cuda']})\n")

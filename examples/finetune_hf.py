@@ -9,19 +9,27 @@ memo (token-wise offload of ``alpha`` of each layer's tokens, the rest recompute
 and the loss is memo's chunked LM loss through the model adapter, so the ``[b, s, vocab]``
 logits never exist.
 
-This is the plain path: ``memo.wrap`` + a training loop, no profile or plan.
+This is the plain path: ``memo.wrap`` + a training loop, no profile or plan. ``--compare`` trains
+the same run a second time, from the same weights, under Hugging Face's own gradient checkpointing
+(``use_reentrant=False``) instead of memo, and prints both side by side: losses, the median step
+time, and on a GPU the peak device memory (``torch.cuda.max_memory_allocated``).
 
 Examples:
     python examples/finetune_hf.py --seq-len 2048 --steps 5
     python examples/finetune_hf.py --model-path ./Llama-3.2-1B --seq-len 32K --device cuda --bf16
+    python examples/finetune_hf.py --seq-len 32K --device cuda --bf16 --hidden 2048 --layers 16 \
+        --heads 16 --compare --json finetune-32k.json
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -72,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=positive_int, default=4, help="tiny config: decoder layers")
     parser.add_argument("--heads", type=positive_int, default=4, help="tiny config: attention heads")
     parser.add_argument("--vocab", type=positive_int, default=512, help="tiny config: vocabulary")
+    parser.add_argument("--compare", action="store_true",
+                        help="train the same run again under HF's gradient checkpointing and print both")
+    parser.add_argument("--json", type=Path, help="with --compare: write both runs' numbers here")
     args = parser.parse_args(argv)
     try:
         return finetune(args)
@@ -92,29 +103,82 @@ def finetune(args: argparse.Namespace) -> int:
     print(f"{type(model).__name__}: {n_layers} layers, vocab {adapter.vocab_size(model)}, "
           f"{trainable:,} trainable of {sum(p.numel() for p in model.parameters()):,} parameters; "
           f"seq_len {args.seq_len}, alpha {args.alpha}, {precision} on {device}")
+    baseline = copy.deepcopy(model) if args.compare else None
 
     # Every decoder layer offloads alpha of its tokens and recomputes the rest in backward.
     memo.wrap(model, alpha=args.alpha, policy=["memo"] * n_layers)
-    optimizer = adamw(model.parameters(), lr=args.lr)  # fused: no step temporaries (NOTE [Fused AdamW])
-    data = iter(SyntheticTokens(adapter.vocab_size(model), args.seq_len, args.micro_batch, seed=0))
     try:
-        for step in range(1, args.steps + 1):
-            ids, labels = (t.to(device) for t in next(data))
-            start = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-                loss = adapter.loss(model, ids, labels)  # labels[:, t] is the token after ids[:, t]
-            loss.backward()
-            optimizer.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            seconds = time.perf_counter() - start
-            print(f"step {step:>3}  loss {loss.item():.4f}  {seconds * 1e3:,.0f} ms  "
-                  f"{args.micro_batch * args.seq_len / seconds:,.0f} tok/s")
+        runs = {"memo": train(model, adapter, args, device)}
         print("memo:", json.dumps(runtime_of(model).describe()))
     finally:
         memo.unwrap(model)
+    if baseline is not None:
+        del model
+        # HF's own: every decoder layer's input kept, the layer recomputed in backward.
+        _hf_checkpointing(baseline)
+        print("HF gradient checkpointing (use_reentrant=False), the same run:")
+        runs["hf-checkpointing"] = train(baseline, adapter, args, device)
+        _print_comparison(runs, args)
     return 0
+
+
+def _hf_checkpointing(model: nn.Module) -> None:
+    """HF's gradient checkpointing, non-reentrant (``activation_checkpointing_enable`` in newer
+    transformers, which deprecates the older name)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def train(model: nn.Module, adapter: object, args: argparse.Namespace, device: torch.device) -> dict:
+    """``args.steps`` steps on the same synthetic batches; -> losses, step seconds, device peak."""
+    optimizer = adamw(model.parameters(), lr=args.lr)  # fused: no step temporaries (NOTE [Fused AdamW])
+    data = iter(SyntheticTokens(adapter.vocab_size(model), args.seq_len, args.micro_batch, seed=0))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    losses, seconds = [], []
+    for step in range(1, args.steps + 1):
+        ids, labels = (t.to(device) for t in next(data))
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
+            loss = adapter.loss(model, ids, labels)  # labels[:, t] is the token after ids[:, t]
+        loss.backward()
+        optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds.append(time.perf_counter() - start)
+        losses.append(loss.item())
+        print(f"step {step:>3}  loss {losses[-1]:.4f}  {seconds[-1] * 1e3:,.0f} ms  "
+              f"{args.micro_batch * args.seq_len / seconds[-1]:,.0f} tok/s")
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return {"losses": losses, "step_seconds": seconds, "peak_device_bytes": peak}
+
+
+def _print_comparison(runs: dict[str, dict], args: argparse.Namespace) -> None:
+    """Both runs side by side; the first step (warm-up, sizing) is left out of the median."""
+    print(f"\n{'run':<18} {'median step':>12} {'peak device':>12}  losses")
+    for name, run in runs.items():
+        steady = run["step_seconds"][1:] or run["step_seconds"]
+        run["median_step_seconds"] = statistics.median(steady)
+        peak = run["peak_device_bytes"]
+        peak_text = f"{peak / 2**30:.2f} GiB" if peak is not None else "n/a (cpu)"
+        print(f"{name:<18} {run['median_step_seconds'] * 1e3:>9,.0f} ms {peak_text:>12}  "
+              + " ".join(f"{x:.4f}" for x in run["losses"]))
+    memo_run, hf_run = runs["memo"], runs["hf-checkpointing"]
+    time_ratio = memo_run["median_step_seconds"] / hf_run["median_step_seconds"]
+    line = f"memo / HF checkpointing: step time {time_ratio:.2f}x"
+    if memo_run["peak_device_bytes"] is not None:
+        line += f", peak device memory {memo_run['peak_device_bytes'] / hf_run['peak_device_bytes']:.2f}x"
+    print(line)
+    if args.json is not None:
+        args.json.write_text(json.dumps({"version": 1, "kind": "memo.finetune_compare",
+                                         "seq_len": args.seq_len, "alpha": args.alpha, "bf16": args.bf16,
+                                         "runs": runs}, indent=2) + "\n")
+        print(f"written to {args.json}")
 
 
 if __name__ == "__main__":

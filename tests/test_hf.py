@@ -382,19 +382,25 @@ def test_unsupported_hf_model_names_the_class_and_the_adapter_to_write() -> None
 
 
 @pytest.mark.slow
-def test_finetune_example_runs_two_steps() -> None:
+def test_finetune_example_runs_two_steps_and_against_hf_checkpointing(tmp_path: Path) -> None:
+    """The PEFT example trains with memo, then (``--compare``) the same run under HF's gradient
+    checkpointing from the same weights: the same losses, both runs' numbers in the JSON."""
     root = Path(__file__).resolve().parents[1]
     # This checkout's memo, whatever is installed; one thread suits the tiny shapes.
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
-    args = ["--steps", "2", "--seq-len", "257", "--layers", "2", "--hidden", "64", "--vocab", "128", "--bf16"]
+    args = ["--steps", "2", "--seq-len", "257", "--layers", "2", "--hidden", "64", "--vocab", "128", "--bf16",
+            "--compare", "--json", str(tmp_path / "compare.json")]
     example = str(root / "examples" / "finetune_hf.py")
     out = subprocess.run([sys.executable, example, *args], capture_output=True, text=True, timeout=300,
                          env=env)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert [line.split()[:2] for line in lines if line.startswith("step")] == [["step", "1"], ["step", "2"]]
+    assert [line.split()[1] for line in lines if line.startswith("step")] == ["1", "2", "1", "2"]
     described = json.loads(next(line for line in lines if line.startswith("memo:")).removeprefix("memo:"))
     assert described["policy"] == ["memo", "memo"] and described["stats"]["layer_backwards"] == 4
+    runs = json.loads((tmp_path / "compare.json").read_text())["runs"]
+    assert runs["memo"]["losses"] == pytest.approx(runs["hf-checkpointing"]["losses"], rel=1e-3)
+    assert all(len(run["step_seconds"]) == 2 and run["median_step_seconds"] > 0 for run in runs.values())
 
 
 def test_session_step_takes_hf_labels_and_reports_hfs_loss() -> None:
