@@ -393,9 +393,8 @@ class RankProfiler:
             return None
         import torch
 
-        from memo.pipeline.policy import _token_bytes
         from memo.profiler.context_parallel import rank_tokens
-        from memo.runtime.tiles import default_tile_tokens
+        from memo.runtime.tiles import default_tile_tokens, params_token_bytes
 
         ids = torch.zeros(layout.micro_batch, rank_tokens(seq_len, layout.tp, layout.cp), dtype=torch.long,
                           device="meta")
@@ -404,7 +403,7 @@ class RankProfiler:
         hidden = int(self.config.hidden)
         layer_params = sum(p.numel() for p in model.layers[0].parameters())
         return default_tile_tokens(rows, batch=layout.micro_batch, hidden=hidden, device_type="cuda",
-                                   token_bytes=_token_bytes(layer_params, hidden, self.dtype.itemsize))
+                                   token_bytes=params_token_bytes(layer_params, hidden, self.dtype.itemsize))
 
     def numbers(self, strategy: str, layout: Layout, seq_len: int, alpha: float | None = None,
                 whole_depth: bool = False, stage: bool = True) -> RankNumbers:

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from . import ProfileResult
     from .job import _Job
 
-__all__ = ["WrappedRun"]
+__all__ = ["WrappedRun", "open_with_kept_buffers", "runtime_device_buffers"]
 
 #: What identifies a recorded wrapped iteration: (alpha, layer policy, tile tokens).
 ProbeKey = tuple[float, tuple[str, ...], int | None]
@@ -116,11 +116,11 @@ def _record_allocator(
         # garbage collector runs, and its gradients would count in the next run's device peak.
         for p in model.parameters():
             p.grad = None
-    _open_with_kept_buffers(trace, _runtime_device_buffers(model))
+    open_with_kept_buffers(trace, runtime_device_buffers(model))
     return trace
 
 
-def _runtime_device_buffers(model: nn.Module) -> list[int]:
+def runtime_device_buffers(model: nn.Module) -> list[int]:
     """Bytes of each device buffer memo's runtime holds for ``model`` across iterations (its two
     rounding buffers, NOTE [Rounding buffer reuse]); none when the model is not wrapped."""
     from memo import runtime
@@ -131,7 +131,7 @@ def _runtime_device_buffers(model: nn.Module) -> list[int]:
     return [int(t.untyped_storage().nbytes()) for t in getattr(buffers, "device_buffers", None) or []]
 
 
-def _open_with_kept_buffers(trace: dict[str, Any], sizes: list[int]) -> None:
+def open_with_kept_buffers(trace: dict[str, Any], sizes: list[int]) -> None:
     """NOTE [Buffers made in the warm-up]: the warm-up iteration (NOTE [Warm-up before logging])
     allocates memo's rounding buffers, so the logged iteration never sees them, yet every iteration
     holds them on the device. They open the trace as unphased allocations live to its end: the

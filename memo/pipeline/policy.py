@@ -80,7 +80,7 @@ def _policy_costs(job: _Job, plain: Recording, states: dict[str, Any], layer_par
     # in memo/runtime/buffers.py), which the S_* do not count: a few dozen tensors per tile of every
     # offloaded layer. Leave that room, so that an arena the LP filled to the byte still fits.
     from memo.runtime.buffers import SLOT_ALIGNMENT
-    from memo.runtime.tiles import default_tile_tokens, min_tile_tokens
+    from memo.runtime.tiles import default_tile_tokens, min_tile_tokens, params_token_bytes
 
     rows = int(summary.get("rows", 0))
     hidden = int(summary["S_input"]) // max(1, rows * job.micro_batch * job.dtype.itemsize)
@@ -88,7 +88,7 @@ def _policy_costs(job: _Job, plain: Recording, states: dict[str, Any], layer_par
     # elsewhere (meta for a GPU), the runtime there gets the target's default tile explicitly.
     target = job.tile_device_type
     if target != job.device.type and rows > 0:
-        token_bytes = _token_bytes(layer_params, hidden, job.dtype.itemsize)
+        token_bytes = params_token_bytes(layer_params, hidden, job.dtype.itemsize)
         job.default_tile = default_tile_tokens(rows, batch=job.micro_batch, hidden=hidden, device_type=target,
                                                token_bytes=token_bytes)
     most_tiles = 1 + rows // min_tile_tokens(job.micro_batch, hidden, target)
@@ -106,12 +106,6 @@ def _policy_costs(job: _Job, plain: Recording, states: dict[str, Any], layer_par
     costs = _layer_costs(plain.trace, lp_inputs, job.seq_len, job.micro_batch, job.dtype.itemsize,
                          layer_params, states, target)
     return lp_inputs, costs
-
-
-def _token_bytes(layer_params: int, hidden: int, elem_size: int) -> int:
-    """A layer's transient bytes per token and batch row, from its parameters (``layer_token_bytes``
-    in memo/runtime/tiles.py, for a layer known by its parameter count)."""
-    return (layer_params // max(1, hidden)) * elem_size
 
 
 def _layer_costs(trace: dict[str, Any], lp_inputs: AlphaInputs, seq_len: int, micro_batch: int,
@@ -137,13 +131,13 @@ def _layer_costs(trace: dict[str, Any], lp_inputs: AlphaInputs, seq_len: int, mi
     # the runtime's default and for each smaller tile the policy may choose (halving, down to
     # min_tile_tokens: the work floor on an accelerator, 256 tokens on the CPU; NOTE [How small a
     # chunk]).
-    from memo.runtime.tiles import min_tile_tokens, token_chunks
+    from memo.runtime.tiles import min_tile_tokens, params_token_bytes, token_chunks
 
     # The layer input is [rows, micro_batch, hidden]: its width per token gives the hidden size.
     rows = int(trace["layers"].get("rows", 0))
     hidden = int(s_input) // max(1, rows * micro_batch * elem_size)
     tiles = functools.partial(token_chunks, rows, batch=micro_batch, hidden=hidden, device_type=device_type,
-                              token_bytes=_token_bytes(layer_params, hidden, elem_size))
+                              token_bytes=params_token_bytes(layer_params, hidden, elem_size))
     chunks = max(1, len(tiles()))
     floor = min_tile_tokens(micro_batch, hidden, device_type)
     choices = []

@@ -143,7 +143,7 @@ def record_stage(run_step: Callable[[], None], chunks: list[nn.Module], device: 
     """The allocator's trace of one step of this stage (NOTE [A stage's address plan]): ``run_step``
     runs the schedule's forwards and backwards once unlogged, then once logged with the stage's phases."""
     from memo import allocator
-    from memo.pipeline.passes import _open_with_kept_buffers, _runtime_device_buffers
+    from memo.pipeline.passes import open_with_kept_buffers, runtime_device_buffers
 
     run_step()
     phases = StagePhases(chunks, allocator.set_phase)
@@ -153,7 +153,7 @@ def record_stage(run_step: Callable[[], None], chunks: list[nn.Module], device: 
     finally:
         phases.remove()
         allocator.set_phase(None)
-    _open_with_kept_buffers(trace, [n for c in chunks for n in _runtime_device_buffers(c)])
+    open_with_kept_buffers(trace, [n for c in chunks for n in runtime_device_buffers(c)])
     return trace
 
 

@@ -39,8 +39,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MIN_CHUNK_WORK", "MIN_CPU_CHUNK_TOKENS", "MIN_CPU_CHUNK_WORK", "RECOMPUTE_CHUNKS", "TILE_BYTES",
-    "default_tile_tokens", "layer_token_bytes", "min_chunk_tokens", "min_tile_tokens", "tile_bound_tokens",
-    "token_chunks",
+    "default_tile_tokens", "layer_token_bytes", "min_chunk_tokens", "min_tile_tokens", "params_token_bytes",
+    "tile_bound_tokens", "token_chunks",
 ]
 
 
@@ -128,5 +128,9 @@ def default_tile_tokens(n: int, *, batch: int, hidden: int, device_type: str, to
 def layer_token_bytes(layer: nn.Module, hidden: int, elem_size: int) -> int:
     """A layer's transient bytes per token and batch row, estimated from its width: its parameters'
     elements per hidden unit (NOTE [Tiles bounded by memory])."""
-    params = sum(p.numel() for p in layer.parameters())
-    return (params // max(1, hidden)) * elem_size
+    return params_token_bytes(sum(p.numel() for p in layer.parameters()), hidden, elem_size)
+
+
+def params_token_bytes(layer_params: int, hidden: int, elem_size: int) -> int:
+    """:func:`layer_token_bytes` of a layer known by its parameter count (a profile's, an estimate's)."""
+    return (layer_params // max(1, hidden)) * elem_size

@@ -700,11 +700,11 @@ class _DeviceMeter:
         import gc
 
         from memo import allocator
-        from memo.pipeline.passes import _runtime_device_buffers
+        from memo.pipeline.passes import runtime_device_buffers
 
         self.device = device
         self.before = (sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
-                       + _ddp_buffer_bytes(ddp) + sum(sum(_runtime_device_buffers(c)) for c in chunks))
+                       + _ddp_buffer_bytes(ddp) + sum(sum(runtime_device_buffers(c)) for c in chunks))
         self.peak = 0
         self.kind = ("cuda_max_memory_allocated" if device.type == "cuda"
                      else "memo_allocator_peak_in_use+params")
