@@ -95,3 +95,22 @@ def test_a_submodule_compiled_by_the_user_runs_compiled_inside_memo_s_tiles() ->
     reference(input_ids=ids, labels=ids).loss.backward()
     assert counters["stats"]["unique_graphs"] >= 1  # the MLPs were compiled, not skipped
     assert _worst_gradient(model, reference) < 1e-5
+
+
+def test_without_grad_the_compiler_traces_the_layers_as_unwrapped() -> None:
+    """Evaluation and generation run the layers' own forward: no graph break at the layer calls."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = _llama(2)
+    reference = copy.deepcopy(model).eval()
+    memo.wrap(model, alpha=0.5, policy=["memo", "memo"])
+    model.eval()
+    ids = torch.randint(0, V, (2, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got = torch.compile(model, backend="aot_eager")(input_ids=ids).logits
+        want = reference(input_ids=ids).logits
+    assert rel_err(got, want) < 1e-5
+    assert "_layer_forward" not in " ".join(counters.get("graph_break", {}))
+    assert memo.runtime.runtime_of(model).stats.layer_forwards == 0  # memo's path never ran

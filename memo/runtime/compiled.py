@@ -13,9 +13,11 @@ So a wrapped layer's call is opaque to the compiler: ``_wrapped_forward`` (memo/
 runs it through :func:`eager`, ``torch.compiler.disable`` of the layer's whole memo path. Compiling
 the wrapped model then compiles everything around the layers (embedding, final norm, head, loss)
 with one graph break at each layer call and no recompile per layer, and the layers run eagerly,
-as memo runs them. Inside a layer, compile the token-wise submodules themselves
-(``layer.mlp.compile()``): memo calls them on token tiles, so they compile once per tile length
-(mark the length dynamic, or let dynamo's automatic dynamic shapes do it after the second).
+as memo runs them. Without grad (evaluation, generation) a wrapped layer runs its own forward, so
+there the compiler traces the layers as it would unwrapped. Inside a layer in training, compile
+the token-wise submodules themselves (``layer.mlp.compile()``): memo calls them on token tiles, so
+they compile once per tile length (mark the length dynamic, or let dynamo's automatic dynamic
+shapes do it after the second).
 tests/test_compile.py pins this.
 """
 

@@ -127,15 +127,23 @@ def _wrapped_forward(call: LayerCall, original: Any, *args: Any, **kwargs: Any) 
     """``forward`` of a wrapped layer; ``original`` is the forward the user had set on the instance,
     or None for the class's (looked up at each call, so that a copy calls its own layer's)."""
     if torch.compiler.is_compiling():
-        # NOTE [memo under torch.compile] (memo/runtime/compiled.py): opaque to the compiler.
+        # NOTE [memo under torch.compile] (memo/runtime/compiled.py): opaque to the compiler in
+        # training; without grad (evaluation, generation) memo runs the layer's own forward, which
+        # the compiler may trace as it would unwrapped.
+        if not torch.is_grad_enabled():
+            return _own_forward(call, original)(*args, **kwargs)
         return eager(_layer_forward)(call, original, *args, **kwargs)
     return _layer_forward(call, original, *args, **kwargs)
 
 
+def _own_forward(call: LayerCall, original: Any) -> Any:
+    """The forward the layer would run unwrapped: the user's instance forward, else the class's."""
+    return original if original is not None else type(call.layer).forward.__get__(call.layer)
+
+
 def _layer_forward(call: LayerCall, original: Any, *args: Any, **kwargs: Any) -> Any:
     rt = call.runtime
-    if original is None:
-        original = type(call.layer).forward.__get__(call.layer)
+    original = _own_forward(call, original)
     if not torch.is_grad_enabled():
         return original(*args, **kwargs)
     kind = rt.policy[call.index]
