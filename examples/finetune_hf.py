@@ -24,7 +24,6 @@ Examples:
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import statistics
 import sys
@@ -36,6 +35,7 @@ from torch import nn
 
 import memo
 from memo.adapters import model_adapter_for
+from memo.adapters.model import ModelAdapter
 from memo.cli.args import positive_int, seq_len
 from memo.errors import MemoError
 from memo.runtime.wrap import runtime_of
@@ -103,7 +103,11 @@ def finetune(args: argparse.Namespace) -> int:
     print(f"{type(model).__name__}: {n_layers} layers, vocab {adapter.vocab_size(model)}, "
           f"{trainable:,} trainable of {sum(p.numel() for p in model.parameters()):,} parameters; "
           f"seq_len {args.seq_len}, alpha {args.alpha}, {precision} on {device}")
-    baseline = copy.deepcopy(model) if args.compare else None
+    # The starting weights for --compare, kept on the host: a second copy on the device would count in
+    # the first run's peak.
+    start = None
+    if args.compare:
+        start = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 
     # Every decoder layer offloads alpha of its tokens and recomputes the rest in backward.
     memo.wrap(model, alpha=args.alpha, policy=["memo"] * n_layers)
@@ -112,12 +116,12 @@ def finetune(args: argparse.Namespace) -> int:
         print("memo:", json.dumps(runtime_of(model).describe()))
     finally:
         memo.unwrap(model)
-    if baseline is not None:
-        del model
+    if start is not None:
         # HF's own: every decoder layer's input kept, the layer recomputed in backward.
-        _hf_checkpointing(baseline)
+        model.load_state_dict(start)
+        _hf_checkpointing(model)
         print("HF gradient checkpointing (use_reentrant=False), the same run:")
-        runs["hf-checkpointing"] = train(baseline, adapter, args, device)
+        runs["hf-checkpointing"] = train(model, adapter, args, device)
         _print_comparison(runs, args)
     return 0
 
@@ -132,8 +136,9 @@ def _hf_checkpointing(model: nn.Module) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def train(model: nn.Module, adapter: object, args: argparse.Namespace, device: torch.device) -> dict:
-    """``args.steps`` steps on the same synthetic batches; -> losses, step seconds, device peak."""
+def train(model: nn.Module, adapter: ModelAdapter, args: argparse.Namespace, device: torch.device) -> dict:
+    """``args.steps`` steps on the same synthetic batches; -> losses, step seconds, their median past
+    the first (warm-up, sizing), device peak."""
     optimizer = adamw(model.parameters(), lr=args.lr)  # fused: no step temporaries (NOTE [Fused AdamW])
     data = iter(SyntheticTokens(adapter.vocab_size(model), args.seq_len, args.micro_batch, seed=0))
     if device.type == "cuda":
@@ -155,15 +160,14 @@ def train(model: nn.Module, adapter: object, args: argparse.Namespace, device: t
         print(f"step {step:>3}  loss {losses[-1]:.4f}  {seconds[-1] * 1e3:,.0f} ms  "
               f"{args.micro_batch * args.seq_len / seconds[-1]:,.0f} tok/s")
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    return {"losses": losses, "step_seconds": seconds, "peak_device_bytes": peak}
+    return {"losses": losses, "step_seconds": seconds,
+            "median_step_seconds": statistics.median(seconds[1:] or seconds), "peak_device_bytes": peak}
 
 
 def _print_comparison(runs: dict[str, dict], args: argparse.Namespace) -> None:
-    """Both runs side by side; the first step (warm-up, sizing) is left out of the median."""
+    """Both runs side by side."""
     print(f"\n{'run':<18} {'median step':>12} {'peak device':>12}  losses")
     for name, run in runs.items():
-        steady = run["step_seconds"][1:] or run["step_seconds"]
-        run["median_step_seconds"] = statistics.median(steady)
         peak = run["peak_device_bytes"]
         peak_text = f"{peak / 2**30:.2f} GiB" if peak is not None else "n/a (cpu)"
         print(f"{name:<18} {run['median_step_seconds'] * 1e3:>9,.0f} ms {peak_text:>12}  "

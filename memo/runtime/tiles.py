@@ -80,9 +80,9 @@ MIN_CPU_CHUNK_TOKENS = 256
 def min_chunk_tokens(batch: int, hidden: int, device_type: str) -> int:
     """The fewest tokens a recompute chunk of a layer with input ``[s, batch, hidden]`` holds on
     a device of ``device_type`` (NOTE [How small a chunk])."""
-    work = MIN_CPU_CHUNK_WORK if device_type in ("cpu", "meta") else MIN_CHUNK_WORK
-    tokens = -(-work // max(1, batch * hidden * hidden))
-    return max(tokens, min_tile_tokens(batch, hidden, device_type))
+    if device_type in ("cpu", "meta"):
+        return max(MIN_CPU_CHUNK_TOKENS, _work_tokens(MIN_CPU_CHUNK_WORK, batch, hidden))
+    return min_tile_tokens(batch, hidden, device_type)
 
 
 def min_tile_tokens(batch: int, hidden: int, device_type: str) -> int:
@@ -90,7 +90,13 @@ def min_tile_tokens(batch: int, hidden: int, device_type: str) -> int:
     chunk]): the work floor on an accelerator, MIN_CPU_CHUNK_TOKENS on the CPU and on meta."""
     if device_type in ("cpu", "meta"):
         return MIN_CPU_CHUNK_TOKENS
-    return max(1, -(-MIN_CHUNK_WORK // max(1, batch * hidden * hidden)))
+    return max(1, _work_tokens(MIN_CHUNK_WORK, batch, hidden))
+
+
+def _work_tokens(work: int, batch: int, hidden: int) -> int:
+    """The fewest tokens of a ``[s, batch, hidden]`` layer input with ``work`` tokens x batch x
+    hidden^2 multiply-adds."""
+    return -(-work // max(1, batch * hidden * hidden))
 
 
 def tile_bound_tokens(batch: int, token_bytes: int) -> int | None:

@@ -126,12 +126,11 @@ def _unsupported_message(model: nn.Module) -> str:
 def _wrapped_forward(call: LayerCall, original: Any, *args: Any, **kwargs: Any) -> Any:
     """``forward`` of a wrapped layer; ``original`` is the forward the user had set on the instance,
     or None for the class's (looked up at each call, so that a copy calls its own layer's)."""
+    if not torch.is_grad_enabled():
+        # Evaluation, generation: the layer's own forward, which a compiler traces as unwrapped.
+        return _own_forward(call, original)(*args, **kwargs)
     if torch.compiler.is_compiling():
-        # NOTE [memo under torch.compile] (memo/runtime/compiled.py): opaque to the compiler in
-        # training; without grad (evaluation, generation) memo runs the layer's own forward, which
-        # the compiler may trace as it would unwrapped.
-        if not torch.is_grad_enabled():
-            return _own_forward(call, original)(*args, **kwargs)
+        # NOTE [memo under torch.compile] (memo/runtime/compiled.py): opaque to the compiler.
         return eager(_layer_forward)(call, original, *args, **kwargs)
     return _layer_forward(call, original, *args, **kwargs)
 
@@ -144,8 +143,6 @@ def _own_forward(call: LayerCall, original: Any) -> Any:
 def _layer_forward(call: LayerCall, original: Any, *args: Any, **kwargs: Any) -> Any:
     rt = call.runtime
     original = _own_forward(call, original)
-    if not torch.is_grad_enabled():
-        return original(*args, **kwargs)
     kind = rt.policy[call.index]
     if not _needs_grad(call.layer, args, kwargs):
         # NOTE [Frozen layers cost what they cost unwrapped]
