@@ -36,8 +36,12 @@ from torch import nn
 
 from memo.errors import MemoError
 
-__all__ = ["ENGINES", "build_hf_causal_lm", "build_megatron_gpt", "build_megatron_stages", "hf_config",
-           "init_megatron_world"]
+# NOTE [Which engine runs which layout] is in planner/engines.py (torch-free, so that the layout checks
+# below the engines read the same table): re-exported here, beside the engines it describes.
+from memo.planner.engines import RUNNABLE, EngineLayouts, engine_for_layout, layout_problem
+
+__all__ = ["ENGINES", "RUNNABLE", "EngineLayouts", "build_hf_causal_lm", "build_megatron_gpt",
+           "build_megatron_stages", "engine_for_layout", "hf_config", "init_megatron_world", "layout_problem"]
 
 ENGINES = ("memo", "megatron", "fsdp2")
 

@@ -164,10 +164,17 @@ class AnatomyAdapter(LayerAdapter):
 
     def split_args(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[
             torch.Tensor, Any]:
+        """-> ``(x, first)``: ``first`` is the absolute position of ``x[0]`` (``layer.first_position``:
+        not 0 on a Ulysses rank, NOTE [Contiguous Ulysses] in memo/models/ulysses_attention.py)."""
         if len(args) == 1 and not kwargs:
-            return args[0], None
-        if not args and set(kwargs) == {"x"}:
-            return kwargs["x"], None
+            x = args[0]
+        elif not args and set(kwargs) == {"x"}:
+            x = kwargs["x"]
+        else:
+            x = None
+        if isinstance(x, torch.Tensor):
+            first = getattr(layer, "first_position", None)
+            return x, int(first(x)) if callable(first) else 0
         raise MemoError(
             f"memo.adapters: {type(layer).__name__}.forward is called as forward(x) when wrapped by memo; "
             f"got {len(args)} positional and keyword arguments {sorted(kwargs)}"
@@ -175,10 +182,16 @@ class AnatomyAdapter(LayerAdapter):
 
     def pre(self, layer: nn.Module, x: torch.Tensor, offset: int, ctx: Any) -> tuple[
             torch.Tensor, torch.Tensor, torch.Tensor]:
-        return layer.pre(x, offset=offset)
+        return layer.pre(x, offset=offset + (ctx or 0))
 
     def post(self, layer: nn.Module, o: torch.Tensor, x: torch.Tensor, ctx: Any) -> torch.Tensor:
         return layer.post(o, x)
+
+    def attention_kernels(self, layer: nn.Module) -> tuple[Any, Any]:
+        """The core attention module's own halves when it has them (``attention_kernels()``: Ulysses
+        ranks, memo/models/ulysses_attention.py), else memo's causal attention."""
+        own = getattr(self.core_module(layer), "attention_kernels", None)
+        return own() if callable(own) else super().attention_kernels(layer)
 
     def mlp_site(self, layer: nn.Module) -> MLPSite | None:
         """``layer.mlp(z)`` with ``layer.mlp_parameters()``, ``z: [s, b, h]`` (NOTE [Layer MLP] in

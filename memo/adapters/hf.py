@@ -111,8 +111,9 @@ DECODER_LAYERS = (
     ("transformers.models.mistral.modeling_mistral", "MistralDecoderLayer"),
 )
 
-#: Attention implementations whose math memo reproduces (NOTE [HF attention masks]).
-SUPPORTED_ATTENTION = (None, "eager", "sdpa")
+#: Attention implementations whose math memo reproduces (NOTE [HF attention masks]), and memo's own
+#: Ulysses one (NOTE [Ulysses around HF's attention] in memo/adapters/hf_ulysses.py).
+SUPPORTED_ATTENTION = (None, "eager", "sdpa", "memo_ulysses")
 
 # ---------------------------------------------------------------------------------------------
 # Masked attention (NOTE [HF attention masks])
@@ -253,6 +254,19 @@ def _sliding_window(layer: nn.Module) -> int | None:
     return getattr(cfg, "sliding_window", None)
 
 
+def _causal_kernels(layer: nn.Module) -> tuple[Any, Any]:
+    """``(forward, backward)`` of the layer's causal attention without autograd: memo's, or memo's
+    Ulysses halves over the layer's sequence shard (NOTE [Ulysses around HF's attention])."""
+    shard = getattr(layer.self_attn, "memo_sequence_shard", None)
+    if _attn_implementation(layer) == "memo_ulysses" and shard is not None:
+        from memo.models.ulysses_attention import UlyssesCoreAttention
+
+        return UlyssesCoreAttention(shard).attention_kernels()
+    from memo.models.causal_attention import attention_backward, attention_forward
+
+    return attention_forward, attention_backward
+
+
 def _scale(layer: nn.Module) -> float:
     attn = layer.self_attn
     scale = getattr(attn, "scaling", None)
@@ -358,11 +372,16 @@ class HFDecoderLayerAdapter(LayerAdapter):
         # Heads from the module or its config: q_proj may be a wrapper (LoRA) without out_features.
         n = getattr(attn, "num_heads", None) or attn.config.num_attention_heads
         mask = given.get("attention_mask")
+        shard = getattr(attn, "memo_sequence_shard", None)
+        if mask is not None and shard is not None:  # NOTE [Ulysses around HF's attention]
+            raise MemoError(f"{where}: a rank of a Ulysses group got an attention mask; its tokens are a "
+                            "slice of the sequence, which a mask cannot be cut by. Train on whole sequences "
+                            "without attention_mask (mark padding with label -100)")
         if mask is not None:
             cut = _layer_mask(mask, s, b, n, where)
             mask = None if self._verdicts.plain_causal(mask, cut) else cut
         window = _sliding_window(layer)
-        if mask is None and window is not None and s > window:
+        if mask is None and window is not None and s * (1 if shard is None else shard.size) > window:
             raise MemoError(
                 f"{where}: sliding_window={window} is shorter than the sequence ({s} tokens) but the layer "
                 "got no attention mask that applies it; memo's causal attention would see every earlier "
@@ -402,9 +421,8 @@ class HFDecoderLayerAdapter(LayerAdapter):
         q, k, v = q.to(dt), k.to(dt), v.to(dt)
         s, b, n, d = q.shape
         if ctx.mask is None:
-            from memo.models.causal_attention import attention_forward
-
-            o, lse = attention_forward(_rescale(q, ctx.scale), k, v)
+            forward, _ = _causal_kernels(layer)
+            o, lse = forward(_rescale(q, ctx.scale), k, v)
         else:
             o, lse = masked_attention_forward(q, k, v, ctx.mask, ctx.scale)
         return o.view(s, b, n * d), lse
@@ -417,8 +435,7 @@ class HFDecoderLayerAdapter(LayerAdapter):
         qc, kc, vc = q.to(dt), k.to(dt), v.to(dt)
         grad_o = grad_o.reshape(s, b, n, d).to(dt)
         if ctx.mask is None:
-            from memo.models.causal_attention import attention_backward
-
+            _, attention_backward = _causal_kernels(layer)
             factor = _factor(ctx.scale, d)
             dq, dk, dv = attention_backward(grad_o, _rescale(qc, ctx.scale), kc, vc, o.view(s, b, n, d), lse)
             if factor != 1.0:

@@ -166,27 +166,35 @@ class _ShardLoss(ModelAdapter):
 
 class FSDP2Run(ParallelRun):
     """One rank of ``memo train --engine fsdp2`` (the module docstring): a data-parallel
-    :class:`ParallelRun` whose model states FSDP2 shards; no megatron state."""
+    :class:`ParallelRun` whose model states FSDP2 shards, with Ulysses context parallelism inside
+    each group of ``cp`` consecutive ranks (NOTE [FSDP2 x Ulysses]); no megatron state."""
 
     def __init__(self, layout: ParallelLayout, launch: LaunchEnv, device: torch.device,
                  offload_states: bool = False) -> None:
         super().__init__(layout, launch, device)
         self.offload_states = offload_states
-        self.dp_rank = launch.rank
+        cp = layout.context_parallel
+        self.dp_rank, self.cp_rank = launch.rank // cp, launch.rank % cp
         self.mesh: Any = None
+        self.cp_group: Any = None
         self.root: nn.Module | None = None
 
     @classmethod
     def start(cls, layout: ParallelLayout, launch: LaunchEnv, device: str, seed: int,
               offload_states: bool = False) -> FSDP2Run:
         """Join the process group (gloo on CPU, NCCL on CUDA; a group of one on a free port when no
-        launcher made one) and make the device mesh of all ranks; ``layout`` was checked by
-        :func:`memo.distributed.layout.check_layout` (data parallel only). ``seed`` is the caller's."""
+        launcher made one), make the device mesh of all ranks FSDP2 shards over and, with context
+        parallelism, the (DP, CP) mesh whose CP groups run Ulysses; ``layout`` was checked by
+        :func:`memo.distributed.layout.check_layout`. ``seed`` is the caller's."""
         run = cls(layout, launch, rank_device(device, launch), offload_states)
         run._owns_group = join_process_group(launch, run.device)
         from torch.distributed.device_mesh import init_device_mesh
 
         run.mesh = init_device_mesh(run.device.type, (launch.world_size,))
+        if layout.context_parallel > 1:
+            grid = init_device_mesh(run.device.type, (layout.data_parallel, layout.context_parallel),
+                                    mesh_dim_names=("dp", "cp"))
+            run.cp_group = grid.get_group("cp")
         return run
 
     def close(self) -> None:
@@ -202,25 +210,44 @@ class FSDP2Run(ParallelRun):
         return {**super().as_dict(), "engine": "fsdp2", "offload_states": self.offload_states}
 
     def wrap(self, model: nn.Module) -> None:
-        """Shard ``model`` with FSDP2 (:func:`shard_model`); on the CPU, bind its gathers to memo's
-        allocator (NOTE [FSDP2's gathered parameters on the CPU backend])."""
+        """Make ``model`` a Ulysses rank with context parallelism (memo/distributed/ulysses.py), then
+        shard it with FSDP2 (:func:`shard_model`); on the CPU, bind its gathers to memo's allocator
+        (NOTE [FSDP2's gathered parameters on the CPU backend])."""
+        if self.cp_group is not None:
+            from memo.distributed.ulysses import shard_sequence
+
+            shard_sequence(model, self.cp_group)
         self.root = shard_model(model, self.mesh, self.offload_states, self.device)
         if self.device.type == "cpu":
             _bind_gathers_to_memo(self.root)
+
+    def shard(self, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
+                                                                      torch.Tensor]:
+        """This rank's ``(ids, labels, position_ids)`` of a global batch ``ids, labels: [b, s]`` (labels
+        already shifted): rows of its DP rank, the contiguous tokens ``[r·s/c, (r+1)·s/c)`` of its CP
+        rank r (NOTE [Contiguous Ulysses] in memo/models/ulysses_attention.py)."""
+        b, s = ids.shape
+        dp, cp = self.layout.data_parallel, self.layout.context_parallel
+        rows = slice(self.dp_rank * b // dp, (self.dp_rank + 1) * b // dp)
+        tokens = slice(self.cp_rank * s // cp, (self.cp_rank + 1) * s // cp)
+        positions = torch.arange(s).unsqueeze(0).expand(b, s)
+        return tuple(t[rows, tokens].contiguous() for t in (ids, labels, positions))
 
     def loss(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor,
              global_count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(to_backward, global_loss)`` as :meth:`ParallelRun.loss` (NOTE [Parallel layout]): the root's
         mean over this rank's counted tokens times their count is its sum; FSDP2's reduce-scatter
-        averages over the ``dp`` ranks, so the rank back-propagates its sum over the global count
-        times ``dp``. ``positions`` are every row's 0..s-1 here (no context parallelism): unused."""
+        averages over all ``dp·cp`` ranks, so the rank back-propagates its sum over the global count
+        times ``dp·cp``. ``positions`` are implied by the shard (the model knows its first position)."""
         if self.root is None:
             raise MemoError("memo.distributed: FSDP2Run.loss before wrap(model); shard the model first")
         count = int((labels != -100).sum())
-        if count == 0:  # the model adapter's mean would be 0/0
-            raise MemoError("memo.distributed: this rank's rows of the batch hold no counted label (all "
-                            "-100); --engine fsdp2 takes the loss as the mean of each rank's tokens: give "
-                            "every rank rows with labels")
+        if count == 0:
+            # A rank whose tokens are all -100 (padding at the end of a long sequence) adds nothing, but
+            # its forward and backward must still run: its Ulysses exchanges and FSDP2's collectives
+            # pair with the other ranks'. One counted token makes the mean finite; times 0 it adds 0.
+            labels = labels.clone()
+            labels.view(-1)[0] = 0
         try:
             local = self.root(ids, labels) * count
         except BaseException:
@@ -234,10 +261,11 @@ class FSDP2Run(ParallelRun):
             self.root.reset_iter_state()
             raise
         total = local.detach().clone()
-        if self.layout.data_parallel > 1:
+        ranks = self.layout.data_parallel * self.layout.context_parallel
+        if ranks > 1:
             torch.distributed.all_reduce(total)
         scale = max(global_count, 1)
-        return local * (self.layout.data_parallel / scale), total / scale
+        return local * (ranks / scale), total / scale
 
     def model_adapter(self, positions: torch.Tensor, global_count: int) -> ModelAdapter:
         if self.root is None:

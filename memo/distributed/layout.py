@@ -224,10 +224,14 @@ def check_layout(layout: ParallelLayout, *, engine: str, n_heads: int, n_query_g
     pipeline_problem = _pipeline_problem(layout, engine, n_layers, micro_batches)
     if pipeline_problem is not None:
         raise MemoError(f"memo.distributed: {pipeline_problem}")
-    if engine == "fsdp2" and (tp > 1 or cp > 1 or sp):  # memo/distributed/fsdp2.py
-        raise MemoError(
-            f"memo.train: --engine fsdp2 shards the model states over data-parallel ranks only; {layout} "
-            "needs megatron-core's parallel layers: use --engine megatron, or drop --tp/--cp/--sp")
+    if engine == "fsdp2":  # NOTE [Which engine runs which layout] in planner/engines.py
+        from memo.planner.engines import layout_problem
+
+        problem = layout_problem(engine, tp=tp, cp=cp, pp=layout.pipeline_parallel, cp_comm=layout.cp_comm)
+        if problem is None and sp:
+            problem = "--sp splits a tensor-parallel group's tokens, and --engine fsdp2 runs no tensor parallelism"
+        if problem is not None:
+            raise MemoError(f"memo.train: {layout}: {problem}")
     if engine not in ("megatron", "fsdp2") and (layout.world > 1 or sp):
         raise MemoError(
             f"memo.train: --engine {engine} builds one process's model; {layout} needs megatron-core's "

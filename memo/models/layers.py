@@ -121,8 +121,18 @@ class TransformerLayer(nn.Module, abc.ABC):
     def mlp(self, z: torch.Tensor) -> torch.Tensor:
         """The MLP (NOTE [Layer MLP]): ``z: [s, b, h]`` (the post-norm output) -> ``[s, b, h]``."""
 
+    #: This rank's share of a sequence split over Ulysses ranks (NOTE [Contiguous Ulysses] in
+    #: memo/models/ulysses_attention.py), None for the whole sequence; set with the core attention by
+    #: memo.distributed.ulysses.shard_sequence.
+    sequence_shard: Any = None
+
+    def first_position(self, x: torch.Tensor) -> int:
+        """The absolute position of ``x[0]`` (``x``: the layer's whole input ``[s, b, h]``): 0, or this
+        rank's first token under a :attr:`sequence_shard`."""
+        return 0 if self.sequence_shard is None else self.sequence_shard.first_position(x.shape[0])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.post(self.core(*self.pre(x)), x)
+        return self.post(self.core(*self.pre(x, offset=self.first_position(x))), x)
 
 
 class GPTLayer(TransformerLayer):

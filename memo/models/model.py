@@ -28,6 +28,8 @@ A sequence longer than the table raises a MemoError saying so. Llama has no tabl
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.utils.checkpoint
 from torch import nn
@@ -130,19 +132,25 @@ class GPTEmbedding(nn.Module):
         self.word = nn.Embedding(rows, config.hidden, device=device, dtype=dtype)
         self.position = nn.Embedding(max_seq_len, config.hidden, device=device, dtype=dtype)
 
+    #: This rank's share of a sequence split over Ulysses ranks (NOTE [Contiguous Ulysses] in
+    #: memo/models/ulysses_attention.py): its ids are positions ``first_position(s) ..``; None: from 0.
+    sequence_shard: Any = None
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         _check_ids(ids)
         s = ids.shape[1]
-        if s > self.max_seq_len:
+        whole = s if self.sequence_shard is None else s * self.sequence_shard.size
+        if whole > self.max_seq_len:
             raise MemoError(
-                f"memo.models: sequence of {s} tokens is longer than the GPT position table "
+                f"memo.models: sequence of {whole} tokens is longer than the GPT position table "
                 f"(max_seq_len={self.max_seq_len}); build the model with "
-                f"build_model(..., max_seq_len={s}) or more"
+                f"build_model(..., max_seq_len={whole}) or more"
             )
         t = self.tensor_parallel
         check_sequence_parallel(s, t)
         words = vocab_parallel_embedding(self.word, ids.t(), t)
-        return scatter_to_sequence_parallel(words + self.position.weight[:s].unsqueeze(1), t)
+        first = 0 if self.sequence_shard is None else self.sequence_shard.first_position(s)
+        return scatter_to_sequence_parallel(words + self.position.weight[first:first + s].unsqueeze(1), t)
 
 
 class LMHead(nn.Module):

@@ -33,6 +33,15 @@ n. When c divides n_kv the key/value heads are split the same way. When c > n_kv
 c, each key/value head is replicated c/n_kv times before the all-to-all (rank j gets one, the one
 its query heads use), and backward sums the replicas' dk, dv (in float32 for low-precision inputs)
 after the inverse all-to-all. Any other head count is refused (:func:`ulysses_heads_problem`).
+
+NOTE [Contiguous Ulysses]
+Ulysses needs no load balancing: after the exchange every rank attends all S tokens of its heads,
+so every rank does the same work whatever tokens it holds. Under FSDP2 (memo/distributed/fsdp2.py)
+rank r therefore holds the contiguous tokens ``[r·s, (r+1)·s)``, as DeepSpeed's Ulysses does: the
+rank-major rows of the exchange are then already in sequence order, and a rank's positions are one
+offset (``r·s``), which memo's reference models and Hugging Face's rotary embeddings take as they
+are. Every function here takes ``contiguous=True`` for that layout; the default is megatron's
+load-balanced one.
 """
 
 from __future__ import annotations
@@ -49,8 +58,9 @@ from memo.models.causal_attention import _check, attention_backward, attention_f
 from memo.models.cp_attention import GroupAttention, _lse_for_kernel, _lse_rows, _sequence_order
 from memo.planner.vocab import CP_COMMS
 
-__all__ = ["CP_COMM_TYPES", "kv_replicas", "ulysses_attention", "ulysses_attention_backward",
-           "ulysses_attention_forward", "ulysses_heads_problem"]
+__all__ = ["CP_COMM_TYPES", "SequenceShard", "UlyssesCoreAttention", "heads_to_tokens", "kv_replicas",
+           "tokens_to_heads", "ulysses_attention",
+           "ulysses_attention_backward", "ulysses_attention_forward", "ulysses_heads_problem"]
 
 #: megatron-core's names (``cp_comm_type``) for the context-parallel communications memo's attention
 #: implements: K/V all-gather (memo/models/cp_attention.py) and Ulysses all-to-all (this module);
@@ -94,41 +104,46 @@ def _all_to_all(t: torch.Tensor, group: Any) -> torch.Tensor:
     return out
 
 
-def _to_heads(t: torch.Tensor, size: int, exchange: Exchange) -> torch.Tensor:
+def _to_heads(t: torch.Tensor, size: int, exchange: Exchange, contiguous: bool = False) -> torch.Tensor:
     """This rank's ``t: [s, b, h, d]`` (its tokens, all heads) -> ``[c·s, b, h/c, d]``: every rank's
-    tokens of its share of the heads, in sequence order."""
+    tokens of its share of the heads, in sequence order (NOTE [Contiguous Ulysses])."""
     s, b, h, d = t.shape
     parts = t.reshape(s, b, size, h // size, d).permute(2, 0, 1, 3, 4)  # part j: heads of rank j
     received = exchange(parts).reshape(size * s, b, h // size, d)  # rank-major rows
-    return received.index_select(0, _sequence_order(size, s, t.device))
+    return received if contiguous else received.index_select(0, _sequence_order(size, s, t.device))
 
 
-def _to_tokens(t: torch.Tensor, size: int, exchange: Exchange) -> torch.Tensor:
+def _to_tokens(t: torch.Tensor, size: int, exchange: Exchange, contiguous: bool = False) -> torch.Tensor:
     """Inverse of :func:`_to_heads`: ``[c·s, b, h/c, d]`` in sequence order -> contiguous ``[s, b, h, d]``
     (the layout the output projection reads, as from causal attention)."""
     total, b, hc, d = t.shape
     s = total // size
-    rank_major = torch.empty_like(t)
-    rank_major.index_copy_(0, _sequence_order(size, s, t.device), t)
+    if contiguous:
+        rank_major = t.contiguous()
+    else:
+        rank_major = torch.empty_like(t)
+        rank_major.index_copy_(0, _sequence_order(size, s, t.device), t)
     received = exchange(rank_major.view(size, s, b, hc, d))  # part i: heads of rank i, my tokens
     return received.permute(1, 2, 0, 3, 4).contiguous().view(s, b, size * hc, d)
 
 
-def _lse_to_heads(lse: torch.Tensor, size: int, exchange: Exchange) -> torch.Tensor:
+def _lse_to_heads(lse: torch.Tensor, size: int, exchange: Exchange, contiguous: bool = False) -> torch.Tensor:
     """``lse [b, n, s]`` -> ``[b, n/c, c·s]``: :func:`_to_heads` of lse as ``[s, b, n, 1]``."""
-    return _to_heads(lse.permute(2, 0, 1).unsqueeze(-1), size, exchange).squeeze(-1).permute(1, 2, 0)
+    heads = _to_heads(lse.permute(2, 0, 1).unsqueeze(-1), size, exchange, contiguous)
+    return heads.squeeze(-1).permute(1, 2, 0)
 
 
-def _lse_to_tokens(lse: torch.Tensor, size: int, exchange: Exchange) -> torch.Tensor:
+def _lse_to_tokens(lse: torch.Tensor, size: int, exchange: Exchange,
+                   contiguous: bool = False) -> torch.Tensor:
     """Inverse of :func:`_lse_to_heads`: ``[b, n/c, c·s]`` -> contiguous ``[b, n, s]``."""
-    out = _to_tokens(lse.permute(2, 0, 1).unsqueeze(-1), size, exchange)
+    out = _to_tokens(lse.permute(2, 0, 1).unsqueeze(-1), size, exchange, contiguous)
     return out.squeeze(-1).permute(1, 2, 0).contiguous()
 
 
-def _layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, size: int) -> int:
+def _layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, size: int, contiguous: bool = False) -> int:
     """Checks a rank's inputs; its key/value replicas (:func:`kv_replicas`)."""
     _check(q, k, v)
-    if q.shape[0] % 2:
+    if q.shape[0] % 2 and not contiguous:
         raise MemoError(
             f"{_WHERE}: a context-parallel rank holds two equal chunks of the sequence (megatron's "
             f"load-balanced layout), so its local sequence must be even; got {q.shape[0]} tokens. Make "
@@ -150,55 +165,132 @@ def _sum_replicas(grad: torch.Tensor, replicas: int, dtype: torch.dtype) -> torc
     return grad.to(acc).view(s, b, h // replicas, replicas, d).sum(dim=3).to(dtype)
 
 
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, size: int, exchange: Exchange) -> tuple[
-        torch.Tensor, torch.Tensor]:
-    replicas = _layout(q, k, v, size)
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, size: int, exchange: Exchange,
+             contiguous: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    replicas = _layout(q, k, v, size, contiguous)
+    heads = functools.partial(_to_heads, size=size, exchange=exchange, contiguous=contiguous)
     with torch.no_grad():
-        qh = _to_heads(q, size, exchange)
-        kh, vh = (_to_heads(_replicate(t, replicas), size, exchange) for t in (k, v))
+        qh = heads(q)
+        kh, vh = (heads(_replicate(t, replicas)) for t in (k, v))
         o, lse = attention_forward(qh, kh, vh)
         del qh, kh, vh
         lse = _lse_rows(lse, o.shape[0])  # NOTE [fp32 attention on CUDA]: no padded rows in the exchange
-        return _to_tokens(o, size, exchange), _lse_to_tokens(lse, size, exchange)
+        return (_to_tokens(o, size, exchange, contiguous), _lse_to_tokens(lse, size, exchange, contiguous))
 
 
 def _backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-              lse: torch.Tensor, size: int, exchange: Exchange) -> tuple[
+              lse: torch.Tensor, size: int, exchange: Exchange, contiguous: bool = False) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor]:
-    replicas = _layout(q, k, v, size)
+    replicas = _layout(q, k, v, size, contiguous)
+    heads = functools.partial(_to_heads, size=size, exchange=exchange, contiguous=contiguous)
+    tokens = functools.partial(_to_tokens, size=size, exchange=exchange, contiguous=contiguous)
     with torch.no_grad():
-        qh, gh, oh = (_to_heads(t, size, exchange) for t in (q, grad_o, o))
-        kh, vh = (_to_heads(_replicate(t, replicas), size, exchange) for t in (k, v))
-        lseh = _lse_for_kernel(_lse_to_heads(lse, size, exchange), qh)
+        qh, gh, oh = (heads(t) for t in (q, grad_o, o))
+        kh, vh = (heads(_replicate(t, replicas)) for t in (k, v))
+        lseh = _lse_for_kernel(_lse_to_heads(lse, size, exchange, contiguous), qh)
         dq, dk, dv = attention_backward(gh, qh, kh, vh, oh, lseh)
         del qh, gh, oh, kh, vh, lseh
-        dk = _sum_replicas(_to_tokens(dk, size, exchange), replicas, k.dtype)
-        dv = _sum_replicas(_to_tokens(dv, size, exchange), replicas, v.dtype)
-        return _to_tokens(dq, size, exchange), dk, dv
+        dk = _sum_replicas(tokens(dk), replicas, k.dtype)
+        dv = _sum_replicas(tokens(dv), replicas, v.dtype)
+        return tokens(dq), dk, dv
 
 
 def _exchange(group: Any) -> tuple[int, Exchange]:
     return dist.get_world_size(group), functools.partial(_all_to_all, group=group)
 
 
-def ulysses_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any) -> tuple[
-        torch.Tensor, torch.Tensor]:
+def ulysses_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any,
+                              contiguous: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's causal attention over the context-parallel ``group`` by all-to-all (NOTE [Ulysses
     context parallelism]); ``q: [2m, b, n, d]``, ``k, v: [2m, b, n_kv, d]`` in megatron's
-    load-balanced layout -> ``o [2m, b, n, d]``, ``lse [b, n, 2m]`` as
+    load-balanced layout (``contiguous``: rank r's tokens are ``[r·s, (r+1)·s)``, NOTE [Contiguous
+    Ulysses]) -> ``o [2m, b, n, d]``, ``lse [b, n, 2m]`` as
     :func:`memo.models.causal_attention.attention_forward` (float32; float64 for float64 inputs)."""
-    return _forward(q, k, v, *_exchange(group))
+    return _forward(q, k, v, *_exchange(group), contiguous=contiguous)
 
 
 def ulysses_attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                               o: torch.Tensor, lse: torch.Tensor, group: Any) -> tuple[
-        torch.Tensor, torch.Tensor, torch.Tensor]:
+                               o: torch.Tensor, lse: torch.Tensor, group: Any, contiguous: bool = False
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`ulysses_attention_forward` for this rank's ``q, k, v`` -> ``dq [2m, b, n, d]``,
     ``dk, dv [2m, b, n_kv, d]``."""
-    return _backward(grad_o, q, k, v, o, lse, *_exchange(group))
+    return _backward(grad_o, q, k, v, o, lse, *_exchange(group), contiguous=contiguous)
 
 
-def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any) -> torch.Tensor:
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any,
+                      contiguous: bool = False) -> torch.Tensor:
     """Differentiable :func:`ulysses_attention_forward`: ``-> o [2m, b, n, d]``; saves q, k, v, o, lse
     at the rank's own length."""
-    return GroupAttention.apply(q, k, v, group, (ulysses_attention_forward, ulysses_attention_backward))
+    halves = ((ulysses_attention_forward, ulysses_attention_backward) if not contiguous else
+              (functools.partial(ulysses_attention_forward, contiguous=True),
+               functools.partial(ulysses_attention_backward, contiguous=True)))
+    return GroupAttention.apply(q, k, v, group, halves)
+
+
+class _TokensToHeads(torch.autograd.Function):
+    """The exchange alone, differentiable: its adjoint is the inverse exchange (a permutation of rows
+    over the ranks), so a library's own attention can run between the two (NOTE [Contiguous Ulysses])."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, group: Any, inverse: bool) -> torch.Tensor:
+        size, exchange = _exchange(group)
+        ctx.group, ctx.inverse = group, inverse
+        return (_to_tokens if inverse else _to_heads)(t, size, exchange, True)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        size, exchange = _exchange(ctx.group)
+        return (_to_heads if ctx.inverse else _to_tokens)(grad, size, exchange, True), None, None
+
+
+def tokens_to_heads(t: torch.Tensor, group: Any) -> torch.Tensor:
+    """Differentiable: this rank's contiguous tokens of every head ``[s, b, h, d]`` -> all ``c·s`` tokens
+    of its ``h/c`` heads ``[c·s, b, h/c, d]`` (NOTE [Contiguous Ulysses]); c must divide h."""
+    return _TokensToHeads.apply(t, group, False)
+
+
+def heads_to_tokens(t: torch.Tensor, group: Any) -> torch.Tensor:
+    """Differentiable inverse of :func:`tokens_to_heads`: ``[c·s, b, h/c, d]`` -> ``[s, b, h, d]``."""
+    return _TokensToHeads.apply(t, group, True)
+
+
+class SequenceShard:
+    """This rank's contiguous share of a sequence split over a Ulysses group (NOTE [Contiguous
+    Ulysses]): rank r of c holds tokens ``[r·s, (r+1)·s)`` of every sequence, s its local length.
+
+    Set on memo's reference modules (``sequence_shard``) by :func:`memo.distributed.ulysses.
+    shard_sequence`; a plain attribute, so the state dict does not change."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+
+    def first_position(self, local_len: int) -> int:
+        """The absolute position of this rank's first token, for ``local_len`` tokens per rank."""
+        return self.rank * local_len
+
+    def __repr__(self) -> str:
+        return f"SequenceShard(rank={self.rank}, size={self.size})"
+
+
+class UlyssesCoreAttention(torch.nn.Module):
+    """Causal attention over a :class:`SequenceShard`'s group by all-to-all, contiguous layout:
+    ``(q [s, b, n, d], k, v [s, b, n_kv, d]) -> o [s, b, n·d]`` of this rank's tokens. No parameters;
+    it replaces a reference layer's ``core_attention`` (NOTE [Layer anatomy] in memo/models/layers.py),
+    and memo's runtime takes its two halves from :meth:`attention_kernels`."""
+
+    def __init__(self, shard: SequenceShard) -> None:
+        super().__init__()
+        self.shard = shard
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        o = ulysses_attention(q, k, v, self.shard.group, contiguous=True)
+        s, b, n, d = o.shape
+        return o.view(s, b, n * d)
+
+    def attention_kernels(self) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        """``(forward(q, k, v) -> (o, lse), backward(grad_o, q, k, v, o, lse) -> (dq, dk, dv))`` without
+        autograd, as memo's runtime runs a layer's core attention."""
+        group = self.shard.group
+        return (functools.partial(ulysses_attention_forward, group=group, contiguous=True),
+                functools.partial(ulysses_attention_backward, group=group, contiguous=True))

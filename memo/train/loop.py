@@ -223,10 +223,15 @@ class TrainConfig:
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise MemoError(f"memo.train: --peak-tflops must be > 0, got {self.peak_tflops}")
         parallel = (self.tensor_parallel, self.context_parallel, self.data_parallel or 1)
-        if self.engine == "fsdp2" and (max(parallel[:2]) > 1 or self.sequence_parallel):
-            raise MemoError("memo.train: --engine fsdp2 shards the model states over data-parallel ranks "
-                            "only; --tp/--cp > 1 and --sp need megatron-core's parallel layers: use --engine "
-                            "megatron, or drop them")
+        if self.engine == "fsdp2":  # NOTE [Which engine runs which layout] in planner/engines.py
+            from memo.planner.engines import layout_problem
+
+            problem = layout_problem("fsdp2", tp=self.tensor_parallel, cp=self.context_parallel,
+                                     pp=self.pipeline_parallel, cp_comm=self.cp_comm)
+            if problem is None and self.sequence_parallel:
+                problem = "--sp splits a tensor-parallel group's tokens; --engine fsdp2 runs no tensor parallelism"
+            if problem is not None:
+                raise MemoError(f"memo.train: {problem}")
         if (max(parallel) > 1 or self.sequence_parallel) and self.engine != "fsdp2" and (
                 self.engine != "megatron" or self.hf_config is not None):
             what = "--hf-config" if self.hf_config is not None else f"--engine {self.engine}"

@@ -1,0 +1,134 @@
+"""Ulysses context parallelism for Hugging Face causal LMs: the model's own attention between two
+all-to-alls.
+
+NOTE [Ulysses around HF's attention]
+An HF attention module computes q, k, v of its tokens, applies its rotary embedding and calls the
+attention function its config names (``config._attn_implementation``, looked up in transformers'
+``AttentionInterface``). :func:`shard_hf_sequence` registers one more, ``"memo_ulysses"``: it turns
+the rank's contiguous tokens of every head into all tokens of its share of the heads
+(:func:`memo.models.ulysses_attention.tokens_to_heads`, differentiable), calls transformers' own sdpa
+attention function on them (its scale, its GQA, its causal flag; the eager function builds no causal
+mask without one, so sdpa serves eager models too), and exchanges the output back. The rotary
+embedding is the model's: a forward pre-hook on the base model hands it ``position_ids`` of the
+rank's tokens (``r·s ..``, NOTE [Contiguous Ulysses]) when the caller gives none, so HF computes the
+cos/sin rows of the rank's absolute positions. transformers builds no mask for an attention name its
+mask interface does not know, so the layers get the caller's mask: None for training on whole
+sequences (padding is -100 in the labels); a padding or packing mask cannot be split by tokens and is
+refused.
+
+Under memo (``memo.wrap``) the layer adapter recognises ``"memo_ulysses"`` and runs memo's Ulysses
+halves with the same exchange (memo/adapters/hf.py), so wrapped and unwrapped ranks compute the same.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from memo.errors import MemoError
+from memo.models.ulysses_attention import SequenceShard, heads_to_tokens, kv_replicas, tokens_to_heads
+
+__all__ = ["ULYSSES_ATTENTION", "shard_hf_sequence", "ulysses_sdpa_attention"]
+
+#: The attention implementation name memo registers with transformers.
+ULYSSES_ATTENTION = "memo_ulysses"
+
+_WHERE = "memo.adapters.hf_ulysses"
+
+
+def ulysses_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                           scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract (``query [b, n, s, d]``, ``key, value [b, n_kv, s, d]``
+    -> ``([b, s, n, d], None)``) for a rank's contiguous tokens (NOTE [Ulysses around HF's attention])."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    shard: SequenceShard | None = getattr(module, "memo_sequence_shard", None)
+    if shard is None:
+        raise MemoError(f"{_WHERE}: {type(module).__name__} runs attention {ULYSSES_ATTENTION!r} but was not "
+                        "given a sequence shard; use memo.distributed.ulysses.shard_sequence(model, group)")
+    if attention_mask is not None:
+        raise MemoError(f"{_WHERE}: a rank of a Ulysses group got an attention mask "
+                        f"{tuple(attention_mask.shape)}; its tokens are a slice of the sequence, which a "
+                        "padding or packing mask cannot be cut by. Train on whole sequences without "
+                        "attention_mask (mark padding with label -100)")
+    window = kwargs.get("sliding_window")
+    if window is not None and query.shape[2] * shard.size > window:
+        raise MemoError(f"{_WHERE}: sliding_window={window} is shorter than the sequence "
+                        f"({query.shape[2] * shard.size} tokens); memo's Ulysses attention is causal over "
+                        "the whole sequence and applies no window. Use sequences of at most the window")
+    n, n_kv = query.shape[1], key.shape[1]
+    replicas = kv_replicas(n, n_kv, shard.size)
+    group = shard.group
+
+    def heads(t: torch.Tensor, copies: int = 1) -> torch.Tensor:  # [b, h, s, d] -> [b, h/c, c·s, d]
+        t = t.permute(2, 0, 1, 3)
+        if copies > 1:
+            t = t.repeat_interleave(copies, dim=2)
+        return tokens_to_heads(t, group).permute(1, 2, 0, 3)
+
+    q, k, v = heads(query), heads(key, replicas), heads(value, replicas)
+    # sdpa repeats key/value heads by the module's ratio where it cannot use GQA itself: the ratio of
+    # the heads this rank holds, which replicas change
+    ratio, had = q.shape[1] // k.shape[1], getattr(module, "num_key_value_groups", None)
+    module.num_key_value_groups = ratio
+    try:
+        out, _ = sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling,
+                                        is_causal=kwargs.pop("is_causal", getattr(module, "is_causal", True)),
+                                        **kwargs)
+    finally:
+        if had is None:
+            del module.num_key_value_groups
+        else:
+            module.num_key_value_groups = had
+    return heads_to_tokens(out.transpose(0, 1), group).transpose(0, 1), None  # [b, s, n, d]
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ULYSSES_ATTENTION, ulysses_sdpa_attention)
+
+
+def _positions_hook(shard: SequenceShard) -> Any:
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        if kwargs.get("position_ids") is not None:
+            return args, kwargs
+        given = kwargs.get("input_ids", args[0] if args else None)
+        if given is None:
+            given = kwargs.get("inputs_embeds")
+        if given is None:
+            return args, kwargs
+        s = given.shape[1]
+        first = shard.first_position(s)
+        kwargs["position_ids"] = torch.arange(first, first + s, device=given.device).unsqueeze(0)
+        return args, kwargs
+
+    return hook
+
+
+def shard_hf_sequence(model: nn.Module, shard: SequenceShard) -> None:
+    """Make ``model`` (an HF causal LM) one rank of ``shard``'s Ulysses group (NOTE [Ulysses around
+    HF's attention]): its attention modules run :data:`ULYSSES_ATTENTION`, its base model's forward
+    gets this rank's ``position_ids``. The state dict does not change."""
+    config = getattr(model, "config", None)
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in (None, "eager", "sdpa", ULYSSES_ATTENTION):
+        raise MemoError(f"{_WHERE}: {type(model).__name__} uses attention {impl!r}; memo's Ulysses runs "
+                        "transformers' sdpa attention between its exchanges (load the model with "
+                        "attn_implementation='sdpa')")
+    heads = getattr(config, "num_attention_heads", None)
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    if heads is not None:
+        kv_replicas(int(heads), int(kv), shard.size)  # refuses heads the ranks cannot share
+    attentions = [m for name, m in model.named_modules() if name.endswith("self_attn")]
+    if not attentions:
+        raise MemoError(f"{_WHERE}: {type(model).__name__} has no '*.self_attn' modules to run Ulysses in")
+    _register()
+    for attn in attentions:
+        attn.memo_sequence_shard = shard
+    config._attn_implementation = ULYSSES_ATTENTION
+    base = getattr(model, "base_model", model)
+    base.register_forward_pre_hook(_positions_hook(shard), with_kwargs=True)
