@@ -268,7 +268,7 @@ def test_engine_fsdp2_refuses_what_it_cannot_run() -> None:
 
     with pytest.raises(MemoError, match="--offload-states .* add --engine fsdp2"):
         TrainConfig(engine="memo", offload_states=True)
-    with pytest.raises(MemoError, match="--engine fsdp2 shards the model states over data-parallel ranks"):
+    with pytest.raises(MemoError, match="--engine fsdp2 runs no tensor parallelism"):
         TrainConfig(engine="fsdp2", tensor_parallel=2)
     TrainConfig(engine="fsdp2", data_parallel=2, hf_config='{"model_type": "llama"}')  # HF and --dp: fine
 

@@ -1,4 +1,5 @@
-"""``memo train --engine fsdp2``: the model states sharded by PyTorch FSDP2, data parallel over the ranks.
+"""``memo train --engine fsdp2``: the model states sharded by PyTorch FSDP2, data parallel over the ranks,
+with Ulysses context parallelism (``--cp C --cp-comm a2a``) inside groups of C consecutive ranks.
 
 Every rank builds the same model from the same seed (memo's reference models or a Hugging Face
 causal LM), shards it with ``torch.distributed.fsdp.fully_shard`` (each transformer layer, then
@@ -9,6 +10,17 @@ back-propagates its tokens' summed loss over the global count times ``dp``, and 
 reduce-scatter averages the gradients over the ``dp`` ranks, so every shard's gradient is the
 single-process one. One process without ``torchrun`` is a world of one (a gloo or NCCL group
 of one on a free port), so the same code path runs.
+
+NOTE [FSDP2 x Ulysses]
+With ``--cp C`` the world is a (DP, CP) grid, rank = d·C + r. FSDP2 shards every state over all
+ranks of the world, flattened (a one-dimensional mesh of the world is that flattening, as torchtitan
+flattens its dp_shard x cp mesh), and each CP group of C consecutive ranks runs Ulysses attention
+(memo/distributed/ulysses.py): CP rank r holds tokens ``[r·s/C, (r+1)·s/C)`` of its DP rows, labels
+cut the same way after the caller shifted them. Every rank back-propagates its tokens' summed loss
+over the global count times DP·C, and FSDP2's reduce-scatter averages over the DP·C ranks, so each
+shard's gradient is the single-process one; a rank whose tokens are all -100 still runs its forward
+and backward (its exchanges pair with its group's) and adds zero. K/V all-gather CP is not run under
+FSDP2 (NOTE [Which engine runs which layout] in planner/engines.py).
 
 NOTE [memo under FSDP2]
 The order is memo first, FSDP2 second, as with activation checkpointing (checkpoint the layer,

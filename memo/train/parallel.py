@@ -38,7 +38,8 @@ def start_parallel(config: TrainConfig) -> Any:
     if config.engine == "fsdp2":  # a world of one too: FSDP2 needs a process group (distributed/fsdp2.py)
         from memo.distributed.fsdp2 import FSDP2Run
 
-        check_layout(layout, engine="fsdp2", n_heads=1, n_query_groups=1, vocab_size=1,
+        heads = _heads(config) if layout.context_parallel > 1 else (1, 1)  # Ulysses shares them out
+        check_layout(layout, engine="fsdp2", n_heads=heads[0], n_query_groups=heads[1], vocab_size=1,
                      seq_len=config.seq_len, micro_batch=config.micro_batch)
         return FSDP2Run.start(layout, launch, config.device, config.seed, config.offload_states)
     megatron = config.engine == "megatron" and config.hf_config is None
@@ -56,6 +57,18 @@ def start_parallel(config: TrainConfig) -> Any:
                  seq_len=config.seq_len, micro_batch=config.micro_batch, n_layers=shapes.n_layers,
                  micro_batches=config.micro_batches)
     return ParallelRun.start(layout, launch, config.device, config.seed)
+
+
+def _heads(config: TrainConfig) -> tuple[int, int]:
+    """The query and key/value heads of the model ``config`` trains (memo's, or the HF config's)."""
+    if config.hf_config is None:
+        shapes = get_config(config.model)
+        return shapes.n_heads, shapes.n_kv_heads or shapes.n_heads
+    from memo.engines import hf_config
+
+    hf = hf_config(config.hf_config)
+    heads = int(getattr(hf, "num_attention_heads", 1) or 1)
+    return heads, int(getattr(hf, "num_key_value_heads", None) or heads)
 
 
 @dataclass
