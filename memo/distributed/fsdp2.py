@@ -284,6 +284,10 @@ class FSDP2Run(ParallelRun):
             raise MemoError("memo.distributed: FSDP2Run.model_adapter before wrap(model)")
         return _ShardLoss(self, self.root._adapter, positions, global_count)
 
+    def optimizer_group(self) -> None:
+        """None: FSDP2 already shards every state, the optimizer's with the parameters."""
+        return None
+
     def zero_grads(self) -> None:
         """Nothing: the optimizer sets the shards' gradients to None."""
 

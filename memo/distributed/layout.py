@@ -229,7 +229,7 @@ def check_layout(layout: ParallelLayout, *, engine: str, n_heads: int, n_query_g
 
         problem = layout_problem(engine, tp=tp, cp=cp, pp=layout.pipeline_parallel, cp_comm=layout.cp_comm)
         if problem is None and sp:
-            problem = "--sp splits a tensor-parallel group's tokens, and --engine fsdp2 runs no tensor parallelism"
+            problem = "--sp splits a tensor-parallel group's tokens; --engine fsdp2 runs no TP"
         if problem is not None:
             raise MemoError(f"memo.train: {layout}: {problem}")
     if engine not in ("megatron", "fsdp2") and (layout.world > 1 or sp):
@@ -462,6 +462,13 @@ class ParallelRun:
             from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         self.ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+
+    def optimizer_group(self) -> Any:
+        """The ranks that hold the same weights and gradients, over which the optimizer states are
+        sharded (NOTE [ZeRO-1 under megatron] in memo/train/optim.py): megatron's DP x CP group."""
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_group(with_context_parallel=True)
 
     def zero_grads(self) -> None:
         if self.ddp is not None:

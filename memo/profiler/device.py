@@ -17,6 +17,8 @@ replicated model (the gathered parameters of a layer are allocations of the iter
 trace: NOTE [memo under FSDP2] in memo/distributed/fsdp2.py). With FSDP2's CPU offload the
 shards, their gradients and optimizer states live in host memory: a shard held on the CPU while
 the rank profiles on an accelerator counts in ``host_bytes``, not in ``bytes`` (device bytes).
+Under ZeRO-1 a parameter marked :data:`OPTIMIZER_STATES_ELSEWHERE` has its optimizer states on
+another rank: its parameter and gradient count, its states do not.
 """
 
 from __future__ import annotations
@@ -29,9 +31,13 @@ from torch import nn
 
 from memo.errors import MemoError
 
-__all__ = ["OPTIMIZER_STATES", "local_tensor", "model_states", "model_states_bytes"]
+__all__ = ["OPTIMIZER_STATES", "OPTIMIZER_STATES_ELSEWHERE", "local_tensor", "model_states",
+           "model_states_bytes"]
 
 OPTIMIZER_STATES = ("same", "mixed")
+#: Set (True) on a parameter whose optimizer states another rank holds (ZeRO-1: NOTE [ZeRO-1 under
+#: megatron] in memo/train/optim.py): its states are not this rank's.
+OPTIMIZER_STATES_ELSEWHERE = "memo_optimizer_states_elsewhere"
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -55,7 +61,7 @@ def model_states(model: nn.Module, optimizer_states: str = "same",
         raise MemoError(f"memo.profiler: optimizer_states must be one of {OPTIMIZER_STATES}, "
                         f"got {optimizer_states!r}")
     seen: set[int] = set()
-    count = trainable = param_bytes = 0
+    count = trainable = param_bytes = stepped = 0
     host_count = host_trainable = host_bytes = 0
     dtypes: set[str] = set()
     elem = 4
@@ -77,14 +83,15 @@ def model_states(model: nn.Module, optimizer_states: str = "same",
         param_bytes += n * elem
         if p.requires_grad:
             trainable += n
+            stepped += 0 if getattr(p, OPTIMIZER_STATES_ELSEWHERE, False) else n
     dtype = ",".join(sorted(dtypes)) or "none"
     if optimizer_states == "same":
         grads = {"bytes": trainable * elem, "dtype": dtype}
-        opt = {"bytes": 2 * trainable * elem, "dtype": dtype, "what": "AdamW exp_avg, exp_avg_sq"}
+        opt = {"bytes": 2 * stepped * elem, "dtype": dtype, "what": "AdamW exp_avg, exp_avg_sq"}
         host_grads, host_opt = host_trainable * elem, 2 * host_trainable * elem
     else:
         grads = {"bytes": trainable * 4, "dtype": "float32"}
-        opt = {"bytes": 12 * trainable, "dtype": "float32", "what": "fp32 master weights, Adam moments"}
+        opt = {"bytes": 12 * stepped, "dtype": "float32", "what": "fp32 master weights, Adam moments"}
         host_grads, host_opt = host_trainable * 4, 12 * host_trainable
     params: dict[str, Any] = {"count": count, "bytes": param_bytes, "dtype": dtype}
     if host_count:  # FSDP2's CPU offload: the shards and their states are on the host

@@ -15,7 +15,7 @@ import math
 import resource
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +27,7 @@ from memo.models.dtypes import DTYPES
 from memo.planner.job import JobSpec
 from memo.profiler.bounds import check_least_memory, least_memory
 from memo.train.data import Batch, ByteFileTokens, SyntheticTokens
+from memo.train.optim import adamw, rank_optimizer
 from memo.train.parallel import ParallelLoss as _ParallelLoss
 from memo.train.parallel import Sharded as _Sharded
 from memo.train.parallel import agree as _agree
@@ -55,21 +56,6 @@ __all__ = [
 ]
 
 #: ``--dtype`` choices.
-
-# NOTE [Fused AdamW]
-# torch's default AdamW on CUDA is the foreach one, whose step makes a temporary the size of every
-# parameter at once (the list exp_avg_sq.sqrt()), and on the CPU the for-loop one, two per tensor.
-# Neither is in the profiled iteration, so a plan's device total missed them: on an H200,
-# llama-3.2-1b at 32K peaked 12.5% above its plan, at the optimizer step. The fused step updates in
-# place (one kernel per group, no temporaries) and is the faster one besides; every strategy trains
-# with it, so their peaks stay comparable. Where it is not offered (a parameter off CUDA and CPU, or
-# of an integer or complex dtype) the default is kept.
-def adamw(params: Iterable[torch.nn.Parameter], lr: float) -> torch.optim.AdamW:
-    """AdamW over the trainable ``params``, fused where torch offers it (NOTE [Fused AdamW])."""
-    params = [p for p in params if p.requires_grad]
-    fused = bool(params) and all(p.device.type in ("cuda", "cpu") and p.is_floating_point() for p in params)
-    return torch.optim.AdamW(params, lr=lr, fused=fused or None)
-
 
 def reset_peak_memory(device: torch.device) -> None:
     """Start a new peak-memory window (CUDA only; CPU peak RSS cannot be reset).
@@ -229,7 +215,7 @@ class TrainConfig:
             problem = layout_problem("fsdp2", tp=self.tensor_parallel, cp=self.context_parallel,
                                      pp=self.pipeline_parallel, cp_comm=self.cp_comm)
             if problem is None and self.sequence_parallel:
-                problem = "--sp splits a tensor-parallel group's tokens; --engine fsdp2 runs no tensor parallelism"
+                problem = "--sp splits a tensor-parallel group's tokens; --engine fsdp2 runs no TP"
             if problem is not None:
                 raise MemoError(f"memo.train: {problem}")
         if (max(parallel) > 1 or self.sequence_parallel) and self.engine != "fsdp2" and (
@@ -360,9 +346,13 @@ def train(
         torch.manual_seed(config.seed)
         model, model_config = _build(config, device, dtype, strategy.device_budget_bytes, parallel)
         batches = iter(_token_source(config, model_config))
+        optimizer = None
         if parallel is not None:
             parallel.wrap(model)
             batches = _Sharded(batches, parallel)
+            # before the profile: its plan counts the optimizer states this rank holds (NOTE [ZeRO-1
+            # under megatron] in memo/train/optim.py)
+            optimizer = rank_optimizer(model.parameters(), config.lr, parallel.optimizer_group())
         first = tuple(t.to(device) for t in next(batches))
         if parallel is not None:  # the profile records the step's own loss (use_model_adapter)
             from memo.adapters.model import use_model_adapter
@@ -384,7 +374,8 @@ def train(
             strategy.prepare(model, first[0], first[1], run, log=emit)
             if parallel is not None:
                 _agree(parallel, strategy, emit)
-            _steps(config, model, model_config, strategy, result, batches, first, emit, progress, parallel)
+            _steps(config, model, model_config, strategy, result, batches, first, emit, progress, parallel,
+                   optimizer)
         finally:
             strategy.close()
         if parallel is not None:
@@ -397,13 +388,15 @@ def train(
 
 def _steps(config: TrainConfig, model: torch.nn.Module, model_config: Any, strategy: Any,
            result: TrainResult, batches: Iterator[Batch], first: Batch | None, emit: Callable[[str], None],
-           progress: bool, parallel: Any = None) -> None:
+           progress: bool, parallel: Any = None, optimizer: torch.optim.Optimizer | None = None) -> None:
     """The measured steps of :func:`train`, inside the prepared strategy (``parallel``: this rank's
-    :class:`memo.distributed.layout.ParallelRun`, whose batches are ``(ids, labels, positions)``)."""
+    :class:`memo.distributed.layout.ParallelRun`, whose batches are ``(ids, labels, positions)``;
+    ``optimizer``: its optimizer, else AdamW over the model's parameters)."""
     from tqdm import tqdm
 
     device = first[0].device
-    optimizer = adamw(model.parameters(), lr=config.lr)
+    if optimizer is None:
+        optimizer = adamw(model.parameters(), lr=config.lr)
     peak = result.peak_flops
     emit(
         f"memo.train: {_model_name(config, model_config)} ({result.num_parameters / 1e6:.2f}M params), "

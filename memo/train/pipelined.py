@@ -80,7 +80,8 @@ def train_pipelined(config: Any, *, log: Callable[[str], None] | None = None, pr
     from memo.engines import build_megatron_stages, init_megatron_world
     from memo.models import DEFAULT_MAX_SEQ_LEN, get_config
     from memo.models.dtypes import DTYPES
-    from memo.train.loop import StepMetrics, _new_result, _step_line, _token_source, adamw
+    from memo.train.loop import StepMetrics, _new_result, _step_line, _token_source
+    from memo.train.optim import rank_optimizer
     from memo.train.parallel import start_parallel
     from memo.utils.flops import mfu
 
@@ -135,6 +136,10 @@ def train_pipelined(config: Any, *, log: Callable[[str], None] | None = None, pr
                 alpha, policies = float(solution.alpha), _per_chunk(solution.policy, chunks)
         runtimes = [] if costs is not None and planning else _apply(strategy.name, chunks, alpha, policies)
         ddp = _data_parallel(chunks, layout)
+        # before the stage's profile: its plan counts the optimizer states this rank holds (NOTE
+        # [ZeRO-1 under megatron] in memo/train/optim.py)
+        optimizer = rank_optimizer([p for c in chunks for p in c.parameters()], config.lr,
+                                   None if parallel is None else parallel.optimizer_group())
         trace = None
         if costs is not None and planning:
             alpha, policies, runtimes, trace = _calibrated_policy(
@@ -148,7 +153,6 @@ def train_pipelined(config: Any, *, log: Callable[[str], None] | None = None, pr
         result = _new_result(config, chunks[0], model_config, device, dtype, strategy)
         result.num_parameters = _all_parameters(chunks, parallel)
         result.world = layout.world
-        optimizer = adamw([p for c in chunks for p in c.parameters()], lr=config.lr)
         emit(f"memo.train: {config.model} (megatron-core GPTModel), seq {config.seq_len} x batch "
              f"{config.micro_batch} x {config.micro_batches} micro-batches, {config.dtype} on {device}, "
              f"strategy {strategy.name}" + ("" if alpha is None else f" (alpha {alpha:.4f})")
