@@ -382,9 +382,13 @@ def _ulysses_train_plan_vs_peak() -> str:
     counts = result.steps[-1].extras["allocator"]
     assert counts["planned"] > 0, counts
     assert result.parallel["cp"] == 2 and result.parallel["cp_comm"] == "a2a", result.parallel
+    # ZeRO-1 over the two CP ranks (NOTE [ZeRO-1 under megatron]): each holds a part of the AdamW states
+    every_state = 2 * 4 * result.num_parameters
+    held = int(strategy.plan.device["model_states"]["optimizer"]["bytes"])
+    assert 0 < held < every_state, (held, every_state)
     what = f"plan total {total:,} B, measured {measured:,} B ({(measured - total) / total:+.2%})"
     assert abs(measured - total) <= TOTAL_TOL * total, what
-    return f"{what}; allocations {counts}"
+    return f"{what}; optimizer states {held:,} of {every_state:,} B; allocations {counts}"
 
 
 def ddp_world4(rank: int, world: int, spec: dict[str, Any], record: Any) -> None:
