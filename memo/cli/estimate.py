@@ -10,7 +10,9 @@ Examples::
 The estimate is of one GPU of the first pipeline stage: model states (the seed's closed form:
 bf16 weights, fp32 gradients and Adam states split by ZeRO-1 over d·c) plus activations, from the
 closed form (--method formula) or memo's meta-device profile of that rank (--method plan, the
-default). "fits" is the 80% rule: the total within 80% of --device-mem-gb. See docs/estimate.md.
+default). "fits" is the 80% rule: the total within 80% of --device-mem-gb (memo: its plan's budget;
+--fit-limit-gib: one limit for every strategy). Only layouts `memo train` launches are estimated,
+and every answer prints the command that launches it. See docs/estimate.md.
 """
 
 from __future__ import annotations
@@ -68,8 +70,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     m = p.add_argument_group("machine")
     m.add_argument("--device-mem-gb", type=positive_float, default=80.0,
                    help="memory of one GPU in GB (10^9 bytes, as memo profile takes it)")
-    m.add_argument("--fit-fraction", type=fraction, default=0.8,
-                   help="share of the GPU an estimate may fill and fit (the seed's 80%% rule)")
+    m.add_argument("--fit-fraction", type=fraction, default=None,
+                   help="share of the GPU an estimate may fill and fit (the seed's 80%% rule; memo's rows "
+                   "fit its plan's budget instead). Default: 0.8")
+    m.add_argument("--fit-limit-gib", type=positive_float, default=None, metavar="GIB",
+                   help="hold every strategy, memo's included, to this many GiB per GPU instead of each "
+                   "strategy's own limit (the 80%% rule, memo's plan budget)")
     m.add_argument("--host-mem-gb", type=positive_float, default=2048.0, help="host memory of one node in GB")
     m.add_argument("--gpus-per-node", type=positive_int, default=8, help="GPUs sharing a node's host memory")
     m.add_argument("--host-safety", type=fraction, default=0.8, help="share of host memory memo may pin")
@@ -105,15 +111,30 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 _CP_COMM_HELP = ("context-parallel attention: all_gather (K and V gathered) or a2a (Ulysses: all tokens of "
-                 "a share of the heads). Default: all_gather; --search tries both")
+                 "a share of the heads). Default: all_gather where the sharding's engine runs it, else a2a; "
+                 "--search tries both")
 _SHARDING_HELP = ("model states over the D·C ranks that share weights: optimizer (megatron's distributed "
                   "optimizer, ZeRO-1), full (FSDP2, ZeRO-3) or full-offload (FSDP2 with the states in "
-                  "host memory). Default: optimizer; --search tries all three")
+                  "host memory). Default: optimizer; --search tries all three where memo train runs them")
+
+
+#: The seed's 80% rule, where --fit-fraction is not given.
+FIT_FRACTION = 0.8
 
 
 def _limit_rule(e: dict[str, Any]) -> str:
     """How a row's fit limit was set (NOTE [Fit limits] in memo/estimate/core.py)."""
-    return "memo's plan budget" if e["limit_rule"] == "plan" else f"{e['fit_fraction']:.0%} rule"
+    return {"plan": "memo's plan budget", "given": "--fit-limit-gib"}.get(e["limit_rule"],
+                                                                           f"{e['fit_fraction']:.0%} rule")
+
+
+def _limit_line(est: Any, strategy: str) -> str:
+    """``strategy``'s fit limit and how it was set, for a table's heading or a row."""
+    from memo.estimate.core import limit_words
+
+    m = est.machine
+    return (f"{_gib(est.limit_bytes(strategy))} GiB per GPU "
+            f"({limit_words(est.limit_rule(strategy), m.fit_fraction, m.device_mem_gb)})")
 
 
 def _alpha(text: str) -> float:
@@ -149,13 +170,18 @@ def _check(args: argparse.Namespace) -> None:
         raise MemoError(f"memo estimate: --alpha is memo's; --strategy {args.strategy} has none")
     if args.layer_ms_at is not None and args.layer_ms is None:
         raise MemoError("memo estimate: --layer-ms-at says where --layer-ms was taken; give --layer-ms too")
+    if args.fit_limit_gib is not None and args.fit_fraction is not None:
+        raise MemoError(f"memo estimate: --fit-limit-gib {args.fit_limit_gib:g} holds every strategy to one "
+                        f"limit, which --fit-fraction {args.fit_fraction:g} would set another way; give one "
+                        "of them")
 
 
 def _estimator(args: argparse.Namespace) -> Any:
     from memo.estimate import Estimator, Machine
 
     at = args.layer_ms_at or args.seq_len or (1 << 20)
-    machine = Machine(device_mem_gb=args.device_mem_gb, fit_fraction=args.fit_fraction,
+    fit_fraction = FIT_FRACTION if args.fit_fraction is None else args.fit_fraction
+    machine = Machine(device_mem_gb=args.device_mem_gb, fit_fraction=fit_fraction,
                       host_mem_gb=args.host_mem_gb, gpus_per_node=args.gpus_per_node,
                       host_safety=args.host_safety, bandwidth_gbps=args.bandwidth_gbps,
                       layer_ms=args.layer_ms,
@@ -166,15 +192,28 @@ def _estimator(args: argparse.Namespace) -> Any:
         from memo.profiler import gpu_peak_flops
 
         gpu_peak_flops(args.gpu, DTYPES.get(args.dtype, DTYPES["bfloat16"]))  # an unknown --gpu fails here
+    given = None if args.fit_limit_gib is None else int(args.fit_limit_gib * GiB)
     return Estimator(args.model, method=args.method, dtype=args.dtype, model_states=args.model_states,
-                     machine=machine, log=None, memo_policy=args.memo_policy)
+                     machine=machine, log=None, memo_policy=args.memo_policy, fit_limit_bytes=given)
 
 
 def _layout(args: argparse.Namespace) -> Any:
+    """The layout the flags name, refused before any profile where ``memo train`` launches none like
+    it (NOTE [Layouts memo train launches] in memo/estimate/layout.py). Without --cp-comm, the CP
+    communication is all_gather where the sharding's engine runs it, else the one it runs."""
     from memo.estimate import Layout
 
-    return Layout(args.gpus, args.tp, args.cp, args.pp, args.micro_batch,
-                  cp_comm=args.cp_comm or "all_gather", sharding=args.sharding or "optimizer")
+    def layout(comm: str) -> Any:
+        return Layout(args.gpus, args.tp, args.cp, args.pp, args.micro_batch, cp_comm=comm,
+                      sharding=args.sharding or "optimizer")
+
+    chosen = layout(args.cp_comm or "all_gather")
+    if args.cp_comm is None and chosen.engine is None:
+        chosen = next((lay for lay in map(layout, CP_COMMS) if lay.engine is not None), chosen)
+    problem = chosen.launch_problem()
+    if problem is not None:
+        raise MemoError(f"memo estimate: {problem}")
+    return chosen
 
 
 def _layout_cell(lay: dict[str, Any]) -> str:
@@ -229,15 +268,21 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_one(args: argparse.Namespace, est: Any) -> dict[str, Any]:
+    from memo.estimate import launch_command
+
     layout = _layout(args)
     (strategy,) = _strategies(args, est)
     e = est.estimate(args.seq_len, layout, strategy, args.alpha)
+    command = launch_command(est, layout, args.seq_len, strategy)
     if not args.json:
         print(_describe_one(e))
-    return e.to_dict()
+        print(f"launch ({layout.engine}{'' if e.fits else '; it does not fit'}): {command}")
+    return {**e.to_dict(), "engine": layout.engine, "command": command}
 
 
 def _describe_one(e: Any) -> str:
+    from memo.estimate.core import limit_words
+
     how = ("(6 + 12/(d·c)) B per parameter" if e.model_states == "formula" else
            f"counted on memo's rank model, {e.model_states} precision")
     lines = [
@@ -249,8 +294,8 @@ def _describe_one(e: Any) -> str:
         f"{e.parameters:,} parameters, {how}",
         f"  activations                    {_gib(e.activations_bytes):>10}",
         f"  total                          {_gib(e.total_bytes):>10}",
-        f"fits: {'yes' if e.fits else 'NO'} (limit {e.fit_fraction:.0%} of {e.device_mem_gb:g} GB = "
-        f"{_gib(e.limit_bytes)} GiB)",
+        f"fits: {'yes' if e.fits else 'NO'} (limit "
+        f"{limit_words(e.limit_rule, e.fit_fraction, e.device_mem_gb)} = {_gib(e.limit_bytes)} GiB)",
     ]
     if e.alpha is not None:
         lines.append(f"memo: alpha {e.alpha:.4f} (binding: {e.alpha_binding}); pinned host memory "
@@ -274,46 +319,53 @@ def _micro_batches(args: argparse.Namespace) -> tuple[int, ...]:
 
 
 def _run_search(args: argparse.Namespace, est: Any, log: Any) -> dict[str, Any]:
-    from memo.estimate import align, search_layouts
+    from memo.estimate import align, launch_command, search_layouts
 
     (strategy,) = _strategies(args, est)
     log(f"memo estimate: every layout of {args.gpus} GPUs for {args.model} at {args.seq_len:,} tokens, "
         f"strategy {strategy}, method {args.method}")
     rows = search_layouts(est, args.seq_len, args.gpus, strategy, _micro_batches(args), log,
                           **_shardings(args))
+    # a row that cannot run (the strategy refuses its layout) has no command to give
+    commands = [None if r["estimate"] is None else launch_command(est, r["layout"], args.seq_len, strategy)
+                for r in rows]
     if not args.json:
-        table = [("rank", "TP", "CP", "PP", "DP", "B", "CP comm", "sharding", "t·c·p", "states GiB",
+        table = [("rank", "engine", "TP", "CP", "PP", "DP", "B", "CP comm", "sharding", "t·c·p", "states GiB",
                   "activations GiB", "total GiB", "fits", "alpha")]
         for i, r in enumerate(rows, 1):
             lay, e = r["layout"], r["estimate"]
-            cells = (str(i), str(lay.tp), str(lay.cp), str(lay.pp), str(lay.dp), str(lay.micro_batch),
-                     lay.cp_comm if lay.cp > 1 else "-", lay.sharding, str(lay.model_parallel))
+            cells = (str(i), lay.engine, str(lay.tp), str(lay.cp), str(lay.pp), str(lay.dp),
+                     str(lay.micro_batch), lay.cp_comm if lay.cp > 1 else "-", lay.sharding,
+                     str(lay.model_parallel))
             if e is None:
                 table.append((*cells, "-", "-", "-", "cannot run", "-"))
             else:
                 table.append((*cells, _gib(e.model_states_bytes), _gib(e.activations_bytes),
                               _gib(e.total_bytes), "yes" if e.fits else "no",
                               "-" if e.alpha is None else f"{e.alpha:.3f}"))
-        limit = est.machine.limit_bytes
-        print(f"\nLayouts of {args.gpus} GPUs for {args.model}, {args.seq_len:,} tokens, {strategy} "
-              f"({args.method}); fit limit {_gib(limit)} GiB per GPU; best first (fits, then fewest "
-              "communicating ranks t·c·p)\n")
+        print(f"\nLayouts of {args.gpus} GPUs that memo train launches, for {args.model}, {args.seq_len:,} "
+              f"tokens, {strategy} ({args.method}); fit limit {_limit_line(est, strategy)}; best first "
+              "(fits, then fewest communicating ranks t·c·p)\n")
         print(align(table))
         errors = [r for r in rows if r["error"]]
         for r in errors:
             print(f"cannot run {r['layout'].short()}: {r['error']}")
+        print(f"\nlaunch the best ({rows[0]['layout'].short()}, {rows[0]['layout'].engine}): {commands[0]}")
     return {"version": 1, "kind": "memo.estimate.search", "model": args.model, "seq_len": args.seq_len,
             "gpus": args.gpus, "strategy": strategy, "method": args.method,
-            "layouts": [{"rank": i, **r["layout"].to_dict(),
+            "limit_bytes": est.limit_bytes(strategy), "limit_rule": est.limit_rule(strategy),
+            "layouts": [{"rank": i, **r["layout"].to_dict(), "engine": r["layout"].engine,
+                         "limit_bytes": est.limit_bytes(strategy), "limit_rule": est.limit_rule(strategy),
                          "estimate": None if r["estimate"] is None else r["estimate"].to_dict(),
-                         "error": r["error"]} for i, r in enumerate(rows, 1)]}
+                         "error": r["error"], "command": command}
+                        for i, (r, command) in enumerate(zip(rows, commands, strict=True), 1)]}
 
 
 # ---------------------------------------------------------------- --max-seq
 
 
 def _run_max_seq(args: argparse.Namespace, est: Any, log: Any) -> dict[str, Any]:
-    from memo.estimate import align, longest_sequences, tokens, valid_layouts
+    from memo.estimate import align, launch_command, longest_sequences, tokens, valid_layouts
 
     strategies = _strategies(args, est)
     if args.search:
@@ -321,21 +373,23 @@ def _run_max_seq(args: argparse.Namespace, est: Any, log: Any) -> dict[str, Any]
                                 **_shardings(args))
         layouts = [lay for lay in layouts if not lay.problems(est.config, args.granularity)]
         if not layouts:
-            raise MemoError(f"memo estimate: no layout of {args.gpus} GPUs with DP 1 is valid for "
-                            f"{est.config.name} at a multiple of --granularity {args.granularity:,}")
+            raise MemoError(f"memo estimate: no layout of {args.gpus} GPUs with DP 1 that memo train "
+                            f"launches is valid for {est.config.name} at a multiple of --granularity "
+                            f"{args.granularity:,}")
     else:
         layout = _layout(args)
         layout.check(est.config, args.granularity)  # every length tried is a multiple of the granularity
         layouts = [layout]
+    limits = "; ".join(f"{s} {_limit_line(est, s)}" for s in strategies)
     log(f"memo estimate: longest sequence of {args.model} on {args.gpus} GPUs, {len(layouts)} layout(s) x "
-        f"{len(strategies)} strategies, method {args.method}, fit limit {_gib(est.machine.limit_bytes)} GiB")
+        f"{len(strategies)} strategies, method {args.method}, fit limits: {limits}")
     results = longest_sequences(est, layouts, strategies, args.granularity, args.seq_cap, log=log)
     if all(r["best"] is None for r in results):
         smallest = _smallest_need(est, layouts, strategies, args.granularity)
         raise MemoError(
             f"memo estimate: no strategy fits even {args.granularity:,} tokens on {args.gpus} GPUs within "
-            f"{args.fit_fraction:.0%} of {args.device_mem_gb:g} GB ({_gib(est.machine.limit_bytes)} GiB): "
-            f"the smallest need is {smallest}; use more GPUs or more --device-mem-gb")
+            f"its fit limit ({limits}): the smallest need is {smallest}; use more GPUs or more "
+            "--device-mem-gb")
     out_rows = []
     for r in results:
         b = r["best"]
@@ -343,6 +397,9 @@ def _run_max_seq(args: argparse.Namespace, est: Any, log: Any) -> dict[str, Any]
             "strategy": r["strategy"],
             "longest": b["longest"] if b else 0,
             "layout": b["layout"].to_dict() if b else None,
+            "engine": b["layout"].engine if b else None,
+            "command": launch_command(est, b["layout"], b["longest"], r["strategy"]) if b else None,
+            "limit_bytes": est.limit_bytes(r["strategy"]), "limit_rule": est.limit_rule(r["strategy"]),
             "capped_by_seq_cap": bool(b and b["capped_by_max_seq"]),
             "estimate": b["estimate"].to_dict() if b and b["estimate"] else None,
             "layouts": [{**x["layout"].to_dict(), "longest": x["longest"], "guess": x["guess"],
@@ -354,10 +411,11 @@ def _run_max_seq(args: argparse.Namespace, est: Any, log: Any) -> dict[str, Any]
     if not args.json:
         base = next((o["longest"] for o in out_rows if o["strategy"] == "full-recompute"), 0)
         table = [("strategy", "longest seq", "tokens", "vs full recompute", "layout (TP CP PP DP sharding)",
-                  "GiB per GPU there", "fit limit", "memo policy", "host GiB/node")]
+                  "GiB per GPU there", "fit limit GiB", "memo policy", "host GiB/node")]
         for o in out_rows:
             e = o["estimate"]
             lay = o["layout"]
+            rule = {"limit_rule": o["limit_rule"], "fit_fraction": est.machine.fit_fraction}
             table.append((
                 o["strategy"],
                 (tokens(o["longest"]) if o["longest"] else f"< {tokens(args.granularity)}")
@@ -366,17 +424,19 @@ def _run_max_seq(args: argparse.Namespace, est: Any, log: Any) -> dict[str, Any]
                 f"{o['longest'] / base:.2f}x" if base and o["longest"] else "-",
                 "-" if lay is None else _layout_cell(lay),
                 "-" if e is None else f"{e['total_gib']:,.2f}",
-                "-" if e is None else f"{e['limit_gib']:,.2f} ({_limit_rule(e)})",
+                f"{_gib(o['limit_bytes'])} ({_limit_rule(rule)})",
                 "-" if e is None or e["policy"] is None else
                 e["policy"] + ("" if e["alpha"] is None else f", alpha {e['alpha']:.3f}"),
                 "-" if e is None or e["host_gib_per_node"] is None else f"{e['host_gib_per_node']:,.0f}",
             ))
+        limit = (f"fit limit {_gib(est.fit_limit_bytes)} GiB for every strategy (--fit-limit-gib)"
+                 if est.fit_limit_bytes is not None else
+                 f"fit limit {est.machine.fit_fraction:.0%}: {_gib(est.machine.limit_bytes)} GiB; memo: its "
+                 "plan's budget")
         print(f"\nLongest sequence per strategy, {args.model} on {args.gpus} GPUs of "
-              f"{args.device_mem_gb:g} GB "
-              f"(fit limit {args.fit_fraction:.0%}: {_gib(est.machine.limit_bytes)} GiB; memo: its plan's "
-              "budget), host "
-              f"{args.host_mem_gb:g} GB per node of {args.gpus_per_node}, {args.bandwidth_gbps:g} GB/s; "
-              f"method {args.method}, model states {args.model_states}; to {tokens(args.granularity)}\n")
+              f"{args.device_mem_gb:g} GB ({limit}), host {args.host_mem_gb:g} GB per node of "
+              f"{args.gpus_per_node}, {args.bandwidth_gbps:g} GB/s; method {args.method}, model states "
+              f"{args.model_states}; to {tokens(args.granularity)}; only layouts memo train launches\n")
         print(align(table))
         if len(layouts) > 1:
             head = ("layout (TP CP PP DP sharding)",) + tuple(o["strategy"] for o in out_rows)
@@ -399,9 +459,14 @@ def _run_max_seq(args: argparse.Namespace, est: Any, log: Any) -> dict[str, Any]
         top = max((o for o in out_rows if o["estimate"]), key=lambda o: o["longest"], default=None)
         for n in top["estimate"]["notes"] if top else []:
             print(f"note ({top['strategy']} at {tokens(top['longest'])}): {n}")
+        print()
+        for o in out_rows:
+            if o["command"]:
+                print(f"launch {o['strategy']} ({o['engine']}): {o['command']}")
     return {"version": 1, "kind": "memo.estimate.longest", "model": args.model, "gpus": args.gpus,
             "method": args.method, "model_states": args.model_states, "device_mem_gb": args.device_mem_gb,
-            "fit_fraction": args.fit_fraction, "host_mem_gb": args.host_mem_gb,
+            "fit_fraction": est.machine.fit_fraction, "fit_limit_bytes": est.fit_limit_bytes,
+            "host_mem_gb": args.host_mem_gb,
             "gpus_per_node": args.gpus_per_node, "bandwidth_gbps": args.bandwidth_gbps,
             "granularity": args.granularity, "seq_cap": args.seq_cap, "strategies": out_rows}
 
@@ -454,7 +519,8 @@ def _plot(args: argparse.Namespace, est: Any, out: dict[str, Any]) -> None:
         series.append({"label": label, "points": points})
     title = (f"{est.config.name}, {args.gpus} GPUs, {args.method} method"
              + ("" if out["kind"] == "memo.estimate.longest" else f", {_layout(args).describe()}"))
-    plot_memory(series, int(args.device_mem_gb * 1e9), est.machine.limit_bytes, title, args.plot)
+    limit = est.machine.limit_bytes if est.fit_limit_bytes is None else est.fit_limit_bytes
+    plot_memory(series, int(args.device_mem_gb * 1e9), limit, title, args.plot)
 
 
 def _plot_lengths(top: int, granularity: int | None, pairs: list[tuple[str, Any]], est: Any) -> list[int]:

@@ -3,12 +3,15 @@
 - :func:`estimate`: one layout and strategy, by the seed's closed form (``method="formula"``,
   :mod:`memo.estimate.formula`) or memo's meta-device profile of the rank (``method="plan"``,
   :mod:`memo.estimate.plan_method`).
-- :func:`search_layouts`, :func:`longest_sequences`: every valid layout of N GPUs ranked, and the
-  longest sequence per strategy (:mod:`memo.estimate.search`).
+- :func:`search_layouts`, :func:`longest_sequences`: every valid layout of N GPUs that ``memo train``
+  launches ranked, and the longest sequence per strategy (:mod:`memo.estimate.search`).
+- :func:`launch_command`: the ``torchrun ... -m memo train`` command of an answer
+  (:mod:`memo.estimate.command`).
 
 ``memo estimate`` is the command line (memo/cli/estimate.py); docs/estimate.md tells the story.
 """
 
+from memo.estimate.command import launch_argv, launch_command
 from memo.estimate.core import (
     ESTIMATE_KIND,
     ESTIMATE_VERSION,
@@ -69,6 +72,8 @@ __all__ = [
     "formula_parameters",
     "first_guess",
     "gallop",
+    "launch_argv",
+    "launch_command",
     "longest",
     "longest_sequences",
     "search_layouts",

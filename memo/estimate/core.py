@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
-from memo.errors import MemoError
+from memo.errors import MemoError, internal_assert
 from memo.estimate.formula import (
     FORMULA_STRATEGIES,
     FormulaShape,
@@ -36,7 +36,7 @@ from memo.planner.vocab import ESTIMATE_METHODS, OFFLOADING_POLICIES, Strategy
 from memo.units import GB, GiB
 
 __all__ = ["ESTIMATE_KIND", "ESTIMATE_VERSION", "MEMO_POLICIES", "METHODS", "MODEL_STATES", "Estimate",
-           "Estimator", "estimate", "fit_limit", "limit_rule", "strategy_problem"]
+           "Estimator", "estimate", "fit_limit", "limit_rule", "limit_words", "strategy_problem"]
 
 ESTIMATE_KIND = "memo.estimate"
 ESTIMATE_VERSION = 1
@@ -57,8 +57,10 @@ MEMO_POLICIES = ("auto", *OFFLOADING_POLICIES)
 # The seed's 80% rule covers PyTorch's fragmentation and the temporaries no plan sees: full
 # recompute and the peers keep it. memo's plan has neither (every activation at a planned address),
 # so memo's rows are measured against the budget its plan uses on a device: the usable budget less
-# the fallback pool's headroom (NOTE [Fallback headroom] in memo/pipeline/device.py). Estimate.
-# limit_rule says which one a row used.
+# the fallback pool's headroom (NOTE [Fallback headroom] in memo/pipeline/device.py). A limit given
+# in bytes (``memo estimate --fit-limit-gib``) holds every strategy to that one number instead, for a
+# comparison on equal terms whatever each strategy's own rule would allow. Estimate.limit_rule says
+# which one a row used: "plan", "fraction" or "given".
 
 #: How model states are counted (NOTE [Estimate model states]).
 MODEL_STATES = ("formula", "mixed", "same")
@@ -87,19 +89,33 @@ MODEL_STATES = ("formula", "mixed", "same")
 # the peak]), counted likewise: what the validation against `memo train` uses.
 
 
-def limit_rule(strategy: str) -> str:
-    """NOTE [Fit limits]: "plan" for memo (its plan's usable budget), "fraction" for the others."""
+def limit_rule(strategy: str, given: bool = False) -> str:
+    """NOTE [Fit limits]: "given" when one limit holds every strategy, else "plan" for memo (its plan's
+    usable budget) and "fraction" for the others."""
+    if given:
+        return "given"
     return "plan" if strategy == Strategy.MEMO.value else "fraction"
 
 
-def fit_limit(device_mem_gb: float, fit_fraction: float, rule: str) -> int:
-    """The bytes one GPU may fill under ``rule`` (NOTE [Fit limits])."""
+def fit_limit(device_mem_gb: float, fit_fraction: float, rule: str, given_bytes: int | None = None) -> int:
+    """The bytes one GPU may fill under ``rule`` (NOTE [Fit limits]); ``given_bytes`` is the "given"
+    rule's."""
+    if rule == "given":
+        internal_assert(given_bytes is not None, "the given fit limit has no bytes")
+        return int(cast(int, given_bytes))
     device = int(device_mem_gb * GB)
     if rule == "plan":
         from memo.pipeline.device import usable_device_bytes
 
         return usable_device_bytes(device)
     return int(device * fit_fraction)
+
+
+def limit_words(rule: str, fit_fraction: float, device_mem_gb: float) -> str:
+    """How a limit of ``rule`` was set, in a few words for a table or an error."""
+    return {"plan": f"memo's plan budget of {device_mem_gb:g} GB",
+            "fraction": f"{fit_fraction:.0%} of {device_mem_gb:g} GB",
+            "given": "--fit-limit-gib, every strategy"}[rule]
 
 
 @dataclass
@@ -127,8 +143,9 @@ class Estimate:
     #: estimate]); None for other strategies.
     policy: str | None = field(default=None)
     #: What "fits" is measured against (NOTE [Fit limits]): "fraction" (fit_fraction of the GPU) or
-    #: "plan" (the usable budget of memo's plan).
+    #: "plan" (the usable budget of memo's plan) or "given" (``given_limit_bytes``, every strategy's).
     limit_rule: str = field(default="fraction")
+    given_limit_bytes: int | None = field(default=None)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -137,7 +154,7 @@ class Estimate:
 
     @property
     def limit_bytes(self) -> int:
-        return fit_limit(self.device_mem_gb, self.fit_fraction, self.limit_rule)
+        return fit_limit(self.device_mem_gb, self.fit_fraction, self.limit_rule, self.given_limit_bytes)
 
     @property
     def fits(self) -> bool:
@@ -157,7 +174,7 @@ class Estimate:
             "model_states_bytes": self.model_states_bytes, "activations_bytes": self.activations_bytes,
             "total_bytes": self.total_bytes,
             "device_mem_gb": self.device_mem_gb, "fit_fraction": self.fit_fraction,
-            "limit_gib": gib(self.limit_bytes), "fits": self.fits,
+            "limit_gib": gib(self.limit_bytes), "limit_bytes": self.limit_bytes, "fits": self.fits,
             "limit_rule": self.limit_rule, "policy": self.policy,
             "alpha": self.alpha, "alpha_binding": self.alpha_binding,
             "host_bytes_per_process": self.host_bytes_per_process,
@@ -172,6 +189,11 @@ def strategy_problem(strategy: str, layout: Layout) -> str | None:
     if strategy == "offloaded-checkpoint" and layout.tp > 1:
         return ("offloaded-checkpoint tiles each MLP over the rank's own tokens, which a tensor + sequence "
                 "parallel rank cannot (its MLP gathers the sequence); it runs with TP 1")
+    if strategy == "offloaded-checkpoint" and layout.pp > 1:
+        # NOTE [Layouts memo train launches]: memo train runs pipeline stages by megatron's schedules
+        # under none, full-recompute and memo only (PIPELINED_STRATEGIES in memo/train/pipelined.py).
+        return ("memo train runs pipeline stages (megatron's schedules) under none, full-recompute or memo, "
+                "not offloaded-checkpoint; it runs with PP 1")
     return None
 
 
@@ -180,7 +202,8 @@ class Estimator:
 
     def __init__(self, model: str, *, method: str = "plan", dtype: str = "bfloat16",
                  model_states: str = "formula", machine: Machine | None = None,
-                 log: Any = None, device: str = "cuda", memo_policy: str = "auto") -> None:
+                 log: Any = None, device: str = "cuda", memo_policy: str = "auto",
+                 fit_limit_bytes: int | None = None) -> None:
         from memo.models import get_config
         from memo.pipeline import DTYPES
 
@@ -207,6 +230,22 @@ class Estimator:
                             f"got {memo_policy!r}")
         #: NOTE [Memo's policy in an estimate].
         self.memo_policy = memo_policy
+        device_bytes = int(self.machine.device_mem_gb * GB)
+        if fit_limit_bytes is not None and not 0 < fit_limit_bytes <= device_bytes:
+            raise MemoError(f"memo estimate: --fit-limit-gib {fit_limit_bytes / GiB:g} must be more than 0 "
+                            f"and at most the GPU's memory, --device-mem-gb {self.machine.device_mem_gb:g} "
+                            f"GB ({device_bytes / GiB:,.2f} GiB)")
+        #: NOTE [Fit limits]: one limit for every strategy, or None for each strategy's own rule.
+        self.fit_limit_bytes = fit_limit_bytes
+
+    def limit_rule(self, strategy: str) -> str:
+        """How ``strategy``'s fit limit is set (NOTE [Fit limits])."""
+        return limit_rule(strategy, self.fit_limit_bytes is not None)
+
+    def limit_bytes(self, strategy: str) -> int:
+        """The bytes one GPU may fill for ``strategy`` (NOTE [Fit limits])."""
+        m = self.machine
+        return fit_limit(m.device_mem_gb, m.fit_fraction, self.limit_rule(strategy), self.fit_limit_bytes)
 
     def strategies(self) -> tuple[str, ...]:
         return PLAN_STRATEGIES if self.method == "plan" else FORMULA_STRATEGIES
@@ -247,13 +286,16 @@ class Estimator:
         if alpha is not None and strategy != "memo":
             raise MemoError(f"memo estimate: --alpha is memo's; strategy {strategy} has none")
         layout.check(self.config, seq_len)
+        problem = strategy_problem(strategy, layout)
+        if problem:
+            raise MemoError(f"memo estimate: {problem}")
         params, states, host_states = self.state_bytes(layout, seq_len)
         m = self.machine
         est = Estimate(model=self.config.name, seq_len=seq_len, layout=layout, strategy=strategy,
                        method=self.method, dtype=self.dtype_name, model_states=self.model_states,
                        parameters=params, model_states_bytes=states, activations_bytes=0,
                        device_mem_gb=m.device_mem_gb, fit_fraction=m.fit_fraction,
-                       limit_rule=limit_rule(strategy))
+                       limit_rule=self.limit_rule(strategy), given_limit_bytes=self.fit_limit_bytes)
         if host_states:
             est.host_bytes_per_process = host_states
             est.host_bytes_per_node = host_states * min(m.gpus_per_node, layout.gpus)
@@ -267,9 +309,6 @@ class Estimator:
                 self._memo(est, 0.0 if least else alpha, least or alpha is None)
             else:
                 if strategy == "offloaded-checkpoint":
-                    problem = strategy_problem(strategy, layout)
-                    if problem:
-                        raise MemoError(f"memo estimate: {problem}")
                     self._peer_host(est)
                 est.activations_bytes += self._activations(strategy, layout, seq_len, None)
         est.notes.extend(self._notes(layout, seq_len))
@@ -278,8 +317,6 @@ class Estimator:
     def _activations(self, strategy: str, layout: Layout, seq_len: int, alpha: float | None) -> int:
         """NOTE [Gradients in the peak] and [First stage under 1F1B] in memo/estimate/plan_method.py."""
         n = self.profiler.numbers(strategy, layout, seq_len, alpha)
-        if layout.pp > 1 and strategy == "offloaded-checkpoint":  # one iteration of the peer, not a stage's
-            return n.stage_activations + (layout.pp - 1) * n.held
         stages = [n]
         if layout.pp > 1:  # NOTE [Last stage under 1F1B]: its head, one micro-batch
             stages.append(self.profiler.numbers(strategy, layout, seq_len, alpha, stage=False))

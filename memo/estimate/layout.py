@@ -11,6 +11,14 @@ A layout is valid for a model and a sequence when every size divides what it spl
   chunks, and c·t ranks' shares of a layer's input under sequence parallelism.
 
 The vocabulary need not divide by t: Megatron pads it (memo's rank model does the same).
+
+NOTE [Layouts memo train launches]
+The estimate answers only with layouts an engine of ``memo train`` launches (NOTE [Which engine runs
+which layout] in planner/engines.py): :func:`valid_layouts` leaves the others out, so no search ranks or
+returns one, and :meth:`Layout.check` refuses one asked for by name, with the table's reasons; a
+strategy ``memo train`` does not run on a layout is refused likewise (``strategy_problem`` in
+memo/estimate/core.py). A memory number for a layout nobody can run answers no one's question, and a
+search that ranked it first would send its user to a command that fails before the first step.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from memo.errors import MemoError
+from memo.planner.engines import RUNNABLE, EngineLayouts, engine_for_layout, layout_problem
 from memo.planner.vocab import CP_COMMS, SHARDINGS
 
 __all__ = ["CP_COMMS", "SHARDINGS", "Layout", "divisors", "valid_layouts"]
@@ -96,8 +105,30 @@ class Layout:
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "dp": self.dp}
 
+    @property
+    def engine(self) -> str | None:
+        """The engine of ``memo train`` that launches this layout, or None (NOTE [Layouts memo train
+        launches])."""
+        return engine_for_layout(tp=self.tp, cp=self.cp, pp=self.pp, cp_comm=self.cp_comm,
+                                 sharding=self.sharding)
+
+    def launch_problem(self) -> str | None:
+        """Why no engine of ``memo train`` launches this layout, each engine's reason and what does run,
+        in one sentence; None when one does (NOTE [Layouts memo train launches])."""
+        if self.engine is not None:
+            return None
+        reasons = [layout_problem(row.engine, tp=self.tp, cp=self.cp, pp=self.pp, cp_comm=self.cp_comm,
+                                  sharding=self.sharding) for row in RUNNABLE]
+        runs = "; ".join(_runs(row) for row in RUNNABLE)
+        return (f"memo train launches no {self.describe()}: " + "; ".join(r for r in reasons if r)
+                + f". What it launches: {runs}; --search ranks only those")
+
     def check(self, config: Any, seq_len: int | None = None) -> None:
-        """NOTE [Valid layouts]: refuse, in one line, a layout the model or the sequence cannot take."""
+        """NOTE [Valid layouts]: refuse, in one line, a layout the model or the sequence cannot take;
+        NOTE [Layouts memo train launches]: and one no engine of ``memo train`` runs."""
+        problem = self.launch_problem()
+        if problem is not None:
+            raise MemoError(f"memo estimate: {problem}")
         problems = self.problems(config, seq_len)
         if problems:
             raise MemoError(f"memo estimate: {self.describe()} does not fit {config.name}: "
@@ -127,6 +158,14 @@ class Layout:
         return out
 
 
+def _runs(row: EngineLayouts) -> str:
+    """What one row of memo train's engine table launches, in the estimate's flags."""
+    sizes = [f"{flag} {'any' if used else 1}" for flag, used in (("--tp", row.tensor_parallel),
+                                                                   ("--pp", row.pipeline_parallel))]
+    return (f"{row.engine}: {', '.join(sizes)}, --cp with --cp-comm {' or '.join(row.cp_comms)}, "
+            f"--sharding {' or '.join(row.shardings)}")
+
+
 def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
@@ -134,7 +173,8 @@ def divisors(n: int) -> list[int]:
 def valid_layouts(config: Any, gpus: int, seq_len: int | None = None, micro_batches: tuple[int, ...] = (1,),
                   data_parallel_one: bool = False, shardings: tuple[str, ...] = ("optimizer",),
                   cp_comms: tuple[str, ...] = ("all_gather",)) -> list[Layout]:
-    """Every layout of ``gpus`` GPUs valid for ``config`` (and ``seq_len``), NOTE [Valid layouts].
+    """Every layout of ``gpus`` GPUs valid for ``config`` (and ``seq_len``), NOTE [Valid layouts], that
+    an engine of ``memo train`` launches (NOTE [Layouts memo train launches]).
 
     ``data_parallel_one``: only layouts with d = 1 (the longest-sequence search: NOTE [Longest
     sequence layouts] in memo/estimate/search.py)."""
@@ -148,6 +188,6 @@ def valid_layouts(config: Any, gpus: int, seq_len: int | None = None, micro_batc
                     if c == 1 and comm != cp_comms[0]:
                         continue  # one context-parallel rank communicates nothing
                     layout = Layout(gpus, t, c, p, b, comm, sharding)
-                    if not layout.problems(config, seq_len):
+                    if layout.engine is not None and not layout.problems(config, seq_len):
                         out.append(layout)
     return out

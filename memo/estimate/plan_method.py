@@ -93,6 +93,8 @@ PLAN_STRATEGIES = (*FORMULA_STRATEGIES, Strategy.MEMO.value, Strategy.OFFLOADED_
 # model with the hooks counting host bytes instead of copying. Its device bytes extend over the depth
 # like the other strategies'; its host bytes are every layer's input, L/p · S_input per process,
 # which must fit the host memory a process may use (else it cannot run). It keeps the 80% rule.
+# ``memo train`` runs it without pipeline stages only, so an estimate refuses it on PP > 1
+# (strategy_problem in memo/estimate/core.py).
 
 
 #: What memo estimate assumes of a machine field not given (NOTE [One machine description]): a node

@@ -1,11 +1,11 @@
 """Layouts ranked, and the longest sequence per strategy (``memo estimate --search / --max-seq``).
 
 NOTE [Layout ranking]
-Every valid layout (NOTE [Valid layouts]) is estimated and ranked: first those that fit, then
-by speed, which the estimate does not measure, so a proxy is used: the fewest communicating
-ranks t·c·p (the ranks one sequence is spread over exchange activations every micro-batch; data
-parallelism talks once per step), then tensor parallelism kept within a node, then the larger
-micro-batch, then the smaller total.
+Every valid layout that memo train launches (NOTE [Valid layouts], [Layouts memo train launches])
+is estimated and ranked: first those that fit, then by speed, which the estimate does not measure,
+so a proxy is used: the fewest communicating ranks t·c·p (the ranks one sequence is spread over
+exchange activations every micro-batch; data parallelism talks once per step), then tensor
+parallelism kept within a node, then the larger micro-batch, then the smaller total.
 
 NOTE [Longest sequence layouts]
 The longest-sequence search only looks at layouts with d = 1. Turning data parallelism into
@@ -179,9 +179,11 @@ def search_layouts(estimator: Any, seq_len: int, gpus: int, strategy: str,
     config = estimator.config
     layouts = valid_layouts(config, gpus, seq_len, micro_batches, shardings=shardings, cp_comms=cp_comms)
     if not layouts:
-        raise MemoError(f"memo estimate: no layout of {gpus} GPUs is valid for {config.name} at seq len "
-                        f"{seq_len:,} (TP must divide its {config.n_heads} heads and {config.n_kv_heads} "
-                        f"key/value heads, PP its {config.n_layers} layers, and TP x CP the sequence)")
+        raise MemoError(f"memo estimate: no layout of {gpus} GPUs that memo train launches is valid for "
+                        f"{config.name} at seq len {seq_len:,} (TP must divide its {config.n_heads} heads "
+                        f"and {config.n_kv_heads} key/value heads, PP its {config.n_layers} layers, and TP x "
+                        "CP the sequence; NOTE [Which engine runs which layout] in planner/engines.py says "
+                        "which shardings and CP communications each engine runs)")
     rows = []
     for layout in layouts:
         try:
@@ -202,13 +204,15 @@ def search_layouts(estimator: Any, seq_len: int, gpus: int, strategy: str,
         if not ran:
             raise MemoError(f"memo estimate: no layout of {gpus} GPUs can run {strategy} at seq len "
                             f"{seq_len:,}: {rows[0]['error']}")
+        from memo.estimate.core import limit_words
+
         best = min(ran, key=lambda r: r["estimate"].total_bytes)
         e = best["estimate"]
         raise MemoError(
             f"memo estimate: no layout of {gpus} GPUs fits {strategy} at seq len {seq_len:,} in "
-            f"{e.fit_fraction:.0%} of {e.device_mem_gb:g} GB ({e.limit_bytes / GiB:,.2f} GiB): the smallest "
-            f"need is {e.total_bytes / GiB:,.2f} GiB per GPU ({best['layout'].describe()}); use more GPUs, "
-            "more --device-mem-gb or a shorter sequence")
+            f"{limit_words(e.limit_rule, e.fit_fraction, e.device_mem_gb)} ({e.limit_bytes / GiB:,.2f} GiB): "
+            f"the smallest need is {e.total_bytes / GiB:,.2f} GiB per GPU ({best['layout'].describe()}); use "
+            "more GPUs, more --device-mem-gb or a shorter sequence")
     return rows
 
 
@@ -226,10 +230,7 @@ CONFIRMATIONS = 4
 
 def strategy_limit(estimator: Any, strategy: str) -> int:
     """The bytes one GPU may fill for ``strategy`` (NOTE [Fit limits] in memo/estimate/core.py)."""
-    from memo.estimate.core import fit_limit, limit_rule
-
-    m = estimator.machine
-    return fit_limit(m.device_mem_gb, m.fit_fraction, limit_rule(strategy))
+    return int(estimator.limit_bytes(strategy))
 
 
 class _Totals:
