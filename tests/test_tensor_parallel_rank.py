@@ -186,19 +186,19 @@ def test_gpt_layer_saved_bytes_match_korthikanti_over_t(s: int, b: int, h: int, 
 
 
 def _llama_layer_bytes(s: int, b: int, h: int, a: int, kv: int, ffn: int, t: int, e: int) -> int:
-    """What memo's Llama layer saves per rank (dtype of ``e`` bytes; meta/CPU RMSNorm).
+    """What memo's Llama layer saves per rank (dtype of ``e`` bytes).
 
-    Every term but one shards by t. RMSNorm (composite on CPU and meta, computed in fp32)
-    saves the fp32 input, its fp32 rstd, the fp32 normalised input and its output, per local
-    token; attention keeps the rotated q and k, the fused QKV output (v is a view of it), o and
-    the fp32 log-sum-exp on the rank's heads over all s tokens; the SwiGLU MLP keeps the
-    gate+up output, silu(gate) and silu(gate)·up. The exception: each call of the rotary
-    embedding builds cos and sin ``[s, 1, 1, d]`` for q and for k, for the positions of all
-    s gathered tokens, whatever t.
+    Every term but one shards by t. Each RMSNorm (memo's, NOTE [Lean RMSNorm] in
+    memo/models/norms.py) saves its input and a float32 rstd, and the linear after it saves
+    its output, per local token; attention keeps the rotated q and k, the fused QKV output (v
+    is a view of it), o and the fp32 log-sum-exp on the rank's heads over all s tokens; the
+    SwiGLU MLP keeps the gate+up output, silu(gate) and silu(gate)·up. The exception: each
+    call of the rotary embedding builds cos and sin ``[s, 1, 1, d]`` for q and for k, for the
+    positions of all s gathered tokens, whatever t.
     """
     m, d = s // t, h // a
     n, g, f = a // t, kv // t, ffn // t
-    norms = 2 * m * b * (h * (4 + 4 + e) + 4)
+    norms = 2 * m * b * (h * (e + e) + 4)
     attention = s * b * d * e * ((n + g) + (n + 2 * g) + n) + 4 * b * n * s
     rotary = 4 * s * d * e
     mlp = s * b * e * (2 * f + f + f)

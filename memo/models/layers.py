@@ -43,6 +43,7 @@ from torch import nn
 
 from memo.models.causal_attention import attention
 from memo.models.config import ModelConfig
+from memo.models.norms import RMSNorm
 from memo.models.parallel import column_parallel_linear, rank_shapes, row_parallel_linear
 
 __all__ = [
@@ -183,7 +184,8 @@ def apply_rotary(t: torch.Tensor, offset: int, theta: float) -> torch.Tensor:
 
 
 class LlamaLayer(TransformerLayer):
-    """Llama layer: RMSNorm, no biases, grouped-query attention with rotary, SwiGLU MLP.
+    """Llama layer: RMSNorm (:class:`memo.models.norms.RMSNorm`, NOTE [Lean RMSNorm]), no biases,
+    grouped-query attention with rotary, SwiGLU MLP.
 
     ``tensor_parallel=t``: one rank of a t-way group (NOTE [Tensor-parallel rank]): ``qkv`` and
     ``gate_up`` are column-parallel (``[(n + 2 n_kv)/t · d, h]``, ``[2 ffn/t, h]``), ``proj`` and
@@ -192,7 +194,7 @@ class LlamaLayer(TransformerLayer):
 
     def __init__(self, config: ModelConfig, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None, tensor_parallel: int = 1) -> None:
-        super().__init__(config, tensor_parallel, norm=nn.RMSNorm, bias=False, device=device, dtype=dtype)
+        super().__init__(config, tensor_parallel, norm=RMSNorm, bias=False, device=device, dtype=dtype)
         h, r = config.hidden, self.shapes
         self.gate_up = nn.Linear(h, 2 * r.ffn_hidden, bias=False, device=device, dtype=dtype)
         self.down = nn.Linear(r.ffn_hidden, h, bias=False, device=device, dtype=dtype)

@@ -38,6 +38,7 @@ from memo.errors import MemoError
 from memo.models.config import ModelConfig, get_config
 from memo.models.layers import GPTLayer, LlamaLayer, output_projection_std
 from memo.models.loss import IGNORE_INDEX, chunked_lm_loss
+from memo.models.norms import RMSNorm
 from memo.models.parallel import (
     check_sequence_parallel,
     check_tensor_parallel,
@@ -226,7 +227,7 @@ class TransformerModel(nn.Module):
                     module.bias.zero_()
             elif isinstance(module, nn.Embedding):
                 module.weight.normal_(0.0, _INIT_STD)
-            elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+            elif isinstance(module, (nn.LayerNorm, nn.RMSNorm, RMSNorm)):
                 module.reset_parameters()
         if not self.config.tied_embeddings:
             self.head.weight.normal_(0.0, _INIT_STD)
@@ -249,7 +250,8 @@ class GPTModel(TransformerModel):
 
 
 class LlamaModel(TransformerModel):
-    """Llama: RMSNorm, rotary, grouped-query attention, SwiGLU, untied LM head."""
+    """Llama: RMSNorm (memo's, NOTE [Lean RMSNorm]), rotary, grouped-query attention, SwiGLU, untied
+    LM head."""
 
     def __init__(self, config: ModelConfig, *, recompute: str = "none",
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
@@ -260,7 +262,7 @@ class LlamaModel(TransformerModel):
         self.layers = nn.ModuleList(
             LlamaLayer(config, device=device, dtype=dtype, tensor_parallel=t) for _ in range(config.n_layers)
         )
-        norm = nn.RMSNorm(config.hidden, eps=config.norm_eps, device=device, dtype=dtype)
+        norm = RMSNorm(config.hidden, eps=config.norm_eps, device=device, dtype=dtype)
         rows = rank_shapes(config, t).vocab_rows
         weight = nn.Parameter(torch.empty(rows, config.hidden, device=device, dtype=dtype))
         self.head = LMHead(norm, weight, sequence_gather=t)
