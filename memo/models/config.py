@@ -22,7 +22,8 @@ class ModelConfig:
 
     GPT (Megatron's reference GPT): pre-LayerNorm, learned absolute positions, fused QKV
     with bias, GELU MLP, word embedding tied to the LM head. Llama: RMSNorm, rotary
-    positions, grouped-query attention, SwiGLU MLP, no biases, untied LM head.
+    positions, grouped-query attention, SwiGLU MLP, no biases, untied LM head; with
+    ``qk_norm`` also an RMSNorm of every query and key head (Qwen3).
     """
 
     name: str
@@ -34,7 +35,7 @@ class ModelConfig:
     hidden: int
     """Hidden size h."""
     n_heads: int
-    """Query heads; ``hidden`` must divide evenly into them."""
+    """Query heads; unless ``head_dim`` is given, ``hidden`` must divide evenly into them."""
     n_kv_heads: int | None = None
     """Key/value heads (grouped-query attention). ``None`` means ``n_heads``; GPT requires ``n_heads``."""
     ffn_hidden: int | None = None
@@ -46,6 +47,14 @@ class ModelConfig:
     """Epsilon of LayerNorm (GPT) / RMSNorm (Llama)."""
     rope_theta: float | None = None
     """Rotary base for Llama (``None`` means 10000); must stay ``None`` for GPT, which has no rotary."""
+    head_dim: int | None = None
+    """Per-head size d of queries, keys and values. ``None`` means ``hidden // n_heads`` (and then
+    ``hidden`` must divide by ``n_heads``); given, ``n_heads · head_dim`` may differ from ``hidden``
+    (Qwen3-32B: hidden 5120, 64 heads of 128), and the QKV projection has ``(n_heads + 2 n_kv_heads)
+    · head_dim`` outputs, the output projection ``n_heads · head_dim`` inputs."""
+    qk_norm: bool = False
+    """Llama only: an RMSNorm over ``head_dim`` (weights ``q_norm.weight``, ``k_norm.weight``, shared
+    by the heads) applied to every query and key head before rotary, as Qwen3 and Gemma do."""
 
     def __post_init__(self) -> None:
         where = f"memo.models: config {self.name!r}"
@@ -55,11 +64,21 @@ class ModelConfig:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise MemoError(f"{where}: {field} must be a positive int, got {value!r}")
-        if self.hidden % self.n_heads != 0:
-            raise MemoError(
-                f"{where}: hidden={self.hidden} is not divisible by n_heads={self.n_heads}; "
-                "the head dimension is hidden / n_heads"
-            )
+        if self.head_dim is None:
+            if self.hidden % self.n_heads != 0:
+                raise MemoError(
+                    f"{where}: hidden={self.hidden} is not divisible by n_heads={self.n_heads}; "
+                    "the head dimension is hidden / n_heads unless head_dim is given"
+                )
+            object.__setattr__(self, "head_dim", self.hidden // self.n_heads)
+        if isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int) or self.head_dim < 1:
+            raise MemoError(f"{where}: head_dim must be a positive int (or unset for hidden / n_heads), "
+                            f"got {self.head_dim!r}")
+        if not isinstance(self.qk_norm, bool):
+            raise MemoError(f"{where}: qk_norm must be true or false, got {self.qk_norm!r}")
+        if self.qk_norm and self.arch != "llama":
+            raise MemoError(f"{where}: qk_norm is a Llama-family option (Qwen3's norm of each query and key "
+                            f"head); arch {self.arch!r} has none, use arch='llama' or leave qk_norm unset")
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         if isinstance(self.n_kv_heads, bool) or not isinstance(self.n_kv_heads, int) or self.n_kv_heads < 1:
@@ -102,23 +121,36 @@ class ModelConfig:
                 raise MemoError(f"{where}: rotary needs an even head_dim, got {self.head_dim}")
 
     @property
-    def head_dim(self) -> int:
-        """Per-head size ``hidden // n_heads``."""
-        return self.hidden // self.n_heads
-
-    @property
     def tied_embeddings(self) -> bool:
         """GPT ties the LM head to the word embedding (Megatron's default); Llama does not."""
         return self.arch == "gpt"
 
 
+def _fingerprint_fields(config: ModelConfig) -> dict[str, object]:
+    """The fields :func:`fingerprint` hashes (NOTE [Fingerprint of later fields])."""
+    fields = {k: v for k, v in dataclasses.asdict(config).items() if k != "name"}
+    if config.hidden % config.n_heads == 0 and config.head_dim == config.hidden // config.n_heads:
+        del fields["head_dim"]
+    if not config.qk_norm:
+        del fields["qk_norm"]
+    return fields
+
+
+# NOTE [Fingerprint of later fields]
+# Saved plans and traces compare fingerprints, so a ModelConfig field whose default leaves the
+# architecture as it was is hashed only when it is set to something else: head_dim when it is not
+# hidden / n_heads, qk_norm when it is on. A config that does not use them, written with them or
+# without, has the fingerprint it had before they existed, and the plans made for it still load.
+
+
 def fingerprint(config: ModelConfig) -> str:
-    """Stable 16-hex-digit hash of the architecture (every field but ``name``).
+    """Stable 16-hex-digit hash of the architecture (every field but ``name``; ``head_dim`` and
+    ``qk_norm`` only where they differ from their defaults, NOTE [Fingerprint of later fields]).
 
     Plans and traces store it so that loading one made for another model is detected. It is
     the sha256 of the fields as sorted JSON, so it does not change between Python runs.
     """
-    fields = {k: v for k, v in dataclasses.asdict(config).items() if k != "name"}
+    fields = _fingerprint_fields(config)
     blob = json.dumps(fields, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -157,7 +189,8 @@ def load_config(path: str | os.PathLike[str]) -> ModelConfig:
         {"arch": "llama", "n_layers": 32, "hidden": 1024, "n_heads": 16, "n_kv_heads": 4,
          "ffn_hidden": 2816, "vocab_size": 32000}
 
-    ``arch``, ``n_layers``, ``hidden`` and ``n_heads`` are required; the others default as in
+    ``arch``, ``n_layers``, ``hidden`` and ``n_heads`` are required; the others (``head_dim`` and
+    ``qk_norm`` among them, as in Qwen3: ``"head_dim": 128, "qk_norm": true``) default as in
     :class:`ModelConfig`; ``name`` defaults to the file name without ``.json``. Missing, unknown,
     mistyped or inconsistent fields are refused with an error that names them.
     """
@@ -226,3 +259,10 @@ for _name, _layers, _hidden, _heads, _ffn in (("llama-3.1-8b", 32, 4096, 32, 143
 register_config(ModelConfig(name="llama-3.2-1b", arch="llama", n_layers=16, hidden=2048, n_heads=32,
                             n_kv_heads=8, ffn_hidden=8192, vocab_size=128256, norm_eps=1e-5,
                             rope_theta=500000.0))
+# Qwen3-32B (Qwen/Qwen3-32B, config.json: 64 layers, hidden_size 5120, 64 attention heads of head_dim
+# 128, so 8192 query channels from a 5120-wide stream, 8 key/value heads, intermediate_size 25600,
+# vocab_size 151936, rms_norm_eps 1e-6, rope_theta 1e6, an RMSNorm on every query and key head, untied
+# LM head): 32.8B parameters, 31.2B without the embedding and LM head.
+register_config(ModelConfig(name="qwen3-32b", arch="llama", n_layers=64, hidden=5120, n_heads=64,
+                            n_kv_heads=8, ffn_hidden=25600, vocab_size=151936, norm_eps=1e-6,
+                            rope_theta=1e6, head_dim=128, qk_norm=True))

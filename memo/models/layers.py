@@ -3,8 +3,9 @@
 NOTE [Layer anatomy]
 Every layer is ``forward(x) = post(core(*pre(x)), x)`` with ``x: [s, b, h]``:
 
-- ``pre(x, offset=0) -> (q, k, v)``: norm, fused QKV projection, rotary (Llama).
-  ``q: [s, b, n_heads, d]``, ``k, v: [s, b, n_kv_heads, d]``. Token-wise.
+- ``pre(x, offset=0) -> (q, k, v)``: norm, fused QKV projection, the norm of each query and
+  key head (Llama with ``qk_norm``), rotary (Llama). ``q: [s, b, n_heads, d]``,
+  ``k, v: [s, b, n_kv_heads, d]``, d the config's ``head_dim``. Token-wise.
 - ``core(q, k, v) -> o``: causal attention through the parameter-free submodule
   ``self.core_attention``; ``o: [s, b, n_heads * d]``. The only part that mixes tokens;
   memo's runtime and profiler hook or replace ``core_attention``.
@@ -26,7 +27,7 @@ A layer built with ``tensor_parallel=t > 1`` is one rank of a Megatron tensor +
 sequence parallel group (NOTE [Tensor-parallel rank] in :mod:`memo.models.parallel`):
 ``x`` and ``y`` hold the rank's local tokens ``[n, b, h]`` while ``q, k, v`` and ``o``
 cover the ``n·t`` gathered tokens (``n_heads/t`` and ``n_kv_heads/t`` heads, ``o:
-[n·t, b, h/t]``). ``layer.sequence_gather`` (t; 1 for an ordinary layer) is that factor:
+[n·t, b, n_heads/t · d]``). ``layer.sequence_gather`` (t; 1 for an ordinary layer) is that factor:
 token-wise then means ``pre(x[a:b], offset=a)`` equals rows ``a·t … b·t-1`` of
 ``pre(x)`` and ``post(o[a·t:b·t], x[a:b])`` equals ``post(o, x)[a:b]``.
 """
@@ -140,8 +141,9 @@ class GPTLayer(TransformerLayer):
     """Megatron GPT layer: pre-LayerNorm, fused QKV with bias, GELU MLP, no dropout.
 
     ``tensor_parallel=t``: one rank of a t-way group (NOTE [Tensor-parallel rank]): ``qkv`` and
-    ``fc1`` are column-parallel (``[3h/t, h]``, ``[ffn/t, h]``), ``proj`` and ``fc2`` row-parallel
-    (``[h, h/t]``, ``[h, ffn/t]``); the norms and row-parallel biases are replicated.
+    ``fc1`` are column-parallel (``[3·n·d/t, h]``, ``[ffn/t, h]``; n·d is h unless the config sets
+    ``head_dim``), ``proj`` and ``fc2`` row-parallel (``[h, n·d/t]``, ``[h, ffn/t]``); the norms
+    and row-parallel biases are replicated.
     """
 
     def __init__(self, config: ModelConfig, device: torch.device | str | None = None,
@@ -185,23 +187,29 @@ def apply_rotary(t: torch.Tensor, offset: int, theta: float) -> torch.Tensor:
 
 class LlamaLayer(TransformerLayer):
     """Llama layer: RMSNorm (:class:`memo.models.norms.RMSNorm`, NOTE [Lean RMSNorm]), no biases,
-    grouped-query attention with rotary, SwiGLU MLP.
+    grouped-query attention with rotary, SwiGLU MLP. With ``config.qk_norm`` the queries and keys
+    are normed per head (``q_norm``, ``k_norm``: RMSNorm over ``head_dim``) before rotary, as Qwen3.
 
     ``tensor_parallel=t``: one rank of a t-way group (NOTE [Tensor-parallel rank]): ``qkv`` and
     ``gate_up`` are column-parallel (``[(n + 2 n_kv)/t · d, h]``, ``[2 ffn/t, h]``), ``proj`` and
-    ``down`` row-parallel (``[h, h/t]``, ``[h, ffn/t]``); the norms are replicated.
+    ``down`` row-parallel (``[h, n/t · d]``, ``[h, ffn/t]``); the norms are replicated.
     """
 
     def __init__(self, config: ModelConfig, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None, tensor_parallel: int = 1) -> None:
         super().__init__(config, tensor_parallel, norm=RMSNorm, bias=False, device=device, dtype=dtype)
         h, r = config.hidden, self.shapes
+        if config.qk_norm:
+            self.q_norm = RMSNorm(r.head_dim, eps=config.norm_eps, device=device, dtype=dtype)
+            self.k_norm = RMSNorm(r.head_dim, eps=config.norm_eps, device=device, dtype=dtype)
         self.gate_up = nn.Linear(h, 2 * r.ffn_hidden, bias=False, device=device, dtype=dtype)
         self.down = nn.Linear(r.ffn_hidden, h, bias=False, device=device, dtype=dtype)
 
     def pre(self, x: torch.Tensor, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         t = self.sequence_gather
         q, k, v = self._split_qkv(column_parallel_linear(self.input_norm(x), self.qkv, t))
+        if self.config.qk_norm:  # per token and head, so pre stays token-wise
+            q, k = self.q_norm(q), self.k_norm(k)
         theta = float(self.config.rope_theta)
         # The gathered rows of local tokens [offset:] sit at positions offset·t onward
         # (NOTE [Tensor-parallel rank]); t = 1 is the plain absolute position.

@@ -339,5 +339,6 @@ def num_parameters(
         layer = 2 * h + (h * qkv_out + qkv_out) + (attn_out * h + h) + 2 * h + (h * f + f) + (f * h + h)
         seq = DEFAULT_MAX_SEQ_LEN if max_seq_len is None else max_seq_len
         return c.n_layers * layer + v * h + seq * h + 2 * h
-    layer = h + h * qkv_out + attn_out * h + h + h * 2 * f + f * h
+    qk_norms = 2 * r.head_dim if c.qk_norm else 0
+    layer = h + h * qkv_out + qk_norms + attn_out * h + h + h * 2 * f + f * h
     return c.n_layers * layer + v * h + h + v * h

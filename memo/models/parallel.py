@@ -118,7 +118,7 @@ class RankShapes:
     n_kv_heads: int
     """Key/value heads of one rank: ``n_kv_heads / t``."""
     head_dim: int
-    """Per-head size (not sharded)."""
+    """Per-head size d (not sharded): the config's ``head_dim``, ``h / n_heads`` unless it sets one."""
     ffn_hidden: int
     """MLP inner size of one rank: ``ffn_hidden / t`` (SwiGLU's gate+up weight has twice that rows)."""
     vocab_rows: int
@@ -132,7 +132,8 @@ class RankShapes:
 
     @property
     def attn_out(self) -> int:
-        """Width of the rank's attention output (columns of its out-projection weight): ``h / t``."""
+        """Width of the rank's attention output (columns of its out-projection weight):
+        ``n_heads / t · head_dim`` (``h / t`` unless the config sets a ``head_dim``)."""
         return self.n_heads * self.head_dim
 
 
@@ -156,7 +157,7 @@ def rank_shapes(config: ModelConfig, tensor_parallel: int = 1) -> RankShapes:
         tensor_parallel=t,
         n_heads=config.n_heads // t,
         n_kv_heads=n_kv // t,
-        head_dim=config.head_dim,
+        head_dim=int(config.head_dim),  # filled in by ModelConfig
         ffn_hidden=int(config.ffn_hidden) // t,
         vocab_rows=-(-config.vocab_size // t),
     )
