@@ -498,3 +498,72 @@ def test_peft_lora_with_dropout_at_batch_two_matches_unwrapped(alpha: float) -> 
     assert got[1] and set(got[1]) == set(want[1])  # the LoRA parameters, and only they, have gradients
     assert all("lora_" in name for name in got[1])
     assert_same_step(got, want)
+
+
+# ---------------------------------------------------------------------------------------------
+# NOTE [memo runs the layer the user wrote, or refuses it] (memo/adapters/exact.py), issue 44
+
+
+def _wrap_refused(model: nn.Module, match: str) -> None:
+    with pytest.raises(MemoError, match=match):
+        memo.wrap(model, alpha=0.5, policy=["memo"] * model.config.num_hidden_layers)
+
+
+def test_a_hook_on_the_attention_module_is_refused_not_skipped() -> None:
+    """memo computes self_attn from its projections: a hook on self_attn (head ablation, scaling) would
+    never fire (gradients were off by 2.1). Refused at wrap, and at the call when added after it."""
+    model = _model("llama")
+    handle = model.model.layers[1].self_attn.register_forward_hook(lambda m, a, out: (out[0] * 0.5, *out[1:]))
+    _wrap_refused(model, "self_attn has a forward hook, which would never fire")
+    handle.remove()
+    memo.wrap(model, alpha=0.5, policy=["memo"] * 2)
+    model.model.layers[0].self_attn.register_forward_pre_hook(lambda m, a: None)
+    batch = _batch(16, None)
+    with pytest.raises(MemoError, match="self_attn has a forward pre-hook"):
+        model(**batch).loss.backward()
+
+
+def test_a_patched_or_subclassed_attention_is_refused() -> None:
+    """A LongLoRA-style patch of LlamaAttention.forward, or an attention of a subclass: memo would run
+    its own attention instead of the user's."""
+    from transformers.models.llama import modeling_llama
+
+    model = _model("llama")
+    original = modeling_llama.LlamaAttention.forward
+    try:
+        modeling_llama.LlamaAttention.forward = lambda self, *a, **k: original(self, *a, **k)
+        _wrap_refused(model, r"LlamaAttention.forward was replaced")
+    finally:
+        modeling_llama.LlamaAttention.forward = original
+
+    class ShiftedAttention(modeling_llama.LlamaAttention):
+        pass
+
+    model.model.layers[0].self_attn.__class__ = ShiftedAttention
+    _wrap_refused(model, "its self_attn is a .*ShiftedAttention, not LlamaAttention")
+
+
+def test_a_decoder_layer_subclass_is_refused() -> None:
+    """``class MyLayer(LlamaDecoderLayer)`` overriding forward: memo's adapter, found through the base
+    class, would run LlamaDecoderLayer's computation and never MyLayer's."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    class MyLayer(LlamaDecoderLayer):
+        def forward(self, hidden_states, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            return super().forward(hidden_states * 2.0, *args, **kwargs)
+
+    model = _model("llama")
+    model.model.layers[1].__class__ = MyLayer
+    _wrap_refused(model, "MyLayer is a subclass of LlamaDecoderLayer")
+    model.model.layers[1].__class__ = LlamaDecoderLayer
+    model.model.layers[1].forward = lambda *a, **k: LlamaDecoderLayer.forward(model.model.layers[1], *a, **k)
+    _wrap_refused(model, "its forward was replaced on the instance")
+
+
+def test_bidirectional_attention_is_refused() -> None:
+    """``self_attn.is_causal = False`` (LLM2Vec-style encoders): memo's attention is causal (hidden states
+    were off by 0.33)."""
+    model = _model("llama")
+    for layer in model.model.layers:
+        layer.self_attn.is_causal = False
+    _wrap_refused(model, "is_causal is False")

@@ -339,3 +339,79 @@ def test_a_black_box_core_attention_under_input_only_is_recomputed_exactly(chunk
     assert rel_err(outs[0][0], outs[1][0]) < RTOL and rel_err(outs[0][1], outs[1][1]) < RTOL
     _compare(grads[0], grads[1])
     assert mr.runtime_of(model).buffers.region_bytes[0] == s * b * 32 * 4
+
+
+# ---------------------------------------------------------------------------------------------
+# NOTE [memo runs the layer the user wrote, or refuses it] (memo/adapters/exact.py), issue 44
+
+
+def test_every_transformer_config_field_is_run_or_refused() -> None:
+    """NOTE [megatron-core's config fields under memo]: each field of megatron-core's TransformerConfig is
+    in exactly one of memo's sets; a field memo does not know (a new megatron-core) fails here."""
+    import dataclasses
+
+    from memo.adapters.megatron_config import CORE_DEFAULT, LAYER_DEFAULT, NOT_ATTENTION, RUN
+
+    sets = {"RUN": RUN, "CORE_DEFAULT": CORE_DEFAULT, "LAYER_DEFAULT": LAYER_DEFAULT,
+            "NOT_ATTENTION": NOT_ATTENTION}
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    unknown = sorted(name for name in fields if not any(name in s for s in sets.values()))
+    assert not unknown, f"TransformerConfig fields memo has not classified: {unknown}"
+    twice = sorted(n for n in fields if sum(n in s for s in sets.values()) > 1)
+    assert not twice, twice
+    stale = (RUN | CORE_DEFAULT | LAYER_DEFAULT | NOT_ATTENTION) - fields
+    assert not stale, f"names megatron-core does not have: {sorted(stale)}"
+
+
+REFUSED_CORE = [("softmax_type", "off-by-one", "softmax_type='off-by-one'"),
+                ("softmax_type", "learnable", "softmax_type='learnable'"),
+                ("window_size", (8, 0), "window_size=(8, 0)")]
+
+
+@pytest.mark.parametrize(("field", "value", "named"), REFUSED_CORE)
+def test_memo_core_attention_refuses_attention_it_does_not_compute(field: str, value: object,
+                                                                  named: str) -> None:
+    """Attention sinks and a sliding window change megatron's softmax; memo's spec used to run plain
+    causal softmax for them (gradients off by ~0.4; the window ignored). Now refused by name."""
+    import dataclasses
+
+    config = dataclasses.replace(_config(n_layers=1), **{field: value})
+    with pytest.raises(MemoError, match=re.escape(named)):
+        TransformerBlock(config, spec=get_memo_gpt_layer_local_spec())
+
+
+def test_a_layer_memo_would_not_run_as_written_is_refused() -> None:
+    """A TransformerLayer subclass, a patched SelfAttention.forward, a hook on self_attention, and a
+    config option of the layer's glue (apply_residual_connection_post_layernorm): each refused."""
+    import dataclasses
+
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    block = TransformerBlock(_config(n_layers=2), spec=get_memo_gpt_layer_local_spec())
+    handle = block.layers[1].self_attention.register_forward_hook(lambda *_: None)
+    with pytest.raises(MemoError, match="self_attention has a forward hook, which would never fire"):
+        mr.wrap(block, alpha=0.5, policy=["memo"] * 2)
+    handle.remove()
+
+    class MyLayer(TransformerLayer):
+        def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            return super().forward(*args, **kwargs)
+
+    block.layers[0].__class__ = MyLayer
+    with pytest.raises(MemoError, match="MyLayer is a subclass of TransformerLayer"):
+        mr.wrap(block, alpha=0.5, policy=["memo"] * 2)
+    block.layers[0].__class__ = TransformerLayer
+    original = SelfAttention.forward
+    try:
+        SelfAttention.forward = lambda self, *a, **k: original(self, *a, **k)
+        with pytest.raises(MemoError, match=r"SelfAttention.forward was replaced"):
+            mr.wrap(block, alpha=0.5, policy=["memo"] * 2)
+    finally:
+        SelfAttention.forward = original
+    glue = dataclasses.replace(_config(n_layers=1), apply_residual_connection_post_layernorm=True)
+    with pytest.raises(MemoError, match="apply_residual_connection_post_layernorm=True"):
+        mr.wrap(TransformerBlock(glue, spec=get_memo_gpt_layer_local_spec()), alpha=0.5)
+    runtime = mr.wrap(block, alpha=0.5)  # the same layers, as megatron wrote them: accepted
+    assert runtime is not None
+    mr.unwrap(block)

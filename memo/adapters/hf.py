@@ -85,6 +85,7 @@ import torch
 from torch import nn
 
 from memo.adapters.base import LayerAdapter, MLPSite
+from memo.adapters.exact import unhonoured
 from memo.adapters.model import ModelAdapter, ModelParts
 from memo.errors import MemoError
 from memo.models.loss import IGNORE_INDEX
@@ -254,6 +255,37 @@ def _sliding_window(layer: nn.Module) -> int | None:
     return getattr(cfg, "sliding_window", None)
 
 
+@functools.cache
+def _known_classes() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """The decoder layer classes memo's adapter computes, and their attention classes."""
+    import importlib
+
+    layers, attentions = [], []
+    for module_name, class_name in DECODER_LAYERS:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        layer_cls = getattr(module, class_name, None)
+        attn_cls = getattr(module, class_name.replace("DecoderLayer", "Attention"), None)
+        if layer_cls is not None and attn_cls is not None:
+            layers.append(layer_cls)
+            attentions.append(attn_cls)
+    return tuple(layers), tuple(attentions)
+
+
+def _not_exact(layer: nn.Module) -> list[str]:
+    """NOTE [memo runs the layer the user wrote, or refuses it] (memo/adapters/exact.py): the layer and
+    its attention are exactly transformers' own, unpatched, with no hooks on the attention, and an
+    attention memo computes (causal)."""
+    layers, attentions = _known_classes()
+    options = []
+    attn = getattr(layer, "self_attn", None)
+    if attn is not None and getattr(attn, "is_causal", True) is False:
+        options.append("self_attn.is_causal is False (bidirectional attention); memo's attention is causal")
+    return unhonoured(layer, layers, {"self_attn": attentions}, options)
+
+
 def _causal_kernels(layer: nn.Module) -> tuple[Any, Any]:
     """``(forward, backward)`` of the layer's causal attention without autograd: memo's, or memo's
     Ulysses halves over the layer's sequence shard (NOTE [Ulysses around HF's attention])."""
@@ -303,7 +335,7 @@ class HFDecoderLayerAdapter(LayerAdapter):
 
     def check(self, layer: nn.Module) -> None:
         where = f"memo.adapters.hf: {type(layer).__name__}"
-        problems = []
+        problems = _not_exact(layer)
         attn = getattr(layer, "self_attn", None)
         missing = [name for name in ("self_attn", "input_layernorm", "post_attention_layernorm", "mlp")
                    if getattr(layer, name, None) is None]
@@ -341,7 +373,7 @@ class HFDecoderLayerAdapter(LayerAdapter):
         for name, p in _signature(cls).parameters.items():
             if p.kind is inspect.Parameter.VAR_KEYWORD:
                 given.update(given.pop(name, {}))
-        problems = _gradient_checkpointing(layer)
+        problems = _gradient_checkpointing(layer) + _not_exact(layer)
         for name, value in given.items():
             if name in ("self", "hidden_states", "attention_mask", "position_embeddings") or name in _IGNORED:
                 continue

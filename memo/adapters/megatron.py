@@ -39,6 +39,8 @@ import torch
 from torch import nn
 
 from memo.adapters.base import LayerAdapter
+from memo.adapters.exact import unhonoured
+from memo.adapters.megatron_config import CORE_DEFAULT, LAYER_DEFAULT, changed_fields
 from memo.adapters.model import ModelAdapter, ModelParts
 from memo.errors import MemoError
 from memo.models.ulysses_attention import CP_COMM_TYPES
@@ -102,6 +104,12 @@ class MemoCoreAttention(nn.Module):
             )
         if attn_mask_type != AttnMaskType.causal:
             raise MemoError(f"{where}: only causal self-attention is supported, got {attn_mask_type}")
+        changed = changed_fields(config, CORE_DEFAULT)  # NOTE [megatron-core's config fields under memo]
+        if changed:
+            raise MemoError(f"{where}: {', '.join(changed)} changes the attention's arithmetic, which memo's "
+                            "core attention does not implement (it would run plain causal softmax); "
+                            "build the layers with megatron's own core attention (memo runs it as it is), or "
+                            "leave these at their defaults")
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout:
             raise MemoError(f"{where}: attention_dropout={dropout}; memo's attention has no dropout, use 0")
@@ -255,19 +263,16 @@ class MegatronLayerAdapter(LayerAdapter):
     def check(self, layer: nn.Module) -> None:
         where = f"memo.adapters.megatron: layer {getattr(layer, 'layer_number', '?')}"
         cfg = layer.config
-        problems = []
+        problems = _not_exact(layer)
+        changed = changed_fields(cfg, LAYER_DEFAULT)  # NOTE [megatron-core's config fields under memo]
+        if changed:
+            problems.append(f"{', '.join(changed)} (memo computes the layer from its submodules and does its "
+                            "own recomputation and offloading; it runs these only at their defaults)")
         if not isinstance(layer.cross_attention, IdentityOp) or not isinstance(
                 layer.pre_cross_attn_layernorm, IdentityOp):
             problems.append("it has cross attention")
         if getattr(layer, "is_moe_layer", False):
             problems.append("it is a MoE layer")
-        if getattr(cfg, "attention_output_gate", False):
-            problems.append("attention_output_gate is on")
-        if getattr(cfg, "recompute_granularity", None) is not None:
-            problems.append(f"megatron's recompute_granularity={cfg.recompute_granularity!r} is on "
-                            "(memo does the recomputation)")
-        if getattr(cfg, "fine_grained_activation_offloading", False) or getattr(cfg, "cpu_offloading", False):
-            problems.append("megatron's activation offloading is on (memo does the offloading)")
         if getattr(layer.self_attention, "attn_mask_type", AttnMaskType.causal) != AttnMaskType.causal:
             problems.append(f"its attention mask type is {layer.self_attention.attn_mask_type}")
         if not hasattr(layer.self_attention, "get_query_key_value_tensors"):
@@ -280,6 +285,10 @@ class MegatronLayerAdapter(LayerAdapter):
 
     def split_args(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[
             torch.Tensor, Any]:
+        problems = _not_exact(layer)
+        if problems:
+            raise MemoError(f"memo.adapters.megatron: layer {getattr(layer, 'layer_number', '?')}: "
+                            + "; ".join(problems))
         kwargs = dict(kwargs)
         kwargs.pop("dynamic_inference_decode_only", None)
         try:
@@ -326,7 +335,8 @@ class MegatronLayerAdapter(LayerAdapter):
         attn = layer.self_attention
         qkv = attn.get_query_key_value_tensors(layer.input_layernorm(x))
         q, k, v = qkv[0], qkv[1], qkv[2]
-        if ctx["q_pos"] is None and ctx["k_pos"] is None:
+        no_rope = layer.config.no_rope_freq  # per layer (1-based numbers), as SelfAttention.forward reads it
+        if (ctx["q_pos"] is None and ctx["k_pos"] is None) or (no_rope and no_rope[layer.layer_number - 1]):
             return q, k, v
         kw = {"config": layer.config, "cp_group": getattr(getattr(attn, "pg_collection", None), "cp", None)}
         rows = _rotary_rows(offset, x.shape[0], ctx["tokens"], self.sequence_gather(layer), q.device)
@@ -369,6 +379,14 @@ class MegatronLayerAdapter(LayerAdapter):
     def pack_output(self, layer: nn.Module, y: torch.Tensor, ctx: Any) -> Any:
         return y, None  # (hidden_states, context); no cross attention, so no context
 
+
+
+def _not_exact(layer: nn.Module) -> list[str]:
+    """NOTE [memo runs the layer the user wrote, or refuses it] (memo/adapters/exact.py): memo computes
+    megatron's TransformerLayer and SelfAttention from their submodules, never calling their forward."""
+    from megatron.core.transformer.attention import SelfAttention
+
+    return unhonoured(layer, (TransformerLayer,), {"self_attention": (SelfAttention,)})
 
 
 def _whole(model: nn.Module) -> None:
