@@ -95,6 +95,7 @@ class _RMSNormFunction(torch.autograd.Function):
         if need_x:
             # d/dx of x·rstd: rstd · (ĝ - x̂ · mean(ĝ · x̂)), with ĝ the gradient of x̂.
             g_hat = g * weight.to(compute) if weight is not None else g
+            del g  # a float32 copy of the gradient for 16-bit inputs: at most three such at once
             along = (g_hat * x_hat).mean(reduce, keepdim=True)
             grad_x = x_hat.mul_(along).neg_().add_(g_hat).mul_(r).to(x.dtype)
         return grad_x, grad_w, None, None, None
