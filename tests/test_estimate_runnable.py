@@ -9,10 +9,8 @@ check runs, for each layout family a search returns, its printed command scaled 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -261,14 +259,18 @@ def _scaled_down(command: str) -> tuple[list[str], int]:
         else:
             flags[train[i]], i = None, i + 1
     sizes = {k: min(int(flags[k] or 1), 2) for k in ("--tp", "--cp", "--pp", "--dp") if k in flags}
+    if "--dp" in sizes and len(sizes) > 1:  # data parallelism beside another dimension: one launch of 2
+        sizes["--dp"] = 1
     per_rank = int(flags.get("--micro-batch") or 1) // int(flags.get("--dp") or 1)
     flags.update({k: str(v) for k, v in sizes.items()})
     if "--micro-batches" in flags:
         flags["--micro-batches"] = flags["--pp"]
     if "--micro-batch" in flags:
         flags["--micro-batch"] = str(per_rank * sizes.get("--dp", 1))
+    # the machine numbers given and a short planner limit: nothing measured, the plan in a second
     flags.update({"--model": "llama-tiny", "--seq-len": "512", "--dtype": "float32", "--device": "cpu",
-                  "--steps": "1", "--no-progress": None})
+                  "--steps": "1", "--no-progress": None, "--layer-ms": "1", "--bandwidth-gbps": "10",
+                  "--time-limit": "1"})
     world = 1
     for v in sizes.values():
         world *= v
@@ -300,15 +302,55 @@ def searched_commands() -> dict[str, str]:
     return out
 
 
-@pytest.mark.slow
+def printed_commands_train(rank: int, world: int, spec: dict[str, Any], record: Any) -> None:
+    """On each rank of a launch (tests/dist_harness.py), every family's scaled-down command as ``memo
+    train`` in this process: exit 0 and a loss line. One launch for all of them: a torchrun per family
+    cost ~25 s here, mostly importing torch and megatron-core again."""
+    import contextlib
+    import io
+
+    from tests.dist_harness import check
+
+    def run(argv: list[str]) -> str:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+            code = main(argv)
+        assert code == 0, (argv, out.getvalue()[-2000:])
+        if rank != 0:  # rank 0 speaks for the job
+            return f"exit {code}"
+        line = re.search(r"^step\s+1\s+loss \d+\.\d+", out.getvalue(), re.MULTILINE)
+        assert line, out.getvalue()[-2000:]
+        return line.group(0)
+
+    for family, argv in spec["commands"].items():
+        check(record, family, lambda argv=argv: run(argv))
+
+
+@pytest.fixture(scope="module")
+def trained(searched_commands: dict[str, str]) -> dict[str, list[dict[str, Any]]]:
+    from tests import dist_harness
+
+    commands = {}
+    for family, command in searched_commands.items():
+        argv, world = _scaled_down(command)
+        assert world == 2, (family, argv)
+        commands[family] = argv[argv.index("train"):]
+        commands[family].remove("--no-progress")
+    try:
+        results = dist_harness.launch("tests.test_estimate_runnable:printed_commands_train", 2,
+                                      {"commands": commands}, timeout_s=400)
+    except dist_harness.LaunchError as e:
+        table = dist_harness.by_name(e.results)
+        table["<launch>"] = [{"name": "<launch>", "ok": False, "detail": str(e)}]
+        return table
+    return dist_harness.by_name(results)
+
+
 @pytest.mark.parametrize("family", [pytest.param(name, marks=[pytest.mark.megatron] * (engine == "megatron"))
                                     for name, (engine, _) in FAMILIES.items()])
-def test_the_printed_command_trains(family: str, searched_commands: dict[str, str]) -> None:
-    argv, world = _scaled_down(searched_commands[family])
-    assert world <= 4 and "--engine" in argv
-    launched = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if k not in launched}
-    env["OMP_NUM_THREADS"] = "1"
-    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, (shlex.join(argv), done.stdout[-2000:], done.stderr[-3000:])
-    assert re.search(r"^step\s+1\s+loss \d+\.\d+", done.stdout, re.MULTILINE), done.stdout[-2000:]
+def test_the_printed_command_trains(family: str, trained: dict[str, list[dict[str, Any]]]) -> None:
+    """Each family the search returns: its printed command, scaled down to two CPU processes (gloo), trains
+    a step on every rank."""
+    from tests import dist_harness
+
+    dist_harness.assert_passed(trained, family, 2)
