@@ -24,11 +24,8 @@ from torch import nn
 
 import memo
 from memo.adapters import find_model_adapter, model_adapter_for
-from memo.adapters.hf import (
-    CausalLMAdapter,
-    masked_attention_backward,
-    masked_attention_forward,
-)
+from memo.adapters.hf import masked_attention_backward, masked_attention_forward
+from memo.adapters.hf_model import CausalLMAdapter
 from memo.errors import MemoError
 from memo.phases import PhaseTracker
 from memo.runtime.wrap import runtime_of

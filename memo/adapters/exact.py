@@ -54,8 +54,9 @@ def _replaced_forward(module: nn.Module, known: type) -> str | None:
     # function of the user's assigned to the class) names another owner or module.
     fn = getattr(user_class(module), "forward", None)
     owner, _, name = getattr(fn, "__qualname__", "").rpartition(".")
-    if name != "forward" or not any(c.__qualname__ == owner and c.__module__ == getattr(fn, "__module__", None)
-                                    for c in known.__mro__):
+    module_name = getattr(fn, "__module__", None)
+    written = any(c.__qualname__ == owner and c.__module__ == module_name for c in known.__mro__)
+    if name != "forward" or not written:
         return f"{known.__name__}.forward was replaced (patched to {getattr(fn, '__qualname__', fn)!r})"
     return None
 

@@ -92,9 +92,10 @@ class MemoModelAdapter(ModelAdapter):
 _REGISTRY: AdapterRegistry[ModelAdapter] = AdapterRegistry(ModelAdapter, "model adapter", {
     "memo.models.model.TransformerModel": MemoModelAdapter(),
     "megatron.core.models.gpt.gpt_model.GPTModel": "memo.adapters.megatron:GPTModelAdapter",
-    "transformers.models.llama.modeling_llama.LlamaForCausalLM": "memo.adapters.hf:CausalLMAdapter",
-    "transformers.models.qwen2.modeling_qwen2.Qwen2ForCausalLM": "memo.adapters.hf:CausalLMAdapter",
-    "transformers.models.mistral.modeling_mistral.MistralForCausalLM": "memo.adapters.hf:CausalLMAdapter",
+    "transformers.models.llama.modeling_llama.LlamaForCausalLM": "memo.adapters.hf_model:CausalLMAdapter",
+    "transformers.models.qwen2.modeling_qwen2.Qwen2ForCausalLM": "memo.adapters.hf_model:CausalLMAdapter",
+    "transformers.models.mistral.modeling_mistral.MistralForCausalLM":
+        "memo.adapters.hf_model:CausalLMAdapter",
 })
 
 
