@@ -1,12 +1,12 @@
-"""Hugging Face ``transformers`` integration: decoder-layer adapters and a causal-LM model adapter.
+"""Hugging Face ``transformers`` integration: the decoder-layer adapter.
 
 ``memo.wrap(model, ...)`` of a ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` or ``MistralForCausalLM``
 finds their decoder layers through :class:`HFDecoderLayerAdapter` (registered the first time a
 ``transformers`` module is met, NOTE [Layer adapters]); ``CausalLMAdapter``
-(memo/adapters/hf_model.py) is their model adapter (NOTE [Model adapters]). Importing this module imports ``transformers``; memo does so only
-when a model from it is wrapped or profiled. Tested with transformers 5.23 (``pip install
-memo[hf]``); written against attributes, not versions, so that 4.4x layers (which return a tuple
-and take ``past_key_value``) work too.
+(memo/adapters/hf_model.py) is their model adapter (NOTE [Model adapters]). Importing this module
+imports ``transformers``; memo does so only when a model from it is wrapped or profiled. Tested with
+transformers 5.23 (``pip install memo[hf]``); written against attributes, not versions, so that 4.4x
+layers (which return a tuple and take ``past_key_value``) work too.
 
 NOTE [HF decoder layer anatomy]
 An HF decoder layer (Llama, Qwen2, Mistral: the three are the same code) takes
