@@ -26,9 +26,12 @@ embedding, layers and head are, and how the loss is computed); only how the mode
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -109,7 +112,7 @@ def _megatron_models(config: Any, seq_len: int, device: torch.device | str, dtyp
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # megatron's notes on settings memo does not use
         tc = _transformer_config(TransformerConfig, config, dtype, layout, device)
-    spec = get_memo_gpt_layer_local_spec()
+    spec = get_memo_gpt_layer_local_spec(qk_layernorm=bool(getattr(config, "qk_norm", False)))
     if layout.sequence_parallel:
         from memo.distributed.cpu_shims import sequence_parallel_norms
 
@@ -146,7 +149,8 @@ def _transformer_config(cls: Any, config: Any, dtype: torch.dtype, layout: Any, 
     gpt = config.arch == "gpt"
     return cls(
         num_layers=config.n_layers, hidden_size=config.hidden, num_attention_heads=config.n_heads,
-        num_query_groups=config.n_kv_heads or config.n_heads, ffn_hidden_size=config.ffn_hidden or
+        num_query_groups=config.n_kv_heads or config.n_heads, kv_channels=config.head_dim,
+        qk_layernorm=bool(getattr(config, "qk_norm", False)), ffn_hidden_size=config.ffn_hidden or
         (4 * config.hidden if gpt else None), layernorm_epsilon=config.norm_eps,
         normalization="LayerNorm" if gpt else "RMSNorm", gated_linear_unit=not gpt,
         activation_func=torch.nn.functional.gelu if gpt else torch.nn.functional.silu, add_bias_linear=gpt,
@@ -158,36 +162,190 @@ def _transformer_config(cls: Any, config: Any, dtype: torch.dtype, layout: Any, 
 
 
 def hf_config(text: str) -> Any:
-    """A transformers config from a JSON file, a directory holding ``config.json``, or inline JSON."""
+    """A transformers config from a JSON file, a directory holding ``config.json``, or inline JSON.
+
+    A file that cannot be read as JSON, a size that is not a positive integer, heads that do not
+    share out, an unknown ``rope_type`` and anything else transformers refuses is a MemoError naming
+    the field and the value (NOTE [An HF config memo can run])."""
     try:
         from transformers import AutoConfig
     except ImportError as err:
         raise MemoError(f"memo.train: --hf-config needs transformers ({err}); pip install memo[hf]") from None
+    fields = _hf_fields(text)
+    fields = dict(fields)
+    model_type = fields.pop("model_type")
+    if not isinstance(model_type, str):
+        raise MemoError(f"memo.train: --hf-config: model_type must be a name such as \"llama\", got "
+                        f"{model_type!r:.80}")
+    _check_hf_sizes(fields)
+    with _rope_refusals() as refused:
+        try:
+            config = AutoConfig.for_model(model_type, **fields)
+        except MemoError:
+            raise
+        except Exception as err:  # transformers' validators raise ValueError, KeyError, TypeError, ...
+            raise MemoError(f"memo.train: --hf-config: transformers refuses this {model_type} config: "
+                            f"{_one_line(err)}") from None
+    if refused:
+        _check_rope_types(config)  # an unknown type said in its own words
+        raise MemoError(f"memo.train: --hf-config: transformers refuses the rope parameters "
+                        f"{_rope_parameters(config)!r:.200}: {refused[0]}")
+    _check_hf_heads(config)
+    _check_rope_types(config)
+    return config
+
+
+# NOTE [An HF config memo can run]
+# transformers takes many configs it cannot run and says so late or not at all: a zero or negative
+# size fails in the model's constructor (a ZeroDivisionError in the rotary init, a negative dimension
+# in nn.Embedding), or at the first forward (key/value heads that do not divide the heads, an empty
+# vocabulary), or never (a zero-wide MLP); an unknown rope_type is a KeyError in the rotary init;
+# out-of-range rope parameters are only logged. memo train would print a traceback, or train a model
+# the user did not mean. So: the sizes are checked before transformers sees them, the heads and rope
+# types once it has filled in its defaults, rope warnings that say a value "must be" something are
+# refusals, and whatever transformers raises while making the config or building the model is a
+# MemoError that quotes it.
+
+#: Sizes of a decoder config that must be positive integers where given (null: the model's default).
+_HF_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "head_dim", "max_position_embeddings")
+#: What the rope validators of transformers log when they refuse a value (NOTE [An HF config memo can run]).
+_ROPE_REFUSALS = ("must be", "Missing validation function", "Missing required keys")
+
+
+def _hf_fields(text: str) -> dict[str, Any]:
+    """The JSON object ``--hf-config`` gives: a file, a directory's config.json, or inline JSON."""
+    from memo.jsonio import read_json
+
     if os.path.isdir(text):
-        text = os.path.join(text, "config.json")
+        folder, text = text, os.path.join(text, "config.json")
+        if not os.path.isfile(text):
+            raise MemoError(f"memo.train: --hf-config {folder!r} is a directory without a config.json; give "
+                            "the config file itself, or a directory holding config.json")
     if os.path.isfile(text):
-        with open(text) as f:
-            fields = json.load(f)
+        fields = read_json(text, "memo.train: --hf-config", "give a config.json")
     else:
         try:
             fields = json.loads(text)
-        except json.JSONDecodeError:
-            raise MemoError(f"memo.train: --hf-config {text!r} is neither a file, a directory with "
+        except (json.JSONDecodeError, RecursionError):
+            raise MemoError(f"memo.train: --hf-config {text!r:.200} is neither a file, a directory with "
                             "config.json, nor JSON; give e.g. '{\"model_type\": \"llama\", "
                             "\"num_hidden_layers\": 2, ...}'") from None
     if not isinstance(fields, dict) or "model_type" not in fields:
         raise MemoError("memo.train: --hf-config must be a JSON object with a \"model_type\" (llama, qwen2, "
                         "mistral)")
-    fields = dict(fields)
+    return fields
+
+
+def _one_line(err: BaseException, limit: int = 300) -> str:
+    """The error as one line of at most about ``limit`` characters (transformers' can list every model)."""
+    text = " ".join(str(err).split())
+    text = text if len(text) <= limit else text[:limit] + " ..."
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+def _fields_holding(config: Any, err: BaseException) -> str:
+    """``": hidden_act = 'swishy'"``: the config's fields whose value the error is about (a KeyError of
+    a lookup table says only the value), or nothing when no field holds it."""
+    value = err.args[0] if len(err.args) == 1 else None
+    if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+        return ""
+    fields = config.to_dict()
+    found = [f"{k} = {v!r}" for k, v in fields.items() if type(v) is type(value) and v == value]
+    found += [f"{k}.{kk} = {vv!r}" for k, v in fields.items() if isinstance(v, dict)
+              for kk, vv in v.items() if type(vv) is type(value) and vv == value]
+    return f": {', '.join(found[:3])}" if found else ""
+
+
+def _check_hf_sizes(fields: dict[str, Any]) -> None:
+    for name in _HF_SIZES:
+        value = fields.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise MemoError(f"memo.train: --hf-config: {name} must be a positive integer, got {value!r:.80}")
+
+
+def _check_hf_heads(config: Any) -> None:
+    heads = getattr(config, "num_attention_heads", None)
+    groups = getattr(config, "num_key_value_heads", None)
+    if isinstance(heads, int) and isinstance(groups, int) and heads % groups:
+        raise MemoError(f"memo.train: --hf-config: num_key_value_heads ({groups}) must divide "
+                        f"num_attention_heads ({heads}): each key/value head serves the same number of heads")
+
+
+def _rope_parameters(config: Any) -> Any:
+    return getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+
+
+def _check_rope_types(config: Any) -> None:
+    """Every rope_type the config names has a rotary init in transformers (else a KeyError at build)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = _rope_parameters(config)
+    if not isinstance(params, dict):
+        return
+    # one set of parameters, or one per layer type ({"full_attention": {...}, "sliding_attention": ...})
+    sets = [params] if "rope_type" in params or "type" in params else [p for p in params.values()
+                                                                        if isinstance(p, dict)]
+    known = {"default", *ROPE_INIT_FUNCTIONS}
+    for one in sets:
+        kind = one.get("rope_type", one.get("type", "default"))
+        if kind not in known:
+            raise MemoError(f"memo.train: --hf-config: rope_type {kind!r:.80} is not one transformers "
+                            f"{_transformers_version()} knows; use one of {', '.join(sorted(known))}")
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return str(transformers.__version__)
+
+
+class _Kept(logging.Handler):
+    """Keeps the records it is given, to be judged once the code that logged them has returned."""
+
+    def __init__(self, level: int) -> None:
+        super().__init__(level)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@contextlib.contextmanager
+def _rope_refusals() -> Iterator[list[str]]:
+    """The rope validators' refusals logged while a config is made (NOTE [An HF config memo can run]);
+    when there are none, the other records they logged are passed on as transformers would have
+    printed them (with a refusal, memo's one line is all that is printed)."""
+    logger = logging.getLogger("transformers.modeling_rope_utils")
+    handler = _Kept(logging.WARNING)
+    level, propagate = logger.level, logger.propagate
+    logger.setLevel(logging.WARNING)  # the user's verbosity must not hide a refusal
+    logger.propagate = False
+    logger.addHandler(handler)
+    refused: list[str] = []
     try:
-        return AutoConfig.for_model(fields.pop("model_type"), **fields)
-    except (ValueError, KeyError) as err:
-        raise MemoError(f"memo.train: --hf-config: {err}") from None
+        yield refused
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = propagate
+    refused += [r.getMessage() for r in handler.records if any(w in r.getMessage() for w in _ROPE_REFUSALS)]
+    if not refused:
+        for record in handler.records:
+            if logger.isEnabledFor(record.levelno):
+                logger.handle(record)
 
 
 def build_hf_causal_lm(config: Any, device: torch.device | str, dtype: torch.dtype) -> nn.Module:
     """``AutoModelForCausalLM.from_config(config)`` (random weights) in ``dtype`` on ``device``."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
+    try:
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except MemoError:
+        raise
+    except Exception as err:  # NOTE [An HF config memo can run]: the constructors check little themselves
+        raise MemoError(f"memo.train: --hf-config: transformers cannot build a {config.model_type} model "
+                        f"from this config ({_one_line(err)}){_fields_holding(config, err)}; check the sizes "
+                        "and options it names") from None
     return model.to(device=device)

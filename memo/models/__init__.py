@@ -28,6 +28,7 @@ from memo.models.model import (
     build_model,
     num_parameters,
 )
+from memo.models.norms import RMSNorm
 from memo.models.parallel import RankShapes, context_parallel_seq_len, per_rank_seq_len, rank_shapes
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "DEFAULT_MAX_SEQ_LEN",
     "IGNORE_INDEX",
     "RECOMPUTE_MODES",
+    "RMSNorm",
     "CoreAttention",
     "GPTEmbedding",
     "GPTLayer",
