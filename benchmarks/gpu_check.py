@@ -264,11 +264,19 @@ def main(argv: list[str] | None = None) -> int:
         checks.append(c)
         # Issue 28: FSDP2's sharded states, on the device and in host memory (CPUOffloadPolicy), and
         # issue 29: megatron's schedule over micro-batches (no pipelining at world 1), all under NCCL.
+        # Issue 41: FSDP2 with a Hugging Face Llama (its attention under memo), CP 1, world 1 under NCCL.
+        hf_llama = json.dumps({"model_type": "llama", "num_hidden_layers": 8, "hidden_size": 2048,
+                               "intermediate_size": 5632, "num_attention_heads": 16, "num_key_value_heads": 8,
+                               "vocab_size": 32000, "max_position_embeddings": 131072, "use_cache": False,
+                               "attn_implementation": "sdpa"})
         for name, extra in (("fsdp2", ("--engine", "fsdp2")),
                             ("fsdp2-offload", ("--engine", "fsdp2", "--offload-states")),
+                            ("fsdp2-hf-llama", ("--engine", "fsdp2", "--hf-config", hf_llama)),
                             ("megatron-microbatches", ("--engine", "megatron", "--micro-batches", "4"))):
             report = work / f"train-{name}-torchrun.json"
-            c = Check(f"torchrun memo train {' '.join(extra)} gpt-125m {seq} bf16 (NCCL, world 1)",
+            what = "--engine fsdp2 --hf-config (an 8-layer 1B-wide Llama)" if "--hf-config" in extra else \
+                f"{' '.join(extra)} gpt-125m"
+            c = Check(f"torchrun memo train {what} {seq} bf16 (NCCL, world 1)",
                       [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
                        *_train_cmd("memo", "gpt-125m", seq, steps, report, *extra)[1:]], 600)
             _train_numbers(c.run(logs), report)
