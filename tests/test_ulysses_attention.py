@@ -20,7 +20,14 @@ import torch
 from memo.errors import MemoError
 from memo.models.causal_attention import attention_backward, attention_forward
 from memo.models.cp_attention import load_balanced_chunks
-from memo.models.ulysses_attention import _backward, _forward, kv_replicas
+from memo.models.ulysses_attention import (
+    _backward,
+    _chunked_backward,
+    _chunked_forward,
+    _forward,
+    head_chunks,
+    kv_replicas,
+)
 
 
 class _Exchange:
@@ -132,3 +139,35 @@ def test_heads_the_ranks_cannot_share_and_odd_local_lengths_are_refused() -> Non
     q = torch.randn(5, 1, 4, 8)
     with pytest.raises(MemoError, match="local sequence must be even; got 5 tokens.*multiple of 2·cp"):
         _forward(q, q, q, 2, lambda t: t)
+
+
+@pytest.mark.parametrize("contiguous", [False, True])
+@pytest.mark.parametrize("size,n,n_kv,chunks", [
+    (2, 8, 4, 2),  # each rank receives 2 key/value heads: 2 chunks of 4 query heads
+    (2, 4, 4, 2),  # multi-head attention
+    (2, 8, 8, 4),
+    (4, 8, 2, 1),  # replicated key/value heads: each rank receives one, one chunk
+])
+def test_chunks_of_heads_give_the_same_attention(contiguous: bool, size: int, n: int, n_kv: int,
+                                                 chunks: int) -> None:
+    """NOTE [Ulysses over chunks of heads]: the exchange over chunks of heads, in either layout (NOTE
+    [Contiguous Ulysses]), is causal attention over the whole sequence, every rank its rows."""
+    assert head_chunks(n, n_kv, size) == chunks
+    torch.manual_seed(chunks * 10 + n)
+    s, b, d = 2 * size * 3, 2, 8
+    q = torch.randn(s, b, n, d, dtype=torch.float64)
+    k, v = (torch.randn(s, b, n_kv, d, dtype=torch.float64) for _ in range(2))
+    o_ref, lse_ref = attention_forward(q, k, v)
+    grad_o = torch.randn_like(o_ref)
+    refs = attention_backward(grad_o, q, k, v, o_ref, lse_ref)
+
+    def rank(r: int, exchange: Callable) -> None:
+        local = s // size
+        rows = torch.arange(r * local, (r + 1) * local) if contiguous else _rows(s, size, r)
+        o, lse = _chunked_forward(q[rows], k[rows], v[rows], size, exchange, contiguous)
+        assert _err(o, o_ref[rows]) < 1e-12 and _err(lse, lse_ref[..., rows]) < 1e-12
+        grads = _chunked_backward(grad_o[rows], q[rows], k[rows], v[rows], o, lse, size, exchange, contiguous)
+        for got, want in zip(grads, refs, strict=True):
+            assert got.shape == want[rows].shape and _err(got, want[rows]) < 1e-12
+
+    _on_ranks(size, rank)

@@ -34,6 +34,17 @@ c, each key/value head is replicated c/n_kv times before the all-to-all (rank j 
 its query heads use), and backward sums the replicas' dk, dv (in float32 for low-precision inputs)
 after the inverse all-to-all. Any other head count is refused (:func:`ulysses_heads_problem`).
 
+NOTE [Ulysses over chunks of heads]
+Attention heads are independent, so the exchange and the attention may run over a few heads at a
+time (UPipe, arXiv 2602.21196): chunk i of the query heads and the key/value heads they use go to
+head shards, attend, and come back into their place in the output before the next chunk starts.
+The result is the same to the bit; what changes is what a rank holds during attention: the head
+shards of one chunk instead of all of them (q, k, v, o and, in backward, grad_o and dq, dk, dv of
+all S tokens). memo runs as many chunks as each rank receives key/value heads
+(:func:`head_chunks`), so every chunk sends each rank exactly one key/value head and the query heads
+that share it: key/value heads are never sent twice. Llama-3.1-8B (32 query, 8 key/value heads) at
+CP 2 runs 4 chunks, a quarter of the head shards at a time; at CP 8, one.
+
 NOTE [Contiguous Ulysses]
 Ulysses needs no load balancing: after the exchange every rank attends all S tokens of its heads,
 so every rank does the same work whatever tokens it holds. Under FSDP2 (memo/distributed/fsdp2.py)
@@ -58,7 +69,8 @@ from memo.models.causal_attention import _check, attention_backward, attention_f
 from memo.models.cp_attention import GroupAttention, _lse_for_kernel, _lse_rows, _sequence_order
 from memo.planner.vocab import CP_COMMS
 
-__all__ = ["CP_COMM_TYPES", "SequenceShard", "UlyssesCoreAttention", "heads_to_tokens", "kv_replicas",
+__all__ = ["CP_COMM_TYPES", "SequenceShard", "UlyssesCoreAttention", "head_chunks", "heads_to_tokens",
+           "kv_replicas",
            "tokens_to_heads", "ulysses_attention",
            "ulysses_attention_backward", "ulysses_attention_forward", "ulysses_heads_problem"]
 
@@ -195,6 +207,59 @@ def _backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
         return tokens(dq), dk, dv
 
 
+def head_chunks(n_heads: int, n_kv_heads: int, size: int) -> int:
+    """How many chunks of heads the exchange runs in (NOTE [Ulysses over chunks of heads]): one per
+    key/value head each rank receives, so that every chunk sends each rank one key/value head."""
+    return max(n_kv_heads * kv_replicas(n_heads, n_kv_heads, size) // size, 1)
+
+
+def _chunked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, size: int, exchange: Exchange,
+                     contiguous: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_forward` over chunks of heads (NOTE [Ulysses over chunks of heads])."""
+    n = q.shape[2]
+    chunks = head_chunks(n, k.shape[2], size)
+    if chunks == 1:
+        return _forward(q, k, v, size, exchange, contiguous)
+    replicas = _layout(q, k, v, size, contiguous)
+    k, v = _replicate(k, replicas), _replicate(v, replicas)
+    qc, kc = n // chunks, k.shape[2] // chunks
+    s, b, _, d = q.shape
+    o = torch.empty_like(q)
+    lse: torch.Tensor | None = None
+    for i in range(chunks):
+        heads, kv_heads = slice(i * qc, (i + 1) * qc), slice(i * kc, (i + 1) * kc)
+        o_i, lse_i = _forward(q[:, :, heads], k[:, :, kv_heads], v[:, :, kv_heads], size, exchange,
+                              contiguous)
+        o[:, :, heads] = o_i
+        if lse is None:
+            lse = lse_i.new_empty((b, n, s))
+        lse[:, heads] = lse_i
+        del o_i, lse_i
+    assert lse is not None
+    return o, lse
+
+
+def _chunked_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      o: torch.Tensor, lse: torch.Tensor, size: int, exchange: Exchange, contiguous: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_backward` over chunks of heads (NOTE [Ulysses over chunks of heads])."""
+    n, kv_dtype = q.shape[2], k.dtype
+    chunks = head_chunks(n, k.shape[2], size)
+    if chunks == 1:
+        return _backward(grad_o, q, k, v, o, lse, size, exchange, contiguous)
+    replicas = _layout(q, k, v, size, contiguous)
+    k, v = _replicate(k, replicas), _replicate(v, replicas)
+    qc, kc = n // chunks, k.shape[2] // chunks
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    for i in range(chunks):
+        heads, kv_heads = slice(i * qc, (i + 1) * qc), slice(i * kc, (i + 1) * kc)
+        grads = _backward(grad_o[:, :, heads], q[:, :, heads], k[:, :, kv_heads], v[:, :, kv_heads],
+                          o[:, :, heads], lse[:, heads], size, exchange, contiguous)
+        dq[:, :, heads], dk[:, :, kv_heads], dv[:, :, kv_heads] = grads
+        del grads
+    return dq, _sum_replicas(dk, replicas, kv_dtype), _sum_replicas(dv, replicas, kv_dtype)
+
+
 def _exchange(group: Any) -> tuple[int, Exchange]:
     return dist.get_world_size(group), functools.partial(_all_to_all, group=group)
 
@@ -206,7 +271,7 @@ def ulysses_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     load-balanced layout (``contiguous``: rank r's tokens are ``[r·s, (r+1)·s)``, NOTE [Contiguous
     Ulysses]) -> ``o [2m, b, n, d]``, ``lse [b, n, 2m]`` as
     :func:`memo.models.causal_attention.attention_forward` (float32; float64 for float64 inputs)."""
-    return _forward(q, k, v, *_exchange(group), contiguous=contiguous)
+    return _chunked_forward(q, k, v, *_exchange(group), contiguous=contiguous)
 
 
 def ulysses_attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -214,7 +279,7 @@ def ulysses_attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.T
                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`ulysses_attention_forward` for this rank's ``q, k, v`` -> ``dq [2m, b, n, d]``,
     ``dk, dv [2m, b, n_kv, d]``."""
-    return _backward(grad_o, q, k, v, o, lse, *_exchange(group), contiguous=contiguous)
+    return _chunked_backward(grad_o, q, k, v, o, lse, *_exchange(group), contiguous=contiguous)
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any,
