@@ -70,9 +70,13 @@ MODEL_STATES = ("formula", "mixed", "same")
 # parallelism split the weights themselves) share the states, per parameter of w bytes of weight, g of
 # gradient and o of optimizer state (NOTE [Estimate model states] gives w, g, o):
 # - "optimizer", megatron's distributed optimizer (ZeRO-1): w + g + o/(d·c) on every GPU;
-# - "full", FSDP2's fully_shard (ZeRO-3): (w + g + o)/(d·c), plus what a layer needs whole while it
+# - "full", FSDP2's fully_shard (ZeRO-3): (g + o)/(d·c), plus what a layer needs whole while it
 #   runs: its weights gathered, and the next layer's prefetched (2·w per parameter of a layer), and in
-#   backward its unsharded gradients before the reduce-scatter (g per parameter of a layer);
+#   backward its unsharded gradients before the reduce-scatter (g per parameter of a layer). Where the
+#   weights train in mixed precision (the "formula" and "mixed" countings: o holds an fp32 master
+#   copy), FSDP2's sharded parameter is that fp32 master (MixedPrecisionPolicy casts it to the model
+#   dtype as it gathers), so no model-dtype copy is sharded beside it: 16 bytes per parameter, not 18.
+#   Where they do not ("same": AdamW in the model dtype), the shard is the weight itself: (w + g + o);
 # - "full-offload", FSDP2 with CPUOffloadPolicy: the (w + g + o)/(d·c) shard lives in host memory, so
 #   the GPU holds only the gathered layer buffers, and the shard is taken from the host memory memo
 #   may pin for its offload.
@@ -268,7 +272,9 @@ class Estimator:
         shards = layout.dp * layout.cp
         if layout.sharding == "optimizer":
             return params, weight * params + grad * params + -(-optim * params // shards), 0
-        sharded = -(-(weight + grad + optim) * params // shards)
+        # NOTE [Sharded model states]: under mixed precision the shard is the optimizer's fp32 master
+        shard = grad + optim + (weight if self.model_states == "same" else 0)
+        sharded = -(-shard * params // shards)
         gathered = int(round((2 * weight + grad) * formula_layer_parameters(self.shape, layout)))
         if layout.sharding == "full":
             return params, sharded + gathered, 0
@@ -303,8 +309,9 @@ class Estimator:
         if self.method == "formula":
             est.activations_bytes = int(round(formula_activations(self.shape, layout, seq_len, strategy)))
         else:
-            exchange = attention_exchange_bytes(self.config, layout, seq_len, self.dtype.itemsize)
-            est.activations_bytes = exchange  # memo's alpha is lowered with it counted
+            # all-gather's exchange on top of the peak (memo's alpha is lowered with it counted); Ulysses'
+            # is recorded where it lives (NOTE [Ulysses in a meta estimate] in plan_method.py)
+            est.activations_bytes = self._exchange_on_top(layout, seq_len)
             if strategy == "memo":
                 self._memo(est, 0.0 if least else alpha, least or alpha is None)
             else:
@@ -313,6 +320,14 @@ class Estimator:
                 est.activations_bytes += self._activations(strategy, layout, seq_len, None)
         est.notes.extend(self._notes(layout, seq_len))
         return est
+
+    def _exchange_on_top(self, layout: Layout, seq_len: int) -> int:
+        """The context-parallel exchange a recorded peak does not hold: all-gather's (NOTE
+        [Context-parallel exchange in an estimate]); Ulysses' is recorded (NOTE [Ulysses in a meta
+        estimate])."""
+        if layout.cp_comm == "a2a":
+            return 0
+        return attention_exchange_bytes(self.config, layout, seq_len, self.dtype.itemsize)
 
     def _activations(self, strategy: str, layout: Layout, seq_len: int, alpha: float | None) -> int:
         """NOTE [Gradients in the peak] and [First stage under 1F1B] in memo/estimate/plan_method.py."""
@@ -420,10 +435,15 @@ class Estimator:
                        "term for; --model-states mixed counts it")
         if layout.cp > 1 and self.method == "plan":
             exchange = attention_exchange_bytes(self.config, layout, seq_len, self.dtype.itemsize)
-            what = ("the head-sharded copies of an all-to-all" if layout.cp_comm == "a2a" else
-                    "the gathered K and V and their float32 gradients")
-            out.append(f"context parallel ({layout.cp_comm}): {what}, {exchange / GiB:,.2f} GiB, counted on "
-                       "top of the recorded peak (NOTE [Context-parallel exchange in an estimate])")
+            gib = f"{exchange / GiB:,.2f} GiB"
+            if layout.cp_comm == "a2a":
+                out.append(f"context parallel (a2a): the head-sharded copies of the all-to-all ({gib} at "
+                           "attention's backward) recorded where they live, by memo's Ulysses functions on "
+                           "the meta rank (NOTE [Ulysses in a meta estimate])")
+            else:
+                out.append(f"context parallel (all_gather): the gathered K and V and their float32 "
+                           f"gradients, {gib}, counted on top of the recorded peak (NOTE [Context-parallel "
+                           "exchange in an estimate])")
         if self.method == "formula" and self.dtype_name not in ("bfloat16", "bf16"):
             out.append("the formula counts bf16 activations and weights whatever --dtype says")
         out.extend(self.profiler.notes)

@@ -32,6 +32,13 @@ h_ffn = 4h, 16·s·b·h elements per layer, the paper's count), and its LM head 
 embedding (no second h·v/t). GPT's learned position table, biases and LayerNorm shifts are not
 terms of the seed's formula and are not counted here (``memo estimate`` prints their size).
 
+Head size. The seed writes every attention term with the head size h/a (q and o are s·b·h, k and v
+s·b·h·k/a). Models whose heads are another size d (Qwen3: 64 heads of 128 at h = 5120) are counted
+with it: the attention's parameters are 2·h·d·(a + k) (q and o projections h·a·d each, k and v h·k·d
+each), its activations 2·s·b·h (input) + 4·s·b·a·d (q, o) + 4·s·b·k·d (k, v), which are the seed's
+2h² (1 + k/a) and 6·s·b·h + 4·s·b·h·k/a where d = h/a. QK-norm (Qwen3) adds two norms of d weights per
+layer and keeps q and k in front of them as well (4·s·b·(a + k)·d more activation bytes).
+
 Strategies. The seed's activations are those of ``none``. ``full-recompute`` keeps only every
 layer's input (2·s·b·h/(t·c) bytes under sequence parallelism) and rebuilds one layer at a time
 in backward, so its layer term becomes ``2·L + (12 + 4·k/a + 8·h_ffn/h)``: an extension of the
@@ -70,26 +77,44 @@ class FormulaShape:
     """3 for Llama's SwiGLU (up, gate, down), 2 for GPT's GELU MLP (fc1, fc2)."""
     tied_head: bool = False
     """The LM head shares the embedding's weights (GPT); Llama's is untied."""
+    head_dim: int | None = None
+    """d, the size of one attention head (None: h/a, the seed's assumption)."""
+    qk_norm: bool = False
+    """An RMSNorm of every query and key head before rotary (Qwen3)."""
+
+    @property
+    def d(self) -> float:
+        """The head size, h/a unless given."""
+        return self.h / self.a if self.head_dim is None else self.head_dim
 
     @classmethod
     def of(cls, config: Any) -> FormulaShape:
         gpt = config.arch == "gpt"
+        d = config.head_dim
         return cls(h=config.hidden, a=config.n_heads, k=config.n_kv_heads, h_ffn=config.ffn_hidden,
                    n_layers=config.n_layers, v=config.vocab_size, mlp_matrices=2 if gpt else 3,
-                   tied_head=config.tied_embeddings)
+                   tied_head=config.tied_embeddings,
+                   head_dim=None if d * config.n_heads == config.hidden else d,
+                   qk_norm=bool(getattr(config, "qk_norm", False)))
 
     @property
     def layer_activation_coefficient(self) -> float:
-        """``12 + 4·k/a + 8·h_ffn/h`` (Llama; 4·h_ffn/h for GPT's MLP): bytes per s·b·h of one layer."""
+        """``12 + 4·k/a + 8·h_ffn/h`` (Llama; 4·h_ffn/h for GPT's MLP): bytes per s·b·h of one layer;
+        with a head size d other than h/a, ``8 + 4·(a + k)·d/h + 8·h_ffn/h`` (NOTE [Estimator
+        formula]), and QK-norm's inputs on top."""
         mlp = 8 if self.mlp_matrices == 3 else 4
-        return 12 + 4 * self.k / self.a + mlp * self.h_ffn / self.h
+        heads = (self.a + self.k) * self.d / self.h
+        return 8 + 4 * heads * (2 if self.qk_norm else 1) + mlp * self.h_ffn / self.h
 
 
 def formula_layer_parameters(shape: FormulaShape, layout: Layout) -> float:
-    """Parameters of one transformer layer on one GPU: ``2·h²·((1 + k/a + m/2 · h_ffn/h)/t + 1/h)``."""
+    """Parameters of one transformer layer on one GPU: ``2·h²·((1 + k/a + m/2 · h_ffn/h)/t + 1/h)``,
+    the attention's ``2h²(1 + k/a)`` being ``2·h·d·(a + k)`` for a head size d other than h/a, and
+    QK-norm's ``2·d`` weights on top (NOTE [Estimator formula])."""
     h = shape.h
-    split = (1 + shape.k / shape.a + shape.mlp_matrices / 2 * shape.h_ffn / h) / layout.tp
-    return 2 * h * h * (split + 1 / h)
+    attention = shape.d * (shape.a + shape.k) / h
+    split = (attention + shape.mlp_matrices / 2 * shape.h_ffn / h) / layout.tp
+    return 2 * h * h * (split + 1 / h) + (2 * shape.d if shape.qk_norm else 0)
 
 
 def formula_parameters(shape: FormulaShape, layout: Layout) -> float:

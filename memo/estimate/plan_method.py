@@ -188,7 +188,73 @@ def _rank_model(config: Any, n_layers: int, layout: Layout, seq_len: int, dtype:
     cfg = dataclasses.replace(config, n_layers=n_layers)
     # GPT's position table as the profiler and training size it (build_profile_model).
     kw = {"max_seq_len": max(seq_len, DEFAULT_MAX_SEQ_LEN)} if config.arch == "gpt" else {}
-    return build_model(cfg, device="meta", dtype=dtype, tensor_parallel=layout.tp, recompute=recompute, **kw)
+    model = build_model(cfg, device="meta", dtype=dtype, tensor_parallel=layout.tp, recompute=recompute, **kw)
+    if layout.cp > 1 and layout.cp_comm == "a2a":
+        meta_ulysses(model, layout.cp, contiguous=layout.engine == "fsdp2")
+    return model
+
+
+# NOTE [Ulysses in a meta estimate]
+# A Ulysses rank's attention exchanges its tokens of every head for every rank's tokens of its share
+# of the heads, runs the kernel over those, and exchanges the output back; in backward the same for
+# grad_o, q, k, v, o and lse, and dq, dk, dv back (NOTE [Ulysses context parallelism] in
+# memo/models/ulysses_attention.py). The meta rank model runs memo's own Ulysses functions, with the
+# collective replaced by what it allocates on a rank (a contiguous copy of the parts sent and the
+# tensor received, ``_all_to_all``'s two allocations): so every head-sharded copy, every reshuffle's
+# temporary and the kernel over all tokens of n/c heads are recorded where they live, and the peak is
+# the iteration's true one. Counting them on top of a peak recorded without them (NOTE
+# [Context-parallel exchange in an estimate], still what the all-gather form gets) double-counts
+# wherever the peak is elsewhere, e.g. in an RMSNorm's backward. The layout (contiguous under FSDP2,
+# megatron's load-balanced chunks otherwise) is the engine's, as ``memo train`` runs it.
+
+
+class _MetaShard:
+    """Rank 0 of a Ulysses group of ``size`` on the meta device (what :class:`memo.models.
+    ulysses_attention.SequenceShard` says of a rank, without a process group)."""
+
+    def __init__(self, size: int) -> None:
+        self.rank, self.size, self.group = 0, size, None
+
+    def first_position(self, local_len: int) -> int:
+        return 0
+
+
+def _meta_all_to_all(t: Any) -> Any:
+    """What ``all_to_all_single`` allocates on a rank: the contiguous parts sent and the received tensor."""
+    import torch
+
+    return torch.empty_like(t.contiguous())
+
+
+def meta_ulysses(model: Any, size: int, contiguous: bool) -> None:
+    """Every layer of memo's meta rank ``model`` attends as one rank of a Ulysses group of ``size``
+    (NOTE [Ulysses in a meta estimate])."""
+    import torch
+
+    from memo.models.cp_attention import GroupAttention
+    from memo.models.ulysses_attention import UlyssesCoreAttention, _backward, _forward
+
+    shard = _MetaShard(size)
+
+    def forward_half(q: Any, k: Any, v: Any, _group: Any = None) -> Any:
+        return _forward(q, k, v, size, _meta_all_to_all, contiguous)
+
+    def backward_half(grad_o: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, _group: Any = None) -> Any:
+        return _backward(grad_o, q, k, v, o, lse, size, _meta_all_to_all, contiguous)
+
+    class MetaUlyssesCoreAttention(UlyssesCoreAttention):
+        def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            o = GroupAttention.apply(q, k, v, None, (forward_half, backward_half))
+            s, b, n, d = o.shape
+            return o.view(s, b, n * d)
+
+        def attention_kernels(self) -> tuple[Callable[..., Any], Callable[..., Any]]:
+            return forward_half, backward_half
+
+    for layer in model.layers:
+        layer.core_attention = MetaUlyssesCoreAttention(shard)  # type: ignore[arg-type]
+        layer.sequence_shard = shard
+    model.embedding.sequence_shard = shard
 
 
 def counted_parameters(config: Any, layout: Layout, seq_len: int, dtype: Any) -> tuple[int, int]:
@@ -475,7 +541,7 @@ def attention_exchange_bytes(config: Any, layout: Layout, seq_len: int, elem: in
     if c == 1:
         return 0
     n, n_kv = config.n_heads // t, config.n_kv_heads // t
-    d = config.hidden // config.n_heads
+    d = config.head_dim
     tokens = seq_len * layout.micro_batch
     if layout.cp_comm == "a2a":
         return 4 * tokens * d * elem * (n // c + max(n_kv // c, 1))
