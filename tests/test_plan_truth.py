@@ -59,7 +59,7 @@ def test_the_plan_made_on_meta_is_the_plan_made_on_cpu(model: str, seq: int, lay
     # allocator recorder sees real requests, kernel scratch included, which a meta run never
     # makes; its plans are checked against a measured run below.)
     made = {device: profile(model, seq, 1, dtype="float32", device=device, layer_ms=layer_ms, policy=policy,
-                            alpha=alpha, time_limit=5.0, **MACHINE)
+                            alpha=alpha, time_limit=5.0, recorder="dispatch", **MACHINE)
             for device in ("meta", "cpu")}
     meta, cpu = made["meta"], made["cpu"]
     assert meta.wrapped and cpu.wrapped  # both plans come from the model as memo's runtime runs it

@@ -37,8 +37,9 @@ because the planned trace must be the allocator's own requests. S_* always come 
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -135,7 +136,7 @@ def profile(
     optimizer_states: str = "same",
     gradients: str = "arena",
     policy: list[str] | None = None,
-    recorder: str = "dispatch",
+    recorder: str | None = None,
     wrap_pass: bool | None = None,
     solve: bool = True,
     plan: bool = True,
@@ -170,7 +171,9 @@ def profile(
         policy: a fixed layer policy (NOTE [Layer policy]) instead of the planner's choice.
         recorder: ``"dispatch"`` (every storage torch creates; any device) or ``"allocator"``
             (memo.allocator.logging: the real requests; cpu/cuda) for the trace the plan is
-            made from. The S_* sizes always come from the dispatch recorder.
+            made from. The S_* sizes always come from the dispatch recorder. None: the allocator
+            recorder where memo's allocator will replay the plan, else the dispatch recorder
+            (NOTE [The default recorder]).
         wrap_pass: run pass 2 on the wrapped model (None: try, and plan from the plain model when
             the runtime refuses it).
         solve, plan: stop after pass 1 (``solve=False``) or after alpha (``plan=False``).
@@ -179,36 +182,100 @@ def profile(
         log: called with one line per stage (e.g. ``print``).
         agree_max: for ranks that profile their shards together: the largest of a number over the
             ranks, a collective (NOTE [Decisions every rank shares]); None in one process.
+
+    A given model's gradients come back as they were (NOTE [The profile keeps the user's gradients]):
+    the same ``.grad`` tensors with the same values, or None; the profile's own backward passes leave
+    none behind.
     """
-    machine = _machine(machine, machine_fields)
-    seq_len, micro_batch = _checked_sizes(seq_len, micro_batch, batch, tensor_parallel, context_parallel,
-                                          recorder)
-    job = _job(model, seq_len, micro_batch, _dtype(dtype), torch.device(device), machine, tensor_parallel,
-               context_parallel, recorder, progress, log or (lambda _line: None))
-    job.batch = batch
-    if gradients not in ("arena", "fallback"):
-        raise MemoError(f"memo.profiler: gradients must be 'arena' or 'fallback', got {gradients!r}")
-    job.gradients = gradients
-    if agree_max is not None:
-        job.agree_max = agree_max
-    # Refuse bad arguments before building or recording anything (a 1M-token pass takes a while).
-    if solve:
-        check_machine(machine, job.device, job.dtype)
-    if recorder == "allocator":
-        _check_allocator_device(job.device)
-    given = model if isinstance(model, nn.Module) else None
-    plain, states, layer_params = _pass1(job, given, optimizer_states)
-    result = ProfileResult(trace=plain.trace, layer_stats=plain.layer_stats, plain_trace=plain.trace,
-                           timings=job.timings, notes=job.notes)
-    if not solve:
+    with _gradients_kept(model):
+        recorder, why = _default_recorder(recorder, model, torch.device(device), solve and plan)
+        machine = _machine(machine, machine_fields)
+        seq_len, micro_batch = _checked_sizes(seq_len, micro_batch, batch, tensor_parallel, context_parallel,
+                                              recorder)
+        job = _job(model, seq_len, micro_batch, _dtype(dtype), torch.device(device), machine, tensor_parallel,
+                   context_parallel, recorder, progress, log or (lambda _line: None))
+        job.batch = batch
+        if why is not None:
+            job.notes.append(why)
+        if gradients not in ("arena", "fallback"):
+            raise MemoError(f"memo.profiler: gradients must be 'arena' or 'fallback', got {gradients!r}")
+        job.gradients = gradients
+        if agree_max is not None:
+            job.agree_max = agree_max
+        # Refuse bad arguments before building or recording anything (a 1M-token pass takes a while).
+        if solve:
+            check_machine(machine, job.device, job.dtype)
+        if recorder == "allocator":
+            _check_allocator_device(job.device)
+        given = model if isinstance(model, nn.Module) else None
+        plain, states, layer_params = _pass1(job, given, optimizer_states)
+        result = ProfileResult(trace=plain.trace, layer_stats=plain.layer_stats, plain_trace=plain.trace,
+                               timings=job.timings, notes=job.notes)
+        if not solve:
+            return result
+        _measure(job, plain, result)
+        chosen = _choose_policy(job, plain, states, layer_params, alpha, policy, wrap_pass, result)
+        wrapped = _pass2(job, plain, chosen, wrap_pass, plan, result)
+        _record_choice(job, result, chosen, states)
+        if plan:
+            _plan(job, result, chosen, states, wrapped, time_limit, solver)
         return result
-    _measure(job, plain, result)
-    chosen = _choose_policy(job, plain, states, layer_params, alpha, policy, wrap_pass, result)
-    wrapped = _pass2(job, plain, chosen, wrap_pass, plan, result)
-    _record_choice(job, result, chosen, states)
-    if plan:
-        _plan(job, result, chosen, states, wrapped, time_limit, solver)
-    return result
+
+
+# NOTE [The profile keeps the user's gradients]
+# Every recorded pass runs a backward on the given model (pass 1 when it cannot run on meta, the
+# policy's probes, pass 2, the allocator recorder's warm-up), and each leaves gradients in ``.grad``.
+# A user who profiles and then trains (zero_grad after the optimizer step, as most loops do) would
+# start step 1 from the profile's gradients added to the first batch's; one who profiles in the
+# middle of accumulating would lose what was accumulated, or, through the warm-up, which
+# accumulates into the tensors it finds, have it changed in place. So the profile takes the
+# gradients off the parameters before its first pass (no backward of it can then touch the user's
+# tensors) and puts the very same tensors back when it ends, raised or not.
+@contextlib.contextmanager
+def _gradients_kept(model: str | nn.Module) -> Iterator[None]:
+    params = list(model.parameters()) if isinstance(model, nn.Module) else []
+    kept = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, grad in zip(params, kept, strict=True):
+            p.grad = grad
+
+
+# NOTE [The default recorder]
+# memo's allocator replays a plan by (phase, request index), so the plan must come from the requests
+# the allocator will see. The dispatch recorder sees the storages torch creates, not what kernels
+# allocate below the dispatcher: on CPU the flash-attention kernel's scratch inside every layer
+# forward, the embedding's index copy. Planned from its trace, every request after the first unseen
+# one in a phase deviates: tiny at 512 tokens on CPU ran 80 requests a step from the plan and 712
+# from the fallback. ``memo profile`` has recorded with the allocator on real devices since it had
+# both recorders; profile() kept "dispatch" as its default, so a plan made from Python mostly went
+# unused. The default is now the CLI's: the allocator recorder on cpu and cuda when a plan is made,
+# the dispatch recorder on meta (it is all there is) or when only alpha is wanted. On CUDA the
+# allocator recorder needs memo's CUDA allocator, installed before the first CUDA tensor; when that
+# is too late the dispatch recorder runs and the result's notes say why.
+def _default_recorder(recorder: str | None, model: str | nn.Module, device: torch.device, plan: bool
+                      ) -> tuple[str, str | None]:
+    """The recorder to use (``plan``: whether a plan is made) and, when the default could not be the
+    allocator's, why (a note)."""
+    if recorder is not None:
+        return recorder, None
+    if isinstance(model, nn.Module):
+        param = next(model.parameters(), None)
+        device = param.device if param is not None else device
+    if device.type not in ("cpu", "cuda") or not plan:
+        return "dispatch", None
+    if device.type == "cuda":
+        from memo import allocator
+
+        if not allocator.cuda_installed() and torch.cuda.is_initialized():
+            return "dispatch", ("the plan comes from the dispatch recorder: memo's CUDA allocator was not "
+                                "installed before the first CUDA tensor, so its requests cannot be recorded "
+                                "and a Session cannot replay this plan; call memo.allocator.install_cuda() "
+                                "first (NOTE [The default recorder])")
+    return "allocator", None
 
 
 def _machine(machine: Machine | None, machine_fields: dict[str, Any]) -> Machine:
