@@ -36,6 +36,7 @@ from memo.cli.args import byte_count, positive_float
 from memo.cli.show import device_lines, warning_lines
 from memo.errors import MemoError
 from memo.jsonio import atomic_write, check_writable
+from memo.paths import check_distinct
 from memo.planner import Plan, Trace, load_trace, lower_bound, make_plan, save_plan, without_unphased
 from memo.units import GB, format_bytes
 
@@ -165,6 +166,8 @@ def _check_budget(device: dict[str, Any], gb: float) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # NOTE [Outputs are not inputs] in memo/paths.py
+    check_distinct("memo plan", [("TRACE", args.trace)], [("-o", args.output)])
     check_writable(args.output, "memo plan -o")
     trace = load_trace(args.trace)
     with warnings.catch_warnings():

@@ -11,6 +11,7 @@ import argparse
 
 from memo.cli.args import figure_path
 from memo.cli.show import safe_text
+from memo.paths import check_distinct
 from memo.phase_names import phase_kind
 from memo.planner import Plan, load_plan
 from memo.units import format_bytes
@@ -90,6 +91,8 @@ def plot_plan(plan: Plan, path: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    # NOTE [Outputs are not inputs] in memo/paths.py
+    check_distinct("memo plot", [("PLAN", args.plan)], [("-o", args.output)])
     plan = load_plan(args.plan)
     n = plot_plan(plan, args.output)
     placed = sum(off is not None for off in plan.offsets)

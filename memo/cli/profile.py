@@ -13,6 +13,7 @@ docs/profiling.md.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import Any
@@ -251,8 +252,12 @@ def _print_rank(args: argparse.Namespace, sources: dict[str, str], rank_seq: int
 
 def run(args: argparse.Namespace) -> int:
     from memo.jsonio import check_writable
+    from memo.paths import check_distinct
     from memo.pipeline import DTYPES, profile
 
+    # NOTE [Outputs are not inputs] in memo/paths.py; --model may be a CONFIG.json
+    check_distinct("memo profile", [("--model", args.model if os.path.isfile(args.model) else None)],
+                   [("-o", args.output), ("--trace-out", args.trace_out)])
     check_writable(args.output, "memo profile -o")
     if args.trace_out:
         check_writable(args.trace_out, "memo profile --trace-out")

@@ -48,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
     from memo.train.plots import plot_losses
     from memo.train.strategies import StrategyOptions, make_strategy
 
+    _check_paths(args)
     if args.data and not os.path.isfile(args.data):
         raise MemoError(f"memo train: --data {args.data!r} is not a file; give a text or binary file to "
                         "train on its bytes, or leave --data out for synthetic tokens")
@@ -157,6 +158,46 @@ def run(args: argparse.Namespace) -> int:
         plot_losses([report, *compare], args.plot)
         print(f"loss curves written to {args.plot}")
     return 0
+
+
+#: The most ranks whose stage-plan files are compared with the other paths (NOTE [Outputs are not inputs]).
+_MAX_COMPARED_RANKS = 1024
+
+
+def _check_paths(args: argparse.Namespace) -> None:
+    """Refuse a stage-plan pattern with fields other than {stage} and {rank} (NOTE [Stage-plan patterns]),
+    and an output that is an input or another output (NOTE [Outputs are not inputs]), before any work."""
+    from memo.paths import check_distinct, check_stage_pattern
+
+    pipelined = args.pp > 1 or args.micro_batches > 1
+    if args.save_plan:
+        check_stage_pattern(args.save_plan, "--save-plan", args.pp)
+    if args.plan and pipelined:
+        check_stage_pattern(args.plan, "--plan", args.pp)
+    hf = args.hf_config
+    if hf and os.path.isdir(hf):
+        hf = os.path.join(hf, "config.json")
+    inputs = [*_plan_files("--plan", args.plan, pipelined, args), ("--data", args.data),
+              ("--hf-config", hf if hf and os.path.isfile(hf) else None),
+              ("--model", args.model if os.path.isfile(args.model) else None),
+              *(("--compare", path) for path in args.compare)]
+    outputs = [("--report", args.report), ("--plot", args.plot),
+               *_plan_files("--save-plan", args.save_plan, True, args)]
+    check_distinct("memo train", inputs, outputs)
+
+
+def _plan_files(flag: str, pattern: str | None, is_pattern: bool, args: argparse.Namespace
+                ) -> list[tuple[str, str]]:
+    """The files a --plan or --save-plan pattern names for this job's stages and ranks."""
+    if not pattern:
+        return []
+    if not is_pattern:
+        return [(flag, pattern)]
+    launched = os.environ.get("WORLD_SIZE", "")
+    world = max(args.tp * args.cp * (args.dp or 1) * args.pp, int(launched) if launched.isdigit() else 1)
+    ranks = range(min(world, _MAX_COMPARED_RANKS)) if "{rank" in pattern else range(1)
+    files = {pattern.format(stage=stage, rank=rank) for stage in range(args.pp) for rank in ranks}
+    return [(flag, path) for path in sorted(files)]
 
 
 def _rank() -> int:

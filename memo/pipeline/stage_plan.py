@@ -179,11 +179,9 @@ def stage_plan(trace: dict[str, Any], schedule: dict[str, Any], static_bytes: in
 
 
 def _fill(pattern: str, stage: int, rank: int) -> str:
-    try:
-        return pattern.format(stage=stage, rank=rank)
-    except (KeyError, IndexError, ValueError) as e:
-        raise MemoError(f"memo.train: plan path {pattern!r}: only {{stage}} and {{rank}} are filled in ({e})"
-                        ) from None
+    from memo.paths import fill_stage_pattern  # NOTE [Stage-plan patterns]: {stage} and {rank} only
+
+    return fill_stage_pattern(pattern, stage, rank, "plan pattern")
 
 
 def stop_together(problem: str | None, parallel: Any) -> None:
