@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERS: list[set[str]] = [
     {"_version", "errors", "_planner_native", "_C"},  # memo's errors; the native modules
     # the torch-free vocabulary, file formats and the sequence-split rule
-    {"units", "jsonio", "phase_names", "trace_format", "token_split", "repeated_tiles"},
+    {"units", "jsonio", "paths", "phase_names", "trace_format", "token_split", "repeated_tiles"},
     {"planner"},  # the torch-free planner (planner/, installed as memo.planner)
     {"machine", "models"},  # what the job runs on, and the models memo builds
     {"adapters", "allocator", "phases", "utils"},

@@ -551,7 +551,8 @@ def _hf_shapes(hf: Any) -> Any:
     head_dim = getattr(hf, "head_dim", None)
     return ModelConfig(name=f"hf-{hf.model_type}", arch="llama", n_layers=hf.num_hidden_layers,
                        hidden=hf.hidden_size, n_heads=heads,
-                       head_dim=None if head_dim in (None, hf.hidden_size // heads) else int(head_dim),
+                       head_dim=None if head_dim is None or head_dim * heads == hf.hidden_size
+                       else int(head_dim),
                        qk_norm=hf.model_type == "qwen3",
                        n_kv_heads=getattr(hf, "num_key_value_heads", None),
                        ffn_hidden=getattr(hf, "intermediate_size", None), vocab_size=hf.vocab_size,
