@@ -355,6 +355,15 @@ def _job(model: str | nn.Module, seq_len: int, micro_batch: int, dt: torch.dtype
                 progress, say)
 
 
+def _exchanges(model: nn.Module | None) -> bool:
+    """Whether ``model`` is a context-parallel rank whose attention exchanges with its group (megatron's
+    core attention with a CP group, a Ulysses rank of memo/distributed/ulysses.py)."""
+    if model is None:
+        return False
+    return any(getattr(m, "cp_group", None) is not None or hasattr(m, "memo_sequence_shard")
+               or getattr(m, "sequence_shard", None) is not None for m in model.modules())
+
+
 def _pass1(job: _Job, given: nn.Module | None, optimizer_states: str
            ) -> tuple[Recording, dict[str, Any], int]:
     """Pass 1: the plain model's trace and layer sizes, its model states and one layer's parameters."""
@@ -381,7 +390,7 @@ def _pass1(job: _Job, given: nn.Module | None, optimizer_states: str
                        job.machine.device_budget_bytes, "memo.profiler", job.job_seq_len)
     job.meta = {"model": job.name, "seq_len": job.job_seq_len, "context_parallel": job.cp}
     if job.cp > 1:
-        job.notes.append(context_parallel_note(job.cp, job.machine.layer_ms is None))
+        job.notes.append(context_parallel_note(job.cp, job.machine.layer_ms is None, _exchanges(given)))
     job.say(f"pass 1 ({sized_on.type}): recording one iteration of the plain model ...")
     t0 = time.perf_counter()
     try:

@@ -67,12 +67,19 @@ def rank_tokens(seq_len: int, tensor_parallel: int = 1, context_parallel: int = 
     return context_parallel_seq_len(seq_len, c)
 
 
-def context_parallel_note(context_parallel: int, layer_time_from_profile: bool) -> str:
-    """What a context-parallel profile does not count, for ``ProfileResult.notes``."""
-    note = (f"context parallel {context_parallel}-way: the profile is one rank's, fed seq_len/"
-            f"{context_parallel} tokens; ring attention's communication buffers (key/value chunks in "
-            "flight, their gradients, per-step partial outputs) are not counted in the plan or the "
-            "device total (NOTE [Context-parallel profile])")
+def context_parallel_note(context_parallel: int, layer_time_from_profile: bool,
+                          runs_collectives: bool = False) -> str:
+    """What a context-parallel profile does not count, for ``ProfileResult.notes``.
+    ``runs_collectives``: the profile ran the rank's own model in its group (``memo train``), so its
+    attention's exchanges (all-gather or all-to-all) were recorded as they ran."""
+    if runs_collectives:
+        note = (f"context parallel {context_parallel}-way: the profile recorded this rank's own iteration, "
+                "its attention's exchanges in the trace as they ran")
+    else:
+        note = (f"context parallel {context_parallel}-way: the profile is one rank's, fed seq_len/"
+                f"{context_parallel} tokens; ring attention's communication buffers (key/value chunks in "
+                "flight, their gradients, per-step partial outputs) are not counted in the plan or the "
+                "device total (NOTE [Context-parallel profile])")
     if layer_time_from_profile:
         note += (f"; T_layer was not given: measured or estimated on seq_len/{context_parallel} tokens, "
                  f"it misses ~{context_parallel}x of a rank's attention time (pass --layer-ms)")
