@@ -283,8 +283,12 @@ def _run_one(args: argparse.Namespace, est: Any) -> dict[str, Any]:
 def _describe_one(e: Any) -> str:
     from memo.estimate.core import limit_words
 
-    how = ("(6 + 12/(d·c)) B per parameter" if e.model_states == "formula" else
-           f"counted on memo's rank model, {e.model_states} precision")
+    if e.model_states != "formula":
+        how = f"counted on memo's rank model, {e.model_states} precision"
+    elif e.layout.sharding == "optimizer":
+        how = "(6 + 12/(d·c)) B per parameter"
+    else:  # NOTE [Sharded model states]
+        how = "16/(d·c) B per parameter sharded, and the layers FSDP2 gathers"
     lines = [
         f"memo estimate: {e.model}, {e.seq_len:,} tokens, {e.layout.gpus} GPUs as {e.layout.describe()}, "
         f"strategy {e.strategy}, method {e.method}",
@@ -301,6 +305,10 @@ def _describe_one(e: Any) -> str:
         lines.append(f"memo: alpha {e.alpha:.4f} (binding: {e.alpha_binding}); pinned host memory "
                      f"{_gib(e.host_bytes_per_process)} GiB per GPU, "
                      f"{_gib(e.host_bytes_per_node)} GiB per node")
+    elif e.policy is not None:
+        lines.append(f"memo: {_policy_cell(e.to_dict())} (binding: {e.alpha_binding}); host memory "
+                     f"{_gib(e.host_bytes_per_process)} GiB per GPU, {_gib(e.host_bytes_per_node)} GiB per "
+                     "node")
     lines.extend(f"note: {n}" for n in e.notes)
     return "\n".join(lines)
 
@@ -403,7 +411,7 @@ def _run_max_seq(args: argparse.Namespace, est: Any, log: Any) -> dict[str, Any]
             "capped_by_seq_cap": bool(b and b["capped_by_max_seq"]),
             "estimate": b["estimate"].to_dict() if b and b["estimate"] else None,
             "layouts": [{**x["layout"].to_dict(), "longest": x["longest"], "guess": x["guess"],
-                         "pruned": x["pruned"],
+                         "pruned": x["pruned"], "settled": bool(x.get("settled")),
                          "first_failure": x["first_failure"],
                          "total_gib_at_longest": None if x["estimate"] is None else
                          round(x["estimate"].total_bytes / GiB, 4)} for x in r["layouts"]],
@@ -425,8 +433,7 @@ def _run_max_seq(args: argparse.Namespace, est: Any, log: Any) -> dict[str, Any]
                 "-" if lay is None else _layout_cell(lay),
                 "-" if e is None else f"{e['total_gib']:,.2f}",
                 f"{_gib(o['limit_bytes'])} ({_limit_rule(rule)})",
-                "-" if e is None or e["policy"] is None else
-                e["policy"] + ("" if e["alpha"] is None else f", alpha {e['alpha']:.3f}"),
+                "-" if e is None or e["policy"] is None else _policy_cell(e),
                 "-" if e is None or e["host_gib_per_node"] is None else f"{e['host_gib_per_node']:,.0f}",
             ))
         limit = (f"fit limit {_gib(est.fit_limit_bytes)} GiB for every strategy (--fit-limit-gib)"
@@ -446,12 +453,15 @@ def _run_max_seq(args: argparse.Namespace, est: Any, log: Any) -> dict[str, Any]
                 for o in out_rows:
                     x = next(y for y in o["layouts"]
                              if _layout_cell(y) == _layout_cell(lay.to_dict()))
-                    cells.append(tokens(x["longest"]) if x["longest"] else
+                    cells.append(f"{tokens(x['longest'])}, no longer" if x["settled"] else
+                                 tokens(x["longest"]) if x["longest"] else
                                  "screened" if x["pruned"] and x["guess"] is None else
                                  f"~{tokens(x['guess'])}*" if x["pruned"] else "-")
                 grid.append((_layout_cell(lay.to_dict()), *cells))
             print("\nLongest sequence per layout (DP 1: NOTE [Longest sequence layouts])\n")
             print(align(grid))
+            print("no longer: it fits that length, and not one granularity past the best layout's, so it "
+                  "was not searched further")
             print("* not searched: the line through two lengths ends short of a length already confirmed"
                   + ("" if args.method == "formula" else "; screened: the closed form's screen left it out "
                      "(NOTE [Fast longest-sequence search])"))
@@ -469,6 +479,13 @@ def _run_max_seq(args: argparse.Namespace, est: Any, log: Any) -> dict[str, Any]
             "host_mem_gb": args.host_mem_gb,
             "gpus_per_node": args.gpus_per_node, "bandwidth_gbps": args.bandwidth_gbps,
             "granularity": args.granularity, "seq_cap": args.seq_cap, "strategies": out_rows}
+
+
+def _policy_cell(e: dict[str, Any]) -> str:
+    """memo's layer policy of an estimate's dict: its kind, alpha, and the layers that keep their input on
+    the device (NOTE [Inputs on the device where the host binds] in memo/estimate/core.py)."""
+    cell = e["policy"] + ("" if e["alpha"] is None else f", alpha {e['alpha']:.3f}")
+    return cell + (f", {e['recomputed_layers']} recompute" if e.get("recomputed_layers") else "")
 
 
 def _smallest_need(est: Any, layouts: list[Any], strategies: tuple[str, ...], length: int) -> str:

@@ -62,6 +62,18 @@ MEMO_POLICIES = ("auto", *OFFLOADING_POLICIES)
 # comparison on equal terms whatever each strategy's own rule would allow. Estimate.limit_rule says
 # which one a row used: "plan", "fraction" or "given".
 
+# NOTE [Inputs on the device where the host binds]
+# Where the host cannot hold every offloading layer's input even input-only, the device's free bytes
+# and the host's together are the capacity: as many layers as the host holds stay input-only (the
+# first ones, as the runtime orders offloading layers), and the others run "recompute", their input
+# kept on the device and the layer recomputed whole in its backward (NOTE [Layer policy] in
+# memo/runtime/runtime.py), which planner/policy.py chooses the same way (a split of input-only and
+# recomputed layers) when ``memo train`` plans the job. Each recomputed layer costs the device its
+# input, and its backward holds the whole layer at once where an input-only layer's holds one tile's
+# share; the estimate records that policy (NOTE [Estimate from a meta profile]: linear in each count).
+# A length the host cannot hold one layer's input of is refused: memo offloads nothing there, which is
+# the full-recompute row.
+
 #: How model states are counted (NOTE [Estimate model states]).
 MODEL_STATES = ("formula", "mixed", "same")
 
@@ -146,6 +158,9 @@ class Estimate:
     #: memo's layer policy: "memo" (every layer at alpha) or "input-only" (NOTE [Memo's policy in an
     #: estimate]); None for other strategies.
     policy: str | None = field(default=None)
+    #: memo's layers that keep their input on the device and recompute, where the host cannot hold every
+    #: layer's (NOTE [Inputs on the device where the host binds]); the others run ``policy``.
+    recomputed_layers: int = field(default=0)
     #: What "fits" is measured against (NOTE [Fit limits]): "fraction" (fit_fraction of the GPU) or
     #: "plan" (the usable budget of memo's plan) or "given" (``given_limit_bytes``, every strategy's).
     limit_rule: str = field(default="fraction")
@@ -180,6 +195,7 @@ class Estimate:
             "device_mem_gb": self.device_mem_gb, "fit_fraction": self.fit_fraction,
             "limit_gib": gib(self.limit_bytes), "limit_bytes": self.limit_bytes, "fits": self.fits,
             "limit_rule": self.limit_rule, "policy": self.policy,
+            "recomputed_layers": self.recomputed_layers,
             "alpha": self.alpha, "alpha_binding": self.alpha_binding,
             "host_bytes_per_process": self.host_bytes_per_process,
             "host_bytes_per_node": self.host_bytes_per_node,
@@ -329,12 +345,15 @@ class Estimator:
             return 0
         return attention_exchange_bytes(self.config, layout, seq_len, self.dtype.itemsize)
 
-    def _activations(self, strategy: str, layout: Layout, seq_len: int, alpha: float | None) -> int:
-        """NOTE [Gradients in the peak] and [First stage under 1F1B] in memo/estimate/plan_method.py."""
-        n = self.profiler.numbers(strategy, layout, seq_len, alpha)
+    def _activations(self, strategy: str, layout: Layout, seq_len: int, alpha: float | None,
+                     recomputed: int = 0) -> int:
+        """NOTE [Gradients in the peak] and [First stage under 1F1B] in memo/estimate/plan_method.py;
+        ``recomputed``: NOTE [Inputs on the device where the host binds]."""
+        n = self.profiler.numbers(strategy, layout, seq_len, alpha, recomputed=recomputed)
         stages = [n]
         if layout.pp > 1:  # NOTE [Last stage under 1F1B]: its head, one micro-batch
-            stages.append(self.profiler.numbers(strategy, layout, seq_len, alpha, stage=False))
+            stages.append(self.profiler.numbers(strategy, layout, seq_len, alpha, stage=False,
+                                                recomputed=recomputed))
         if self.model_states == "same":
             return max(s.iteration - s.gradients for s in stages)
         return max(s.activations for s in stages)
@@ -386,23 +405,30 @@ class Estimator:
                              "stalls compute")
 
     def _input_only(self, est: Estimate, host: int, memo_error: MemoError | None) -> None:
-        """Every offloading layer input-only: the host holds its input alone (NOTE [Memo's policy in
-        an estimate]); a MemoError when even that does not fit the host."""
+        """Every offloading layer input-only: the host holds its input alone (NOTE [Memo's policy in an
+        estimate]); where it cannot hold them all, as many as it holds, the others keeping their input on
+        the device (NOTE [Inputs on the device where the host binds]); a MemoError where it holds none."""
         layout, seq_len = est.layout, est.seq_len
         s_in = self.profiler.layer_sizes(layout, seq_len)[0]
-        need = s_in * self.profiler.offloaded_layers(layout)
-        if need > host:
-            why = (f"input-only layers need {need / GiB:,.2f} GiB of host memory per process (S_input "
-                   f"{s_in / GiB:,.3f} GiB x {self.profiler.offloaded_layers(layout)} layers > "
-                   f"{host / GiB:,.2f} GiB)")
+        layers = self.profiler.offloaded_layers(layout)
+        offloaded = min(layers, host // s_in) if s_in > 0 else layers
+        if offloaded < 1:
+            why = (f"the host cannot hold even one layer's input (S_input {s_in / GiB:,.3f} GiB > "
+                   f"{host / GiB:,.2f} GiB per process), so memo offloads nothing: it is full recompute here")
             if memo_error is None:
                 raise MemoError(f"memo estimate: {why}; use more host memory, more GPUs or a shorter "
                                 "sequence")
-            raise MemoError(f"{memo_error}; {why.replace('of host memory ', '', 1)}") from memo_error
+            raise MemoError(f"{memo_error}; {why}") from memo_error
         est.policy = "input-only"
-        est.activations_bytes += self._activations("input-only", layout, seq_len, None)
+        est.recomputed_layers = layers - offloaded
+        est.activations_bytes += self._activations("input-only", layout, seq_len, None, est.recomputed_layers)
         est.alpha, est.alpha_binding = None, "host memory"
-        self._host(est, need * layout.pp)
+        self._host(est, s_in * offloaded * layout.pp)
+        if est.recomputed_layers:
+            held = s_in * offloaded / GiB
+            est.notes.append(f"memo: the host holds {offloaded} layers' inputs ({held:,.2f} GiB per "
+                             f"process); {est.recomputed_layers} layers keep theirs on the device and "
+                             "recompute (NOTE [Inputs on the device where the host binds])")
 
     def _peer_host(self, est: Estimate) -> None:
         """NOTE [The peer in an estimate]: every layer's input in host memory, or a MemoError."""

@@ -67,6 +67,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from memo.errors import internal_assert
 from memo.estimate.formula import FORMULA_STRATEGIES
 from memo.estimate.layout import Layout
 from memo.machine import Machine
@@ -136,6 +137,30 @@ class RankNumbers:
     """Bytes live when the head's forward begins that are freed later: what a micro-batch keeps."""
     gradients: int
     """Parameter gradients: allocations made in backward and live at the end."""
+    by_kind: tuple[tuple[str, int, int, int], ...] = ()
+    """``(kind, iteration, activations, stage_activations)``: the same peaks over the phases of each
+    kind, where :func:`analyse_trace` was given kinds (NOTE [Inputs on the device where the host binds]
+    in core.py: each is linear in the layer counts where the largest one need not be)."""
+
+    def along(self, steps: tuple[tuple[RankNumbers, int], ...]) -> RankNumbers:
+        """``self + Σ count·(other - self)``: from this recording, ``count`` more of what each ``other``
+        recording added (one layer of a kind). The peaks are extended kind by kind and the largest
+        taken, where every recording has the same kinds; otherwise, and for the other fields, field by
+        field."""
+
+        def ext(mine: int, theirs: tuple[int, ...]) -> int:
+            return int(round(mine + sum(n * (t - mine) for t, (_, n) in zip(theirs, steps, strict=True))))
+
+        fields = {k: ext(getattr(self, k), tuple(getattr(o, k) for o, _ in steps))
+                  for k in ("iteration", "activations", "stage_activations", "held", "gradients")}
+        kinds = {row[0] for row in self.by_kind}
+        if kinds and all({row[0] for row in o.by_kind} == kinds for o, _ in steps):
+            theirs = [{row[0]: row[1:] for row in o.by_kind} for o, _ in steps]
+            peaks = [tuple(ext(mine[i], tuple(t[kind][i] for t in theirs)) for i in range(3))
+                     for kind, *mine in self.by_kind]
+            for i, name in enumerate(("iteration", "activations", "stage_activations")):
+                fields[name] = max(p[i] for p in peaks)
+        return RankNumbers(**fields)
 
     def extend(self, other: RankNumbers, depth: int, other_depth: int, target: int) -> RankNumbers:
         """Linear in depth through (depth, self) and (other_depth, other), at ``target``."""
@@ -145,8 +170,9 @@ class RankNumbers:
                               for k in names})
 
 
-def analyse_trace(trace: dict[str, Any]) -> RankNumbers:
-    """The numbers of :class:`RankNumbers` from a ``memo.trace`` dict (time = event index)."""
+def analyse_trace(trace: dict[str, Any], kind_of: Callable[[str], str] | None = None) -> RankNumbers:
+    """The numbers of :class:`RankNumbers` from a ``memo.trace`` dict (time = event index); with
+    ``kind_of`` (a phase name -> its kind) also the peaks over each kind's phases."""
     events = trace["events"]
     freed = {e["id"] for e in events if e["op"] == "free"}
     phase_of: dict[int, str] = {}
@@ -157,6 +183,7 @@ def analyse_trace(trace: dict[str, Any]) -> RankNumbers:
     live: dict[int, int] = {}
     total = other = peak = peak_other = peak_stage = 0
     held = None
+    kinds: dict[str, list[int]] = {}
     for e in events:
         op = e["op"]
         if op == "malloc":
@@ -172,6 +199,11 @@ def analyse_trace(trace: dict[str, Any]) -> RankNumbers:
             peak_other = max(peak_other, other)
             if not phase.startswith("head."):
                 peak_stage = max(peak_stage, other)
+            if kind_of is not None:
+                mine = kinds.setdefault(kind_of(phase), [0, 0, 0])
+                mine[0], mine[1] = max(mine[0], total), max(mine[1], other)
+                if not phase.startswith("head."):
+                    mine[2] = max(mine[2], other)
         elif op == "free" and e["id"] in live:
             size = live.pop(e["id"])
             total -= size
@@ -179,7 +211,8 @@ def analyse_trace(trace: dict[str, Any]) -> RankNumbers:
                 other -= size
     grad_bytes = sum(int(e["size"]) for e in events if e["op"] == "malloc" and e["id"] in grads)
     return RankNumbers(iteration=peak, activations=peak_other, stage_activations=peak_stage,
-                       held=held or 0, gradients=grad_bytes)
+                       held=held or 0, gradients=grad_bytes,
+                       by_kind=tuple((k, *v) for k, v in sorted(kinds.items())))  # type: ignore[misc]
 
 
 def _rank_model(config: Any, n_layers: int, layout: Layout, seq_len: int, dtype: Any, recompute: str) -> Any:
@@ -368,6 +401,23 @@ def _record_offloaded_checkpoint(model: Any, layout: Layout, seq_len: int) -> di
         layers.remove()
 
 
+def _policy_kinds(policy: tuple[str, ...]) -> Callable[[str], str]:
+    """A phase's kind for :func:`analyse_trace` under a mixed ``policy``: a layer's backward by its
+    layer's policy (a recomputed layer's runs first and holds every recomputed input still there; an
+    offloading layer's runs after them all), forwards together, the rest by their own kind."""
+    from memo.phase_names import parse_phase
+
+    def kind(phase: str) -> str:
+        if not phase:
+            return ""
+        what, index = parse_phase(phase)
+        if what == "layer.bwd" and index is not None:
+            return f"{what}.{policy[index]}"
+        return what
+
+    return kind
+
+
 class RankProfiler:
     """Meta profiles of first-stage ranks, cached by what they depend on."""
 
@@ -386,34 +436,39 @@ class RankProfiler:
         self.notes: list[str] = []
 
     def _record(self, strategy: str, layout: Layout, seq_len: int, depth: int, alpha: float | None,
-                stage: bool = True) -> tuple[RankNumbers, Any]:
+                stage: bool = True, policy: tuple[str, ...] | None = None) -> tuple[RankNumbers, Any]:
         """The numbers of one recorded iteration (and pass 1's layer statistics), or with ``stage`` and
-        p > 1 of the first stage's 1F1B step (NOTE [First stage under 1F1B]; no statistics)."""
+        p > 1 of the first stage's 1F1B step (NOTE [First stage under 1F1B]; no statistics). memo's
+        layers run ``policy`` where given (``depth`` is its length), else ``strategy`` in every layer
+        but the kept last ones."""
         stages = layout.pp if stage and strategy != "offloaded-checkpoint" else 1
+        if policy is None and strategy in ("memo", "input-only"):
+            kept = min(self.machine.memo_keep_last, depth)
+            policy = (strategy,) * (depth - kept) + ("keep",) * kept
         key = (strategy, layout.tp, layout.cp, layout.micro_batch, seq_len, depth,
-               None if alpha is None else round(alpha, 6), stages)
+               None if alpha is None else round(alpha, 6), stages, policy)
         if key in self.cache:
             return self.cache[key]
         from memo.pipeline import profile
 
         recompute = "full" if strategy == "full-recompute" else "none"
         model = _rank_model(self.config, depth, layout, seq_len, self.dtype, recompute)
+        kind_of = _policy_kinds(policy) if policy is not None and "recompute" in policy else None
         if stages > 1:
             out: tuple[RankNumbers, Any] = (analyse_trace(self._first_stage(model, strategy, layout, seq_len,
-                                                                            depth, alpha)), None)
+                                                                            alpha, policy), kind_of), None)
             self.profiles += 1
             self.cache[key] = out
             return out
         common = {"tensor_parallel": layout.tp, "context_parallel": layout.cp}
         with warnings.catch_warnings(), repeated_tiles_skipped():  # NOTE [Repeated tiles in a meta estimate]
             warnings.simplefilter("ignore")  # the planner's notes on layer phases; alpha is checked here
-            if strategy in ("memo", "input-only"):  # NOTE [Memo's policy in an estimate] in core.py
+            if policy is not None:  # NOTE [Memo's policy in an estimate] in core.py
                 m = self.machine
-                kept = min(m.memo_keep_last, depth)
                 # gpu: the recorded pass runs the tiles of the GPU the estimate is for, not the meta
                 # device's (NOTE [Tiles of the device a plan is for] in memo/pipeline/job.py).
                 result = profile(model, seq_len, layout.micro_batch, self.dtype, "meta",
-                                 policy=[strategy] * (depth - kept) + ["keep"] * kept,
+                                 policy=list(policy),
                                  alpha=0.0 if strategy == "input-only" else alpha,
                                  bandwidth_gbps=m.bandwidth_gbps, layer_ms=1.0, host_mem_gb=1e6,
                                  gpus_per_node=1, gpu=m.gpu if self.device == "cuda" else None,
@@ -428,24 +483,22 @@ class RankProfiler:
             out = (analyse_trace(trace), None)
             self.cache[key] = out
             return out
-        out = (analyse_trace(result.trace), result.layer_stats)
+        out = (analyse_trace(result.trace, kind_of), result.layer_stats)
         self.cache[key] = out
         return out
 
-    def _first_stage(self, model: Any, strategy: str, layout: Layout, seq_len: int, depth: int,
-                     alpha: float | None) -> dict[str, Any]:
+    def _first_stage(self, model: Any, strategy: str, layout: Layout, seq_len: int, alpha: float | None,
+                     policy: tuple[str, ...] | None) -> dict[str, Any]:
         """NOTE [First stage under 1F1B]: the first stage's step, memo's layers wrapped as the single
         iteration's profile wraps them (its policy, alpha and the tiles of the device the estimate is
         for)."""
         from memo import runtime
 
         meta = {"model": self.config.name, "seq_len": seq_len}
-        if strategy not in ("memo", "input-only"):
+        if policy is None:
             with repeated_tiles_skipped():
                 return record_first_stage(model, layout, seq_len, meta)
-        kept = min(self.machine.memo_keep_last, depth)
-        runtime.wrap(model, alpha=0.0 if strategy == "input-only" else alpha,
-                     policy=[strategy] * (depth - kept) + ["keep"] * kept,
+        runtime.wrap(model, alpha=0.0 if strategy == "input-only" else alpha, policy=list(policy),
                      recompute_chunk_tokens=self._tile(model, layout, seq_len))
         try:
             with warnings.catch_warnings(), repeated_tiles_skipped():
@@ -474,18 +527,41 @@ class RankProfiler:
                                    token_bytes=params_token_bytes(layer_params, hidden, self.dtype.itemsize))
 
     def numbers(self, strategy: str, layout: Layout, seq_len: int, alpha: float | None = None,
-                whole_depth: bool = False, stage: bool = True) -> RankNumbers:
+                whole_depth: bool = False, stage: bool = True, recomputed: int = 0) -> RankNumbers:
         """The first stage's :class:`RankNumbers` at its L/p layers (NOTE [Estimate from a meta profile]);
         ``whole_depth`` records all L/p layers instead of extending two depths (what the tests compare);
         ``stage=False``: one iteration of one micro-batch through them and the head (NOTE [Last stage
-        under 1F1B])."""
+        under 1F1B]); ``recomputed``: that many of memo's layers keep their input on the device and
+        recompute (NOTE [Inputs on the device where the host binds] in core.py)."""
         depth = self.config.n_layers // layout.pp
+        if recomputed:
+            return self._mixed(strategy, layout, seq_len, alpha, whole_depth, stage, recomputed)
         if depth <= DEPTHS[-1] or whole_depth:
             return self._record(strategy, layout, seq_len, depth, alpha, stage)[0]
         lo, hi = DEPTHS[0], DEPTHS[-1]
         a = self._record(strategy, layout, seq_len, lo, alpha, stage)[0]
         b = self._record(strategy, layout, seq_len, hi, alpha, stage)[0]
         return a.extend(b, lo, hi, depth)
+
+    def _mixed(self, strategy: str, layout: Layout, seq_len: int, alpha: float | None, whole_depth: bool,
+               stage: bool, recomputed: int) -> RankNumbers:
+        """:meth:`numbers` of a stage whose first ``offloading`` layers run ``strategy`` and the next
+        ``recomputed`` ones ``"recompute"`` (then the kept ones). Linear in each count, as the depth
+        extension is (NOTE [Estimate from a meta profile]): recorded with two offloading layers and one
+        recomputed, with one more of each, and extended by both slopes."""
+        depth = self.config.n_layers // layout.pp
+        kept = min(self.machine.memo_keep_last, depth)
+        offloading = depth - kept - recomputed
+        internal_assert(offloading >= 1 and recomputed >= 1, "a mixed policy needs layers of both kinds")
+
+        def record(n_off: int, n_rc: int) -> RankNumbers:
+            policy = (strategy,) * n_off + ("recompute",) * n_rc + ("keep",) * kept
+            return self._record(strategy, layout, seq_len, len(policy), alpha, stage, policy)[0]
+
+        if whole_depth or depth <= DEPTHS[-1] + kept:
+            return record(offloading, recomputed)
+        base, more_rc, more_off = record(2, 1), record(2, 2), record(3, 1)
+        return base.along(((more_off, offloading - 2), (more_rc, recomputed - 1)))
 
     def layer_sizes(self, layout: Layout, seq_len: int) -> tuple[int, int, int]:
         """S_input, S_attn, S_others of one layer of the rank (pass 1 of the plain model)."""

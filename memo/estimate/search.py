@@ -40,16 +40,21 @@ spends them where they decide the answer:
 2. Predict. At a fixed layout the per-GPU total is nearly affine in the length (activations grow
    linearly under FlashAttention-style attention; states do not grow). Two short lengths give the
    line, and where it meets the strategy's limit is the layout's guess (first_guess).
-3. Confirm. Layouts are taken in the order of their guesses. A guess is estimated at that length
-   (two depths, as any estimate): if it fits it is the layout's answer (within 2% of the limit, or
-   else re-aimed once more upward), if not the secant through the nearest fitting and failing
-   lengths re-aims it, at most CONFIRMATIONS times. A layout whose guess is no longer than a length
-   already confirmed is not confirmed. memo is confirmed at its least device need: alpha 0, or
-   input-only layers where the host binds (NOTE [Memo's policy in an estimate]); its LP's alpha at
-   the answer would cost profiles at that length and changes nothing about the fit.
+3. Confirm. Layouts are taken in the order of their guesses. From its guess, each probe is an
+   actual estimate at that length (two depths, as any estimate), and the probes close a bracket: the
+   longest length found to fit and the shortest found not to, down to the granularity. A probe is
+   aimed where the line through the bracket's ends meets the limit (one granularity past the end it
+   just moved, so the next probe can close the bracket), and is a bisection after two probes on the
+   same side, so a bent line costs a few probes more, never a wrong answer. The first layout's answer
+   is its longest length; a later layout is first probed one granularity past the best length
+   confirmed so far, and is settled by that probe where it does not fit (it cannot win; its row
+   shows a length that fits, marked as no longer than the best). A layout whose line ends
+   PRUNE_MARGIN short of a confirmed length is not probed. memo is confirmed at its least device
+   need: alpha 0, or input-only layers where the host binds (NOTE [Memo's policy in an estimate]); its
+   LP's alpha at the answer would cost profiles at that length and changes nothing about the fit.
 
-Every reported length is one an actual estimate at that length found to fit; it may lie below the
-exact longest by what the last line missed (at most the 2% margin, rounded to the granularity).
+Every reported length is one an actual estimate at that length found to fit, and the best layout's is
+the longest such within the granularity: one granularity more did not fit (or is past the cap).
 """
 
 from __future__ import annotations
@@ -224,10 +229,6 @@ PRUNE_MARGIN = 0.25
 #: the best by the closed form's screen (NOTE [Fast longest-sequence search]).
 SCREENED_FAMILIES = 3
 
-#: Lengths a confirmation may try before it settles on the longest one confirmed so far.
-CONFIRMATIONS = 4
-
-
 def strategy_limit(estimator: Any, strategy: str) -> int:
     """The bytes one GPU may fill for ``strategy`` (NOTE [Fit limits] in memo/estimate/core.py)."""
     return int(estimator.limit_bytes(strategy))
@@ -369,41 +370,64 @@ def _ranked(estimator: Any, strategy: str, results: list[dict[str, Any]]) -> dic
 
 
 def confirm(total: Callable[[int], int | None], limit: int, granularity: int, max_seq: int,
-            known: list[int], guess: int) -> dict[str, Any]:
-    """NOTE [Fast longest-sequence search]: from the line's ``guess``, the longest length an actual
-    estimate confirmed, re-aimed by the secant through the nearest fitting and failing lengths."""
+            known: list[int], guess: int, beat: int = 0) -> dict[str, Any]:
+    """NOTE [Fast longest-sequence search]: from the line's ``guess``, the longest multiple of the
+    granularity an actual estimate confirms, bracketed by a length that does not fit one granularity
+    above it (or by ``max_seq``). Each probe is aimed where the line through the bracket's ends meets
+    the limit, one granularity past the end it just moved so that the next probe can close the bracket,
+    and is a plain bisection after two probes on the same side.
+
+    ``beat``: the longest length already confirmed on another layout; a layout that does not fit one
+    granularity above it is settled there (``"settled"``: its ``longest`` is then a length that fits,
+    not its longest)."""
     g = granularity
+    top = max_seq // g * g
 
     def fits(length: int) -> bool:
         t = total(length)
         return t is not None and t <= limit
 
-    lo = max((n for n in known if fits(n)), default=0)
-    hi: int | None = min((n for n in known if not fits(n)), default=None)
-    tried = []
-    for _ in range(CONFIRMATIONS):
-        guess = min(max(guess // g * g, g), max_seq // g * g)
-        if guess <= lo or (hi is not None and guess >= hi):
-            break
+    lo = max((n for n in known if n % g == 0 and fits(n)), default=0)
+    hi: int | None = min((n for n in known if n % g == 0 and not fits(n)), default=None)
+    tried: list[int] = []
+    same_side, last_fit = 0, None
+    settled = False
+    while (hi is None and lo < top) or (hi is not None and hi - lo > g):
+        ceiling = top if hi is None else hi - g
+        if beat and lo <= beat < ceiling and (hi is None or hi > beat + g) and not tried:
+            guess = max(guess, beat + g)  # first show whether this layout can go past the best one
+        if same_side >= 2 and hi is not None:
+            guess = (lo + hi) // 2
+        guess = min(max(guess // g * g, lo + g), ceiling)
         tried.append(guess)
-        if fits(guess):
+        ok = fits(guess)
+        if ok:
             lo = guess
-            t_lo = total(lo)
-            if t_lo is None or limit - t_lo < 0.02 * limit or lo >= max_seq // g * g:
-                break  # within 2% of the limit (or at the cap): the line has done its work
         else:
             hi = guess
-        guess = _secant(total, limit, lo, hi, g)
-    return {"longest": lo, "first_failure": hi, "capped_by_max_seq": lo >= max_seq // g * g, "tries": tried}
+        same_side = same_side + 1 if ok == last_fit else 1
+        last_fit = ok
+        if not ok and beat and guess <= beat + g:
+            settled = True  # it cannot go past the best layout: where it stops does not matter
+            break
+        line = _secant(total, limit, lo, hi, g)
+        guess = line + g if ok else line  # past the end just moved, so the next probe can close it
+    return {"longest": lo, "first_failure": hi, "capped_by_max_seq": hi is None and lo >= top, "tries": tried,
+            "settled": settled}
 
 
 def _secant(total: Callable[[int], int | None], limit: int, lo: int, hi: int | None, g: int) -> int:
     """Where the line through the totals at ``lo`` and ``hi`` meets ``limit`` (midway where one of
-    them cannot run); upward by doubling the step when nothing failed yet."""
+    them cannot run); with nothing failed yet, along the line through ``lo`` and half of it, at most
+    doubling."""
     t_lo = total(lo) if lo else None
-    t_hi = None if hi is None else total(hi)
     if hi is None:
-        return 2 * lo
+        half = lo // 2 // g * g
+        t_half = total(half) if half else None
+        if t_lo is None or t_half is None or t_lo <= t_half:
+            return 2 * lo
+        return min(2 * lo, int(lo + (limit - t_lo) * (lo - half) / (t_lo - t_half)))
+    t_hi = total(hi)
     if t_lo is None or t_hi is None or t_hi <= t_lo:
         return (lo + hi) // 2
     return int(lo + (limit - t_lo) * (hi - lo) / (t_hi - t_lo))
@@ -428,15 +452,16 @@ def _predicted_search(estimator: Any, layouts: list[Layout], kept: set[tuple[int
     best_len = 0
     for item in items:
         layout, total = item["layout"], item["total"]
-        if best_len >= item["guess"]:  # its line cannot beat a confirmed length
+        if item["guess"] * (1 + PRUNE_MARGIN) < best_len:  # its line ends well short of a confirmed length
             results.append(_pruned(layout, item["guess"]))
             continue
-        found = confirm(total, limit, granularity, max_seq, [first, 2 * first], item["guess"])
+        found = confirm(total, limit, granularity, max_seq, [first, 2 * first], item["guess"], best_len)
         best_len = max(best_len, found["longest"])
         # memo at its least device need, as confirmed (solving alpha there costs profiles at that length)
         results.append(_result(estimator, layout, strategy, found, item["guess"], total.cache, False))
-        say(f"  {strategy:<14} {layout.short()}: line ~{tokens(item['guess'])}, confirmed "
-            f"{tokens(found['longest']) if found['longest'] else '-'} ({len(found['tries'])} confirmations)")
+        say(f"  {strategy:<14} {layout.short()}: line ~{tokens(item['guess'])}, "
+            + ("no longer than the best, " if found["settled"] else "longest ")
+            + f"{tokens(found['longest']) if found['longest'] else '-'} ({len(found['tries'])} probes)")
     for layout in layouts:
         if _family(layout) not in kept:
             results.append(_pruned(layout, None))
