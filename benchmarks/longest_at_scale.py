@@ -1,27 +1,31 @@
 #!/usr/bin/env python
-"""The longest sequence of Llama-3.1-8B per strategy, each at its own best layout, from meta plans.
+"""The longest sequence per strategy at ALST's scale, each strategy at its best runnable layout, under
+one device limit for every strategy, from meta plans; ALST's published lengths beside them.
 
-Two machines, as DeepSpeed's ALST (arXiv 2506.13996) measured them:
+Rows (DeepSpeed ALST, arXiv 2506.13996, and its ArcticTraining recipes; 80 GB GPUs, 8 per node, ALST's
+1.9 TB of host memory per node, 32 GB/s links):
 
-- **eight GPUs**: 8 x 80 GB in one node with 2 TB of host memory and 32 GB/s links (ALST: 3.7M
-  tokens on 8 H100s);
-- **one GPU**: 1 x 80 GB with ALST's 1.9 TB of host memory, full fine-tuning (ALST: 500K).
+- Llama-3.1-8B on 1, 8 and 32 GPUs (ALST: 500K, 3.7M, 15M),
+- a Qwen3-32B shape on 8 GPUs (ALST: 1.55M; memo's ``qwen3-32b``: head size 128, QK-norm),
+- Llama-3.1-70B on 8 and 32 GPUs (ALST: 200K, 4M).
 
-Each is ``memo estimate --model llama-3.1-8b --max-seq --search`` with that machine (this script
-runs exactly that command in-process and reads its JSON, so the table is the command's answer):
-every layout of the GPUs (TP x CP x PP, all-gather or Ulysses context parallelism, the states
-sharded by megatron's distributed optimizer or by FSDP2, on the device or in host memory), every
-strategy at its best one, each length confirmed by a meta profile at that length (NOTE [Fast
-longest-sequence search] in memo/estimate/search.py). memo's rows fit its plan's budget, the others
-the 80% rule (NOTE [Fit limits]).
+Each row is ``memo estimate --max-seq --search`` run in-process (its JSON is the table), twice:
 
-ALST's lengths are its paper's published measurements, printed beside ours for reference: this
-script measures memo's plans, not ALST.
+1. memo, the offloaded-checkpoint peer (ALST's recipe as ``memo train`` runs it) and full recompute,
+   every strategy held to ONE device limit (``--fit-limit-gib``): the peers' own rule, the seed's 80%
+   of the GPU, so that the peers' rows are also their rows under their own limit;
+2. memo alone at its own limit (its plan's budget, NOTE [Fit limits] in memo/estimate/core.py).
+
+Every layout is one ``memo train`` launches, and memo's row prints the command that launches it. The
+search returns the longest multiple of the granularity that fits (NOTE [Fast longest-sequence
+search]). ALST's lengths are its published measurements, printed for reference: this script measures
+memo's plans, not ALST. ALST's 70B x 8 recipe turns checkpoint offload off, so its peer there is full
+recompute; its 8B x 1 figure stopped at a kernel error at 555K, not at memory.
 
 Usage::
 
-    python benchmarks/longest_at_scale.py                       # both machines, ~minutes
-    python benchmarks/longest_at_scale.py --only eight --json out.json
+    python benchmarks/longest_at_scale.py                               # every row, ~minutes each
+    python benchmarks/longest_at_scale.py --only 8b-x8 --json out.json
 """
 
 from __future__ import annotations
@@ -32,29 +36,66 @@ import io
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import _common
 
 from memo.cli.main import main as memo_main
+from memo.units import GB, GiB
 
-__all__ = ["MACHINES", "main", "run_machine"]
+__all__ = ["ROWS", "Row", "main", "run_row"]
 
-#: name -> (memo estimate flags, ALST's published longest length on that machine).
-MACHINES: dict[str, tuple[list[str], int]] = {
-    "eight": (["--gpus", "8", "--gpus-per-node", "8", "--device-mem-gb", "80", "--host-mem-gb", "2048",
-               "--bandwidth-gbps", "32"], 3_700_000),
-    "one": (["--gpus", "1", "--gpus-per-node", "1", "--device-mem-gb", "80", "--host-mem-gb", "1900",
-             "--bandwidth-gbps", "32"], 500_000),
-}
+#: The GPU of every row, in GB (10^9 B, as --device-mem-gb takes it), and the share of it every
+#: strategy may fill: the seed's 80% rule, the peers' own limit.
+DEVICE_GB = 80.0
+COMMON_FRACTION = 0.8
+#: ALST's host memory per node (its paper's 8 x H100 nodes).
+HOST_GB = 1900.0
+GPUS_PER_NODE = 8
+BANDWIDTH_GBPS = 32.0
+
+STRATEGIES = ("memo", "offloaded-checkpoint", "full-recompute")
 
 
-def run_machine(name: str, model: str, granularity: str, log: Any) -> dict[str, Any]:
-    """``memo estimate --max-seq --search --json`` on one machine of :data:`MACHINES`."""
-    flags, alst = MACHINES[name]
-    argv = ["estimate", "--model", model, *flags, "--max-seq", "--search", "--granularity", granularity,
-            "--json"]
+@dataclass(frozen=True)
+class Row:
+    """One model and GPU count, ALST's published length there and the issue's goal for memo."""
+
+    name: str
+    model: str
+    gpus: int
+    alst: int
+    """ALST's published longest sequence (tokens)."""
+    peer: str
+    """The strategy that is ALST's recipe on this row (offloaded-checkpoint, or full recompute where
+    ALST's recipe turns checkpoint offload off)."""
+    goal: int
+    """What issue 41 asks of memo here (tokens)."""
+    seq_cap: int = 16 << 20
+
+    @property
+    def gpus_per_node(self) -> int:
+        return min(self.gpus, GPUS_PER_NODE)
+
+
+ROWS: tuple[Row, ...] = (
+    Row("8b-x8", "llama-3.1-8b", 8, 3_700_000, "offloaded-checkpoint", 5_500_000),
+    Row("8b-x32", "llama-3.1-8b", 32, 15_000_000, "offloaded-checkpoint", 16_000_000, seq_cap=32 << 20),
+    Row("70b-x32", "llama-3.1-70b", 32, 4_000_000, "offloaded-checkpoint", 5_000_000),
+    Row("qwen32b-x8", "qwen3-32b", 8, 1_550_000, "offloaded-checkpoint", 2_000_000),
+    Row("70b-x8", "llama-3.1-70b", 8, 200_000, "full-recompute", 300_000),
+    Row("8b-x1", "llama-3.1-8b", 1, 500_000, "offloaded-checkpoint", 1_000_000),
+)
+
+
+def common_limit_gib() -> float:
+    """The one device limit every strategy is held to: 80% of the GPU, in GiB."""
+    return DEVICE_GB * GB * COMMON_FRACTION / GiB
+
+
+def _estimate(argv: list[str], log: Any) -> tuple[dict[str, Any], float]:
     log(f"longest_at_scale: memo {' '.join(argv)}")
     out = io.StringIO()
     start = time.perf_counter()
@@ -62,42 +103,98 @@ def run_machine(name: str, model: str, granularity: str, log: Any) -> dict[str, 
         code = memo_main(argv)
     seconds = time.perf_counter() - start
     if code != 0:
-        raise SystemExit(f"longest_at_scale: memo estimate exited {code} on machine {name!r}")
-    return {"machine": name, "command": "memo " + " ".join(argv), "seconds": round(seconds, 1),
-            "alst_published_tokens": alst, "answer": json.loads(out.getvalue())}
+        raise SystemExit(f"longest_at_scale: memo estimate exited {code}: memo {' '.join(argv)}")
+    return json.loads(out.getvalue()), seconds
+
+
+def run_row(row: Row, granularity: str, log: Any) -> dict[str, Any]:
+    """The two searches of one row (the common limit, and memo at its own)."""
+    base = ["estimate", "--model", row.model, "--gpus", str(row.gpus),
+            "--gpus-per-node", str(row.gpus_per_node), "--device-mem-gb", f"{DEVICE_GB:g}",
+            "--host-mem-gb", f"{HOST_GB:g}",
+            "--bandwidth-gbps", f"{BANDWIDTH_GBPS:g}", "--max-seq", "--search", "--granularity", granularity,
+            "--seq-cap", str(row.seq_cap), "--json"]
+    common = [*base, "--fit-limit-gib", f"{common_limit_gib():.6f}", "--strategy", *STRATEGIES]
+    answer, seconds = _estimate(common, log)
+    own, own_seconds = _estimate([*base, "--strategy", "memo"], log)
+    return {"row": row.name, "model": row.model, "gpus": row.gpus, "alst_published_tokens": row.alst,
+            "peer": row.peer, "goal_tokens": row.goal,
+            "command": "memo " + " ".join(common), "seconds": round(seconds, 1), "answer": answer,
+            "own_limit_command": "memo " + " ".join([*base, "--strategy", "memo"]),
+            "own_limit_seconds": round(own_seconds, 1), "own_limit_answer": own}
+
+
+def _rows_by_strategy(answer: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {r["strategy"]: r for r in answer["strategies"]}
+
+
+def _ratio(n: int, alst: int) -> str:
+    """``n`` tokens and its ratio to ALST's published length."""
+    return f"{_tokens(n)} ({n / alst:.2f}x)" if n else "-"
+
+
+def _tokens(n: int) -> str:
+    return f"{n / 1e6:.2f}M" if n >= 1_000_000 else f"{n / 1e3:.0f}K"
 
 
 def _layout(lay: dict[str, Any] | None) -> str:
     if lay is None:
         return "-"
-    cp = f"CP {lay['cp']}" + (" (Ulysses)" if lay["cp"] > 1 and lay["cp_comm"] == "a2a" else "")
-    return f"TP {lay['tp']} x {cp} x PP {lay['pp']}, states {lay['sharding']}"
+    cp = f"CP {lay['cp']}" + (" Ulysses" if lay["cp"] > 1 and lay["cp_comm"] == "a2a" else "")
+    return f"TP {lay['tp']} x {cp} x PP {lay['pp']}, {lay['sharding']}"
 
 
-def table(run: dict[str, Any]) -> str:
-    """A markdown table of one machine's answer, with ratios to full recompute and to ALST."""
-    rows = {r["strategy"]: r for r in run["answer"]["strategies"]}
-    fr = rows.get("full-recompute", {}).get("longest") or 0
-    alst = run["alst_published_tokens"]
-    lines = ["| strategy | longest tokens | vs full recompute | vs ALST (published) | layout | GiB per GPU "
-             "(limit) | host GiB per node | memo policy |", "|" + "---|" * 8]
-    for name, r in rows.items():
-        e = r["estimate"] or {}
-        n = r["longest"]
-        limit = "-" if not e else (f"{e['total_gib']:.1f} ({e['limit_gib']:.1f}, "
-                                   + ("plan budget" if e["limit_rule"] == "plan" else
-                                      f"{e['fit_fraction']:.0%} rule") + ")")
-        vs_fr = f"{n / fr:.2f}x" if fr else "-"
-        lines.append(f"| {name} | {n:,} | {vs_fr} | {n / alst:.2f}x | {_layout(r['layout'])} | {limit} | "
-                     f"{e.get('host_gib_per_node') or 0:,.0f} | {e.get('policy') or '-'} |")
+def _memo_policy(est: dict[str, Any] | None) -> str:
+    if not est or est.get("policy") is None:
+        return "-"
+    cell = est["policy"] + ("" if est["alpha"] is None else f" alpha {est['alpha']:.2f}")
+    return cell + (f", {est['recomputed_layers']} recompute" if est.get("recomputed_layers") else "")
+
+
+def table(runs: list[dict[str, Any]]) -> str:
+    """One markdown table of every row: each strategy's longest length under the common limit, its ratio
+    to ALST's published one, memo's at its own limit, and memo's layout."""
+    limit = f"{common_limit_gib():.1f}"
+    head = ("| model, GPUs | ALST published | peer (ALST's recipe) | full recompute | **memo** | memo goal | "
+            "memo at its own limit | memo's layout, policy | host GiB/node (memo) | search s |")
+    lines = [f"Every strategy held to {limit} GiB per GPU (`--fit-limit-gib`, the peers' own 80% rule); "
+             "ratios to ALST's published length.", "", head, "|" + "---|" * 10]
+    for run in runs:
+        rows = _rows_by_strategy(run["answer"])
+        own = _rows_by_strategy(run["own_limit_answer"])["memo"]
+        alst = run["alst_published_tokens"]
+
+        def cell(strategy: str, rows: dict[str, dict[str, Any]] = rows, alst: int = alst) -> str:
+            return _ratio(rows[strategy]["longest"], alst)
+
+        peer = run["peer"]
+        peer_cell = cell(peer) + ("" if peer == "offloaded-checkpoint" else
+                                  f"; offloaded-checkpoint {cell('offloaded-checkpoint')}")
+        memo = rows["memo"]
+        e = memo["estimate"] or {}
+        own_e = own["estimate"] or {}
+        lines.append(
+            f"| {run['model']}, {run['gpus']} | {_tokens(alst)} | {peer_cell} | {cell('full-recompute')} | "
+            f"**{cell('memo')}** | {_tokens(run['goal_tokens'])} | {_tokens(own['longest'])} "
+            f"({own_e.get('limit_gib', 0):.1f} GiB) | {_layout(memo['layout'])}; {_memo_policy(e)} | "
+            f"{e.get('host_gib_per_node') or 0:,.0f} | {run['seconds']:.0f} + {run['own_limit_seconds']:.0f} "
+            "|")
     return "\n".join(lines)
+
+
+def commands(runs: list[dict[str, Any]]) -> str:
+    """memo's launch command of every row, at the common limit's answer."""
+    out = []
+    for run in runs:
+        memo = _rows_by_strategy(run["answer"])["memo"]
+        out.append(f"- {run['model']}, {run['gpus']} GPUs: `{memo['command']}`")
+    return "\n".join(out)
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", choices=tuple(MACHINES), nargs="+", default=list(MACHINES),
-                   help="machines to run (default: both)")
-    p.add_argument("--model", default="llama-3.1-8b", help="registered model or a CONFIG.json")
+    p.add_argument("--only", choices=[r.name for r in ROWS], nargs="+", default=[r.name for r in ROWS],
+                   help="rows to run (default: all)")
     p.add_argument("--granularity", default="32K", help="step of the longest-sequence search")
     p.add_argument("--json", type=Path, metavar="OUT.json", help="write the runs as JSON here")
     return p
@@ -109,13 +206,13 @@ def main(argv: list[str] | None = None) -> int:
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    runs = [run_machine(name, args.model, args.granularity, log) for name in args.only]
-    for run in runs:
-        print(f"\n### {run['machine']} ({run['command']}, {run['seconds']:.0f} s)\n")
-        print(table(run))
+    runs = [run_row(row, args.granularity, log) for row in ROWS if row.name in args.only]
+    print(table(runs))
+    print("\nmemo's launch commands:\n")
+    print(commands(runs))
     if args.json:
-        args.json.write_text(json.dumps({"version": 1, "kind": "memo.benchmark.longest_at_scale",
-                                         "runs": runs}, indent=1))
+        args.json.write_text(json.dumps({"version": 2, "kind": "memo.benchmark.longest_at_scale",
+                                         "common_limit_gib": common_limit_gib(), "runs": runs}, indent=1))
     return 0
 
 

@@ -56,8 +56,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                      help="sequences per micro-batch B (--search also tries the powers of two below it)")
     job.add_argument("--cp-comm", choices=CP_COMMS, default=None, help=_CP_COMM_HELP)
     job.add_argument("--sharding", choices=SHARDINGS, default=None, help=_SHARDING_HELP)
-    p.add_argument("--strategy", choices=STRATEGY_CHOICES, default=None,
-                   help="activation memory strategy (default: memo; --max-seq: all of them)")
+    p.add_argument("--strategy", choices=STRATEGY_CHOICES, default=None, nargs="+", metavar="STRATEGY",
+                   help=f"activation memory strategy, one of {', '.join(STRATEGY_CHOICES)} (default: memo); "
+                   "--max-seq takes several (default: all of them)")
     p.add_argument("--alpha", type=_alpha, default=None,
                    help="memo's offloaded share in [0, 1] (default: solved by the LP, lowered until it fits)")
     p.add_argument("--method", choices=("plan", "formula"), default="plan",
@@ -160,14 +161,17 @@ def _check(args: argparse.Namespace) -> None:
     if args.max_seq and args.seq_cap % args.granularity:
         raise MemoError(f"memo estimate: --seq-cap {args.seq_cap:,} is not a multiple of --granularity "
                         f"{args.granularity:,}")
-    if args.method == "formula" and args.strategy == "memo":
+    if args.strategy is not None and len(args.strategy) > 1 and not args.max_seq:
+        raise MemoError(f"memo estimate: --strategy {' '.join(args.strategy)}: one strategy per estimate or "
+                        "search; several only with --max-seq")
+    if args.method == "formula" and args.strategy is not None and "memo" in args.strategy:
         raise MemoError("memo estimate: the formula has no closed form for memo (its device share depends on "
                         "alpha, host memory and the link); use --method plan")
     if args.alpha is not None and args.max_seq:
         raise MemoError("memo estimate: --alpha is fixed, but --max-seq lowers memo's alpha wherever a "
                         "length needs it; leave --alpha out")
-    if args.alpha is not None and args.strategy not in (None, "memo"):
-        raise MemoError(f"memo estimate: --alpha is memo's; --strategy {args.strategy} has none")
+    if args.alpha is not None and args.strategy not in (None, ["memo"]):
+        raise MemoError(f"memo estimate: --alpha is memo's; --strategy {' '.join(args.strategy)} has none")
     if args.layer_ms_at is not None and args.layer_ms is None:
         raise MemoError("memo estimate: --layer-ms-at says where --layer-ms was taken; give --layer-ms too")
     if args.fit_limit_gib is not None and args.fit_fraction is not None:
@@ -230,7 +234,7 @@ def _shardings(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
 
 def _strategies(args: argparse.Namespace, estimator: Any) -> tuple[str, ...]:
     if args.strategy is not None:
-        return (args.strategy,)
+        return tuple(dict.fromkeys(args.strategy))
     return estimator.strategies() if args.max_seq else ("memo",) if args.method == "plan" else ("none",)
 
 

@@ -47,11 +47,14 @@ MEMO_POLICIES = ("auto", *OFFLOADING_POLICIES)
 
 # NOTE [Memo's policy in an estimate]
 # memo's rows run every offloading layer one way: "memo" (input and attention output to the host,
-# alpha of the rest; the least device memory at a given length) while the host holds that at
-# alpha = 0, else "input-only" (the input alone to the host, everything else recomputed, attention
-# included: half the host bytes, NOTE [Input-only layers] in memo/runtime/layer.py), which is what
-# decides the longest sequence once host memory binds. "auto" is that rule; "memo" and
-# "input-only" force one.
+# alpha of the rest) while the host holds that at alpha = 0, else "input-only" (the input alone to
+# the host, everything else recomputed, attention included: half the host bytes, NOTE [Input-only
+# layers] in memo/runtime/layer.py). "auto" is that rule; "memo" and "input-only" force one.
+# memo's least device need at a length (what the longest-sequence search asks) is input-only's under
+# "auto" whatever the host holds: its two rounding buffers hold the input alone where memo's hold the
+# input and the attention output, and its backward holds one recomputed attention output where memo
+# holds two in the buffers, so it needs one S_attn less than memo at alpha = 0 (recorded: Llama-3.1-8B
+# on one GPU at 688K tokens, 52.2 GiB against 57.6), and the planner picks it where nothing else fits.
 #
 # NOTE [Fit limits]
 # The seed's 80% rule covers PyTorch's fragmentation and the temporaries no plan sees: full
@@ -300,8 +303,8 @@ class Estimator:
                  *, least: bool = False) -> Estimate:
         """The per-GPU estimate; a MemoError for a layout the job cannot take.
 
-        ``least``: memo at its least device need, alpha 0, or input-only where the host cannot hold
-        that (what the longest-sequence search asks; NOTE [Longest sequence search])."""
+        ``least``: memo at its least device need, input-only layers (NOTE [Memo's policy in an
+        estimate]; what the longest-sequence search asks: NOTE [Longest sequence search])."""
         if strategy not in PLAN_STRATEGIES:
             raise MemoError(f"memo estimate: --strategy must be one of {', '.join(PLAN_STRATEGIES)}, "
                             f"got {strategy!r}")
@@ -329,7 +332,7 @@ class Estimator:
             # is recorded where it lives (NOTE [Ulysses in a meta estimate] in plan_method.py)
             est.activations_bytes = self._exchange_on_top(layout, seq_len)
             if strategy == "memo":
-                self._memo(est, 0.0 if least else alpha, least or alpha is None)
+                self._memo(est, 0.0 if least else alpha, least or alpha is None, least)
             else:
                 if strategy == "offloaded-checkpoint":
                     self._peer_host(est)
@@ -358,13 +361,13 @@ class Estimator:
             return max(s.iteration - s.gradients for s in stages)
         return max(s.activations for s in stages)
 
-    def _memo(self, est: Estimate, alpha: float | None, may_go_input_only: bool) -> None:
+    def _memo(self, est: Estimate, alpha: float | None, may_go_input_only: bool, least: bool = False) -> None:
         """NOTE [Memo's alpha in an estimate], [Memo's policy in an estimate]."""
         from memo.planner import evaluate_alpha
 
         layout, seq_len = est.layout, est.seq_len
         host = self.machine.host_per_process() // layout.pp - (est.host_bytes_per_process or 0)
-        if self.memo_policy == "input-only":
+        if self.memo_policy == "input-only" or (least and self.memo_policy == "auto"):
             self._input_only(est, host, None)
             return
         try:

@@ -19,10 +19,10 @@ them gives a first guess of the longest length that fits (activations grow linea
 length under FlashAttention; memo's alpha makes its line bend, which the next step absorbs).
 From the guess, steps of the granularity, doubling, go up while the length fits (down while it
 does not), then bisection down to the granularity: a handful of estimates instead of a doubling
-from the shortest length. memo fits a length when it fits at alpha = 0 (its least device need:
-NOTE [Memo's alpha in an estimate]), so the search records two depths per length, not the
+from the shortest length. memo fits a length when it fits with input-only layers (its least device
+need: NOTE [Memo's policy in an estimate]), so the search records two depths per length, not the
 alpha corrections; the length found is then estimated once more with the LP's alpha, lowered
-until it fits. This exact search is the formula method's (arithmetic costs nothing).
+until it fits, where memo's own policy fits there. This exact search is the formula method's (arithmetic costs nothing).
 
 NOTE [Fast longest-sequence search]
 The plan method's estimates are meta profiles, a second or so each (a tile that repeats another is
@@ -50,8 +50,9 @@ spends them where they decide the answer:
    confirmed so far, and is settled by that probe where it does not fit (it cannot win; its row
    shows a length that fits, marked as no longer than the best). A layout whose line ends
    PRUNE_MARGIN short of a confirmed length is not probed. memo is confirmed at its least device
-   need: alpha 0, or input-only layers where the host binds (NOTE [Memo's policy in an estimate]); its
-   LP's alpha at the answer would cost profiles at that length and changes nothing about the fit.
+   need: input-only layers, the host's share of them and the rest recomputed where the host binds
+   (NOTE [Memo's policy in an estimate], [Inputs on the device where the host binds]); its LP's alpha
+   at the answer would cost profiles at that length and changes nothing about the fit.
 
 Every reported length is one an actual estimate at that length found to fit, and the best layout's is
 the longest such within the granularity: one granularity more did not fit (or is past the cap).
