@@ -22,7 +22,8 @@ does not), then bisection down to the granularity: a handful of estimates instea
 from the shortest length. memo fits a length when it fits with input-only layers (its least device
 need: NOTE [Memo's policy in an estimate]), so the search records two depths per length, not the
 alpha corrections; the length found is then estimated once more with the LP's alpha, lowered
-until it fits, where memo's own policy fits there. This exact search is the formula method's (arithmetic costs nothing).
+until it fits, where memo's own policy fits there. This exact search is the formula method's
+(arithmetic costs nothing).
 
 NOTE [Fast longest-sequence search]
 The plan method's estimates are meta profiles, a second or so each (a tile that repeats another is
