@@ -95,16 +95,17 @@ def common_limit_gib() -> float:
     return DEVICE_GB * GB * COMMON_FRACTION / GiB
 
 
-def _estimate(argv: list[str], log: Any) -> tuple[dict[str, Any], float]:
+def _estimate(argv: list[str], log: Any) -> tuple[dict[str, Any], float, float]:
     log(f"longest_at_scale: memo {' '.join(argv)}")
     out = io.StringIO()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     with contextlib.redirect_stdout(out):
         code = memo_main(argv)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     if code != 0:
         raise SystemExit(f"longest_at_scale: memo estimate exited {code}: memo {' '.join(argv)}")
-    return json.loads(out.getvalue()), seconds
+    log(f"longest_at_scale: {seconds:.0f} s ({cpu:.0f} s of CPU: the machine is shared)")
+    return json.loads(out.getvalue()), round(seconds, 1), round(cpu, 1)
 
 
 def run_row(row: Row, granularity: str, log: Any) -> dict[str, Any]:
@@ -115,13 +116,13 @@ def run_row(row: Row, granularity: str, log: Any) -> dict[str, Any]:
             "--bandwidth-gbps", f"{BANDWIDTH_GBPS:g}", "--max-seq", "--search", "--granularity", granularity,
             "--seq-cap", str(row.seq_cap), "--json"]
     common = [*base, "--fit-limit-gib", f"{common_limit_gib():.6f}", "--strategy", *STRATEGIES]
-    answer, seconds = _estimate(common, log)
-    own, own_seconds = _estimate([*base, "--strategy", "memo"], log)
+    answer, seconds, cpu = _estimate(common, log)
+    own, own_seconds, own_cpu = _estimate([*base, "--strategy", "memo"], log)
     return {"row": row.name, "model": row.model, "gpus": row.gpus, "alst_published_tokens": row.alst,
             "peer": row.peer, "goal_tokens": row.goal,
-            "command": "memo " + " ".join(common), "seconds": round(seconds, 1), "answer": answer,
+            "command": "memo " + " ".join(common), "seconds": seconds, "cpu_seconds": cpu, "answer": answer,
             "own_limit_command": "memo " + " ".join([*base, "--strategy", "memo"]),
-            "own_limit_seconds": round(own_seconds, 1), "own_limit_answer": own}
+            "own_limit_seconds": own_seconds, "own_limit_cpu_seconds": own_cpu, "own_limit_answer": own}
 
 
 def _rows_by_strategy(answer: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -156,7 +157,7 @@ def table(runs: list[dict[str, Any]]) -> str:
     to ALST's published one, memo's at its own limit, and memo's layout."""
     limit = f"{common_limit_gib():.1f}"
     head = ("| model, GPUs | ALST published | peer (ALST's recipe) | full recompute | **memo** | memo goal | "
-            "memo at its own limit | memo's layout, policy | host GiB/node (memo) | search s |")
+            "memo at its own limit | memo's layout, policy | host GiB/node (memo) | search s (CPU s) |")
     lines = [f"Every strategy held to {limit} GiB per GPU (`--fit-limit-gib`, the peers' own 80% rule); "
              "ratios to ALST's published length.", "", head, "|" + "---|" * 10]
     for run in runs:
@@ -177,8 +178,8 @@ def table(runs: list[dict[str, Any]]) -> str:
             f"| {run['model']}, {run['gpus']} | {_tokens(alst)} | {peer_cell} | {cell('full-recompute')} | "
             f"**{cell('memo')}** | {_tokens(run['goal_tokens'])} | {_tokens(own['longest'])} "
             f"({own_e.get('limit_gib', 0):.1f} GiB) | {_layout(memo['layout'])}; {_memo_policy(e)} | "
-            f"{e.get('host_gib_per_node') or 0:,.0f} | {run['seconds']:.0f} + {run['own_limit_seconds']:.0f} "
-            "|")
+            f"{e.get('host_gib_per_node') or 0:,.0f} | {run['seconds']:.0f} ({run['cpu_seconds']:.0f}) + "
+            f"{run['own_limit_seconds']:.0f} ({run['own_limit_cpu_seconds']:.0f}) |")
     return "\n".join(lines)
 
 

@@ -340,6 +340,21 @@ class Estimator:
         est.notes.extend(self._notes(layout, seq_len))
         return est
 
+    def screen_bytes(self, seq_len: int, layout: Layout) -> tuple[int, int]:
+        """(model-state bytes on the device, activation bytes) of full recompute on ``layout`` for the
+        layout search's screen (NOTE [Fast longest-sequence search]): the rank's profile on its own
+        tokens, shared by both context-parallel communications, with the exchange's closed form on top
+        (NOTE [Context-parallel exchange in an estimate]), for either. Cheaper than :meth:`estimate`
+        and no more than a ranking: the estimates that answer record Ulysses' exchange."""
+        own_tokens = Layout(layout.gpus, layout.tp, layout.cp, layout.pp, layout.micro_batch)
+        exchange = attention_exchange_bytes(self.config, layout, seq_len, self.dtype.itemsize)
+        if layout.pp == 1:
+            activations = self._activations("full-recompute", own_tokens, seq_len, None)
+        else:  # one micro-batch's iteration and what p - 1 more keep, not the stage's recorded 1F1B step
+            n = self.profiler.numbers("full-recompute", own_tokens, seq_len, stage=False)
+            activations = n.stage_activations + (layout.pp - 1) * n.held
+        return self.state_bytes(layout, seq_len)[1], activations + exchange
+
     def _exchange_on_top(self, layout: Layout, seq_len: int) -> int:
         """The context-parallel exchange a recorded peak does not hold: all-gather's (NOTE
         [Context-parallel exchange in an estimate]); Ulysses' is recorded (NOTE [Ulysses in a meta

@@ -223,7 +223,7 @@ def _rank_model(config: Any, n_layers: int, layout: Layout, seq_len: int, dtype:
     kw = {"max_seq_len": max(seq_len, DEFAULT_MAX_SEQ_LEN)} if config.arch == "gpt" else {}
     model = build_model(cfg, device="meta", dtype=dtype, tensor_parallel=layout.tp, recompute=recompute, **kw)
     if layout.cp > 1 and layout.cp_comm == "a2a":
-        meta_ulysses(model, layout.cp, contiguous=layout.engine == "fsdp2")
+        meta_ulysses(model, layout.cp)
     return model
 
 
@@ -237,8 +237,11 @@ def _rank_model(config: Any, n_layers: int, layout: Layout, seq_len: int, dtype:
 # temporary and the kernel over all tokens of n/c heads are recorded where they live, and the peak is
 # the iteration's true one. Counting them on top of a peak recorded without them (NOTE
 # [Context-parallel exchange in an estimate], still what the all-gather form gets) double-counts
-# wherever the peak is elsewhere, e.g. in an RMSNorm's backward. The layout (contiguous under FSDP2,
-# megatron's load-balanced chunks otherwise) is the engine's, as ``memo train`` runs it.
+# wherever the peak is elsewhere, e.g. in an RMSNorm's backward. The exchange is recorded in the
+# contiguous layout FSDP2 runs; megatron's load-balanced chunks put the received rows in sequence
+# order by one more copy, made as the exchange's send buffer is freed (the same peak), and an index
+# of 8 bytes per token of the sequence, which is not recorded (building it on the host for every
+# exchange of a meta rank costs seconds per profile at millions of tokens).
 
 
 class _MetaShard:
@@ -259,7 +262,7 @@ def _meta_all_to_all(t: Any) -> Any:
     return torch.empty_like(t.contiguous())
 
 
-def meta_ulysses(model: Any, size: int, contiguous: bool) -> None:
+def meta_ulysses(model: Any, size: int, contiguous: bool = True) -> None:
     """Every layer of memo's meta rank ``model`` attends as one rank of a Ulysses group of ``size``
     (NOTE [Ulysses in a meta estimate])."""
     import torch
@@ -445,8 +448,10 @@ class RankProfiler:
         if policy is None and strategy in ("memo", "input-only"):
             kept = min(self.machine.memo_keep_last, depth)
             policy = (strategy,) * (depth - kept) + ("keep",) * kept
+        # a Ulysses rank records its exchange (NOTE [Ulysses in a meta estimate])
+        exchange = layout.cp_comm if layout.cp > 1 and layout.cp_comm == "a2a" else None
         key = (strategy, layout.tp, layout.cp, layout.micro_batch, seq_len, depth,
-               None if alpha is None else round(alpha, 6), stages, policy)
+               None if alpha is None else round(alpha, 6), stages, policy, exchange)
         if key in self.cache:
             return self.cache[key]
         from memo.pipeline import profile

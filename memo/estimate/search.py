@@ -30,8 +30,9 @@ The plan method's estimates are meta profiles, a second or so each (a tile that 
 recorded once: NOTE [Repeated tiles in a meta estimate] in memo/repeated_tiles.py), so its search
 spends them where they decide the answer:
 
-1. Screen. A meta profile depends on the layout's family (TP, CP, PP, micro-batch), not on the
-   sharding of the states or the CP communication, which are arithmetic. One full-recompute
+1. Screen. A meta profile depends on the layout's family (TP, CP and, for CP > 1, its communication:
+   Ulysses' exchange is recorded, NOTE [Ulysses in a meta estimate]; PP, micro-batch), not on the
+   sharding of the states, which is arithmetic. One full-recompute
    estimate per layout at the first short length (its profiles shared by a family, and reused by
    full recompute's line) gives bytes per token (less the layer inputs full recompute keeps, for
    the strategies that send them to the host); the room its states leave, over that, ranks the
@@ -271,13 +272,13 @@ def longest_sequences(estimator: Any, layouts: list[Layout], strategies: tuple[s
             for strategy in strategies]
 
 
-def _family(layout: Layout) -> tuple[int, int, int, int]:
-    return layout.tp, layout.cp, layout.pp, layout.micro_batch
+def _family(layout: Layout) -> tuple[int, int, int, int, str]:
+    return layout.tp, layout.cp, layout.pp, layout.micro_batch, layout.cp_comm if layout.cp > 1 else ""
 
 
 def screen_families(estimator: Any, layouts: list[Layout], granularity: int, max_seq: int,
                     log: Callable[[str], None] | None = None, first: int | None = None,
-                    strategy: str = "full-recompute") -> set[tuple[int, int, int, int]]:
+                    strategy: str = "full-recompute") -> set[tuple[int, int, int, int, str]]:
     """NOTE [Fast longest-sequence search]: the SCREENED_FAMILIES families whose best layout goes
     longest for ``strategy`` by one full-recompute estimate at a short length, extended along its
     bytes per token (the states do not grow with the length). For the strategies that send every
@@ -292,21 +293,21 @@ def screen_families(estimator: Any, layouts: list[Layout], granularity: int, max
     first = first or 4 * granularity
     limit = strategy_limit(estimator, strategy)
     offloads_inputs = strategy in ("memo", "offloaded-checkpoint")
-    best: dict[tuple[int, int, int, int], int] = {}
+    best: dict[tuple[int, int, int, int, str], int] = {}
     for lay in layouts:
         try:
-            short, long = (estimator.estimate(n, lay, "full-recompute") for n in (first, 2 * first))
+            (states, short), (_, long) = (estimator.screen_bytes(n, lay) for n in (first, 2 * first))
         except MemoError:
             continue
         # the line through two lengths: what does not grow with the length (the embedding's and the
         # head's gradients, one layer's weights) is not charged per token
-        per_token = (long.activations_bytes - short.activations_bytes) / first
-        fixed = short.activations_bytes - per_token * first
+        per_token = (long - short) / first
+        fixed = short - per_token * first
         if offloads_inputs:  # every layer's input [s/(t·c), b, h] (NOTE [Tensor-parallel rank])
             depth = estimator.config.n_layers // lay.pp
             inputs = depth * lay.micro_batch * estimator.config.hidden * estimator.dtype.itemsize
             per_token = max(per_token - inputs / (lay.tp * lay.cp), per_token / 8)
-        room = limit - short.model_states_bytes - fixed
+        room = limit - states - fixed
         n = int(room / per_token) if per_token > 0 and room > 0 else 0
         best[_family(lay)] = max(best.get(_family(lay), 0), min(n, max_seq))
     # Ties (to the granularity) go to the smaller TP: a tensor + sequence parallel rank gathers each
@@ -314,8 +315,8 @@ def screen_families(estimator: Any, layouts: list[Layout], granularity: int, max
     kept = sorted(best, key=lambda f: (-(best[f] // granularity), f[0], f[2]))[:SCREENED_FAMILIES]
     if log:
         log(f"  {strategy}: screened by full recompute at " + tokens(first) + ": "
-            + ", ".join(f"t{t} c{c} p{p} ~{tokens(best[t, c, p, b] // granularity * granularity)}"
-                        for t, c, p, b in kept))
+            + ", ".join(f"t{f[0]} c{f[1]}{' ' + f[4] if f[4] else ''} p{f[2]} "
+                        f"~{tokens(best[f] // granularity * granularity)}" for f in kept))
     return set(kept)
 
 
@@ -397,7 +398,7 @@ def confirm(total: Callable[[int], int | None], limit: int, granularity: int, ma
     while (hi is None and lo < top) or (hi is not None and hi - lo > g):
         ceiling = top if hi is None else hi - g
         if beat and lo <= beat < ceiling and (hi is None or hi > beat + g) and not tried:
-            guess = max(guess, beat + g)  # first show whether this layout can go past the best one
+            guess = beat + g  # first show whether this layout can go past the best one at all
         if same_side >= 2 and hi is not None:
             guess = (lo + hi) // 2
         guess = min(max(guess // g * g, lo + g), ceiling)
@@ -435,7 +436,7 @@ def _secant(total: Callable[[int], int | None], limit: int, lo: int, hi: int | N
     return int(lo + (limit - t_lo) * (hi - lo) / (t_hi - t_lo))
 
 
-def _predicted_search(estimator: Any, layouts: list[Layout], kept: set[tuple[int, int, int, int]],
+def _predicted_search(estimator: Any, layouts: list[Layout], kept: set[tuple[int, int, int, int, str]],
                       strategy: str, granularity: int, max_seq: int, first: int | None,
                       log: Callable[[str], None] | None) -> dict[str, Any]:
     """NOTE [Fast longest-sequence search] for one strategy."""
@@ -449,7 +450,8 @@ def _predicted_search(estimator: Any, layouts: list[Layout], kept: set[tuple[int
         total = _Totals(estimator, layout, strategy)
         items.append({"layout": layout, "total": total,
                       "guess": first_guess(total, limit, granularity, max_seq, first)})
-    items.sort(key=lambda x: -x["guess"])
+    # equal guesses (both at the cap) go to the layout whose states leave the device more room
+    items.sort(key=lambda x: (-x["guess"], estimator.states(x["layout"], first)[1]))
     results: list[dict[str, Any]] = []
     best_len = 0
     for item in items:
