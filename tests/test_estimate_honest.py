@@ -144,3 +144,22 @@ def test_qwen3_shape_is_counted_with_its_head_size() -> None:
 def test_fit_limit_is_below_the_device() -> None:
     with pytest.raises(MemoError, match="--fit-limit-gib"):
         Estimator("gpt-mini", machine=Machine(device_mem_gb=1.0), fit_limit_bytes=int(2 * GiB))
+
+
+def test_head_chunked_ulysses_is_a_labelled_what_if(tmp_path: Path) -> None:
+    # NOTE [Head-chunked Ulysses, a what-if]: chunks of whole key/value head groups, each one Ulysses can
+    # share; the estimate holds less and says it is not runnable.
+    from memo.estimate.plan_method import _head_chunks
+
+    assert _head_chunks(32, 8, 8, 4) == [(slice(8 * j, 8 * j + 8), slice(2 * j, 2 * j + 2)) for j in range(4)]
+    with pytest.raises(MemoError, match="chunk of 2 query heads"):
+        _head_chunks(32, 8, 8, 16)
+    model, seq = _llama(tmp_path), 8192
+    ulysses = Layout(2, cp=2, cp_comm="a2a", sharding="full-offload")
+    machine = Machine(device_mem_gb=1.0, host_mem_gb=64)
+    whole = Estimator(model, dtype="float32", machine=machine).estimate(seq, ulysses, "offloaded-checkpoint")
+    chunked = Estimator(model, dtype="float32", machine=machine, what_if_head_chunks=2).estimate(
+        seq, ulysses, "offloaded-checkpoint")
+    assert chunked.total_bytes < whole.total_bytes
+    assert any(n.startswith("NOT RUNNABLE") for n in chunked.notes)
+    assert not any(n.startswith("NOT RUNNABLE") for n in whole.notes)

@@ -226,7 +226,7 @@ class Estimator:
     def __init__(self, model: str, *, method: str = "plan", dtype: str = "bfloat16",
                  model_states: str = "formula", machine: Machine | None = None,
                  log: Any = None, device: str = "cuda", memo_policy: str = "auto",
-                 fit_limit_bytes: int | None = None) -> None:
+                 fit_limit_bytes: int | None = None, what_if_head_chunks: int = 1) -> None:
         from memo.models import get_config
         from memo.pipeline import DTYPES
 
@@ -260,6 +260,12 @@ class Estimator:
                             f"GB ({device_bytes / GiB:,.2f} GiB)")
         #: NOTE [Fit limits]: one limit for every strategy, or None for each strategy's own rule.
         self.fit_limit_bytes = fit_limit_bytes
+        chunks = what_if_head_chunks
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise MemoError(f"memo estimate: head chunks must be a positive integer, got {chunks!r}")
+        #: NOTE [Head-chunked Ulysses, a what-if] in plan_method.py: 1 is what memo train runs; more
+        #: labels every Ulysses estimate as not runnable.
+        self.profiler.ulysses_head_chunks = chunks
 
     def limit_rule(self, strategy: str) -> str:
         """How ``strategy``'s fit limit is set (NOTE [Fit limits])."""
@@ -477,6 +483,10 @@ class Estimator:
                        f"parameters on the first stage ({table * 2 / GiB:,.2f} GiB in bf16, replicated, "
                        "x9 with its gradient and optimizer states), which the seed's Llama formula has no "
                        "term for; --model-states mixed counts it")
+        chunks = self.profiler.ulysses_head_chunks
+        if layout.cp > 1 and layout.cp_comm == "a2a" and chunks > 1:
+            out.append(f"NOT RUNNABLE: Ulysses over {chunks} chunks of heads, one at a time, which memo "
+                       "train does not run (a what-if: NOTE [Head-chunked Ulysses, a what-if])")
         if layout.cp > 1 and self.method == "plan":
             exchange = attention_exchange_bytes(self.config, layout, seq_len, self.dtype.itemsize)
             gib = f"{exchange / GiB:,.2f} GiB"

@@ -215,7 +215,8 @@ def analyse_trace(trace: dict[str, Any], kind_of: Callable[[str], str] | None = 
                        by_kind=tuple((k, *v) for k, v in sorted(kinds.items())))  # type: ignore[misc]
 
 
-def _rank_model(config: Any, n_layers: int, layout: Layout, seq_len: int, dtype: Any, recompute: str) -> Any:
+def _rank_model(config: Any, n_layers: int, layout: Layout, seq_len: int, dtype: Any, recompute: str,
+                head_chunks: int = 1) -> Any:
     from memo.models import DEFAULT_MAX_SEQ_LEN, build_model
 
     cfg = dataclasses.replace(config, n_layers=n_layers)
@@ -223,7 +224,7 @@ def _rank_model(config: Any, n_layers: int, layout: Layout, seq_len: int, dtype:
     kw = {"max_seq_len": max(seq_len, DEFAULT_MAX_SEQ_LEN)} if config.arch == "gpt" else {}
     model = build_model(cfg, device="meta", dtype=dtype, tensor_parallel=layout.tp, recompute=recompute, **kw)
     if layout.cp > 1 and layout.cp_comm == "a2a":
-        meta_ulysses(model, layout.cp)
+        meta_ulysses(model, layout.cp, head_chunks=head_chunks)
     return model
 
 
@@ -242,6 +243,15 @@ def _rank_model(config: Any, n_layers: int, layout: Layout, seq_len: int, dtype:
 # order by one more copy, made as the exchange's send buffer is freed (the same peak), and an index
 # of 8 bytes per token of the sequence, which is not recorded (building it on the host for every
 # exchange of a meta rank costs seconds per profile at millions of tokens).
+#
+# NOTE [Head-chunked Ulysses, a what-if]
+# UPipe (arXiv 2602.21196) runs Ulysses' exchange and the kernel over chunks of heads, one chunk at a
+# time, so the head-sharded copies and the kernel's own transients are a chunk's, not every head's.
+# ``memo train`` does not run that (memo's Ulysses exchanges every head at once); ``head_chunks`` > 1
+# records it anyway, memo's own Ulysses functions called once per chunk of query heads and their
+# key/value heads, each chunk's outputs written into the full-size ones, so that an estimate can say
+# what it would buy. Such an estimate is labelled as not runnable and no answer of ``memo estimate``
+# uses it (benchmarks/longest_at_scale.py reports it beside memo's row).
 
 
 class _MetaShard:
@@ -262,9 +272,31 @@ def _meta_all_to_all(t: Any) -> Any:
     return torch.empty_like(t.contiguous())
 
 
-def meta_ulysses(model: Any, size: int, contiguous: bool = True) -> None:
+def _head_chunks(n: int, n_kv: int, size: int, chunks: int) -> list[tuple[slice, slice]]:
+    """(query heads, key/value heads) of each of ``chunks`` chunks (NOTE [Head-chunked Ulysses, a
+    what-if]); a MemoError where the heads do not split so that Ulysses can share each chunk."""
+    from memo.errors import MemoError
+    from memo.models.ulysses_attention import ulysses_heads_problem
+
+    per_kv = n // n_kv
+    if n % chunks or (n // chunks) % per_kv and per_kv % (n // chunks):
+        raise MemoError(f"memo estimate: {n} query heads do not split into {chunks} chunks of whole "
+                        "key/value head groups")
+    q = n // chunks
+    out = []
+    for j in range(chunks):
+        first, last = j * q // per_kv, ((j + 1) * q - 1) // per_kv + 1
+        problem = ulysses_heads_problem(q, last - first, size)
+        if problem is not None:
+            raise MemoError(f"memo estimate: a chunk of {q} query heads: {problem}")
+        out.append((slice(j * q, (j + 1) * q), slice(first, last)))
+    return out
+
+
+def meta_ulysses(model: Any, size: int, contiguous: bool = True, head_chunks: int = 1) -> None:
     """Every layer of memo's meta rank ``model`` attends as one rank of a Ulysses group of ``size``
-    (NOTE [Ulysses in a meta estimate])."""
+    (NOTE [Ulysses in a meta estimate]); ``head_chunks`` > 1: over that many chunks of heads, one at
+    a time (NOTE [Head-chunked Ulysses, a what-if])."""
     import torch
 
     from memo.models.cp_attention import GroupAttention
@@ -273,10 +305,29 @@ def meta_ulysses(model: Any, size: int, contiguous: bool = True) -> None:
     shard = _MetaShard(size)
 
     def forward_half(q: Any, k: Any, v: Any, _group: Any = None) -> Any:
-        return _forward(q, k, v, size, _meta_all_to_all, contiguous)
+        if head_chunks == 1:
+            return _forward(q, k, v, size, _meta_all_to_all, contiguous)
+        o, lse = q.new_empty(q.shape), None
+        for qh, kh in _head_chunks(q.shape[2], k.shape[2], size, head_chunks):
+            o_c, lse_c = _forward(q[:, :, qh], k[:, :, kh], v[:, :, kh], size, _meta_all_to_all, contiguous)
+            if lse is None:
+                lse = lse_c.new_empty((lse_c.shape[0], q.shape[2], lse_c.shape[2]))
+            o[:, :, qh], lse[:, qh] = o_c, lse_c
+            del o_c, lse_c
+        return o, lse
 
     def backward_half(grad_o: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, _group: Any = None) -> Any:
-        return _backward(grad_o, q, k, v, o, lse, size, _meta_all_to_all, contiguous)
+        if head_chunks == 1:
+            return _backward(grad_o, q, k, v, o, lse, size, _meta_all_to_all, contiguous)
+        dq, dk, dv = q.new_empty(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+        for qh, kh in _head_chunks(q.shape[2], k.shape[2], size, head_chunks):
+            dq_c, dk_c, dv_c = _backward(grad_o[:, :, qh], q[:, :, qh], k[:, :, kh], v[:, :, kh], o[:, :, qh],
+                                         lse[:, qh], size, _meta_all_to_all, contiguous)
+            dq[:, :, qh] = dq_c
+            dk[:, :, kh] += dk_c  # chunks that share a key/value head add their parts
+            dv[:, :, kh] += dv_c
+            del dq_c, dk_c, dv_c
+        return dq, dk, dv
 
     class MetaUlyssesCoreAttention(UlyssesCoreAttention):
         def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -437,6 +488,8 @@ class RankProfiler:
         self.cache: dict[tuple, tuple[RankNumbers, Any]] = {}
         self.profiles = 0
         self.notes: list[str] = []
+        #: NOTE [Head-chunked Ulysses, a what-if]: 1 is what memo train runs.
+        self.ulysses_head_chunks = 1
 
     def _record(self, strategy: str, layout: Layout, seq_len: int, depth: int, alpha: float | None,
                 stage: bool = True, policy: tuple[str, ...] | None = None) -> tuple[RankNumbers, Any]:
@@ -449,7 +502,8 @@ class RankProfiler:
             kept = min(self.machine.memo_keep_last, depth)
             policy = (strategy,) * (depth - kept) + ("keep",) * kept
         # a Ulysses rank records its exchange (NOTE [Ulysses in a meta estimate])
-        exchange = layout.cp_comm if layout.cp > 1 and layout.cp_comm == "a2a" else None
+        ulysses = layout.cp > 1 and layout.cp_comm == "a2a"
+        exchange = (layout.cp_comm, self.ulysses_head_chunks) if ulysses else None
         key = (strategy, layout.tp, layout.cp, layout.micro_batch, seq_len, depth,
                None if alpha is None else round(alpha, 6), stages, policy, exchange)
         if key in self.cache:
@@ -457,7 +511,8 @@ class RankProfiler:
         from memo.pipeline import profile
 
         recompute = "full" if strategy == "full-recompute" else "none"
-        model = _rank_model(self.config, depth, layout, seq_len, self.dtype, recompute)
+        model = _rank_model(self.config, depth, layout, seq_len, self.dtype, recompute,
+                            self.ulysses_head_chunks)
         kind_of = _policy_kinds(policy) if policy is not None and "recompute" in policy else None
         if stages > 1:
             out: tuple[RankNumbers, Any] = (analyse_trace(self._first_stage(model, strategy, layout, seq_len,
