@@ -160,14 +160,19 @@ class RankNumbers:
                      for kind, *mine in self.by_kind]
             for i, name in enumerate(("iteration", "activations", "stage_activations")):
                 fields[name] = max(p[i] for p in peaks)
-        return RankNumbers(**fields)
+        return RankNumbers(iteration=fields["iteration"], activations=fields["activations"],
+                           stage_activations=fields["stage_activations"], held=fields["held"],
+                           gradients=fields["gradients"])
 
     def extend(self, other: RankNumbers, depth: int, other_depth: int, target: int) -> RankNumbers:
         """Linear in depth through (depth, self) and (other_depth, other), at ``target``."""
         f = (target - depth) / (other_depth - depth)
-        names = ("iteration", "activations", "stage_activations", "held", "gradients")
-        return RankNumbers(**{k: int(round(getattr(self, k) + f * (getattr(other, k) - getattr(self, k))))
-                              for k in names})
+        def at(name: str) -> int:
+            return int(round(getattr(self, name) + f * (getattr(other, name) - getattr(self, name))))
+
+        return RankNumbers(iteration=at("iteration"), activations=at("activations"),
+                           stage_activations=at("stage_activations"), held=at("held"),
+                           gradients=at("gradients"))
 
 
 def analyse_trace(trace: dict[str, Any], kind_of: Callable[[str], str] | None = None) -> RankNumbers:
@@ -212,7 +217,7 @@ def analyse_trace(trace: dict[str, Any], kind_of: Callable[[str], str] | None = 
     grad_bytes = sum(int(e["size"]) for e in events if e["op"] == "malloc" and e["id"] in grads)
     return RankNumbers(iteration=peak, activations=peak_other, stage_activations=peak_stage,
                        held=held or 0, gradients=grad_bytes,
-                       by_kind=tuple((k, *v) for k, v in sorted(kinds.items())))  # type: ignore[misc]
+                       by_kind=tuple((k, v[0], v[1], v[2]) for k, v in sorted(kinds.items())))
 
 
 def _rank_model(config: Any, n_layers: int, layout: Layout, seq_len: int, dtype: Any, recompute: str,

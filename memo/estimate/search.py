@@ -443,7 +443,7 @@ def _predicted_search(estimator: Any, layouts: list[Layout], kept: set[tuple[int
     say = log or (lambda _line: None)
     limit = strategy_limit(estimator, strategy)
     first = first or 4 * granularity
-    items = []
+    items: list[dict[str, Any]] = []
     for layout in layouts:
         if _family(layout) not in kept:
             continue
@@ -451,7 +451,7 @@ def _predicted_search(estimator: Any, layouts: list[Layout], kept: set[tuple[int
         items.append({"layout": layout, "total": total,
                       "guess": first_guess(total, limit, granularity, max_seq, first)})
     # equal guesses (both at the cap) go to the layout whose states leave the device more room
-    items.sort(key=lambda x: (-x["guess"], estimator.states(x["layout"], first)[1]))
+    items.sort(key=lambda x: (-int(x["guess"]), estimator.states(x["layout"], first)[1]))
     results: list[dict[str, Any]] = []
     best_len = 0
     for item in items:
