@@ -237,7 +237,8 @@ def _rank_model(config: Any, n_layers: int, layout: Layout, seq_len: int, dtype:
 # A Ulysses rank's attention exchanges its tokens of every head for every rank's tokens of its share
 # of the heads, runs the kernel over those, and exchanges the output back; in backward the same for
 # grad_o, q, k, v, o and lse, and dq, dk, dv back (NOTE [Ulysses context parallelism] in
-# memo/models/ulysses_attention.py). The meta rank model runs memo's own Ulysses functions, with the
+# memo/models/ulysses_attention.py), over the chunks of heads ``memo train`` runs (NOTE [Ulysses over
+# chunks of heads]). The meta rank model runs memo's own Ulysses functions, with the
 # collective replaced by what it allocates on a rank (a contiguous copy of the parts sent and the
 # tensor received, ``_all_to_all``'s two allocations): so every head-sharded copy, every reshuffle's
 # temporary and the kernel over all tokens of n/c heads are recorded where they live, and the peak is
@@ -252,10 +253,12 @@ def _rank_model(config: Any, n_layers: int, layout: Layout, seq_len: int, dtype:
 # NOTE [Head-chunked Ulysses, a what-if]
 # UPipe (arXiv 2602.21196) runs Ulysses' exchange and the kernel over chunks of heads, one chunk at a
 # time, so the head-sharded copies and the kernel's own transients are a chunk's, not every head's.
-# ``memo train`` does not run that (memo's Ulysses exchanges every head at once); ``head_chunks`` > 1
-# records it anyway, memo's own Ulysses functions called once per chunk of query heads and their
-# key/value heads, each chunk's outputs written into the full-size ones, so that an estimate can say
-# what it would buy. Such an estimate is labelled as not runnable and no answer of ``memo estimate``
+# ``memo train`` chunks so that no key/value head is sent twice: one chunk per key/value head a rank
+# receives (NOTE [Ulysses over chunks of heads]), one chunk where a rank receives one (Llama-3.1-8B
+# at CP 8). ``head_chunks`` > 1 chunks the query heads further, as UPipe does, each chunk sending
+# the key/value heads its query heads share again: memo's own unchunked Ulysses functions called once
+# per chunk, each chunk's outputs written into the full-size ones, so that an estimate can say what
+# it would buy. Such an estimate is labelled as not runnable and no answer of ``memo estimate``
 # uses it (benchmarks/longest_at_scale.py reports it beside memo's row).
 
 
@@ -305,13 +308,19 @@ def meta_ulysses(model: Any, size: int, contiguous: bool = True, head_chunks: in
     import torch
 
     from memo.models.cp_attention import GroupAttention
-    from memo.models.ulysses_attention import UlyssesCoreAttention, _backward, _forward
+    from memo.models.ulysses_attention import (
+        UlyssesCoreAttention,
+        _backward,
+        _chunked_backward,
+        _chunked_forward,
+        _forward,
+    )
 
     shard = _MetaShard(size)
 
     def forward_half(q: Any, k: Any, v: Any, _group: Any = None) -> Any:
-        if head_chunks == 1:
-            return _forward(q, k, v, size, _meta_all_to_all, contiguous)
+        if head_chunks == 1:  # what memo train runs
+            return _chunked_forward(q, k, v, size, _meta_all_to_all, contiguous)
         o, lse = q.new_empty(q.shape), None
         for qh, kh in _head_chunks(q.shape[2], k.shape[2], size, head_chunks):
             o_c, lse_c = _forward(q[:, :, qh], k[:, :, kh], v[:, :, kh], size, _meta_all_to_all, contiguous)
@@ -323,7 +332,7 @@ def meta_ulysses(model: Any, size: int, contiguous: bool = True, head_chunks: in
 
     def backward_half(grad_o: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, _group: Any = None) -> Any:
         if head_chunks == 1:
-            return _backward(grad_o, q, k, v, o, lse, size, _meta_all_to_all, contiguous)
+            return _chunked_backward(grad_o, q, k, v, o, lse, size, _meta_all_to_all, contiguous)
         dq, dk, dv = q.new_empty(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
         for qh, kh in _head_chunks(q.shape[2], k.shape[2], size, head_chunks):
             dq_c, dk_c, dv_c = _backward(grad_o[:, :, qh], q[:, :, qh], k[:, :, kh], v[:, :, kh], o[:, :, qh],
