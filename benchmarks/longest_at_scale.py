@@ -15,9 +15,9 @@ Each row is ``memo estimate --max-seq --search`` run in-process (its JSON is the
    every strategy held to ONE device limit (``--fit-limit-gib``): the peers' own rule, the seed's 80%
    of the GPU, so that the peers' rows are also their rows under their own limit;
 2. memo alone at its own limit (its plan's budget, NOTE [Fit limits] in memo/estimate/core.py);
-3. not runnable, a what-if labelled as such: memo on its layout with Ulysses over chunks of one head
-   per rank (UPipe's head-chunked Ulysses), which ``memo train`` does not run (NOTE [Head-chunked
-   Ulysses, a what-if] in memo/estimate/plan_method.py).
+3. not runnable, a what-if labelled as such: memo on its layout with Ulysses over chunks of one query
+   head per rank (UPipe's head-chunked Ulysses); ``memo train`` chunks no finer than one key/value
+   head per rank (NOTE [Head-chunked Ulysses, a what-if] in memo/estimate/plan_method.py).
 
 Every layout is one ``memo train`` launches, and memo's row prints the command that launches it. The
 search returns the longest multiple of the granularity that fits (NOTE [Fast longest-sequence
@@ -131,9 +131,9 @@ def run_row(row: Row, granularity: str, log: Any) -> dict[str, Any]:
 
 
 def head_chunks_what_if(row: Row, memo: dict[str, Any], granularity: str, log: Any) -> dict[str, Any] | None:
-    """memo's longest sequence on its layout if Ulysses ran over chunks of one head per rank (UPipe), which
-    ``memo train`` does not run: NOTE [Head-chunked Ulysses, a what-if] in memo/estimate/plan_method.py.
-    None where the layout has no Ulysses or one chunk is all the heads."""
+    """memo's longest sequence on its layout if Ulysses ran over chunks of one query head per rank (UPipe),
+    finer than ``memo train`` chunks: NOTE [Head-chunked Ulysses, a what-if] in memo/estimate/plan_method.py.
+    None where the layout has no Ulysses or ``memo train``'s chunks are already that fine."""
     from memo.cli.args import seq_len
     from memo.estimate import Estimator, Layout, Machine, longest_sequences
     from memo.models import get_config
@@ -141,8 +141,12 @@ def head_chunks_what_if(row: Row, memo: dict[str, Any], granularity: str, log: A
     lay = memo["layout"]
     if lay is None or lay["cp"] == 1 or lay["cp_comm"] != "a2a":
         return None
-    chunks = get_config(row.model).n_heads // lay["tp"] // lay["cp"]
-    if chunks < 2:
+    from memo.models.ulysses_attention import head_chunks
+
+    config = get_config(row.model)
+    n, n_kv = config.n_heads // lay["tp"], config.n_kv_heads // lay["tp"]
+    chunks = n // lay["cp"]
+    if chunks <= head_chunks(n, n_kv, lay["cp"]):
         return None
     machine = Machine(device_mem_gb=DEVICE_GB, host_mem_gb=HOST_GB, gpus_per_node=row.gpus_per_node,
                       bandwidth_gbps=BANDWIDTH_GBPS)

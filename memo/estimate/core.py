@@ -485,8 +485,8 @@ class Estimator:
                        "term for; --model-states mixed counts it")
         chunks = self.profiler.ulysses_head_chunks
         if layout.cp > 1 and layout.cp_comm == "a2a" and chunks > 1:
-            out.append(f"NOT RUNNABLE: Ulysses over {chunks} chunks of heads, one at a time, which memo "
-                       "train does not run (a what-if: NOTE [Head-chunked Ulysses, a what-if])")
+            out.append(f"NOT RUNNABLE: Ulysses over {chunks} chunks of the query heads, one at a time, finer "
+                       "than memo train chunks (a what-if: NOTE [Head-chunked Ulysses, a what-if])")
         if layout.cp > 1 and self.method == "plan":
             exchange = attention_exchange_bytes(self.config, layout, seq_len, self.dtype.itemsize)
             gib = f"{exchange / GiB:,.2f} GiB"
