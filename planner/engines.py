@@ -47,15 +47,17 @@ RUNNABLE: tuple[EngineLayouts, ...] = (
 
 
 def layout_problem(engine: str, *, tp: int = 1, cp: int = 1, pp: int = 1, cp_comm: str = "all_gather",
-                   sharding: str | None = None) -> str | None:
+                   sharding: str | None = None, sp: bool = False) -> str | None:
     """Why ``engine`` cannot run this layout family (NOTE [Which engine runs which layout]), or None.
-    ``sharding`` None: any of the engine's."""
+    ``sharding`` None: any of the engine's; ``sp``: sequence parallelism, which splits a tensor-parallel
+    group's tokens."""
     table = {row.engine: row for row in RUNNABLE}
     row = table.get(engine)
     if row is None:
         return f"--engine {engine} builds one process's model (no parallel layers); use {' or '.join(table)}"
-    if tp > 1 and not row.tensor_parallel:
-        return f"--engine {engine} runs no tensor parallelism (--tp {tp}); use --engine megatron"
+    if (tp > 1 or sp) and not row.tensor_parallel:
+        flag = f"--tp {tp}" if tp > 1 else "--sp"
+        return f"--engine {engine} runs no tensor parallelism ({flag}); use --engine megatron"
     if pp > 1 and not row.pipeline_parallel:
         return f"--engine {engine} runs no pipeline stages (--pp {pp}); use --engine megatron"
     if cp > 1 and cp_comm not in row.cp_comms:

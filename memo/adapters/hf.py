@@ -288,9 +288,7 @@ def _causal_kernels(layer: nn.Module) -> tuple[Any, Any]:
     Ulysses halves over the layer's sequence shard (NOTE [Ulysses around HF's attention])."""
     shard = getattr(layer.self_attn, "memo_sequence_shard", None)
     if _attn_implementation(layer) == "memo_ulysses" and shard is not None:
-        from memo.models.ulysses_attention import UlyssesCoreAttention
-
-        return UlyssesCoreAttention(shard).attention_kernels()
+        return shard.attention_kernels()
     from memo.models.causal_attention import attention_backward, attention_forward
 
     return attention_forward, attention_backward

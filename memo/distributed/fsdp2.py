@@ -233,17 +233,11 @@ class FSDP2Run(ParallelRun):
         if self.device.type == "cpu":
             _bind_gathers_to_memo(self.root)
 
-    def shard(self, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
-                                                                      torch.Tensor]:
-        """This rank's ``(ids, labels, position_ids)`` of a global batch ``ids, labels: [b, s]`` (labels
-        already shifted): rows of its DP rank, the contiguous tokens ``[r·s/c, (r+1)·s/c)`` of its CP
-        rank r (NOTE [Contiguous Ulysses] in memo/models/ulysses_attention.py)."""
-        b, s = ids.shape
-        dp, cp = self.layout.data_parallel, self.layout.context_parallel
-        rows = slice(self.dp_rank * b // dp, (self.dp_rank + 1) * b // dp)
-        tokens = slice(self.cp_rank * s // cp, (self.cp_rank + 1) * s // cp)
-        positions = torch.arange(s).unsqueeze(0).expand(b, s)
-        return tuple(t[rows, tokens].contiguous() for t in (ids, labels, positions))
+    def token_index(self, s: int) -> torch.Tensor:
+        """The contiguous tokens ``[r·s/c, (r+1)·s/c)`` of CP rank r (labels already shifted when the
+        batch is cut: NOTE [Contiguous Ulysses] in memo/models/ulysses_attention.py)."""
+        cp = self.layout.context_parallel
+        return torch.arange(self.cp_rank * s // cp, (self.cp_rank + 1) * s // cp)
 
     def loss(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor,
              global_count: int) -> tuple[torch.Tensor, torch.Tensor]:

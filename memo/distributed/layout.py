@@ -227,9 +227,8 @@ def check_layout(layout: ParallelLayout, *, engine: str, n_heads: int, n_query_g
     if engine == "fsdp2":  # NOTE [Which engine runs which layout] in planner/engines.py
         from memo.planner.engines import layout_problem
 
-        problem = layout_problem(engine, tp=tp, cp=cp, pp=layout.pipeline_parallel, cp_comm=layout.cp_comm)
-        if problem is None and sp:
-            problem = "--sp splits a tensor-parallel group's tokens; --engine fsdp2 runs no TP"
+        problem = layout_problem(engine, tp=tp, cp=cp, pp=layout.pipeline_parallel, cp_comm=layout.cp_comm,
+                                 sp=sp)
         if problem is not None:
             raise MemoError(f"memo.train: {layout}: {problem}")
     if engine not in ("megatron", "fsdp2") and (layout.world > 1 or sp):
@@ -402,17 +401,21 @@ class ParallelRun:
         """This rank's ``(ids, labels, position_ids)`` of a global batch ``ids, labels: [b, s]``
         (NOTE [Parallel layout]): rows of its DP rank, chunks r and 2c-1-r of its CP rank."""
         b, s = ids.shape
-        dp, cp = self.layout.data_parallel, self.layout.context_parallel
+        dp = self.layout.data_parallel
         rows = slice(self.dp_rank * b // dp, (self.dp_rank + 1) * b // dp)
         positions = torch.arange(s).unsqueeze(0).expand(b, s)
-        if cp > 1:
-            chunk = s // (2 * cp)
-            r = self.cp_rank
-            keep = torch.cat([torch.arange(r * chunk, (r + 1) * chunk),
-                              torch.arange((2 * cp - 1 - r) * chunk, (2 * cp - r) * chunk)])
-        else:
-            keep = torch.arange(s)
+        keep = self.token_index(s)
         return tuple(t[rows][:, keep].contiguous() for t in (ids, labels, positions))
+
+    def token_index(self, s: int) -> torch.Tensor:
+        """The positions of a sequence of ``s`` tokens this rank's CP rank keeps: chunks r and 2c-1-r
+        (megatron's load-balanced causal layout)."""
+        cp = self.layout.context_parallel
+        if cp == 1:
+            return torch.arange(s)
+        chunk, r = s // (2 * cp), self.cp_rank
+        return torch.cat([torch.arange(r * chunk, (r + 1) * chunk),
+                          torch.arange((2 * cp - 1 - r) * chunk, (2 * cp - r) * chunk)])
 
     # ------------------------------------------------------------------------ loss and gradients
     def loss(self, model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor,

@@ -334,6 +334,12 @@ class SequenceShard:
         """The absolute position of this rank's first token, for ``local_len`` tokens per rank."""
         return self.rank * local_len
 
+    def attention_kernels(self) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        """``(forward(q, k, v) -> (o, lse), backward(grad_o, q, k, v, o, lse) -> (dq, dk, dv))`` of causal
+        attention over this shard's group, without autograd, as memo's runtime runs a layer's core."""
+        return (functools.partial(ulysses_attention_forward, group=self.group, contiguous=True),
+                functools.partial(ulysses_attention_backward, group=self.group, contiguous=True))
+
     def __repr__(self) -> str:
         return f"SequenceShard(rank={self.rank}, size={self.size})"
 
@@ -354,8 +360,5 @@ class UlyssesCoreAttention(torch.nn.Module):
         return o.view(s, b, n * d)
 
     def attention_kernels(self) -> tuple[Callable[..., Any], Callable[..., Any]]:
-        """``(forward(q, k, v) -> (o, lse), backward(grad_o, q, k, v, o, lse) -> (dq, dk, dv))`` without
-        autograd, as memo's runtime runs a layer's core attention."""
-        group = self.shard.group
-        return (functools.partial(ulysses_attention_forward, group=group, contiguous=True),
-                functools.partial(ulysses_attention_backward, group=group, contiguous=True))
+        """The shard's halves (:meth:`SequenceShard.attention_kernels`)."""
+        return self.shard.attention_kernels()

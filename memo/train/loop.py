@@ -213,9 +213,8 @@ class TrainConfig:
             from memo.planner.engines import layout_problem
 
             problem = layout_problem("fsdp2", tp=self.tensor_parallel, cp=self.context_parallel,
-                                     pp=self.pipeline_parallel, cp_comm=self.cp_comm)
-            if problem is None and self.sequence_parallel:
-                problem = "--sp splits a tensor-parallel group's tokens; --engine fsdp2 runs no TP"
+                                     pp=self.pipeline_parallel, cp_comm=self.cp_comm,
+                                     sp=self.sequence_parallel)
             if problem is not None:
                 raise MemoError(f"memo.train: {problem}")
         if (max(parallel) > 1 or self.sequence_parallel) and self.engine != "fsdp2" and (
