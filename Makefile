@@ -57,7 +57,7 @@ test: install notorch-check
 # mypy --strict on the torch-free planner, as the package memo.planner, and on the memo modules it
 # imports (issue 32); mypy.ini names them. mypy cannot follow memo's __path__ to planner/, so
 # build/typecheck/memo/planner links to it (NOTE [Type-checking the planner as memo.planner] in
-# mypy.ini). A few seconds once build/mypy_cache is warm; tests/test_typecheck.py runs the same.
+# mypy.ini). A few seconds once build/mypy_cache is warm; tests/project/test_typecheck.py runs the same.
 typecheck:
 	@$(PYTHON) -c "import mypy" 2>/dev/null || { echo "make typecheck: mypy is not installed; it is" \
 		"a test dependency: make install, or $(PIP) install 'mypy>=1.10'"; exit 1; }

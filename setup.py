@@ -29,7 +29,7 @@ NOTE [The core is built once]
 Both binaries reach the core through its C++ API (``core/*.h``): ``memo._C``
 through pybind, the CUDA library through its ``extern "C"`` functions. The core
 is one set of objects, archived and linked into each, never a ``.cpp`` that
-another file ``#include``s (tests/test_cuda_build.py checks). Each binary
+another file ``#include``s (tests/allocator/test_cuda_build.py checks). Each binary
 holds its own copy of the archive's code, which is why visibility matters:
 
 All are compiled with hidden symbol visibility: the core's C++ symbols stay

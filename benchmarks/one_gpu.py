@@ -72,8 +72,8 @@ gradients, which grow by a fixed amount per layer. The peer is recorded at ``--p
 depths, default 2 and 3) and extrapolated linearly to 32 layers; ``--peer-full`` records all 32
 layers at the longest length found, as a check (~4 minutes). memo's runtime with every layer
 input-only holds on the device, between a layer's forward and its backward, only the two rounding
-buffers, whatever the depth: the same extrapolation holds for it (tests/test_one_gpu_bench.py checks
-both against full depth on a small model).
+buffers, whatever the depth: the same extrapolation holds for it
+(tests/benchmarks/test_one_gpu_bench.py checks both against full depth on a small model).
 
 Usage::
 

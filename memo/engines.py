@@ -10,7 +10,7 @@ embedding, layers and head are, and how the loss is computed); only how the mode
   model of that name: layers, hidden, heads, query groups, MLP width, vocabulary; GPT configs get
   LayerNorm, GELU, biases and learned positions, Llama configs RMSNorm, SwiGLU, no biases and
   RoPE. One process: megatron's parallel state is set up over a world of one (gloo) when no
-  process group exists, as ``tests/test_megatron.py`` does. Several (``torchrun``, NOTE [Parallel
+  process group exists, as ``tests/adapters/test_megatron.py`` does. Several (``torchrun``, NOTE [Parallel
   layout] in memo/distributed/layout.py): the caller has set up the parallel state of its
   ``ParallelLayout`` and the model is one rank's (tensor, sequence and context parallel); the
   vocabulary is padded the same way for every layout, so the shards are slices of the

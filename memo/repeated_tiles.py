@@ -24,7 +24,7 @@ tensors always runs every tile, and so does a meta run outside an estimate.
 
 What this gives up: the trace of a skipped estimate is not the iteration's event by event (a plan made
 from it would not match a run), so it is used for estimates only; the tests compare every number an
-estimate reads with and without skipping (tests/test_repeated_tiles.py).
+estimate reads with and without skipping (tests/profiler/test_repeated_tiles.py).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ __all__ = ["ALIGNMENT", "GB", "GiB", "MAX_BYTES", "MiB", "format_bytes", "format
 # allocator hands out, so kernels may assume it. Defined here once, in a module that imports
 # nothing, for all of them; the native allocator's own constant (kBlockAlignment in
 # csrc/core/alloc_backend.h, exposed as memo._C.allocator.BLOCK_ALIGNMENT) is checked equal to it
-# by tests/test_one_alignment.py.
+# by tests/allocator/test_block_alignment.py.
 ALIGNMENT = 512
 
 # NOTE [Byte counts are bounded]

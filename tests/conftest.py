@@ -29,7 +29,8 @@ def gpt_125m_8k_meta_profile():
     """``memo profile`` of gpt-125m at 8K tokens on the meta device (bf16, the dispatch recorder, a
     machine given so nothing is measured; the bandwidth binds, so 0 < alpha < 1): the job the
     159.6 GiB host arena once appeared in the device trace of. One profile takes seconds; the
-    tests that read it (all in tests/test_offload_bytes.py, so one worker makes it) do not change it."""
+    tests that read it (all in tests/profiler/test_offload_bytes.py, so one worker makes it) do not
+    change it."""
     import warnings
 
     from memo.pipeline import profile

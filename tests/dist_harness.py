@@ -1,6 +1,6 @@
 """Multi-process launches for the distributed tests: N CPU processes over gloo, results as JSON.
 
-Not a test module (no ``test_`` prefix): tests/test_distributed.py uses it. :func:`launch` starts
+Not a test module (no ``test_`` prefix): tests/distributed/test_distributed.py uses it. :func:`launch` starts
 ``world_size`` processes with ``torch.multiprocessing`` (spawn), each of which sets one intra-op
 thread, joins a gloo process group on 127.0.0.1 at a free port and calls the worker
 ``"module:function"`` as ``worker(rank, world_size, spec, record)``. The worker reports each

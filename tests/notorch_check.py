@@ -5,7 +5,7 @@ csrc/planner/module.cpp). The Makefile runs this file with `python -S` (no site-
 PYTHONPATH holding this checkout and a folder of links to the planner's own requirements, numpy,
 PuLP and tqdm, which `--make-site DIR` makes from the environment that runs it (a venv and a pip
 install each time took half a minute of every `make test`): so there is no torch to import.
-tests/test_torch_free_planner.py runs it with torch made unimportable. It imports memo.planner,
+tests/planner/test_torch_free_planner.py runs it with torch made unimportable. It imports memo.planner,
 makes a plan whose exact search runs (a guillotine packing, which greedy misses) and checks that the
 native search made it and that no torch was loaded. Not a pytest file: it stands alone so that it
 runs without pytest and without torch.

@@ -6,8 +6,9 @@ anatomy] in memo/adapters/megatron.py), and memo's spec replaces ``DotProductAtt
 :class:`memo.adapters.megatron.MemoCoreAttention`. A config field that changes what those compute
 is either run by memo or refused when it is not at its default (NOTE [memo runs the layer the user
 wrote, or refuses it] in memo/adapters/exact.py). Every field of the config is in one of the sets
-below, and tests/test_megatron_fields.py fails on a field no set names, so a megatron-core release
-that adds one is looked at before it is trained:
+below, and tests/adapters/test_megatron.py fails on a field no set names
+(test_every_transformer_config_field_is_run_or_refused), so a megatron-core release that adds one
+is looked at before it is trained:
 
 - :data:`RUN`: memo's path computes what megatron computes for any value (the field is read by a
   submodule memo calls, by megatron's rotary function memo calls, or by memo's own core attention;

@@ -1,6 +1,6 @@
 """CPU shims for megatron-core 0.16.1: its parallel layers and DDP in several CPU processes over gloo.
 
-Used only on CPU (the multi-process tests, tests/test_distributed.py): megatron-core's tensor
+Used only on CPU (the multi-process tests, tests/distributed/test_distributed.py): megatron-core's tensor
 parallel (TP), sequence parallel (SP), context parallel (CP) layers and its
 ``DistributedDataParallel`` (``finalize_model_grads``, ``overlap_grad_reduce``,
 ``use_distributed_optimizer``) run on CPU with gloo and give the single-process gradients once

@@ -59,7 +59,7 @@ the model the engine built). Why both are correct:
   forward that memo stops at the first layer is followed by FSDP2's ``reset_iter_state()`` (NOTE
   [An aborted forward under FSDP2] below).
 
-tests/test_fsdp2.py checks both orders against one process's gradients, with and without CPU
+tests/distributed/test_fsdp2.py checks both orders against one process's gradients, with and without CPU
 offload, and that memo's recompute sees the gathered parameters while they are freed between
 forward and backward.
 

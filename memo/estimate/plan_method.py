@@ -19,7 +19,7 @@ NOTE [Device total]) are linear in the depth once a few layers exist: every laye
 keeps (none: its activations; full recompute: its input; memo: its parameters' gradients) and the
 peak stays in the same place. So the stage's L/p layers are not built: two depths
 (:data:`DEPTHS`) are recorded and the numbers extended linearly; a stage no deeper than that is
-recorded as it is. ``tests/test_estimate.py`` checks the extension against whole-depth profiles.
+recorded as it is. ``tests/estimate/test_estimate.py`` checks the extension against whole-depth profiles.
 
 NOTE [Gradients in the peak]
 ``model_states="same"`` is torch's AdamW as ``memo train`` runs it: gradients are created during

@@ -62,7 +62,7 @@ from memo.profiler.stats import LayerStats, summarise_layers
 
 # The steps, one module each by what it does. Private names that tests and benchmarks import from
 # memo.pipeline are re-exported ("x as x"); pass 1 calls _record through this module, so that a test
-# can watch it (tests/test_cuda_path.py).
+# can watch it (tests/allocator/test_cuda_path.py).
 from .addresses import _plan
 from .device import FALLBACK_HEADROOM, FALLBACK_SEGMENT_BYTES, usable_device_bytes
 from .device import _iteration_total as _iteration_total

@@ -28,7 +28,7 @@ __all__ = ["FALLBACK_HEADROOM", "FALLBACK_SEGMENT_BYTES", "usable_device_bytes"]
 # the plan and ran out of memory).
 FALLBACK_HEADROOM = 0.05
 #: The fallback pool's segment granularity: kSegmentGranularity in csrc/core/fallback_allocator.h
-#: (tests/test_layer_policy.py reads it there).
+#: (tests/runtime/test_layer_policy.py reads it there).
 FALLBACK_SEGMENT_BYTES = 2 << 20
 
 

@@ -65,7 +65,7 @@ def example_batch(model: nn.Module, seq_len: int, micro_batch: int, device: torc
 # visible in one place (_Job.tile_device_type): a profile on meta with ``machine.gpu`` given (``--gpu
 # h100``, the GPU whose FLOPs estimate the layer time) is for a CUDA device, and is tiled with the
 # GPU's floor; without ``gpu`` meta keeps the CPU's floor, so a plan made on meta is still the plan
-# made on the CPU (tests/test_plan_truth.py). A profile on cpu or cuda is for its own device.
+# made on the CPU (tests/runtime/test_plan_truth.py). A profile on cpu or cuda is for its own device.
 # The policy's cost model and tile choices use the target's floor (_layer_costs in policy.py). Where
 # the target is not pass 2's device, the runtime on meta cannot make the target's default itself, so
 # every wrapped pass gets the tile explicitly (``default_tile``: default_tile_tokens of the layer's

@@ -18,7 +18,7 @@ there the compiler traces the layers as it would unwrapped. Inside a layer in tr
 the token-wise submodules themselves (``layer.mlp.compile()``): memo calls them on token tiles, so
 they compile once per tile length (mark the length dynamic, or let dynamo's automatic dynamic
 shapes do it after the second).
-tests/test_compile.py pins this.
+tests/runtime/test_compile.py pins this.
 """
 
 from __future__ import annotations

@@ -221,7 +221,7 @@ class LayerContext(Protocol):
     changes as it goes (``flight`` at every forward, ``pending`` and ``anchor`` replaced, the
     buffers reallocated), so a LayerCall reads them from the runtime when it needs them (a copy
     taken once would go stale), through this protocol: :class:`memo.runtime.MemoRuntime` is the
-    one implementation, and layer.py never imports runtime.py (tests/test_runtime.py checks both).
+    one implementation, and layer.py never imports runtime.py (tests/runtime/test_runtime.py checks both).
     """
 
     alpha: float

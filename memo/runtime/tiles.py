@@ -22,7 +22,7 @@ at 1,280 tokens in five 256-token tiles ran 1.57x its unwrapped step, in one til
 30, benchmarks/varlen.py); its floor is 2,048 tokens, from hidden 362 up it is 256. That floor is
 for speed; where a budget binds, the policy may still choose tiles down to MIN_CPU_CHUNK_TOKENS on
 the CPU (:func:`min_tile_tokens`), trading host time for memory. Meta follows the CPU, so that a
-plan made on meta is the plan made on the CPU (tests/test_plan_truth.py). A profile on meta for a
+plan made on meta is the plan made on the CPU (tests/runtime/test_plan_truth.py). A profile on meta for a
 GPU (``--gpu``) records and plans the GPU's tiles instead: it gives the runtime on meta the tile
 the GPU's default makes (:func:`default_tile_tokens` with ``"cuda"``) and the plan records it, so
 the GPU replays exactly those tiles (NOTE [Tiles of the device a plan is for] in
@@ -67,7 +67,7 @@ MIN_CPU_CHUNK_TOKENS = 256
 # token, several times the layer's width) thus exist for one tile at a time, and a layer's
 # transient peak is one tile's, not a share of s tokens'. What still spans the sequence is what
 # must: the layer's input and output, q, k, v, the attention output and its log-sum-exp, their
-# gradients, and the rounding buffer (tests/test_tiles.py measures it).
+# gradients, and the rounding buffer (tests/runtime/test_tiles.py measures it).
 # How many tokens a tile holds: ``s / RECOMPUTE_CHUNKS`` at short lengths (few tiles, few kernel
 # launches), capped so that a tile's transient stays within TILE_BYTES, estimated from the layer's
 # width per token (its parameters / hidden: 4h + 3 ffn for a SwiGLU layer, the elements its matmuls
