@@ -19,7 +19,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from . import solvers
 from .dsa import (
     DSAResult,
     Item,
@@ -30,7 +29,7 @@ from .dsa import (
     lower_bound,
     overlapping_pairs,
 )
-from .solvers import quiet_pulp
+from .solvers import quiet_pulp, solver_command
 
 __all__ = ["MAX_WINDOW_PAIRS", "mip", "mip_neighbourhoods"]
 
@@ -96,7 +95,7 @@ def mip(items: Sequence[Item], *, time_limit: float = 60.0, solver: str = "cbc",
     for (i, j), zij in z.items():
         zij.setInitialValue(1 if warm.offsets[i] < warm.offsets[j] else 0)
     remaining = max(1.0, time_limit - (time.perf_counter() - t0))
-    cmd = solvers.solver_command(solver, remaining, threads, msg)
+    cmd = solver_command(solver, remaining, threads, msg)
     try:
         prob.solve(cmd)
         status = pulp.LpStatus[prob.status]
@@ -159,7 +158,7 @@ def _neighbourhood_mip(items: Sequence[Item], offsets: list[int], free: list[int
                 prob += x[i] + items[i].size <= lo + peak * (1 - z)
                 prob += x[i] >= hi - peak * z
     try:
-        prob.solve(solvers.solver_command(solver, time_limit, threads, False))
+        prob.solve(solver_command(solver, time_limit, threads, False))
     except pulp.PulpSolverError:
         return None
     if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):

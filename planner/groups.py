@@ -1,5 +1,5 @@
 """Rigid groups of DSA items: a group moves as one, its members at fixed offsets from its base
-(the layer blocks of the bi-level plan, NOTE [Bi-level plan] in planner/core.py). Placed by a
+(the layer blocks of the bi-level plan, NOTE [Bi-level plan] in planner/bilevel.py). Placed by a
 greedy over groups (:func:`greedy_groups`) and pushed down member by member
 (:func:`compact_groups`); items and the single-item heuristic are in :mod:`memo.planner.dsa`.
 """
@@ -144,7 +144,7 @@ def _groups_order(m: _Members, order: Sequence[int], best_fit: bool) -> tuple[li
 
 
 def greedy_groups(groups: Sequence[Group]) -> DSAResult:
-    """Place rigid groups (NOTE [Bi-level plan] in core.py says why): ``offsets[g]`` is group g's base.
+    """Place rigid groups (NOTE [Bi-level plan] in bilevel.py says why): ``offsets[g]`` is group g's base.
 
     Two groups collide only where members overlap in time and in memory, so a group's
     members can sit in the holes between another group's members. A one-member group

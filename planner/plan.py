@@ -8,38 +8,43 @@ byte) and plot it. Every plan is validated when it is saved and when it is loade
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, cast
-
-import numpy as np
+from typing import Any
 
 from memo.errors import MemoError, PlanMismatchError
 from memo.jsonio import atomic_write, read_json
-from memo.phase_names import is_backward_phase, parse_phase, phase_kind
-from memo.units import ALIGNMENT, MAX_BYTES  # NOTE [Block alignment]
+from memo.phase_names import is_backward_phase, phase_kind
+from memo.units import ALIGNMENT  # NOTE [Block alignment]
 
 from .dsa import Item, check_placement
 from .job import JobSpec, job_mismatch
-from .trace import Allocation, Trace, validate_meta
+from .plan_fields import (
+    DAMAGED,
+    LAYER_KINDS,
+    UNPHASED,
+    allocation_rows,
+    bad_field,
+    byte_count,
+    json_object,
+    optional_offset,
+    phase_name,
+    summary_fields,
+)
+from .trace import Allocation, Trace
 
 __all__ = ["ALIGNMENT", "PLAN_KIND", "PLAN_VERSION", "UNPHASED_MODES", "Plan", "load_plan",
            "offload_difference", "save_plan", "validate_plan", "without_unphased"]
 
 PLAN_VERSION = 1
 PLAN_KIND = "memo.plan"
-# The unphased "phase" key in plan files (phase tables leave it out unless asked).
-UNPHASED = ""
 #: ``Plan.unphased``: "plan" places the allocations made outside every phase too; "fallback" (a plan
 #: for memo's allocator to replay) leaves them out (NOTE [Unphased allocations are not planned for
 #: replay]).
 UNPHASED_MODES = ("plan", "fallback")
-#: The phase kinds a level-1 layer block is planned for (planner/core.py).
-LAYER_KINDS = ("layer.fwd", "layer.bwd")
 
 
 # NOTE [Planned and actual offload]
@@ -48,146 +53,6 @@ LAYER_KINDS = ("layer.fwd", "layer.bwd")
 # the profile's wrapped pass, with the tensors it copied. They agree when the profiler and the
 # runtime apply the same rule (NOTE [One truth for saved bytes] in memo/profiler/saved.py);
 # `memo show` and `memo train` warn, naming the largest tensors, when they differ by over 1%.
-OFFLOAD_KEYS = ("offloaded_layers", "planned_bytes_per_layer", "actual_bytes_per_layer")
-_DAMAGED = "the file is damaged or edited by hand: re-run `memo profile` (or `memo plan`)"
-
-
-def _bad(where: str, expected: str, value: Any) -> MemoError:
-    return MemoError(f"memo.plan: {where} must be {expected}, got {value!r:.80}; {_DAMAGED}")
-
-
-def _count(value: Any, where: str, low: int = 0) -> int:
-    """``value`` when it is an integer in [low, 2**62) (NOTE [Byte counts are bounded])."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise _bad(where, f"an integer >= {low}", value)
-    if value >= MAX_BYTES:
-        raise MemoError(f"memo.plan: {where} is {value}, not below 2**62 (4 EiB); {_DAMAGED}")
-    return value
-
-
-def _offset(value: Any, where: str) -> int | None:
-    return None if value is None else _count(value, where)
-
-
-def _phase(name: Any, where: str) -> str:
-    try:
-        parse_phase(name)
-    except MemoError as err:
-        raise MemoError(f"memo.plan: {where}: {err}") from None
-    return cast(str, name)  # parse_phase refuses anything but a str
-
-
-def _object(value: Any, where: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise _bad(where, "an object", value)
-    return value
-
-
-def _optional_object(value: Any, name: str) -> Mapping[str, Any] | None:
-    """An optional object field of a plan: None, or a mapping (else the field is named)."""
-    if value is not None and not isinstance(value, Mapping):
-        raise MemoError(f"memo.plan: {name!r} must be an object, got {type(value).__name__}")
-    return value
-
-
-def _check_offload(value: Any) -> dict[str, Any] | None:
-    if _optional_object(value, "offload") is None:
-        return None
-    out: dict[str, Any] = {}
-    for key in OFFLOAD_KEYS:
-        out[key] = _count(value.get(key), f"offload.{key}")
-    tensors = value.get("tensors", [])
-    if not isinstance(tensors, list) or not all(
-            isinstance(t, (list, tuple)) and len(t) == 2 and isinstance(t[0], str)
-            and isinstance(t[1], int) and not isinstance(t[1], bool) and 0 <= t[1] < MAX_BYTES
-            for t in tensors):
-        raise MemoError("memo.plan: offload.tensors must be a list of [description, bytes]; "
-                        "re-run `memo profile`")
-    out["tensors"] = [[str(t[0]), int(t[1])] for t in tensors]
-    return out
-
-
-def _check_policy(value: Any) -> list[str] | None:
-    if value is None:
-        return None
-    from .policy import validate_policy
-
-    try:
-        return validate_policy(value)
-    except MemoError as err:
-        raise MemoError(f"memo.plan: bad 'policy' ({err}); re-run `memo profile`") from None
-
-
-def _check_tile(value: Any) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise MemoError(f"memo.plan: bad 'tile_tokens' (a positive number of tokens or null), got {value!r}; "
-                        "re-run `memo profile`")
-    return value
-
-
-def _check_device(value: Any) -> dict[str, Any] | None:
-    if _optional_object(value, "device") is None:
-        return None
-    budget = value.get("budget_bytes")
-    if budget is not None:
-        _count(budget, "device.budget_bytes", low=1)
-    for key in ("activations_bytes", "total_bytes"):
-        _count(value.get(key), f"device.{key}")
-    if value.get("iteration_peak_bytes") is not None:
-        _count(value["iteration_peak_bytes"], "device.iteration_peak_bytes")
-    states = value.get("model_states")  # null: not known (`memo plan` of a trace that records none)
-    for part in ("parameters", "gradients", "optimizer") if states is not None else ():
-        entry = states.get(part) if isinstance(states, dict) else None
-        if not isinstance(entry, dict) or not isinstance(entry.get("dtype", ""), str):
-            raise MemoError("memo.plan: device.model_states must give parameters, gradients and optimizer "
-                            "bytes, or be null; re-run `memo profile`")
-        _count(entry.get("bytes"), f"device.model_states.{part}.bytes")
-    estimate = value.get("estimate")
-    if estimate is not None:
-        _object(estimate, "device.estimate")
-        if "full_recompute_bytes" in estimate:
-            _count(estimate["full_recompute_bytes"], "device.estimate.full_recompute_bytes")
-    if value.get("binding") is not None and not isinstance(value["binding"], str):
-        raise _bad("device.binding", "a string or null", value["binding"])
-    return dict(value)
-
-
-#: What a pipeline stage's plan records of the stage and schedule it was made for (NOTE [A stage's
-#: address plan] in memo/pipeline/stage_plan.py): field -> its type.
-PIPELINE_FIELDS = {"stage": int, "stages": int, "virtual_stages": int, "schedule": str, "micro_batches": int,
-                   "chunk_layers": list}
-
-
-def _check_pipeline(value: Any) -> dict[str, Any] | None:
-    if _optional_object(value, "pipeline") is None:
-        return None
-    for key, kind in PIPELINE_FIELDS.items():
-        got = value.get(key)
-        if kind is list:
-            if not isinstance(got, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0
-                                                    for n in got):
-                raise _bad(f"pipeline.{key}", "a list of layer counts", got)
-        elif kind is int:
-            _count(got, f"pipeline.{key}")
-        elif not isinstance(got, kind):
-            raise _bad(f"pipeline.{key}", f"a {kind.__name__}", got)
-    return dict(value)
-
-
-def _check_solver(value: Any) -> dict[str, Any]:
-    """The solver record: free-form, but what `memo show` prints has the type it prints."""
-    solver = _object(value, "solver")
-    if not isinstance(solver.get("seconds", 0), (int, float)) or isinstance(solver.get("seconds"), bool):
-        raise _bad("solver.seconds", "a number", solver["seconds"])
-    stages = solver.get("stages") or ({"total": solver["total"]} if "total" in solver else {})
-    for name, stage in _object(stages, "solver.stages").items():
-        _object(stage, f"solver.stages[{name!r:.40}]")
-        gap = stage.get("gap_to_lower_bound", 0)
-        if isinstance(gap, bool) or not isinstance(gap, (int, float)):
-            raise _bad(f"solver.stages[{name!r:.40}].gap_to_lower_bound", "a number", gap)
-    return dict(solver)
 
 
 def offload_difference(offload: Mapping[str, Any] | None) -> str | None:
@@ -277,7 +142,7 @@ class Plan:
         ``include_unphased=True``, under the key ``""``. In a plan made for replay, a phased
         allocation that outlives the traced iteration (a parameter gradient) keeps its request
         index with offset None: the fallback serves it (NOTE [Allocations that outlive the
-        iteration] in planner/core.py).
+        iteration] in planner/outliving.py).
         """
         tables: dict[str, list[tuple[int, int | None]]] = {}
         for a, off in zip(self.allocations, self.offsets, strict=True):
@@ -411,32 +276,32 @@ class Plan:
         for name in ("phases", "level1", "level2", "items", "allocations", "peak", "lower_bound",
                      "no_reuse_bytes"):
             if name not in data:
-                raise MemoError(f"memo.plan: no {name!r} field; {_DAMAGED}")
+                raise MemoError(f"memo.plan: no {name!r} field; {DAMAGED}")
         phases = data["phases"]
         if not isinstance(phases, list) or not all(isinstance(p, str) for p in phases):
-            raise _bad("phases", "a list of phase names", phases)
+            raise bad_field("phases", "a list of phase names", phases)
         for i, p in enumerate(phases):
-            _phase(p, f"phases[{i}]")
+            phase_name(p, f"phases[{i}]")
         level1 = {}
-        for kind, table in _object(data["level1"], "level1").items():
+        for kind, table in json_object(data["level1"], "level1").items():
             if kind not in LAYER_KINDS:
-                raise _bad("a key of level1", f"one of {LAYER_KINDS}", kind)
+                raise bad_field("a key of level1", f"one of {LAYER_KINDS}", kind)
             if not isinstance(table, list):
-                raise _bad(f"level1.{kind}", "a list of offsets", table)
-            level1[kind] = [_offset(o, f"level1.{kind}[{r}]") for r, o in enumerate(table)]
+                raise bad_field(f"level1.{kind}", "a list of offsets", table)
+            level1[kind] = [optional_offset(o, f"level1.{kind}[{r}]") for r, o in enumerate(table)]
         level2 = {}
-        for p, o in _object(data["level2"], "level2").items():
-            level2[_phase(p, "a key of level2")] = _count(o, f"level2.{p}")
+        for p, o in json_object(data["level2"], "level2").items():
+            level2[phase_name(p, "a key of level2")] = byte_count(o, f"level2.{p}")
         items: dict[str, dict[int, int | None]] = {}
-        for phase, table in _object(data["items"], "items").items():
+        for phase, table in json_object(data["items"], "items").items():
             if phase != UNPHASED:
-                _phase(phase, "a key of items")
+                phase_name(phase, "a key of items")
             requests = items[phase] = {}
-            for r, o in _object(table, f"items.{phase}").items():
+            for r, o in json_object(table, f"items.{phase}").items():
                 if not (r.isascii() and r.isdigit()):
-                    raise _bad(f"items.{phase}", "an object keyed by request index", r)
-                requests[int(r)] = _offset(o, f"items.{phase}.{r}")
-        allocations = _allocations(data["allocations"], phases)
+                    raise bad_field(f"items.{phase}", "an object keyed by request index", r)
+                requests[int(r)] = optional_offset(o, f"items.{phase}.{r}")
+        allocations = allocation_rows(data["allocations"], phases)
         offsets = _offsets(allocations, level1, level2, items)
         fields = summary_fields(data)
         detail = data.get("alpha_detail")
@@ -444,108 +309,25 @@ class Plan:
         old_default = "fallback" if "unphased_left_to_fallback" in fields["solver"] else "plan"
         unphased = data.get("unphased", old_default)
         if unphased not in UNPHASED_MODES:
-            raise _bad("unphased", "'plan' or 'fallback'", unphased)
+            raise bad_field("unphased", "'plan' or 'fallback'", unphased)
         plan = cls(
             allocations=allocations,
             offsets=offsets,
             level1=level1,
             level2=level2,
-            alpha_detail=None if detail is None else dict(_object(detail, "alpha_detail")),
-            end_time=_count(data.get("end_time", 0), "end_time"),
+            alpha_detail=None if detail is None else dict(json_object(detail, "alpha_detail")),
+            end_time=byte_count(data.get("end_time", 0), "end_time"),
             unphased=unphased,
             **fields,
         )
         # NOTE [A plan's summary]: what a summary reader takes on trust must be what the rows give
         count, peaks = data.get("allocation_count"), data.get("phase_peaks")
         if count is not None and count != len(allocations):
-            raise _bad("allocation_count", f"the {len(allocations):,} rows' count", count)
+            raise bad_field("allocation_count", f"the {len(allocations):,} rows' count", count)
         if peaks is not None and peaks != plan.phase_peaks():
-            raise _bad("phase_peaks", "the peaks its allocations reach", peaks)
+            raise bad_field("phase_peaks", "the peaks its allocations reach", peaks)
         return plan
 
-
-def summary_fields(data: Mapping[str, Any]) -> dict[str, Any]:
-    """The fields of a plan dict that describe it rather than place its allocations, checked: what
-    :meth:`Plan.from_dict` and a plan's summary (NOTE [A plan's summary] in planner/summary.py) share."""
-    level1_peak = {}
-    for kind, height in _object(data.get("level1_peak", {}), "level1_peak").items():
-        if kind not in LAYER_KINDS:
-            raise _bad("a key of level1_peak", f"one of {LAYER_KINDS}", kind)
-        level1_peak[kind] = _count(height, f"level1_peak.{kind}")
-    alpha = data.get("alpha")
-    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float))):
-        raise MemoError(f"memo.plan: alpha must be a number in [0, 1], got {alpha!r:.80}; {_DAMAGED}")
-    binding = data.get("alpha_binding")
-    if binding is not None and not isinstance(binding, str):
-        raise _bad("alpha_binding", "a string or null", binding)
-    warnings = data.get("warnings") or []
-    if not isinstance(warnings, list) or not all(isinstance(w, str) for w in warnings):
-        raise _bad("warnings", "a list of strings", warnings)
-    return {
-        "meta": validate_meta(data.get("meta") or {}, "memo.plan"),
-        "peak": _count(data.get("peak"), "peak"),
-        "lower_bound": _count(data.get("lower_bound"), "lower_bound"),
-        "no_reuse_bytes": _count(data.get("no_reuse_bytes"), "no_reuse_bytes"),
-        "level1_peak": level1_peak,
-        "alpha": None if alpha is None else float(alpha),
-        "alpha_binding": binding,
-        "host_bytes": None if data.get("host_bytes") is None else _count(data["host_bytes"], "host_bytes"),
-        "offload": _check_offload(data.get("offload")),
-        "policy": _check_policy(data.get("policy")),
-        "tile_tokens": _check_tile(data.get("tile_tokens")),
-        "device": _check_device(data.get("device")),
-        "pipeline": _check_pipeline(data.get("pipeline")),
-        "solver": _check_solver(data.get("solver") or {}),
-        "warnings": list(warnings),
-    }
-
-
-def _allocations(rows: Any, phases: list[str]) -> list[Allocation]:
-    """A plan's ``allocations`` rows, ``[phase index or -1, request, size, start, end, id]``, checked."""
-    if not isinstance(rows, list):
-        raise _bad("allocations", "a list", rows)
-    checked = _checked_rows(rows, len(phases))
-    if checked is not None:
-        names: list[str | None] = [*phases, None]  # index -1: unphased
-        return [Allocation(i, ident, size, start, end, names[pi], request, False)
-                for i, (pi, request, size, start, end, ident) in enumerate(checked)]
-    allocations = []
-    for index, row in enumerate(rows):
-        where = f"allocations[{index}]"
-        if not isinstance(row, list) or len(row) != 6:
-            raise _bad(where, "[phase index, request, size, start, end, id]", row)
-        # -1 is "unphased"; below it Python's negative indexing would pick another phase.
-        pi = _count(row[0], f"{where}[0] (phase index)", low=-1)
-        if pi >= len(phases):
-            raise _bad(f"{where}[0] (phase index)", f"below the {len(phases)} phases", pi)
-        request, start, end = (_count(row[i], f"{where}[{i}]") for i in (1, 3, 4))
-        size = _count(row[2], f"{where}[2] (size)", low=1)
-        if isinstance(row[5], bool) or not isinstance(row[5], int):
-            raise _bad(f"{where}[5] (id)", "an integer", row[5])
-        allocations.append(Allocation(index, row[5], size, start, end, phases[pi] if pi >= 0 else None,
-                                      request, False))
-    return allocations
-
-
-def _checked_rows(rows: list[Any], n_phases: int) -> list[list[int]] | None:
-    """The rows as ints when every one is valid, checked a column at a time (a plan of a million
-    allocations took 20 s checked row by row); None when any is not, and the row-by-row check then
-    names the first bad one."""
-    if not rows:
-        return []
-    if set(map(type, rows)) != {list} or set(map(len, rows)) != {6}:
-        return None
-    if set(map(type, itertools.chain.from_iterable(rows))) != {int}:  # no bool, float, None, str
-        return None
-    try:
-        table = np.array(rows, dtype=np.int64)
-    except OverflowError:
-        return None
-    low = np.array([-1, 0, 1, 0, 0, np.iinfo(np.int64).min])
-    high = np.array([n_phases, MAX_BYTES, MAX_BYTES, MAX_BYTES, MAX_BYTES, np.iinfo(np.int64).max])
-    if not ((table >= low).all() and (table[:, :5] < high[:5]).all()):
-        return None
-    return table.tolist()  # type: ignore[no-any-return]
 
 
 def _offsets(allocations: list[Allocation], level1: dict[str, list[int | None]], level2: dict[str, int],
@@ -558,7 +340,7 @@ def _offsets(allocations: list[Allocation], level1: dict[str, list[int | None]],
         if a.phase in level2:
             if phase_kind(a.phase) not in level1:
                 raise MemoError(f"memo.plan: level2 places phase {a.phase!r} as a layer block, but "
-                                f"level1 has no block for {phase_kind(a.phase)!r}; {_DAMAGED}")
+                                f"level1 has no block for {phase_kind(a.phase)!r}; {DAMAGED}")
             table = level1[phase_kind(a.phase)]
             inner = table[a.request] if a.request < len(table) else None
             if inner is not None:
@@ -582,7 +364,7 @@ def _validate_numbers(plan: Plan) -> None:
                         "edited by hand: re-run `memo profile`")
     for name in ("peak", "lower_bound", "no_reuse_bytes", "host_bytes", "end_time"):
         if getattr(plan, name) is not None:
-            _count(getattr(plan, name), name)
+            byte_count(getattr(plan, name), name)
 
 
 def validate_plan(plan: Plan, trace: Trace | None = None) -> None:

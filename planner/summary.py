@@ -44,7 +44,8 @@ from memo.errors import MemoError
 from memo.phase_names import phase_kind
 from memo.units import MAX_BYTES
 
-from .plan import LAYER_KINDS, UNPHASED, _bad, _count, _object, _phase, load_plan, summary_fields
+from .plan import load_plan
+from .plan_fields import LAYER_KINDS, UNPHASED, bad_field, byte_count, json_object, phase_name, summary_fields
 
 __all__ = ["PlanSummary", "read_plan_summary"]
 
@@ -230,11 +231,11 @@ class _Places:
     def __init__(self, data: dict[str, Any]) -> None:
         phases = data["phases"]
         if not isinstance(phases, list):
-            raise _bad("phases", "a list of phase names", phases)
-        self.phases = [_phase(p, f"phases[{i}]") for i, p in enumerate(phases)]
+            raise bad_field("phases", "a list of phase names", phases)
+        self.phases = [phase_name(p, f"phases[{i}]") for i, p in enumerate(phases)]
         index = {p: i for i, p in enumerate(self.phases)}
-        level1 = _object(data["level1"], "level1")
-        level2 = _object(data["level2"], "level2")
+        level1 = json_object(data["level1"], "level1")
+        level2 = json_object(data["level2"], "level2")
         n = len(self.phases)
         # per phase index + 1 (0: unphased): its layer block's offset (-1: none) and level-1 kind
         self.block = np.full(n + 1, -1, dtype=np.int64)
@@ -243,27 +244,27 @@ class _Places:
         for kind in LAYER_KINDS:
             table = level1.get(kind, [])
             if not isinstance(table, list):
-                raise _bad(f"level1.{kind}", "a list of offsets", table)
-            self.tables.append(np.array([-1 if o is None else _count(o, f"level1.{kind}[{r}]")
+                raise bad_field(f"level1.{kind}", "a list of offsets", table)
+            self.tables.append(np.array([-1 if o is None else byte_count(o, f"level1.{kind}[{r}]")
                                          for r, o in enumerate(table)], dtype=np.int64))
         for p, base in level2.items():
-            i = index.get(_phase(p, "a key of level2"))
+            i = index.get(phase_name(p, "a key of level2"))
             if i is not None:
                 kind_name = phase_kind(p)
                 if kind_name not in LAYER_KINDS or kind_name not in level1:
                     raise MemoError(f"memo.plan: level2 places phase {p!r} as a layer block, but level1 has "
                                     f"no block for {kind_name!r}")
-                self.block[i + 1] = _count(base, f"level2.{p}")
+                self.block[i + 1] = byte_count(base, f"level2.{p}")
                 self.kind[i + 1] = LAYER_KINDS.index(kind_name)
         keys, offsets = [], []
-        for p, table in _object(data["items"], "items").items():
-            i = -1 if p == UNPHASED else index.get(_phase(p, "a key of items"))
-            for r, o in _object(table, f"items.{p}").items():
+        for p, table in json_object(data["items"], "items").items():
+            i = -1 if p == UNPHASED else index.get(phase_name(p, "a key of items"))
+            for r, o in json_object(table, f"items.{p}").items():
                 if not (r.isascii() and r.isdigit()) or int(r) >= 1 << 40:
-                    raise _bad(f"items.{p}", "an object keyed by request index", r)
+                    raise bad_field(f"items.{p}", "an object keyed by request index", r)
                 if i is not None:
                     keys.append(((i + 1) << 40) + int(r))
-                    offsets.append(-1 if o is None else _count(o, f"items.{p}.{r}"))
+                    offsets.append(-1 if o is None else byte_count(o, f"items.{p}.{r}"))
         order = np.argsort(np.array(keys, dtype=np.int64), kind="stable")
         self.item_keys = np.array(keys, dtype=np.int64)[order]
         self.item_offsets = np.array(offsets, dtype=np.int64)[order]
@@ -278,8 +279,8 @@ class _Places:
         cols = rows[:, :5]
         if not ((cols >= low).all() and (cols < high).all()):
             bad = int(np.flatnonzero(((cols < low) | (cols >= high)).any(axis=1))[0])
-            raise _bad(f"allocations[{before + bad}]", "[phase index, request, size, start, end, id] within "
-                       "their ranges", rows[bad].tolist())
+            raise bad_field(f"allocations[{before + bad}]", "[phase index, request, size, start, end, id] "
+                            "within their ranges", rows[bad].tolist())
         slot, request, size = rows[:, 0] + 1, rows[:, 1], rows[:, 2]
         offset = np.full(len(rows), -2, dtype=np.int64)  # -2: not placed by a block, -1: not planned
         base, kind = self.block[slot], self.kind[slot]
@@ -333,12 +334,12 @@ def _check_kind(data: dict[str, Any]) -> None:
 def _checked(data: dict[str, Any], rows: int) -> PlanSummary:
     """The summary fields, checked as Plan.from_dict checks them (NOTE [A plan's summary])."""
     _check_kind(data)
-    count = _count(data.get("allocation_count"), "allocation_count")
+    count = byte_count(data.get("allocation_count"), "allocation_count")
     if count != rows:
-        raise _bad("allocation_count", f"the {rows:,} rows' count", count)
-    peaks = _object(data.get("phase_peaks"), "phase_peaks")
+        raise bad_field("allocation_count", f"the {rows:,} rows' count", count)
+    peaks = json_object(data.get("phase_peaks"), "phase_peaks")
     return PlanSummary(
         **summary_fields(data),
         allocation_count=count,
-        peaks={str(k): _count(v, f"phase_peaks.{k}") for k, v in peaks.items()},
+        peaks={str(k): byte_count(v, f"phase_peaks.{k}") for k, v in peaks.items()},
     )

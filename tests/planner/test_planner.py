@@ -214,17 +214,17 @@ def test_highs_without_highspy_is_a_clear_error():
 
 
 def test_solver_failure_keeps_the_heuristic_flagged(monkeypatch):
-    import memo.planner.core as core
-    import memo.planner.solvers as solvers
+    import memo.planner.dsa_mip as dsa_mip
+    import memo.planner.flat as flat
     import pulp
 
     class Broken:
         def actualSolve(self, *args, **kwargs):  # noqa: N802 - PuLP's solver interface
             raise pulp.PulpSolverError("solver binary missing")
 
-    monkeypatch.setattr(solvers, "solver_command", lambda *args: Broken())
+    monkeypatch.setattr(dsa_mip, "solver_command", lambda *args: Broken())
     # The exact search would find the tiling before any MIP runs: take it out of the way.
-    monkeypatch.setattr(core, "search", lambda items, warm, **kwargs: warm)
+    monkeypatch.setattr(flat, "search", lambda items, warm, **kwargs: warm)
     items = guillotine_instance(32, seed=11)
     trace = Trace.from_dict(items_to_trace(items))
     plan = plan_mip(trace, time_limit=3)
