@@ -1,9 +1,11 @@
 """A memo layer's core attention, one small class per kind, each with its forward and backward.
 
 :class:`MemoCore` is the attention the layer's adapter computes itself; :class:`BlackBoxCore` is any
-other, which memo runs as it is (NOTE [Black-box core attention]). A :class:`LayerCall` makes one of
-them per forward and keeps it in the forward's record. Both also recompute their forward in an
-input-only layer's backward (NOTE [Input-only layers] in memo/runtime/layer.py).
+other, which memo runs as it is (NOTE [Black-box core attention]). A
+:class:`~memo.runtime.layer.LayerCall` makes one of them per forward and keeps it in the forward's
+record (:class:`~memo.runtime.layer_record.CoreAttention` is what the layer's backward uses of
+them). Both also recompute their forward in an input-only layer's backward (NOTE [Input-only
+layers] in memo/runtime/layer.py).
 
 NOTE [Black-box core attention]
 memo never replaces a layer's attention by its own. Where the adapter computes the layer's core
@@ -22,21 +24,24 @@ recomputed for attention, only for pre's own backward.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
 
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from memo.errors import MemoError
+from memo.errors import MemoError, internal_assert
 from memo.runtime.dropout import replay_rng
+from memo.runtime.layer_context import WrappedLayer
+from memo.runtime.layer_record import Grads, LayerRecord
+from memo.runtime.rows import Rows
+from memo.runtime.subgraphs import SubGraphs
 from memo.runtime.taps import Tap
 
-if TYPE_CHECKING:
-    from memo.runtime.layer import LayerCall, LayerRecord, _Rows, _SubGraphs
+__all__ = ["BlackBoxCore", "CoreFunction", "MemoCore"]
 
-__all__ = ["BlackBoxCore", "MemoCore"]
-
-Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+#: A core attention memo runs as it is: q, k, v in sequence order -> its output (checked to be one
+#: tensor ``[s, b, heads * head_dim]``, megatron's core attention contract).
+CoreFunction = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]
 
 
 class MemoCore:
@@ -48,7 +53,7 @@ class MemoCore:
     #: Its backward needs q, k, v again (the saved ``[0:a]`` rows and ``[a:s]`` recomputed).
     needs_qkv = True
 
-    def __init__(self, call: LayerCall) -> None:
+    def __init__(self, call: WrappedLayer) -> None:
         self.call = call
 
     def output(self, rec: LayerRecord, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[
@@ -77,10 +82,11 @@ class MemoCore:
         del lse
         return o
 
-    def backward(self, rec: LayerRecord, run: _SubGraphs, grad_o: torch.Tensor, o_dev: torch.Tensor,
-                 qkv: list[_Rows]) -> Grads:
+    def backward(self, rec: LayerRecord, run: SubGraphs, grad_o: torch.Tensor, o_dev: torch.Tensor,
+                 qkv: list[Rows] | None) -> Grads:
         """Attention's backward from the saved o and lse, ``qkv`` the rows of q, k, v
-        (:meth:`LayerCall._recompute_qkv`) -> ``(dq, dk, dv)`` in the rows' layout."""
+        (:meth:`~memo.runtime.layer.LayerCall._recompute_qkv`) -> ``(dq, dk, dv)`` in the rows' layout."""
+        internal_assert(qkv is not None, "memo's core attention's backward needs q, k, v (needs_qkv)")
         call, order = self.call, rec.order
         q, k, v = order.to_sequence(*(rows.take() for rows in qkv))  # the rows' copies are dropped here
         del qkv
@@ -90,8 +96,8 @@ class MemoCore:
         del q, k, v, grad_seq, o_seq
         return order.to_rows(*grads)
 
-    def recompute(self, rec: LayerRecord, qkv: list[_Rows], device: torch.device) -> tuple[
-            tuple[torch.Tensor, ...], torch.Tensor, Any]:
+    def recompute(self, rec: LayerRecord, qkv: list[Rows], device: torch.device) -> tuple[
+            tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor | None]:
         """Step 0 of an input-only layer's backward: attention's forward again on the recomputed q,
         k, v -> (the sequence-order tensors its backward needs, o in the rows' layout, None)."""
         order = rec.order
@@ -103,8 +109,8 @@ class MemoCore:
             (o_rows,) = order.to_rows(o.contiguous())
         return (q, k, v, o, lse), o_rows, None
 
-    def recomputed_backward(self, rec: LayerRecord, run: _SubGraphs, grad_o: torch.Tensor,
-                            recomputed: tuple[torch.Tensor, ...], graph: Any) -> Grads:
+    def recomputed_backward(self, rec: LayerRecord, run: SubGraphs, grad_o: torch.Tensor,
+                            recomputed: tuple[torch.Tensor, ...], graph: torch.Tensor | None) -> Grads:
         """Step 2 of an input-only layer's backward, from what :meth:`recompute` made -> dq, dk, dv
         in the rows' layout."""
         order = rec.order
@@ -121,7 +127,7 @@ class BlackBoxCore:
     black_box = True
     needs_qkv = False
 
-    def __init__(self, call: LayerCall, core: Any) -> None:
+    def __init__(self, call: WrappedLayer, core: CoreFunction) -> None:
         self.call = call
         self.core = core
         #: Its graph (the edge of its output) from forward to backward; None: no gradient reaches it.
@@ -167,8 +173,8 @@ class BlackBoxCore:
         del out
         return o
 
-    def backward(self, rec: LayerRecord, run: _SubGraphs, grad_o: torch.Tensor, o_dev: torch.Tensor,
-                 qkv: list[_Rows] | None) -> Grads:
+    def backward(self, rec: LayerRecord, run: SubGraphs, grad_o: torch.Tensor, o_dev: torch.Tensor,
+                 qkv: list[Rows] | None) -> Grads:
         """The black box's own backward (NOTE [Black-box core attention]) -> dq, dk, dv in the rows'
         layout (zeros for an input the core does not use)."""
         (grad_seq,) = rec.order.to_sequence(grad_o)
@@ -183,8 +189,8 @@ class BlackBoxCore:
                                                             device=grad_o.device))
         return rec.order.to_rows(*grads)
 
-    def recompute(self, rec: LayerRecord, qkv: list[_Rows], device: torch.device) -> tuple[
-            tuple[torch.Tensor, ...], torch.Tensor, Any]:
+    def recompute(self, rec: LayerRecord, qkv: list[Rows], device: torch.device) -> tuple[
+            tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor | None]:
         """Step 0 of an input-only layer's backward: the core attention again, with autograd, on the
         recomputed q, k, v -> (its leaves q, k, v, o in the rows' layout, its graph or None)."""
         order = rec.order
@@ -198,8 +204,8 @@ class BlackBoxCore:
         (o_rows,) = order.to_rows(out.detach().contiguous())
         return tuple(leaves), o_rows, out if out.requires_grad else None
 
-    def recomputed_backward(self, rec: LayerRecord, run: _SubGraphs, grad_o: torch.Tensor,
-                            recomputed: tuple[torch.Tensor, ...], graph: Any) -> Grads:
+    def recomputed_backward(self, rec: LayerRecord, run: SubGraphs, grad_o: torch.Tensor,
+                            recomputed: tuple[torch.Tensor, ...], graph: torch.Tensor | None) -> Grads:
         """Step 2 of an input-only layer's backward: the recomputed graph's backward -> dq, dk, dv
         in the rows' layout (zeros for an input the core does not use)."""
         (grad_seq,) = rec.order.to_sequence(grad_o)

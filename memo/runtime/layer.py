@@ -51,30 +51,31 @@ matmuls per token against attention's s. Forward runs the no-grad ``[a:s]`` rang
 in the same chunks and records the RNG state before each chunk's ``pre`` and
 ``post``, so that every recompute draws the dropout masks its forward drew. The
 gradients of ``o`` and ``x`` and the layer's q, k, v and output are tensors
-allocated once and filled chunk by chunk (:class:`_Rows`).
+allocated once and filled chunk by chunk (:class:`~memo.runtime.rows.Rows`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import warnings
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.autograd.function import FunctionCtx
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from memo.errors import MemoError, internal_assert
+from memo.errors import MemoError
 from memo.profiler.saved import storage_id
 from memo.repeated_tiles import tile_indices
 from memo.runtime.autocast import AutocastState
 from memo.runtime.core_attention import BlackBoxCore, MemoCore
 from memo.runtime.dropout import LayerDropout, replay_rng, rng_state, same_rng_state
+from memo.runtime.layer_context import LayerContext
+from memo.runtime.layer_record import Grads, LayerRecord
 from memo.runtime.module_state import (
     as_in_forward,
     buffer_snapshot,
@@ -83,7 +84,9 @@ from memo.runtime.module_state import (
     restore_changed,
 )
 from memo.runtime.packing import BufferSink, CountingSink, Packer
+from memo.runtime.rows import Rows
 from memo.runtime.sequence_order import SequenceOrder
+from memo.runtime.subgraphs import SubGraphs
 from memo.runtime.taps import Tap, TapGrads
 from memo.runtime.tiles import (
     MIN_CHUNK_WORK,
@@ -98,11 +101,12 @@ from memo.runtime.tiles import (
 
 if TYPE_CHECKING:
     from memo.adapters.base import LayerAdapter
-    from memo.runtime.buffers import RoundingBuffers, RuntimeStats
+    from memo.runtime.buffers import RoundingBuffers
 
 __all__ = [
-    "LayerCall", "LayerContext", "MIN_CHUNK_WORK", "MIN_CPU_CHUNK_TOKENS", "RECOMPUTE_CHUNKS", "TILE_BYTES",
-    "layer_token_bytes", "min_chunk_tokens", "offload_tokens", "tile_bound_tokens", "token_chunks",
+    "LayerCall", "LayerContext", "LayerRecord", "MIN_CHUNK_WORK", "MIN_CPU_CHUNK_TOKENS", "RECOMPUTE_CHUNKS",
+    "TILE_BYTES", "layer_token_bytes", "min_chunk_tokens", "offload_tokens", "tile_bound_tokens",
+    "token_chunks",
 ]
 
 
@@ -114,82 +118,9 @@ def offload_tokens(alpha: float, s: int) -> int:
     return max(0, min(s, int(math.floor(alpha * s + 1e-9))))
 
 
-@dataclass
-class LayerRecord:
-    """What one forward of a wrapped layer leaves for its backward."""
-
-    a: int
-    s: int
-    ctx: Any
-    #: Attention-side tokens per layer-input token (a tensor-parallel rank gathers its sequence:
-    #: NOTE [Tensor-parallel rank] in memo/models/parallel.py); o, q, k, v rows split at ``a * g``.
-    g: int
-    taps: TapGrads
-    packer: Packer
-    x_slot: int = -1
-    o_slot: int = -1
-    lse_slot: int = -1
-    qkv_slots: tuple[int, ...] = ()
-    #: The ``[0:a]`` tiles (NOTE [Tiles bounded by memory]) and, per tile, its pre sub-graph's roots
-    #: (``(j, edge)``: q, k, v that require grad) and its post sub-graph's root.
-    head: list[tuple[int, int]] = field(default_factory=list)
-    pre_edges: list[list[tuple[int, GradientEdge]]] = field(default_factory=list)
-    post_edges: list[GradientEdge] = field(default_factory=list)
-    #: The ``[a:s]`` token chunks (relative to ``a``) and the RNG state before each one's pre
-    #: and post forward (NOTE [Chunked recompute]).
-    chunks: list[tuple[int, int]] = field(default_factory=list)
-    rng_pre: list[Any] = field(default_factory=list)
-    rng_post: list[Any] = field(default_factory=list)
-    autocast: AutocastState | None = None
-    qkv_dtypes: tuple[torch.dtype, ...] = ()
-    #: The forward in flight this record belongs to (NOTE [Forwards in flight] in buffers.py), and its
-    #: layer's slot epoch there (NOTE [Failed iteration] in memo/runtime/runtime.py).
-    flight: int = 0
-    epoch: int = 0
-    #: The layer's parameters and buffers as forward ran with them (NOTE [Recompute with the
-    #: forward's tensors] in memo/runtime/module_state.py).
-    module_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    #: Full-sequence dropout masks (NOTE [Dropout as unwrapped]); None for a layer in eval mode.
-    dropout: LayerDropout | None = None
-    #: The attention-side rows in sequence order (NOTE [Gathered rows in sequence order] in
-    #: memo/runtime/sequence_order.py).
-    order: SequenceOrder | None = None
-    #: q, k, v's shapes past their first dimension (zero gradients for inputs a black box ignores).
-    qkv_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    #: The core attention this forward ran, with its own backward (NOTE [Black-box core attention] in
-    #: memo/runtime/core_attention.py).
-    core: MemoCore | BlackBoxCore | None = None
-    #: The input-only policy (NOTE [Input-only layers]): attention is recomputed in backward too,
-    #: from the RNG state it ran at (``rng_core``).
-    input_only: bool = False
-    rng_core: Any = None
-
-    def scope(self, phase: str, t0: int, t1: int) -> contextlib.AbstractContextManager[None]:
-        """Where ``pre``/``post`` runs on tokens ``[t0:t1]``: dropout draws full-sequence masks."""
-        return contextlib.nullcontext() if self.dropout is None else self.dropout.scope(phase, t0, t1)
-
-
-class _Rows:
-    """A tensor of ``rows`` rows (dim 0) assembled from parts put at row offsets: a layer's output,
-    or its q, k, v, from the ``[0:a]`` rows and the ``[a:s]`` chunks. Allocated by the first part
-    (a part that is already every row is taken as it is, without a copy)."""
-
-    def __init__(self, rows: int) -> None:
-        self.rows = rows
-        self.tensor: torch.Tensor | None = None
-
-    def put(self, start: int, part: torch.Tensor) -> None:
-        if self.tensor is None:
-            if start == 0 and part.shape[0] == self.rows:
-                self.tensor = part
-                return
-            self.tensor = part.new_empty((self.rows, *part.shape[1:]))
-        self.tensor[start:start + part.shape[0]] = part
-
-    def take(self) -> torch.Tensor:
-        internal_assert(self.tensor is not None, "no rows were put")
-        tensor, self.tensor = self.tensor, None
-        return tensor
+#: The last recompute chunk's pre graph, kept from the recompute of q, k, v for step 3 of the
+#: backward: its input leaf and its q, k, v (NOTE [Input-only layers]).
+_KeptChunk = tuple[torch.Tensor, tuple[torch.Tensor, ...]]
 
 
 def _chunks_run(rec: LayerRecord) -> Iterator[tuple[int, tuple[int, int]]]:
@@ -211,53 +142,11 @@ def _edge(t: torch.Tensor) -> GradientEdge:
     return get_gradient_edge(t)
 
 
-class LayerContext(Protocol):
-    """What a :class:`LayerCall` uses of the runtime that serves it, and nothing more.
-
-    NOTE [Layer context]
-    A wrapped layer's forward and backward need a few things shared by all the layers of one model:
-    alpha, the rounding buffers, the counters, the forwards awaiting their backward, the anchor,
-    the flight being recorded, and the warnings already given. They are state the runtime
-    changes as it goes (``flight`` at every forward, ``pending`` and ``anchor`` replaced, the
-    buffers reallocated), so a LayerCall reads them from the runtime when it needs them (a copy
-    taken once would go stale), through this protocol: :class:`memo.runtime.MemoRuntime` is the
-    one implementation, and layer.py never imports runtime.py (tests/runtime/test_runtime.py checks both).
-    """
-
-    alpha: float
-    """Fraction of each layer's tokens whose skeletal tensors are offloaded (NOTE [Token-wise recompute])."""
-    recompute_chunk_tokens: int | None
-    """Tokens per recompute chunk, or None for the default (NOTE [Chunked recompute])."""
-    buffers: RoundingBuffers | None
-    """The rounding buffers; allocated by the runtime before any layer's forward runs."""
-    stats: RuntimeStats
-    """The runtime's counters (layer forwards and backwards, offloaded and recomputed tokens)."""
-    pending: dict[tuple[int, int], Any]
-    """``(flight, layer index)`` -> weak reference to the record of a forward awaiting its backward."""
-    anchor: torch.Tensor
-    """The empty tensor every wrapped layer's node takes as input, so that backward reaches it."""
-    flight: int
-    """The flight the current forward records into (NOTE [Forwards in flight])."""
-    said: set[str]
-    """Topics already warned about, once per runtime."""
-    policy: list[str]
-    """Each layer's policy (NOTE [Layer policy] in memo/runtime/runtime.py)."""
-
-    def begin_forward(self) -> None:
-        """Called by the first layer's forward: choose the flight this forward records into."""
-
-    def drop_failed(self, flight: int, index: int, epoch: int, where: str) -> None:
-        """An exception left layer ``index``'s ``where`` ("forward"/"backward") of the forward
-        whose slot epoch is ``epoch``: drop that forward (NOTE [Failed iteration])."""
-
-    def reset(self) -> None:
-        """Drop an abandoned iteration: wait for copies, set every layer idle, forget what is pending."""
-
-
 class LayerCall:
     """One wrapped layer: its adapter, its index, and the forward/backward of NOTE [Token-wise recompute].
 
-    ``runtime`` is the :class:`LayerContext` it runs in (NOTE [Layer context]).
+    ``runtime`` is the :class:`LayerContext` it runs in (NOTE [Layer context] in
+    memo/runtime/layer_context.py).
     """
 
     def __init__(self, runtime: LayerContext, layer: nn.Module, adapter: LayerAdapter, index: int) -> None:
@@ -279,7 +168,7 @@ class LayerCall:
                 keep.add(ptr)
         return keep
 
-    def measure(self, x: torch.Tensor, ctx: Any) -> tuple[int, list[tuple[str, int]]]:
+    def measure(self, x: torch.Tensor, ctx: object) -> tuple[int, list[tuple[str, int]]]:
         """Dry run: the bytes one forward of this layer offloads for input ``x`` (nothing is kept),
         and what they are (``(what, bytes)`` per copied tensor)."""
         self._say_hooks()
@@ -302,7 +191,7 @@ class LayerCall:
                 "(recompute_chunk_tokens), where it runs once per forward (NOTE [Layers with state])")
         return sink.used, sink.tensors
 
-    def forward(self, x: torch.Tensor, ctx: Any) -> tuple[torch.Tensor, LayerRecord]:
+    def forward(self, x: torch.Tensor, ctx: object) -> tuple[torch.Tensor, LayerRecord]:
         """``x: [s, b, h]`` -> ``y: [s, b, h]`` and the record backward needs."""
         rt, i = self.runtime, self.index
         if i == 0:
@@ -325,7 +214,7 @@ class LayerCall:
         rt.stats.recomputed_tokens += rec.s - rec.a
         return y, rec
 
-    def _forward(self, x: torch.Tensor, ctx: Any, sink: CountingSink | BufferSink) -> tuple[
+    def _forward(self, x: torch.Tensor, ctx: object, sink: CountingSink | BufferSink) -> tuple[
             torch.Tensor, LayerRecord]:
         rt, layer, adapter = self.runtime, self.layer, self.adapter
         s = x.shape[0]
@@ -348,7 +237,7 @@ class LayerCall:
                                   hidden=hidden, device_type=xc.device.type,
                                   token_bytes=layer_token_bytes(layer, hidden, xc.element_size()))
         rec.head, rec.chunks = tiles(a), tiles(s - a)
-        qkv = [_Rows(s * g) for _ in range(3)]
+        qkv = [Rows(s * g) for _ in range(3)]
         # [0:a], tile by tile with grad: each tile's saved tensors go to the buffer as it runs
         # (NOTE [Tiles bounded by memory]); its graph stays as the edges of q, k, v.
         x_taps = []
@@ -373,7 +262,7 @@ class LayerCall:
             del parts
         q, k, v = (rows.take() for rows in qkv)
         rec.qkv_dtypes = (q.dtype, k.dtype, v.dtype)
-        rec.order = SequenceOrder.of(adapter, rec, xc.device)
+        rec.order = SequenceOrder.of(adapter, rec.head, rec.chunks, a, s, g, xc.device)
         rec.qkv_shapes = {name: tuple(t.shape[1:]) for name, t in zip("qkv", (q, k, v), strict=True)}
         core = adapter.core_function(layer, ctx)
         rec.core = MemoCore(self) if core is None else BlackBoxCore(self, core)
@@ -385,7 +274,7 @@ class LayerCall:
             o = rec.core.forward(rec, q, k, v)
         del q, k, v
 
-        y = _Rows(s)
+        y = Rows(s)
         for (t0, t1), x_t in zip(rec.head, x_taps, strict=True):
             with torch.enable_grad():
                 o_t = Tap.apply(rec.taps, ("o", t0), rt.anchor, o[t0 * g:t1 * g])
@@ -435,9 +324,53 @@ class LayerCall:
 
     def _backward(self, rec: LayerRecord, grad_y: torch.Tensor, params: tuple[torch.Tensor, ...],
                   anchor: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-        rt, layer, adapter, i = self.runtime, self.layer, self.adapter, self.index
-        run = _SubGraphs(params, anchor)
-        f = rec.flight
+        i, f = self.index, rec.flight
+        buffers = self._begin_backward(rec)
+        run = SubGraphs(params, anchor)
+        grad_y = grad_y.contiguous()
+        x_dev = buffers.view(i, rec.x_slot, f)
+
+        # 0. an input-only layer recomputes q, k, v and attention first (NOTE [Input-only layers]).
+        kept: _KeptChunk | None = None
+        recomputed: tuple[torch.Tensor, ...] | None = None
+        core_graph = None
+        if rec.input_only:
+            kept, qkv = self._recompute_qkv(rec, x_dev)
+            recomputed, o_dev, core_graph = rec.core.recompute(rec, qkv, x_dev.device)
+            del qkv
+        else:
+            o_dev = buffers.view(i, rec.o_slot, f)
+
+        # 1. post -> the gradient of o, and post's share of the gradient of x.
+        grad_o, grad_x = self._post_backward(rec, run, grad_y, x_dev, o_dev)
+
+        # 2. attention's backward (memo/runtime/core_attention.py): the black box's own, or from the
+        # saved (or, input-only, recomputed) o and lse, with q, k, v the saved [0:a] rows and [a:s]
+        # recomputed without grad.
+        if rec.input_only:
+            dq, dk, dv = rec.core.recomputed_backward(rec, run, grad_o, recomputed, core_graph)
+            del recomputed, core_graph
+        else:
+            qkv = None
+            if rec.core.needs_qkv:  # memo's core: the saved [0:a] rows, [a:s] recomputed
+                kept, qkv = self._recompute_qkv(rec, x_dev)
+            dq, dk, dv = rec.core.backward(rec, run, grad_o, o_dev, qkv)
+            del qkv
+        del grad_o, o_dev
+
+        # 3. pre, as post -> the rest of the gradient of x.
+        self._pre_backward(rec, run, (dq, dk, dv), grad_x, x_dev, kept)
+        del dq, dk, dv
+
+        rec.packer.resolve_slot = None
+        buffers.end_backward(i, f)
+        self.runtime.stats.layer_backwards += 1
+        return grad_x, run.sums
+
+    def _begin_backward(self, rec: LayerRecord) -> RoundingBuffers:
+        """The rounding buffers that hold ``rec``'s forward, begun for this layer's backward; refused
+        when that forward was dropped (NOTE [Failed iteration])."""
+        rt, i, f = self.runtime, self.index, rec.flight
         rt.pending.pop((f, i), None)
         buffers = rt.buffers
         if buffers is None or f >= buffers.n_flights or buffers.layers[f][i].epoch != rec.epoch:
@@ -447,25 +380,15 @@ class LayerCall:
                 "was unwrapped since): they are gone. Run the forward again (NOTE [Failed iteration])")
         buffers.begin_backward(i, f)
         rec.packer.resolve_slot = lambda slot: buffers.view(i, slot, f)
-        a, ctx = rec.a, rec.ctx
-        ag = a * rec.g
-        gather = rec.g
-        grad_y = grad_y.contiguous()
-        x_dev = buffers.view(i, rec.x_slot, f)
-        device = x_dev.device
+        return buffers
 
-        # 0. an input-only layer recomputes q, k, v and attention first (NOTE [Input-only layers]).
-        kept: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = None
-        recomputed: tuple[torch.Tensor, ...] | None = None
-        if rec.input_only:
-            kept, qkv = self._recompute_qkv(rec, x_dev)
-            recomputed, o_dev, core_graph = rec.core.recompute(rec, qkv, device)
-            del qkv
-        else:
-            o_dev = buffers.view(i, rec.o_slot, f)
-
-        # 1. post: backward of the [0:a] tiles' sub-graphs, then recompute + backward of [a:s] chunk
-        # by chunk (NOTE [Chunked recompute]) -> grad of o, and post's share of grad of x.
+    def _post_backward(self, rec: LayerRecord, run: SubGraphs, grad_y: torch.Tensor, x_dev: torch.Tensor,
+                       o_dev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step 1 of the backward: post's -> the gradient of o, and post's share of the gradient of x."""
+        layer, adapter, a, ctx, gather = self.layer, self.adapter, rec.a, rec.ctx, rec.g
+        ag, device = a * gather, x_dev.device
+        # The [0:a] tiles' sub-graphs, then recompute + backward of [a:s] chunk by chunk (NOTE
+        # [Chunked recompute]).
         grad_o = torch.empty_like(o_dev, memory_format=torch.contiguous_format)
         grad_x = torch.empty_like(x_dev, memory_format=torch.contiguous_format)
         for (t0, t1), edge in zip(rec.head, rec.post_edges, strict=True):
@@ -486,24 +409,14 @@ class LayerCall:
             del gx, go
         if rec.dropout is not None:
             rec.dropout.end_phase()
+        return grad_o, grad_x
 
-        # 2. attention's backward (memo/runtime/core_attention.py): the black box's own, or from the
-        # saved (or, input-only, recomputed) o and lse, with q, k, v the saved [0:a] rows and [a:s]
-        # recomputed without grad.
-        if rec.input_only:
-            dq, dk, dv = rec.core.recomputed_backward(rec, run, grad_o, recomputed, core_graph)
-            del recomputed, core_graph
-        else:
-            qkv = None
-            if rec.core.needs_qkv:  # memo's core: the saved [0:a] rows, [a:s] recomputed
-                kept, qkv = self._recompute_qkv(rec, x_dev)
-            dq, dk, dv = rec.core.backward(rec, run, grad_o, o_dev, qkv)
-            del qkv
-        del grad_o, o_dev
-
-        # 3. pre: backward of the [0:a] tiles' sub-graphs, then recompute + backward of [a:s] chunk
-        # by chunk, as post -> grad of x.
-        full = (dq, dk, dv)
+    def _pre_backward(self, rec: LayerRecord, run: SubGraphs, full: Grads, grad_x: torch.Tensor,
+                      x_dev: torch.Tensor, kept: _KeptChunk | None) -> None:
+        """Step 3 of the backward: pre's, from ``full`` (dq, dk, dv), as post's -> adds pre's share to
+        ``grad_x``. ``kept``: the last chunk's pre graph, when the recompute of q, k, v kept it."""
+        layer, adapter, a, ctx, gather = self.layer, self.adapter, rec.a, rec.ctx, rec.g
+        ag, device = a * gather, x_dev.device
         for (t0, t1), edges in zip(rec.head, rec.pre_edges, strict=True):
             if edges:
                 run([edge for _, edge in edges], [full[j][t0 * gather:t1 * gather] for j, _ in edges])
@@ -528,14 +441,8 @@ class LayerCall:
                 if gx is not None:
                     grad_x[a + c0:a + c1] += gx
             del x_c, roots, grads
-        del full, dq, dk, dv
         if rec.dropout is not None:
             rec.dropout.end_phase()
-
-        rec.packer.resolve_slot = None
-        buffers.end_backward(i, f)
-        rt.stats.layer_backwards += 1
-        return grad_x, run.sums
 
     # NOTE [Input-only layers]
     # The input-only policy (ALST's offloaded checkpoint, for when host memory binds) keeps one
@@ -548,14 +455,13 @@ class LayerCall:
     # bytes it saves (planner/policy.py). A black-box core attention (NOTE [Black-box core
     # attention] in memo/runtime/core_attention.py) runs again with autograd in backward, its graph
     # alive until its backward has run.
-    def _recompute_qkv(self, rec: LayerRecord, x_dev: torch.Tensor) -> tuple[
-            Any, list[_Rows]]:
+    def _recompute_qkv(self, rec: LayerRecord, x_dev: torch.Tensor) -> tuple[_KeptChunk | None, list[Rows]]:
         """q, k, v rows: the saved ``[0:a]`` rows and the ``[a:s]`` rows recomputed chunk by chunk;
         -> (the last chunk's pre graph, kept for step 3 of the backward, or None), the rows."""
         layer, adapter, buffers, i, f = self.layer, self.adapter, self.runtime.buffers, self.index, rec.flight
         a, s, ctx, gather = rec.a, rec.s, rec.ctx, rec.g
         ag, device = a * gather, x_dev.device
-        qkv = [_Rows(s * gather) for _ in range(3)]
+        qkv = [Rows(s * gather) for _ in range(3)]
         if a > 0:
             for rows, slot in zip(qkv, rec.qkv_slots, strict=True):
                 rows.put(0, buffers.view(i, slot, f))
@@ -612,11 +518,20 @@ class LayerCall:
 
 
 
+# NOTE [Gradients through the engine]
+# memo's node takes the layer's trainable parameters as inputs and returns their gradients,
+# like any autograd node; it never writes ``.grad`` itself. Its sub-graphs (the saved [0:a]
+# ones and the recomputed chunks) run with ``torch.autograd.grad`` over the parameters, the
+# runtime's anchor (so that the taps of x[0:a] and o[0:a] fire) and the chunk's leaves, and the
+# parameter gradients are summed over sub-graphs. So the engine decides what happens to them,
+# as for an unwrapped layer: ``loss.backward()`` accumulates them into ``.grad``,
+# ``torch.autograd.grad(loss, params)`` returns them and writes nothing, and
+# ``backward(inputs=[w])`` keeps w's only. ``create_graph=True`` (double backward) is refused.
 class MemoLayerFunction(torch.autograd.Function):
     """``y = layer(x)`` per NOTE [Token-wise recompute]; ``anchor`` ensures backward runs."""
 
     @staticmethod
-    def forward(ctx: Any, call: LayerCall, layer_ctx: Any, anchor: torch.Tensor,
+    def forward(ctx: FunctionCtx, call: LayerCall, layer_ctx: object, anchor: torch.Tensor,
                 x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
         y, rec = call.forward(x, layer_ctx)
         ctx.call, ctx.rec, ctx.anchor, ctx.saved_params = call, rec, anchor, params
@@ -625,7 +540,7 @@ class MemoLayerFunction(torch.autograd.Function):
         return y
 
     @staticmethod
-    def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: FunctionCtx, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         if ctx.rec is None and ctx.failed:
             raise MemoError(
                 "memo.runtime: this wrapped layer's backward raised before, and memo dropped that "
@@ -650,31 +565,3 @@ class MemoLayerFunction(torch.autograd.Function):
             ctx.call.runtime.drop_failed(rec.flight, ctx.call.index, rec.epoch, "backward")
             raise
         return (None, None, None, grad_x if ctx.x_requires_grad else None, *param_grads)
-
-
-# NOTE [Gradients through the engine]
-# memo's node takes the layer's trainable parameters as inputs and returns their gradients,
-# like any autograd node; it never writes ``.grad`` itself. Its sub-graphs (the saved [0:a]
-# ones and the recomputed chunks) run with ``torch.autograd.grad`` over the parameters, the
-# runtime's anchor (so that the taps of x[0:a] and o[0:a] fire) and the chunk's leaves, and the
-# parameter gradients are summed over sub-graphs. So the engine decides what happens to them,
-# as for an unwrapped layer: ``loss.backward()`` accumulates them into ``.grad``,
-# ``torch.autograd.grad(loss, params)`` returns them and writes nothing, and
-# ``backward(inputs=[w])`` keeps w's only. ``create_graph=True`` (double backward) is refused.
-class _SubGraphs:
-    """Runs memo's sub-graphs' backward with torch.autograd.grad; sums the parameters' gradients."""
-
-    def __init__(self, params: tuple[torch.Tensor, ...], anchor: torch.Tensor) -> None:
-        self.params = list(params)
-        self.anchor = anchor
-        self.sums: list[torch.Tensor | None] = [None] * len(self.params)
-
-    def __call__(self, roots: list[Any], grads: list[torch.Tensor],
-                 leaves: tuple[torch.Tensor, ...] = ()) -> tuple[torch.Tensor | None, ...]:
-        """Backward of ``roots`` with ``grads``; returns the gradients of ``leaves`` (None: unused)."""
-        n = len(self.params)
-        out = torch.autograd.grad(roots, [*self.params, self.anchor, *leaves], grads, allow_unused=True)
-        for j, g in enumerate(out[:n]):
-            if g is not None:
-                self.sums[j] = g if self.sums[j] is None else self.sums[j] + g
-        return out[n + 1:]

@@ -31,7 +31,7 @@ from memo.profiler.saved import SavedStorages
 from memo.runtime.buffers import SLOT_ALIGNMENT, align_up
 
 if TYPE_CHECKING:
-    from memo.runtime.layer import LayerContext
+    from memo.runtime.layer_context import LayerContext
 
 __all__ = ["BufferSink", "CountingSink", "Deferred", "Packer"]
 

@@ -52,6 +52,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 from torch import nn
+from torch.autograd.function import FunctionCtx
 
 from memo.adapters.base import MLPSite, find_adapter
 from memo.errors import MemoError, internal_assert
@@ -235,7 +236,7 @@ class _TiledMLPFunction(torch.autograd.Function):
     """``fn`` over token tiles of ``x`` (NOTE [Tiled MLP]); ``params`` are the ones ``fn`` uses."""
 
     @staticmethod
-    def forward(ctx: Any, fn: Callable[[torch.Tensor], torch.Tensor], token_dim: int, tiles: int,
+    def forward(ctx: FunctionCtx, fn: Callable[[torch.Tensor], torch.Tensor], token_dim: int, tiles: int,
                 x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
         ctx.fn, ctx.token_dim, ctx.tiles, ctx.params = fn, token_dim, tiles, params
         ctx.state = _ReplayState(x)
@@ -258,7 +259,7 @@ class _TiledMLPFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: FunctionCtx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (x,) = ctx.saved_tensors
         dim, params = ctx.token_dim, ctx.params
         wanted = [i for i, p in enumerate(params) if p.requires_grad]
@@ -374,7 +375,7 @@ class CheckpointedLayers:
     def _checkpointed(self, forward: Callable[..., Any]) -> Callable[..., Any]:
         offload = self.offload
 
-        def run(*args: Any, **kwargs: Any) -> Any:
+        def run(*args: object, **kwargs: object) -> Any:
             if not torch.is_grad_enabled():
                 return forward(*args, **kwargs)
             hooks = offload.hooks() if offload is not None else contextlib.nullcontext()

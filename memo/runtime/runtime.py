@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, Union
 
 import torch
 from torch import nn
@@ -54,6 +54,19 @@ from memo.runtime.buffers import (
     make_engine,
 )
 from memo.runtime.layer import LayerCall, MemoLayerFunction, offload_tokens
+from memo.runtime.signature import LayerSignature, layer_signature, signature_change
+
+if TYPE_CHECKING:
+    from memo.adapters.base import LayerAdapter
+    from memo.planner import Plan
+
+#: A plan as the runtime reads it: a :class:`~memo.planner.Plan`, or a mapping with its fields.
+PlanFields = Union["Plan", Mapping[str, Any], None]
+#: What the buffers were sized for besides the layers: the input's shape, dtype and device, the
+#: offloaded tokens and the autocast dtype ("off": none).
+InputKey = tuple[tuple[int, ...], torch.dtype, torch.device, int, str]
+#: An offloaded layer's policy and signature: what decides the bytes it offloads.
+PolicySignature = tuple[str, LayerSignature]
 
 __all__ = ["LAYER_POLICIES", "OFFLOADING_POLICIES", "MemoRuntime", "default_policy", "layer_signature",
            "validate_alpha", "validate_policy"]
@@ -94,7 +107,7 @@ def kept_tail(model: nn.Module, tail: int = NOT_OFFLOADED_TAIL) -> int:
     return 0 if getattr(model, "post_process", True) is False else tail
 
 
-def validate_alpha(alpha: Any) -> float:
+def validate_alpha(alpha: object) -> float:
     """Return ``alpha`` as a float in [0, 1], or raise a :class:`MemoError` saying what is wrong."""
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
         raise MemoError(
@@ -110,42 +123,7 @@ def validate_alpha(alpha: Any) -> float:
     return value
 
 
-def layer_signature(layer: nn.Module) -> tuple[Any, ...]:
-    """What, besides its input, decides the bytes a layer offloads (NOTE [Sizing the host arena]):
-    its class and sequence gather, each parameter's name, shape, dtype and ``requires_grad``,
-    each buffer's, each submodule's train/eval mode, and each submodule's class (a layer whose core
-    attention memo runs as a black box offloads what that attention saves: NOTE [Black-box core
-    attention]). Layers with equal signatures offload equal bytes for equal inputs."""
-    from memo.adapters import find_adapter
-
-    adapter = find_adapter(layer)
-    return (
-        type(layer),
-        adapter.sequence_gather(layer) if adapter is not None else int(getattr(layer, "sequence_gather", 1)),
-        tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in layer.named_parameters()),
-        tuple((n, tuple(b.shape), b.dtype) for n, b in layer.named_buffers()),
-        tuple((n, m.training) for n, m in layer.named_modules()),
-        tuple(type(m) for _, m in layer.named_modules()),
-    )
-
-
-def _signature_change(old: tuple[Any, ...], new: tuple[Any, ...]) -> str:
-    """The first difference between two :func:`layer_signature` values, in words."""
-    old_params = {n: rg for n, _, _, rg in old[2]}
-    for n, _, _, rg in new[2]:
-        if n in old_params and old_params[n] != rg:
-            return f"parameter {n!r} was {'un' if rg else ''}frozen (requires_grad {old_params[n]} -> {rg})"
-    old_modes = dict(old[4])
-    for n, training in new[4]:
-        if n in old_modes and old_modes[n] != training:
-            what = f"submodule {n!r}" if n else "the layer"
-            return f"{what} was switched to {'train' if training else 'eval'} mode (e.g. dropout)"
-    if old != new:
-        return "its parameters, buffers or class changed"
-    return ""
-
-
-def _plan_field(plan: Any, name: str) -> Any:
+def _plan_field(plan: PlanFields, name: str) -> Any:
     if plan is None:
         return None
     if isinstance(plan, Mapping):
@@ -179,7 +157,7 @@ class MemoRuntime:
         self,
         alpha: float | None = None,
         *,
-        plan: Any = None,
+        plan: PlanFields = None,
         debug_copy_delay_us: int | None = None,
         host_memory_limit: int | None = None,
         seed: int = 0,
@@ -233,13 +211,13 @@ class MemoRuntime:
         #: Measured offloaded bytes of each "memo" layer, and the signatures they were measured
         #: at (NOTE [Sizing the host arena]).
         self.layer_sizes: list[int] = []
-        self._layer_sigs: list[tuple[Any, ...]] = []
+        self._layer_sigs: list[PolicySignature] = []
         #: ``(input key, signature) -> (bytes, tensors)`` of the dry runs so far.
-        self._measured: dict[tuple[Any, ...], tuple[int, list[tuple[str, int]]]] = {}
+        self._measured: dict[tuple[InputKey, PolicySignature], tuple[int, list[tuple[str, int]]]] = {}
         self.calls: list[LayerCall] = []
         #: Zero-size tensor that requires grad: the anchor of every memo autograd node.
         self.anchor = torch.zeros(0, requires_grad=True)
-        self._input_key: tuple[Any, ...] | None = None
+        self._input_key: InputKey | None = None
         #: ``(flight, memo layer index)`` -> weak reference to its forward's record, until its
         #: backward runs (NOTE [Abandoned forward]).
         self.pending: dict[tuple[int, int], Any] = {}
@@ -260,7 +238,8 @@ class MemoRuntime:
         policy])."""
         return sum(p in OFFLOADING_POLICIES for p in self.policy)
 
-    def attach(self, layers: list[tuple[nn.Module, Any]], tail: int = NOT_OFFLOADED_TAIL) -> list[LayerCall]:
+    def attach(self, layers: list[tuple[nn.Module, LayerAdapter]],
+               tail: int = NOT_OFFLOADED_TAIL) -> list[LayerCall]:
         """Register the model's layers (in forward order) with their adapters; without a policy the last
         ``tail`` layers are kept (:func:`default_policy`)."""
         if self.calls:
@@ -282,7 +261,7 @@ class MemoRuntime:
         """Size of the host arena: ``host_bytes``, or the plan's ``host_bytes`` when a plan is given."""
         return 0 if self.buffers is None else self.buffers.arena_bytes
 
-    def prepare(self, call: LayerCall, x: torch.Tensor, ctx: Any) -> None:
+    def prepare(self, call: LayerCall, x: torch.Tensor, ctx: object) -> None:
         """Allocate the buffers on the first forward; at the start of each later iteration, size them
         again if a layer's signature changed; check inputs match what they were sized for."""
         # Autocast changes the dtypes, so the bytes, of what a layer saves: it is part of the key.
@@ -322,16 +301,16 @@ class MemoRuntime:
             sizes, tensors = self._measure_layers(x, ctx, key, sigs)
             self._allocate_buffers(x, key, sizes, tensors, sigs)
 
-    def _signatures(self) -> list[tuple[Any, ...]]:
+    def _signatures(self) -> list[PolicySignature]:
         # The policy is part of what decides a layer's bytes: an input-only layer offloads its input only.
-        return [(self.policy[i], *layer_signature(self.calls[i].layer)) for i in range(self.n_offloaded)]
+        return [(self.policy[i], layer_signature(self.calls[i].layer)) for i in range(self.n_offloaded)]
 
     def _can_resize(self) -> bool:
         """No layer's data lives in the buffers (between iterations): they may be released."""
         return not self.buffers.busy_flights()
 
-    def _measure_layers(self, x: torch.Tensor, ctx: Any, key: tuple[Any, ...],
-                        sigs: list[tuple[Any, ...]]) -> tuple[list[int], list[list[tuple[str, int]]]]:
+    def _measure_layers(self, x: torch.Tensor, ctx: object, key: InputKey,
+                        sigs: list[PolicySignature]) -> tuple[list[int], list[list[tuple[str, int]]]]:
         """Dry-run every offloaded layer on ``x`` (once per distinct signature and input key):
         bytes and tensors of each."""
         sizes, tensors = [], []
@@ -343,7 +322,7 @@ class MemoRuntime:
             tensors.append(what)
         return sizes, tensors
 
-    def _refit(self, x: torch.Tensor, ctx: Any, key: tuple[Any, ...], sigs: list[tuple[Any, ...]]) -> None:
+    def _refit(self, x: torch.Tensor, ctx: object, key: InputKey, sigs: list[PolicySignature]) -> None:
         """A forward whose input (a shorter last batch, another dtype or autocast) or whose layers'
         signatures differ from what the buffers were sized for (NOTE [Sizing the host arena]): measure
         it; go on when it fits, else size the buffers again where no forward is in flight."""
@@ -352,7 +331,7 @@ class MemoRuntime:
             self.layer_sizes, self._layer_sigs, self._input_key = sizes, sigs, key
             return
         old = self._input_key
-        changed = [f"layer {i}: {_signature_change(a[1:], b[1:])}"
+        changed = [f"layer {i}: {signature_change(a[1], b[1])}"
                    for i, (a, b) in enumerate(zip(self._layer_sigs, sigs, strict=True)) if a != b]
         if key != old:
             changed.insert(0, f"the input went from {list(old[0])} {old[1]} (autocast {old[4]}) to "
@@ -372,8 +351,8 @@ class MemoRuntime:
         self._release()  # every layer is idle: nothing lives in the buffers
         self._allocate_buffers(x, key, sizes, tensors, sigs, why=why)
 
-    def _allocate_buffers(self, x: torch.Tensor, key: tuple[Any, ...], sizes: list[int],
-                          tensors: list[list[tuple[str, int]]], sigs: list[tuple[Any, ...]],
+    def _allocate_buffers(self, x: torch.Tensor, key: InputKey, sizes: list[int],
+                          tensors: list[list[tuple[str, int]]], sigs: list[PolicySignature],
                           why: str = "") -> None:
         largest = max(range(len(sizes)), key=sizes.__getitem__)
         layer_bytes = sizes[largest]
@@ -413,14 +392,14 @@ class MemoRuntime:
         measured = self.layer_sizes[i] if i < len(self.layer_sizes) else None
         at = f"; it was measured at {measured:,} bytes" if measured is not None else ""
         if i < len(self._layer_sigs):
-            change = _signature_change(self._layer_sigs[i][1:], layer_signature(self.calls[i].layer))
+            change = signature_change(self._layer_sigs[i][1], layer_signature(self.calls[i].layer))
             if change:
                 return (f"{at}. Since the buffers were sized at the start of this iteration, {change}; "
                         "change requires_grad and train/eval mode between iterations, not inside a forward")
         return (f"{at}, and its parameters' requires_grad and train/eval modes are unchanged: what the layer "
                 "saves depends on something else (the data, or global state the dry run did not see)")
 
-    def allocate(self, *layer_args: Any, **layer_kwargs: Any) -> None:
+    def allocate(self, *layer_args: object, **layer_kwargs: object) -> None:
         """Size and allocate the buffers now, from an example input of the first layer.
 
         Call it before training to fail early (with the numbers) when host memory is short;
@@ -437,7 +416,7 @@ class MemoRuntime:
             self.prepare(call, x, ctx)
 
     # Per-layer entry points ---------------------------------------------------------------------
-    def run_layer(self, call: LayerCall, x: torch.Tensor, ctx: Any) -> torch.Tensor:
+    def run_layer(self, call: LayerCall, x: torch.Tensor, ctx: object) -> torch.Tensor:
         """Forward of offloaded layer ``call.index`` through :class:`MemoLayerFunction`."""
         self.prepare(call, x, ctx)
         self.anchor = self.anchor if self.anchor.device == x.device else torch.zeros(

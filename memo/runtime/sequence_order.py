@@ -11,7 +11,6 @@ from memo.errors import MemoError
 
 if TYPE_CHECKING:
     from memo.adapters.base import LayerAdapter
-    from memo.runtime.layer import LayerRecord
 
 __all__ = ["SequenceOrder"]
 
@@ -39,13 +38,15 @@ class SequenceOrder:
         self.slices, self.g, self.s, self.device = slices, g, s, device
 
     @classmethod
-    def of(cls, adapter: LayerAdapter, rec: LayerRecord, device: torch.device) -> SequenceOrder:
+    def of(cls, adapter: LayerAdapter, head: list[tuple[int, int]], chunks: list[tuple[int, int]], a: int,
+           s: int, g: int, device: torch.device) -> SequenceOrder:
+        """The order of a layer pass's rows: its ``[0:a]`` tiles ``head``, then its ``[a:s]`` ``chunks``
+        (relative to ``a``), each of ``g`` rows per token."""
         layout = adapter.gather_layout
         if layout not in ("token-major", "rank-major"):
             raise MemoError(f"memo.runtime: {type(adapter).__name__}.gather_layout is {layout!r}; expected "
                             "'token-major' or 'rank-major'")
-        g, a, s = rec.g, rec.a, rec.s
-        slices = list(rec.head) + [(a + c0, a + c1) for c0, c1 in rec.chunks]
+        slices = list(head) + [(a + c0, a + c1) for c0, c1 in chunks]
         if g == 1 or layout == "token-major" or len(slices) <= 1:
             return cls()
         return cls(slices, g, s, device)

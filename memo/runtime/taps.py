@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
+from torch.autograd.function import FunctionCtx
 
 __all__ = ["Tap", "TapGrads"]
 
@@ -32,11 +31,12 @@ class Tap(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, taps: TapGrads, name: str, anchor: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: FunctionCtx, taps: TapGrads, name: str, anchor: torch.Tensor,
+                t: torch.Tensor) -> torch.Tensor:
         ctx.taps, ctx.name = taps, name
         return t.view_as(t)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None]:
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[None, None, None, None]:
         ctx.taps.add(ctx.name, grad)
         return None, None, None, None

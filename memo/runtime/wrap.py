@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -47,7 +48,7 @@ from memo.errors import MemoError
 from memo.runtime.compiled import eager
 from memo.runtime.layer import LayerCall
 from memo.runtime.module_state import as_in_forward, module_tensors
-from memo.runtime.runtime import NOT_OFFLOADED_TAIL, OFFLOADING_POLICIES, MemoRuntime, kept_tail
+from memo.runtime.runtime import NOT_OFFLOADED_TAIL, OFFLOADING_POLICIES, MemoRuntime, PlanFields, kept_tail
 
 __all__ = ["find_layers", "is_wrapped", "runtime_of", "unwrap", "wrap"]
 
@@ -123,7 +124,11 @@ def _unsupported_message(model: nn.Module) -> str:
     )
 
 
-def _wrapped_forward(call: LayerCall, original: Any, *args: Any, **kwargs: Any) -> Any:
+#: A layer's ``forward``: whatever it takes and returns.
+Forward = Callable[..., Any]
+
+
+def _wrapped_forward(call: LayerCall, original: Forward | None, *args: object, **kwargs: object) -> Any:
     """``forward`` of a wrapped layer; ``original`` is the forward the user had set on the instance,
     or None for the class's (looked up at each call, so that a copy calls its own layer's)."""
     if not torch.is_grad_enabled():
@@ -135,12 +140,12 @@ def _wrapped_forward(call: LayerCall, original: Any, *args: Any, **kwargs: Any) 
     return _layer_forward(call, original, *args, **kwargs)
 
 
-def _own_forward(call: LayerCall, original: Any) -> Any:
+def _own_forward(call: LayerCall, original: Forward | None) -> Forward:
     """The forward the layer would run unwrapped: the user's instance forward, else the class's."""
     return original if original is not None else type(call.layer).forward.__get__(call.layer)
 
 
-def _layer_forward(call: LayerCall, original: Any, *args: Any, **kwargs: Any) -> Any:
+def _layer_forward(call: LayerCall, original: Forward | None, *args: object, **kwargs: object) -> Any:
     rt = call.runtime
     original = _own_forward(call, original)
     kind = rt.policy[call.index]
@@ -186,11 +191,11 @@ def _needs_grad(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any])
     return any(p.requires_grad for p in layer.parameters())
 
 
-def _with_tensors(forward: Any, layer: nn.Module) -> Any:
+def _with_tensors(forward: Forward, layer: nn.Module) -> Forward:
     """``forward``, run with the parameters and buffers ``layer`` holds now, whenever it is run."""
     saved = module_tensors(layer)
 
-    def run(*args: Any, **kwargs: Any) -> Any:
+    def run(*args: object, **kwargs: object) -> Any:
         with as_in_forward(layer, saved):
             return forward(*args, **kwargs)
 
@@ -204,7 +209,7 @@ def _prefetch_previous(rt: MemoRuntime, index: int, flight: int, grad: torch.Ten
 def wrap(
     model: nn.Module,
     alpha: float | None = None,
-    plan: Any = None,
+    plan: PlanFields = None,
     *,
     runtime: MemoRuntime | None = None,
     debug_copy_delay_us: int | None = None,
