@@ -72,7 +72,8 @@ from memo.planner.vocab import CP_COMMS
 __all__ = ["CP_COMM_TYPES", "SequenceShard", "UlyssesCoreAttention", "head_chunks", "heads_to_tokens",
            "kv_replicas",
            "tokens_to_heads", "ulysses_attention",
-           "ulysses_attention_backward", "ulysses_attention_forward", "ulysses_heads_problem"]
+           "ulysses_attention_backward", "ulysses_attention_forward", "ulysses_backward",
+           "ulysses_chunked_backward", "ulysses_chunked_forward", "ulysses_forward", "ulysses_heads_problem"]
 
 #: megatron-core's names (``cp_comm_type``) for the context-parallel communications memo's attention
 #: implements: K/V all-gather (memo/models/cp_attention.py) and Ulysses all-to-all (this module);
@@ -177,8 +178,10 @@ def _sum_replicas(grad: torch.Tensor, replicas: int, dtype: torch.dtype) -> torc
     return grad.to(acc).view(s, b, h // replicas, replicas, d).sum(dim=3).to(dtype)
 
 
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, size: int, exchange: Exchange,
-             contiguous: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def ulysses_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, size: int, exchange: Exchange,
+                    contiguous: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """One rank's Ulysses attention over all heads at once, ``exchange`` the all-to-all among the
+    ``size`` ranks -> ``o`` and its log-sum-exp in the rank's tokens."""
     replicas = _layout(q, k, v, size, contiguous)
     heads = functools.partial(_to_heads, size=size, exchange=exchange, contiguous=contiguous)
     with torch.no_grad():
@@ -190,9 +193,10 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, size: int, excha
         return (_to_tokens(o, size, exchange, contiguous), _lse_to_tokens(lse, size, exchange, contiguous))
 
 
-def _backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-              lse: torch.Tensor, size: int, exchange: Exchange, contiguous: bool = False) -> tuple[
-        torch.Tensor, torch.Tensor, torch.Tensor]:
+def ulysses_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     o: torch.Tensor, lse: torch.Tensor, size: int, exchange: Exchange,
+                     contiguous: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`ulysses_forward` for the rank's ``q, k, v`` -> ``dq, dk, dv``."""
     replicas = _layout(q, k, v, size, contiguous)
     heads = functools.partial(_to_heads, size=size, exchange=exchange, contiguous=contiguous)
     tokens = functools.partial(_to_tokens, size=size, exchange=exchange, contiguous=contiguous)
@@ -213,13 +217,13 @@ def head_chunks(n_heads: int, n_kv_heads: int, size: int) -> int:
     return max(n_kv_heads * kv_replicas(n_heads, n_kv_heads, size) // size, 1)
 
 
-def _chunked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, size: int, exchange: Exchange,
-                     contiguous: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_forward` over chunks of heads (NOTE [Ulysses over chunks of heads])."""
+def ulysses_chunked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, size: int, exchange: Exchange,
+                            contiguous: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`ulysses_forward` over chunks of heads (NOTE [Ulysses over chunks of heads])."""
     n = q.shape[2]
     chunks = head_chunks(n, k.shape[2], size)
     if chunks == 1:
-        return _forward(q, k, v, size, exchange, contiguous)
+        return ulysses_forward(q, k, v, size, exchange, contiguous)
     replicas = _layout(q, k, v, size, contiguous)
     k, v = _replicate(k, replicas), _replicate(v, replicas)
     qc, kc = n // chunks, k.shape[2] // chunks
@@ -228,8 +232,8 @@ def _chunked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, size: in
     lse: torch.Tensor | None = None
     for i in range(chunks):
         heads, kv_heads = slice(i * qc, (i + 1) * qc), slice(i * kc, (i + 1) * kc)
-        o_i, lse_i = _forward(q[:, :, heads], k[:, :, kv_heads], v[:, :, kv_heads], size, exchange,
-                              contiguous)
+        o_i, lse_i = ulysses_forward(q[:, :, heads], k[:, :, kv_heads], v[:, :, kv_heads], size, exchange,
+                                     contiguous)
         o[:, :, heads] = o_i
         if lse is None:
             lse = lse_i.new_empty((b, n, s))
@@ -239,22 +243,22 @@ def _chunked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, size: in
     return o, lse
 
 
-def _chunked_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      o: torch.Tensor, lse: torch.Tensor, size: int, exchange: Exchange, contiguous: bool
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`_backward` over chunks of heads (NOTE [Ulysses over chunks of heads])."""
+def ulysses_chunked_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             o: torch.Tensor, lse: torch.Tensor, size: int, exchange: Exchange,
+                             contiguous: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`ulysses_backward` over chunks of heads (NOTE [Ulysses over chunks of heads])."""
     n, kv_dtype = q.shape[2], k.dtype
     chunks = head_chunks(n, k.shape[2], size)
     if chunks == 1:
-        return _backward(grad_o, q, k, v, o, lse, size, exchange, contiguous)
+        return ulysses_backward(grad_o, q, k, v, o, lse, size, exchange, contiguous)
     replicas = _layout(q, k, v, size, contiguous)
     k, v = _replicate(k, replicas), _replicate(v, replicas)
     qc, kc = n // chunks, k.shape[2] // chunks
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     for i in range(chunks):
         heads, kv_heads = slice(i * qc, (i + 1) * qc), slice(i * kc, (i + 1) * kc)
-        grads = _backward(grad_o[:, :, heads], q[:, :, heads], k[:, :, kv_heads], v[:, :, kv_heads],
-                          o[:, :, heads], lse[:, heads], size, exchange, contiguous)
+        grads = ulysses_backward(grad_o[:, :, heads], q[:, :, heads], k[:, :, kv_heads], v[:, :, kv_heads],
+                                 o[:, :, heads], lse[:, heads], size, exchange, contiguous)
         dq[:, :, heads], dk[:, :, kv_heads], dv[:, :, kv_heads] = grads
         del grads
     return dq, _sum_replicas(dk, replicas, kv_dtype), _sum_replicas(dv, replicas, kv_dtype)
@@ -271,7 +275,7 @@ def ulysses_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     load-balanced layout (``contiguous``: rank r's tokens are ``[r·s, (r+1)·s)``, NOTE [Contiguous
     Ulysses]) -> ``o [2m, b, n, d]``, ``lse [b, n, 2m]`` as
     :func:`memo.models.causal_attention.attention_forward` (float32; float64 for float64 inputs)."""
-    return _chunked_forward(q, k, v, *_exchange(group), contiguous=contiguous)
+    return ulysses_chunked_forward(q, k, v, *_exchange(group), contiguous=contiguous)
 
 
 def ulysses_attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -279,7 +283,7 @@ def ulysses_attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.T
                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`ulysses_attention_forward` for this rank's ``q, k, v`` -> ``dq [2m, b, n, d]``,
     ``dk, dv [2m, b, n_kv, d]``."""
-    return _chunked_backward(grad_o, q, k, v, o, lse, *_exchange(group), contiguous=contiguous)
+    return ulysses_chunked_backward(grad_o, q, k, v, o, lse, *_exchange(group), contiguous=contiguous)
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any,

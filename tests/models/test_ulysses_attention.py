@@ -21,12 +21,12 @@ from memo.errors import MemoError
 from memo.models.causal_attention import attention_backward, attention_forward
 from memo.models.cp_attention import load_balanced_chunks
 from memo.models.ulysses_attention import (
-    _backward,
-    _chunked_backward,
-    _chunked_forward,
-    _forward,
     head_chunks,
     kv_replicas,
+    ulysses_backward,
+    ulysses_chunked_backward,
+    ulysses_chunked_forward,
+    ulysses_forward,
 )
 
 
@@ -92,11 +92,11 @@ def test_every_rank_gets_its_rows_of_causal_attention(size: int, n: int, n_kv: i
 
     def rank(r: int, exchange: Callable) -> None:
         rows = _rows(s, size, r)
-        o, lse = _forward(q[rows], k[rows], v[rows], size, exchange)
+        o, lse = ulysses_forward(q[rows], k[rows], v[rows], size, exchange)
         assert o.shape == (2 * 3, b, n, d) and lse.shape == (b, n, 2 * 3) and lse.dtype == lse_ref.dtype
         assert o.is_contiguous() and lse.is_contiguous()  # as causal attention's: megatron views o
         assert _err(o, o_ref[rows]) < tol and _err(lse, lse_ref[..., rows]) < tol
-        dq, dk, dv = _backward(grad_o[rows], q[rows], k[rows], v[rows], o, lse, size, exchange)
+        dq, dk, dv = ulysses_backward(grad_o[rows], q[rows], k[rows], v[rows], o, lse, size, exchange)
         assert dk.shape == (2 * 3, b, n_kv, d) and dk.dtype == dtype
         assert dq.is_contiguous() and dk.is_contiguous() and dv.is_contiguous()
         # every token's key/value gradient comes back whole to the rank that holds the token
@@ -117,9 +117,9 @@ def test_bfloat16_keeps_the_dtypes_and_sums_replicas_in_float32() -> None:
 
     def rank(r: int, exchange: Callable) -> None:
         rows = _rows(s, size, r)
-        o, lse = _forward(q[rows], k[rows], v[rows], size, exchange)
+        o, lse = ulysses_forward(q[rows], k[rows], v[rows], size, exchange)
         assert o.dtype == torch.bfloat16 and lse.dtype == torch.float32
-        dq, dk, dv = _backward(torch.ones_like(o), q[rows], k[rows], v[rows], o, lse, size, exchange)
+        dq, dk, dv = ulysses_backward(torch.ones_like(o), q[rows], k[rows], v[rows], o, lse, size, exchange)
         assert dk.dtype == dv.dtype == torch.bfloat16
         assert _err(o, o_ref[rows]) < 1e-2 and _err(dk, dk_ref[rows]) < 3e-2 and _err(dv, dv_ref[rows]) < 3e-2
 
@@ -138,7 +138,7 @@ def test_heads_the_ranks_cannot_share_and_odd_local_lengths_are_refused() -> Non
         kv_replicas(6, 2, 3)  # 3 ranks, neither a divisor nor a multiple of 2
     q = torch.randn(5, 1, 4, 8)
     with pytest.raises(MemoError, match="local sequence must be even; got 5 tokens.*multiple of 2·cp"):
-        _forward(q, q, q, 2, lambda t: t)
+        ulysses_forward(q, q, q, 2, lambda t: t)
 
 
 @pytest.mark.parametrize("contiguous", [False, True])
@@ -164,9 +164,10 @@ def test_chunks_of_heads_give_the_same_attention(contiguous: bool, size: int, n:
     def rank(r: int, exchange: Callable) -> None:
         local = s // size
         rows = torch.arange(r * local, (r + 1) * local) if contiguous else _rows(s, size, r)
-        o, lse = _chunked_forward(q[rows], k[rows], v[rows], size, exchange, contiguous)
+        o, lse = ulysses_chunked_forward(q[rows], k[rows], v[rows], size, exchange, contiguous)
         assert _err(o, o_ref[rows]) < 1e-12 and _err(lse, lse_ref[..., rows]) < 1e-12
-        grads = _chunked_backward(grad_o[rows], q[rows], k[rows], v[rows], o, lse, size, exchange, contiguous)
+        grads = ulysses_chunked_backward(grad_o[rows], q[rows], k[rows], v[rows], o, lse, size, exchange,
+                                         contiguous)
         for got, want in zip(grads, refs, strict=True):
             assert got.shape == want[rows].shape and _err(got, want[rows]) < 1e-12
 
