@@ -34,10 +34,9 @@ from memo.estimate.plan_method import (
     DEPTHS,
     PLAN_STRATEGIES,
     Machine,
-    RankNumbers,
-    analyse_trace,
     attention_exchange_bytes,
 )
+from memo.estimate.rank_numbers import RankNumbers, analyse_trace
 from memo.estimate.search import (
     align,
     first_guess,

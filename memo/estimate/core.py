@@ -10,6 +10,7 @@ rule: the total within ``fit_fraction`` of the GPU's memory.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -225,7 +226,7 @@ class Estimator:
 
     def __init__(self, model: str, *, method: str = "plan", dtype: str = "bfloat16",
                  model_states: str = "formula", machine: Machine | None = None,
-                 log: Any = None, device: str = "cuda", memo_policy: str = "auto",
+                 log: Callable[[str], None] | None = None, device: str = "cuda", memo_policy: str = "auto",
                  fit_limit_bytes: int | None = None, what_if_head_chunks: int = 1) -> None:
         from memo.models import get_config
         from memo.pipeline import DTYPES
@@ -263,7 +264,7 @@ class Estimator:
         chunks = what_if_head_chunks
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
             raise MemoError(f"memo estimate: head chunks must be a positive integer, got {chunks!r}")
-        #: NOTE [Head-chunked Ulysses, a what-if] in plan_method.py: 1 is what memo train runs; more
+        #: NOTE [Head-chunked Ulysses, a what-if] in meta_ulysses.py: 1 is what memo train runs; more
         #: labels every Ulysses estimate as not runnable.
         self.profiler.ulysses_head_chunks = chunks
 
@@ -335,7 +336,7 @@ class Estimator:
             est.activations_bytes = int(round(formula_activations(self.shape, layout, seq_len, strategy)))
         else:
             # all-gather's exchange on top of the peak (memo's alpha is lowered with it counted); Ulysses'
-            # is recorded where it lives (NOTE [Ulysses in a meta estimate] in plan_method.py)
+            # is recorded where it lives (NOTE [Ulysses in a meta estimate] in meta_ulysses.py)
             est.activations_bytes = self._exchange_on_top(layout, seq_len)
             if strategy == "memo":
                 self._memo(est, 0.0 if least else alpha, least or alpha is None, least)

@@ -49,11 +49,14 @@ alpha, the host memory and the link): use ``--method plan``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from memo.errors import MemoError
 from memo.estimate.layout import Layout
 from memo.planner.vocab import Strategy
+
+if TYPE_CHECKING:
+    from memo.models.config import ModelConfig
 
 __all__ = ["FORMULA_STRATEGIES", "FormulaShape", "formula_activations", "formula_layer_parameters",
            "formula_model_states", "formula_parameters"]
@@ -88,7 +91,7 @@ class FormulaShape:
         return self.h / self.a if self.head_dim is None else self.head_dim
 
     @classmethod
-    def of(cls, config: Any) -> FormulaShape:
+    def of(cls, config: ModelConfig) -> FormulaShape:
         gpt = config.arch == "gpt"
         d = config.head_dim
         return cls(h=config.hidden, a=config.n_heads, k=config.n_kv_heads, h_ffn=config.ffn_hidden,

@@ -26,11 +26,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memo.errors import MemoError
 from memo.planner.engines import RUNNABLE, EngineLayouts, engine_for_layout, layout_problem
 from memo.planner.vocab import CP_COMMS, SHARDINGS
+
+if TYPE_CHECKING:
+    from memo.models.config import ModelConfig
 
 __all__ = ["CP_COMMS", "SHARDINGS", "Layout", "divisors", "valid_layouts"]
 
@@ -123,7 +126,7 @@ class Layout:
         return (f"memo train launches no {self.describe()}: " + "; ".join(r for r in reasons if r)
                 + f". What it launches: {runs}; --search ranks only those")
 
-    def check(self, config: Any, seq_len: int | None = None) -> None:
+    def check(self, config: ModelConfig, seq_len: int | None = None) -> None:
         """NOTE [Valid layouts]: refuse, in one line, a layout the model or the sequence cannot take;
         NOTE [Layouts memo train launches]: and one no engine of ``memo train`` runs."""
         problem = self.launch_problem()
@@ -134,7 +137,7 @@ class Layout:
             raise MemoError(f"memo estimate: {self.describe()} does not fit {config.name}: "
                             + "; ".join(problems))
 
-    def problems(self, config: Any, seq_len: int | None = None) -> list[str]:
+    def problems(self, config: ModelConfig, seq_len: int | None = None) -> list[str]:
         """What NOTE [Valid layouts] refuses for this layout, one phrase each (empty: valid)."""
         from memo.token_split import seq_len_problem
 
@@ -170,8 +173,9 @@ def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def valid_layouts(config: Any, gpus: int, seq_len: int | None = None, micro_batches: tuple[int, ...] = (1,),
-                  data_parallel_one: bool = False, shardings: tuple[str, ...] = ("optimizer",),
+def valid_layouts(config: ModelConfig, gpus: int, seq_len: int | None = None,
+                  micro_batches: tuple[int, ...] = (1,), data_parallel_one: bool = False,
+                  shardings: tuple[str, ...] = ("optimizer",),
                   cp_comms: tuple[str, ...] = ("all_gather",)) -> list[Layout]:
     """Every layout of ``gpus`` GPUs valid for ``config`` (and ``seq_len``), NOTE [Valid layouts], that
     an engine of ``memo train`` launches (NOTE [Layouts memo train launches]).

@@ -64,16 +64,24 @@ import dataclasses
 import math
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memo.errors import internal_assert
 from memo.estimate.formula import FORMULA_STRATEGIES
 from memo.estimate.layout import Layout
+from memo.estimate.meta_ulysses import meta_ulysses
+from memo.estimate.rank_numbers import RankNumbers, analyse_trace
 from memo.machine import Machine
 from memo.planner.vocab import Strategy
 from memo.repeated_tiles import repeated_tiles_skipped
 from memo.units import GB
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from memo.models.config import ModelConfig
+    from memo.models.model import TransformerModel
 
 __all__ = ["DEPTHS", "ESTIMATE_DEFAULTS", "PLAN_STRATEGIES", "Machine", "RankNumbers", "RankProfiler",
            "analyse_trace", "attention_exchange_bytes", "counted_parameters", "estimate_machine",
@@ -110,7 +118,8 @@ def estimate_machine(machine: Machine | None = None) -> Machine:
     return (machine or Machine()).with_defaults(**ESTIMATE_DEFAULTS)
 
 
-def rank_layer_ms(machine: Machine, config: Any, layout: Layout, seq_len: int, dtype: Any) -> float:
+def rank_layer_ms(machine: Machine, config: ModelConfig, layout: Layout, seq_len: int,
+                  dtype: torch.dtype) -> float:
     """T_layer of one rank: the given time scaled by forward FLOPs (length) and by t·c (how many
     ranks share a layer's work), or the FLOP estimate on ``machine.gpu`` split over t·c ranks."""
     from memo.profiler import estimate_layer_ms, layer_forward_flops
@@ -123,105 +132,8 @@ def rank_layer_ms(machine: Machine, config: Any, layout: Layout, seq_len: int, d
     return estimate_layer_ms(config, seq_len, b, machine.gpu, dtype, machine.efficiency).value / tc
 
 
-@dataclass(frozen=True)
-class RankNumbers:
-    """Bytes one recorded iteration holds (NOTE [Gradients in the peak], [First stage under 1F1B])."""
-
-    iteration: int
-    """Most bytes live at once: the trace's lower bound."""
-    activations: int
-    """Most bytes live at once, parameter gradients left out."""
-    stage_activations: int
-    """The same outside the LM head's phases."""
-    held: int
-    """Bytes live when the head's forward begins that are freed later: what a micro-batch keeps."""
-    gradients: int
-    """Parameter gradients: allocations made in backward and live at the end."""
-    by_kind: tuple[tuple[str, int, int, int], ...] = ()
-    """``(kind, iteration, activations, stage_activations)``: the same peaks over the phases of each
-    kind, where :func:`analyse_trace` was given kinds (NOTE [Inputs on the device where the host binds]
-    in core.py: each is linear in the layer counts where the largest one need not be)."""
-
-    def along(self, steps: tuple[tuple[RankNumbers, int], ...]) -> RankNumbers:
-        """``self + Σ count·(other - self)``: from this recording, ``count`` more of what each ``other``
-        recording added (one layer of a kind). The peaks are extended kind by kind and the largest
-        taken, where every recording has the same kinds; otherwise, and for the other fields, field by
-        field."""
-
-        def ext(mine: int, theirs: tuple[int, ...]) -> int:
-            return int(round(mine + sum(n * (t - mine) for t, (_, n) in zip(theirs, steps, strict=True))))
-
-        fields = {k: ext(getattr(self, k), tuple(getattr(o, k) for o, _ in steps))
-                  for k in ("iteration", "activations", "stage_activations", "held", "gradients")}
-        kinds = {row[0] for row in self.by_kind}
-        if kinds and all({row[0] for row in o.by_kind} == kinds for o, _ in steps):
-            theirs = [{row[0]: row[1:] for row in o.by_kind} for o, _ in steps]
-            peaks = [tuple(ext(mine[i], tuple(t[kind][i] for t in theirs)) for i in range(3))
-                     for kind, *mine in self.by_kind]
-            for i, name in enumerate(("iteration", "activations", "stage_activations")):
-                fields[name] = max(p[i] for p in peaks)
-        return RankNumbers(iteration=fields["iteration"], activations=fields["activations"],
-                           stage_activations=fields["stage_activations"], held=fields["held"],
-                           gradients=fields["gradients"])
-
-    def extend(self, other: RankNumbers, depth: int, other_depth: int, target: int) -> RankNumbers:
-        """Linear in depth through (depth, self) and (other_depth, other), at ``target``."""
-        f = (target - depth) / (other_depth - depth)
-        def at(name: str) -> int:
-            return int(round(getattr(self, name) + f * (getattr(other, name) - getattr(self, name))))
-
-        return RankNumbers(iteration=at("iteration"), activations=at("activations"),
-                           stage_activations=at("stage_activations"), held=at("held"),
-                           gradients=at("gradients"))
-
-
-def analyse_trace(trace: dict[str, Any], kind_of: Callable[[str], str] | None = None) -> RankNumbers:
-    """The numbers of :class:`RankNumbers` from a ``memo.trace`` dict (time = event index); with
-    ``kind_of`` (a phase name -> its kind) also the peaks over each kind's phases."""
-    events = trace["events"]
-    freed = {e["id"] for e in events if e["op"] == "free"}
-    phase_of: dict[int, str] = {}
-    for e in events:
-        if e["op"] == "malloc":
-            phase_of[e["id"]] = str(e.get("phase") or "")
-    grads = {i for i, ph in phase_of.items() if i not in freed and ".bwd" in ph}
-    live: dict[int, int] = {}
-    total = other = peak = peak_other = peak_stage = 0
-    held = None
-    kinds: dict[str, list[int]] = {}
-    for e in events:
-        op = e["op"]
-        if op == "malloc":
-            phase = str(e.get("phase") or "")
-            if held is None and phase == "head.fwd":
-                held = sum(size for i, size in live.items() if i in freed)
-            size = int(e["size"])
-            live[e["id"]] = size
-            total += size
-            if e["id"] not in grads:
-                other += size
-            peak = max(peak, total)
-            peak_other = max(peak_other, other)
-            if not phase.startswith("head."):
-                peak_stage = max(peak_stage, other)
-            if kind_of is not None:
-                mine = kinds.setdefault(kind_of(phase), [0, 0, 0])
-                mine[0], mine[1] = max(mine[0], total), max(mine[1], other)
-                if not phase.startswith("head."):
-                    mine[2] = max(mine[2], other)
-        elif op == "free" and e["id"] in live:
-            size = live.pop(e["id"])
-            total -= size
-            if e["id"] not in grads:
-                other -= size
-    grad_bytes = sum(int(e["size"]) for e in events if e["op"] == "malloc" and e["id"] in grads)
-    return RankNumbers(iteration=peak, activations=peak_other, stage_activations=peak_stage,
-                       held=held or 0, gradients=grad_bytes,
-                       by_kind=tuple((k, v[0], v[1], v[2]) for k, v in sorted(kinds.items())))
-
-
-def _rank_model(config: Any, n_layers: int, layout: Layout, seq_len: int, dtype: Any, recompute: str,
-                head_chunks: int = 1) -> Any:
+def _rank_model(config: ModelConfig, n_layers: int, layout: Layout, seq_len: int, dtype: torch.dtype,
+                recompute: str, head_chunks: int = 1) -> TransformerModel:
     from memo.models import DEFAULT_MAX_SEQ_LEN, build_model
 
     cfg = dataclasses.replace(config, n_layers=n_layers)
@@ -233,132 +145,8 @@ def _rank_model(config: Any, n_layers: int, layout: Layout, seq_len: int, dtype:
     return model
 
 
-# NOTE [Ulysses in a meta estimate]
-# A Ulysses rank's attention exchanges its tokens of every head for every rank's tokens of its share
-# of the heads, runs the kernel over those, and exchanges the output back; in backward the same for
-# grad_o, q, k, v, o and lse, and dq, dk, dv back (NOTE [Ulysses context parallelism] in
-# memo/models/ulysses_attention.py), over the chunks of heads ``memo train`` runs (NOTE [Ulysses over
-# chunks of heads]). The meta rank model runs memo's own Ulysses functions, with the
-# collective replaced by what it allocates on a rank (a contiguous copy of the parts sent and the
-# tensor received, ``_all_to_all``'s two allocations): so every head-sharded copy, every reshuffle's
-# temporary and the kernel over all tokens of n/c heads are recorded where they live, and the peak is
-# the iteration's true one. Counting them on top of a peak recorded without them (NOTE
-# [Context-parallel exchange in an estimate], still what the all-gather form gets) double-counts
-# wherever the peak is elsewhere, e.g. in an RMSNorm's backward. The exchange is recorded in the
-# contiguous layout FSDP2 runs; megatron's load-balanced chunks put the received rows in sequence
-# order by one more copy, made as the exchange's send buffer is freed (the same peak), and an index
-# of 8 bytes per token of the sequence, which is not recorded (building it on the host for every
-# exchange of a meta rank costs seconds per profile at millions of tokens).
-#
-# NOTE [Head-chunked Ulysses, a what-if]
-# UPipe (arXiv 2602.21196) runs Ulysses' exchange and the kernel over chunks of heads, one chunk at a
-# time, so the head-sharded copies and the kernel's own transients are a chunk's, not every head's.
-# ``memo train`` chunks so that no key/value head is sent twice: one chunk per key/value head a rank
-# receives (NOTE [Ulysses over chunks of heads]), one chunk where a rank receives one (Llama-3.1-8B
-# at CP 8). ``head_chunks`` > 1 chunks the query heads further, as UPipe does, each chunk sending
-# the key/value heads its query heads share again: memo's own unchunked Ulysses functions called once
-# per chunk, each chunk's outputs written into the full-size ones, so that an estimate can say what
-# it would buy. Such an estimate is labelled as not runnable and no answer of ``memo estimate``
-# uses it (benchmarks/longest_at_scale.py reports it beside memo's row).
-
-
-class _MetaShard:
-    """Rank 0 of a Ulysses group of ``size`` on the meta device (what :class:`memo.models.
-    ulysses_attention.SequenceShard` says of a rank, without a process group)."""
-
-    def __init__(self, size: int) -> None:
-        self.rank, self.size, self.group = 0, size, None
-
-    def first_position(self, local_len: int) -> int:
-        return 0
-
-
-def _meta_all_to_all(t: Any) -> Any:
-    """What ``all_to_all_single`` allocates on a rank: the contiguous parts sent and the received tensor."""
-    import torch
-
-    return torch.empty_like(t.contiguous())
-
-
-def _head_chunks(n: int, n_kv: int, size: int, chunks: int) -> list[tuple[slice, slice]]:
-    """(query heads, key/value heads) of each of ``chunks`` chunks (NOTE [Head-chunked Ulysses, a
-    what-if]); a MemoError where the heads do not split so that Ulysses can share each chunk."""
-    from memo.errors import MemoError
-    from memo.models.ulysses_attention import ulysses_heads_problem
-
-    per_kv = n // n_kv
-    if n % chunks or (n // chunks) % per_kv and per_kv % (n // chunks):
-        raise MemoError(f"memo estimate: {n} query heads do not split into {chunks} chunks of whole "
-                        "key/value head groups")
-    q = n // chunks
-    out = []
-    for j in range(chunks):
-        first, last = j * q // per_kv, ((j + 1) * q - 1) // per_kv + 1
-        problem = ulysses_heads_problem(q, last - first, size)
-        if problem is not None:
-            raise MemoError(f"memo estimate: a chunk of {q} query heads: {problem}")
-        out.append((slice(j * q, (j + 1) * q), slice(first, last)))
-    return out
-
-
-def meta_ulysses(model: Any, size: int, contiguous: bool = True, head_chunks: int = 1) -> None:
-    """Every layer of memo's meta rank ``model`` attends as one rank of a Ulysses group of ``size``
-    (NOTE [Ulysses in a meta estimate]); ``head_chunks`` > 1: over that many chunks of heads, one at
-    a time (NOTE [Head-chunked Ulysses, a what-if])."""
-    import torch
-
-    from memo.models.cp_attention import GroupAttention
-    from memo.models.ulysses_attention import (
-        UlyssesCoreAttention,
-        _backward,
-        _chunked_backward,
-        _chunked_forward,
-        _forward,
-    )
-
-    shard = _MetaShard(size)
-
-    def forward_half(q: Any, k: Any, v: Any, _group: Any = None) -> Any:
-        if head_chunks == 1:  # what memo train runs
-            return _chunked_forward(q, k, v, size, _meta_all_to_all, contiguous)
-        o, lse = q.new_empty(q.shape), None
-        for qh, kh in _head_chunks(q.shape[2], k.shape[2], size, head_chunks):
-            o_c, lse_c = _forward(q[:, :, qh], k[:, :, kh], v[:, :, kh], size, _meta_all_to_all, contiguous)
-            if lse is None:
-                lse = lse_c.new_empty((lse_c.shape[0], q.shape[2], lse_c.shape[2]))
-            o[:, :, qh], lse[:, qh] = o_c, lse_c
-            del o_c, lse_c
-        return o, lse
-
-    def backward_half(grad_o: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, _group: Any = None) -> Any:
-        if head_chunks == 1:
-            return _chunked_backward(grad_o, q, k, v, o, lse, size, _meta_all_to_all, contiguous)
-        dq, dk, dv = q.new_empty(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
-        for qh, kh in _head_chunks(q.shape[2], k.shape[2], size, head_chunks):
-            dq_c, dk_c, dv_c = _backward(grad_o[:, :, qh], q[:, :, qh], k[:, :, kh], v[:, :, kh], o[:, :, qh],
-                                         lse[:, qh], size, _meta_all_to_all, contiguous)
-            dq[:, :, qh] = dq_c
-            dk[:, :, kh] += dk_c  # chunks that share a key/value head add their parts
-            dv[:, :, kh] += dv_c
-            del dq_c, dk_c, dv_c
-        return dq, dk, dv
-
-    class MetaUlyssesCoreAttention(UlyssesCoreAttention):
-        def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            o = GroupAttention.apply(q, k, v, None, (forward_half, backward_half))
-            s, b, n, d = o.shape
-            return o.view(s, b, n * d)
-
-        def attention_kernels(self) -> tuple[Callable[..., Any], Callable[..., Any]]:
-            return forward_half, backward_half
-
-    for layer in model.layers:
-        layer.core_attention = MetaUlyssesCoreAttention(shard)  # type: ignore[arg-type]
-        layer.sequence_shard = shard
-    model.embedding.sequence_shard = shard
-
-
-def counted_parameters(config: Any, layout: Layout, seq_len: int, dtype: Any) -> tuple[int, int]:
+def counted_parameters(config: ModelConfig, layout: Layout, seq_len: int,
+                       dtype: torch.dtype) -> tuple[int, int]:
     """(parameters, bytes per parameter) one GPU of the first stage holds in memo's reference rank
     model: its embedding (and GPT's position table), L/p layers and, with p = 1, the final norm and
     the LM head (once when tied). Counted on a meta model of two layers, extended by the depth."""
@@ -369,7 +157,7 @@ def counted_parameters(config: Any, layout: Layout, seq_len: int, dtype: Any) ->
     embedding, layers, head = parts.embedding, parts.layers, parts.head
     seen: set[int] = set()
 
-    def count(module: Any) -> int:
+    def count(module: nn.Module) -> int:
         n = 0
         for p in module.parameters():
             if id(p) not in seen:
@@ -385,7 +173,8 @@ def counted_parameters(config: Any, layout: Layout, seq_len: int, dtype: Any) ->
     return total, elem
 
 
-def record_first_stage(model: Any, layout: Layout, seq_len: int, meta: dict[str, Any]) -> dict[str, Any]:
+def record_first_stage(model: TransformerModel, layout: Layout, seq_len: int,
+                       meta: dict[str, Any]) -> dict[str, Any]:
     """NOTE [First stage under 1F1B]: the trace of the first of ``layout.pp`` stages running the 1F1B
     step of ``layout.pp`` micro-batches, on the meta rank model (its head replaced by the send)."""
     import torch
@@ -447,7 +236,7 @@ def record_first_stage(model: Any, layout: Layout, seq_len: int, meta: dict[str,
     return builder.finish()
 
 
-def _record_offloaded_checkpoint(model: Any, layout: Layout, seq_len: int) -> dict[str, Any]:
+def _record_offloaded_checkpoint(model: TransformerModel, layout: Layout, seq_len: int) -> dict[str, Any]:
     """One iteration of the ``offloaded-checkpoint`` peer on the meta rank model (NOTE [The peer in an
     estimate]): its layers checkpointed with their inputs sent to the host, MLPs tiled; the trace."""
     import torch
@@ -489,7 +278,7 @@ def _policy_kinds(policy: tuple[str, ...]) -> Callable[[str], str]:
 class RankProfiler:
     """Meta profiles of first-stage ranks, cached by what they depend on."""
 
-    def __init__(self, config: Any, source: Any, dtype: Any, machine: Machine,
+    def __init__(self, config: ModelConfig, source: str, dtype: torch.dtype, machine: Machine,
                  log: Callable[[str], None] | None = None, device: str = "cuda") -> None:
         self.config = config
         #: The device type the estimate is for: "cuda" (machine.gpu's), or "cpu" (memo train on
@@ -502,7 +291,7 @@ class RankProfiler:
         self.cache: dict[tuple, tuple[RankNumbers, Any]] = {}
         self.profiles = 0
         self.notes: list[str] = []
-        #: NOTE [Head-chunked Ulysses, a what-if]: 1 is what memo train runs.
+        #: NOTE [Head-chunked Ulysses, a what-if] in meta_ulysses.py: 1 is what memo train runs.
         self.ulysses_head_chunks = 1
 
     def _record(self, strategy: str, layout: Layout, seq_len: int, depth: int, alpha: float | None,
@@ -515,7 +304,7 @@ class RankProfiler:
         if policy is None and strategy in ("memo", "input-only"):
             kept = min(self.machine.memo_keep_last, depth)
             policy = (strategy,) * (depth - kept) + ("keep",) * kept
-        # a Ulysses rank records its exchange (NOTE [Ulysses in a meta estimate])
+        # a Ulysses rank records its exchange (NOTE [Ulysses in a meta estimate] in meta_ulysses.py)
         ulysses = layout.cp > 1 and layout.cp_comm == "a2a"
         exchange = (layout.cp_comm, self.ulysses_head_chunks) if ulysses else None
         key = (strategy, layout.tp, layout.cp, layout.micro_batch, seq_len, depth,
@@ -561,8 +350,8 @@ class RankProfiler:
         self.cache[key] = out
         return out
 
-    def _first_stage(self, model: Any, strategy: str, layout: Layout, seq_len: int, alpha: float | None,
-                     policy: tuple[str, ...] | None) -> dict[str, Any]:
+    def _first_stage(self, model: TransformerModel, strategy: str, layout: Layout, seq_len: int,
+                     alpha: float | None, policy: tuple[str, ...] | None) -> dict[str, Any]:
         """NOTE [First stage under 1F1B]: the first stage's step, memo's layers wrapped as the single
         iteration's profile wraps them (its policy, alpha and the tiles of the device the estimate is
         for)."""
@@ -581,7 +370,7 @@ class RankProfiler:
         finally:
             runtime.unwrap(model, force=True)
 
-    def _tile(self, model: Any, layout: Layout, seq_len: int) -> int | None:
+    def _tile(self, model: TransformerModel, layout: Layout, seq_len: int) -> int | None:
         """The tile memo's runtime runs on the GPU the estimate is for (NOTE [Tiles of the device a plan
         is for] in memo/pipeline/job.py); None on the CPU: the runtime's default where it records."""
         if self.device != "cuda":
@@ -685,7 +474,7 @@ class RankProfiler:
 #   about four times the rank's own q, independent of c.
 
 
-def attention_exchange_bytes(config: Any, layout: Layout, seq_len: int, elem: int) -> int:
+def attention_exchange_bytes(config: ModelConfig, layout: Layout, seq_len: int, elem: int) -> int:
     """NOTE [Context-parallel exchange in an estimate]: bytes a rank's attention exchange holds."""
     c, t = layout.cp, layout.tp
     if c == 1:

@@ -63,11 +63,14 @@ the longest such within the granularity: one granularity more did not fit (or is
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memo.errors import MemoError
 from memo.estimate.layout import Layout, valid_layouts
 from memo.units import GiB
+
+if TYPE_CHECKING:
+    from memo.estimate.core import Estimator
 
 __all__ = ["align", "gallop", "longest", "longest_sequences", "rank_key", "search_layouts", "tokens"]
 
@@ -174,7 +177,7 @@ def rank_key(layout: Layout, fits: bool, total: int, gpus_per_node: int) -> tupl
     return (not fits, layout.model_parallel, layout.tp > gpus_per_node, -layout.micro_batch, total)
 
 
-def search_layouts(estimator: Any, seq_len: int, gpus: int, strategy: str,
+def search_layouts(estimator: Estimator, seq_len: int, gpus: int, strategy: str,
                    micro_batches: tuple[int, ...] = (1,), log: Callable[[str], None] | None = None,
                    shardings: tuple[str, ...] = ("optimizer",), cp_comms: tuple[str, ...] = ("all_gather",)
                    ) -> list[dict[str, Any]]:
@@ -232,7 +235,7 @@ PRUNE_MARGIN = 0.25
 #: the best by the closed form's screen (NOTE [Fast longest-sequence search]).
 SCREENED_FAMILIES = 3
 
-def strategy_limit(estimator: Any, strategy: str) -> int:
+def strategy_limit(estimator: Estimator, strategy: str) -> int:
     """The bytes one GPU may fill for ``strategy`` (NOTE [Fit limits] in memo/estimate/core.py)."""
     return int(estimator.limit_bytes(strategy))
 
@@ -240,7 +243,7 @@ def strategy_limit(estimator: Any, strategy: str) -> int:
 class _Totals:
     """One layout's estimates by length, for one strategy (a MemoError where it cannot run)."""
 
-    def __init__(self, estimator: Any, layout: Layout, strategy: str) -> None:
+    def __init__(self, estimator: Estimator, layout: Layout, strategy: str) -> None:
         self.estimator, self.layout, self.strategy = estimator, layout, strategy
         self.cache: dict[int, Any] = {}
 
@@ -254,9 +257,9 @@ class _Totals:
         return None if isinstance(got, MemoError) else got.total_bytes
 
 
-def longest_sequences(estimator: Any, layouts: list[Layout], strategies: tuple[str, ...], granularity: int,
-                      max_seq: int, first: int | None = None, log: Callable[[str], None] | None = None
-                      ) -> list[dict[str, Any]]:
+def longest_sequences(estimator: Estimator, layouts: list[Layout], strategies: tuple[str, ...],
+                      granularity: int, max_seq: int, first: int | None = None,
+                      log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """For every strategy, the longest sequence on each layout and the best layout (longest, then
     NOTE [Layout ranking]). Rows: ``strategy``, ``best`` (the winning layout's result, or None where
     no layout fits ``granularity`` tokens) and ``layouts``.
@@ -276,7 +279,7 @@ def _family(layout: Layout) -> tuple[int, int, int, int, str]:
     return layout.tp, layout.cp, layout.pp, layout.micro_batch, layout.cp_comm if layout.cp > 1 else ""
 
 
-def screen_families(estimator: Any, layouts: list[Layout], granularity: int, max_seq: int,
+def screen_families(estimator: Estimator, layouts: list[Layout], granularity: int, max_seq: int,
                     log: Callable[[str], None] | None = None, first: int | None = None,
                     strategy: str = "full-recompute") -> set[tuple[int, int, int, int, str]]:
     """NOTE [Fast longest-sequence search]: the SCREENED_FAMILIES families whose best layout goes
@@ -320,7 +323,7 @@ def screen_families(estimator: Any, layouts: list[Layout], granularity: int, max
     return set(kept)
 
 
-def _exact_search(estimator: Any, layouts: list[Layout], strategy: str, granularity: int, max_seq: int,
+def _exact_search(estimator: Estimator, layouts: list[Layout], strategy: str, granularity: int, max_seq: int,
                   first: int | None, log: Callable[[str], None] | None) -> dict[str, Any]:
     """NOTE [Longest sequence search]: every layout galloped from its line's guess, bisected to the
     granularity (layouts whose guess is PRUNE_MARGIN short of the best found are left out)."""
@@ -355,7 +358,7 @@ def _pruned(layout: Layout, guess: int | None) -> dict[str, Any]:
             "estimate": None, "guess": guess, "pruned": True}
 
 
-def _result(estimator: Any, layout: Layout, strategy: str, found: dict[str, Any], guess: int,
+def _result(estimator: Estimator, layout: Layout, strategy: str, found: dict[str, Any], guess: int,
             cache: dict[int, Any], solve_alpha: bool = True) -> dict[str, Any]:
     best = cache.get(found["longest"])
     if solve_alpha and strategy == "memo" and found["longest"] and not isinstance(best, MemoError):
@@ -364,7 +367,7 @@ def _result(estimator: Any, layout: Layout, strategy: str, found: dict[str, Any]
             "estimate": best if not isinstance(best, MemoError) else None}
 
 
-def _ranked(estimator: Any, strategy: str, results: list[dict[str, Any]]) -> dict[str, Any]:
+def _ranked(estimator: Estimator, strategy: str, results: list[dict[str, Any]]) -> dict[str, Any]:
     per_node = estimator.machine.gpus_per_node
     ranked = sorted(results, key=lambda r: (-r["longest"],) + rank_key(
         r["layout"], True, r["estimate"].total_bytes if r["estimate"] else 0, per_node))
@@ -436,7 +439,7 @@ def _secant(total: Callable[[int], int | None], limit: int, lo: int, hi: int | N
     return int(lo + (limit - t_lo) * (hi - lo) / (t_hi - t_lo))
 
 
-def _predicted_search(estimator: Any, layouts: list[Layout], kept: set[tuple[int, int, int, int, str]],
+def _predicted_search(estimator: Estimator, layouts: list[Layout], kept: set[tuple[int, int, int, int, str]],
                       strategy: str, granularity: int, max_seq: int, first: int | None,
                       log: Callable[[str], None] | None) -> dict[str, Any]:
     """NOTE [Fast longest-sequence search] for one strategy."""

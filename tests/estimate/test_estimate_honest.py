@@ -149,11 +149,12 @@ def test_fit_limit_is_below_the_device() -> None:
 def test_head_chunked_ulysses_is_a_labelled_what_if(tmp_path: Path) -> None:
     # NOTE [Head-chunked Ulysses, a what-if]: chunks of whole key/value head groups, each one Ulysses can
     # share; the estimate holds less and says it is not runnable.
-    from memo.estimate.plan_method import _head_chunks
+    from memo.estimate.meta_ulysses import head_chunk_slices
 
-    assert _head_chunks(32, 8, 8, 4) == [(slice(8 * j, 8 * j + 8), slice(2 * j, 2 * j + 2)) for j in range(4)]
+    assert head_chunk_slices(32, 8, 8, 4) == [(slice(8 * j, 8 * j + 8), slice(2 * j, 2 * j + 2))
+                                              for j in range(4)]
     with pytest.raises(MemoError, match="chunk of 2 query heads"):
-        _head_chunks(32, 8, 8, 16)
+        head_chunk_slices(32, 8, 8, 16)
     model, seq = _llama(tmp_path), 8192
     ulysses = Layout(2, cp=2, cp_comm="a2a", sharding="full-offload")
     machine = Machine(device_mem_gb=1.0, host_mem_gb=64)
