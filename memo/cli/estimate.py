@@ -22,7 +22,8 @@ import json
 import math
 import sys
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from memo import repeated_tiles
 from memo.cli.args import figure_path, fraction, positive_float, positive_int, seq_len
@@ -32,12 +33,18 @@ from memo.estimate.layout import CP_COMMS, SHARDINGS
 from memo.estimate.plan_method import PLAN_STRATEGIES
 from memo.units import GiB
 
+if TYPE_CHECKING:
+    from memo.estimate import Estimate, Estimator, Layout
+
+#: Where progress lines go (stderr, or nowhere with --json).
+Log = Callable[[str], None]
+
 __all__ = ["add_parser", "run"]
 
 STRATEGY_CHOICES = PLAN_STRATEGIES  # the strategies memo estimate counts
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "estimate",
         help="per-GPU memory of a job on a TP x CP x PP x DP layout; the best layout; the longest sequence",
@@ -129,7 +136,7 @@ def _limit_rule(e: dict[str, Any]) -> str:
                                                                            f"{e['fit_fraction']:.0%} rule")
 
 
-def _limit_line(est: Any, strategy: str) -> str:
+def _limit_line(est: Estimator, strategy: str) -> str:
     """``strategy``'s fit limit and how it was set, for a table's heading or a row."""
     from memo.estimate.core import limit_words
 
@@ -180,7 +187,7 @@ def _check(args: argparse.Namespace) -> None:
                         "of them")
 
 
-def _estimator(args: argparse.Namespace) -> Any:
+def _estimator(args: argparse.Namespace) -> Estimator:
     from memo.estimate import Estimator, Machine
 
     at = args.layer_ms_at or args.seq_len or (1 << 20)
@@ -201,13 +208,13 @@ def _estimator(args: argparse.Namespace) -> Any:
                      machine=machine, log=None, memo_policy=args.memo_policy, fit_limit_bytes=given)
 
 
-def _layout(args: argparse.Namespace) -> Any:
+def _layout(args: argparse.Namespace) -> Layout:
     """The layout the flags name, refused before any profile where ``memo train`` launches none like
     it (NOTE [Layouts memo train launches] in memo/estimate/layout.py). Without --cp-comm, the CP
     communication is all_gather where the sharding's engine runs it, else the one it runs."""
     from memo.estimate import Layout
 
-    def layout(comm: str) -> Any:
+    def layout(comm: str) -> Layout:
         return Layout(args.gpus, args.tp, args.cp, args.pp, args.micro_batch, cp_comm=comm,
                       sharding=args.sharding or "optimizer")
 
@@ -232,7 +239,7 @@ def _shardings(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
             "cp_comms": (args.cp_comm,) if args.cp_comm else CP_COMMS}
 
 
-def _strategies(args: argparse.Namespace, estimator: Any) -> tuple[str, ...]:
+def _strategies(args: argparse.Namespace, estimator: Estimator) -> tuple[str, ...]:
     if args.strategy is not None:
         return tuple(dict.fromkeys(args.strategy))
     return estimator.strategies() if args.max_seq else ("memo",) if args.method == "plan" else ("none",)
@@ -271,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- one layout
 
 
-def _run_one(args: argparse.Namespace, est: Any) -> dict[str, Any]:
+def _run_one(args: argparse.Namespace, est: Estimator) -> dict[str, Any]:
     from memo.estimate import launch_command
 
     layout = _layout(args)
@@ -284,7 +291,7 @@ def _run_one(args: argparse.Namespace, est: Any) -> dict[str, Any]:
     return {**e.to_dict(), "engine": layout.engine, "command": command}
 
 
-def _describe_one(e: Any) -> str:
+def _describe_one(e: Estimate) -> str:
     from memo.estimate.core import limit_words
 
     if e.model_states != "formula":
@@ -330,7 +337,7 @@ def _micro_batches(args: argparse.Namespace) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _run_search(args: argparse.Namespace, est: Any, log: Any) -> dict[str, Any]:
+def _run_search(args: argparse.Namespace, est: Estimator, log: Log) -> dict[str, Any]:
     from memo.estimate import align, launch_command, search_layouts
 
     (strategy,) = _strategies(args, est)
@@ -376,22 +383,11 @@ def _run_search(args: argparse.Namespace, est: Any, log: Any) -> dict[str, Any]:
 # ---------------------------------------------------------------- --max-seq
 
 
-def _run_max_seq(args: argparse.Namespace, est: Any, log: Any) -> dict[str, Any]:
-    from memo.estimate import align, launch_command, longest_sequences, tokens, valid_layouts
+def _run_max_seq(args: argparse.Namespace, est: Estimator, log: Log) -> dict[str, Any]:
+    from memo.estimate import longest_sequences
 
     strategies = _strategies(args, est)
-    if args.search:
-        layouts = valid_layouts(est.config, args.gpus, None, (args.micro_batch,), data_parallel_one=True,
-                                **_shardings(args))
-        layouts = [lay for lay in layouts if not lay.problems(est.config, args.granularity)]
-        if not layouts:
-            raise MemoError(f"memo estimate: no layout of {args.gpus} GPUs with DP 1 that memo train "
-                            f"launches is valid for {est.config.name} at a multiple of --granularity "
-                            f"{args.granularity:,}")
-    else:
-        layout = _layout(args)
-        layout.check(est.config, args.granularity)  # every length tried is a multiple of the granularity
-        layouts = [layout]
+    layouts = _max_seq_layouts(args, est)
     limits = "; ".join(f"{s} {_limit_line(est, s)}" for s in strategies)
     log(f"memo estimate: longest sequence of {args.model} on {args.gpus} GPUs, {len(layouts)} layout(s) x "
         f"{len(strategies)} strategies, method {args.method}, fit limits: {limits}")
@@ -402,87 +398,126 @@ def _run_max_seq(args: argparse.Namespace, est: Any, log: Any) -> dict[str, Any]
             f"memo estimate: no strategy fits even {args.granularity:,} tokens on {args.gpus} GPUs within "
             f"its fit limit ({limits}): the smallest need is {smallest}; use more GPUs or more "
             "--device-mem-gb")
-    out_rows = []
-    for r in results:
-        b = r["best"]
-        out_rows.append({
-            "strategy": r["strategy"],
-            "longest": b["longest"] if b else 0,
-            "layout": b["layout"].to_dict() if b else None,
-            "engine": b["layout"].engine if b else None,
-            "command": launch_command(est, b["layout"], b["longest"], r["strategy"]) if b else None,
-            "limit_bytes": est.limit_bytes(r["strategy"]), "limit_rule": est.limit_rule(r["strategy"]),
-            "capped_by_seq_cap": bool(b and b["capped_by_max_seq"]),
-            "estimate": b["estimate"].to_dict() if b and b["estimate"] else None,
-            "layouts": [{**x["layout"].to_dict(), "longest": x["longest"], "guess": x["guess"],
-                         "pruned": x["pruned"], "settled": bool(x.get("settled")),
-                         "first_failure": x["first_failure"],
-                         "total_gib_at_longest": None if x["estimate"] is None else
-                         round(x["estimate"].total_bytes / GiB, 4)} for x in r["layouts"]],
-        })
+    out_rows = [_max_seq_row(est, r) for r in results]
     if not args.json:
-        base = next((o["longest"] for o in out_rows if o["strategy"] == "full-recompute"), 0)
-        table = [("strategy", "longest seq", "tokens", "vs full recompute", "layout (TP CP PP DP sharding)",
-                  "GiB per GPU there", "fit limit GiB", "memo policy", "host GiB/node")]
-        for o in out_rows:
-            e = o["estimate"]
-            lay = o["layout"]
-            rule = {"limit_rule": o["limit_rule"], "fit_fraction": est.machine.fit_fraction}
-            table.append((
-                o["strategy"],
-                (tokens(o["longest"]) if o["longest"] else f"< {tokens(args.granularity)}")
-                + (" (cap)" if o["capped_by_seq_cap"] else ""),
-                f"{o['longest']:,}",
-                f"{o['longest'] / base:.2f}x" if base and o["longest"] else "-",
-                "-" if lay is None else _layout_cell(lay),
-                "-" if e is None else f"{e['total_gib']:,.2f}",
-                f"{_gib(o['limit_bytes'])} ({_limit_rule(rule)})",
-                "-" if e is None or e["policy"] is None else _policy_cell(e),
-                "-" if e is None or e["host_gib_per_node"] is None else f"{e['host_gib_per_node']:,.0f}",
-            ))
-        limit = (f"fit limit {_gib(est.fit_limit_bytes)} GiB for every strategy (--fit-limit-gib)"
-                 if est.fit_limit_bytes is not None else
-                 f"fit limit {est.machine.fit_fraction:.0%}: {_gib(est.machine.limit_bytes)} GiB; memo: its "
-                 "plan's budget")
-        print(f"\nLongest sequence per strategy, {args.model} on {args.gpus} GPUs of "
-              f"{args.device_mem_gb:g} GB ({limit}), host {args.host_mem_gb:g} GB per node of "
-              f"{args.gpus_per_node}, {args.bandwidth_gbps:g} GB/s; method {args.method}, model states "
-              f"{args.model_states}; to {tokens(args.granularity)}; only layouts memo train launches\n")
-        print(align(table))
-        if len(layouts) > 1:
-            head = ("layout (TP CP PP DP sharding)",) + tuple(o["strategy"] for o in out_rows)
-            grid = [head]
-            for lay in layouts:
-                cells = []
-                for o in out_rows:
-                    x = next(y for y in o["layouts"]
-                             if _layout_cell(y) == _layout_cell(lay.to_dict()))
-                    cells.append(f"{tokens(x['longest'])}, no longer" if x["settled"] else
-                                 tokens(x["longest"]) if x["longest"] else
-                                 "screened" if x["pruned"] and x["guess"] is None else
-                                 f"~{tokens(x['guess'])}*" if x["pruned"] else "-")
-                grid.append((_layout_cell(lay.to_dict()), *cells))
-            print("\nLongest sequence per layout (DP 1: NOTE [Longest sequence layouts])\n")
-            print(align(grid))
-            print("no longer: it fits that length, and not one granularity past the best layout's, so it "
-                  "was not searched further")
-            print("* not searched: the line through two lengths ends short of a length already confirmed"
-                  + ("" if args.method == "formula" else "; screened: the closed form's screen left it out "
-                     "(NOTE [Fast longest-sequence search])"))
-        # The notes of the longest row: the others say the same at other lengths.
-        top = max((o for o in out_rows if o["estimate"]), key=lambda o: o["longest"], default=None)
-        for n in top["estimate"]["notes"] if top else []:
-            print(f"note ({top['strategy']} at {tokens(top['longest'])}): {n}")
-        print()
-        for o in out_rows:
-            if o["command"]:
-                print(f"launch {o['strategy']} ({o['engine']}): {o['command']}")
+        _print_max_seq(args, est, out_rows, layouts)
     return {"version": 1, "kind": "memo.estimate.longest", "model": args.model, "gpus": args.gpus,
             "method": args.method, "model_states": args.model_states, "device_mem_gb": args.device_mem_gb,
             "fit_fraction": est.machine.fit_fraction, "fit_limit_bytes": est.fit_limit_bytes,
             "host_mem_gb": args.host_mem_gb,
             "gpus_per_node": args.gpus_per_node, "bandwidth_gbps": args.bandwidth_gbps,
             "granularity": args.granularity, "seq_cap": args.seq_cap, "strategies": out_rows}
+
+
+def _max_seq_layouts(args: argparse.Namespace, est: Estimator) -> list[Layout]:
+    """The layouts --max-seq searches: every valid one of DP 1 with --search, else the one given."""
+    from memo.estimate import valid_layouts
+
+    if not args.search:
+        layout = _layout(args)
+        layout.check(est.config, args.granularity)  # every length tried is a multiple of the granularity
+        return [layout]
+    layouts = valid_layouts(est.config, args.gpus, None, (args.micro_batch,), data_parallel_one=True,
+                            **_shardings(args))
+    layouts = [lay for lay in layouts if not lay.problems(est.config, args.granularity)]
+    if not layouts:
+        raise MemoError(f"memo estimate: no layout of {args.gpus} GPUs with DP 1 that memo train "
+                        f"launches is valid for {est.config.name} at a multiple of --granularity "
+                        f"{args.granularity:,}")
+    return layouts
+
+
+def _max_seq_row(est: Estimator, r: dict[str, Any]) -> dict[str, Any]:
+    """One strategy's longest sequence (a result of ``longest_sequences``) as its JSON row."""
+    from memo.estimate import launch_command
+
+    b = r["best"]
+    return {
+        "strategy": r["strategy"],
+        "longest": b["longest"] if b else 0,
+        "layout": b["layout"].to_dict() if b else None,
+        "engine": b["layout"].engine if b else None,
+        "command": launch_command(est, b["layout"], b["longest"], r["strategy"]) if b else None,
+        "limit_bytes": est.limit_bytes(r["strategy"]), "limit_rule": est.limit_rule(r["strategy"]),
+        "capped_by_seq_cap": bool(b and b["capped_by_max_seq"]),
+        "estimate": b["estimate"].to_dict() if b and b["estimate"] else None,
+        "layouts": [{**x["layout"].to_dict(), "longest": x["longest"], "guess": x["guess"],
+                     "pruned": x["pruned"], "settled": bool(x.get("settled")),
+                     "first_failure": x["first_failure"],
+                     "total_gib_at_longest": None if x["estimate"] is None else
+                     round(x["estimate"].total_bytes / GiB, 4)} for x in r["layouts"]],
+    }
+
+
+def _print_max_seq(args: argparse.Namespace, est: Estimator, out_rows: list[dict[str, Any]],
+                   layouts: list[Layout]) -> None:
+    """The --max-seq tables: per strategy, then per layout where there are several; notes, commands."""
+    from memo.estimate import align, tokens
+
+    base = next((o["longest"] for o in out_rows if o["strategy"] == "full-recompute"), 0)
+    table = [("strategy", "longest seq", "tokens", "vs full recompute", "layout (TP CP PP DP sharding)",
+              "GiB per GPU there", "fit limit GiB", "memo policy", "host GiB/node")]
+    for o in out_rows:
+        e = o["estimate"]
+        lay = o["layout"]
+        rule = {"limit_rule": o["limit_rule"], "fit_fraction": est.machine.fit_fraction}
+        table.append((
+            o["strategy"],
+            (tokens(o["longest"]) if o["longest"] else f"< {tokens(args.granularity)}")
+            + (" (cap)" if o["capped_by_seq_cap"] else ""),
+            f"{o['longest']:,}",
+            f"{o['longest'] / base:.2f}x" if base and o["longest"] else "-",
+            "-" if lay is None else _layout_cell(lay),
+            "-" if e is None else f"{e['total_gib']:,.2f}",
+            f"{_gib(o['limit_bytes'])} ({_limit_rule(rule)})",
+            "-" if e is None or e["policy"] is None else _policy_cell(e),
+            "-" if e is None or e["host_gib_per_node"] is None else f"{e['host_gib_per_node']:,.0f}",
+        ))
+    limit = (f"fit limit {_gib(est.fit_limit_bytes)} GiB for every strategy (--fit-limit-gib)"
+             if est.fit_limit_bytes is not None else
+             f"fit limit {est.machine.fit_fraction:.0%}: {_gib(est.machine.limit_bytes)} GiB; memo: its "
+             "plan's budget")
+    print(f"\nLongest sequence per strategy, {args.model} on {args.gpus} GPUs of "
+          f"{args.device_mem_gb:g} GB ({limit}), host {args.host_mem_gb:g} GB per node of "
+          f"{args.gpus_per_node}, {args.bandwidth_gbps:g} GB/s; method {args.method}, model states "
+          f"{args.model_states}; to {tokens(args.granularity)}; only layouts memo train launches\n")
+    print(align(table))
+    if len(layouts) > 1:
+        _print_layout_grid(args, out_rows, layouts)
+    # The notes of the longest row: the others say the same at other lengths.
+    top = max((o for o in out_rows if o["estimate"]), key=lambda o: o["longest"], default=None)
+    for n in top["estimate"]["notes"] if top else []:
+        print(f"note ({top['strategy']} at {tokens(top['longest'])}): {n}")
+    print()
+    for o in out_rows:
+        if o["command"]:
+            print(f"launch {o['strategy']} ({o['engine']}): {o['command']}")
+
+
+def _print_layout_grid(args: argparse.Namespace, out_rows: list[dict[str, Any]],
+                       layouts: list[Layout]) -> None:
+    """--max-seq --search: the longest sequence of every strategy on every layout."""
+    from memo.estimate import align, tokens
+
+    head = ("layout (TP CP PP DP sharding)",) + tuple(o["strategy"] for o in out_rows)
+    grid = [head]
+    for lay in layouts:
+        cells = []
+        for o in out_rows:
+            x = next(y for y in o["layouts"]
+                     if _layout_cell(y) == _layout_cell(lay.to_dict()))
+            cells.append(f"{tokens(x['longest'])}, no longer" if x["settled"] else
+                         tokens(x["longest"]) if x["longest"] else
+                         "screened" if x["pruned"] and x["guess"] is None else
+                         f"~{tokens(x['guess'])}*" if x["pruned"] else "-")
+        grid.append((_layout_cell(lay.to_dict()), *cells))
+    print("\nLongest sequence per layout (DP 1: NOTE [Longest sequence layouts])\n")
+    print(align(grid))
+    print("no longer: it fits that length, and not one granularity past the best layout's, so it "
+          "was not searched further")
+    print("* not searched: the line through two lengths ends short of a length already confirmed"
+          + ("" if args.method == "formula" else "; screened: the closed form's screen left it out "
+             "(NOTE [Fast longest-sequence search])"))
 
 
 def _policy_cell(e: dict[str, Any]) -> str:
@@ -492,7 +527,7 @@ def _policy_cell(e: dict[str, Any]) -> str:
     return cell + (f", {e['recomputed_layers']} recompute" if e.get("recomputed_layers") else "")
 
 
-def _smallest_need(est: Any, layouts: list[Any], strategies: tuple[str, ...], length: int) -> str:
+def _smallest_need(est: Estimator, layouts: list[Layout], strategies: tuple[str, ...], length: int) -> str:
     best = None
     for lay in layouts:
         for s in strategies:
@@ -511,7 +546,7 @@ def _smallest_need(est: Any, layouts: list[Any], strategies: tuple[str, ...], le
 # ---------------------------------------------------------------- --plot
 
 
-def _plot(args: argparse.Namespace, est: Any, out: dict[str, Any]) -> None:
+def _plot(args: argparse.Namespace, est: Estimator, out: dict[str, Any]) -> None:
     """Per strategy, the total at lengths around what was asked, on the layout asked (or, after a
     longest-sequence search, each strategy's best layout)."""
     from memo.estimate import Layout
@@ -544,7 +579,8 @@ def _plot(args: argparse.Namespace, est: Any, out: dict[str, Any]) -> None:
     plot_memory(series, int(args.device_mem_gb * 1e9), limit, title, args.plot)
 
 
-def _plot_lengths(top: int, granularity: int | None, pairs: list[tuple[str, Any]], est: Any) -> list[int]:
+def _plot_lengths(top: int, granularity: int | None, pairs: list[tuple[str, Layout]],
+                  est: Estimator) -> list[int]:
     """Eight lengths, doubling up to ``top`` (rounded up), each valid for every layout drawn."""
     from memo.token_split import token_multiple
 
