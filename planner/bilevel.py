@@ -1,4 +1,5 @@
-"""Planning a trace: flat (heuristic or MIP) and bi-level (layer blocks), and the one entry point.
+"""The bi-level plan of a trace: each layer pass's transients planned once as a block (level 1), the
+blocks and every other allocation placed in the iteration (level 2).
 
 NOTE [Bi-level plan]
 Level 1 plans the *transient* allocations of one ``layer.fwd`` and one
