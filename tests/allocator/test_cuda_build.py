@@ -65,6 +65,12 @@ def test_no_source_includes_another_cpp() -> None:
     assert "planned_allocator.cpp" in {os.path.basename(p) for p in core_sources()}
 
 
+def header_functions() -> set[str]:
+    """The functions csrc/core/allocator_api.h declares (each marked MEMO_API)."""
+    with open(os.path.join(ROOT, "csrc", "core", "allocator_api.h"), encoding="utf-8") as f:
+        return set(re.findall(r"^MEMO_API [^(]*?\b(memo_alloc_\w+)\(", f.read(), re.MULTILINE))
+
+
 def exported(path: str) -> set[str]:
     cmd = [NM or "nm", "-D", "--defined-only", path]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
@@ -106,6 +112,12 @@ def test_installed_library_exists_and_exports() -> None:
         pytest.skip("CPU-only torch: the CUDA library is built only with MEMO_BUILD_CUDA=1")
     assert os.path.exists(path), f"{path} missing: run `python setup.py build_ext --inplace`"
     assert set(EXPORTS) <= exported(path)
+
+
+def test_the_library_exports_the_whole_c_api(fresh_library: str) -> None:
+    """NOTE [One allocator C API]: every function csrc/core/allocator_api.h declares is in the library."""
+    assert header_functions() <= exported(fresh_library)
+    assert set(EXPORTS) == header_functions() | {"memo_malloc", "memo_free"}
 
 
 def test_current_sources_compile_and_link(fresh_library: str) -> None:
@@ -185,3 +197,15 @@ def test_cuda_tables_are_checked_by_the_core(tables: dict, peak: int, pattern: s
     assert str(on_cuda.value) == str(on_cpu.value)
     with pytest.raises(MemoError, match=pattern):
         cuda.load_plan(tables, peak)  # no device is touched: the check comes first
+
+
+@pytest.mark.usefixtures("cuda_library")
+def test_the_phase_reaches_every_cuda_device() -> None:
+    """NOTE [One allocator C API]: a phase set on one device allocator is the process's phase, as it is for
+    PyTorch's allocator; cuda:0 and cuda:1 are made without touching a device."""
+    library = backends._load_cuda_library()
+    first, second = library.device_allocator("cuda", 0), library.device_allocator("cuda", 1)
+    second.start_logging()
+    first.set_phase("layer.fwd[0]")
+    first.set_phase(None)
+    assert second.stop_logging() == ([], ["layer.fwd[0]"])
