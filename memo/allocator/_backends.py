@@ -18,13 +18,16 @@ import contextlib
 import os
 import threading
 from collections.abc import Iterator
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from memo import _C
 from memo.allocator._tables import PhaseTables
 from memo.errors import MemoError
+
+if TYPE_CHECKING:
+    from memo import _C
 
 __all__ = [
     "Backend",
@@ -38,11 +41,18 @@ __all__ = [
 ]
 
 
+def _binding() -> ModuleType:
+    """``memo._C.allocator``, imported on first use: importing memo.allocator needs no extension."""
+    from memo import _C
+
+    return _C.allocator
+
+
 @contextlib.contextmanager
 def _as_memo_error() -> Iterator[None]:
     try:
         yield
-    except _C.allocator.AllocatorError as exc:
+    except _binding().AllocatorError as exc:
         raise MemoError(str(exc)) from exc
 
 
@@ -131,15 +141,15 @@ class CpuBackend(Backend):
     device = torch.device("cpu")
 
     def __init__(self) -> None:
-        super().__init__(_C.allocator.library(), 0)
+        super().__init__(_binding().library(), 0)
 
     def activate(self) -> None:
         with _as_memo_error():
-            _C.allocator.install_cpu()
+            _binding().install_cpu()
 
     def deactivate(self) -> None:
         with _as_memo_error():
-            _C.allocator.uninstall_cpu()
+            _binding().uninstall_cpu()
 
 
 def cuda_library_path() -> str:
@@ -168,13 +178,13 @@ def _load_cuda_library() -> _C.allocator.Library:
         )
     torch_cuda = torch.version.cuda
     try:
-        lib = _C.allocator.load_library(path)
+        lib = _binding().load_library(path)
     except OSError as exc:  # typically: the CUDA runtime it links (libcudart.so.N) is not on the loader path
         raise MemoError(
             f"memo.allocator: cannot load the CUDA backend library {path} ({exc}); torch's CUDA is "
             f"{torch_cuda or 'none (CPU-only torch)'}. {_REBUILD}"
         ) from exc
-    except _C.allocator.AllocatorError as exc:  # a library from an older memo build: it lacks a function
+    except _binding().AllocatorError as exc:  # a library from an older memo build: it lacks a function
         raise MemoError(f"memo.allocator: the CUDA backend library {path} is not this memo's ({exc}). "
                         f"{_REBUILD}") from exc
     # The library and torch must share one CUDA runtime (streams, events and memory are per runtime).
