@@ -9,10 +9,11 @@ Builds three native pieces:
   ``csrc/planner/module.cpp``). Always built, with or without torch.
 * ``libmemo_core.a`` (in the build directory, not installed) -- the
   backend-neutral allocator core (plan lookup, arena, fallback allocator,
-  stream ordering, trace logging, stats): ``csrc/core/*.cpp`` but the
-  planner's ``dsa_*.cpp``. Plain C++17, no torch or CUDA headers; compiled
-  once, with the compiler the extensions use, and linked into both binaries
-  below (NOTE [The core is built once]).
+  stream ordering, trace logging, stats) and its C API
+  (``core/allocator_api.h``): ``csrc/core/*.cpp`` but the planner's
+  ``dsa_*.cpp``. Plain C++17, no torch or CUDA headers; compiled once, with
+  the compiler the extensions use, and linked into both binaries below (NOTE
+  [The core is built once]).
 * ``memo._C`` -- a torch C++ extension (pybind11, ninja) holding the CPU
   backend, the rounding buffers' copy worker and the bindings (every other C++
   source under ``csrc/``), linked with the core archive. Built when torch is
@@ -26,17 +27,21 @@ Builds three native pieces:
   that to check that the CUDA sources compile and link.
 
 NOTE [The core is built once]
-Both binaries reach the core through its C++ API (``core/*.h``): ``memo._C``
-through pybind, the CUDA library through its ``extern "C"`` functions. The core
-is one set of objects, archived and linked into each, never a ``.cpp`` that
-another file ``#include``s (tests/allocator/test_cuda_build.py checks). Each binary
-holds its own copy of the archive's code, which is why visibility matters:
+Both binaries reach the core through its C API (``core/allocator_api.h``, NOTE
+[One allocator C API]), each with its own backend behind it: ``memo._C`` the
+CPU backend, the CUDA library the CUDA backend; memo's one Python binding (in
+``memo._C``) calls the same functions in either. The core is one set of
+objects, archived and linked into each, never a ``.cpp`` that another file
+``#include``s (tests/allocator/test_cuda_build.py checks). Each binary holds
+its own copy of the archive's code, which is why visibility matters:
 
 All are compiled with hidden symbol visibility: the core's C++ symbols stay
 private to each binary (each extension exports its ``PyInit_*``, which
-``PYBIND11_MODULE`` marks visible; the CUDA library its C API, marked
-``MEMO_CUDA_API``), so the dynamic linker can never bind one binary's calls to
-the other's copy of the core, and the export tables stay small.
+``PYBIND11_MODULE`` marks visible). The CUDA library exports the C API
+(``MEMO_API``) and the two functions PyTorch loads (``MEMO_CUDA_API``);
+``memo._C`` links the archive with ``--exclude-libs`` and so exports none of
+it. The dynamic linker can thus never bind one binary's calls to the other's
+copy of the core, and the export tables stay small.
 
 Switches (one prefix, ``MEMO_``):
 
@@ -233,6 +238,8 @@ def _torch_extension() -> CppExtension:
         include_dirs=[os.path.join(ROOT, "csrc")],
         define_macros=defines,
         extra_compile_args=CORE_FLAGS,
+        # The core archive's C API stays private to memo._C (NOTE [The core is built once]).
+        extra_link_args=["-Wl,--exclude-libs,ALL"],
     )
 
 

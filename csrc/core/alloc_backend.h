@@ -24,8 +24,9 @@ using EventId = std::uintptr_t;
 constexpr StreamId kDefaultStream = 0;
 
 // Thrown for every user-facing allocator failure: bad tables, memory that
-// cannot be had. The message carries the numbers; pybind and the backends
-// turn it into a Python exception with the same text.
+// cannot be had. The message carries the numbers; the C API returns it as
+// its status and message (allocator_api.h), which the Python binding raises
+// and PyTorch's allocator hooks throw with the same text.
 class AllocatorError : public std::runtime_error {
  public:
   explicit AllocatorError(const std::string& what) : std::runtime_error(what) {}
@@ -50,6 +51,8 @@ class RawBackend {
   virtual const char* name() const = 0;
   // Why the last raw_alloc returned nullptr, when the backend knows (e.g. the CUDA error).
   virtual std::string last_failure() const { return {}; }
+  // The version of the runtime the backend allocates through (CUDA: cudaRuntimeGetVersion); 0 for none.
+  virtual int runtime_version() const { return 0; }
 
   // Stream ordering (NOTE [Stream-safe reuse]). The core calls these only
   // when memory last used on one stream goes to a request on another, so a

@@ -267,11 +267,6 @@ void PlannedAllocator::resume_phase() {
   suspended_ -= 1;
 }
 
-std::string PlannedAllocator::phase() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return phase_;
-}
-
 bool PlannedAllocator::overlaps(const Ranges& ranges, std::size_t begin, std::size_t end) {
   // Ranges are disjoint, so only the last range starting before `end` can overlap.
   auto it = ranges.lower_bound(end);
@@ -538,11 +533,6 @@ void PlannedAllocator::start_logging() {
   log_phase_names_.clear();
   log_phase_ids_.clear();
   current_phase_id_ = phase_id(phase_);
-}
-
-bool PlannedAllocator::logging() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return logging_;
 }
 
 std::vector<TraceEvent> PlannedAllocator::stop_logging(std::vector<std::string>* phase_names) {

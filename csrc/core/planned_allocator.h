@@ -131,11 +131,12 @@ using PhaseTables = std::unordered_map<std::string, std::vector<PlanSlot>>;
 // phase names non-empty and unique; sizes > 0; offsets >= 0 (or unplanned)
 // and multiples of kBlockAlignment; offset + size within the peak; sizes,
 // offsets and the peak below 2**62 (NOTE [Byte counts are bounded] in
-// memo/units.py). The bindings only convert (pybind: Python ints and None;
-// the CUDA C API: flat arrays, plan_from_arrays) and hand on the core's
-// AllocatorError, whose text names the entry and what to do; memo.allocator
-// raises it as a MemoError. The input is signed, so a negative size or
-// offset reaches the check instead of wrapping around to a huge one.
+// memo/units.py). The C API (allocator_api.h) takes them as flat arrays
+// (plan_from_arrays), the Python binding only converts Python ints and None
+// into those, and both hand on the core's AllocatorError, whose text names
+// the entry and what to do; memo.allocator raises it as a MemoError. The
+// input is signed, so a negative size or offset reaches the check instead of
+// wrapping around to a huge one.
 struct PlanEntry {
   std::int64_t size = 0;
   std::int64_t offset = 0;
@@ -202,15 +203,14 @@ struct AllocatorStats {
 
 // NOTE [Stat names]
 // The counters of AllocatorStats by name, in one table (kStatFields in
-// planned_allocator.cpp) that every binding reads: the pybind glue
-// (python/allocator_bindings.cpp) and the CUDA library's C API
-// (memo_cuda_stat_count / memo_cuda_stat_name / memo_cuda_stats) give the
-// names with the values, and the Python dicts are built from those names,
+// planned_allocator.cpp) that the C API gives with the values
+// (memo_alloc_stat_count / memo_alloc_stat_name / memo_alloc_stats), and the
+// Python dicts are built from those names (python/allocator_bindings.cpp),
 // never from a list kept in step by hand. "fallback.x" is field x of
 // AllocatorStats::fallback (the Python dict nests it under "fallback");
 // "segment_allocs" and "segment_releases" repeat the fallback's counters at
-// the top level. first_deviation is not a counter: the bindings report it
-// beside the table.
+// the top level. first_deviation is not a counter: the C API reports it
+// beside the table (memo_alloc_deviation).
 std::size_t stat_count();
 // The name of counter `i`; nullptr when i >= stat_count().
 const char* stat_name(std::size_t i);
@@ -242,7 +242,6 @@ class PlannedAllocator {
 
   // Opens phase `name` (request index 0); an empty name means "no phase".
   void set_phase(const std::string& name);
-  std::string phase() const;
   // NOTE [One-time allocations inside a phase] (memo/allocator/_api.py): while
   // suspended (calls nest), requests are outside every phase and the open
   // phase keeps its request index for when it resumes.
@@ -264,7 +263,6 @@ class PlannedAllocator {
   std::size_t empty_cache();
 
   void start_logging();
-  bool logging() const;
   // Stops logging and returns the events and the phase names they index.
   std::vector<TraceEvent> stop_logging(std::vector<std::string>* phase_names);
 

@@ -6,8 +6,9 @@
 // back the exact allocator object install found. Each DataPtr carries its own
 // deleter, so tensors made before the swap free through the old allocator
 // and tensors made while memo was installed free through memo's deleter,
-// also after uninstall; that is why the core is a process-lifetime object
-// that is never destroyed (its arena is released by NOTE [Arena lifetime]).
+// also after uninstall; that is why the allocator behind them is the C API's
+// CPU device allocator, a process-lifetime object that is never destroyed
+// (its arena is released by NOTE [Arena lifetime]).
 #include "cpu/cpu_allocator.h"
 
 #include <c10/core/Allocator.h>
@@ -16,7 +17,8 @@
 
 #include <mutex>
 
-#include "cpu/host_backend.h"
+#include "core/alloc_backend.h"
+#include "core/allocator_api.h"
 
 namespace memo::cpu {
 
@@ -24,21 +26,23 @@ namespace {
 
 constexpr std::uint8_t kMaxPriority = 255;
 
-void delete_planned(void* ptr) { cpu_planned_allocator().free(ptr); }
+// The allocator behind PyTorch's CPU allocations (NOTE [One allocator C API]).
+memo_alloc* cpu_device_allocator() {
+  static memo_alloc* alloc = memo_alloc_device(MEMO_BACKEND_CPU, 0);
+  TORCH_CHECK(alloc != nullptr, memo_alloc_last_error());
+  return alloc;
+}
+
+void delete_planned(void* ptr) { memo_alloc_free(cpu_device_allocator(), ptr); }
 
 class CpuPlannedAllocator final : public c10::Allocator {
  public:
   c10::DataPtr allocate(std::size_t n) override {
     const c10::Device device(c10::DeviceType::CPU);
-    if (n == 0) return {nullptr, nullptr, &delete_planned, device};
     void* p = nullptr;
-    try {
-      p = cpu_planned_allocator().allocate(n);
-    } catch (const core::OutOfMemory& e) {
-      C10_THROW_ERROR(OutOfMemoryError, e.what());
-    } catch (const core::AllocatorError& e) {
-      TORCH_CHECK(false, e.what());
-    }
+    const int status = memo_alloc_malloc(cpu_device_allocator(), n, core::kDefaultStream, &p);
+    if (status == MEMO_OUT_OF_MEMORY) C10_THROW_ERROR(OutOfMemoryError, memo_alloc_last_error());
+    TORCH_CHECK(status == MEMO_OK, memo_alloc_last_error());
     return {p, p, &delete_planned, device};
   }
   c10::DeleterFnPtr raw_deleter() const override { return &delete_planned; }
@@ -56,13 +60,6 @@ std::mutex install_mutex;
 c10::Allocator* previous = nullptr;
 
 }  // namespace
-
-core::PlannedAllocator& cpu_planned_allocator() {
-  // Leaked on purpose: deleters of tensors that outlive the extension's
-  // static destructors still reach it (NOTE [CPU allocator interception]).
-  static auto* alloc = new core::PlannedAllocator(&host_backend());
-  return *alloc;
-}
 
 void install_cpu_allocator() {
   std::lock_guard<std::mutex> lock(install_mutex);

@@ -1,13 +1,8 @@
 // The CPU backend: PyTorch's CPU tensor allocations go through memo's
-// planned allocator while it is installed.
+// planned allocator (the C API's CPU device allocator) while it is installed.
 #pragma once
 
-#include "core/planned_allocator.h"
-
 namespace memo::cpu {
-
-// The planned allocator behind PyTorch's CPU allocations (process lifetime).
-core::PlannedAllocator& cpu_planned_allocator();
 
 // Makes memo's allocator c10's CPU allocator; AllocatorError when already installed.
 void install_cpu_allocator();

@@ -1,4 +1,5 @@
-// Host memory backend for the core allocators (aligned malloc).
+// Host memory backend for the core allocators (aligned malloc): the CPU
+// backend kind of the C API (NOTE [One allocator C API] in core/allocator_api.h).
 #pragma once
 
 #include "core/alloc_backend.h"
@@ -12,8 +13,5 @@ class HostBackend final : public core::RawBackend {
   void fill(void* ptr, std::size_t bytes, unsigned char byte) override;
   const char* name() const override { return "cpu"; }
 };
-
-// Process-lifetime backend shared by every host-side allocator.
-HostBackend& host_backend();
 
 }  // namespace memo::cpu

@@ -1,12 +1,13 @@
 // The CUDA backend: memo's planned allocator as a standalone shared library
 // (memo/_lib/libmemo_cuda.so) that PyTorch loads through
-// torch.cuda.memory.CUDAPluggableAllocator(path, "memo_malloc", "memo_free"),
-// plus a small C API that memo.allocator calls through ctypes.
+// torch.cuda.memory.CUDAPluggableAllocator(path, "memo_malloc", "memo_free").
+// The library exports the allocator's C API (core/allocator_api.h) with this
+// file's backend behind its CUDA kind, and memo.allocator reaches it through
+// the same binding as the CPU backend (NOTE [One allocator C API]).
 //
 // The backend-neutral core is plain C++17, compiled once into an archive
 // that this library and the extension (memo._C) both link (NOTE [The core is
-// built once] in setup.py); this file reaches it through its headers, as the
-// pybind glue does, and shares no torch headers with the extension.
+// built once] in setup.py); it shares no torch headers with the extension.
 //
 // NOTE [CUDA streams and frees]
 // PyTorch's pluggable allocator hands memo_malloc the stream of the
@@ -44,8 +45,8 @@
 // NOTE [CUDA allocation failures]
 // PyTorch's CUDAPluggableAllocator::malloc does not check the returned
 // pointer: a nullptr would become a tensor over address 0. So on failure
-// memo_malloc records the message (memo_cuda_last_error()) and lets the C++
-// exception (a std::runtime_error) propagate: the function has C linkage but
+// memo_malloc throws the C API's message as a C++ exception (an
+// AllocatorError, a std::runtime_error): the function has C linkage but
 // is C++, called from libtorch's C++, which turns it into a Python
 // RuntimeError carrying our message (RMM's pluggable allocator does the
 // same). Zero-byte requests return nullptr, as the caching allocator does.
@@ -56,31 +57,26 @@
 //
 // Symbols: the library and the core archive are built with
 // -fvisibility=hidden (setup.py), so the core linked in stays private and only
-// the C API below, marked MEMO_CUDA_API, is exported.
+// the C API (MEMO_API) and the two functions below (MEMO_CUDA_API) are
+// exported.
 #include <cuda_runtime.h>
 
 #include <sys/types.h>
 
-#include <algorithm>
-#include <array>
 #include <cstdint>
-#include <cstdio>
-#include <cstring>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
 #include "core/alloc_backend.h"
-#include "core/planned_allocator.h"
+#include "core/allocator_api.h"
 
 #define MEMO_CUDA_API __attribute__((visibility("default")))
 
 namespace memo::cuda {
 
 namespace {
-
-constexpr int kMaxDevices = 64;
 
 thread_local cudaStream_t current_stream = nullptr;  // stream of the malloc/free in progress
 
@@ -133,6 +129,14 @@ class CudaBackend final : public core::RawBackend {
   std::string last_failure() const override {
     std::lock_guard<std::mutex> lock(failure_mutex_);
     return failure_;
+  }
+  int runtime_version() const override {
+    int version = 0;
+    if (cudaRuntimeGetVersion(&version) != cudaSuccess) {
+      cudaGetLastError();
+      return -1;
+    }
+    return version;
   }
 
   // NOTE [CUDA streams and frees]. The core calls these under its lock, so
@@ -188,48 +192,19 @@ class CudaBackend final : public core::RawBackend {
   std::string failure_;
 };
 
-struct DeviceState {
-  explicit DeviceState(int device) : backend(device), alloc(&backend) {}
-  CudaBackend backend;
-  core::PlannedAllocator alloc;
-};
-
-std::mutex states_mutex;
-std::array<DeviceState*, kMaxDevices> states{};  // process lifetime, never destroyed
-
-thread_local std::string last_error;
-
-DeviceState* state(int device) {
-  if (device < 0 || device >= kMaxDevices) {
-    last_error = "memo allocator (cuda): device index " + std::to_string(device) + " is out of range";
-    return nullptr;
-  }
-  std::lock_guard<std::mutex> lock(states_mutex);
-  if (states[device] == nullptr) states[device] = new DeviceState(device);
-  return states[device];
-}
-
-// Trace read out by memo_cuda_stop_logging / memo_cuda_read_log.
-std::mutex log_mutex;
-std::vector<core::TraceEvent> log_events;
-std::vector<std::string> log_names;
-
-template <typename F>
-int guarded(F&& f) {
-  try {
-    f();
-    return 0;
-  } catch (const std::exception& e) {
-    last_error = e.what();
-    return -1;
-  }
-}
-
 }  // namespace
 
 }  // namespace memo::cuda
 
-using memo::cuda::state;
+namespace memo::core {
+
+// libmemo_cuda.so holds the CUDA backend (NOTE [One allocator C API]).
+std::unique_ptr<RawBackend> make_backend(int kind, int device) {
+  if (kind != MEMO_BACKEND_CUDA) return nullptr;
+  return std::make_unique<cuda::CudaBackend>(device);
+}
+
+}  // namespace memo::core
 
 namespace memo::cuda {
 namespace {
@@ -261,200 +236,22 @@ extern "C" {
 
 MEMO_CUDA_API void* memo_malloc(ssize_t size, int device, cudaStream_t stream) {
   if (size <= 0) return nullptr;
-  try {  // NOTE [CUDA allocation failures]
-    memo::cuda::refuse_capture(stream, size, device);
-    auto* s = state(device);
-    if (s == nullptr) throw memo::core::AllocatorError(memo::cuda::last_error);
-    memo::cuda::current_stream = stream;
-    return s->alloc.allocate(static_cast<std::size_t>(size), reinterpret_cast<memo::core::StreamId>(stream));
-  } catch (const std::exception& e) {
-    memo::cuda::last_error = e.what();
-    throw;
-  }
+  memo::cuda::refuse_capture(stream, size, device);  // NOTE [CUDA allocation failures]: throws
+  memo_alloc* alloc = memo_alloc_device(MEMO_BACKEND_CUDA, device);
+  if (alloc == nullptr) throw memo::core::AllocatorError(memo_alloc_last_error());
+  memo::cuda::current_stream = stream;
+  void* p = nullptr;
+  if (memo_alloc_malloc(alloc, static_cast<uint64_t>(size), reinterpret_cast<uintptr_t>(stream), &p) != MEMO_OK)
+    throw memo::core::AllocatorError(memo_alloc_last_error());
+  return p;
 }
 
 // `stream` is the one the block was allocated on; the core kept it too.
 MEMO_CUDA_API void memo_free(void* ptr, ssize_t /*size*/, int device, cudaStream_t stream) {
-  auto* s = state(device);
-  if (s == nullptr) return;
+  memo_alloc* alloc = memo_alloc_device(MEMO_BACKEND_CUDA, device);
+  if (alloc == nullptr) return;
   memo::cuda::current_stream = stream;  // NOTE [CUDA streams and frees]: poisoning is queued on it
-  s->alloc.free(ptr);
-}
-
-// ---- the C API memo.allocator uses through ctypes (0 = ok, -1 = error, see last_error) ----
-
-MEMO_CUDA_API const char* memo_cuda_last_error() { return memo::cuda::last_error.c_str(); }
-
-// The CUDA runtime this library runs with (cudaRuntimeGetVersion: 1000 * major + 10 * minor),
-// for memo.allocator to check it against torch.version.cuda. -1 when the runtime cannot say.
-MEMO_CUDA_API int memo_cuda_runtime_version() {
-  int version = 0;
-  if (cudaRuntimeGetVersion(&version) != cudaSuccess) {
-    cudaGetLastError();
-    return -1;
-  }
-  return version;
-}
-
-// Phase i has counts[i] entries, one after another in sizes, offsets and planned (nonzero: planned at
-// that offset). The core checks them (NOTE [Plan tables are checked in the core]); -1 and its message
-// in memo_cuda_last_error() when they are wrong.
-MEMO_CUDA_API int memo_cuda_load_plan(int device, int n_phases, const char* const* names, const int64_t* counts,
-                                      const int64_t* sizes, const int64_t* offsets, const uint8_t* planned,
-                                      int64_t peak) {
-  auto* s = state(device);
-  if (s == nullptr) return -1;
-  return memo::cuda::guarded([&] {
-    s->alloc.load_plan(memo::core::plan_from_arrays(n_phases, names, counts, sizes, offsets, planned), peak);
-  });
-}
-
-// Checks tables (memo_cuda_load_plan's arguments) as loading them would, touching no device.
-MEMO_CUDA_API int memo_cuda_check_plan(int n_phases, const char* const* names, const int64_t* counts,
-                                       const int64_t* sizes, const int64_t* offsets, const uint8_t* planned,
-                                       int64_t peak) {
-  return memo::cuda::guarded([&] {
-    memo::core::check_plan(memo::core::plan_from_arrays(n_phases, names, counts, sizes, offsets, planned), peak);
-  });
-}
-
-MEMO_CUDA_API int memo_cuda_unload_plan(int device) {
-  auto* s = state(device);
-  if (s == nullptr) return -1;
-  return memo::cuda::guarded([&] { s->alloc.unload_plan(); });
-}
-
-// The phase is one for the whole process: every device that has state hears it.
-MEMO_CUDA_API void memo_cuda_set_phase(const char* name) {
-  const std::string phase = name == nullptr ? std::string() : std::string(name);
-  for (int d = 0; d < memo::cuda::kMaxDevices; ++d) {
-    memo::cuda::DeviceState* s;
-    {
-      std::lock_guard<std::mutex> lock(memo::cuda::states_mutex);
-      s = memo::cuda::states[d];
-    }
-    if (s != nullptr) s->alloc.set_phase(phase);
-  }
-}
-
-// NOTE [One-time allocations inside a phase]: suspend/resume nest, on every device.
-MEMO_CUDA_API void memo_cuda_suspend_phase(int suspend) {
-  for (int d = 0; d < memo::cuda::kMaxDevices; ++d) {
-    memo::cuda::DeviceState* s;
-    {
-      std::lock_guard<std::mutex> lock(memo::cuda::states_mutex);
-      s = memo::cuda::states[d];
-    }
-    if (s == nullptr) continue;
-    if (suspend != 0) {
-      s->alloc.suspend_phase();
-    } else {
-      memo::cuda::guarded([&] { s->alloc.resume_phase(); });
-    }
-  }
-}
-
-MEMO_CUDA_API int memo_cuda_set_poison(int device, int on) {
-  auto* s = state(device);
-  if (s == nullptr) return -1;
-  return memo::cuda::guarded([&] { s->alloc.set_poison(on != 0); });
-}
-
-MEMO_CUDA_API int memo_cuda_set_fallback_limit(int device, uint64_t bytes) {
-  auto* s = state(device);
-  if (s == nullptr) return -1;
-  return memo::cuda::guarded([&] { s->alloc.set_fallback_limit(bytes); });
-}
-
-MEMO_CUDA_API uint64_t memo_cuda_empty_cache(int device) {
-  auto* s = state(device);
-  return s == nullptr ? 0 : s->alloc.empty_cache();
-}
-
-MEMO_CUDA_API int memo_cuda_reset_stats(int device) {
-  auto* s = state(device);
-  if (s == nullptr) return -1;
-  return memo::cuda::guarded([&] { s->alloc.reset_stats(); });
-}
-
-// NOTE [Stat names] (core/planned_allocator.h): the counters' names, in the order memo_cuda_stats
-// writes their values; memo.allocator builds its stats dict from them.
-MEMO_CUDA_API int memo_cuda_stat_count() { return static_cast<int>(memo::core::stat_count()); }
-
-// The name of counter `i`; "" when i is out of range.
-MEMO_CUDA_API const char* memo_cuda_stat_name(int i) {
-  const char* name = i < 0 ? nullptr : memo::core::stat_name(static_cast<std::size_t>(i));
-  return name == nullptr ? "" : name;
-}
-
-// Writes up to `n` counters in memo_cuda_stat_name order; returns how many were written.
-MEMO_CUDA_API int memo_cuda_stats(int device, uint64_t* out, int n) {
-  auto* s = state(device);
-  if (s == nullptr) return -1;
-  if (n < 0) n = 0;
-  return static_cast<int>(memo::core::stat_values(s->alloc.stats(), out, static_cast<std::size_t>(n)));
-}
-
-// take != 0: the report-once deviation (for the warning); take == 0: the first deviation
-// from the stats. Returns 1 and fills the outputs when there is one, else 0.
-MEMO_CUDA_API int memo_cuda_deviation(int device, int take, char* phase, int phase_len, int64_t* index,
-                                      uint64_t* expected, uint64_t* actual, char* reason, int reason_len) {
-  auto* s = state(device);
-  if (s == nullptr) return 0;
-  memo::core::Deviation dev;
-  if (take != 0) {
-    if (!s->alloc.take_deviation_report(&dev)) return 0;
-  } else {
-    const memo::core::AllocatorStats st = s->alloc.stats();
-    if (!st.has_deviation) return 0;
-    dev = st.first_deviation;
-  }
-  std::snprintf(phase, static_cast<std::size_t>(phase_len), "%s", dev.phase.c_str());
-  std::snprintf(reason, static_cast<std::size_t>(reason_len), "%s", dev.reason.c_str());
-  *index = dev.index;
-  *expected = dev.expected;
-  *actual = dev.actual;
-  return 1;
-}
-
-MEMO_CUDA_API int memo_cuda_start_logging(int device) {
-  auto* s = state(device);
-  if (s == nullptr) return -1;
-  return memo::cuda::guarded([&] { s->alloc.start_logging(); });
-}
-
-// Stops logging and keeps the trace for memo_cuda_read_log; returns the number of events.
-MEMO_CUDA_API int64_t memo_cuda_stop_logging(int device) {
-  auto* s = state(device);
-  if (s == nullptr) return -1;
-  std::lock_guard<std::mutex> lock(memo::cuda::log_mutex);
-  memo::cuda::log_events = s->alloc.stop_logging(&memo::cuda::log_names);
-  return static_cast<int64_t>(memo::cuda::log_events.size());
-}
-
-MEMO_CUDA_API int64_t memo_cuda_read_log(uint8_t* is_malloc, uint64_t* ids, uint64_t* sizes, int32_t* phases,
-                                         int64_t n) {
-  std::lock_guard<std::mutex> lock(memo::cuda::log_mutex);
-  const int64_t count = std::min<int64_t>(n, static_cast<int64_t>(memo::cuda::log_events.size()));
-  for (int64_t i = 0; i < count; ++i) {
-    const auto& e = memo::cuda::log_events[static_cast<std::size_t>(i)];
-    is_malloc[i] = e.is_malloc ? 1 : 0;
-    ids[i] = e.id;
-    sizes[i] = e.size;
-    phases[i] = e.phase;
-  }
-  return count;
-}
-
-MEMO_CUDA_API int memo_cuda_log_phase_count() {
-  std::lock_guard<std::mutex> lock(memo::cuda::log_mutex);
-  return static_cast<int>(memo::cuda::log_names.size());
-}
-
-MEMO_CUDA_API const char* memo_cuda_log_phase_name(int i) {
-  std::lock_guard<std::mutex> lock(memo::cuda::log_mutex);
-  if (i < 0 || i >= static_cast<int>(memo::cuda::log_names.size())) return "";
-  return memo::cuda::log_names[static_cast<std::size_t>(i)].c_str();
+  memo_alloc_free(alloc, ptr);
 }
 
 }  // extern "C"

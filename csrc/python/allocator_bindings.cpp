@@ -1,6 +1,12 @@
-// pybind11 glue for the planned allocator: validates Python inputs and
-// converts stats and traces. Only pybind11 headers (not torch/extension.h),
-// to keep this translation unit cheap to compile.
+// The Python binding of memo's planned allocator: one binding over the C API
+// (NOTE [One allocator C API] in core/allocator_api.h). A Library is one
+// implementation of that API: this binary's (the CPU backend) or the CUDA
+// library's, whose functions are looked up by name (dlsym) into the same
+// table, typed by the C header, so the two cannot drift apart. The glue only
+// converts Python values (plan tables, stats, traces) and raises the C API's
+// errors. Only pybind11 headers (not torch/extension.h), to keep this
+// translation unit cheap to compile.
+#include <dlfcn.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -14,6 +20,8 @@
 #include <utility>
 #include <vector>
 
+#include "core/alloc_backend.h"
+#include "core/allocator_api.h"
 #include "core/planned_allocator.h"
 #include "cpu/cpu_allocator.h"
 #include "cpu/host_backend.h"
@@ -25,7 +33,90 @@ namespace memo::python {
 
 namespace {
 
-using core::PlannedAllocator;
+// The C API's functions as one binary implements them.
+struct Api {
+#define MEMO_API_FIELD(fn) decltype(&::fn) fn = nullptr;
+  MEMO_ALLOC_API_FUNCTIONS(MEMO_API_FIELD)
+#undef MEMO_API_FIELD
+};
+
+struct Library {
+  std::string path;  // empty for this binary
+  Api api;
+
+  // Raises the C API's error (AllocatorError or OutOfMemory, with its message) unless `status` is MEMO_OK.
+  void check(int status) const {
+    if (status == MEMO_OK) return;
+    const std::string message = api.memo_alloc_last_error();
+    if (status == MEMO_OUT_OF_MEMORY) throw core::OutOfMemory(message);
+    throw core::AllocatorError(message);
+  }
+  memo_alloc* checked(memo_alloc* handle) const {
+    if (handle == nullptr) throw core::AllocatorError(api.memo_alloc_last_error());
+    return handle;
+  }
+};
+
+// This binary's C API: the CPU backend.
+std::shared_ptr<Library> this_library() {
+  static const std::shared_ptr<Library> lib = [] {
+    auto l = std::make_shared<Library>();
+#define MEMO_API_LOCAL(fn) l->api.fn = &::fn;
+    MEMO_ALLOC_API_FUNCTIONS(MEMO_API_LOCAL)
+#undef MEMO_API_LOCAL
+    return l;
+  }();
+  return lib;
+}
+
+// The C API of the library at `path` (the CUDA backend). RTLD_LOCAL keeps its symbols out of the global
+// scope; CUDAPluggableAllocator opens the same file and so reaches the same allocators. Never closed:
+// tensors over its memory may outlive every reference to it.
+std::shared_ptr<Library> load_library(const std::string& path) {
+  void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (handle == nullptr) {
+    PyErr_SetString(PyExc_OSError, dlerror());
+    throw py::error_already_set();
+  }
+  auto lib = std::make_shared<Library>();
+  lib->path = path;
+#define MEMO_API_LOOKUP(fn)                                                                          \
+  lib->api.fn = reinterpret_cast<decltype(&::fn)>(dlsym(handle, #fn));                              \
+  if (lib->api.fn == nullptr)                                                                        \
+    throw core::AllocatorError("memo allocator: the library " + path + " lacks " #fn ": it is from " \
+                               "another memo build");
+  MEMO_ALLOC_API_FUNCTIONS(MEMO_API_LOOKUP)
+#undef MEMO_API_LOOKUP
+  return lib;
+}
+
+int backend_kind(const std::string& device_type) {
+  if (device_type == "cpu") return MEMO_BACKEND_CPU;
+  if (device_type == "cuda") return MEMO_BACKEND_CUDA;
+  throw core::AllocatorError("memo allocator: no backend for device type '" + device_type +
+                             "'; use 'cpu' or 'cuda'");
+}
+
+// One allocator of the C API; destroys it when it made it (a standalone allocator), never a device one.
+class Allocator {
+ public:
+  Allocator(std::shared_ptr<const Library> lib, memo_alloc* handle, bool owned)
+      : lib_(std::move(lib)), handle_(handle), owned_(owned) {}
+  virtual ~Allocator() {
+    if (owned_) lib_->api.memo_alloc_destroy(handle_);
+  }
+  Allocator(const Allocator&) = delete;
+  Allocator& operator=(const Allocator&) = delete;
+
+  const Api& api() const { return lib_->api; }
+  memo_alloc* handle() const { return handle_; }
+  void check(int status) const { lib_->check(status); }
+
+ private:
+  std::shared_ptr<const Library> lib_;
+  memo_alloc* handle_;
+  bool owned_;
+};
 
 // The value of a Python int, or nullopt when it is not an int or does not fit 64 bits (pybind's
 // cast would throw an opaque "Unable to cast" RuntimeError).
@@ -37,17 +128,24 @@ std::optional<long long> int64_of(const py::handle& value) {
   return v;
 }
 
-// Converts only: Python ints (64-bit) and None into the core's input; the core checks the values
-// (NOTE [Plan tables are checked in the core]).
-core::PlanInput tables_from_python(const py::dict& tables) {
-  core::PlanInput out;
+// Plan tables in the C API's flat shape. Converts only: Python ints (64-bit) and None; the core checks
+// the values (NOTE [Plan tables are checked in the core]).
+struct FlatPlan {
+  std::vector<std::string> names;
+  std::vector<const char*> name_ptrs;
+  std::vector<std::int64_t> counts, sizes, offsets;
+  std::vector<std::uint8_t> planned;
+  std::int64_t peak = 0;
+};
+
+FlatPlan flat_plan(const py::dict& tables, const py::object& peak) {
+  FlatPlan out;
   for (auto item : tables) {
     if (!py::isinstance<py::str>(item.first))
       throw core::AllocatorError("memo allocator: phase table keys must be phase names (str), got " +
                                  std::string(py::str(py::type::of(item.first))));
-    core::PlanTableInput table;
-    table.phase = item.first.cast<std::string>();
-    const std::string& name = table.phase;
+    const std::string name = item.first.cast<std::string>();
+    std::int64_t count = 0;
     for (auto entry : py::iter(item.second)) {
       auto pair = py::reinterpret_borrow<py::object>(entry);
       py::sequence seq;
@@ -60,38 +158,37 @@ core::PlanInput tables_from_python(const py::dict& tables) {
       if (py::len(seq) != 2)
         throw core::AllocatorError("memo allocator: table " + name +
                                    " must list (size, offset-or-None) pairs, got " + std::string(py::repr(pair)));
-      core::PlanEntry e;
       py::object size = seq[0], offset = seq[1];
       const auto size_value = int64_of(size);
       if (!size_value)
-        throw core::AllocatorError("memo allocator: table " + name + " entry " + std::to_string(table.entries.size()) +
+        throw core::AllocatorError("memo allocator: table " + name + " entry " + std::to_string(count) +
                                    ": size must be a positive int up to 2**62, got " + std::string(py::repr(size)));
-      e.size = *size_value;
+      std::int64_t offset_value = 0;
       if (!offset.is_none()) {
-        const auto offset_value = int64_of(offset);
-        if (!offset_value)
-          throw core::AllocatorError("memo allocator: table " + name + " entry " +
-                                     std::to_string(table.entries.size()) +
+        const auto value = int64_of(offset);
+        if (!value)
+          throw core::AllocatorError("memo allocator: table " + name + " entry " + std::to_string(count) +
                                      ": offset must be an int >= 0 or None, got " + std::string(py::repr(offset)));
-        e.offset = *offset_value;
-        e.planned = true;
+        offset_value = *value;
       }
-      table.entries.push_back(e);
+      out.sizes.push_back(*size_value);
+      out.offsets.push_back(offset_value);
+      out.planned.push_back(offset.is_none() ? 0 : 1);
+      ++count;
     }
-    out.push_back(std::move(table));
+    out.names.push_back(name);
+    out.counts.push_back(count);
   }
+  for (const std::string& name : out.names) out.name_ptrs.push_back(name.c_str());
+  const auto peak_value = int64_of(peak);
+  if (!peak_value)
+    throw core::AllocatorError("memo allocator: plan peak must be an int >= 0 and below 2**62 (bytes), got " +
+                               std::string(py::repr(peak)));
+  out.peak = *peak_value;
   return out;
 }
 
-std::int64_t peak_from_python(const py::object& peak) {
-  const auto value = int64_of(peak);
-  if (!value)
-    throw core::AllocatorError("memo allocator: plan peak must be an int >= 0 and below 2**62 (bytes), got " +
-                               std::string(py::repr(peak)));
-  return *value;
-}
-
-py::object deviation_obj(const core::Deviation& dev) {
+py::object deviation_obj(const memo_deviation& dev) {
   py::dict d;
   d["phase"] = dev.phase;
   d["index"] = dev.index;
@@ -101,19 +198,28 @@ py::object deviation_obj(const core::Deviation& dev) {
   return std::move(d);
 }
 
-std::vector<std::string> stat_names() {
+py::object deviation(const Allocator& a, bool take) {
+  memo_deviation dev{};
+  if (a.api().memo_alloc_deviation(a.handle(), take ? 1 : 0, &dev) == 0) return py::none();
+  return deviation_obj(dev);
+}
+
+std::vector<std::string> stat_names(const Api& api) {
   std::vector<std::string> names;
-  for (std::size_t i = 0; i < core::stat_count(); ++i) names.emplace_back(core::stat_name(i));
+  for (int i = 0; i < api.memo_alloc_stat_count(); ++i) names.emplace_back(api.memo_alloc_stat_name(i));
   return names;
 }
 
 // The counters under the core's own names (NOTE [Stat names]): "fallback.x" nests as d["fallback"]["x"].
-py::dict stats_dict(const core::AllocatorStats& s) {
-  std::vector<std::uint64_t> values(core::stat_count());
-  core::stat_values(s, values.data(), values.size());
+py::dict stats_dict(const Allocator& a) {
+  const std::vector<std::string> names = stat_names(a.api());
+  std::vector<std::uint64_t> values(names.size());
+  const int n = static_cast<int>(values.size());
+  if (a.api().memo_alloc_stats(a.handle(), values.data(), n) != n)
+    throw core::AllocatorError("memo allocator: the library wrote fewer counters than it names");
   py::dict d;
   for (std::size_t i = 0; i < values.size(); ++i) {
-    const std::string name = core::stat_name(i);
+    const std::string& name = names[i];
     const std::size_t dot = name.find('.');
     if (dot == std::string::npos) {
       d[py::str(name)] = values[i];
@@ -124,21 +230,31 @@ py::dict stats_dict(const core::AllocatorStats& s) {
     py::dict sub = d[group];
     sub[py::str(name.substr(dot + 1))] = values[i];
   }
-  d["first_deviation"] = s.has_deviation ? deviation_obj(s.first_deviation) : py::none();
+  d["first_deviation"] = deviation(a, false);
   return d;
 }
 
 // (events as (is_malloc, id, size, phase_index) tuples, phase names)
-py::tuple stop_logging(PlannedAllocator& a) {
-  std::vector<std::string> names;
-  std::vector<core::TraceEvent> events;
+py::tuple stop_logging(const Allocator& a) {
+  const Api& api = a.api();
+  std::int64_t n = 0;
   {
     py::gil_scoped_release release;
-    events = a.stop_logging(&names);
+    n = api.memo_alloc_stop_logging(a.handle());
   }
-  py::list out;
-  for (const auto& e : events) out.append(py::make_tuple(e.is_malloc, e.id, e.size, e.phase));
-  return py::make_tuple(out, names);
+  if (n < 0) a.check(MEMO_ERROR);
+  const auto count = static_cast<std::size_t>(n);
+  std::vector<std::uint8_t> is_malloc(count);
+  std::vector<std::uint64_t> ids(count), sizes(count);
+  std::vector<std::int32_t> phases(count);
+  api.memo_alloc_read_log(a.handle(), is_malloc.data(), ids.data(), sizes.data(), phases.data(), n);
+  py::list events;
+  for (std::size_t i = 0; i < count; ++i)
+    events.append(py::make_tuple(is_malloc[i] != 0, ids[i], sizes[i], phases[i]));
+  std::vector<std::string> names;
+  for (int i = 0; i < api.memo_alloc_log_phase_count(a.handle()); ++i)
+    names.emplace_back(api.memo_alloc_log_phase_name(a.handle(), i));
+  return py::make_tuple(events, names);
 }
 
 // A RawBackend with fake streams for testing NOTE [Stream-safe reuse]
@@ -152,11 +268,9 @@ class FakeStreamBackend final : public core::RawBackend {
  public:
   using Call = std::tuple<std::string, std::uint64_t, std::uint64_t>;
 
-  void* raw_alloc(std::size_t bytes) override { return cpu::host_backend().raw_alloc(bytes); }
-  void raw_free(void* ptr, std::size_t bytes) override { cpu::host_backend().raw_free(ptr, bytes); }
-  void fill(void* ptr, std::size_t bytes, unsigned char byte) override {
-    cpu::host_backend().fill(ptr, bytes, byte);
-  }
+  void* raw_alloc(std::size_t bytes) override { return host_.raw_alloc(bytes); }
+  void raw_free(void* ptr, std::size_t bytes) override { host_.raw_free(ptr, bytes); }
+  void fill(void* ptr, std::size_t bytes, unsigned char byte) override { host_.fill(ptr, bytes, byte); }
   const char* name() const override { return "fake-streams"; }
 
   core::EventId record_event(core::StreamId stream) override {
@@ -204,63 +318,181 @@ class FakeStreamBackend final : public core::RawBackend {
     return it->second;
   }
 
+  cpu::HostBackend host_;
   core::EventId next_event_ = 1;  // 0 means "no event" to the core
   std::map<core::EventId, Event> events_;
   std::vector<Call> calls_;
 };
 
-// A PlannedAllocator over FakeStreamBackend (declared first: it outlives the allocator).
-struct StreamTestHarness {
+// A standalone allocator over FakeStreamBackend, made through the C API (core::create_allocator).
+class StreamTestHarness final : public Allocator {
+ public:
   StreamTestHarness(std::size_t min_segment, std::size_t fallback_limit)
-      : alloc(&backend, min_segment, fallback_limit) {}
-  FakeStreamBackend backend;
-  PlannedAllocator alloc;
+      : StreamTestHarness(new FakeStreamBackend, min_segment, fallback_limit) {}
+
+  FakeStreamBackend& backend() const { return *backend_; }
+
+ private:
+  // The allocator owns `backend` from here on.
+  StreamTestHarness(FakeStreamBackend* backend, std::size_t min_segment, std::size_t fallback_limit)
+      : Allocator(this_library(),
+                  core::create_allocator(std::unique_ptr<core::RawBackend>(backend), min_segment, fallback_limit),
+                  true),
+        backend_(backend) {}
+  FakeStreamBackend* backend_;
 };
 
-void bind_stream_test_harness(py::module_& sub) {
-  py::class_<StreamTestHarness>(
+void bind_library(py::module_& sub) {
+  py::class_<Library, std::shared_ptr<Library>>(
+      sub, "Library",
+      "One implementation of the allocator's C API: library() (this module: the CPU backend) or "
+      "load_library(path) (the CUDA backend library).")
+      .def_readonly("path", &Library::path, "The library's file; '' for this module.")
+      .def(
+          "device_allocator",
+          [](const std::shared_ptr<Library>& lib, const std::string& device_type, int index) {
+            memo_alloc* handle = lib->checked(lib->api.memo_alloc_device(backend_kind(device_type), index));
+            return std::make_unique<Allocator>(lib, handle, false);
+          },
+          py::arg("device_type"), py::arg("index"),
+          "The process-lifetime allocator PyTorch allocates `device_type` tensors of device `index` through.")
+      .def(
+          "check_plan",
+          [](const Library& lib, const py::dict& tables, const py::object& peak) {
+            FlatPlan p = flat_plan(tables, peak);
+            lib.check(lib.api.memo_alloc_check_plan(static_cast<int>(p.names.size()), p.name_ptrs.data(),
+                                                    p.counts.data(), p.sizes.data(), p.offsets.data(),
+                                                    p.planned.data(), p.peak));
+          },
+          py::arg("tables"), py::arg("peak"),
+          "Check plan tables and their peak as load_plan does, loading nothing: AllocatorError naming the bad "
+          "entry (NOTE [Plan tables are checked in the core]).")
+      .def("stat_names", [](const Library& lib) { return stat_names(lib.api); },
+           "The names of the counters stats() reports, in the core's order (NOTE [Stat names]); "
+           "'fallback.x' is stats()['fallback']['x'].")
+      .def(
+          "runtime_version",
+          [](const Library& lib, const std::string& device_type) {
+            return lib.api.memo_alloc_runtime_version(backend_kind(device_type));
+          },
+          py::arg("device_type"),
+          "The runtime version behind the backend (CUDA: 1000 * major + 10 * minor; CPU: 0); -1 when this "
+          "library lacks it or the runtime cannot say.");
+  sub.def("library", &this_library,
+          "This module's implementation of the C API (the CPU backend).");
+  sub.def(
+      "load_library", &load_library,
+      py::arg("path"), "The C API of the library at `path` (OSError when it cannot be loaded).");
+}
+
+void bind_allocator_class(py::module_& sub) {
+  py::class_<Allocator>(sub, "PlannedAllocator",
+                        "Arena + fallback caching allocator, reached through the C API. A standalone instance "
+                        "over host memory (PlannedAllocator(min_segment, fallback_limit)) is for tests; "
+                        "Library.device_allocator(...) gives the ones behind PyTorch's tensors.")
+      .def(py::init([](std::size_t min_segment, std::size_t fallback_limit) {
+             const auto& lib = this_library();
+             memo_alloc* handle = lib->checked(lib->api.memo_alloc_create(MEMO_BACKEND_CPU, 0, min_segment,
+                                                                         fallback_limit));
+             return std::make_unique<Allocator>(lib, handle, true);
+           }),
+           py::arg("min_segment") = core::PlannedAllocator::kDefaultMinSegment, py::arg("fallback_limit") = 0)
+      .def(
+          "load_plan",
+          [](const Allocator& a, const py::dict& tables, const py::object& peak) {
+            FlatPlan p = flat_plan(tables, peak);
+            a.check(a.api().memo_alloc_load_plan(a.handle(), static_cast<int>(p.names.size()), p.name_ptrs.data(),
+                                                 p.counts.data(), p.sizes.data(), p.offsets.data(),
+                                                 p.planned.data(), p.peak));
+          },
+          py::arg("tables"), py::arg("peak"))
+      .def("unload_plan", [](const Allocator& a) { a.check(a.api().memo_alloc_unload_plan(a.handle())); })
+      .def("has_plan", [](const Allocator& a) { return a.api().memo_alloc_has_plan(a.handle()) != 0; })
+      .def(
+          "set_phase",
+          [](const Allocator& a, const std::optional<std::string>& name) {
+            a.check(a.api().memo_alloc_set_phase(a.handle(), name ? name->c_str() : nullptr));
+          },
+          py::arg("name"))
+      .def("suspend_phase", [](const Allocator& a) { a.check(a.api().memo_alloc_suspend_phase(a.handle())); })
+      .def("resume_phase", [](const Allocator& a) { a.check(a.api().memo_alloc_resume_phase(a.handle())); })
+      .def(
+          "malloc",
+          [](const Allocator& a, std::size_t n) {
+            if (n == 0) throw core::AllocatorError("memo allocator: malloc of 0 bytes");
+            void* p = nullptr;
+            a.check(a.api().memo_alloc_malloc(a.handle(), n, core::kDefaultStream, &p));
+            return reinterpret_cast<std::uintptr_t>(p);
+          },
+          py::arg("size"))
+      .def(
+          "free",
+          [](const Allocator& a, std::uintptr_t p) { a.api().memo_alloc_free(a.handle(), reinterpret_cast<void*>(p)); },
+          py::arg("ptr"))
+      .def(
+          "owns",
+          [](const Allocator& a, std::uintptr_t p) {
+            return a.api().memo_alloc_owns(a.handle(), reinterpret_cast<void*>(p)) != 0;
+          },
+          py::arg("ptr"))
+      .def(
+          "arena_extent",
+          [](const Allocator& a) {
+            std::uintptr_t base = 0;
+            std::uint64_t bytes = 0;
+            a.check(a.api().memo_alloc_arena_extent(a.handle(), &base, &bytes));
+            return std::make_pair(base, bytes);
+          },
+          "(base address, bytes) of the current arena; (0, 0) without one (tests, diagnostics).")
+      .def(
+          "set_poison", [](const Allocator& a, bool on) { a.check(a.api().memo_alloc_set_poison(a.handle(), on)); },
+          py::arg("on"))
+      .def(
+          "set_fallback_limit",
+          [](const Allocator& a, std::uint64_t bytes) {
+            a.check(a.api().memo_alloc_set_fallback_limit(a.handle(), bytes));
+          },
+          py::arg("bytes"))
+      .def(
+          "set_min_segment",
+          [](const Allocator& a, std::uint64_t bytes) {
+            a.check(a.api().memo_alloc_set_min_segment(a.handle(), bytes));
+          },
+          py::arg("bytes"))
+      .def("empty_cache", [](const Allocator& a) { return a.api().memo_alloc_empty_cache(a.handle()); })
+      .def("start_logging", [](const Allocator& a) { a.check(a.api().memo_alloc_start_logging(a.handle())); })
+      .def("stop_logging", &stop_logging)
+      .def("stats", &stats_dict)
+      .def("reset_stats", [](const Allocator& a) { a.check(a.api().memo_alloc_reset_stats(a.handle())); })
+      .def("take_deviation_report", [](const Allocator& a) { return deviation(a, true); });
+
+  py::class_<StreamTestHarness, Allocator>(
       sub, "StreamTestHarness",
       "Test harness for NOTE [Stream-safe reuse]: a PlannedAllocator over host memory whose backend has "
       "fake streams (any int; 0 is the default stream) and logs every stream hook the core calls. "
       "take_calls() returns them as (call, a, b) tuples: ('record_event', stream, event), "
       "('stream_wait_event', stream, event), ('event_done', event, 0|1), ('destroy_event', event, stream).")
-      .def(py::init<std::size_t, std::size_t>(), py::arg("min_segment") = PlannedAllocator::kDefaultMinSegment,
+      .def(py::init<std::size_t, std::size_t>(), py::arg("min_segment") = core::PlannedAllocator::kDefaultMinSegment,
            py::arg("fallback_limit") = 0)
       .def(
-          "load_plan",
-          [](StreamTestHarness& h, const py::dict& tables, const py::object& peak) {
-            h.alloc.load_plan(tables_from_python(tables), peak_from_python(peak));
-          },
-          py::arg("tables"), py::arg("peak"))
-      .def(
-          "set_phase",
-          [](StreamTestHarness& h, const std::optional<std::string>& name) {
-            h.alloc.set_phase(name.value_or(""));
-          },
-          py::arg("name"))
-      .def(
           "allocate",
-          [](StreamTestHarness& h, std::size_t n, core::StreamId stream) {
+          [](const StreamTestHarness& h, std::size_t n, core::StreamId stream) {
             if (n == 0) throw core::AllocatorError("memo allocator: malloc of 0 bytes");
-            return reinterpret_cast<std::uintptr_t>(h.alloc.allocate(n, stream));
+            void* p = nullptr;
+            h.check(h.api().memo_alloc_malloc(h.handle(), n, stream, &p));
+            return reinterpret_cast<std::uintptr_t>(p);
           },
           py::arg("size"), py::arg("stream"), "Allocate `size` bytes for use on fake stream `stream`.")
       .def(
-          "free", [](StreamTestHarness& h, std::uintptr_t p) { h.alloc.free(reinterpret_cast<void*>(p)); },
-          py::arg("ptr"))
-      .def(
-          "complete", [](StreamTestHarness& h, core::StreamId stream) { h.backend.complete(stream); },
+          "complete", [](const StreamTestHarness& h, core::StreamId stream) { h.backend().complete(stream); },
           py::arg("stream"), "Mark the events recorded so far on `stream` complete.")
-      .def("take_calls", [](StreamTestHarness& h) { return h.backend.take_calls(); })
-      .def("live_events", [](const StreamTestHarness& h) { return h.backend.live_events(); },
-           "Events recorded and not yet destroyed.")
-      .def("arena_extent", [](const StreamTestHarness& h) { return h.alloc.arena_extent(); },
-           "(base address, bytes) of the current arena; (0, 0) without one.")
-      .def("stats", [](const StreamTestHarness& h) { return stats_dict(h.alloc.stats()); });
+      .def("take_calls", [](const StreamTestHarness& h) { return h.backend().take_calls(); })
+      .def("live_events", [](const StreamTestHarness& h) { return h.backend().live_events(); },
+           "Events recorded and not yet destroyed.");
 }
 
 void bind_allocator(py::module_& m) {
-  py::module_ sub = m.def_submodule("allocator", "memo's planned allocator (core + CPU backend)");
+  py::module_ sub = m.def_submodule("allocator", "memo's planned allocator: one binding over its C API");
   static py::exception<core::AllocatorError> error(sub, "AllocatorError", PyExc_RuntimeError);
   static py::exception<core::OutOfMemory> oom(sub, "OutOfMemory", error.ptr());
   py::register_exception_translator([](std::exception_ptr p) {
@@ -272,83 +504,12 @@ void bind_allocator(py::module_& m) {
       PyErr_SetString(error.ptr(), e.what());
     }
   });
-
-  py::class_<PlannedAllocator>(sub, "PlannedAllocator",
-                               "Arena + fallback caching allocator. A standalone instance over host memory "
-                               "(PlannedAllocator(min_segment, fallback_limit)) is for tests; cpu_allocator() "
-                               "is the one behind PyTorch's CPU tensors while installed.")
-      .def(py::init([](std::size_t min_segment, std::size_t fallback_limit) {
-             return std::make_unique<PlannedAllocator>(&cpu::host_backend(), min_segment, fallback_limit);
-           }),
-           py::arg("min_segment") = PlannedAllocator::kDefaultMinSegment, py::arg("fallback_limit") = 0)
-      .def(
-          "load_plan",
-          [](PlannedAllocator& a, const py::dict& tables, const py::object& peak) {
-            a.load_plan(tables_from_python(tables), peak_from_python(peak));
-          },
-          py::arg("tables"), py::arg("peak"))
-      .def("unload_plan", &PlannedAllocator::unload_plan)
-      .def("has_plan", &PlannedAllocator::has_plan)
-      .def(
-          "set_phase",
-          [](PlannedAllocator& a, const std::optional<std::string>& name) { a.set_phase(name.value_or("")); },
-          py::arg("name"))
-      .def("suspend_phase", &PlannedAllocator::suspend_phase)
-      .def("resume_phase", &PlannedAllocator::resume_phase)
-      .def("phase", [](const PlannedAllocator& a) -> py::object {
-        std::string p = a.phase();
-        if (p.empty()) return py::none();
-        return py::str(p);
-      })
-      .def(
-          "malloc",
-          [](PlannedAllocator& a, std::size_t n) {
-            if (n == 0) throw core::AllocatorError("memo allocator: malloc of 0 bytes");
-            return reinterpret_cast<std::uintptr_t>(a.allocate(n));
-          },
-          py::arg("size"))
-      .def(
-          "free", [](PlannedAllocator& a, std::uintptr_t p) { a.free(reinterpret_cast<void*>(p)); },
-          py::arg("ptr"))
-      .def(
-          "owns", [](const PlannedAllocator& a, std::uintptr_t p) { return a.owns(reinterpret_cast<void*>(p)); },
-          py::arg("ptr"))
-      .def("arena_extent", &PlannedAllocator::arena_extent,
-           "(base address, bytes) of the current arena; (0, 0) without one (tests, diagnostics).")
-      .def("set_poison", &PlannedAllocator::set_poison, py::arg("on"))
-      .def("set_fallback_limit", &PlannedAllocator::set_fallback_limit, py::arg("bytes"))
-      .def("set_min_segment", &PlannedAllocator::set_min_segment, py::arg("bytes"))
-      .def("empty_cache", &PlannedAllocator::empty_cache)
-      .def("start_logging", &PlannedAllocator::start_logging)
-      .def("logging", &PlannedAllocator::logging)
-      .def("stop_logging", &stop_logging)
-      .def("stats", [](const PlannedAllocator& a) { return stats_dict(a.stats()); })
-      .def("reset_stats", &PlannedAllocator::reset_stats)
-      .def("take_deviation_report", [](PlannedAllocator& a) -> py::object {
-        core::Deviation dev;
-        if (!a.take_deviation_report(&dev)) return py::none();
-        return deviation_obj(dev);
-      });
-
-  sub.def(
-      "cpu_allocator", []() -> PlannedAllocator& { return cpu::cpu_planned_allocator(); },
-      py::return_value_policy::reference, "The planned allocator behind PyTorch's CPU tensors.");
+  bind_library(sub);
+  bind_allocator_class(sub);
   sub.def("install_cpu", &cpu::install_cpu_allocator, "Route PyTorch's CPU allocations through memo.");
   sub.def("uninstall_cpu", &cpu::uninstall_cpu_allocator, "Restore PyTorch's previous CPU allocator.");
   sub.def("cpu_installed", &cpu::cpu_allocator_installed);
   sub.attr("BLOCK_ALIGNMENT") = core::kBlockAlignment;
-  sub.def(
-      "check_plan",
-      [](const py::dict& tables, const py::object& peak) {
-        core::check_plan(tables_from_python(tables), peak_from_python(peak));
-      },
-      py::arg("tables"), py::arg("peak"),
-      "Check plan tables and their peak as load_plan does, loading nothing: AllocatorError naming the bad "
-      "entry (NOTE [Plan tables are checked in the core]).");
-  sub.def("stat_names", &stat_names,
-          "The names of the counters stats() reports, in the core's order (NOTE [Stat names]); "
-          "'fallback.x' is stats()['fallback']['x'].");
-  bind_stream_test_harness(sub);
 }
 
 }  // namespace

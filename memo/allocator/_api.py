@@ -15,13 +15,13 @@ from __future__ import annotations
 import contextlib
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
 from memo.allocator._backends import Backend, backend_for, loaded_backends
-from memo.allocator._tables import PhaseTables, normalize_plan
+from memo.allocator._tables import PhaseTables, PlanLike, normalize_plan
 from memo.errors import MemoError, internal_assert
 from memo.trace_format import TraceBuilder
 
@@ -127,7 +127,7 @@ def unplanned() -> Iterator[None]:
 
 @contextlib.contextmanager
 def planned(
-    plan_or_tables: Any,
+    plan_or_tables: PlanLike | Mapping[str, object],
     *,
     peak: int | None = None,
     poison: bool = False,

@@ -10,23 +10,32 @@ message memo.allocator raises as a :class:`~memo.errors.MemoError`.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Protocol, TypeGuard
 
 from memo.errors import MemoError
 
-__all__ = ["PhaseTables", "normalize_plan"]
+__all__ = ["PhaseTables", "PlanLike", "normalize_plan"]
 
 #: phase instance name -> [(size bytes, arena offset or None), ...] over request index k.
 PhaseTables = dict[str, list[tuple[int, int | None]]]
 
+
+class PlanLike(Protocol):
+    """What :func:`normalize_plan` reads of a ``memo.planner.Plan``."""
+
+    peak: int
+
+    def phase_tables(self) -> PhaseTables: ...
+
+
 _INT64 = 1 << 63  # what the native allocators take: signed 64-bit byte counts
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _as_tables(tables: Any) -> PhaseTables:
+def _as_tables(tables: object) -> PhaseTables:
     """The tables as a dict of lists of (int, int-or-None), every int within 64 bits."""
     if not isinstance(tables, Mapping):
         raise MemoError(
@@ -55,18 +64,22 @@ def _as_tables(tables: Any) -> PhaseTables:
     return out
 
 
-def normalize_plan(plan_or_tables: Any, peak: int | None = None) -> tuple[PhaseTables, int]:
+def normalize_plan(
+    plan_or_tables: PlanLike | Mapping[str, object], peak: int | None = None
+) -> tuple[PhaseTables, int]:
     """Accept a ``memo.planner.Plan`` (``phase_tables()`` and ``peak``), a dict
     ``{"tables": ..., "peak": ...}``, or a dict of tables with ``peak=``."""
+    given: object = peak
+    tables: object
     if hasattr(plan_or_tables, "phase_tables") and hasattr(plan_or_tables, "peak"):
         tables, plan_peak = plan_or_tables.phase_tables(), plan_or_tables.peak
         if peak is not None and peak != plan_peak:
             raise MemoError(f"memo.allocator: peak={peak} given, but the plan's peak is {plan_peak}")
-        peak = plan_peak
+        given = plan_peak
     elif isinstance(plan_or_tables, Mapping) and "tables" in plan_or_tables:
         tables = plan_or_tables["tables"]
         if peak is None:
-            peak = plan_or_tables.get("peak")
+            given = plan_or_tables.get("peak")
     elif isinstance(plan_or_tables, Mapping):
         tables = plan_or_tables
     else:
@@ -74,8 +87,8 @@ def normalize_plan(plan_or_tables: Any, peak: int | None = None) -> tuple[PhaseT
             "memo.allocator: expected a memo.planner.Plan or a dict of phase tables, "
             f"got {type(plan_or_tables).__name__}"
         )
-    if peak is None:
+    if given is None:
         raise MemoError("memo.allocator: phase tables need the arena size: pass peak=<bytes>")
-    if not _is_int(peak) or not -_INT64 <= peak < _INT64:
-        raise MemoError(f"memo.allocator: peak must be an int >= 0 and below 2**62 (bytes), got {peak!r}")
-    return _as_tables(tables), peak
+    if not _is_int(given) or not -_INT64 <= given < _INT64:
+        raise MemoError(f"memo.allocator: peak must be an int >= 0 and below 2**62 (bytes), got {given!r}")
+    return _as_tables(tables), given

@@ -22,14 +22,14 @@ def _flat_keys(stats: dict) -> set[str]:
 
 
 def test_names_are_unique_and_cover_the_documented_counters() -> None:
-    names = list(A.stat_names())
+    names = list(A.library().stat_names())
     assert len(names) == len(set(names))
     assert {"requests", "planned_hits", "peak_bytes_in_use", "fallback.reserved_bytes", "stream_waits",
             "borrowed_bytes", "segment_allocs"} <= set(names)
 
 
 def test_cpu_stats_keys_are_the_library_names() -> None:
-    expected = set(A.stat_names()) | {"first_deviation"}
+    expected = set(A.library().stat_names()) | {"first_deviation"}
     assert _flat_keys(ma.stats("cpu")) == expected
     assert _flat_keys(A.PlannedAllocator(MIB, 0).stats()) == expected
     assert _flat_keys(A.StreamTestHarness(MIB, 0).stats()) == expected

@@ -10,7 +10,6 @@ out here.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import random
 from collections import defaultdict
@@ -294,30 +293,28 @@ def test_stream_counters_in_every_backend() -> None:
     stats = A.PlannedAllocator(MIB, 0).stats()
     assert stats["events_recorded"] == 0 and stats["stream_waits"] == 0
     # Both backends name their counters from the core's one list (NOTE [Stat names]).
-    assert {"events_recorded", "stream_waits"} <= set(A.stat_names())
+    assert {"events_recorded", "stream_waits"} <= set(A.library().stat_names())
 
 
-def _cuda_library() -> ctypes.CDLL:
+def _cuda_library() -> A.Library:
     path = backends.cuda_library_path()
     if not os.path.exists(path):
         pytest.skip("the CUDA backend library is not built (MEMO_BUILD_CUDA=1 builds it)")
     try:
-        return ctypes.CDLL(path)
+        return A.load_library(path)
     except OSError as exc:  # libcudart not on the loader path
         pytest.skip(f"cannot load the CUDA library here: {exc}")
 
 
 def test_cuda_library_reports_its_runtime_version() -> None:
     lib = _cuda_library()
-    lib.memo_cuda_runtime_version.restype = ctypes.c_int
-    version = lib.memo_cuda_runtime_version()
+    version = lib.runtime_version("cuda")
     assert version >= 11000 and version % 10 == 0, version
 
 
 def test_cuda_runtime_major_must_match_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     lib = _cuda_library()
-    lib.memo_cuda_runtime_version.restype = ctypes.c_int
-    major = lib.memo_cuda_runtime_version() // 1000
+    major = lib.runtime_version("cuda") // 1000
     monkeypatch.setattr(backends, "_cuda_lib", None)
     monkeypatch.setattr(torch.version, "cuda", f"{major - 1}.8")
     with pytest.raises(MemoError) as info:

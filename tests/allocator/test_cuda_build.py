@@ -32,14 +32,19 @@ NM = shutil.which("nm")
 
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found: the CUDA backend is not built")
 
+# The allocator's C API (csrc/core/allocator_api.h) and the two functions CUDAPluggableAllocator loads.
 EXPORTS = (
-    "memo_malloc", "memo_free", "memo_cuda_last_error", "memo_cuda_load_plan", "memo_cuda_unload_plan",
-    "memo_cuda_set_phase", "memo_cuda_suspend_phase", "memo_cuda_set_poison", "memo_cuda_set_fallback_limit",
-    "memo_cuda_empty_cache",
-    "memo_cuda_reset_stats", "memo_cuda_stats", "memo_cuda_deviation", "memo_cuda_start_logging",
-    "memo_cuda_stop_logging", "memo_cuda_read_log", "memo_cuda_log_phase_count", "memo_cuda_log_phase_name",
-    "memo_cuda_runtime_version", "memo_cuda_stat_count", "memo_cuda_stat_name", "memo_cuda_check_plan",
+    "memo_malloc", "memo_free", "memo_alloc_last_error", "memo_alloc_runtime_version", "memo_alloc_device",
+    "memo_alloc_create", "memo_alloc_destroy", "memo_alloc_check_plan", "memo_alloc_load_plan",
+    "memo_alloc_unload_plan", "memo_alloc_has_plan", "memo_alloc_set_phase", "memo_alloc_suspend_phase",
+    "memo_alloc_resume_phase", "memo_alloc_malloc", "memo_alloc_free", "memo_alloc_owns",
+    "memo_alloc_arena_extent", "memo_alloc_set_poison", "memo_alloc_set_fallback_limit",
+    "memo_alloc_set_min_segment", "memo_alloc_empty_cache", "memo_alloc_stat_count", "memo_alloc_stat_name",
+    "memo_alloc_stats", "memo_alloc_reset_stats", "memo_alloc_deviation", "memo_alloc_start_logging",
+    "memo_alloc_stop_logging", "memo_alloc_read_log", "memo_alloc_log_phase_count",
+    "memo_alloc_log_phase_name",
 )
+MEMO_BACKEND_CUDA = 1
 
 
 def core_sources() -> list[str]:
@@ -58,6 +63,12 @@ def test_no_source_includes_another_cpp() -> None:
                     offenders.append(f"{os.path.relpath(path, ROOT)}:{n}: {line.strip()}")
     assert not offenders, offenders
     assert "planned_allocator.cpp" in {os.path.basename(p) for p in core_sources()}
+
+
+def header_functions() -> set[str]:
+    """The functions csrc/core/allocator_api.h declares (each marked MEMO_API)."""
+    with open(os.path.join(ROOT, "csrc", "core", "allocator_api.h"), encoding="utf-8") as f:
+        return set(re.findall(r"^MEMO_API [^(]*?\b(memo_alloc_\w+)\(", f.read(), re.MULTILINE))
 
 
 def exported(path: str) -> set[str]:
@@ -103,6 +114,12 @@ def test_installed_library_exists_and_exports() -> None:
     assert set(EXPORTS) <= exported(path)
 
 
+def test_the_library_exports_the_whole_c_api(fresh_library: str) -> None:
+    """NOTE [One allocator C API]: every function csrc/core/allocator_api.h declares is in the library."""
+    assert header_functions() <= exported(fresh_library)
+    assert set(EXPORTS) == header_functions() | {"memo_malloc", "memo_free"}
+
+
 def test_current_sources_compile_and_link(fresh_library: str) -> None:
     names = exported(fresh_library)
     assert set(EXPORTS) <= names
@@ -116,29 +133,33 @@ def test_c_api_without_a_device(fresh_library: str) -> None:
     except OSError as exc:  # libcudart not on the loader path
         pytest.skip(f"cannot load the CUDA library here: {exc}")
     c = ctypes
-    lib.memo_cuda_last_error.restype = c.c_char_p
+    lib.memo_alloc_last_error.restype = c.c_char_p
     lib.memo_malloc.restype = c.c_void_p
     lib.memo_malloc.argtypes = [c.c_ssize_t, c.c_int, c.c_void_p]
-    lib.memo_cuda_load_plan.argtypes = [c.c_int, c.c_int, c.POINTER(c.c_char_p), c.POINTER(c.c_int64),
-                                        c.POINTER(c.c_int64), c.POINTER(c.c_int64), c.POINTER(c.c_uint8),
-                                        c.c_int64]
-    lib.memo_cuda_set_phase.argtypes = [c.c_char_p]
-    lib.memo_cuda_stats.argtypes = [c.c_int, c.POINTER(c.c_uint64), c.c_int]
+    lib.memo_alloc_device.restype = c.c_void_p
+    lib.memo_alloc_device.argtypes = [c.c_int, c.c_int]
+    lib.memo_alloc_load_plan.argtypes = [c.c_void_p, c.c_int, c.POINTER(c.c_char_p), c.POINTER(c.c_int64),
+                                         c.POINTER(c.c_int64), c.POINTER(c.c_int64), c.POINTER(c.c_uint8),
+                                         c.c_int64]
+    lib.memo_alloc_unload_plan.argtypes = [c.c_void_p]
+    lib.memo_alloc_set_phase.argtypes = [c.c_void_p, c.c_char_p]
+    lib.memo_alloc_stats.argtypes = [c.c_void_p, c.POINTER(c.c_uint64), c.c_int]
+    device = lib.memo_alloc_device(MEMO_BACKEND_CUDA, 0)  # made without touching the device
 
     # A bad table is refused with the native message.
     names = (c.c_char_p * 1)(b"layer.fwd[0]")
-    rc = lib.memo_cuda_load_plan(0, 1, names, (c.c_int64 * 1)(1), (c.c_int64 * 1)(4096),
-                                 (c.c_int64 * 1)(100), (c.c_uint8 * 1)(1), 8192)
-    assert rc == -1 and b"multiple of 512" in lib.memo_cuda_last_error()
+    rc = lib.memo_alloc_load_plan(device, 1, names, (c.c_int64 * 1)(1), (c.c_int64 * 1)(4096),
+                                  (c.c_int64 * 1)(100), (c.c_uint8 * 1)(1), 8192)
+    assert rc == -1 and b"multiple of 512" in lib.memo_alloc_last_error()
     # An all-unplanned table needs no arena, so it loads without a device.
-    rc = lib.memo_cuda_load_plan(0, 1, names, (c.c_int64 * 1)(1), (c.c_int64 * 1)(4096),
-                                 (c.c_int64 * 1)(0), (c.c_uint8 * 1)(0), 0)
+    rc = lib.memo_alloc_load_plan(device, 1, names, (c.c_int64 * 1)(1), (c.c_int64 * 1)(4096),
+                                  (c.c_int64 * 1)(0), (c.c_uint8 * 1)(0), 0)
     assert rc == 0
-    lib.memo_cuda_set_phase(b"layer.fwd[0]")
+    lib.memo_alloc_set_phase(device, b"layer.fwd[0]")
     stats = (c.c_uint64 * 64)()
-    assert lib.memo_cuda_stats(0, stats, 64) == len(_C.allocator.stat_names())
-    lib.memo_cuda_set_phase(None)
-    assert lib.memo_cuda_unload_plan(0) == 0
+    assert lib.memo_alloc_stats(device, stats, 64) == len(_C.allocator.library().stat_names())
+    lib.memo_alloc_set_phase(device, None)
+    assert lib.memo_alloc_unload_plan(device) == 0
 
 
 @pytest.fixture
@@ -157,8 +178,8 @@ def cuda_library(fresh_library: str, monkeypatch: pytest.MonkeyPatch) -> str:
 def test_cuda_stats_keys_are_the_library_names() -> None:
     """The CUDA library names its counters from the core's one list, and memo.allocator's dict uses them."""
     backend = backends.CudaBackend(0)  # no device touched: no arena, no plan
-    names = backends.cuda_stat_names(backend._lib)
-    assert names == list(_C.allocator.stat_names())  # the same list, in the same order
+    names = backend._library.stat_names()
+    assert names == list(_C.allocator.library().stat_names())  # the same list, in the same order
     stats = backend.stats()
     assert _flat_keys(stats) == set(names) | {"first_deviation"}
     assert stats["requests"] == 0 and stats["fallback"]["segments"] == 0 and stats["first_deviation"] is None
@@ -176,3 +197,15 @@ def test_cuda_tables_are_checked_by_the_core(tables: dict, peak: int, pattern: s
     assert str(on_cuda.value) == str(on_cpu.value)
     with pytest.raises(MemoError, match=pattern):
         cuda.load_plan(tables, peak)  # no device is touched: the check comes first
+
+
+@pytest.mark.usefixtures("cuda_library")
+def test_the_phase_reaches_every_cuda_device() -> None:
+    """NOTE [One allocator C API]: a phase set on one device allocator is the process's phase, as it is for
+    PyTorch's allocator; cuda:0 and cuda:1 are made without touching a device."""
+    library = backends._load_cuda_library()
+    first, second = library.device_allocator("cuda", 0), library.device_allocator("cuda", 1)
+    second.start_logging()
+    first.set_phase("layer.fwd[0]")
+    first.set_phase(None)
+    assert second.stop_logging() == ([], ["layer.fwd[0]"])

@@ -8,6 +8,7 @@ backend) by standing in for them, so a regression shows on every machine.
 from __future__ import annotations
 
 import contextlib
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -222,7 +223,9 @@ def test_strategy_keeps_the_device_index(monkeypatch) -> None:
 
 
 def test_backend_for_cuda_without_index_is_the_current_device(monkeypatch) -> None:
-    monkeypatch.setattr(backends, "_load_cuda_library", lambda: object())
+    # A stand-in for the CUDA library's C API: its device allocators are made without a device anyway.
+    library = SimpleNamespace(device_allocator=lambda device_type, index: object())
+    monkeypatch.setattr(backends, "_load_cuda_library", lambda: library)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
     monkeypatch.setattr(backends, "_backends", {})
     assert backends.backend_for("cuda").device == torch.device("cuda", 2)
@@ -259,8 +262,6 @@ def test_allocator_trace_follows_a_warm_up_iteration(monkeypatch) -> None:
 
 def test_device_budget_caps_pytorchs_cuda_allocator_too(monkeypatch) -> None:
     """Baselines on CUDA without memo's allocator: the budget becomes PyTorch's memory fraction."""
-    from types import SimpleNamespace
-
     from memo.errors import MemoError
     from memo.train.strategies import MemoryMeter, Wrapping
 

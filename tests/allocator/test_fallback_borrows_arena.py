@@ -442,7 +442,7 @@ def test_training_like_sequence_under_a_budget_borrows() -> None:
             ma.set_phase(None)
             got = g.sum()
             s = ma.stats()
-            base, size = _C.allocator.cpu_allocator().arena_extent()
+            base, size = _C.allocator.library().device_allocator("cpu", 0).arena_extent()
             assert base <= state.data_ptr() < base + size
             assert not (base <= g.data_ptr() < base + size)
     assert torch.equal(got, want) and torch.equal(state[:n], want_state)
