@@ -44,6 +44,7 @@ from memo.adapters.megatron_config import CORE_DEFAULT, LAYER_DEFAULT, changed_f
 from memo.adapters.model import ModelAdapter, ModelParts
 from memo.errors import MemoError
 from memo.models.ulysses_attention import CP_COMM_TYPES
+from memo.planner.vocab import CPComm
 
 try:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -121,8 +122,8 @@ class MemoCoreAttention(nn.Module):
         #: The context-parallel group when it has more than one rank, else None.
         self.cp_group = _context_parallel_group(where, config, cp_comm_type, pg_collection)
         #: How the context-parallel group communicates: "all_gather" or "a2a" (None without a group).
-        self.cp_comm_type = None if self.cp_group is None else (cp_comm_type or "all_gather")
-        if self.cp_comm_type == "a2a":
+        self.cp_comm_type = None if self.cp_group is None else (cp_comm_type or CPComm.ALL_GATHER.value)
+        if self.cp_comm_type == CPComm.A2A:
             _check_ulysses_heads(where, config, get_pg_size(self.cp_group))
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any = None,
@@ -139,7 +140,7 @@ class MemoCoreAttention(nn.Module):
                             "packed sequences")
         if attn_mask_type is not None and attn_mask_type != AttnMaskType.causal:
             raise MemoError(f"memo.adapters.megatron: attention must be causal, not {attn_mask_type}")
-        if self.cp_comm_type == "a2a":
+        if self.cp_comm_type == CPComm.A2A:
             from memo.models.ulysses_attention import ulysses_attention
 
             o = ulysses_attention(query, key, value, self.cp_group)
@@ -157,7 +158,7 @@ class MemoCoreAttention(nn.Module):
     def attention_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[
             torch.Tensor, torch.Tensor]:
         """:meth:`forward` without autograd -> ``(o [s, b, n, d], lse)`` (memo's runtime calls it)."""
-        if self.cp_comm_type == "a2a":
+        if self.cp_comm_type == CPComm.A2A:
             from memo.models.ulysses_attention import ulysses_attention_forward
 
             return ulysses_attention_forward(q, k, v, self.cp_group)
@@ -173,7 +174,7 @@ class MemoCoreAttention(nn.Module):
                            o: torch.Tensor, lse: torch.Tensor) -> tuple[
             torch.Tensor, torch.Tensor, torch.Tensor]:
         """The gradients of :meth:`attention_forward`, from its inputs and outputs."""
-        if self.cp_comm_type == "a2a":
+        if self.cp_comm_type == CPComm.A2A:
             from memo.models.ulysses_attention import ulysses_attention_backward
 
             return ulysses_attention_backward(grad_o, q, k, v, o, lse, self.cp_group)

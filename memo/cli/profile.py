@@ -23,7 +23,7 @@ import torch
 from memo.cli.args import add_machine_arguments, positive_float, positive_int, seq_len
 from memo.errors import MemoError
 from memo.machine import Machine
-from memo.planner.vocab import RECORDERS
+from memo.planner.vocab import RECORDERS, Recorder
 
 __all__ = ["add_parser", "run"]
 
@@ -215,7 +215,7 @@ def _fill_defaults(args: argparse.Namespace) -> tuple[dict[str, str], int]:
     if args.recorder is None:
         # Plans are replayed by (phase, request index), so on a real device the trace should be the
         # allocator's own requests (docs/profiling.md, "Which recorder"); meta has only dispatch.
-        args.recorder = "dispatch" if args.device == "meta" else "allocator"
+        args.recorder = Recorder.DISPATCH.value if args.device == "meta" else Recorder.ALLOCATOR.value
     sources = {"tp": "given", "cp": "given", "gpus": "given"}
     if args.tensor_parallel is None:
         # The profile is of one rank as given: no sharding unless asked for (the paper's 1M-token

@@ -10,6 +10,7 @@ import argparse
 from typing import Any
 
 from memo.planner import offload_difference, read_plan_summary
+from memo.planner.vocab import LayerPolicy
 from memo.units import format_bytes
 
 __all__ = ["add_parser", "format_plan", "parallel_line", "run", "safe_text", "warning_lines"]
@@ -67,7 +68,8 @@ def format_plan(plan: Any) -> str:
         out.append(f"policy        {describe_policy(plan.policy)} (per layer: "
                    f"{' '.join(p[0] for p in plan.policy)}; m = memo, i = input-only, r = full recompute, "
                    "k = keep)")
-        if any(p in ("memo", "input-only") for p in plan.policy):  # NOTE [Tiles bounded by memory]
+        # NOTE [Tiles bounded by memory]
+        if any(p in (LayerPolicy.MEMO, LayerPolicy.INPUT_ONLY) for p in plan.policy):
             tiles = ("the runtime's default (s/8 tokens, at most 256 MiB of a tile's transients)"
                      if plan.tile_tokens is None else
                      f"{plan.tile_tokens:,} tokens, as recorded (the default of the device the plan is for, "

@@ -55,6 +55,7 @@ from typing import Any
 import torch
 
 from memo.errors import MemoError
+from memo.planner.vocab import CPComm
 
 __all__ = [
     "VOCAB_MULTIPLE",
@@ -87,7 +88,7 @@ class ParallelLayout:
     """Ranks the batch rows are split over."""
     sequence_parallel: bool = False
     """megatron's sequence parallelism inside each TP group (needs tensor_parallel > 1)."""
-    cp_comm: str = "all_gather"
+    cp_comm: str = CPComm.ALL_GATHER.value
     """How the CP ranks' attention communicates (megatron's ``cp_comm_type``): ``"all_gather"`` (K and
     V) or ``"a2a"`` (Ulysses: every rank attends all tokens of its share of the heads)."""
     pipeline_parallel: int = 1
@@ -159,7 +160,7 @@ class LaunchEnv:
 
 def resolve_layout(tensor_parallel: int = 1, context_parallel: int = 1, data_parallel: int | None = None,
                    sequence_parallel: bool = False, world_size: int = 1,
-                   cp_comm: str = "all_gather", pipeline_parallel: int = 1,
+                   cp_comm: str = CPComm.ALL_GATHER.value, pipeline_parallel: int = 1,
                    virtual_pipeline: int = 1) -> ParallelLayout:
     """The layout of ``world_size`` processes; ``data_parallel`` None is ``world / (tp·cp·pp)``.
 
@@ -246,7 +247,7 @@ def check_layout(layout: ParallelLayout, *, engine: str, n_heads: int, n_query_g
             raise MemoError(f"memo.distributed: the model has {count} {what}, which --tp {tp} cannot split "
                             f"evenly (each tensor-parallel rank holds a whole number of them); use a --tp "
                             f"that divides {count}")
-    if cp > 1 and layout.cp_comm == "a2a":  # the heads split over --tp (checked above)
+    if cp > 1 and layout.cp_comm == CPComm.A2A:  # the heads split over --tp (checked above)
         from memo.models.ulysses_attention import ulysses_heads_problem
 
         heads, groups = n_heads // tp, n_query_groups // tp
