@@ -122,7 +122,7 @@ def _default(field: dataclasses.Field) -> Any:
     return dataclasses.MISSING
 
 
-def changed_fields(config: Any, names: frozenset[str]) -> list[str]:
+def changed_fields(config: object, names: frozenset[str]) -> list[str]:
     """``name=value`` of each field in ``names`` whose value in ``config`` is not megatron-core's
     ``TransformerConfig`` default (``config`` may be any object with some of its attributes)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
