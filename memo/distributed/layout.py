@@ -50,12 +50,19 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from memo.errors import MemoError
 from memo.planner.vocab import CPComm
+
+if TYPE_CHECKING:
+    from megatron.core.distributed import DistributedDataParallel
+
+    from memo.planner import Plan
+
+_T = TypeVar("_T")
 
 __all__ = [
     "VOCAB_MULTIPLE",
@@ -290,7 +297,7 @@ def _pipeline_problem(layout: ParallelLayout, engine: str, n_layers: int, micro_
     return None
 
 
-def plan_fingerprint(plan: Any) -> str | None:
+def plan_fingerprint(plan: Plan | None) -> str | None:
     """A short hash of a plan's JSON (None without a plan): equal plans, equal fingerprints."""
     if plan is None:
         return None
@@ -298,7 +305,7 @@ def plan_fingerprint(plan: Any) -> str | None:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def requests_fingerprint(plan: Any) -> str | None:
+def requests_fingerprint(plan: Plan | None) -> str | None:
     """A short hash of what a plan was made from (its requests: sizes, phases, lifetimes): two ranks
     whose plans share it recorded the same iteration and may run one plan."""
     if plan is None:
@@ -340,7 +347,7 @@ class ParallelRun:
     def __init__(self, layout: ParallelLayout, launch: LaunchEnv, device: torch.device) -> None:
         self.layout, self.launch, self.device = layout, launch, device
         self.tp_rank = self.cp_rank = self.dp_rank = self.pp_rank = 0
-        self.ddp: Any = None
+        self.ddp: DistributedDataParallel | None = None
         self._owns_group = False
 
     @property
@@ -490,7 +497,7 @@ class ParallelRun:
                 p.grad = p.main_grad
 
     # ------------------------------------------------------------------------ agreement
-    def gather(self, obj: Any) -> list[Any]:
+    def gather(self, obj: _T) -> list[_T]:
         """``obj`` of every rank, in rank order (a collective: every rank must call it)."""
         out: list[Any] = [None] * self.launch.world_size
         torch.distributed.all_gather_object(out, obj)
