@@ -16,7 +16,7 @@ import argparse
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,11 +25,14 @@ from memo.errors import MemoError
 from memo.machine import Machine
 from memo.planner.vocab import RECORDERS, Recorder
 
+if TYPE_CHECKING:
+    from memo.pipeline import ProfileResult
+
 __all__ = ["add_parser", "run"]
 
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "profile",
         help="record one iteration's allocation trace, solve alpha and write the memory plan",
@@ -149,7 +152,7 @@ def _bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
-def _report(result: Any, seq_len: int, micro_batch: int, hidden: int, dtype: torch.dtype,
+def _report(result: ProfileResult, seq_len: int, micro_batch: int, hidden: int, dtype: torch.dtype,
             ranks: int = 1) -> list[str]:
     """What a user reads: sizes per layer, machine numbers and their sources, alpha, plan.
 

@@ -7,9 +7,8 @@ peaks, host bytes, and how the solver did.
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
-from memo.planner import offload_difference, read_plan_summary
+from memo.planner import Plan, PlanSummary, offload_difference, read_plan_summary
 from memo.planner.vocab import LayerPolicy
 from memo.units import format_bytes
 
@@ -47,7 +46,7 @@ MODEL_KEYS = ("model", "seq_len", "micro_batch", "dtype", "n_layers", "fingerpri
 MAX_PHASE_LINES = 64
 
 
-def format_plan(plan: Any) -> str:
+def format_plan(plan: Plan | PlanSummary) -> str:
     """The summary of a :class:`memo.planner.Plan` or :class:`memo.planner.PlanSummary`."""
     meta = plan.meta
     out = [
@@ -182,7 +181,7 @@ def warning_lines(warnings: list[str]) -> list[str]:
     return [f"warning       {w}" for w in rest] + out
 
 
-def _allocations(plan: Any) -> int:
+def _allocations(plan: Plan | PlanSummary) -> int:
     count = getattr(plan, "allocation_count", None)
     return int(count) if count is not None else len(plan.allocations)
 
