@@ -29,7 +29,6 @@ is looked at before it is trained:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 __all__ = ["CORE_DEFAULT", "LAYER_DEFAULT", "NOT_ATTENTION", "RUN", "changed_fields"]
 
@@ -114,7 +113,7 @@ NOT_ATTENTION = frozenset({
 })
 
 
-def _default(field: dataclasses.Field) -> Any:
+def _default(field: dataclasses.Field[object]) -> object:
     if field.default is not dataclasses.MISSING:
         return field.default
     if field.default_factory is not dataclasses.MISSING:

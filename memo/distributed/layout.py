@@ -59,7 +59,9 @@ from memo.planner.vocab import CPComm
 
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallel
+    from torch.distributed import ProcessGroup
 
+    from memo.adapters.model import ModelAdapter
     from memo.planner import Plan
 
 _T = TypeVar("_T")
@@ -447,7 +449,7 @@ class ParallelRun:
         scale = self.layout.data_parallel * self.layout.context_parallel
         return local * (scale / count), total / count
 
-    def model_adapter(self, positions: torch.Tensor, global_count: int) -> Any:
+    def model_adapter(self, positions: torch.Tensor, global_count: int) -> ModelAdapter:
         """The GPT model adapter whose loss is this rank's step loss (:meth:`loss` with the shard's
         ``positions``), for :func:`memo.adapters.model.use_model_adapter`: memo's profile then records
         the iteration every step runs, allocation for allocation, and the plan holds in training."""
@@ -474,7 +476,7 @@ class ParallelRun:
 
         self.ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
 
-    def optimizer_group(self) -> Any:
+    def optimizer_group(self) -> ProcessGroup | None:
         """The ranks that hold the same weights and gradients, over which the optimizer states are
         sharded (NOTE [ZeRO-1 under megatron] in memo/train/optim.py): megatron's DP x CP group."""
         from megatron.core import parallel_state
