@@ -32,7 +32,7 @@ import logging
 import os
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -42,6 +42,13 @@ from memo.errors import MemoError
 # NOTE [Which engine runs which layout] is in planner/engines.py (torch-free, so that the layout checks
 # below the engines read the same table): re-exported here, beside the engines it describes.
 from memo.planner.engines import RUNNABLE, EngineLayouts, engine_for_layout, layout_problem
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from transformers import PretrainedConfig
+
+    from memo.distributed.layout import ParallelLayout
+    from memo.models.config import ModelConfig
 
 __all__ = ["ENGINES", "RUNNABLE", "EngineLayouts", "build_hf_causal_lm", "build_megatron_gpt",
            "build_megatron_stages", "engine_for_layout", "hf_config", "init_megatron_world", "layout_problem"]
@@ -64,8 +71,8 @@ def init_megatron_world() -> None:
         parallel_state.initialize_model_parallel(1, 1)
 
 
-def build_megatron_gpt(config: Any, seq_len: int, device: torch.device | str, dtype: torch.dtype,
-                       layout: Any = None) -> nn.Module:
+def build_megatron_gpt(config: ModelConfig, seq_len: int, device: torch.device | str, dtype: torch.dtype,
+                       layout: ParallelLayout | None = None) -> nn.Module:
     """A megatron-core ``GPTModel`` with memo's layer spec shaped like memo's ``config`` (NOTE [Training
     engines]); its position table (GPT) covers ``seq_len``.
 
@@ -83,8 +90,8 @@ def build_megatron_gpt(config: Any, seq_len: int, device: torch.device | str, dt
     return _megatron_models(config, seq_len, device, dtype, layout)[0]
 
 
-def build_megatron_stages(config: Any, seq_len: int, device: torch.device | str, dtype: torch.dtype,
-                          layout: Any) -> list[nn.Module]:
+def build_megatron_stages(config: ModelConfig, seq_len: int, device: torch.device | str, dtype: torch.dtype,
+                          layout: ParallelLayout) -> list[nn.Module]:
     """This pipeline rank's model chunks (one ``GPTModel`` each, in megatron's interleaved order: chunk v
     of rank r holds the (v·P + r)-th L/(P·V) layers), with ``layout``'s parallel state set up
     (``initialize_model_parallel`` with its pipeline sizes). NOTE [Pipeline stages] in
@@ -92,8 +99,8 @@ def build_megatron_stages(config: Any, seq_len: int, device: torch.device | str,
     return _megatron_models(config, seq_len, device, dtype, layout)
 
 
-def _megatron_models(config: Any, seq_len: int, device: torch.device | str, dtype: torch.dtype,
-                     layout: Any) -> list[nn.Module]:
+def _megatron_models(config: ModelConfig, seq_len: int, device: torch.device | str, dtype: torch.dtype,
+                     layout: ParallelLayout) -> list[nn.Module]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed": expected here
         try:
@@ -141,7 +148,8 @@ def _megatron_models(config: Any, seq_len: int, device: torch.device | str, dtyp
     return chunks
 
 
-def _transformer_config(cls: Any, config: Any, dtype: torch.dtype, layout: Any, device: Any) -> Any:
+def _transformer_config(cls: type[TransformerConfig], config: ModelConfig, dtype: torch.dtype,
+                        layout: ParallelLayout, device: torch.device | str) -> TransformerConfig:
     """megatron's TransformerConfig of memo's ``config`` in ``layout`` (NOTE [Training engines])."""
     from memo.distributed.pipeline import pipeline_config
 
@@ -161,7 +169,7 @@ def _transformer_config(cls: Any, config: Any, dtype: torch.dtype, layout: Any, 
         **pipeline_config(layout, dtype, torch.device(device)))
 
 
-def hf_config(text: str) -> Any:
+def hf_config(text: str) -> PretrainedConfig:
     """A transformers config from a JSON file, a directory holding ``config.json``, or inline JSON.
 
     A file that cannot be read as JSON, a size that is not a positive integer, heads that do not
@@ -244,7 +252,7 @@ def _one_line(err: BaseException, limit: int = 300) -> str:
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
-def _fields_holding(config: Any, err: BaseException) -> str:
+def _fields_holding(config: PretrainedConfig, err: BaseException) -> str:
     """``": hidden_act = 'swishy'"``: the config's fields whose value the error is about (a KeyError of
     a lookup table says only the value), or nothing when no field holds it."""
     value = err.args[0] if len(err.args) == 1 else None
@@ -264,7 +272,7 @@ def _check_hf_sizes(fields: dict[str, Any]) -> None:
             raise MemoError(f"memo.train: --hf-config: {name} must be a positive integer, got {value!r:.80}")
 
 
-def _check_hf_heads(config: Any) -> None:
+def _check_hf_heads(config: PretrainedConfig) -> None:
     heads = getattr(config, "num_attention_heads", None)
     groups = getattr(config, "num_key_value_heads", None)
     if isinstance(heads, int) and isinstance(groups, int) and heads % groups:
@@ -272,11 +280,11 @@ def _check_hf_heads(config: Any) -> None:
                         f"num_attention_heads ({heads}): each key/value head serves the same number of heads")
 
 
-def _rope_parameters(config: Any) -> Any:
+def _rope_parameters(config: PretrainedConfig) -> object:
     return getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
 
 
-def _check_rope_types(config: Any) -> None:
+def _check_rope_types(config: PretrainedConfig) -> None:
     """Every rope_type the config names has a rotary init in transformers (else a KeyError at build)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -336,7 +344,7 @@ def _rope_refusals() -> Iterator[list[str]]:
                 logger.handle(record)
 
 
-def build_hf_causal_lm(config: Any, device: torch.device | str, dtype: torch.dtype) -> nn.Module:
+def build_hf_causal_lm(config: PretrainedConfig, device: torch.device | str, dtype: torch.dtype) -> nn.Module:
     """``AutoModelForCausalLM.from_config(config)`` (random weights) in ``dtype`` on ``device``."""
     from transformers import AutoModelForCausalLM
 

@@ -14,16 +14,19 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memo.errors import MemoError
 from memo.units import GB
+
+if TYPE_CHECKING:
+    import argparse
 
 __all__ = ["GB", "Machine"]
 
 
 
-def _positive(value: Any) -> bool:
+def _positive(value: object) -> bool:
     return (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
             and value > 0)
 
@@ -79,7 +82,7 @@ class Machine:
             raise MemoError(f"memo.machine: --memo-keep-last must be 0 or 2, got {self.memo_keep_last!r}")
 
     @classmethod
-    def from_args(cls, args: Any, **overrides: Any) -> Machine:
+    def from_args(cls, args: argparse.Namespace, **overrides: Any) -> Machine:
         """The machine flags of ``memo.cli.args.add_machine_arguments`` (missing ones keep defaults)."""
         fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
                   if getattr(args, f.name, None) is not None}

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .vocab import CPComm, Sharding
+
 __all__ = ["RUNNABLE", "EngineLayouts", "engine_for_layout", "layout_problem"]
 
 
@@ -34,19 +36,19 @@ class EngineLayouts:
     """TP > 1 (with sequence parallelism, as the estimate counts it)."""
     pipeline_parallel: bool
     """PP > 1."""
-    cp_comms: tuple[str, ...]
+    cp_comms: tuple[CPComm, ...]
     """Context-parallel communications it runs when CP > 1."""
-    shardings: tuple[str, ...]
+    shardings: tuple[Sharding, ...]
     """How it shards the model states (planner/vocab.py's Sharding)."""
 
 
 RUNNABLE: tuple[EngineLayouts, ...] = (
-    EngineLayouts("megatron", True, True, ("all_gather", "a2a"), ("optimizer",)),
-    EngineLayouts("fsdp2", False, False, ("a2a",), ("full", "full-offload")),
+    EngineLayouts("megatron", True, True, (CPComm.ALL_GATHER, CPComm.A2A), (Sharding.OPTIMIZER,)),
+    EngineLayouts("fsdp2", False, False, (CPComm.A2A,), (Sharding.FULL, Sharding.FULL_OFFLOAD)),
 )
 
 
-def layout_problem(engine: str, *, tp: int = 1, cp: int = 1, pp: int = 1, cp_comm: str = "all_gather",
+def layout_problem(engine: str, *, tp: int = 1, cp: int = 1, pp: int = 1, cp_comm: str = CPComm.ALL_GATHER,
                    sharding: str | None = None, sp: bool = False) -> str | None:
     """Why ``engine`` cannot run this layout family (NOTE [Which engine runs which layout]), or None.
     ``sharding`` None: any of the engine's; ``sp``: sequence parallelism, which splits a tensor-parallel
@@ -68,8 +70,8 @@ def layout_problem(engine: str, *, tp: int = 1, cp: int = 1, pp: int = 1, cp_com
     return None
 
 
-def engine_for_layout(*, tp: int = 1, cp: int = 1, pp: int = 1, cp_comm: str = "all_gather",
-                      sharding: str = "optimizer") -> str | None:
+def engine_for_layout(*, tp: int = 1, cp: int = 1, pp: int = 1, cp_comm: str = CPComm.ALL_GATHER,
+                      sharding: str = Sharding.OPTIMIZER) -> str | None:
     """The engine of :data:`RUNNABLE` that runs this layout family, or None when none does."""
     for row in RUNNABLE:
         if layout_problem(row.engine, tp=tp, cp=cp, pp=pp, cp_comm=cp_comm, sharding=sharding) is None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 
 __all__ = ["CP_COMMS", "ESTIMATE_METHODS", "LAYER_POLICIES", "OFFLOADING_POLICIES", "RECORDERS", "SHARDINGS",
-           "STRATEGIES", "CPComm", "EstimateMethod", "LayerPolicy", "Recorder", "Sharding", "Strategy"]
+           "STRATEGIES", "CPComm", "EstimateMethod", "LayerPolicy", "Recorder", "Sharding", "StrategyName"]
 
 
 class LayerPolicy(str, enum.Enum):
@@ -26,8 +26,9 @@ class LayerPolicy(str, enum.Enum):
         return self.value
 
 
-class Strategy(str, enum.Enum):
-    """What ``memo train --strategy`` runs (memo/train/strategies.py, memo/train/peers.py)."""
+class StrategyName(str, enum.Enum):
+    """What ``memo train --strategy`` runs: the names of the strategy classes behind the ``Strategy``
+    protocol (memo/train/strategies.py, memo/train/peers.py)."""
 
     NONE = "none"
     FULL_RECOMPUTE = "full-recompute"
@@ -85,7 +86,7 @@ class Sharding(str, enum.Enum):
 LAYER_POLICIES: tuple[str, ...] = tuple(p.value for p in LayerPolicy)
 #: The policies whose layers copy to host memory.
 OFFLOADING_POLICIES: tuple[str, ...] = (LayerPolicy.MEMO.value, LayerPolicy.INPUT_ONLY.value)
-STRATEGIES: tuple[str, ...] = tuple(s.value for s in Strategy)
+STRATEGIES: tuple[str, ...] = tuple(s.value for s in StrategyName)
 ESTIMATE_METHODS: tuple[str, ...] = tuple(m.value for m in EstimateMethod)
 RECORDERS: tuple[str, ...] = tuple(r.value for r in Recorder)
 CP_COMMS: tuple[str, ...] = tuple(c.value for c in CPComm)

@@ -12,7 +12,7 @@ classes name it.
 from __future__ import annotations
 
 import importlib
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from memo.errors import MemoError
 
@@ -26,7 +26,7 @@ def qualname(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def load_qualified(entry: str, what: str, key: str) -> Any:
+def load_qualified(entry: str, what: str, key: str) -> object:
     """The object ``"module:attribute"`` names, instantiated when it is a class: the adapter
     registered for ``key`` (``what``: "layer adapter" or "model adapter", for the error)."""
     module, _, attribute = entry.partition(":")

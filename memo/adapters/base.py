@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import importlib
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 from torch import nn
@@ -36,8 +37,19 @@ from torch import nn
 from memo.adapters._lazy import AdapterRegistry, qualname
 from memo.errors import MemoError
 
-__all__ = ["LayerAdapter", "AnatomyAdapter", "MLPSite", "register_adapter", "unregister_adapter",
-           "find_adapter", "registered_adapters"]
+__all__ = ["LayerAdapter", "AnatomyAdapter", "AttentionBackward", "AttentionForward", "CoreFunction",
+           "MLPSite", "register_adapter", "unregister_adapter", "find_adapter", "registered_adapters"]
+
+#: What :meth:`LayerAdapter.split_args` leaves to the adapter's other methods: each adapter's own.
+Ctx = TypeVar("Ctx")
+#: Causal attention without autograd: ``(q [s, b, n, d], k, v [s, b, n_kv, d]) -> (o [s, b, n, d], lse)``.
+AttentionForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+#: Its gradients: ``(grad_o [s, b, n, d], q, k, v, o, lse) -> (dq, dk, dv)``.
+AttentionBackward = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+#: A layer's own core attention run as a black box, with autograd: ``(q, k, v) -> o [s, b, n * d]``.
+CoreFunction = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -57,10 +69,11 @@ class MLPSite:
     parameters: tuple[nn.Parameter, ...]
 
 
-class LayerAdapter:
+class LayerAdapter(Generic[Ctx]):
     """Maps one layer class onto pre / core / post (NOTE [Layer adapters]).
 
-    The default ``core_forward``/``core_backward`` are memo's causal attention
+    ``Ctx`` is the type of the context :meth:`split_args` returns and the other methods take. The
+    default ``core_forward``/``core_backward`` are memo's causal attention
     (:mod:`memo.models.causal_attention`, softmax scale ``1/sqrt(d)``): override
     :meth:`attention_kernels` for other causal kernels, ``core_forward``/``core_backward`` for
     another computation, or :meth:`core_function` to run the layer's own attention as a black box.
@@ -77,16 +90,16 @@ class LayerAdapter:
         """Raise :class:`MemoError` if this layer instance is configured in a way the adapter cannot split."""
 
     def split_args(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[
-            torch.Tensor, Any]:
+            torch.Tensor, Ctx]:
         """``forward``'s arguments -> (``x: [s, b, h]``, context passed to the other methods)."""
         raise MemoError(f"memo.adapters: {type(self).__name__} does not define split_args")
 
-    def pre(self, layer: nn.Module, x: torch.Tensor, offset: int, ctx: Any) -> tuple[
+    def pre(self, layer: nn.Module, x: torch.Tensor, offset: int, ctx: Ctx) -> tuple[
             torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x: [t, b, h]`` (from token ``offset``) -> ``q: [t, b, n, d]``, ``k, v: [t, b, n_kv, d]``."""
         raise MemoError(f"memo.adapters: {type(self).__name__} does not define pre")
 
-    def post(self, layer: nn.Module, o: torch.Tensor, x: torch.Tensor, ctx: Any) -> torch.Tensor:
+    def post(self, layer: nn.Module, o: torch.Tensor, x: torch.Tensor, ctx: Ctx) -> torch.Tensor:
         """``o: [t, b, n * d]``, ``x: [t, b, h]`` -> ``y: [t, b, h]``."""
         raise MemoError(f"memo.adapters: {type(self).__name__} does not define post")
 
@@ -108,13 +121,13 @@ class LayerAdapter:
         core = getattr(layer, "core_attention", None)
         return core if isinstance(core, nn.Module) else None
 
-    def core_function(self, layer: nn.Module, ctx: Any) -> Any:
+    def core_function(self, layer: nn.Module, ctx: Ctx) -> CoreFunction | None:
         """The layer's own core attention as a differentiable ``(q, k, v) -> o [s, b, n * d]``, to run
         as a black box (NOTE [Black-box core attention] in memo/runtime/core_attention.py), or None when
         :meth:`core_forward` / :meth:`core_backward` compute what the layer computes."""
         return None
 
-    def attention_kernels(self, layer: nn.Module) -> tuple[Any, Any]:
+    def attention_kernels(self, layer: nn.Module) -> tuple[AttentionForward, AttentionBackward]:
         """``(forward, backward)`` of the causal attention :meth:`core_forward` / :meth:`core_backward`
         run: ``forward(q, k, v) -> (o [s, b, n, d], lse)``, ``backward(grad_o [s, b, n, d], q, k, v, o,
         lse) -> (dq, dk, dv)``; memo's (:mod:`memo.models.causal_attention`) by default."""
@@ -123,7 +136,7 @@ class LayerAdapter:
         return attention_forward, attention_backward
 
     def core_forward(self, layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     ctx: Any) -> tuple[torch.Tensor, torch.Tensor]:
+                     ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:
         """Causal attention without autograd: -> ``o: [s, b, n * d]``, ``lse: [b, n, s]`` (float32)."""
         forward, _ = self.attention_kernels(layer)
         o, lse = forward(q, k, v)
@@ -131,14 +144,14 @@ class LayerAdapter:
         return o.view(s, b, n * d), lse
 
     def core_backward(self, layer: nn.Module, grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                      v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, ctx: Any) -> tuple[
+                      v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, ctx: Ctx) -> tuple[
             torch.Tensor, torch.Tensor, torch.Tensor]:
         """``grad_o: [s, b, n * d]`` -> ``dq: [s, b, n, d]``, ``dk, dv: [s, b, n_kv, d]``."""
         _, backward = self.attention_kernels(layer)
         s, b, n, d = q.shape
         return backward(grad_o.reshape(s, b, n, d), q, k, v, o.view(s, b, n, d), lse)
 
-    def pack_output(self, layer: nn.Module, y: torch.Tensor, ctx: Any) -> Any:
+    def pack_output(self, layer: nn.Module, y: torch.Tensor, ctx: Ctx) -> Any:
         """The value the layer's ``forward`` returns, given ``y: [s, b, h]``."""
         return y
 
@@ -148,7 +161,7 @@ class LayerAdapter:
         return None
 
 
-class AnatomyAdapter(LayerAdapter):
+class AnatomyAdapter(LayerAdapter[int]):
     """For layers that already have the anatomy: ``layer.pre(x, offset=)``, ``layer.post(o, x)``,
     ``forward(x)`` (memo's reference GPT and Llama layers, and any layer written the same way)."""
 
@@ -163,7 +176,7 @@ class AnatomyAdapter(LayerAdapter):
                 )
 
     def split_args(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[
-            torch.Tensor, Any]:
+            torch.Tensor, int]:
         """-> ``(x, first)``: ``first`` is the absolute position of ``x[0]`` (``layer.first_position``:
         not 0 on a Ulysses rank, NOTE [Contiguous Ulysses] in memo/models/ulysses_attention.py)."""
         if len(args) == 1 and not kwargs:
@@ -180,14 +193,14 @@ class AnatomyAdapter(LayerAdapter):
             f"got {len(args)} positional and keyword arguments {sorted(kwargs)}"
         )
 
-    def pre(self, layer: nn.Module, x: torch.Tensor, offset: int, ctx: Any) -> tuple[
+    def pre(self, layer: nn.Module, x: torch.Tensor, offset: int, ctx: int) -> tuple[
             torch.Tensor, torch.Tensor, torch.Tensor]:
         return layer.pre(x, offset=offset + (ctx or 0))
 
-    def post(self, layer: nn.Module, o: torch.Tensor, x: torch.Tensor, ctx: Any) -> torch.Tensor:
+    def post(self, layer: nn.Module, o: torch.Tensor, x: torch.Tensor, ctx: int) -> torch.Tensor:
         return layer.post(o, x)
 
-    def attention_kernels(self, layer: nn.Module) -> tuple[Any, Any]:
+    def attention_kernels(self, layer: nn.Module) -> tuple[AttentionForward, AttentionBackward]:
         """The core attention module's own halves when it has them (``attention_kernels()``: Ulysses
         ranks, memo/models/ulysses_attention.py), else memo's causal attention."""
         own = getattr(self.core_module(layer), "attention_kernels", None)
@@ -211,7 +224,7 @@ class AnatomyAdapter(LayerAdapter):
 # library, nor their adapters' modules, until a layer of theirs is met; the same scheme as
 # memo.adapters.model). Looked up along the MRO, so a subclass of a registered class is served by
 # its parent's adapter unless it has its own.
-_REGISTRY: AdapterRegistry[LayerAdapter] = AdapterRegistry(LayerAdapter, "layer adapter", {
+_REGISTRY: AdapterRegistry[LayerAdapter[Any]] = AdapterRegistry(LayerAdapter, "layer adapter", {
     "memo.models.layers.TransformerLayer": AnatomyAdapter(),
     "megatron.core.transformer.transformer_layer.TransformerLayer":
         "memo.adapters.megatron:MegatronLayerAdapter",
@@ -224,7 +237,7 @@ _REGISTRY: AdapterRegistry[LayerAdapter] = AdapterRegistry(LayerAdapter, "layer 
 _ADAPTERS = _REGISTRY.entries
 
 
-def register_adapter(layer_class: type | str, adapter: LayerAdapter | str) -> None:
+def register_adapter(layer_class: type | str, adapter: LayerAdapter[Any] | str) -> None:
     """Let :func:`memo.wrap` wrap layers of ``layer_class`` (and its subclasses) through ``adapter``.
 
     Either may be given by name: the class as ``"package.module.Class"``, the adapter as
@@ -257,11 +270,11 @@ def unregister_adapter(layer_class: type | str) -> None:
     _REGISTRY.unregister(layer_class if isinstance(layer_class, str) else qualname(layer_class))
 
 
-def registered_adapters() -> dict[type, LayerAdapter]:
+def registered_adapters() -> dict[type, LayerAdapter[Any]]:
     """The layer classes that can be wrapped now, with their adapters: those of memo and those of the
     libraries already imported (a class of a library not imported yet cannot be at hand, and is not
     listed, so that listing imports no library)."""
-    found: dict[type, LayerAdapter] = {}
+    found: dict[type, LayerAdapter[Any]] = {}
     for key, entry in list(_REGISTRY.entries.items()):
         module_name, _, class_name = key.rpartition(".")
         if module_name.split(".", 1)[0] not in sys.modules:
@@ -274,6 +287,6 @@ def registered_adapters() -> dict[type, LayerAdapter]:
     return found
 
 
-def find_adapter(module: nn.Module) -> LayerAdapter | None:
+def find_adapter(module: nn.Module) -> LayerAdapter[Any] | None:
     """The adapter serving ``type(module)`` (nearest registered class in its MRO), or ``None``."""
     return _REGISTRY.find(type(module))

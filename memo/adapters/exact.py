@@ -26,8 +26,6 @@ for a generated subclass (``FSDP<Name>``) that adds no computation; it is looked
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import nn
 
 __all__ = ["user_class", "unhonoured"]
@@ -95,7 +93,7 @@ def unhonoured(layer: nn.Module, known: tuple[type, ...], bypassed: dict[str, tu
         if replaced is not None:
             problems.append(replaced)
     for name, classes in bypassed.items():
-        sub: Any = getattr(layer, name, None)
+        sub: object = getattr(layer, name, None)
         if not isinstance(sub, nn.Module):
             continue
         sub_cls = user_class(sub)

@@ -78,13 +78,14 @@ import sys
 import typing
 import warnings
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from memo.adapters.base import LayerAdapter, MLPSite
+from memo.adapters.base import AttentionBackward, AttentionForward, LayerAdapter, MLPSite
 from memo.adapters.exact import unhonoured
 from memo.errors import MemoError
 from memo.models.masked_attention import is_plain_causal, masked_attention_backward, masked_attention_forward
@@ -136,7 +137,7 @@ class _MaskVerdicts:
     mask tensor from the model, and checking it once is enough (keyed by that tensor and its version)."""
 
     def __init__(self) -> None:
-        self.last: tuple[Any, int, int, bool] | None = None
+        self.last: tuple[weakref.ref[torch.Tensor], int, int, bool] | None = None
 
     def plain_causal(self, given: torch.Tensor, mask: torch.Tensor) -> bool:
         """``mask``: the layer's ``[B, H, s, s]`` cut of the tensor ``given`` to it."""
@@ -188,7 +189,7 @@ _REFUSED_IF_SET = {
 # it empty. A cache that already holds tokens (a forward continuing from earlier ones) would change
 # the layer's attention, so it is still refused. Forwards without grad (eval, generate) never reach
 # memo's layer path and keep their cache.
-def _cache_turned_off(cache: Any) -> bool:
+def _cache_turned_off(cache: object) -> bool:
     """Whether ``cache`` (None: the use_cache flag alone) is ignored in this forward (NOTE [The KV
     cache in a training forward]), with one warning the first time."""
     if not torch.is_grad_enabled():
@@ -226,7 +227,7 @@ def _returns_tuple(cls: type) -> bool:
 
 
 @functools.cache
-def _rotary_fn(cls: type) -> Any:
+def _rotary_fn(cls: type) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
     """The ``apply_rotary_pos_emb`` of the layer's model family (its module, or a base class's)."""
     for klass in cls.__mro__:
         fn = getattr(sys.modules.get(klass.__module__), "apply_rotary_pos_emb", None)
@@ -283,7 +284,7 @@ def _not_exact(layer: nn.Module) -> list[str]:
     return unhonoured(layer, layers, {"self_attn": attentions}, options)
 
 
-def _causal_kernels(layer: nn.Module) -> tuple[Any, Any]:
+def _causal_kernels(layer: nn.Module) -> tuple[AttentionForward, AttentionBackward]:
     """``(forward, backward)`` of the layer's causal attention without autograd: memo's, or memo's
     Ulysses halves over the layer's sequence shard (NOTE [Ulysses around HF's attention])."""
     shard = getattr(layer.self_attn, "memo_sequence_shard", None)
@@ -300,8 +301,8 @@ def _scale(layer: nn.Module) -> float:
     return float(scale) if scale is not None else 1.0 / math.sqrt(attn.head_dim)
 
 
-def _rotary(layer: nn.Module, hidden: torch.Tensor, given: Any, position_ids: Any,
-            where: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _rotary(layer: nn.Module, hidden: torch.Tensor, given: Sequence[torch.Tensor] | None,
+            position_ids: torch.Tensor | None, where: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The layer's rotary ``(cos, sin)``: what the model passed, else (the attention owns its rotary
     embedding, as Mistral and Qwen2 in 4.4x) what the attention would compute from ``position_ids``,
     in the dtype its value projection has (the autocast dtype under autocast)."""
@@ -318,7 +319,7 @@ def _rotary(layer: nn.Module, hidden: torch.Tensor, given: Any, position_ids: An
                     "its layers, or position_ids for the attention's own rotary embedding; got neither")
 
 
-class HFDecoderLayerAdapter(LayerAdapter):
+class HFDecoderLayerAdapter(LayerAdapter[_Ctx]):
     """``LlamaDecoderLayer`` / ``Qwen2DecoderLayer`` / ``MistralDecoderLayer`` -> pre / core / post
     (NOTE [HF decoder layer anatomy], NOTE [HF attention masks])."""
 
@@ -357,7 +358,7 @@ class HFDecoderLayerAdapter(LayerAdapter):
                             + "; ".join(problems))
 
     def split_args(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[
-            torch.Tensor, Any]:
+            torch.Tensor, _Ctx]:
         cls = type(layer)
         where = f"memo.adapters.hf: {cls.__name__}"
         try:

@@ -22,6 +22,7 @@ halves with the same exchange (memo/adapters/hf.py), so wrapped and unwrapped ra
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -92,8 +93,10 @@ def _register() -> None:
     AttentionInterface.register(ULYSSES_ATTENTION, ulysses_sdpa_attention)
 
 
-def _positions_hook(shard: SequenceShard) -> Any:
-    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+def _positions_hook(shard: SequenceShard) -> Callable[
+        [nn.Module, tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]]:
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[
+            tuple[Any, ...], dict[str, Any]]:
         if kwargs.get("position_ids") is not None:
             return args, kwargs
         given = kwargs.get("input_ids", args[0] if args else None)

@@ -33,17 +33,18 @@ or megatron's own recompute/offload switches are refused with a MemoError.
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 from torch import nn
 
-from memo.adapters.base import LayerAdapter
+from memo.adapters.base import AttentionBackward, AttentionForward, CoreFunction, LayerAdapter
 from memo.adapters.exact import unhonoured
 from memo.adapters.megatron_config import CORE_DEFAULT, LAYER_DEFAULT, changed_fields
 from memo.adapters.model import ModelAdapter, ModelParts
 from memo.errors import MemoError
 from memo.models.ulysses_attention import CP_COMM_TYPES
+from memo.planner.vocab import CPComm
 
 try:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -57,6 +58,12 @@ except ImportError as e:  # pragma: no cover - exercised only without megatron-c
         "memo.adapters.megatron: megatron-core is not installed (pip install megatron-core==0.16.1, or "
         "pip install memo[megatron])"
     ) from e
+
+if TYPE_CHECKING:
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from torch.distributed import ProcessGroup
 
 __all__ = [
     "GPTModelAdapter",
@@ -91,9 +98,10 @@ class MemoCoreAttention(nn.Module):
     global context-parallel group.
     """
 
-    def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str,
-                 attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection: Any = None, **unknown: Any) -> None:
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str, attention_dropout: float | None = None,
+                 softmax_scale: float | None = None, cp_comm_type: str | None = None,
+                 pg_collection: ProcessGroupCollection | None = None, **unknown: object) -> None:
         super().__init__()
         where = f"memo.adapters.megatron: MemoCoreAttention (layer {layer_number})"
         if unknown:
@@ -121,13 +129,14 @@ class MemoCoreAttention(nn.Module):
         #: The context-parallel group when it has more than one rank, else None.
         self.cp_group = _context_parallel_group(where, config, cp_comm_type, pg_collection)
         #: How the context-parallel group communicates: "all_gather" or "a2a" (None without a group).
-        self.cp_comm_type = None if self.cp_group is None else (cp_comm_type or "all_gather")
-        if self.cp_comm_type == "a2a":
+        self.cp_comm_type = None if self.cp_group is None else (cp_comm_type or CPComm.ALL_GATHER.value)
+        if self.cp_comm_type == CPComm.A2A:
             _check_ulysses_heads(where, config, get_pg_size(self.cp_group))
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any = None,
-                attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None,
-                **unknown: Any) -> torch.Tensor:
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None = None, attn_mask_type: AttnMaskType | None = None,
+                attention_bias: torch.Tensor | None = None, packed_seq_params: PackedSeqParams | None = None,
+                **unknown: object) -> torch.Tensor:
         if unknown:
             raise MemoError(
                 "memo.adapters.megatron: MemoCoreAttention.forward got argument(s) "
@@ -139,7 +148,7 @@ class MemoCoreAttention(nn.Module):
                             "packed sequences")
         if attn_mask_type is not None and attn_mask_type != AttnMaskType.causal:
             raise MemoError(f"memo.adapters.megatron: attention must be causal, not {attn_mask_type}")
-        if self.cp_comm_type == "a2a":
+        if self.cp_comm_type == CPComm.A2A:
             from memo.models.ulysses_attention import ulysses_attention
 
             o = ulysses_attention(query, key, value, self.cp_group)
@@ -157,7 +166,7 @@ class MemoCoreAttention(nn.Module):
     def attention_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[
             torch.Tensor, torch.Tensor]:
         """:meth:`forward` without autograd -> ``(o [s, b, n, d], lse)`` (memo's runtime calls it)."""
-        if self.cp_comm_type == "a2a":
+        if self.cp_comm_type == CPComm.A2A:
             from memo.models.ulysses_attention import ulysses_attention_forward
 
             return ulysses_attention_forward(q, k, v, self.cp_group)
@@ -173,7 +182,7 @@ class MemoCoreAttention(nn.Module):
                            o: torch.Tensor, lse: torch.Tensor) -> tuple[
             torch.Tensor, torch.Tensor, torch.Tensor]:
         """The gradients of :meth:`attention_forward`, from its inputs and outputs."""
-        if self.cp_comm_type == "a2a":
+        if self.cp_comm_type == CPComm.A2A:
             from memo.models.ulysses_attention import ulysses_attention_backward
 
             return ulysses_attention_backward(grad_o, q, k, v, o, lse, self.cp_group)
@@ -191,7 +200,8 @@ class MemoCoreAttention(nn.Module):
 _CP_COMM_TYPES = (None, *CP_COMM_TYPES)
 
 
-def _context_parallel_group(where: str, config: Any, cp_comm_type: Any, pg_collection: Any) -> Any:
+def _context_parallel_group(where: str, config: TransformerConfig, cp_comm_type: str | None,
+                            pg_collection: ProcessGroupCollection | None) -> ProcessGroup | None:
     """The context-parallel group of a core attention, or None when it has one rank."""
     cp_size = int(getattr(config, "context_parallel_size", 1) or 1)
     group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
@@ -213,7 +223,7 @@ def _context_parallel_group(where: str, config: Any, cp_comm_type: Any, pg_colle
     return group if group_size > 1 else None
 
 
-def _check_ulysses_heads(where: str, config: Any, cp_size: int) -> None:
+def _check_ulysses_heads(where: str, config: TransformerConfig, cp_size: int) -> None:
     """Refuse, when the module is built, heads that a Ulysses group of ``cp_size`` cannot split (NOTE
     [Ulysses context parallelism]); the heads are one tensor-parallel rank's."""
     from memo.models.ulysses_attention import ulysses_heads_problem
@@ -244,8 +254,9 @@ def use_memo_core_attention(spec: ModuleSpec) -> ModuleSpec:
     return spec
 
 
-def get_memo_gpt_layer_local_spec(**kwargs: Any) -> ModuleSpec:
-    """megatron's ``get_gpt_layer_local_spec(**kwargs)`` with :class:`MemoCoreAttention` as core attention."""
+def get_memo_gpt_layer_local_spec(**kwargs: bool | int | str | None) -> ModuleSpec:
+    """megatron's ``get_gpt_layer_local_spec(**kwargs)`` (its flags, counts and names) with
+    :class:`MemoCoreAttention` as core attention."""
     return use_memo_core_attention(get_gpt_layer_local_spec(**kwargs))
 
 
@@ -255,7 +266,18 @@ _SIGNATURE = inspect.signature(TransformerLayer._forward_attention)
 _HONOURED = {"self", "hidden_states", "attention_mask", "rotary_pos_emb", "padding_mask"}
 
 
-class MegatronLayerAdapter(LayerAdapter):
+class _Call(TypedDict):
+    """What one ``TransformerLayer`` call leaves to pre / core / post."""
+
+    #: The rotary tables of the queries and the keys (``rotary_pos_emb``), None without rotary.
+    q_pos: torch.Tensor | None
+    k_pos: torch.Tensor | None
+    #: Tokens of the layer input on this rank.
+    tokens: int
+    attention_mask: torch.Tensor | None
+
+
+class MegatronLayerAdapter(LayerAdapter[_Call]):
     """megatron-core ``TransformerLayer`` -> pre / core / post (NOTE [Megatron layer anatomy])."""
 
     name = "megatron"
@@ -284,7 +306,7 @@ class MegatronLayerAdapter(LayerAdapter):
             raise MemoError(f"{where}: cannot be split into pre/core/post because " + "; ".join(problems))
 
     def split_args(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[
-            torch.Tensor, Any]:
+            torch.Tensor, _Call]:
         problems = _not_exact(layer)
         if problems:
             raise MemoError(f"memo.adapters.megatron: layer {getattr(layer, 'layer_number', '?')}: "
@@ -309,8 +331,8 @@ class MegatronLayerAdapter(LayerAdapter):
         else:
             q_pos = k_pos = rotary
         x = given["hidden_states"]
-        return x, {"q_pos": q_pos, "k_pos": k_pos, "tokens": x.shape[0],
-                   "attention_mask": given.get("attention_mask")}
+        return x, _Call(q_pos=q_pos, k_pos=k_pos, tokens=x.shape[0],
+                        attention_mask=given.get("attention_mask"))
 
     # NOTE [Megatron sequence parallelism]
     # With sequence_parallel a tensor-parallel rank holds s/t tokens of the layer input and its QKV
@@ -328,7 +350,7 @@ class MegatronLayerAdapter(LayerAdapter):
         cfg = layer.config
         return int(cfg.tensor_model_parallel_size) if getattr(cfg, "sequence_parallel", False) else 1
 
-    def pre(self, layer: nn.Module, x: torch.Tensor, offset: int, ctx: Any) -> tuple[
+    def pre(self, layer: nn.Module, x: torch.Tensor, offset: int, ctx: _Call) -> tuple[
             torch.Tensor, torch.Tensor, torch.Tensor]:
         from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 
@@ -350,7 +372,7 @@ class MegatronLayerAdapter(LayerAdapter):
         core = getattr(layer.self_attention, "core_attention", None)
         return core if isinstance(core, nn.Module) else None
 
-    def core_function(self, layer: nn.Module, ctx: Any) -> Any:
+    def core_function(self, layer: nn.Module, ctx: _Call) -> CoreFunction | None:
         attn = layer.self_attention
         core = attn.core_attention
         if isinstance(core, MemoCoreAttention):
@@ -364,11 +386,11 @@ class MegatronLayerAdapter(LayerAdapter):
 
         return run
 
-    def attention_kernels(self, layer: nn.Module) -> tuple[Any, Any]:
+    def attention_kernels(self, layer: nn.Module) -> tuple[AttentionForward, AttentionBackward]:
         core = layer.self_attention.core_attention  # MemoCoreAttention (context parallel or not)
         return core.attention_forward, core.attention_backward
 
-    def post(self, layer: nn.Module, o: torch.Tensor, x: torch.Tensor, ctx: Any) -> torch.Tensor:
+    def post(self, layer: nn.Module, o: torch.Tensor, x: torch.Tensor, ctx: _Call) -> torch.Tensor:
         out_with_bias = layer.self_attention.linear_proj(o)
         # Megatron runs bias-dropout-add under torch.enable_grad (its exec handler); memo calls it
         # directly so that the no-grad token range records nothing.
@@ -376,7 +398,7 @@ class MegatronLayerAdapter(LayerAdapter):
             out_with_bias, x, layer.hidden_dropout)
         return layer._forward_mlp(h)
 
-    def pack_output(self, layer: nn.Module, y: torch.Tensor, ctx: Any) -> Any:
+    def pack_output(self, layer: nn.Module, y: torch.Tensor, ctx: _Call) -> tuple[torch.Tensor, None]:
         return y, None  # (hidden_states, context); no cross attention, so no context
 
 
@@ -400,7 +422,7 @@ def _whole(model: nn.Module) -> None:
             "whole GPTModel per process")
 
 
-def _rotary_rows(offset: int, n: int, tokens: int, gather: int, device: torch.device) -> Any:
+def _rotary_rows(offset: int, n: int, tokens: int, gather: int, device: torch.device) -> slice | torch.Tensor:
     """Rows of the rotary table for pre's output on local tokens ``[offset:offset+n]`` of ``tokens``
     (NOTE [Megatron sequence parallelism]): a slice when nothing is gathered."""
     if gather == 1:

@@ -29,7 +29,6 @@ is looked at before it is trained:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 __all__ = ["CORE_DEFAULT", "LAYER_DEFAULT", "NOT_ATTENTION", "RUN", "changed_fields"]
 
@@ -114,7 +113,7 @@ NOT_ATTENTION = frozenset({
 })
 
 
-def _default(field: dataclasses.Field) -> Any:
+def _default(field: dataclasses.Field[object]) -> object:
     if field.default is not dataclasses.MISSING:
         return field.default
     if field.default_factory is not dataclasses.MISSING:
@@ -122,7 +121,7 @@ def _default(field: dataclasses.Field) -> Any:
     return dataclasses.MISSING
 
 
-def changed_fields(config: Any, names: frozenset[str]) -> list[str]:
+def changed_fields(config: object, names: frozenset[str]) -> list[str]:
     """``name=value`` of each field in ``names`` whose value in ``config`` is not megatron-core's
     ``TransformerConfig`` default (``config`` may be any object with some of its attributes)."""
     from megatron.core.transformer.transformer_config import TransformerConfig

@@ -16,20 +16,23 @@ import argparse
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from memo.cli.args import add_machine_arguments, positive_float, positive_int, seq_len
 from memo.errors import MemoError
 from memo.machine import Machine
-from memo.planner.vocab import RECORDERS
+from memo.planner.vocab import RECORDERS, Recorder
+
+if TYPE_CHECKING:
+    from memo.pipeline import ProfileResult
 
 __all__ = ["add_parser", "run"]
 
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "profile",
         help="record one iteration's allocation trace, solve alpha and write the memory plan",
@@ -149,7 +152,7 @@ def _bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
-def _report(result: Any, seq_len: int, micro_batch: int, hidden: int, dtype: torch.dtype,
+def _report(result: ProfileResult, seq_len: int, micro_batch: int, hidden: int, dtype: torch.dtype,
             ranks: int = 1) -> list[str]:
     """What a user reads: sizes per layer, machine numbers and their sources, alpha, plan.
 
@@ -215,7 +218,7 @@ def _fill_defaults(args: argparse.Namespace) -> tuple[dict[str, str], int]:
     if args.recorder is None:
         # Plans are replayed by (phase, request index), so on a real device the trace should be the
         # allocator's own requests (docs/profiling.md, "Which recorder"); meta has only dispatch.
-        args.recorder = "dispatch" if args.device == "meta" else "allocator"
+        args.recorder = Recorder.DISPATCH.value if args.device == "meta" else Recorder.ALLOCATOR.value
     sources = {"tp": "given", "cp": "given", "gpus": "given"}
     if args.tensor_parallel is None:
         # The profile is of one rank as given: no sharding unless asked for (the paper's 1M-token

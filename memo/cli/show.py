@@ -7,9 +7,9 @@ peaks, host bytes, and how the solver did.
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
-from memo.planner import offload_difference, read_plan_summary
+from memo.planner import Plan, PlanSummary, offload_difference, read_plan_summary
+from memo.planner.vocab import LayerPolicy
 from memo.units import format_bytes
 
 __all__ = ["add_parser", "format_plan", "parallel_line", "run", "safe_text", "warning_lines"]
@@ -46,7 +46,7 @@ MODEL_KEYS = ("model", "seq_len", "micro_batch", "dtype", "n_layers", "fingerpri
 MAX_PHASE_LINES = 64
 
 
-def format_plan(plan: Any) -> str:
+def format_plan(plan: Plan | PlanSummary) -> str:
     """The summary of a :class:`memo.planner.Plan` or :class:`memo.planner.PlanSummary`."""
     meta = plan.meta
     out = [
@@ -67,7 +67,8 @@ def format_plan(plan: Any) -> str:
         out.append(f"policy        {describe_policy(plan.policy)} (per layer: "
                    f"{' '.join(p[0] for p in plan.policy)}; m = memo, i = input-only, r = full recompute, "
                    "k = keep)")
-        if any(p in ("memo", "input-only") for p in plan.policy):  # NOTE [Tiles bounded by memory]
+        # NOTE [Tiles bounded by memory]
+        if any(p in (LayerPolicy.MEMO, LayerPolicy.INPUT_ONLY) for p in plan.policy):
             tiles = ("the runtime's default (s/8 tokens, at most 256 MiB of a tile's transients)"
                      if plan.tile_tokens is None else
                      f"{plan.tile_tokens:,} tokens, as recorded (the default of the device the plan is for, "
@@ -180,7 +181,7 @@ def warning_lines(warnings: list[str]) -> list[str]:
     return [f"warning       {w}" for w in rest] + out
 
 
-def _allocations(plan: Any) -> int:
+def _allocations(plan: Plan | PlanSummary) -> int:
     count = getattr(plan, "allocation_count", None)
     return int(count) if count is not None else len(plan.allocations)
 

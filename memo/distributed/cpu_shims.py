@@ -33,10 +33,17 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterator
-from typing import Any
+import types
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
 __all__ = [
     "TorchNorm",
@@ -47,7 +54,7 @@ __all__ = [
 ]
 
 # (owner, attribute name, original value) of every patch applied, in order; empty when none is.
-_PATCHED: list[tuple[Any, str, Any]] = []
+_PATCHED: list[tuple[object, str, object]] = []
 
 
 def cpu_shims_installed() -> bool:
@@ -120,7 +127,7 @@ def remove_cpu_shims() -> None:
         setattr(owner, name, original)
 
 
-def _patch(owner: Any, name: str, value: Callable[..., Any]) -> None:
+def _patch(owner: object, name: str, value: object) -> None:
     _PATCHED.append((owner, name, getattr(owner, name)))
     setattr(owner, name, value)
 
@@ -129,13 +136,13 @@ class _CpuTorch:
     """``torch`` whose ``zeros`` puts a tensor asked for on "cuda" on the CPU (NOTE [CPU pipeline
     schedules])."""
 
-    def __init__(self, real: Any) -> None:
+    def __init__(self, real: types.ModuleType) -> None:
         self._real = real
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._real, name)
 
-    def zeros(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def zeros(self, *args: object, **kwargs: object) -> torch.Tensor:
         if str(kwargs.get("device", "")).startswith("cuda"):
             kwargs["device"] = "cpu"
         return self._real.zeros(*args, **kwargs)
@@ -145,15 +152,16 @@ def _cpu_current_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _cpu_get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+def _cpu_get_rng_state(device: int | str | torch.device = "cuda", clone: bool = False,
+                       graph_safe: bool = False) -> torch.Tensor:
     return torch.get_rng_state()  # a new tensor already: ``clone`` changes nothing
 
 
-def _cpu_set_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
+def _cpu_set_rng_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False) -> None:
     torch.set_rng_state(new_state)
 
 
-def _cpu_tracker_add(self: Any, name: str, seed: int) -> None:
+def _cpu_tracker_add(self: CudaRNGStatesTracker, name: str, seed: int) -> None:
     """``CudaRNGStatesTracker.add`` on the CPU generator: a state seeded with ``seed`` under ``name``."""
     self._is_initialized = True
     if seed in self.seeds_:
@@ -168,7 +176,7 @@ def _cpu_tracker_add(self: Any, name: str, seed: int) -> None:
 
 
 @contextlib.contextmanager
-def _cpu_tracker_fork(self: Any, name: str = "model-parallel-rng") -> Iterator[None]:
+def _cpu_tracker_fork(self: CudaRNGStatesTracker, name: str = "model-parallel-rng") -> Iterator[None]:
     """``CudaRNGStatesTracker.fork`` on the CPU generator. megatron's version also warns when the CPU
     state changed inside the fork; here the CPU generator *is* the forked one, so there is no warning."""
     if name not in self.states_:
@@ -194,7 +202,8 @@ def _cpu_causal_mask(sq: int) -> torch.Tensor:
     return torch.triu(torch.ones(sq, sq, device="cpu"), diagonal=1).bool()
 
 
-def _cpu_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group: Any) -> torch.Tensor:
+def _cpu_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int,
+                                 cp_group: torch.distributed.ProcessGroup | None) -> torch.Tensor:
     """megatron's ``get_pos_emb_on_this_cp_rank`` with a CPU index: rows of chunks r and 2c-1-r."""
     if cp_group is None:
         raise ValueError("cp_group must be provided to get positional embedding per CP rank")
@@ -215,8 +224,9 @@ class TorchNorm:
     only asserts that SP is off; this one marks its parameters instead.
     """
 
-    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
-                zero_centered_gamma: bool = False, normalization: str = "LayerNorm") -> torch.nn.Module:
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5,
+                persist_layer_norm: bool = False, zero_centered_gamma: bool = False,
+                normalization: str = "LayerNorm") -> torch.nn.Module:
         from memo.errors import MemoError
 
         unsupported = ("layernorm_zero_centered_gamma", "persist_layer_norm", "memory_efficient_layer_norm")
@@ -234,7 +244,7 @@ class TorchNorm:
         return norm
 
 
-def sequence_parallel_norms(layer_spec: Any, config: Any) -> Any:
+def sequence_parallel_norms(layer_spec: ModuleSpec, config: TransformerConfig) -> TransformerBlockSubmodules:
     """A TransformerBlock spec whose norms accept sequence parallelism (NOTE [Sequence-parallel norm]).
 
     ``layer_spec``: a TransformerLayer ``ModuleSpec`` (e.g. ``get_memo_gpt_layer_local_spec()``); a

@@ -85,7 +85,7 @@ CUDA allocator for the whole process, installed before the first CUDA tensor: no
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -99,6 +99,10 @@ from memo.distributed.layout import (
     rank_device,
 )
 from memo.errors import MemoError
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["FSDP2Run", "LossRoot", "fsdp_modules", "shard_model"]
 
@@ -116,8 +120,8 @@ class LossRoot(nn.Module):
         return self._adapter.loss(self.model, ids, labels)
 
 
-def shard_model(model: nn.Module, mesh: Any, offload_states: bool = False, device: torch.device | None = None
-                ) -> LossRoot:
+def shard_model(model: nn.Module, mesh: DeviceMesh | None, offload_states: bool = False,
+                device: torch.device | None = None) -> LossRoot:
     """``fully_shard`` each of ``model``'s layers (its model adapter's) and then a :class:`LossRoot`
     around it, over ``mesh``; ``CPUOffloadPolicy`` when ``offload_states`` (pinned host memory where
     the device is CUDA). Returns the root, whose call is the loss."""
@@ -187,8 +191,8 @@ class FSDP2Run(ParallelRun):
         self.offload_states = offload_states
         cp = layout.context_parallel
         self.dp_rank, self.cp_rank = launch.rank // cp, launch.rank % cp
-        self.mesh: Any = None
-        self.cp_group: Any = None
+        self.mesh: DeviceMesh | None = None
+        self.cp_group: ProcessGroup | None = None
         self.root: nn.Module | None = None
 
     @classmethod

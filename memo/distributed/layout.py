@@ -50,11 +50,21 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from memo.errors import MemoError
+from memo.planner.vocab import CPComm
+
+if TYPE_CHECKING:
+    from megatron.core.distributed import DistributedDataParallel
+    from torch.distributed import ProcessGroup
+
+    from memo.adapters.model import ModelAdapter
+    from memo.planner import Plan
+
+_T = TypeVar("_T")
 
 __all__ = [
     "VOCAB_MULTIPLE",
@@ -87,7 +97,7 @@ class ParallelLayout:
     """Ranks the batch rows are split over."""
     sequence_parallel: bool = False
     """megatron's sequence parallelism inside each TP group (needs tensor_parallel > 1)."""
-    cp_comm: str = "all_gather"
+    cp_comm: str = CPComm.ALL_GATHER.value
     """How the CP ranks' attention communicates (megatron's ``cp_comm_type``): ``"all_gather"`` (K and
     V) or ``"a2a"`` (Ulysses: every rank attends all tokens of its share of the heads)."""
     pipeline_parallel: int = 1
@@ -159,7 +169,7 @@ class LaunchEnv:
 
 def resolve_layout(tensor_parallel: int = 1, context_parallel: int = 1, data_parallel: int | None = None,
                    sequence_parallel: bool = False, world_size: int = 1,
-                   cp_comm: str = "all_gather", pipeline_parallel: int = 1,
+                   cp_comm: str = CPComm.ALL_GATHER.value, pipeline_parallel: int = 1,
                    virtual_pipeline: int = 1) -> ParallelLayout:
     """The layout of ``world_size`` processes; ``data_parallel`` None is ``world / (tp·cp·pp)``.
 
@@ -246,7 +256,7 @@ def check_layout(layout: ParallelLayout, *, engine: str, n_heads: int, n_query_g
             raise MemoError(f"memo.distributed: the model has {count} {what}, which --tp {tp} cannot split "
                             f"evenly (each tensor-parallel rank holds a whole number of them); use a --tp "
                             f"that divides {count}")
-    if cp > 1 and layout.cp_comm == "a2a":  # the heads split over --tp (checked above)
+    if cp > 1 and layout.cp_comm == CPComm.A2A:  # the heads split over --tp (checked above)
         from memo.models.ulysses_attention import ulysses_heads_problem
 
         heads, groups = n_heads // tp, n_query_groups // tp
@@ -289,7 +299,7 @@ def _pipeline_problem(layout: ParallelLayout, engine: str, n_layers: int, micro_
     return None
 
 
-def plan_fingerprint(plan: Any) -> str | None:
+def plan_fingerprint(plan: Plan | None) -> str | None:
     """A short hash of a plan's JSON (None without a plan): equal plans, equal fingerprints."""
     if plan is None:
         return None
@@ -297,7 +307,7 @@ def plan_fingerprint(plan: Any) -> str | None:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def requests_fingerprint(plan: Any) -> str | None:
+def requests_fingerprint(plan: Plan | None) -> str | None:
     """A short hash of what a plan was made from (its requests: sizes, phases, lifetimes): two ranks
     whose plans share it recorded the same iteration and may run one plan."""
     if plan is None:
@@ -339,7 +349,7 @@ class ParallelRun:
     def __init__(self, layout: ParallelLayout, launch: LaunchEnv, device: torch.device) -> None:
         self.layout, self.launch, self.device = layout, launch, device
         self.tp_rank = self.cp_rank = self.dp_rank = self.pp_rank = 0
-        self.ddp: Any = None
+        self.ddp: DistributedDataParallel | None = None
         self._owns_group = False
 
     @property
@@ -439,7 +449,7 @@ class ParallelRun:
         scale = self.layout.data_parallel * self.layout.context_parallel
         return local * (scale / count), total / count
 
-    def model_adapter(self, positions: torch.Tensor, global_count: int) -> Any:
+    def model_adapter(self, positions: torch.Tensor, global_count: int) -> ModelAdapter:
         """The GPT model adapter whose loss is this rank's step loss (:meth:`loss` with the shard's
         ``positions``), for :func:`memo.adapters.model.use_model_adapter`: memo's profile then records
         the iteration every step runs, allocation for allocation, and the plan holds in training."""
@@ -466,7 +476,7 @@ class ParallelRun:
 
         self.ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
 
-    def optimizer_group(self) -> Any:
+    def optimizer_group(self) -> ProcessGroup | None:
         """The ranks that hold the same weights and gradients, over which the optimizer states are
         sharded (NOTE [ZeRO-1 under megatron] in memo/train/optim.py): megatron's DP x CP group."""
         from megatron.core import parallel_state
@@ -489,7 +499,7 @@ class ParallelRun:
                 p.grad = p.main_grad
 
     # ------------------------------------------------------------------------ agreement
-    def gather(self, obj: Any) -> list[Any]:
+    def gather(self, obj: _T) -> list[_T]:
         """``obj`` of every rank, in rank order (a collective: every rank must call it)."""
         out: list[Any] = [None] * self.launch.world_size
         torch.distributed.all_gather_object(out, obj)

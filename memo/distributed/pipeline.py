@@ -32,7 +32,7 @@ batching off wherever the process group is not NCCL's (:func:`pipeline_config`);
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -40,10 +40,13 @@ from torch import nn
 from memo.adapters.model import ModelAdapter, ModelParts, register_model_adapter
 from memo.errors import MemoError
 
+if TYPE_CHECKING:
+    from memo.distributed.layout import ParallelLayout
+
 __all__ = ["StageAdapter", "StageModel", "in_flight", "pipeline_config", "whole_model_name"]
 
 
-def pipeline_config(layout: Any, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
+def pipeline_config(layout: ParallelLayout, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
     """The ``TransformerConfig`` fields of ``layout``'s pipeline (none for one stage): its sizes, the
     dtype of what the stages send, and batched p2p only on CUDA (NOTE [Batched p2p under gloo])."""
     p, v = layout.pipeline_parallel, layout.virtual_pipeline

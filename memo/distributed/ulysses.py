@@ -11,17 +11,20 @@ parameter or the state dict, so FSDP2 shards the same model over the DP x CP ran
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torch import nn
 
 from memo.errors import MemoError
 from memo.models.ulysses_attention import SequenceShard, UlyssesCoreAttention, kv_replicas
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 __all__ = ["shard_sequence"]
 
 
-def shard_sequence(model: nn.Module, group: Any) -> SequenceShard:
+def shard_sequence(model: nn.Module, group: ProcessGroup) -> SequenceShard:
     """Make ``model`` this rank's part of the Ulysses ``group``; -> its :class:`SequenceShard`.
 
     Raises a MemoError for a model memo cannot split this way (heads the ranks cannot share, a model

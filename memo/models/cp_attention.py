@@ -28,6 +28,7 @@ as :func:`memo.models.causal_attention.attention` does).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -135,7 +136,7 @@ def segment_attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.T
     return dq, dk, dv
 
 
-def _group_layout(group: Any) -> tuple[int, int]:
+def _group_layout(group: dist.ProcessGroup) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
@@ -149,7 +150,7 @@ def _sequence_order(size: int, local_len: int, device: torch.device) -> torch.Te
     return (index[:, None] * m + torch.arange(m)).reshape(-1).to(device)
 
 
-def _gather_sequence(t: torch.Tensor, group: Any) -> torch.Tensor:
+def _gather_sequence(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """All ranks' ``t: [2m, ...]`` -> ``[2m·c, ...]`` in sequence order."""
     rank, size = _group_layout(group)
     t = t.contiguous()
@@ -158,7 +159,7 @@ def _gather_sequence(t: torch.Tensor, group: Any) -> torch.Tensor:
     return out.index_select(0, _sequence_order(size, t.shape[0], t.device))
 
 
-def _scatter_sequence(grad: torch.Tensor, local_len: int, group: Any) -> torch.Tensor:
+def _scatter_sequence(grad: torch.Tensor, local_len: int, group: dist.ProcessGroup) -> torch.Tensor:
     """Adjoint of :func:`_gather_sequence`: the sum over ranks of each rank's rows."""
     _, size = _group_layout(group)
     rank_major = torch.empty_like(grad)
@@ -168,13 +169,13 @@ def _scatter_sequence(grad: torch.Tensor, local_len: int, group: Any) -> torch.T
     return out
 
 
-def _segments(q: torch.Tensor, group: Any) -> list[Segment]:
+def _segments(q: torch.Tensor, group: dist.ProcessGroup) -> list[Segment]:
     rank, size = _group_layout(group)
     return chunk_positions(rank, size, q.shape[0])
 
 
-def cp_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any) -> tuple[
-        torch.Tensor, torch.Tensor]:
+def cp_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's causal attention over the context-parallel ``group`` (NOTE [Context-parallel
     attention]); ``q: [2m, b, n, d]``, ``k, v: [2m, b, n_kv, d]`` -> ``o``, ``lse`` as
     :func:`memo.models.causal_attention.attention_forward`."""
@@ -184,7 +185,7 @@ def cp_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grou
 
 
 def cp_attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          o: torch.Tensor, lse: torch.Tensor, group: Any) -> tuple[
+                          o: torch.Tensor, lse: torch.Tensor, group: dist.ProcessGroup) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`cp_attention_forward` for this rank's ``q, k, v`` (K/V gathered again;
     their gradients reduce-scattered back to the ranks that hold them)."""
@@ -203,8 +204,10 @@ class GroupAttention(torch.autograd.Function):
     memo/models/ulysses_attention.py."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any,
-                halves: tuple[Any, Any]) -> torch.Tensor:
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None,
+                halves: tuple[Callable[..., tuple[torch.Tensor, torch.Tensor]],
+                              Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]],
+                ) -> torch.Tensor:
         o, lse = halves[0](q, k, v, group)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.group, ctx.backward_half = group, halves[1]
@@ -216,6 +219,6 @@ class GroupAttention(torch.autograd.Function):
         return (*ctx.backward_half(grad_o, q, k, v, o, lse, ctx.group), None, None)
 
 
-def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any) -> torch.Tensor:
+def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Differentiable :func:`cp_attention_forward`: ``-> o [2m, b, n, d]``."""
     return GroupAttention.apply(q, k, v, group, (cp_attention_forward, cp_attention_backward))

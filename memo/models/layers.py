@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import abc
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +46,9 @@ from memo.models.causal_attention import attention
 from memo.models.config import ModelConfig
 from memo.models.norms import RMSNorm
 from memo.models.parallel import column_parallel_linear, rank_shapes, row_parallel_linear
+
+if TYPE_CHECKING:
+    from memo.models.ulysses_attention import SequenceShard
 
 __all__ = [
     "CoreAttention",
@@ -126,7 +129,7 @@ class TransformerLayer(nn.Module, abc.ABC):
     #: This rank's share of a sequence split over Ulysses ranks (NOTE [Contiguous Ulysses] in
     #: memo/models/ulysses_attention.py), None for the whole sequence; set with the core attention by
     #: memo.distributed.ulysses.shard_sequence.
-    sequence_shard: Any = None
+    sequence_shard: SequenceShard | None = None
 
     def first_position(self, x: torch.Tensor) -> int:
         """The absolute position of ``x[0]`` (``x``: the layer's whole input ``[s, b, h]``): 0, or this

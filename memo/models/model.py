@@ -28,7 +28,7 @@ A sequence longer than the table raises a MemoError saying so. Llama has no tabl
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.utils.checkpoint
@@ -47,6 +47,9 @@ from memo.models.parallel import (
     vocab_parallel_embedding,
     vocab_parallel_labels,
 )
+
+if TYPE_CHECKING:
+    from memo.models.ulysses_attention import SequenceShard
 
 __all__ = [
     "DEFAULT_MAX_SEQ_LEN",
@@ -135,7 +138,7 @@ class GPTEmbedding(nn.Module):
 
     #: This rank's share of a sequence split over Ulysses ranks (NOTE [Contiguous Ulysses] in
     #: memo/models/ulysses_attention.py): its ids are positions ``first_position(s) ..``; None: from 0.
-    sequence_shard: Any = None
+    sequence_shard: SequenceShard | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         _check_ids(ids)

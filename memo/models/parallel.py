@@ -97,7 +97,7 @@ __all__ = [
 ]
 
 
-def check_tensor_parallel(tensor_parallel: Any) -> int:
+def check_tensor_parallel(tensor_parallel: object) -> int:
     """``tensor_parallel`` as an int >= 1, or a MemoError."""
     if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
         raise MemoError(f"memo.models: tensor_parallel must be a positive int, got {tensor_parallel!r}")

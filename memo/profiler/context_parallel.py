@@ -34,8 +34,6 @@ when asked.
 
 from __future__ import annotations
 
-from typing import Any
-
 from memo.errors import MemoError
 from memo.models.parallel import context_parallel_seq_len
 from memo.token_split import check_seq_len, token_multiple
@@ -43,7 +41,7 @@ from memo.token_split import check_seq_len, token_multiple
 __all__ = ["check_context_parallel", "context_parallel_note", "rank_tokens", "token_multiple"]
 
 
-def check_context_parallel(context_parallel: Any) -> int:
+def check_context_parallel(context_parallel: object) -> int:
     """``context_parallel`` as an int >= 1, or a MemoError."""
     if isinstance(context_parallel, bool) or not isinstance(context_parallel, int) or context_parallel < 1:
         raise MemoError(

@@ -14,15 +14,19 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from memo.errors import MemoError
 from memo.units import GB
+
+if TYPE_CHECKING:
+    from memo.machine import Machine
+    from memo.models.config import ModelConfig
 
 __all__ = [
     "Quantity",
@@ -76,7 +80,7 @@ def gpu_peak_flops(gpu: str, dtype: torch.dtype) -> float:
     )
 
 
-def layer_forward_flops(config: Any, seq_len: int, micro_batch: int) -> float:
+def layer_forward_flops(config: ModelConfig, seq_len: int, micro_batch: int) -> float:
     """Forward FLOPs of one layer for one micro-batch.
 
     The per-layer share of the paper's training FLOPs ``6·s·P + 6·n·h·s²``
@@ -89,7 +93,7 @@ def layer_forward_flops(config: Any, seq_len: int, micro_batch: int) -> float:
 
 
 def estimate_layer_ms(
-    config: Any, seq_len: int, micro_batch: int, gpu: str, dtype: torch.dtype, efficiency: float
+    config: ModelConfig, seq_len: int, micro_batch: int, gpu: str, dtype: torch.dtype, efficiency: float
 ) -> Quantity:
     """T_layer from FLOPs: ``layer_forward_flops / (peak · efficiency)``, in ms."""
     if not 0 < efficiency <= 1:
@@ -107,8 +111,8 @@ def _sync(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
-def time_layer_forward(layer: nn.Module, *args: Any, repeats: int = 3, warmup: int = 1,
-                       layer_kwargs: dict[str, Any] | None = None) -> Quantity:
+def time_layer_forward(layer: nn.Module, *args: object, repeats: int = 3, warmup: int = 1,
+                       layer_kwargs: Mapping[str, object] | None = None) -> Quantity:
     """Median forward time of ``layer(*args, **layer_kwargs)`` in ms.
 
     ``args`` and ``layer_kwargs``: what the model passes the layer (the hidden states ``[s, b, h]``
@@ -198,7 +202,7 @@ def machine_memory_bytes() -> int:
         raise MemoError("memo.profiler: cannot read this machine's memory size; pass --host-mem-gb") from None
 
 
-def check_machine(machine: Any, device: torch.device, dtype: torch.dtype) -> None:
+def check_machine(machine: Machine, device: torch.device, dtype: torch.dtype) -> None:
     """Refuse missing machine numbers (a :class:`memo.machine.Machine`) before a (possibly long)
     recording, not after it: the meta device measures nothing."""
     if machine.gpu is not None:
@@ -220,8 +224,8 @@ def check_machine(machine: Any, device: torch.device, dtype: torch.dtype) -> Non
         raise MemoError("memo.profiler: the meta device cannot measure " + "; and ".join(missing))
 
 
-def measure_machine(machine: Any, device: torch.device, dtype: torch.dtype, *,
-                    time_layer: Callable[[], Quantity], config: Any = None, seq_len: int = 0,
+def measure_machine(machine: Machine, device: torch.device, dtype: torch.dtype, *,
+                    time_layer: Callable[[], Quantity], config: ModelConfig | None = None, seq_len: int = 0,
                     micro_batch: int = 1) -> dict[str, Quantity]:
     """B, T_layer and the node's host memory of ``machine`` (a :class:`memo.machine.Machine`): given,
     measured on ``device`` (cpu/cuda; ``time_layer()`` times one layer there), or T_layer estimated

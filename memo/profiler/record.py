@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import itertools
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +28,7 @@ from torch import nn
 from memo.adapters.base import find_adapter
 from memo.adapters.model import ModelAdapter, ModelParts, model_adapter_for
 from memo.errors import MemoError
-from memo.phases import PhaseTracker
+from memo.phases import PhaseListener, PhaseTracker
 from memo.profiler.recorder import RECORDER_NAME, DispatchRecorder
 from memo.profiler.saved import LayerSavedBytes
 from memo.profiler.stats import LayerStats, layer_stats, summarise_layers
@@ -85,7 +86,7 @@ def model_parts(model: nn.Module) -> ModelParts:
     return model_adapter_for(model, "memo.profiler").parts(model)
 
 
-def phase_tracker(model: nn.Module, listeners: Any = ()) -> PhaseTracker:
+def phase_tracker(model: nn.Module, listeners: Sequence[PhaseListener] = ()) -> PhaseTracker:
     """A :class:`PhaseTracker` on the parts the model's adapter names."""
     parts = model_parts(model)
     return PhaseTracker(parts.embedding, parts.layers, parts.head, listeners=listeners)

@@ -39,11 +39,12 @@ from torch.utils._pytree import tree_flatten
 
 from memo import repeated_tiles
 from memo.errors import internal_assert
+from memo.planner.vocab import Recorder
 
 __all__ = ["Allocation", "DispatchRecorder", "RECORDER_NAME"]
 
 #: The ``meta.recorder`` value of traces this recorder writes.
-RECORDER_NAME = "dispatch"
+RECORDER_NAME = Recorder.DISPATCH.value
 
 
 @dataclass

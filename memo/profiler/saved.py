@@ -20,6 +20,7 @@ while memo copies only the quarter.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection, Hashable
 from typing import Any
 
 import torch
@@ -80,13 +81,13 @@ class SavedStorages:
         self.device = device
         # storage id -> (base tensor covering the copied bytes, its token). The base keeps the
         # storage alive during the pass, so its identity cannot be reused.
-        self.bases: dict[int, tuple[torch.Tensor, Any]] = {}
+        self.bases: dict[int, tuple[torch.Tensor, Hashable]] = {}
 
-    def add_storage_base(self, t: torch.Tensor, token: Any) -> None:
+    def add_storage_base(self, t: torch.Tensor, token: Hashable) -> None:
         """``t``'s whole storage is accounted for elsewhere (the layer input, attention's output)."""
         self.add_base(_storage_tensor(t), token)
 
-    def add_base(self, t: torch.Tensor, token: Any) -> None:
+    def add_base(self, t: torch.Tensor, token: Hashable) -> None:
         """``t`` (contiguous) is copied whole, as ``token``: saved views of it refer to that copy."""
         self.bases[storage_id(t)] = (t, token)
 
@@ -116,7 +117,7 @@ class SavedStorages:
     def clear(self) -> None:
         self.bases.clear()
 
-    def retain(self, tokens: set[Any]) -> None:
+    def retain(self, tokens: Collection[Hashable]) -> None:
         """Forget every copied base but those of ``tokens``: a token tile's own tensors, which no
         later tile saves a view of (NOTE [Tiles bounded by memory] in memo/runtime/tiles.py), so
         that their storages are freed once the tile is done."""
@@ -134,7 +135,8 @@ class LayerSavedBytes:
     storage (S_input) already copied.
     """
 
-    def __init__(self, in_attention: Any, is_attention_output: Any) -> None:
+    def __init__(self, in_attention: Callable[[], bool],
+                 is_attention_output: Callable[[torch.Tensor], bool]) -> None:
         self._in_attention = in_attention
         self._is_attention_output = is_attention_output
         self.current: int | None = None
