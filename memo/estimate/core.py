@@ -33,7 +33,7 @@ from memo.estimate.plan_method import (
     memo_alpha_within,
     rank_layer_ms,
 )
-from memo.planner.vocab import ESTIMATE_METHODS, OFFLOADING_POLICIES, Strategy
+from memo.planner.vocab import ESTIMATE_METHODS, OFFLOADING_POLICIES, StrategyName
 from memo.units import GB, GiB
 
 __all__ = ["ESTIMATE_KIND", "ESTIMATE_VERSION", "MEMO_POLICIES", "METHODS", "MODEL_STATES", "Estimate",
@@ -114,7 +114,7 @@ def limit_rule(strategy: str, given: bool = False) -> str:
     usable budget) and "fraction" for the others."""
     if given:
         return "given"
-    return "plan" if strategy == Strategy.MEMO.value else "fraction"
+    return "plan" if strategy == StrategyName.MEMO.value else "fraction"
 
 
 def fit_limit(device_mem_gb: float, fit_fraction: float, rule: str, given_bytes: int | None = None) -> int:

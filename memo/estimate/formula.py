@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING
 
 from memo.errors import MemoError
 from memo.estimate.layout import Layout
-from memo.planner.vocab import Strategy
+from memo.planner.vocab import StrategyName
 
 if TYPE_CHECKING:
     from memo.models.config import ModelConfig
@@ -62,7 +62,7 @@ __all__ = ["FORMULA_STRATEGIES", "FormulaShape", "formula_activations", "formula
            "formula_model_states", "formula_parameters"]
 
 #: Strategies the closed form covers (NOTE [Estimator formula]).
-FORMULA_STRATEGIES = (Strategy.NONE.value, Strategy.FULL_RECOMPUTE.value)
+FORMULA_STRATEGIES = (StrategyName.NONE.value, StrategyName.FULL_RECOMPUTE.value)
 
 
 @dataclass(frozen=True)

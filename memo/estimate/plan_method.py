@@ -72,7 +72,7 @@ from memo.estimate.layout import Layout
 from memo.estimate.meta_ulysses import meta_ulysses
 from memo.estimate.rank_numbers import RankNumbers, analyse_trace
 from memo.machine import Machine
-from memo.planner.vocab import Strategy
+from memo.planner.vocab import StrategyName
 from memo.repeated_tiles import repeated_tiles_skipped
 from memo.units import GB
 
@@ -93,7 +93,7 @@ __all__ = ["DEPTHS", "ESTIMATE_DEFAULTS", "PLAN_STRATEGIES", "Machine", "RankNum
 #: comes from the embedding) and the last (its backward starts the prefetches) are already there.
 DEPTHS = (3, 4)
 
-PLAN_STRATEGIES = (*FORMULA_STRATEGIES, Strategy.MEMO.value, Strategy.OFFLOADED_CHECKPOINT.value)
+PLAN_STRATEGIES = (*FORMULA_STRATEGIES, StrategyName.MEMO.value, StrategyName.OFFLOADED_CHECKPOINT.value)
 
 # NOTE [The peer in an estimate]
 # ``offloaded-checkpoint`` is the peer ``memo train --strategy offloaded-checkpoint`` runs (ALST's

@@ -21,7 +21,7 @@ import importlib
 from typing import Any
 
 #: Activation-memory strategies ``memo train --strategy`` knows, in the order tables list them
-#: (memo.planner.vocab.Strategy: defined once; torch-free).
+#: (memo.planner.vocab.StrategyName: defined once; torch-free).
 from memo.planner.vocab import STRATEGIES  # noqa: E402
 
 _EXPORTS = {

@@ -45,7 +45,7 @@ from torch import nn
 from memo import pipeline, planner, profiler  # at import time: NOTE [Import PuLP early] in memo.planner
 from memo.errors import MemoError
 from memo.machine import Machine
-from memo.planner.vocab import Strategy as StrategyName
+from memo.planner.vocab import StrategyName
 from memo.runtime.layer import offload_tokens as runtime_offload_tokens
 from memo.runtime.peers import CheckpointedLayers, HostBytesMeter, HostOffload
 from memo.runtime.peers import host_copy as _host_copy
