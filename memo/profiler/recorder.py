@@ -39,12 +39,13 @@ from torch.utils._pytree import tree_flatten
 
 from memo import repeated_tiles
 from memo.errors import internal_assert
-from memo.planner.vocab import Recorder
 
 __all__ = ["Allocation", "DispatchRecorder", "RECORDER_NAME"]
 
 #: The ``meta.recorder`` value of traces this recorder writes.
-RECORDER_NAME = Recorder.DISPATCH.value
+# The planner's Recorder.DISPATCH, spelled out: the profiler records only and imports no planner
+# (tests/pipeline/test_pipeline.py), and memo.planner.vocab would load the whole planner package.
+RECORDER_NAME = "dispatch"
 
 
 @dataclass
