@@ -14,7 +14,7 @@ from memo.models import get_config
 from memo.train.data import Batch
 
 if TYPE_CHECKING:
-    from memo.train.loop import TrainConfig, TrainResult
+    from memo.train.config import TrainConfig, TrainResult
 
 __all__ = ["ParallelLoss", "Sharded", "agree", "parallel_record", "ranks_text", "start_parallel"]
 
