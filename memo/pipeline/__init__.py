@@ -66,14 +66,17 @@ from memo.profiler.stats import summarise_layers
 # can watch it (tests/allocator/test_cuda_path.py).
 from .addresses import _plan
 from .device import FALLBACK_HEADROOM, FALLBACK_SEGMENT_BYTES, iteration_total, usable_device_bytes
-from .job import ProfileJob, ProfileRequest, ProfileState, build_profile_model, example_batch
+from .job import ProfileJob, ProfileState, ResolvedRequest, build_profile_model, example_batch
 from .passes import _check_allocator_device, _pass2, _record, _time_first_layer
 from .passes import _record_allocator as _record_allocator
 from .policy import _choose_policy
+from .request import ProfileRequest
 from .result import ProfileResult
+from .step import ModelStep
 
-__all__ = ["DTYPES", "FALLBACK_HEADROOM", "FALLBACK_SEGMENT_BYTES", "ProfileResult", "build_profile_model",
-           "example_batch", "iteration_total", "profile", "usable_device_bytes"]
+__all__ = ["DTYPES", "FALLBACK_HEADROOM", "FALLBACK_SEGMENT_BYTES", "ProfileRequest", "ProfileResult",
+           "build_profile_model", "example_batch", "iteration_total", "profile", "profile_step",
+           "usable_device_bytes"]
 
 #: dtype names accepted by :func:`profile` and ``memo profile --dtype`` (memo/models/dtypes.py).
 DTYPES = DTYPES_AND_ALIASES
@@ -154,35 +157,53 @@ def profile(
     the same ``.grad`` tensors with the same values, or None; the profile's own backward passes leave
     none behind.
     """
+    return profile_step(model if isinstance(model, str) else ModelStep(model, batch), ProfileRequest(
+        seq_len=seq_len, micro_batch=micro_batch, dtype=dtype, device=device,
+        tensor_parallel=tensor_parallel, context_parallel=context_parallel,
+        machine=_machine(machine, machine_fields), alpha=alpha,
+        policy=None if policy is None else tuple(policy), optimizer_states=optimizer_states,
+        gradients=gradients, recorder=_recorder(recorder), wrap_pass=wrap_pass,
+        solve=solve, plan=plan, time_limit=time_limit, solver=solver, progress=progress, log=log,
+        agree_max=agree_max))
+
+
+def profile_step(step: str | ModelStep, request: ProfileRequest) -> ProfileResult:
+    """Profile one training iteration of ``step`` and plan it (the steps of the module docstring):
+    a registered config name (built on ``request.device`` in ``request.dtype``) or a
+    :class:`~memo.pipeline.step.ModelStep` (a model with a model adapter on its device, and optionally
+    its example batch). A pipeline stage's step is profiled by memo.pipeline.stage_profile with the
+    same calibration (NOTE [One step, one path])."""
+    model = step if isinstance(step, str) else step.chunks[0]
+    batch = None if isinstance(step, str) else step.batch
+    r = request
     with _gradients_kept(model):
-        recorder, why = _default_recorder(recorder, model, torch.device(device), solve and plan)
-        machine = _machine(machine, machine_fields)
-        seq_len, micro_batch = _checked_sizes(seq_len, micro_batch, batch, tensor_parallel, context_parallel,
-                                              recorder)
-        if gradients not in ("arena", "fallback"):
-            raise MemoError(f"memo.profiler: gradients must be 'arena' or 'fallback', got {gradients!r}")
-        request, net = _request(model, seq_len, micro_batch, _dtype(dtype), torch.device(device), machine,
-                                tensor_parallel, context_parallel, recorder)
-        request = dataclasses.replace(request, progress=progress, say=log or (lambda _line: None),
-                                      agree_max=agree_max or int, gradients=gradients)
-        job = ProfileJob(request, ProfileState(net=net, batch=batch, notes=[] if why is None else [why]))
+        recorder, why = _default_recorder(r.recorder, model, torch.device(r.device), r.solve and r.plan)
+        seq_len, micro_batch = _checked_sizes(r.seq_len, r.micro_batch, batch, r.tensor_parallel,
+                                              r.context_parallel, recorder)
+        if r.gradients not in ("arena", "fallback"):
+            raise MemoError(f"memo.profiler: gradients must be 'arena' or 'fallback', got {r.gradients!r}")
+        resolved, net = _request(model, seq_len, micro_batch, _dtype(r.dtype), torch.device(r.device),
+                                 r.machine, r.tensor_parallel, r.context_parallel, recorder)
+        resolved = dataclasses.replace(resolved, progress=r.progress, say=r.log or (lambda _line: None),
+                                       agree_max=r.agree_max or int, gradients=r.gradients)
+        job = ProfileJob(resolved, ProfileState(net=net, batch=batch, notes=[] if why is None else [why]))
         # Refuse bad arguments before building or recording anything (a 1M-token pass takes a while).
-        if solve:
-            check_machine(machine, job.request.device, job.request.dtype)
+        if r.solve:
+            check_machine(r.machine, resolved.device, resolved.dtype)
         if recorder == "allocator":
-            _check_allocator_device(job.request.device)
-        given = model if isinstance(model, nn.Module) else None
-        plain, states, layer_params = _pass1(job, given, optimizer_states)
+            _check_allocator_device(resolved.device)
+        plain, states, layer_params = _pass1(job, net, r.optimizer_states)
         result = ProfileResult(trace=plain.trace, layer_stats=plain.layer_stats, plain_trace=plain.trace,
                                timings=job.state.timings, notes=job.state.notes)
-        if not solve:
+        if not r.solve:
             return result
         _measure(job, plain, result)
-        chosen = _choose_policy(job, plain, states, layer_params, alpha, policy, wrap_pass, result)
-        wrapped = _pass2(job, plain, chosen, wrap_pass, plan, result)
+        policy = None if r.policy is None else [getattr(kind, "value", kind) for kind in r.policy]
+        chosen = _choose_policy(job, plain, states, layer_params, r.alpha, policy, r.wrap_pass, result)
+        wrapped = _pass2(job, plain, chosen, r.wrap_pass, r.plan, result)
         _record_choice(job, result, chosen, states)
-        if plan:
-            _plan(job, result, chosen, states, wrapped, time_limit, solver)
+        if r.plan:
+            _plan(job, result, chosen, states, wrapped, r.time_limit, r.solver)
         return result
 
 
@@ -242,6 +263,16 @@ def _default_recorder(recorder: str | None, model: str | nn.Module, device: torc
     return "allocator", None
 
 
+def _recorder(name: str | None) -> Recorder | None:
+    if name is None:
+        return None
+    try:
+        return Recorder(name)
+    except ValueError:
+        raise MemoError(f"memo.profiler: unknown recorder {name!r}; use one of "
+                        f"{', '.join(r.value for r in Recorder)}") from None
+
+
 def _machine(machine: Machine | None, machine_fields: dict[str, Any]) -> Machine:
     """The machine given, with any fields given as keywords replaced (or made of those alone)."""
     if machine is None:
@@ -296,7 +327,7 @@ def _record_choice(job: ProfileJob, result: ProfileResult, chosen: PolicySolutio
 
 
 def _request(model: str | nn.Module, seq_len: int, micro_batch: int, dt: torch.dtype, device: torch.device,
-             machine: Machine, tp: int, cp: int, recorder: str) -> tuple[ProfileRequest, nn.Module | None]:
+             machine: Machine, tp: int, cp: int, recorder: str) -> tuple[ResolvedRequest, nn.Module | None]:
     """The request for ``model`` (its name, device and dtype), and the given model (None: built by name)."""
     # NOTE [Context-parallel profile]: from here on seq_len is the tokens one context-parallel rank
     # runs; job_seq_len is the job's whole sequence (the plan's meta, GPT's position table).
@@ -308,7 +339,7 @@ def _request(model: str | nn.Module, seq_len: int, micro_batch: int, dt: torch.d
 
         # a registered name or a CONFIG.json path; plans and traces call it by the config's name
         name = get_config(model).name
-        return ProfileRequest(source=model, name=name, device=device, dtype=dt, **fixed), None
+        return ResolvedRequest(source=model, name=name, device=device, dtype=dt, **fixed), None
     if tp > 1 and getattr(model, "tensor_parallel", 1) != tp:
         raise MemoError(
             f"memo.profiler: tensor_parallel={tp} needs the model as one rank runs it; give "
@@ -320,7 +351,7 @@ def _request(model: str | nn.Module, seq_len: int, micro_batch: int, dt: torch.d
     dt = param.dtype if param is not None else dt
     name = getattr(getattr(model, "config", None), "name", None)
     name = name if isinstance(name, str) else type(model).__name__
-    return ProfileRequest(source=None, name=name, device=dev, dtype=dt, **fixed), model
+    return ResolvedRequest(source=None, name=name, device=dev, dtype=dt, **fixed), model
 
 
 def _exchanges(model: nn.Module | None) -> bool:

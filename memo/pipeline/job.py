@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
     from .result import ProbeKey, WrappedRun
 
-__all__ = ["ProfileJob", "ProfileRequest", "ProfileState", "build_profile_model", "example_batch"]
+__all__ = ["ProfileJob", "ResolvedRequest", "ProfileState", "build_profile_model", "example_batch"]
 
 
 def build_profile_model(name: str, seq_len: int, dtype: torch.dtype, device: torch.device,
@@ -64,7 +64,7 @@ def example_batch(model: nn.Module, seq_len: int, micro_batch: int, device: torc
 # made on meta is made for some other device, and its tiles must be that device's: the plan's
 # transient bytes are the recorded tiles', and a GPU running CPU-sized tiles regresses in step time
 # (many small kernels, the host's launch cost exposed) while meta records ~8x the ops. The rule,
-# visible in one place (ProfileRequest.tile_device_type): a profile on meta with ``machine.gpu`` given
+# visible in one place (ResolvedRequest.tile_device_type): a profile on meta with ``machine.gpu`` given
 # (``--gpu h100``, the GPU whose FLOPs estimate the layer time) is for a CUDA device, and is tiled with the
 # GPU's floor; without ``gpu`` meta keeps the CPU's floor, so a plan made on meta is still the plan
 # made on the CPU (tests/runtime/test_plan_truth.py). A profile on cpu or cuda is for its own device.
@@ -76,7 +76,7 @@ def example_batch(model: nn.Module, seq_len: int, micro_batch: int, device: torc
 # in the plan, as before: the runtime of the plan's own device type makes the same default per
 # token range ([0:a] and [a:s] each), which one recorded number could not say.
 @dataclass(frozen=True)
-class ProfileRequest:
+class ResolvedRequest:
     """What one profile is asked for: the arguments of :func:`memo.pipeline.profile`, resolved."""
 
     source: str | None  # a registered name or CONFIG.json when memo builds the model
@@ -129,7 +129,7 @@ class ProfileState:
 class ProfileJob:
     """One run of the pipeline: the frozen request and the state its steps fill in."""
 
-    request: ProfileRequest
+    request: ResolvedRequest
     state: ProfileState
 
     def tile_tokens(self, chosen: int | None) -> int | None:

@@ -20,7 +20,7 @@ from memo.planner.calibrate import AlphaInputs
 from . import stage_plan as sp
 from .device import FALLBACK_HEADROOM, FALLBACK_SEGMENT_BYTES, iteration_total
 from .policy import StepProbe, calibrated_choice, layer_costs
-from .step import Step, record_step, split_policy
+from .step import ModelStep, Step, record_step, split_policy
 
 if TYPE_CHECKING:
     from memo.distributed.layout import ParallelLayout, ParallelRun
@@ -105,8 +105,8 @@ def stage_costs(step: ScheduleStep, request: StageRequest, parallel: ParallelRun
     model = StageModel(chunk, positions, (tokens, ids.shape[0], chunk.config.hidden_size), seed=request.seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plain = pipeline.profile(model, batch=(ids, labels), tensor_parallel=layout.tensor_parallel,
-                                 context_parallel=layout.context_parallel, solve=False)
+        plain = pipeline.profile_step(ModelStep(model, (ids, labels)), pipeline.ProfileRequest(
+            tensor_parallel=layout.tensor_parallel, context_parallel=layout.context_parallel, solve=False))
         layer_ms = machine.layer_ms
         if layer_ms is None:  # the stage's ranks time their first layer together (collectives pair up)
             args, kwargs = layer_inputs(model, ids, labels)
