@@ -61,15 +61,16 @@ from memo.profiler.measure import check_machine, measure_machine
 from memo.profiler.record import Recording, meta_copy, model_parts
 from memo.profiler.stats import summarise_layers
 
-# The steps, one module each by what it does. Private names that tests and benchmarks import from
-# memo.pipeline are re-exported ("x as x"); pass 1 calls _record through this module, so that a test
-# can watch it (tests/allocator/test_cuda_path.py).
-from .addresses import _plan
+# The steps, one module each by what it does. Pass 1 calls the recorder through this module's
+# ``_record``, and the allocator recorder is reachable as ``_record_allocator``, so that a test can watch
+# and call them (tests/allocator/test_cuda_path.py).
+from .addresses import plan_addresses
 from .device import FALLBACK_HEADROOM, FALLBACK_SEGMENT_BYTES, iteration_total, usable_device_bytes
 from .job import ProfileJob, ProfileState, ResolvedRequest, build_profile_model, example_batch
-from .passes import _check_allocator_device, _pass2, _record, _time_first_layer
-from .passes import _record_allocator as _record_allocator
-from .policy import _choose_policy
+from .passes import check_allocator_device, pass2, time_first_layer
+from .passes import record_allocator as _record_allocator  # noqa: F401  (the test above calls it)
+from .passes import record_pass as _record
+from .policy import choose_profile_policy
 from .request import ProfileRequest
 from .result import ProfileResult
 from .step import ModelStep
@@ -191,7 +192,7 @@ def profile_step(step: str | ModelStep, request: ProfileRequest) -> ProfileResul
         if r.solve:
             check_machine(r.machine, resolved.device, resolved.dtype)
         if recorder == "allocator":
-            _check_allocator_device(resolved.device)
+            check_allocator_device(resolved.device)
         plain, states, layer_params = _pass1(job, net, r.optimizer_states)
         result = ProfileResult(trace=plain.trace, layer_stats=plain.layer_stats, plain_trace=plain.trace,
                                timings=job.state.timings, notes=job.state.notes)
@@ -199,11 +200,11 @@ def profile_step(step: str | ModelStep, request: ProfileRequest) -> ProfileResul
             return result
         _measure(job, plain, result)
         policy = None if r.policy is None else [getattr(kind, "value", kind) for kind in r.policy]
-        chosen = _choose_policy(job, plain, states, layer_params, r.alpha, policy, r.wrap_pass, result)
-        wrapped = _pass2(job, plain, chosen, r.wrap_pass, r.plan, result)
+        chosen = choose_profile_policy(job, plain, states, layer_params, r.alpha, policy, r.wrap_pass, result)
+        wrapped = pass2(job, plain, chosen, r.wrap_pass, r.plan, result)
         _record_choice(job, result, chosen, states)
         if r.plan:
-            _plan(job, result, chosen, states, wrapped, r.time_limit, r.solver)
+            plan_addresses(job, result, chosen, states, wrapped, r.time_limit, r.solver)
         return result
 
 
@@ -424,7 +425,7 @@ def _measure(job: ProfileJob, plain: Recording, result: ProfileResult) -> None:
     net = job.built()
     t0 = time.perf_counter()
     q = measure_machine(req.machine, req.device, req.dtype,
-                        time_layer=lambda: _time_first_layer(net, *job.inputs()),
+                        time_layer=lambda: time_first_layer(net, *job.inputs()),
                         config=getattr(net, "config", None), seq_len=req.seq_len, micro_batch=req.micro_batch)
     st.timings["measure"] = time.perf_counter() - t0
     result.quantities = q

@@ -17,9 +17,11 @@ if TYPE_CHECKING:
     from .job import ProfileJob
     from .result import ProfileResult, WrappedRun
 
+__all__ = ["plan_addresses"]
 
-def _plan(job: ProfileJob, result: ProfileResult, chosen: PolicySolution, states: dict[str, Any],
-          wrapped: WrappedRun | None, time_limit: float, solver: str | None) -> None:
+
+def plan_addresses(job: ProfileJob, result: ProfileResult, chosen: PolicySolution, states: dict[str, Any],
+                   wrapped: WrappedRun | None, time_limit: float, solver: str | None) -> None:
     """The planner's bi-level addresses for the planned trace, with the device record."""
     req, st = job.request, job.state
     from memo.planner import Trace, make_plan, offload_difference

@@ -25,7 +25,8 @@ if TYPE_CHECKING:
     from .job import ProfileJob
     from .result import ProfileResult
 
-__all__: list[str] = []
+__all__ = ["check_allocator_device", "pass2", "record_allocator", "record_pass", "time_first_layer",
+           "wrapped_pass"]
 
 @contextlib.contextmanager
 def _progress(enabled: bool, total: int, desc: str) -> Iterator[Callable[[str | None], None] | None]:
@@ -48,7 +49,7 @@ def _progress(enabled: bool, total: int, desc: str) -> Iterator[Callable[[str | 
         bar.close()
 
 
-def _record(
+def record_pass(
     model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, progress: bool, desc: str, meta: dict[str, Any]
 ) -> Recording:
     tracker = phase_tracker(model)
@@ -61,7 +62,7 @@ def _record(
         tracker.remove()
 
 
-def _record_allocator(
+def record_allocator(
     model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, meta: dict[str, Any]
 ) -> dict[str, Any]:
     """One iteration of ``model`` traced by memo.allocator.logging (:func:`.step.record_step`)."""
@@ -70,7 +71,7 @@ def _record_allocator(
     return record_step(ModelStep(model, (ids, labels)), ids.device, meta)
 
 
-def _time_first_layer(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> Quantity:
+def time_first_layer(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> Quantity:
     """T_layer measured: the first layer's forward on the inputs the model gives it (NOTE [First
     layer's inputs] in memo/profiler/record.py)."""
     args, kwargs = layer_inputs(model, ids, labels)
@@ -78,9 +79,9 @@ def _time_first_layer(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor)
     return time_layer_forward(layer, *args, layer_kwargs=kwargs)
 
 
-def _wrapped_pass(job: ProfileJob, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, alpha: float,
-                  progress: bool, plain: Recording, policy: list[str] | None = None,
-                  tile_tokens: int | None = None) -> tuple[dict[str, Any], WrappedRun]:
+def wrapped_pass(job: ProfileJob, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, alpha: float,
+                 progress: bool, plain: Recording, policy: list[str] | None = None,
+                 tile_tokens: int | None = None) -> tuple[dict[str, Any], WrappedRun]:
     """Trace one iteration of ``model`` wrapped by memo's runtime with ``alpha``; unwrap afterwards.
     Returns the trace and what the runtime allocated and copied (:class:`WrappedRun`).
 
@@ -95,9 +96,9 @@ def _wrapped_pass(job: ProfileJob, model: nn.Module, ids: torch.Tensor, labels: 
     runtime.wrap(model, alpha=alpha, policy=policy, recompute_chunk_tokens=job.tile_tokens(tile_tokens))
     try:
         if req.recorder == "allocator":
-            trace = _record_allocator(model, ids, labels, _target_meta(plain, ids.device, "allocator"))
+            trace = record_allocator(model, ids, labels, _target_meta(plain, ids.device, "allocator"))
         else:
-            trace = _record(model, ids, labels, progress, f"pass 2 (alpha={alpha:.3f})", st.meta).trace
+            trace = record_pass(model, ids, labels, progress, f"pass 2 (alpha={alpha:.3f})", st.meta).trace
         rt = runtime.runtime_of(model)
         return trace, WrappedRun(host_bytes=int(rt.host_bytes), layer_bytes=int(rt.layer_bytes or 0),
                                  offloaded_layers=int(rt.n_offloaded), tensors=list(rt.layer_tensors))
@@ -110,7 +111,7 @@ def _target_meta(plain: Recording, device: torch.device, recorder: str) -> dict[
     return {**plain.trace["meta"], "device": device.type, "recorder": recorder}
 
 
-def _check_allocator_device(device: torch.device) -> None:
+def check_allocator_device(device: torch.device) -> None:
     """The allocator recorder sees real allocations: refuse meta, and install memo's CUDA allocator."""
     if device.type == "meta":
         raise MemoError(
@@ -125,8 +126,8 @@ def _check_allocator_device(device: torch.device) -> None:
             allocator.install_cuda()
 
 
-def _pass2(job: ProfileJob, plain: Recording, chosen: PolicySolution, wrap_pass: bool | None, plan: bool,
-           result: ProfileResult) -> WrappedRun | None:
+def pass2(job: ProfileJob, plain: Recording, chosen: PolicySolution, wrap_pass: bool | None, plan: bool,
+          result: ProfileResult) -> WrappedRun | None:
     """Pass 2 (NOTE [Two-pass profiling]): the trace the plan is made from. Returns what the runtime
     allocated and copied when the wrapped model ran (None when it did not)."""
     req, st = job.request, job.state
@@ -143,7 +144,7 @@ def _pass2(job: ProfileJob, plain: Recording, chosen: PolicySolution, wrap_pass:
         req.say(f"pass 2 ({req.device.type}): recording one iteration of the model wrapped with alpha "
                 f"{result.alpha.alpha:.4f} ...")
         try:
-            second, wrapped = _wrapped_pass(job, net, ids, labels, result.alpha.alpha, req.progress, plain,
+            second, wrapped = wrapped_pass(job, net, ids, labels, result.alpha.alpha, req.progress, plain,
                                             chosen.policy, chosen.tile_tokens)
             result.wrapped = True
         except MemoError as err:
@@ -157,9 +158,9 @@ def _pass2(job: ProfileJob, plain: Recording, chosen: PolicySolution, wrap_pass:
         # The planned trace must come from the device that will run (and, for the allocator
         # recorder, from the allocator's own requests), even when the model cannot be wrapped.
         if req.recorder == "allocator":
-            second = _record_allocator(net, ids, labels, _target_meta(plain, req.device, "allocator"))
+            second = record_allocator(net, ids, labels, _target_meta(plain, req.device, "allocator"))
         else:
-            second = _record(net, ids, labels, req.progress, "pass 2 (plain model)", st.meta).trace
+            second = record_pass(net, ids, labels, req.progress, "pass 2 (plain model)", st.meta).trace
     if second is not None:
         second["layers"] = plain.trace["layers"]
         result.trace = second

@@ -32,9 +32,9 @@ from .device import (
     optimizer_moment,
     static_bytes,
 )
-from .passes import _wrapped_pass
+from .passes import wrapped_pass
 
-__all__ = ["StepProbe", "calibrated_choice", "layer_costs"]
+__all__ = ["StepProbe", "calibrated_choice", "choose_profile_policy", "layer_costs"]
 
 if TYPE_CHECKING:
     from memo.profiler.measure import Quantity
@@ -43,9 +43,9 @@ if TYPE_CHECKING:
     from .result import ProfileResult
 
 
-def _choose_policy(job: ProfileJob, plain: Recording, states: dict[str, Any], layer_params: int,
-                   alpha: float | None, policy: list[str] | None, wrap_pass: bool | None,
-                   result: ProfileResult) -> PolicySolution:
+def choose_profile_policy(job: ProfileJob, plain: Recording, states: dict[str, Any], layer_params: int,
+                          alpha: float | None, policy: list[str] | None, wrap_pass: bool | None,
+                          result: ProfileResult) -> PolicySolution:
     """The layer policy and alpha (NOTE [Calibrated policy]), probed against a recorded iteration."""
     req, st = job.request, job.state
     t0 = time.perf_counter()
@@ -55,7 +55,7 @@ def _choose_policy(job: ProfileJob, plain: Recording, states: dict[str, Any], la
     ids, labels = job.inputs()
 
     def record(policy: list[str], alpha: float, tile_tokens: int | None) -> dict[str, Any]:
-        trace, wrapped = _wrapped_pass(job, net, ids, labels, alpha, False, plain, policy, tile_tokens)
+        trace, wrapped = wrapped_pass(job, net, ids, labels, alpha, False, plain, policy, tile_tokens)
         st.last_probe = ((float(alpha), tuple(policy), tile_tokens), trace, wrapped)
         return trace
 

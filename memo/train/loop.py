@@ -16,7 +16,7 @@ import resource
 import sys
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,6 +36,12 @@ from memo.train.parallel import ranks_text as _ranks
 from memo.train.parallel import start_parallel as _start_parallel
 from memo.train.plan_checks import TrainRun
 from memo.utils.flops import mfu
+
+if TYPE_CHECKING:
+    from memo.distributed.layout import ParallelRun
+    from memo.models import ModelConfig
+    from memo.train.parallel import ParallelLoss
+    from memo.train.strategies import Strategy
 
 __all__ = [
     "DTYPES",
@@ -104,7 +110,7 @@ def train_step(
     ids: torch.Tensor,
     labels: torch.Tensor,
     iteration: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-    step_loss: Any = None,
+    step_loss: ParallelLoss | None = None,
 ) -> torch.Tensor:
     """One forward + backward + optimizer step; returns the (detached) loss.
 
@@ -178,7 +184,7 @@ def train(
     *,
     log: Callable[[str], None] | None = None,
     progress: bool = True,
-    strategy: Any = None,
+    strategy: Strategy | None = None,
 ) -> TrainResult:
     """Train ``config.model`` for ``config.steps`` steps with AdamW and measure every step.
 
@@ -257,9 +263,10 @@ def train(
     return result
 
 
-def _steps(config: TrainConfig, model: torch.nn.Module, model_config: Any, strategy: Any,
+def _steps(config: TrainConfig, model: torch.nn.Module, model_config: ModelConfig, strategy: Strategy,
            result: TrainResult, batches: Iterator[Batch], first: Batch | None, emit: Callable[[str], None],
-           progress: bool, parallel: Any = None, optimizer: torch.optim.Optimizer | None = None) -> None:
+           progress: bool, parallel: ParallelRun | None = None,
+           optimizer: torch.optim.Optimizer | None = None) -> None:
     """The measured steps of :func:`train`, inside the prepared strategy (``parallel``: this rank's
     :class:`memo.distributed.layout.ParallelRun`, whose batches are ``(ids, labels, positions)``;
     ``optimizer``: its optimizer, else AdamW over the model's parameters)."""
@@ -305,7 +312,8 @@ def _steps(config: TrainConfig, model: torch.nn.Module, model_config: Any, strat
 
 
 def _run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor,
-              labels: torch.Tensor, strategy: Any, step: int, step_loss: Any = None) -> float:
+              labels: torch.Tensor, strategy: Strategy, step: int,
+              step_loss: ParallelLoss | None = None) -> float:
     """One training step under the strategy, its loss as a float (``.item()`` waits for the step).
 
     A request memo's allocator refused (its budget, NOTE [Device budget], or the device) is
@@ -325,7 +333,7 @@ def _run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: tor
         raise MemoError(f"memo.train: step {step} ran out of device memory: {message}") from None
 
 
-def _step_metrics(config: TrainConfig, strategy: Any, result: TrainResult, step: int, loss: float,
+def _step_metrics(config: TrainConfig, strategy: Strategy, result: TrainResult, step: int, loss: float,
                   seconds: float, device: torch.device) -> StepMetrics:
     """The measurements of one step; the peak memory is the strategy's where it measures the
     device, else the process's own (``result.peak_memory_kind`` says which)."""
@@ -373,7 +381,7 @@ def _build(config: TrainConfig, device: torch.device, dtype: torch.dtype, budget
     return model, model_config
 
 
-def _model_name(config: TrainConfig, model_config: Any) -> str:
+def _model_name(config: TrainConfig, model_config: ModelConfig) -> str:
     if config.hf_config is not None:
         fsdp2 = ", FSDP2" + (", states offloaded" if config.offload_states else "")
         return f"{model_config.name} (Hugging Face{fsdp2 if config.engine == 'fsdp2' else ''})"
@@ -398,7 +406,7 @@ def _hf_shapes(hf: Any) -> Any:
                        norm_eps=float(getattr(hf, "rms_norm_eps", 1e-5)))
 
 
-def _run_kind(strategy: Any) -> str:
+def _run_kind(strategy: Strategy) -> str:
     """What the header says about activation memory: the strategy, with its alpha when it has one."""
     alpha = strategy.alpha
     if alpha is None:
