@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 
-from memo.errors import MemoError
+from memo.errors import MemoError, internal_assert
 from memo.machine import Machine
 from memo.planner import LayerCosts, PolicySolution
 from memo.planner.calibrate import AlphaInputs
@@ -196,8 +196,9 @@ class _StageRecorder:
         key = (float(alpha), tuple(policy))
         while not sp.all_done(self.last is not None and self.last.key == key, self.parallel):
             probe.measure(self.record(policy, alpha).trace)
-        assert self.last is not None  # all_done is True only once this stage recorded ``policy``
-        return self.last
+        last = self.last
+        internal_assert(last is not None, "memo.pipeline: a stage left its rounds without a recording")
+        return last
 
 
 # NOTE [A stage's calibrated policy]

@@ -27,23 +27,28 @@ With memo's allocator (the default; ``--no-planned-allocator`` leaves the fallba
 records its schedule's step, plans its addresses and runs every step on that plan (NOTE [A stage's
 address plan] in memo/pipeline/stage_plan.py); ``--save-plan`` writes the stages' plans and
 ``--plan`` runs them again. A stage whose plan needs more than ``--device-mem-gb`` stops every rank.
+
+The stage's step is a :class:`memo.train.schedule.StageStep`, a step like any other (NOTE [One step, one
+path] in memo/pipeline/step.py): memo.pipeline.stage_profile profiles it, calibrates its policy with the
+one loop and plans it, and a :class:`memo.Session` assembles its run; this module is the loop driver.
 """
 
 from __future__ import annotations
 
-import gc
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from memo.errors import MemoError
+from memo.errors import MemoError, internal_assert
 from memo.session import Session
 from memo.train.config import StepMetrics, TrainConfig, TrainResult, new_result, step_line, token_source
+from memo.train.data import Batch
+from memo.train.meter import MemoryMeter
 from memo.train.schedule import StageStep, initialise, one_process_world, shard
 
 if TYPE_CHECKING:
@@ -120,16 +125,18 @@ def train_pipelined(config: TrainConfig, *, log: Emit | None = None, progress: b
         # [ZeRO-1 under megatron] in memo/train/optim.py)
         optimizer = rank_optimizer([p for c in stage.step.chunks for p in c.parameters()], config.lr,
                                    None if parallel is None else parallel.optimizer_group())
-        session = _session(stage, config, strategy, emit)
-        gc.collect()  # blocks earlier work left to the collector would count in this run's peak
-        session.__enter__()
-        undo.append(session.close)  # the steps' allocator context ends with the run, or when it fails
+        meter = MemoryMeter()
+        # the device held the parameters and DDP's gradient buffers before the Session (NOTE [Measuring
+        # device memory] in memo/train/meter.py)
+        resident = sum(p.numel() * p.element_size() for c in stage.step.chunks for p in c.parameters())
+        meter.enter(_session(stage, config, strategy, emit), resident + stage.step.ddp_buffer_bytes())
+        undo.append(meter.close)  # the steps' allocator context ends with the run, or when it fails
         result = new_result(config, stage.step.chunks[0], model_config, stage.device, DTYPES[config.dtype],
                             strategy)
         result.num_parameters = _all_parameters(stage.step.chunks, parallel)
         result.world = stage.layout.world
         emit(_header(config, strategy, stage))
-        _steps(stage, session, optimizer, source, config, result, emit, progress)
+        _steps(stage, meter, optimizer, source, config, result, emit, progress)
         if parallel is not None:
             result.parallel = _stages_record(parallel, result, stage.index, config)
     finally:
@@ -252,7 +259,7 @@ def _can_plan(device: torch.device, emit: Emit) -> bool:
     return False
 
 
-def _steps(stage: _Stage, session: Session, optimizer: torch.optim.Optimizer, source: Any,
+def _steps(stage: _Stage, meter: MemoryMeter, optimizer: torch.optim.Optimizer, source: Iterator[Batch],
            config: TrainConfig, result: TrainResult, emit: Emit, progress: bool) -> None:
     """The training steps, each with its metrics and log line."""
     from tqdm import tqdm
@@ -260,7 +267,8 @@ def _steps(stage: _Stage, session: Session, optimizer: torch.optim.Optimizer, so
     from memo.utils.flops import mfu
 
     step, parallel, layout = stage.step, stage.parallel, stage.layout
-    meter = _Meter(stage.device, session, step)
+    session = meter.session
+    internal_assert(session is not None, "memo.train: the steps run inside the meter's Session")
     bar = tqdm(range(1, config.steps + 1), desc="train", unit="step", file=sys.stderr,
                disable=not progress or not sys.stderr.isatty())
     for n in bar:
@@ -268,7 +276,7 @@ def _steps(stage: _Stage, session: Session, optimizer: torch.optim.Optimizer, so
             step.batches = [shard(next(source), parallel, stage.device) for _ in range(config.micro_batches)]
         start = time.perf_counter()
         loss = step.train(optimizer, session.iteration)
-        meter.read()
+        measured = meter.read()
         seconds = time.perf_counter() - start
         loss = _loss_on_every_rank(loss, parallel)
         if not math.isfinite(loss):
@@ -277,47 +285,13 @@ def _steps(stage: _Stage, session: Session, optimizer: torch.optim.Optimizer, so
         samples = config.micro_batch * config.micro_batches / layout.world
         metrics = StepMetrics(n, loss, seconds, tokens / seconds / layout.world,
                               mfu(result.flops_per_sample, samples, seconds, result.peak_flops),
-                              meter.peak, {**_extras(session.runtimes), "allocator": dict(meter.counts)})
-        result.peak_memory_kind = meter.kind
+                              measured["peak_device_bytes"],
+                              {**_extras(session.runtimes), "allocator": measured["allocator"]})
+        result.peak_memory_kind = measured["peak_device_kind"]
         result.steps.append(metrics)
         bar.set_postfix(loss=f"{loss:.3f}")
         emit(step_line(metrics, result.peak_memory_kind))
     bar.close()
-
-
-class _Meter:
-    """The device peak of the steps (NOTE [Measuring device memory] in memo/train/meter.py): on the CPU,
-    memo's allocator serves the steps from the Session's context, and its running peak in use, plus what
-    the device held before (the chunks' parameters, DDP's gradient buffers), is the emulated device's; on
-    CUDA, torch's ``max_memory_allocated`` or memo's CUDA allocator's peak."""
-
-    def __init__(self, device: torch.device, session: Session, step: StageStep) -> None:
-        self.device = device
-        self.session = session
-        self.before = (sum(p.numel() * p.element_size() for c in step.chunks for p in c.parameters())
-                       + step.ddp_buffer_bytes())
-        self.peak = 0
-        self.kind = ("cuda_max_memory_allocated" if device.type == "cuda"
-                     else "memo_allocator_peak_in_use+params")
-        self.counts: dict[str, int] = {}
-
-    def read(self) -> None:
-        """The running peak and the allocator's counters, after a step."""
-        from memo import allocator
-
-        if not self.session.allocator_on:
-            self.peak = max(self.peak, int(torch.cuda.max_memory_allocated(self.device)))
-            return
-        st = allocator.stats(self.device)
-        if self.device.type == "cuda":  # memo's CUDA allocator served the parameters too
-            self.kind = "memo_allocator_peak_in_use"
-            self.peak = max(self.peak, int(st["peak_bytes_in_use"]))
-        else:
-            self.peak = max(self.peak, self.before + int(st["peak_bytes_in_use"]))
-        # "fallback": requests the plan covered but could not serve (a slot still busy); "unplanned":
-        # requests outside its phases (without a plan, all of them), the fallback's by design
-        self.counts = {"planned": int(st["planned_hits"]), "fallback": int(st["fallback_requests"])
-                       - int(st["unplanned_requests"]), "unplanned": int(st["unplanned_requests"])}
 
 
 def _schedule_name(layout: ParallelLayout) -> str:
