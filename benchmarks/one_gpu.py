@@ -185,11 +185,11 @@ class OneGPU:
         return self.cache[key]
 
     def _full_recompute(self, length: int) -> dict[str, Any]:
-        from memo.pipeline import _iteration_total
+        from memo.pipeline import iteration_total
 
         n = self.config.n_layers
         r = self._profile(length, policy=["recompute"] * n, device_mem_gb=self.args.device_mem_gb)
-        total = _iteration_total(r.trace, self.static)
+        total = iteration_total(r.trace, self.static)
         return {"device_bytes": total, "host_bytes": 0, "how": f"recorded ({n} layers)",
                 "estimate_bytes": int(r.policy.full_recompute_bytes),
                 "policy": list(r.policy.policy), "s_input": int(r.plain_trace["layers"]["S_input"]),

@@ -7,12 +7,13 @@ when there is no plan, so that every strategy's memory is measured alike: NOTE [
 memory] in memo/train/meter.py), the layers wrapped with the plan's alpha and policy, a phase
 tracker on the model adapter's parts telling the allocator which plan table is open, and the
 runtime's buffers sized before the first step (DESIGN.md: "fail before training starts with the
-numbers"). :class:`Session` is that sequence, once; its exit undoes every part that was done, in
-reverse order, also when a step (or the set-up itself) raised.
+numbers"). :class:`Session` is that sequence, once, for any shape of step (NOTE [One step, one
+path] in memo/pipeline/step.py: one model, or a pipeline stage's chunks under its schedule); its exit
+undoes every part that was done, in reverse order, also when a step (or the set-up itself) raised.
 
 Order matters. The allocator is entered before the buffers are sized so that the buffers come
 from it (the plan's device total counts them: NOTE [Buffers made in the warm-up] in
-memo/pipeline/passes.py); the phase tracker is attached last, so that the forward that finds the first
+memo/pipeline/step.py); the phase tracker is attached last, so that the forward that finds the first
 layer's inputs (NOTE [First layer's inputs] in memo/profiler/record.py) opens no phase.
 """
 
@@ -21,20 +22,24 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from memo.adapters.model import ModelAdapter, model_adapter_for
+from memo.adapters.model import ModelAdapter
 from memo.errors import MemoError
-from memo.phases import PhaseTracker
+from memo.pipeline.step import ModelStep, Phases, Step, split_policy
 from memo.units import format_mib
+
+if TYPE_CHECKING:
+    from memo.planner import Plan
+    from memo.runtime import MemoRuntime
 
 __all__ = ["Session"]
 
 
-def _has_tables(plan: Any) -> bool:
+def _has_tables(plan: Plan | None) -> bool:
     return plan is not None and hasattr(plan, "phase_tables")
 
 
@@ -42,7 +47,9 @@ class Session:
     """Run ``model`` under memo inside ``with memo.Session(model, plan) as s:``.
 
     Args:
-        model: a model with a model adapter (NOTE [Model adapters]) on its device.
+        model: a model with a model adapter (NOTE [Model adapters]) on its device, or a
+            :class:`memo.pipeline.step.Step` (a pipeline stage's chunks: each chunk is wrapped with its
+            share of the policy, and the step's phases tell memo's allocator which table is open).
         plan: a plan from :func:`memo.pipeline.profile` / ``memo profile`` (alpha, policy, host
             bytes and the allocator's tables), or None.
         alpha, policy: wrap the layers with these instead of a plan's (alpha alone: the default
@@ -60,6 +67,10 @@ class Session:
             memo's allocator PyTorch's per-process memory fraction.
         example: an example batch ``(ids, labels)``: the runtime's buffers are sized from it on
             entry, before step 1 (without one, at the first forward).
+        warm_up: run the step once on entry, before the phases attach and with its gradients
+            dropped, and restart the allocator's counters after it: a schedule's one-time buffers
+            (megatron's, memo's rounding buffers) are made there, outside every phase, as they were
+            when its plan was recorded (NOTE [Buffers made in the warm-up] in memo/pipeline/step.py).
         debug_copy_delay_us: see :class:`memo.runtime.MemoRuntime` (tests).
 
     ``s.step(ids, labels)`` runs forward + backward and returns the loss, with ``labels`` in the
@@ -67,26 +78,29 @@ class Session:
     a forward + backward written out by hand (the optimizer step belongs outside it).
     """
 
-    def __init__(self, model: nn.Module, plan: Any = None, *, alpha: float | None = None,
+    def __init__(self, model: nn.Module | Step, plan: Plan | None = None, *, alpha: float | None = None,
                  policy: list[str] | None = None, planned_allocator: bool = True, allocator: bool = True,
                  device: torch.device | str | None = None, device_budget_bytes: int | None = None,
-                 example: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 example: tuple[torch.Tensor, torch.Tensor] | None = None, warm_up: bool = False,
                  debug_copy_delay_us: int | None = None) -> None:
-        self.model = model
+        #: What each iteration runs (NOTE [One step, one path]).
+        self.work: Step = ModelStep(model, where="memo.Session") if isinstance(model, nn.Module) else model
+        self.model = self.work.chunks[0]
         self.plan = plan
         self.alpha = alpha
         self.policy = policy
         self.planned_allocator = planned_allocator
         self.use_allocator = allocator
         if device is None:
-            param = next(model.parameters(), None)
+            param = next(self.model.parameters(), None)
             device = param.device if param is not None else "cpu"
         self.device = torch.device(device)
         self.device_budget_bytes = device_budget_bytes
         self.example = example
+        self.warm_up = warm_up
         self.debug_copy_delay_us = debug_copy_delay_us
-        self.adapter: ModelAdapter = model_adapter_for(model, "memo.Session")
-        self.tracker: PhaseTracker | None = None
+        self.adapter: ModelAdapter | None = self.work.adapter if isinstance(self.work, ModelStep) else None
+        self.tracker: Phases | None = None
         #: Whether memo's allocator serves this session's device (its stats are this run's).
         self.allocator_on = False
         #: Whether this session wrapped the model (and so unwraps it).
@@ -128,8 +142,9 @@ class Session:
                 from memo import runtime
 
                 self.wrapped = False
-                if runtime.is_wrapped(self.model):
-                    runtime.unwrap(self.model, force=True)
+                for chunk in self.work.chunks:
+                    if runtime.is_wrapped(chunk):
+                        runtime.unwrap(chunk, force=True)
         finally:
             self.allocator_on = False
             self._stack.close()
@@ -171,7 +186,7 @@ class Session:
         torch.cuda.set_per_process_memory_fraction(fraction, index)
         self._stack.callback(torch.cuda.set_per_process_memory_fraction, 1.0, index)
 
-    def fallback_limit(self, table: Any) -> int | None:
+    def fallback_limit(self, table: Plan | dict[str, Any]) -> int | None:
         """NOTE [Device budget]: memo's allocator holds the plan's arena and a fallback pool; the
         budget caps both. On CUDA it also holds the parameters (PyTorch's CUDA allocator for the
         whole process); on CPU they were made before memo's allocator was swapped in, so the
@@ -179,7 +194,7 @@ class Session:
         budget = self.device_budget_bytes
         if budget is None:
             return None
-        param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        param_bytes = sum(p.numel() * p.element_size() for c in self.work.chunks for p in c.parameters())
         arena = int(table.peak if hasattr(table, "peak") else table.get("peak", 0))
         params = 0 if self.device.type == "cuda" else param_bytes
         limit = budget - arena - params
@@ -197,6 +212,17 @@ class Session:
             return
         from memo import runtime
 
+        chunks = self.work.chunks
+        if getattr(self.plan, "pipeline", None) or len(chunks) > 1:
+            # NOTE [A stage's address plan]: a stage's plan records the alpha and the policy its chunks
+            # run; each chunk is wrapped with its share (the stage's checks were made on its plan).
+            alpha = self.plan.alpha if self.plan is not None else self.alpha
+            policy = self.plan.policy if self.plan is not None else self.policy
+            shares = split_policy(policy, self.work.chunk_layers()) if policy else [None] * len(chunks)
+            self.wrapped = True
+            for chunk, share in zip(chunks, shares, strict=True):
+                runtime.wrap(chunk, alpha=alpha, policy=share, debug_copy_delay_us=self.debug_copy_delay_us)
+            return
         policy = None if (self.plan is not None and getattr(self.plan, "policy", None)) else self.policy
         runtime.wrap(self.model, alpha=None if self.plan is not None else self.alpha, plan=self.plan,
                      debug_copy_delay_us=self.debug_copy_delay_us, policy=policy)
@@ -204,6 +230,15 @@ class Session:
 
     def _size_buffers(self) -> None:
         """DESIGN.md: host buffers are sized before step 1; short host memory fails here, with the numbers."""
+        if self.warm_up:
+            self.work.run()
+            for chunk in self.work.chunks:
+                for p in chunk.parameters():
+                    p.grad = None
+            if self.allocator_on:
+                from memo import allocator
+
+                allocator.reset_stats(self.device)
         if not self.wrapped or self.example is None:
             return
         from memo import runtime
@@ -220,9 +255,7 @@ class Session:
             return  # phases tell memo's allocator which table is open; nothing else listens
         from memo import allocator
 
-        parts = self.adapter.parts(self.model)
-        self.tracker = PhaseTracker(parts.embedding, parts.layers, parts.head,
-                                    listeners=[allocator.set_phase])
+        self.tracker = self.work.phases(allocator.set_phase)
 
     # Steps --------------------------------------------------------------------------------------
     # NOTE [A batch of another length]
@@ -288,6 +321,9 @@ class Session:
         call takes them: NOTE [Labels in the model's convention]); returns the detached loss."""
         if not self._open:
             raise MemoError("memo.Session: step() needs an open session: use `with memo.Session(...) as s:`")
+        if self.adapter is None:
+            raise MemoError("memo.Session: step() runs one model's batch; a session of a pipeline stage's "
+                            "step runs its schedule inside `with s.iteration():`")
         with self.iteration(ids):
             loss = self.adapter.loss(self.model, ids, self.adapter.targets(self.model, labels))
             loss.backward()
@@ -296,8 +332,15 @@ class Session:
         return loss.detach().clone()
 
     @property
-    def runtime(self) -> Any:
-        """The model's :class:`memo.runtime.MemoRuntime` while wrapped, else None."""
+    def runtime(self) -> MemoRuntime | None:
+        """The model's :class:`memo.runtime.MemoRuntime` while wrapped (a stage's: its first chunk's)."""
         from memo import runtime
 
         return runtime.runtime_of(self.model) if runtime.is_wrapped(self.model) else None
+
+    @property
+    def runtimes(self) -> list[MemoRuntime]:
+        """The runtime of each wrapped chunk, in the step's order."""
+        from memo import runtime
+
+        return [runtime.runtime_of(c) for c in self.work.chunks if runtime.is_wrapped(c)]

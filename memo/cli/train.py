@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memo.cli.args import (
     add_machine_arguments,
@@ -38,15 +38,45 @@ from memo.train import STRATEGIES
 from memo.train.report import build_report, load_report, save_report
 from memo.units import format_mib
 
+if TYPE_CHECKING:
+    from memo.train.config import TrainConfig
+    from memo.train.strategies import StrategyOptions
+
 __all__ = ["add_parser", "run"]
 
 
 def run(args: argparse.Namespace) -> int:
-    from memo.allocator.host import local_world_size
-    from memo.jsonio import check_writable
-    from memo.train.loop import TrainConfig, train
+    from memo.train.loop import train
     from memo.train.plots import plot_losses
-    from memo.train.strategies import StrategyOptions, make_strategy
+    from memo.train.strategies import make_strategy
+
+    compare = _checked_inputs(args)
+    options, config = _options(args), _config(args)
+    if config.device.startswith("cuda") and args.strategy == "memo" and options.planned_allocator:
+        from memo import allocator
+
+        # memo's CUDA allocator must be PyTorch's before the first CUDA tensor exists.
+        if not allocator.cuda_installed():
+            allocator.install_cuda()
+    result = train(config, progress=not args.no_progress, strategy=make_strategy(options))
+    if result.parallel is not None and result.parallel["ranks"][0]["rank"] != _rank():
+        return 0  # NOTE [Parallel layout]: rank 0 prints and writes the report
+    report = build_report(result)
+    _print_summary(report)
+    if result.parallel is not None:
+        print(_ranks_line(result.parallel))
+    if args.report:
+        save_report(report, args.report)
+        print(f"report written to {args.report}")
+    if args.plot:
+        plot_losses([report, *compare], args.plot)
+        print(f"loss curves written to {args.plot}")
+    return 0
+
+
+def _checked_inputs(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Refuse bad paths and flags before training; the reports ``--compare`` adds to the plot."""
+    from memo.jsonio import check_writable
 
     _check_paths(args)
     if args.data and not os.path.isfile(args.data):
@@ -62,7 +92,14 @@ def run(args: argparse.Namespace) -> int:
         raise MemoError("memo train: --engine fsdp2 plans each rank from its own sharded model (FSDP2's "
                         "gathered parameters and reduce-scatter buffers in the trace); `memo profile` "
                         "records the unsharded model, so its --plan does not describe this run: drop --plan")
-    options = StrategyOptions(
+    return compare
+
+
+def _options(args: argparse.Namespace) -> StrategyOptions:
+    from memo.allocator.host import local_world_size
+    from memo.train.strategies import StrategyOptions
+
+    return StrategyOptions(
         strategy=args.strategy,
         alpha=args.alpha,
         plan=args.plan,
@@ -77,7 +114,12 @@ def run(args: argparse.Namespace) -> int:
         time_limit=args.time_limit,
         device_mem_gb=args.device_mem_gb,
     )
-    config = TrainConfig(
+
+
+def _config(args: argparse.Namespace) -> TrainConfig:
+    from memo.train.config import TrainConfig
+
+    return TrainConfig(
         model=args.model,
         seq_len=args.seq_len,
         micro_batch=args.micro_batch,
@@ -100,16 +142,9 @@ def run(args: argparse.Namespace) -> int:
         virtual_pipeline=args.vpp,
         micro_batches=args.micro_batches,
     )
-    if config.device.startswith("cuda") and args.strategy == "memo" and options.planned_allocator:
-        from memo import allocator
 
-        # memo's CUDA allocator must be PyTorch's before the first CUDA tensor exists.
-        if not allocator.cuda_installed():
-            allocator.install_cuda()
-    result = train(config, progress=not args.no_progress, strategy=make_strategy(options))
-    if result.parallel is not None and result.parallel["ranks"][0]["rank"] != _rank():
-        return 0  # NOTE [Parallel layout]: rank 0 prints and writes the report
-    report = build_report(result)
+
+def _print_summary(report: dict[str, Any]) -> None:
     s = report["summary"]
     print(
         f"memo train: {report['strategy']}"
@@ -132,32 +167,27 @@ def run(args: argparse.Namespace) -> int:
             warning = offload_difference(offload)
             if warning is not None:
                 print(f"warning: {warning}")
-    if result.parallel is not None:
-        par = result.parallel
-        ranks = "1 rank" if par["world"] == 1 else f"{par['world']} ranks"
-        fsdp2 = "" if par.get("engine") != "fsdp2" else (
-            " fsdp2" + (" offload-states" if par.get("offload_states") else ""))
-        pp = "" if par.get("pp", 1) == 1 else (f" pp={par['pp']}"
-                                                 + (f" vpp={par['vpp']}" if par["vpp"] > 1 else ""))
-        print(f"memo train: {ranks} (tp={par['tp']} cp={par['cp']} dp={par['dp']}{pp}"
-              f"{' sp' if par['sp'] else ''}{fsdp2}"
-              f"{' cp_comm=' + par['cp_comm'] if par['cp'] > 1 and 'cp_comm' in par else ''}): "
-              + ", ".join(f"rank {r['rank']}" + (f" (stage {r['pp_rank']})" if pp else "")
-                          + f" peak device {format_mib(r['peak_device_bytes'])}"
-                          + (f" (plan {format_mib(r['plan_device_total_bytes'])})"
-                             if r.get("plan_device_total_bytes") is not None else "")
-                          + f" host pinned {format_mib(r['host_pinned_bytes'])}"
-                          + (f" (plan {format_mib(r['plan_host_bytes'])})"
-                             if r.get("plan_host_bytes") is not None else "")
-                          + (f", forwards in flight {r['forwards_in_flight']}" if r.get("forwards_in_flight")
-                             else "") for r in par["ranks"]))
-    if args.report:
-        save_report(report, args.report)
-        print(f"report written to {args.report}")
-    if args.plot:
-        plot_losses([report, *compare], args.plot)
-        print(f"loss curves written to {args.plot}")
-    return 0
+
+
+def _ranks_line(par: dict[str, Any]) -> str:
+    """A parallel run's layout and every rank's device peak and host bytes (against its plan's)."""
+    ranks = "1 rank" if par["world"] == 1 else f"{par['world']} ranks"
+    fsdp2 = "" if par.get("engine") != "fsdp2" else (
+        " fsdp2" + (" offload-states" if par.get("offload_states") else ""))
+    pp = "" if par.get("pp", 1) == 1 else (f" pp={par['pp']}"
+                                             + (f" vpp={par['vpp']}" if par["vpp"] > 1 else ""))
+    return (f"memo train: {ranks} (tp={par['tp']} cp={par['cp']} dp={par['dp']}{pp}"
+            f"{' sp' if par['sp'] else ''}{fsdp2}"
+            f"{' cp_comm=' + par['cp_comm'] if par['cp'] > 1 and 'cp_comm' in par else ''}): "
+            + ", ".join(f"rank {r['rank']}" + (f" (stage {r['pp_rank']})" if pp else "")
+                        + f" peak device {format_mib(r['peak_device_bytes'])}"
+                        + (f" (plan {format_mib(r['plan_device_total_bytes'])})"
+                           if r.get("plan_device_total_bytes") is not None else "")
+                        + f" host pinned {format_mib(r['host_pinned_bytes'])}"
+                        + (f" (plan {format_mib(r['plan_host_bytes'])})"
+                           if r.get("plan_host_bytes") is not None else "")
+                        + (f", forwards in flight {r['forwards_in_flight']}" if r.get("forwards_in_flight")
+                           else "") for r in par["ranks"]))
 
 
 #: The most ranks whose stage-plan files are compared with the other paths (NOTE [Outputs are not inputs]).

@@ -38,9 +38,9 @@ because the planned trace must be the allocator's own requests. S_* always come 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -53,63 +53,34 @@ from memo.machine import Machine
 from memo.models.dtypes import DTYPES_AND_ALIASES
 from memo.planner import PolicySolution
 from memo.planner.calibrate import PROBES as PROBES
+from memo.planner.vocab import Recorder
 from memo.profiler.bounds import check_least_memory, least_memory
 from memo.profiler.context_parallel import context_parallel_note, rank_tokens
 from memo.profiler.device import model_states
-from memo.profiler.measure import Quantity, check_machine, measure_machine
+from memo.profiler.measure import check_machine, measure_machine
 from memo.profiler.record import Recording, meta_copy, model_parts
-from memo.profiler.stats import LayerStats, summarise_layers
+from memo.profiler.stats import summarise_layers
 
-# The steps, one module each by what it does. Private names that tests and benchmarks import from
-# memo.pipeline are re-exported ("x as x"); pass 1 calls _record through this module, so that a test
-# can watch it (tests/allocator/test_cuda_path.py).
-from .addresses import _plan
-from .device import FALLBACK_HEADROOM, FALLBACK_SEGMENT_BYTES, usable_device_bytes
-from .device import _iteration_total as _iteration_total
-from .job import _Job, build_profile_model, example_batch
-from .passes import _check_allocator_device, _pass2, _record, _time_first_layer
-from .passes import _record_allocator as _record_allocator
-from .policy import _choose_policy
+# The steps, one module each by what it does. Pass 1 calls the recorder through this module's
+# ``_record``, and the allocator recorder is reachable as ``_record_allocator``, so that a test can watch
+# and call them (tests/allocator/test_cuda_path.py).
+from .addresses import plan_addresses
+from .device import FALLBACK_HEADROOM, FALLBACK_SEGMENT_BYTES, iteration_total, usable_device_bytes
+from .job import ProfileJob, ProfileState, ResolvedRequest, build_profile_model, example_batch
+from .passes import check_allocator_device, pass2, time_first_layer
+from .passes import record_allocator as _record_allocator  # noqa: F401  (the test above calls it)
+from .passes import record_pass as _record
+from .policy import choose_profile_policy
+from .request import ProfileRequest
+from .result import ProfileResult
+from .step import ModelStep
 
-__all__ = ["DTYPES", "FALLBACK_HEADROOM", "FALLBACK_SEGMENT_BYTES", "ProfileResult", "build_profile_model",
-           "example_batch", "profile", "usable_device_bytes"]
+__all__ = ["DTYPES", "FALLBACK_HEADROOM", "FALLBACK_SEGMENT_BYTES", "ProfileRequest", "ProfileResult",
+           "build_profile_model", "example_batch", "iteration_total", "profile", "profile_step",
+           "usable_device_bytes"]
 
 #: dtype names accepted by :func:`profile` and ``memo profile --dtype`` (memo/models/dtypes.py).
 DTYPES = DTYPES_AND_ALIASES
-
-
-@dataclass
-class ProfileResult:
-    """What :func:`profile` found.
-
-    Attributes:
-        trace: the trace the plan was made from (pass 2 when it ran, else pass 1), a ``memo.trace`` dict.
-        layer_stats: pass 1's per-layer sizes (the alpha LP's S_input, S_attn, S_others).
-        plain_trace: pass 1's trace (the unwrapped model).
-        quantities: ``bandwidth_gbps``, ``layer_ms``, ``host_memory_bytes`` and where each came from.
-        alpha: the planner's AlphaSolution (None when ``solve=False``).
-        policy: the planner's PolicySolution: the layer policy and its device need estimate.
-        model_states: parameters, gradients and optimizer states of one rank (NOTE [Model states]).
-        costs: the layer policy's cost model (``memo.planner.LayerCosts``) as pass 1 and the machine
-            give it, before any calibration against a recorded iteration (NOTE [Calibrated policy]).
-        plan: the planner's Plan (None when ``plan=False``).
-        wrapped: whether ``trace`` comes from the wrapped model (pass 2).
-        timings: seconds spent per stage.
-        notes: what a user should know (assumed values, a skipped pass).
-    """
-
-    trace: dict[str, Any]
-    layer_stats: list[LayerStats]
-    plain_trace: dict[str, Any]
-    quantities: dict[str, Quantity] = field(default_factory=dict)
-    alpha: Any = None
-    plan: Any = None
-    policy: Any = None
-    model_states: dict[str, Any] | None = None
-    costs: Any = None
-    wrapped: bool = False
-    timings: dict[str, float] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
 
 
 def _dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -187,38 +158,53 @@ def profile(
     the same ``.grad`` tensors with the same values, or None; the profile's own backward passes leave
     none behind.
     """
+    return profile_step(model if isinstance(model, str) else ModelStep(model, batch), ProfileRequest(
+        seq_len=seq_len, micro_batch=micro_batch, dtype=dtype, device=device,
+        tensor_parallel=tensor_parallel, context_parallel=context_parallel,
+        machine=_machine(machine, machine_fields), alpha=alpha,
+        policy=None if policy is None else tuple(policy), optimizer_states=optimizer_states,
+        gradients=gradients, recorder=_recorder(recorder), wrap_pass=wrap_pass,
+        solve=solve, plan=plan, time_limit=time_limit, solver=solver, progress=progress, log=log,
+        agree_max=agree_max))
+
+
+def profile_step(step: str | ModelStep, request: ProfileRequest) -> ProfileResult:
+    """Profile one training iteration of ``step`` and plan it (the steps of the module docstring):
+    a registered config name (built on ``request.device`` in ``request.dtype``) or a
+    :class:`~memo.pipeline.step.ModelStep` (a model with a model adapter on its device, and optionally
+    its example batch). A pipeline stage's step is profiled by memo.pipeline.stage_profile with the
+    same calibration (NOTE [One step, one path])."""
+    model = step if isinstance(step, str) else step.chunks[0]
+    batch = None if isinstance(step, str) else step.batch
+    r = request
     with _gradients_kept(model):
-        recorder, why = _default_recorder(recorder, model, torch.device(device), solve and plan)
-        machine = _machine(machine, machine_fields)
-        seq_len, micro_batch = _checked_sizes(seq_len, micro_batch, batch, tensor_parallel, context_parallel,
-                                              recorder)
-        job = _job(model, seq_len, micro_batch, _dtype(dtype), torch.device(device), machine, tensor_parallel,
-                   context_parallel, recorder, progress, log or (lambda _line: None))
-        job.batch = batch
-        if why is not None:
-            job.notes.append(why)
-        if gradients not in ("arena", "fallback"):
-            raise MemoError(f"memo.profiler: gradients must be 'arena' or 'fallback', got {gradients!r}")
-        job.gradients = gradients
-        if agree_max is not None:
-            job.agree_max = agree_max
+        recorder, why = _default_recorder(r.recorder, model, torch.device(r.device), r.solve and r.plan)
+        seq_len, micro_batch = _checked_sizes(r.seq_len, r.micro_batch, batch, r.tensor_parallel,
+                                              r.context_parallel, recorder)
+        if r.gradients not in ("arena", "fallback"):
+            raise MemoError(f"memo.profiler: gradients must be 'arena' or 'fallback', got {r.gradients!r}")
+        resolved, net = _request(model, seq_len, micro_batch, _dtype(r.dtype), torch.device(r.device),
+                                 r.machine, r.tensor_parallel, r.context_parallel, recorder)
+        resolved = dataclasses.replace(resolved, progress=r.progress, say=r.log or (lambda _line: None),
+                                       agree_max=r.agree_max or int, gradients=r.gradients)
+        job = ProfileJob(resolved, ProfileState(net=net, batch=batch, notes=[] if why is None else [why]))
         # Refuse bad arguments before building or recording anything (a 1M-token pass takes a while).
-        if solve:
-            check_machine(machine, job.device, job.dtype)
+        if r.solve:
+            check_machine(r.machine, resolved.device, resolved.dtype)
         if recorder == "allocator":
-            _check_allocator_device(job.device)
-        given = model if isinstance(model, nn.Module) else None
-        plain, states, layer_params = _pass1(job, given, optimizer_states)
+            check_allocator_device(resolved.device)
+        plain, states, layer_params = _pass1(job, net, r.optimizer_states)
         result = ProfileResult(trace=plain.trace, layer_stats=plain.layer_stats, plain_trace=plain.trace,
-                               timings=job.timings, notes=job.notes)
-        if not solve:
+                               timings=job.state.timings, notes=job.state.notes)
+        if not r.solve:
             return result
         _measure(job, plain, result)
-        chosen = _choose_policy(job, plain, states, layer_params, alpha, policy, wrap_pass, result)
-        wrapped = _pass2(job, plain, chosen, wrap_pass, plan, result)
+        policy = None if r.policy is None else [getattr(kind, "value", kind) for kind in r.policy]
+        chosen = choose_profile_policy(job, plain, states, layer_params, r.alpha, policy, r.wrap_pass, result)
+        wrapped = pass2(job, plain, chosen, r.wrap_pass, r.plan, result)
         _record_choice(job, result, chosen, states)
-        if plan:
-            _plan(job, result, chosen, states, wrapped, time_limit, solver)
+        if r.plan:
+            plan_addresses(job, result, chosen, states, wrapped, r.time_limit, r.solver)
         return result
 
 
@@ -278,6 +264,16 @@ def _default_recorder(recorder: str | None, model: str | nn.Module, device: torc
     return "allocator", None
 
 
+def _recorder(name: str | None) -> Recorder | None:
+    if name is None:
+        return None
+    try:
+        return Recorder(name)
+    except ValueError:
+        raise MemoError(f"memo.profiler: unknown recorder {name!r}; use one of "
+                        f"{', '.join(r.value for r in Recorder)}") from None
+
+
 def _machine(machine: Machine | None, machine_fields: dict[str, Any]) -> Machine:
     """The machine given, with any fields given as keywords replaced (or made of those alone)."""
     if machine is None:
@@ -308,18 +304,21 @@ def _checked_sizes(seq_len: int | None, micro_batch: int, batch: tuple[torch.Ten
     return seq_len, micro_batch
 
 
-def _sequence_parallel(job: _Job) -> bool:
+def _sequence_parallel(job: ProfileJob) -> bool:
     """Whether the profiled rank's layers hold s/t tokens: memo's rank model always does (NOTE
     [Tensor-parallel rank]); a given model says so in its config (megatron-core's ``sequence_parallel``)."""
-    config = getattr(job.net, "config", None) if job.net is not None else None
+    req, st = job.request, job.state
+    config = getattr(st.net, "config", None) if st.net is not None else None
     given = getattr(config, "sequence_parallel", None)
-    return bool(given) if isinstance(given, bool) else job.tp > 1
+    return bool(given) if isinstance(given, bool) else req.tp > 1
 
 
-def _record_choice(job: _Job, result: ProfileResult, chosen: PolicySolution, states: dict[str, Any]) -> None:
+def _record_choice(job: ProfileJob, result: ProfileResult, chosen: PolicySolution, states: dict[str, Any]
+                   ) -> None:
     """The chosen alpha, tensor parallelism, policy and model states in the trace's meta."""
+    req = job.request
     result.trace["meta"]["alpha"] = float(result.alpha.alpha)
-    result.trace["meta"]["tensor_parallel"] = job.tp
+    result.trace["meta"]["tensor_parallel"] = req.tp
     result.trace["meta"]["sequence_parallel"] = _sequence_parallel(job)
     result.trace["meta"]["policy"] = list(chosen.policy)
     # the tile pass 2 ran (NOTE [Tiles of the device a plan is for] in memo/pipeline/job.py)
@@ -328,18 +327,20 @@ def _record_choice(job: _Job, result: ProfileResult, chosen: PolicySolution, sta
     result.trace["meta"]["model_states"] = states
 
 
-def _job(model: str | nn.Module, seq_len: int, micro_batch: int, dt: torch.dtype, device: torch.device,
-         machine: Machine, tp: int, cp: int, recorder: str, progress: bool, say: Callable[[str], None]
-         ) -> _Job:
+def _request(model: str | nn.Module, seq_len: int, micro_batch: int, dt: torch.dtype, device: torch.device,
+             machine: Machine, tp: int, cp: int, recorder: str) -> tuple[ResolvedRequest, nn.Module | None]:
+    """The request for ``model`` (its name, device and dtype), and the given model (None: built by name)."""
     # NOTE [Context-parallel profile]: from here on seq_len is the tokens one context-parallel rank
     # runs; job_seq_len is the job's whole sequence (the plan's meta, GPT's position table).
     rank_seq = rank_tokens(seq_len, tp, cp)
+    fixed = {"seq_len": rank_seq, "job_seq_len": seq_len, "micro_batch": micro_batch, "tp": tp, "cp": cp,
+             "machine": machine, "recorder": Recorder(recorder), "progress": False, "say": print}
     if isinstance(model, str):
         from memo.models import get_config
 
         # a registered name or a CONFIG.json path; plans and traces call it by the config's name
-        return _Job(None, model, get_config(model).name, device, dt, rank_seq, seq_len, micro_batch, tp, cp,
-                    machine, recorder, progress, say)
+        name = get_config(model).name
+        return ResolvedRequest(source=model, name=name, device=device, dtype=dt, **fixed), None
     if tp > 1 and getattr(model, "tensor_parallel", 1) != tp:
         raise MemoError(
             f"memo.profiler: tensor_parallel={tp} needs the model as one rank runs it; give "
@@ -351,8 +352,7 @@ def _job(model: str | nn.Module, seq_len: int, micro_batch: int, dt: torch.dtype
     dt = param.dtype if param is not None else dt
     name = getattr(getattr(model, "config", None), "name", None)
     name = name if isinstance(name, str) else type(model).__name__
-    return _Job(model, None, name, dev, dt, rank_seq, seq_len, micro_batch, tp, cp, machine, recorder,
-                progress, say)
+    return ResolvedRequest(source=None, name=name, device=dev, dtype=dt, **fixed), model
 
 
 def _exchanges(model: nn.Module | None) -> bool:
@@ -364,9 +364,10 @@ def _exchanges(model: nn.Module | None) -> bool:
                or getattr(m, "sequence_shard", None) is not None for m in model.modules())
 
 
-def _pass1(job: _Job, given: nn.Module | None, optimizer_states: str
+def _pass1(job: ProfileJob, given: nn.Module | None, optimizer_states: str
            ) -> tuple[Recording, dict[str, Any], int]:
     """Pass 1: the plain model's trace and layer sizes, its model states and one layer's parameters."""
+    req, st = job.request, job.state
     t0 = time.perf_counter()
     # NOTE [Sizes from meta]: pass 1 runs the plain model on the meta device, a model given by
     # name built there and a given model copied there (meta_copy; no data is copied). The plain
@@ -375,56 +376,58 @@ def _pass1(job: _Job, given: nn.Module | None, optimizer_states: str
     # device, and meta costs seconds.
     sized_on = torch.device("meta")
     try:
-        sizing = (build_profile_model(job.source, job.job_seq_len, job.dtype, sized_on, job.tp)
+        sizing = (build_profile_model(req.source, req.job_seq_len, req.dtype, sized_on, req.tp)
                   if given is None else meta_copy(given))
     except (TypeError, RuntimeError) as err:
         if given is None:
             raise
         # A model holding what cannot be copied (megatron-core's process groups): sized where it runs.
-        job.notes.append(f"pass 1 ran on {job.device.type}, not meta: the model cannot be copied to meta "
+        st.notes.append(f"pass 1 ran on {req.device.type}, not meta: the model cannot be copied to meta "
                          f"({str(err).splitlines()[0] if str(err) else type(err).__name__})")
-        sized_on, sizing = job.device, given
-    job.timings["build"] = time.perf_counter() - t0
+        sized_on, sizing = req.device, given
+    st.timings["build"] = time.perf_counter() - t0
     # NOTE [Least memory, checked first]: a length the device cannot hold is refused before recording.
-    check_least_memory(least_memory(sizing, job.seq_len // job.tp, job.micro_batch), job.device,
-                       job.machine.device_budget_bytes, "memo.profiler", job.job_seq_len)
-    job.meta = {"model": job.name, "seq_len": job.job_seq_len, "context_parallel": job.cp}
-    if job.cp > 1:
-        job.notes.append(context_parallel_note(job.cp, job.machine.layer_ms is None, _exchanges(given)))
-    job.say(f"pass 1 ({sized_on.type}): recording one iteration of the plain model ...")
+    check_least_memory(least_memory(sizing, req.seq_len // req.tp, req.micro_batch), req.device,
+                       req.machine.device_budget_bytes, "memo.profiler", req.job_seq_len)
+    st.meta = {"model": req.name, "seq_len": req.job_seq_len,
+                      "context_parallel": req.cp}
+    if req.cp > 1:
+        st.notes.append(context_parallel_note(req.cp, req.machine.layer_ms is None, _exchanges(given)))
+    req.say(f"pass 1 ({sized_on.type}): recording one iteration of the plain model ...")
     t0 = time.perf_counter()
     try:
-        ids, labels = job.inputs() if sizing is given else example_batch(sizing, job.seq_len, job.micro_batch,
+        ids, labels = job.inputs() if sizing is given else example_batch(sizing, req.seq_len, req.micro_batch,
                                                                          sized_on)
-        plain = _record(sizing, ids, labels, job.progress, "pass 1 (plain model)", job.meta)
+        plain = _record(sizing, ids, labels, req.progress, "pass 1 (plain model)", st.meta)
     except (NotImplementedError, RuntimeError) as err:
-        if given is None or job.device.type == "meta" or sizing is given:
+        if given is None or req.device.type == "meta" or sizing is given:
             raise
         # An op of a user's model without a meta kernel (or a library that insists on a real device
         # on the way): size it where it runs, and say so.
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        job.notes.append(f"pass 1 ran on {job.device.type}, not meta: the model cannot run on meta "
+        st.notes.append(f"pass 1 ran on {req.device.type}, not meta: the model cannot run on meta "
                          f"({reason})")
-        sized_on, sizing = job.device, given
-        plain = _record(sizing, *job.inputs(), job.progress, "pass 1 (plain model)", job.meta)
-    states = model_states(sizing, optimizer_states, job.device)
+        sized_on, sizing = req.device, given
+        plain = _record(sizing, *job.inputs(), req.progress, "pass 1 (plain model)", st.meta)
+    states = model_states(sizing, optimizer_states, req.device)
     layers = model_parts(sizing).layers
     layer_params = sum(p.numel() for p in layers[0].parameters()) if layers else 0
     del sizing
-    job.timings["pass1"] = time.perf_counter() - t0
-    job.say(f"pass 1 ({sized_on.type}): {len(plain.trace['events']):,} events, {plain.recorder.ops:,} ops in "
-            f"{job.timings['pass1']:.1f} s")
+    st.timings["pass1"] = time.perf_counter() - t0
+    req.say(f"pass 1 ({sized_on.type}): {len(plain.trace['events']):,} events, {plain.recorder.ops:,} ops in "
+            f"{st.timings['pass1']:.1f} s")
     return plain, states, layer_params
 
 
-def _measure(job: _Job, plain: Recording, result: ProfileResult) -> None:
+def _measure(job: ProfileJob, plain: Recording, result: ProfileResult) -> None:
     """The machine numbers (given, measured on the job's device, or estimated from FLOPs)."""
+    req, st = job.request, job.state
     net = job.built()
     t0 = time.perf_counter()
-    q = measure_machine(job.machine, job.device, job.dtype,
-                        time_layer=lambda: _time_first_layer(net, *job.inputs()),
-                        config=getattr(net, "config", None), seq_len=job.seq_len, micro_batch=job.micro_batch)
-    job.timings["measure"] = time.perf_counter() - t0
+    q = measure_machine(req.machine, req.device, req.dtype,
+                        time_layer=lambda: time_first_layer(net, *job.inputs()),
+                        config=getattr(net, "config", None), seq_len=req.seq_len, micro_batch=req.micro_batch)
+    st.timings["measure"] = time.perf_counter() - t0
     result.quantities = q
     stats = plain.layer_stats
     if q["layer_ms"].source == "measured":

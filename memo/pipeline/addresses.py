@@ -9,26 +9,28 @@ from typing import TYPE_CHECKING, Any
 
 from memo.profiler.stats import offloaded_bytes
 
-from .device import _iteration_total, _static_bytes
+from .device import iteration_total, static_bytes
 
 if TYPE_CHECKING:
     from memo.planner import PolicySolution
 
-    from . import ProfileResult
-    from .job import _Job
-    from .passes import WrappedRun
+    from .job import ProfileJob
+    from .result import ProfileResult, WrappedRun
+
+__all__ = ["plan_addresses"]
 
 
-def _plan(job: _Job, result: ProfileResult, chosen: PolicySolution, states: dict[str, Any],
-          wrapped: WrappedRun | None, time_limit: float, solver: str | None) -> None:
+def plan_addresses(job: ProfileJob, result: ProfileResult, chosen: PolicySolution, states: dict[str, Any],
+                   wrapped: WrappedRun | None, time_limit: float, solver: str | None) -> None:
     """The planner's bi-level addresses for the planned trace, with the device record."""
+    req, st = job.request, job.state
     from memo.planner import Trace, make_plan, offload_difference
     from memo.runtime import offload_tokens
 
     t0 = time.perf_counter()
     # The plan is for memo's allocator, which serves only phased requests from the arena.
     kwargs: dict[str, Any] = {"alpha_solution": result.alpha, "time_limit": time_limit,
-                              "progress": job.progress, "unphased": "fallback", "gradients": job.gradients}
+                              "progress": req.progress, "unphased": "fallback", "gradients": req.gradients}
     if solver is not None:
         kwargs["solver"] = solver
     if wrapped is not None:
@@ -43,7 +45,7 @@ def _plan(job: _Job, result: ProfileResult, chosen: PolicySolution, states: dict
         result.plan = make_plan(Trace.from_dict(result.trace), **kwargs)
     if wrapped is not None and wrapped.offloaded_layers:
         # NOTE [Planned and actual offload] in memo/planner/plan.py
-        local = job.seq_len // job.tp  # a rank's layer input holds seq_len / tp tokens
+        local = req.seq_len // req.tp  # a rank's layer input holds seq_len / tp tokens
         a = offload_tokens(result.alpha.alpha, local)
         result.plan.offload = {
             "offloaded_layers": wrapped.offloaded_layers,
@@ -54,15 +56,15 @@ def _plan(job: _Job, result: ProfileResult, chosen: PolicySolution, states: dict
         }
         warning = offload_difference(result.plan.offload)
         if warning is not None:
-            job.notes.append(warning)
+            st.notes.append(warning)
     result.plan.policy = list(chosen.policy)
     # NOTE [Tiles of the device a plan is for] (memo/pipeline/job.py): the tile pass 2 ran, also the
     # default where pass 2 ran elsewhere than the device the plan is for.
     result.plan.tile_tokens = job.tile_tokens(chosen.tile_tokens)
-    static = _static_bytes(states)
-    iteration = _iteration_total(result.trace, 0)
+    static = static_bytes(states)
+    iteration = iteration_total(result.trace, 0)
     result.plan.device = {
-        "budget_bytes": job.machine.device_budget_bytes,
+        "budget_bytes": req.machine.device_budget_bytes,
         "model_states": states,
         "activations_bytes": int(result.plan.peak),
         "iteration_peak_bytes": iteration,
@@ -71,5 +73,5 @@ def _plan(job: _Job, result: ProfileResult, chosen: PolicySolution, states: dict
                      "full_recompute_bytes": int(chosen.full_recompute_bytes)},
         "binding": chosen.binding,
     }
-    job.timings["plan"] = time.perf_counter() - t0
-    job.say(f"plan made in {job.timings['plan']:.1f} s")
+    st.timings["plan"] = time.perf_counter() - t0
+    req.say(f"plan made in {st.timings['plan']:.1f} s")

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from memo.planner import Trace
 
-__all__ = ["FALLBACK_HEADROOM", "FALLBACK_SEGMENT_BYTES", "usable_device_bytes"]
+__all__ = ["FALLBACK_HEADROOM", "FALLBACK_SEGMENT_BYTES", "iteration_total", "optimizer_moment",
+           "static_bytes", "usable_device_bytes"]
 
 # NOTE [Fallback headroom]
 # Under a device budget the plan's total (iteration peak + model states) is the bytes in use at
@@ -40,7 +41,7 @@ def usable_device_bytes(budget_bytes: int) -> int:
     return usable_budget(budget_bytes, FALLBACK_HEADROOM, FALLBACK_SEGMENT_BYTES)
 
 
-def _static_bytes(states: dict[str, Any]) -> int:
+def static_bytes(states: dict[str, Any]) -> int:
     """What lives across iterations and is not in a trace: parameters and optimizer states (NOTE
     [Model states]; gradients appear in the iteration)."""
     return int(states["parameters"]["bytes"] + states["optimizer"]["bytes"])
@@ -57,7 +58,7 @@ def _static_bytes(states: dict[str, Any]) -> int:
 # iteration frees, and with gradients in the arena the gradients too) beside what else outlives the
 # iteration, plus the model states. Under a budget only: without one, the cap is full recompute's
 # iteration need, and an iteration is compared with an iteration.
-def _optimizer_moment(trace: Trace, static: int, gradients: str = "fallback") -> int:
+def optimizer_moment(trace: Trace, static: int, gradients: str = "fallback") -> int:
     """NOTE [The optimizer's moment]: the arena's bytes, what else outlives the iteration, and
     ``static``; ``gradients`` as make_plan's, whose rule for what the arena holds
     (memo.planner.outliving) decides it here too."""
@@ -75,7 +76,7 @@ def _optimizer_moment(trace: Trace, static: int, gradients: str = "fallback") ->
     return int(lower_bound(placed)) + outliving + int(static)
 
 
-def _iteration_total(trace: Trace | dict[str, Any], static: int) -> int:
+def iteration_total(trace: Trace | dict[str, Any], static: int) -> int:
     """NOTE [Device total]: the most bytes live at once in a recorded iteration (activations, memo's
     rounding buffers, gradients as they appear, temporaries) plus ``static`` (parameters and
     optimizer states, which live across iterations and are not in the trace)."""

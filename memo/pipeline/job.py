@@ -12,16 +12,18 @@ import torch
 from torch import nn
 
 from memo.adapters.model import model_adapter_for
+from memo.errors import internal_assert
 from memo.machine import Machine
+from memo.planner.vocab import Recorder
 
-from .device import _iteration_total
+from .device import iteration_total
 
 if TYPE_CHECKING:
     from memo.planner import Trace
 
-    from .passes import ProbeKey, WrappedRun
+    from .result import ProbeKey, WrappedRun
 
-__all__ = ["build_profile_model", "example_batch"]
+__all__ = ["ProfileJob", "ResolvedRequest", "ProfileState", "build_profile_model", "example_batch"]
 
 
 def build_profile_model(name: str, seq_len: int, dtype: torch.dtype, device: torch.device,
@@ -62,22 +64,21 @@ def example_batch(model: nn.Module, seq_len: int, micro_batch: int, device: torc
 # made on meta is made for some other device, and its tiles must be that device's: the plan's
 # transient bytes are the recorded tiles', and a GPU running CPU-sized tiles regresses in step time
 # (many small kernels, the host's launch cost exposed) while meta records ~8x the ops. The rule,
-# visible in one place (_Job.tile_device_type): a profile on meta with ``machine.gpu`` given (``--gpu
-# h100``, the GPU whose FLOPs estimate the layer time) is for a CUDA device, and is tiled with the
+# visible in one place (ResolvedRequest.tile_device_type): a profile on meta with ``machine.gpu`` given
+# (``--gpu h100``, the GPU whose FLOPs estimate the layer time) is for a CUDA device, and is tiled with the
 # GPU's floor; without ``gpu`` meta keeps the CPU's floor, so a plan made on meta is still the plan
 # made on the CPU (tests/runtime/test_plan_truth.py). A profile on cpu or cuda is for its own device.
-# The policy's cost model and tile choices use the target's floor (_layer_costs in policy.py). Where
+# The policy's cost model and tile choices use the target's floor (layer_costs in policy.py). Where
 # the target is not pass 2's device, the runtime on meta cannot make the target's default itself, so
 # every wrapped pass gets the tile explicitly (``default_tile``: default_tile_tokens of the layer's
 # rows on the target) and the plan records it, default or not (``plan.tile_tokens``): the runtime
 # that replays the plan runs exactly those tiles on any device. Elsewhere a default tile stays None
 # in the plan, as before: the runtime of the plan's own device type makes the same default per
 # token range ([0:a] and [a:s] each), which one recorded number could not say.
-@dataclass
-class _Job:
-    """What one run of the pipeline works on (the arguments of :func:`profile`, resolved)."""
+@dataclass(frozen=True)
+class ResolvedRequest:
+    """What one profile is asked for: the arguments of :func:`memo.pipeline.profile`, resolved."""
 
-    net: nn.Module | None  # the model on its device (None until a named model is built there)
     source: str | None  # a registered name or CONFIG.json when memo builds the model
     name: str
     device: torch.device
@@ -88,22 +89,11 @@ class _Job:
     tp: int
     cp: int
     machine: Machine
-    recorder: str
+    recorder: Recorder
     progress: bool
     say: Callable[[str], None]
-    meta: dict[str, Any] = field(default_factory=dict)
-    batch: tuple[torch.Tensor, torch.Tensor] | None = None
-    timings: dict[str, float] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
     #: The largest of a number over the ranks profiling together (NOTE [Decisions every rank shares]).
     agree_max: Callable[[int], int] = int
-    #: The last wrapped iteration a policy probe recorded, by (alpha, policy, tile): pass 2 of the
-    #: same choice takes it instead of recording it again (NOTE [Pass 2 is the last probe]).
-    last_probe: tuple[ProbeKey, dict[str, Any], WrappedRun] | None = None
-    #: The tile the wrapped passes run, and the plan records, where the policy keeps the runtime's
-    #: default but pass 2's device is not the device the plan is for (NOTE [Tiles of the device a
-    #: plan is for]); None where that device's own default is what runs. Set with the cost model.
-    default_tile: int | None = None
     #: Where the plan puts the parameter gradients: make_plan's ``gradients`` (NOTE [Allocations that
     #: outlive the iteration] in planner/core.py).
     gradients: str = "arena"
@@ -116,25 +106,53 @@ class _Job:
             return "cuda"
         return self.device.type
 
+
+@dataclass
+class ProfileState:
+    """What one profile builds and finds as its steps run."""
+
+    net: nn.Module | None = None  # the model on its device (None until a named model is built there)
+    batch: tuple[torch.Tensor, torch.Tensor] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    #: The last wrapped iteration a policy probe recorded, by (alpha, policy, tile): pass 2 of the
+    #: same choice takes it instead of recording it again (NOTE [Pass 2 is the last probe]).
+    last_probe: tuple[ProbeKey, dict[str, Any], WrappedRun] | None = None
+    #: The tile the wrapped passes run, and the plan records, where the policy keeps the runtime's
+    #: default but pass 2's device is not the device the plan is for (NOTE [Tiles of the device a
+    #: plan is for]); None where that device's own default is what runs. Set with the cost model.
+    default_tile: int | None = None
+
+
+@dataclass(frozen=True)
+class ProfileJob:
+    """One run of the pipeline: the frozen request and the state its steps fill in."""
+
+    request: ResolvedRequest
+    state: ProfileState
+
     def tile_tokens(self, chosen: int | None) -> int | None:
         """The tile the runtime runs, and the plan records, for the policy's ``chosen`` tile (None:
         the runtime's default)."""
-        return chosen if chosen is not None else self.default_tile
+        return chosen if chosen is not None else self.state.default_tile
 
     def recorded_total(self, trace: Trace | dict[str, Any], static: int) -> int:
-        """:func:`_iteration_total` of a recorded iteration, the same on every rank."""
-        return self.agree_max(_iteration_total(trace, static))
+        """:func:`iteration_total` of a recorded iteration, the same on every rank."""
+        return self.request.agree_max(iteration_total(trace, static))
 
     def built(self) -> nn.Module:
         """The model on its device, built there the first time for a model given by name."""
-        if self.net is None:
+        state, req = self.state, self.request
+        if state.net is None:
             t0 = time.perf_counter()
-            assert self.source is not None
-            self.net = build_profile_model(self.source, self.job_seq_len, self.dtype, self.device, self.tp)
-            self.timings["build"] = self.timings.get("build", 0.0) + time.perf_counter() - t0
-        return self.net
+            internal_assert(req.source is not None, "memo.pipeline: a job without a model names its source")
+            state.net = build_profile_model(str(req.source), req.job_seq_len, req.dtype, req.device, req.tp)
+            state.timings["build"] = state.timings.get("build", 0.0) + time.perf_counter() - t0
+        return state.net
 
     def inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.batch is None:
-            self.batch = example_batch(self.built(), self.seq_len, self.micro_batch, self.device)
-        return self.batch
+        if self.state.batch is None:
+            self.state.batch = example_batch(self.built(), self.request.seq_len, self.request.micro_batch,
+                                             self.request.device)
+        return self.state.batch

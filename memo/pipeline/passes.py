@@ -8,42 +8,25 @@ import contextlib
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from memo.adapters.model import model_adapter_for
 from memo.errors import MemoError
 from memo.profiler.measure import Quantity, time_layer_forward
 from memo.profiler.record import Recording, layer_inputs, model_parts, phase_tracker, record
 
+from .result import ProbeKey, WrappedRun
+
 if TYPE_CHECKING:
     from memo.planner import PolicySolution
 
-    from . import ProfileResult
-    from .job import _Job
+    from .job import ProfileJob
+    from .result import ProfileResult
 
-__all__ = ["WrappedRun", "open_with_kept_buffers", "runtime_device_buffers"]
-
-#: What identifies a recorded wrapped iteration: (alpha, layer policy, tile tokens).
-ProbeKey = tuple[float, tuple[str, ...], int | None]
-
-
-@dataclass(frozen=True)
-class WrappedRun:
-    """What memo's runtime allocated and copied in a wrapped pass."""
-
-    #: The host arena the wrapped pass really needed, to the byte (slots included, NOTE [Slot
-    #: alignment] in memo/runtime/buffers.py).
-    host_bytes: int
-    #: Bytes one offloaded layer copied to the host.
-    layer_bytes: int
-    offloaded_layers: int
-    #: ``(what, bytes)`` per copied tensor of one layer.
-    tensors: list[Any]
-
+__all__ = ["check_allocator_device", "pass2", "record_allocator", "record_pass", "time_first_layer",
+           "wrapped_pass"]
 
 @contextlib.contextmanager
 def _progress(enabled: bool, total: int, desc: str) -> Iterator[Callable[[str | None], None] | None]:
@@ -66,7 +49,7 @@ def _progress(enabled: bool, total: int, desc: str) -> Iterator[Callable[[str | 
         bar.close()
 
 
-def _record(
+def record_pass(
     model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, progress: bool, desc: str, meta: dict[str, Any]
 ) -> Recording:
     tracker = phase_tracker(model)
@@ -79,74 +62,16 @@ def _record(
         tracker.remove()
 
 
-def _record_allocator(
+def record_allocator(
     model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, meta: dict[str, Any]
 ) -> dict[str, Any]:
-    """One iteration traced by memo.allocator.logging: the real requests, in the allocator's order.
+    """One iteration of ``model`` traced by memo.allocator.logging (:func:`.step.record_step`)."""
+    from .step import ModelStep, record_step
 
-    This is the trace to plan from when the plan is replayed by (phase, request index):
-    kernels allocate scratch the dispatch recorder cannot see (NOTE [Which recorder] in
-    docs/profiling.md).
-    """
-    from memo import allocator
-
-    adapter = model_adapter_for(model, "memo.profiler")
-    # NOTE [Warm-up before logging]: libraries allocate once, on first use, through the current
-    # allocator: cuBLAS its workspace per handle and stream, the runtime its rounding buffers,
-    # kernels their lazily built caches. Logged in the first iteration they would take request
-    # indices that no later iteration makes, and every later request of that phase would
-    # deviate. So one iteration runs unlogged first.
-    adapter.loss(model, ids, labels).backward()
-    if ids.device.type == "cuda":
-        torch.cuda.synchronize(ids.device)
-    tracker = phase_tracker(model, listeners=[allocator.set_phase])
-    for p in model.parameters():
-        p.grad = None
-    try:
-        with (
-            allocator.logging(device=ids.device, meta=meta) as trace,
-            tracker.iteration(),
-        ):
-            adapter.loss(model, ids, labels).backward()
-    finally:
-        tracker.remove()
-        allocator.set_phase(None)
-        # The logged backward's gradients come from memo's allocator. Free them now, not when the
-        # model is collected: a model profile() built sits in reference cycles (hooks) until the
-        # garbage collector runs, and its gradients would count in the next run's device peak.
-        for p in model.parameters():
-            p.grad = None
-    open_with_kept_buffers(trace, runtime_device_buffers(model))
-    return trace
+    return record_step(ModelStep(model, (ids, labels)), ids.device, meta)
 
 
-def runtime_device_buffers(model: nn.Module) -> list[int]:
-    """Bytes of each device buffer memo's runtime holds for ``model`` across iterations (its two
-    rounding buffers, NOTE [Rounding buffer reuse]); none when the model is not wrapped."""
-    from memo import runtime
-
-    if not runtime.is_wrapped(model):
-        return []
-    buffers = getattr(runtime.runtime_of(model), "buffers", None)
-    return [int(t.untyped_storage().nbytes()) for t in getattr(buffers, "device_buffers", None) or []]
-
-
-def open_with_kept_buffers(trace: dict[str, Any], sizes: list[int]) -> None:
-    """NOTE [Buffers made in the warm-up]: the warm-up iteration (NOTE [Warm-up before logging])
-    allocates memo's rounding buffers, so the logged iteration never sees them, yet every iteration
-    holds them on the device. They open the trace as unphased allocations live to its end: the
-    trace's peak (the plan's device total, NOTE [Device total]) counts them, as a trace of the
-    dispatch recorder does (it records the first iteration), and a plan for memo's allocator leaves
-    them to its fallback, which serves them at run time (NOTE [One-time allocations inside a
-    phase] in memo/allocator/_api.py). Ids are new: above every id the trace uses."""
-    if not sizes:
-        return
-    events = trace["events"]
-    top = max((int(e["id"]) for e in events if "id" in e), default=0)
-    trace["events"] = [{"op": "malloc", "id": top + 1 + i, "size": n} for i, n in enumerate(sizes)] + events
-
-
-def _time_first_layer(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> Quantity:
+def time_first_layer(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> Quantity:
     """T_layer measured: the first layer's forward on the inputs the model gives it (NOTE [First
     layer's inputs] in memo/profiler/record.py)."""
     args, kwargs = layer_inputs(model, ids, labels)
@@ -154,9 +79,9 @@ def _time_first_layer(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor)
     return time_layer_forward(layer, *args, layer_kwargs=kwargs)
 
 
-def _wrapped_pass(job: _Job, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, alpha: float,
-                  progress: bool, plain: Recording, policy: list[str] | None = None,
-                  tile_tokens: int | None = None) -> tuple[dict[str, Any], WrappedRun]:
+def wrapped_pass(job: ProfileJob, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, alpha: float,
+                 progress: bool, plain: Recording, policy: list[str] | None = None,
+                 tile_tokens: int | None = None) -> tuple[dict[str, Any], WrappedRun]:
     """Trace one iteration of ``model`` wrapped by memo's runtime with ``alpha``; unwrap afterwards.
     Returns the trace and what the runtime allocated and copied (:class:`WrappedRun`).
 
@@ -165,14 +90,15 @@ def _wrapped_pass(job: _Job, model: nn.Module, ids: torch.Tensor, labels: torch.
     ``tile_tokens`` of None is the runtime's default on the device the plan is for (NOTE [Tiles of
     the device a plan is for] in memo/pipeline/job.py).
     """
+    req, st = job.request, job.state
     from memo import runtime
 
     runtime.wrap(model, alpha=alpha, policy=policy, recompute_chunk_tokens=job.tile_tokens(tile_tokens))
     try:
-        if job.recorder == "allocator":
-            trace = _record_allocator(model, ids, labels, _target_meta(plain, ids.device, "allocator"))
+        if req.recorder == "allocator":
+            trace = record_allocator(model, ids, labels, _target_meta(plain, ids.device, "allocator"))
         else:
-            trace = _record(model, ids, labels, progress, f"pass 2 (alpha={alpha:.3f})", job.meta).trace
+            trace = record_pass(model, ids, labels, progress, f"pass 2 (alpha={alpha:.3f})", st.meta).trace
         rt = runtime.runtime_of(model)
         return trace, WrappedRun(host_bytes=int(rt.host_bytes), layer_bytes=int(rt.layer_bytes or 0),
                                  offloaded_layers=int(rt.n_offloaded), tensors=list(rt.layer_tensors))
@@ -185,7 +111,7 @@ def _target_meta(plain: Recording, device: torch.device, recorder: str) -> dict[
     return {**plain.trace["meta"], "device": device.type, "recorder": recorder}
 
 
-def _check_allocator_device(device: torch.device) -> None:
+def check_allocator_device(device: torch.device) -> None:
     """The allocator recorder sees real allocations: refuse meta, and install memo's CUDA allocator."""
     if device.type == "meta":
         raise MemoError(
@@ -200,55 +126,57 @@ def _check_allocator_device(device: torch.device) -> None:
             allocator.install_cuda()
 
 
-def _pass2(job: _Job, plain: Recording, chosen: PolicySolution, wrap_pass: bool | None, plan: bool,
-           result: ProfileResult) -> WrappedRun | None:
+def pass2(job: ProfileJob, plain: Recording, chosen: PolicySolution, wrap_pass: bool | None, plan: bool,
+          result: ProfileResult) -> WrappedRun | None:
     """Pass 2 (NOTE [Two-pass profiling]): the trace the plan is made from. Returns what the runtime
     allocated and copied when the wrapped model ran (None when it did not)."""
+    req, st = job.request, job.state
     net = job.built()
     ids, labels = job.inputs()
     second: dict[str, Any] | None = None
     wrapped: WrappedRun | None = None
     t0 = time.perf_counter()
-    probed = job.last_probe
+    probed = st.last_probe
     if wrap_pass is not False and probed is not None and probed[0] == _probe_key(result.alpha.alpha, chosen):
         _, second, wrapped = probed  # NOTE [Pass 2 is the last probe]
         result.wrapped = True
     elif wrap_pass is not False:
-        job.say(f"pass 2 ({job.device.type}): recording one iteration of the model wrapped with alpha "
+        req.say(f"pass 2 ({req.device.type}): recording one iteration of the model wrapped with alpha "
                 f"{result.alpha.alpha:.4f} ...")
         try:
-            second, wrapped = _wrapped_pass(job, net, ids, labels, result.alpha.alpha, job.progress, plain,
+            second, wrapped = wrapped_pass(job, net, ids, labels, result.alpha.alpha, req.progress, plain,
                                             chosen.policy, chosen.tile_tokens)
             result.wrapped = True
         except MemoError as err:
             if wrap_pass:
                 raise
-            job.notes.append(
+            st.notes.append(
                 f"pass 2 could not run the wrapped model ({err}); the plan comes from the plain model"
             )
-    sized_elsewhere = plain.trace["meta"]["device"] != job.device.type
-    if second is None and plan and (job.recorder == "allocator" or sized_elsewhere):
+    sized_elsewhere = plain.trace["meta"]["device"] != req.device.type
+    if second is None and plan and (req.recorder == "allocator" or sized_elsewhere):
         # The planned trace must come from the device that will run (and, for the allocator
         # recorder, from the allocator's own requests), even when the model cannot be wrapped.
-        if job.recorder == "allocator":
-            second = _record_allocator(net, ids, labels, _target_meta(plain, job.device, "allocator"))
+        if req.recorder == "allocator":
+            second = record_allocator(net, ids, labels, _target_meta(plain, req.device, "allocator"))
         else:
-            second = _record(net, ids, labels, job.progress, "pass 2 (plain model)", job.meta).trace
+            second = record_pass(net, ids, labels, req.progress, "pass 2 (plain model)", st.meta).trace
     if second is not None:
         second["layers"] = plain.trace["layers"]
         result.trace = second
-        job.timings["pass2"] = time.perf_counter() - t0
+        st.timings["pass2"] = time.perf_counter() - t0
         what = f"wrapped, alpha {result.alpha.alpha:.4f}" if result.wrapped else "plain model"
         how = ("the policy's last probe, not recorded again" if second is (probed or (None, None))[1]
-               else f"in {job.timings['pass2']:.1f} s")
-        job.say(f"pass 2 ({what}, {job.recorder} recorder): {len(second['events']):,} events, {how}")
+               else f"in {st.timings['pass2']:.1f} s")
+        req.say(f"pass 2 ({what}, {req.recorder} recorder): {len(second['events']):,} events, {how}")
     return wrapped
 
 
 # NOTE [Pass 2 is the last probe]
-# The policy's last probe (_recorded_choice) recorded the very iteration pass 2 would: the same model,
-# batch, alpha, layer policy and tile, wrapped the same way, by the same recorder. Recording it again
-# only cost time (a third of a profile of gpt-125m at 8K on meta, minutes at scale), so pass 2 takes
-# it. Any other choice (a given alpha, a policy that was not probed) is recorded as before.
+# The policy's last recording (``job.state.last_probe``, kept by every recording of the policy's StepProbe in
+# memo/pipeline/policy.py) is the very iteration pass 2 records when its (alpha, policy, tile) is the
+# chosen one: the same model and batch, wrapped the same way, by the same recorder. Recording it again
+# only costs time (a third of a profile of gpt-125m at 8K on meta, minutes at scale), so pass 2 takes
+# it. Any other choice (a given alpha, a policy that was not recorded) is recorded here.
 def _probe_key(alpha: float, chosen: PolicySolution) -> ProbeKey:
     return (float(alpha), tuple(chosen.policy), chosen.tile_tokens)

@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-
-import torch
-from torch import nn
 
 from memo.errors import MemoError
 from memo.machine import GB
@@ -19,6 +17,7 @@ from memo.planner import LayerCosts, PolicySolution, Trace
 from memo.planner.calibrate import (
     AlphaInputs,
     PolicyRecording,
+    ProbedPolicy,
     memo_calibration,
     probe_policy,
     with_recorded_full_recompute,
@@ -26,54 +25,52 @@ from memo.planner.calibrate import (
 )
 from memo.profiler.record import Recording
 
-from .device import FALLBACK_HEADROOM, FALLBACK_SEGMENT_BYTES, _optimizer_moment, _static_bytes
-from .passes import _probe_key, _wrapped_pass
+from .device import (
+    FALLBACK_HEADROOM,
+    FALLBACK_SEGMENT_BYTES,
+    iteration_total,
+    optimizer_moment,
+    static_bytes,
+)
+from .passes import wrapped_pass
+
+__all__ = ["StepProbe", "calibrated_choice", "choose_profile_policy", "layer_costs"]
 
 if TYPE_CHECKING:
     from memo.profiler.measure import Quantity
 
-    from . import ProfileResult
-    from .job import _Job
+    from .job import ProfileJob
+    from .result import ProfileResult
 
 
-def _choose_policy(job: _Job, plain: Recording, states: dict[str, Any], layer_params: int,
-                   alpha: float | None, policy: list[str] | None, wrap_pass: bool | None,
-                   result: ProfileResult) -> PolicySolution:
+def choose_profile_policy(job: ProfileJob, plain: Recording, states: dict[str, Any], layer_params: int,
+                          alpha: float | None, policy: list[str] | None, wrap_pass: bool | None,
+                          result: ProfileResult) -> PolicySolution:
     """The layer policy and alpha (NOTE [Calibrated policy]), probed against a recorded iteration."""
-    from memo.planner import choose_policy
-
-    n_layers = len(plain.layer_stats)
+    req, st = job.request, job.state
     t0 = time.perf_counter()
     lp_inputs, costs = _policy_costs(job, plain, states, layer_params, result.quantities)
     result.costs = costs
-    can_wrap = wrap_pass is not False
-    static = _static_bytes(states)
     net = job.built()
-    budget = job.machine.device_budget_bytes
     ids, labels = job.inputs()
-    if policy is not None:
-        from memo.planner import given_policy
-        from memo.runtime import validate_policy
 
-        chosen = given_policy(costs, validate_policy(policy, n_layers), alpha, budget)
-    else:
-        if can_wrap:
-            costs, can_wrap = _calibrated_costs(job, costs, net, ids, labels, plain, static, wrap_pass)
-        chosen = choose_policy(costs, budget, alpha, FALLBACK_HEADROOM, FALLBACK_SEGMENT_BYTES)
-    result.policy = chosen
-    result.model_states = states
-    job.timings["alpha"] = time.perf_counter() - t0
-    record = _PolicyProbe(job, net, ids, labels, plain, static)
-    probed = probe_policy(chosen, costs, record, inputs=lp_inputs, alpha=alpha, device_budget=budget,
-                          headroom=FALLBACK_HEADROOM, headroom_bytes=FALLBACK_SEGMENT_BYTES,
-                          may_probe=can_wrap and policy is None, say=job.say)
-    result.policy, result.alpha = probed.policy, probed.alpha
+    def record(policy: list[str], alpha: float, tile_tokens: int | None) -> dict[str, Any]:
+        trace, wrapped = wrapped_pass(job, net, ids, labels, alpha, False, plain, policy, tile_tokens)
+        st.last_probe = ((float(alpha), tuple(policy), tile_tokens), trace, wrapped)
+        return trace
+
+    probe = StepProbe(record, static_bytes(states), req.agree_max, req.gradients)
+    probed = calibrated_choice(probe, costs, lp_inputs, alpha=alpha, policy=policy,
+                               budget=req.machine.device_budget_bytes, wrap_pass=wrap_pass, say=req.say)
+    result.policy, result.alpha, result.model_states = probed.policy, probed.alpha, states
+    st.timings["alpha"] = time.perf_counter() - t0
     return probed.policy
 
 
-def _policy_costs(job: _Job, plain: Recording, states: dict[str, Any], layer_params: int,
+def _policy_costs(job: ProfileJob, plain: Recording, states: dict[str, Any], layer_params: int,
                   q: dict[str, Quantity]) -> tuple[AlphaInputs, LayerCosts]:
     """The alpha LP's inputs and the layer policy's cost model, from pass 1 and the machine."""
+    req, st = job.request, job.state
     stats = plain.layer_stats
     summary = plain.trace["layers"]
     # The runtime starts every tensor it offloads at a SLOT_ALIGNMENT boundary (NOTE [Slot alignment]
@@ -83,32 +80,32 @@ def _policy_costs(job: _Job, plain: Recording, states: dict[str, Any], layer_par
     from memo.runtime.tiles import default_tile_tokens, min_tile_tokens, params_token_bytes
 
     rows = int(summary.get("rows", 0))
-    hidden = int(summary["S_input"]) // max(1, rows * job.micro_batch * job.dtype.itemsize)
+    hidden = int(summary["S_input"]) // max(1, rows * req.micro_batch * req.dtype.itemsize)
     # NOTE [Tiles of the device a plan is for]: the tiles are the target's; where pass 2 runs
     # elsewhere (meta for a GPU), the runtime there gets the target's default tile explicitly.
-    target = job.tile_device_type
-    if target != job.device.type and rows > 0:
-        token_bytes = params_token_bytes(layer_params, hidden, job.dtype.itemsize)
-        job.default_tile = default_tile_tokens(rows, batch=job.micro_batch, hidden=hidden, device_type=target,
+    target = req.tile_device_type
+    if target != req.device.type and rows > 0:
+        token_bytes = params_token_bytes(layer_params, hidden, req.dtype.itemsize)
+        st.default_tile = default_tile_tokens(rows, batch=req.micro_batch, hidden=hidden, device_type=target,
                                                token_bytes=token_bytes)
-    most_tiles = 1 + rows // min_tile_tokens(job.micro_batch, hidden, target)
+    most_tiles = 1 + rows // min_tile_tokens(req.micro_batch, hidden, target)
     slack = len(stats) * SLOT_ALIGNMENT * 32 * most_tiles
-    host = max(0, job.machine.host_per_process(int(q["host_memory_bytes"].value)) - slack)
+    host = max(0, req.machine.host_per_process(int(q["host_memory_bytes"].value)) - slack)
     # NOTE [Per-rank sizes]: with Megatron tensor + sequence parallelism over tp ranks, the
     # profiled model is one rank (NOTE [Tensor-parallel rank] in memo/models/parallel.py), so the
     # S_*, the alpha LP, the layer policy and the address plan all describe that rank. A T_layer
     # estimated from FLOPs is the whole layer's and is split; a given or measured one is a rank's.
     layer_s = q["layer_ms"].value / 1e3
-    if job.tp > 1 and q["layer_ms"].source == "estimated":
-        layer_s /= job.tp
+    if req.tp > 1 and q["layer_ms"].source == "estimated":
+        layer_s /= req.tp
     lp_inputs = AlphaInputs(summary["S_input"], summary["S_attn"], summary["S_others"],
                             q["bandwidth_gbps"].value * GB, layer_s, len(stats), host)
-    costs = _layer_costs(plain.trace, lp_inputs, job.seq_len, job.micro_batch, job.dtype.itemsize,
+    costs = layer_costs(plain.trace, lp_inputs, req.seq_len, req.micro_batch, req.dtype.itemsize,
                          layer_params, states, target)
     return lp_inputs, costs
 
 
-def _layer_costs(trace: dict[str, Any], lp_inputs: AlphaInputs, seq_len: int, micro_batch: int,
+def layer_costs(trace: dict[str, Any], lp_inputs: AlphaInputs, seq_len: int, micro_batch: int,
                  elem_size: int, layer_params: int, states: dict[str, Any], device_type: str) -> LayerCosts:
     """The per-rank numbers of NOTE [Policy cost model] from pass 1 (the plain model); the recompute
     chunks are those memo's runtime makes on ``device_type``, the device the plan is for (NOTE [Tiles
@@ -126,7 +123,7 @@ def _layer_costs(trace: dict[str, Any], lp_inputs: AlphaInputs, seq_len: int, mi
     width = s_attn / max(1, seq_len * micro_batch * elem_size)
     attn = seq_len * width
     fraction = attn / (attn + layer_params) if attn + layer_params > 0 else 0.0
-    static = _static_bytes(states)
+    static = static_bytes(states)
     # NOTE [Tiles bounded by memory] (memo/runtime/layer.py): how many tiles a memo layer runs in, by
     # the runtime's default and for each smaller tile the policy may choose (halving, down to
     # min_tile_tokens: the work floor on an accelerator, 256 tokens on the CPU; NOTE [How small a
@@ -163,32 +160,91 @@ def _layer_costs(trace: dict[str, Any], lp_inputs: AlphaInputs, seq_len: int, mi
 # peak that feeds a decision is replaced by the largest over the ranks (``agree_max``, a collective
 # every rank reaches at the same point): every rank then holds the same costs, makes the same
 # (deterministic) choice, and the largest need is the one planned for.
-def _calibrated_costs(job: _Job, costs: LayerCosts, net: nn.Module, ids: torch.Tensor, labels: torch.Tensor,
-                      plain: Recording, static: int, wrap_pass: bool | None) -> tuple[LayerCosts, bool]:
+@dataclass
+class StepProbe:
+    """Records one iteration of a step wrapped with a layer policy and says what it needed: the
+    :data:`~memo.planner.calibrate.RecordPolicy` of :func:`memo.planner.calibrate.probe_policy`, and the
+    recordings the cost model is calibrated against (NOTE [One step, one path] in
+    memo/pipeline/step.py: any step, one model or a pipeline stage, is recorded through one of these)."""
+
+    #: Records the step wrapped with ``(policy, alpha, tile tokens)``; the trace (a ``memo.trace`` dict).
+    record: Callable[[list[str], float, int | None], dict[str, Any]]
+    #: Bytes of parameters and optimizer state, added to a recorded iteration's peak.
+    static: int
+    #: The largest of a number over the ranks deciding together (NOTE [Decisions every rank shares]).
+    agree_max: Callable[[int], int]
+    #: Where the plan puts the parameter gradients (NOTE [The optimizer's moment]).
+    gradients: str
+    #: Whether a recording counts the optimizer's moment (under a device budget only).
+    with_moment: bool = False
+
+    def total(self, policy: list[str], alpha: float) -> int:
+        """NOTE [Device total] of one recorded iteration, the same on every rank."""
+        return self.measure(self.record(policy, alpha, None)).iteration_bytes
+
+    def __call__(self, chosen: PolicySolution, alpha: float) -> PolicyRecording:
+        return self.measure(self.record(list(chosen.policy), alpha, chosen.tile_tokens))
+
+    def measure(self, trace: dict[str, Any]) -> PolicyRecording:
+        """What a recorded iteration needed, agreed on by the ranks: the same collectives for every
+        recording (NOTE [Decisions every rank shares])."""
+        parsed = Trace.from_dict(trace)
+        total = self.agree_max(iteration_total(parsed, self.static))
+        moment = None
+        if self.with_moment:  # NOTE [The optimizer's moment]
+            moment = self.agree_max(optimizer_moment(parsed, self.static, self.gradients))
+        return PolicyRecording(total, moment)
+
+
+def calibrated_choice(probe: StepProbe, costs: LayerCosts, inputs: AlphaInputs, *, alpha: float | None,
+                      policy: list[str] | None, budget: int | None, wrap_pass: bool | None,
+                      say: Callable[[str], None]) -> ProbedPolicy:
+    """The layer policy and alpha of a step (NOTE [Calibrated policy]): ``policy`` when given, else
+    chosen from ``costs`` calibrated against recorded iterations; then probed by
+    :func:`memo.planner.calibrate.probe_policy`, the one loop that corrects and chooses again.
+
+    ``wrap_pass``: record wrapped iterations (None: try, and choose from the uncalibrated model when
+    the runtime refuses the step; False: never)."""
+    from memo.planner import choose_policy, given_policy
+
+    can_wrap = wrap_pass is not False
+    probe.with_moment = budget is not None
+    if policy is not None:
+        from memo.runtime import validate_policy
+
+        chosen = given_policy(costs, validate_policy(policy, costs.n_layers), alpha, budget)
+    else:
+        if can_wrap:
+            costs, can_wrap = _calibrated_costs(probe, costs, wrap_pass)
+        chosen = choose_policy(costs, budget, alpha, FALLBACK_HEADROOM, FALLBACK_SEGMENT_BYTES)
+    return probe_policy(chosen, costs, probe, inputs=inputs, alpha=alpha, device_budget=budget,
+                        headroom=FALLBACK_HEADROOM, headroom_bytes=FALLBACK_SEGMENT_BYTES,
+                        may_probe=can_wrap and policy is None, say=say)
+
+
+def _calibrated_costs(probe: StepProbe, costs: LayerCosts, wrap_pass: bool | None) -> tuple[LayerCosts, bool]:
     """The cost model calibrated against recorded iterations, and whether the runtime can wrap the
-    model (False: it refused, and ``costs`` is returned as it came).
+    step (False: it refused, and ``costs`` is returned as it came).
 
     NOTE [Calibrated policy]: the cost model's full-recompute need is checked against a
     recorded full-recompute iteration, and its constant part corrected by the difference,
     so that "never more than full recompute" compares memo with a measured figure; then
     its memo need likewise, against a recorded iteration of every layer under memo at
-    alpha = 0 (_calibrate_memo). The chosen policy is recorded once more (_PolicyProbe, for
+    alpha = 0 (_calibrate_memo). The chosen policy is recorded once more (the StepProbe, for
     memo.planner.calibrate.probe_policy). The torch-free arithmetic of each step is in
-    memo/planner/calibrate.py; the recordings are made here.
+    memo/planner/calibrate.py; the recordings are made through the StepProbe.
     """
     try:
-        fr_trace, _ = _wrapped_pass(job, net, ids, labels, 0.0, False, plain,
-                                    ["recompute"] * len(plain.layer_stats))
+        recorded = probe.total(["recompute"] * costs.n_layers, 0.0)
     except MemoError:
         if wrap_pass:
             raise
         return costs, False  # the runtime refuses this model: pass 2 says so, in a note
-    costs = with_recorded_full_recompute(costs, job.recorded_total(fr_trace, static))
-    return _calibrate_memo(job, costs, net, ids, labels, plain, static), True
+    costs = with_recorded_full_recompute(costs, recorded)
+    return _calibrate_memo(probe, costs), True
 
 
-def _calibrate_memo(job: _Job, costs: LayerCosts, net: nn.Module, ids: torch.Tensor, labels: torch.Tensor,
-                    plain: Recording, static: int) -> LayerCosts:
+def _calibrate_memo(probe: StepProbe, costs: LayerCosts) -> LayerCosts:
     """NOTE [Calibrated policy]: ``costs`` with memo_overhead set so that the estimate of every
     layer under memo at alpha = 0 is what a recorded iteration of exactly that needs.
 
@@ -206,34 +262,7 @@ def _calibrate_memo(job: _Job, costs: LayerCosts, net: nn.Module, ids: torch.Ten
         return costs
     policy, estimate = calibration
     try:
-        memo_trace, _ = _wrapped_pass(job, net, ids, labels, 0.0, False, plain, policy)
+        recorded = probe.total(policy, 0.0)
     except MemoError:
         return costs  # the chosen policy's probe (below) still checks what is chosen
-    return with_recorded_memo(costs, job.recorded_total(memo_trace, static), estimate)
-
-
-@dataclass
-class _PolicyProbe:
-    """Records one iteration of a chosen policy for :func:`memo.planner.calibrate.probe_policy` (its
-    :data:`~memo.planner.calibrate.RecordPolicy`), and keeps it for pass 2 (NOTE [Pass 2 is the last
-    probe])."""
-
-    job: _Job
-    net: nn.Module
-    ids: torch.Tensor
-    labels: torch.Tensor
-    plain: Recording
-    #: Bytes of parameters and optimizer state, added to a recorded iteration's peak.
-    static: int
-
-    def __call__(self, chosen: PolicySolution, alpha: float) -> PolicyRecording:
-        job = self.job
-        trace, wrapped = _wrapped_pass(job, self.net, self.ids, self.labels, alpha, False, self.plain,
-                                       chosen.policy, chosen.tile_tokens)
-        job.last_probe = (_probe_key(alpha, chosen), trace, wrapped)
-        parsed = Trace.from_dict(trace)  # once, for the iteration's total and the optimizer's moment
-        total = job.recorded_total(parsed, self.static)
-        moment = None
-        if job.machine.device_budget_bytes is not None:  # NOTE [The optimizer's moment]
-            moment = job.agree_max(_optimizer_moment(parsed, self.static, job.gradients))
-        return PolicyRecording(total, moment)
+    return with_recorded_memo(costs, recorded, estimate)

@@ -13,7 +13,7 @@ step is what is recorded and planned:
   it belongs to (:class:`memo.phases.PhaseTracker` takes the micro-batch when the forward runs), so
   the order the schedule chose does not matter.
 - The step is recorded by memo's allocator (the requests it will serve, by phase and request index),
-  after one warm-up step that is not logged (NOTE [Warm-up before logging] in memo/pipeline/passes.py:
+  after one warm-up step that is not logged (NOTE [Warm-up before logging] in memo/pipeline/step.py:
   megatron's and memo's one-time buffers). Both run the schedule's forwards and backwards on the first
   batch with every rank of the pipeline, and keep no gradient and take no optimizer step: training then
   starts from the same weights as a run without a plan. memo's rounding buffers, made in the warm-up,
@@ -39,14 +39,19 @@ import contextlib
 import functools
 import os
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from memo.errors import MemoError
 
-__all__ = ["StagePhases", "agree_on_plan", "all_done", "check_stage_plan", "given_stage_plan", "record_stage",
+if TYPE_CHECKING:
+    from memo.distributed.layout import ParallelLayout, ParallelRun
+    from memo.planner import Plan
+    from memo.planner.job import JobSpec
+
+__all__ = ["StagePhases", "agree_on_plan", "all_done", "check_stage_plan", "given_stage_plan",
            "save_stage_plan", "stage_plan", "stage_schedule", "stop_together"]
 
 
@@ -69,6 +74,7 @@ class StagePhases:
 
         self._listener = listener
         self._told: str | None = None
+        self._paused = False
         self._forwards = [-1] * len(chunks)  # the micro-batch each chunk's forward runs for
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._trackers: list[PhaseTracker] = []
@@ -82,23 +88,36 @@ class StagePhases:
                                                micro_batch=functools.partial(self._forwards.__getitem__, c)))
             first += len(layers)
 
-    def _forward(self, c: int, _module: nn.Module, _args: Any) -> None:
+    def _forward(self, c: int, _module: nn.Module, _args: tuple[object, ...]) -> None:
         if torch._C._current_graph_task_id() == -1:  # not a recomputation inside a backward
             self._forwards[c] += 1
 
     def _tell(self, phase: str | None) -> None:
+        if phase is not None and self._paused:
+            return
         if phase != self._told:
             self._told = phase
             self._listener(phase)
 
     @contextlib.contextmanager
-    def step(self) -> Iterator[None]:
+    def iteration(self) -> Iterator[None]:
         """One step: micro-batches count from 0, and no phase is open before or after it."""
         self._forwards[:] = [-1] * len(self._forwards)
         self._close()
         try:
             yield
         finally:
+            self._close()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Open no phase in the body (a step its plan was not made for); none is open before or after."""
+        self._close()
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
             self._close()
 
     def _close(self) -> None:
@@ -114,7 +133,8 @@ class StagePhases:
             tracker.remove()
 
 
-def stage_schedule(layout: Any, stage: int, micro_batches: int, chunks: list[nn.Module]) -> dict[str, Any]:
+def stage_schedule(layout: ParallelLayout, stage: int, micro_batches: int, chunks: list[nn.Module]
+                   ) -> dict[str, Any]:
     """What a stage's plan is made for: the stage, the schedule and the layers of each chunk."""
     p, v = layout.pipeline_parallel, layout.virtual_pipeline
     name = "none" if p == 1 else ("interleaved-1f1b" if v > 1 else "1f1b")
@@ -122,7 +142,7 @@ def stage_schedule(layout: Any, stage: int, micro_batches: int, chunks: list[nn.
             "micro_batches": micro_batches, "chunk_layers": [len(c.decoder.layers) for c in chunks]}
 
 
-def check_stage_plan(plan: Any, expected: dict[str, Any], where: str = "memo.train") -> None:
+def check_stage_plan(plan: Plan, expected: dict[str, Any], where: str = "memo.train") -> None:
     """Refuse a plan made for another stage or schedule (NOTE [A stage's address plan])."""
     made = getattr(plan, "pipeline", None)
     if not made:
@@ -138,39 +158,20 @@ def check_stage_plan(plan: Any, expected: dict[str, Any], where: str = "memo.tra
                         "(drop --plan)")
 
 
-def record_stage(run_step: Callable[[], None], chunks: list[nn.Module], device: torch.device,
-                 meta: dict[str, Any]) -> dict[str, Any]:
-    """The allocator's trace of one step of this stage (NOTE [A stage's address plan]): ``run_step``
-    runs the schedule's forwards and backwards once unlogged, then once logged with the stage's phases."""
-    from memo import allocator
-    from memo.pipeline.passes import open_with_kept_buffers, runtime_device_buffers
-
-    run_step()
-    phases = StagePhases(chunks, allocator.set_phase)
-    try:
-        with allocator.logging(device=device, meta=meta) as trace, phases.step():
-            run_step()
-    finally:
-        phases.remove()
-        allocator.set_phase(None)
-    open_with_kept_buffers(trace, [n for c in chunks for n in runtime_device_buffers(c)])
-    return trace
-
-
 def stage_plan(trace: dict[str, Any], schedule: dict[str, Any], static_bytes: int, *, host_bytes: int,
-               time_limit: float = 10.0) -> Any:
+               time_limit: float = 10.0) -> Plan:
     """The planner's addresses for a stage's recorded step, with its device record (NOTE [Device total]
     in memo/pipeline/device.py) and the schedule it was made for."""
     import warnings
 
-    from memo.pipeline.device import _iteration_total
+    from memo.pipeline.device import iteration_total
     from memo.planner import Trace, make_plan
 
     with warnings.catch_warnings():
         # layers that are kept whole (the last stage's tail) differ from the offloaded ones by design
         warnings.filterwarnings("ignore", message=r"memo\.planner: phase layer\.", category=UserWarning)
         plan = make_plan(Trace.from_dict(trace), unphased="fallback", time_limit=time_limit, progress=False)
-    iteration = _iteration_total(trace, 0)
+    iteration = iteration_total(trace, 0)
     plan.device = {"activations_bytes": int(plan.peak), "iteration_peak_bytes": iteration,
                    "model_states_bytes": int(static_bytes), "total_bytes": iteration + int(static_bytes),
                    "host_bytes": int(host_bytes)}
@@ -184,7 +185,7 @@ def _fill(pattern: str, stage: int, rank: int) -> str:
     return fill_stage_pattern(pattern, stage, rank, "plan pattern")
 
 
-def stop_together(problem: str | None, parallel: Any) -> None:
+def stop_together(problem: str | None, parallel: ParallelRun | None) -> None:
     """Raise on every rank when any rank has a problem (a collective; None: this rank has none)."""
     problems = [problem] if parallel is None else parallel.gather(problem)
     found = [(r, p) for r, p in enumerate(problems) if p is not None]
@@ -194,12 +195,13 @@ def stop_together(problem: str | None, parallel: Any) -> None:
         raise MemoError(first if parallel is None else f"rank {rank}{more}: {first}")
 
 
-def all_done(done: bool, parallel: Any) -> bool:
+def all_done(done: bool, parallel: ParallelRun | None) -> bool:
     """Whether every rank is done (a collective; one process: ``done``)."""
     return bool(done) if parallel is None else all(parallel.gather(bool(done)))
 
 
-def given_stage_plan(pattern: str, schedule: dict[str, Any], job: Any, parallel: Any) -> Any:
+def given_stage_plan(pattern: str, schedule: dict[str, Any], job: JobSpec, parallel: ParallelRun | None
+                     ) -> Plan:
     """The plan ``--plan PATTERN`` gives this rank's stage, checked against the stage, the schedule and
     the job (NOTE [A stage's address plan]); every rank stops together when any rank's is wrong."""
     from memo.planner import load_plan
@@ -226,7 +228,7 @@ def given_stage_plan(pattern: str, schedule: dict[str, Any], job: Any, parallel:
     return plan
 
 
-def save_stage_plan(plan: Any, pattern: str, parallel: Any, stage: int) -> None:
+def save_stage_plan(plan: Plan, pattern: str, parallel: ParallelRun | None, stage: int) -> None:
     """``--save-plan PATTERN`` (NOTE [A stage's address plan]); a failed write stops every rank."""
     from memo.planner import save_plan
 
@@ -243,7 +245,7 @@ def save_stage_plan(plan: Any, pattern: str, parallel: Any, stage: int) -> None:
     stop_together(problem, parallel)
 
 
-def agree_on_plan(plan: Any, trace: dict[str, Any], parallel: Any, stage: int) -> Any:
+def agree_on_plan(plan: Plan, trace: dict[str, Any], parallel: ParallelRun | None, stage: int) -> Plan:
     """The plan this rank runs (a collective): the ranks of a stage that recorded the same requests (each
     phase's sizes; unphased requests, which a copy thread may make a little earlier or later, aside) run
     one plan, the one their lowest rank made (the planner's search stops at a time limit, so two ranks

@@ -1,6 +1,10 @@
 """Training with memo: the loop, the activation-memory strategies, the report and its plots.
 
+* :mod:`memo.train.config` -- what a run is asked for and what it measured (:class:`TrainConfig`,
+  :class:`TrainResult`), and the pieces every loop shares.
 * :mod:`memo.train.loop` -- one step, the measured loop (:func:`train`).
+* :mod:`memo.train.pipelined` -- the loop of megatron's schedules; :mod:`memo.train.schedule` -- a
+  pipeline stage's step (NOTE [One step, one path] in memo/pipeline/step.py).
 * :mod:`memo.train.data` -- the token sources (synthetic tokens, the bytes of a file).
 * :mod:`memo.train.parallel` -- what the loop adds for one rank of a parallel job.
 * :mod:`memo.train.strategies` -- one class per strategy behind the :class:`Strategy` protocol.

@@ -57,7 +57,7 @@ class MemoryMeter:
     def __init__(self, device_budget_bytes: int | None = None) -> None:
         self.device_budget_bytes = device_budget_bytes
         self.device = torch.device("cpu")
-        #: Bytes of the parameters, which exist before the meter opens.
+        #: Bytes of the parameters (and what else the device held before the meter opened).
         self.param_bytes = 0
         #: Whether memo's allocator serves the device (its counters are this run's).
         self.allocator_on = False
@@ -76,14 +76,20 @@ class MemoryMeter:
     def open(self, model: nn.Module, wrapping: Wrapping, device: torch.device,
              example: tuple[torch.Tensor, torch.Tensor]) -> Session:
         """Enter the Session: memo's allocator, the wrapped layers, phases, sized buffers."""
-        self.device = device
         # a rank's shard of a parameter sharded by FSDP2 (NOTE [Model states] in memo/profiler/device.py)
-        self.param_bytes = sum(local_tensor(p).numel() * p.element_size() for p in model.parameters())
+        resident = sum(local_tensor(p).numel() * p.element_size() for p in model.parameters())
+        return self.enter(self.make_session(model, wrapping, device, example), resident)
+
+    def enter(self, session: Session, resident_bytes: int) -> Session:
+        """Enter ``session`` (any step's, NOTE [One step, one path]) and measure from here on;
+        ``resident_bytes``: what the device held before it (the parameters, and buffers made with them)."""
+        self.device = session.device
+        self.param_bytes = resident_bytes
         # Garbage of earlier work in this process (a model in a reference cycle, its gradients) may
         # still hold blocks of memo's allocator; they would count in this run's peak until the
         # collector happens to run. Collect now, so that the peak is this run's.
         gc.collect()
-        self.session = self.make_session(model, wrapping, device, example)
+        self.session = session
         self.session.__enter__()
         self.allocator_on = self.session.allocator_on
         return self.session

@@ -14,7 +14,9 @@ from memo.models import get_config
 from memo.train.data import Batch
 
 if TYPE_CHECKING:
-    from memo.train.loop import TrainConfig, TrainResult
+    from memo.distributed.layout import ParallelRun
+    from memo.train.config import TrainConfig, TrainResult
+    from memo.train.strategies import Strategy
 
 __all__ = ["ParallelLoss", "Sharded", "agree", "parallel_record", "ranks_text", "start_parallel"]
 
@@ -23,7 +25,7 @@ def ranks_text(n: int) -> str:
     return "1 rank" if n == 1 else f"{n} ranks"
 
 
-def start_parallel(config: TrainConfig) -> Any:
+def start_parallel(config: TrainConfig) -> ParallelRun | None:
     """This rank's :class:`memo.distributed.layout.ParallelRun`, or None for a single-process run.
 
     Every check is made from the arguments and the launch environment before any process group
@@ -75,7 +77,7 @@ def _heads(config: TrainConfig) -> tuple[int, int]:
 class ParallelLoss:
     """One step's loss and gradients on a rank of a parallel job (NOTE [Parallel layout])."""
 
-    parallel: Any
+    parallel: ParallelRun
     positions: torch.Tensor
     global_count: int
 
@@ -94,7 +96,7 @@ class Sharded:
     """The global batches of a token source, each cut to this rank's share (NOTE [Parallel layout]):
     yields ``(ids, labels, position_ids)`` and keeps the global batch's counted tokens in ``count``."""
 
-    def __init__(self, batches: Iterator[Batch], parallel: Any) -> None:
+    def __init__(self, batches: Iterator[Batch], parallel: ParallelRun) -> None:
         self.batches, self.parallel = batches, parallel
         self.count = 0
 
@@ -107,7 +109,7 @@ class Sharded:
         return self.parallel.shard(ids, labels)
 
 
-def agree(parallel: Any, strategy: Any, emit: Callable[[str], None]) -> None:
+def agree(parallel: ParallelRun, strategy: Strategy, emit: Callable[[str], None]) -> None:
     """Every rank runs the same strategy, alpha, layer policy and plan, or every rank stops
     (NOTE [Checks before any process group])."""
     from memo.distributed.layout import plan_fingerprint, requests_fingerprint
@@ -126,7 +128,7 @@ def agree(parallel: Any, strategy: Any, emit: Callable[[str], None]) -> None:
          + ("" if strategy.plan is None else f", plan {plan_fingerprint(strategy.plan)}"))
 
 
-def parallel_record(parallel: Any, result: TrainResult) -> dict[str, Any]:
+def parallel_record(parallel: ParallelRun, result: TrainResult) -> dict[str, Any]:
     """The layout and every rank's device peak and host bytes, gathered on every rank (a collective)."""
     extras = result.steps[-1].extras if result.steps else {}
     peak = max((s.peak_memory_bytes or 0) for s in result.steps) if result.steps else None

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from memo.errors import PlanMismatchError
 from memo.planner.job import JobSpec, job_mismatch
 from memo.units import GB
+
+if TYPE_CHECKING:
+    from memo.distributed.layout import ParallelRun
+    from memo.planner import Plan
 
 __all__ = ["TrainRun", "check_plan", "check_plan_budget"]
 
@@ -19,10 +23,10 @@ class TrainRun:
     :class:`memo.distributed.layout.ParallelRun` (None in one process)."""
 
     job: JobSpec = field(default_factory=JobSpec)
-    parallel: Any = None
+    parallel: ParallelRun | None = None
 
 
-def check_plan(plan: Any, run: TrainRun) -> None:
+def check_plan(plan: Plan, run: TrainRun) -> None:
     """A plan made for another job is refused with the field that differs (the planner's one check,
     :func:`memo.planner.job.job_mismatch`, as :meth:`memo.planner.Plan.check_compatible` runs it)."""
     problem = job_mismatch(getattr(plan, "meta", {}) or {}, run.job)
@@ -30,7 +34,7 @@ def check_plan(plan: Any, run: TrainRun) -> None:
         raise PlanMismatchError(f"memo.train: {problem}, or drop --plan")
 
 
-def check_plan_budget(plan: Any, device_mem_gb: float | None) -> None:
+def check_plan_budget(plan: Plan, device_mem_gb: float | None) -> None:
     """A plan chosen for another device budget is refused: its layer policy fits that budget only."""
     if device_mem_gb is None:
         return

@@ -30,11 +30,14 @@ import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memo.errors import MemoError
 from memo.jsonio import atomic_write, read_json
 from memo.train import STRATEGIES
+
+if TYPE_CHECKING:
+    from memo.train.config import TrainResult
 
 __all__ = ["REPORT_KIND", "REPORT_VERSION", "build_report", "load_report", "save_report", "validate_report"]
 
@@ -116,7 +119,7 @@ def validate_report(report: Any) -> dict[str, Any]:
     return report
 
 
-def build_report(result: Any) -> dict[str, Any]:
+def build_report(result: TrainResult) -> dict[str, Any]:
     """The versioned ``memo.report`` dict of a finished :class:`memo.train.TrainResult`.
 
     ``memo train`` and examples/train_gpt.py both write it.

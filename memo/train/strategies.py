@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -55,6 +55,10 @@ from memo.train.plan_checks import TrainRun
 from memo.train.plan_checks import check_plan as _check_plan
 from memo.train.plan_checks import check_plan_budget as _check_plan_budget
 from memo.units import format_mib
+
+if TYPE_CHECKING:
+    from memo.distributed.layout import ParallelRun
+    from memo.planner import Plan
 
 __all__ = [
     "STRATEGIES",
@@ -305,7 +309,7 @@ class MemoStrategy(Metered):
                         debug_copy_delay_us=opts.debug_copy_delay_us)
 
 
-def _agreed_machine(opts: StrategyOptions, parallel: Any, model: nn.Module, ids: torch.Tensor,
+def _agreed_machine(opts: StrategyOptions, parallel: ParallelRun | None, model: nn.Module, ids: torch.Tensor,
                     labels: torch.Tensor) -> Machine:
     """The machine every rank of a parallel job plans with: B, T_layer and the node's host memory as
     given, else measured on every rank and agreed (the slowest link and layer, the smallest node),
@@ -325,7 +329,7 @@ def _agreed_machine(opts: StrategyOptions, parallel: Any, model: nn.Module, ids:
     return opts.machine().replace(bandwidth_gbps=bandwidth, layer_ms=layer_ms, host_mem_gb=host_gb)
 
 
-def _shared_plan(parallel: Any, plan: Any, log: Log) -> Any:
+def _shared_plan(parallel: ParallelRun | None, plan: Plan, log: Log) -> Plan:
     """One plan per recorded iteration: every rank runs the plan of the lowest rank that recorded the
     same iteration (its requests' fingerprint), so that ranks with identical shards run one plan
     whatever the planner's time-limited search found on each, and ParallelRun.agree finds them equal."""
@@ -512,12 +516,12 @@ class TorchtuneOffload(_CheckpointPeer):
                          parts.head[0].register_forward_pre_hook(self._leave)]
         return Wrapping()
 
-    def _enter(self, _module: nn.Module, _args: Any) -> None:
+    def _enter(self, _module: nn.Module, _args: tuple[object, ...]) -> None:
         if self._scope is None and self.host_offload is not None and torch.is_grad_enabled():
             self._scope = self.host_offload.hooks()
             self._scope.__enter__()
 
-    def _leave(self, _module: nn.Module | None = None, _args: Any = None) -> None:
+    def _leave(self, _module: nn.Module | None = None, _args: tuple[object, ...] | None = None) -> None:
         if self._scope is not None:
             scope, self._scope = self._scope, None
             scope.__exit__(None, None, None)

@@ -56,7 +56,7 @@ def test_stage_phases_name_each_backward_for_its_forward() -> None:
     try:
         for _step in range(2):
             told.clear()
-            with phases.step():
+            with phases.iteration():
                 outs = [chunks[1](chunks[0](torch.randn(2, 4, requires_grad=True))) for _ in range(2)]
                 for out in outs:
                     out.sum().backward()

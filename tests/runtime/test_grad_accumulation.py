@@ -344,11 +344,11 @@ def test_gradients_in_the_arena_replay_exactly_and_hold_less() -> None:
 def test_the_optimizers_moment_counts_the_arena_by_the_plans_rule() -> None:
     """NOTE [The optimizer's moment]: the arena (most live at once of what the plan places) beside
     what else outlives the iteration, whichever side the gradients are on (planner/outliving.py)."""
-    from memo.pipeline.device import _optimizer_moment
+    from memo.pipeline.device import optimizer_moment
 
     trace = Trace.from_dict(_with_a_cache())
     unphased, cache, grad = 100_000, 12_288, 1 << 20
     # Gradients in the fallback: the arena holds 4096 + 8192 at most.
-    assert _optimizer_moment(trace, 7, "fallback") == (4096 + 8192) + (unphased + cache + grad) + 7
+    assert optimizer_moment(trace, 7, "fallback") == (4096 + 8192) + (unphased + cache + grad) + 7
     # Gradients in the arena: it holds 4096 + the gradient + 8192 at once.
-    assert _optimizer_moment(trace, 7, "arena") == (4096 + grad + 8192) + (unphased + cache) + 7
+    assert optimizer_moment(trace, 7, "arena") == (4096 + grad + 8192) + (unphased + cache) + 7

@@ -1,0 +1,196 @@
+"""What a training run is asked for (:class:`TrainConfig`) and what it measured (:class:`StepMetrics`,
+:class:`TrainResult`), with the pieces every training loop shares: the token source, the result before
+the first step and the log line of a step. The loops (memo/train/loop.py, memo/train/pipelined.py) and a
+parallel rank's additions (memo/train/parallel.py) import them from here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from memo.errors import MemoError
+from memo.models import fingerprint, get_config, list_configs
+from memo.models.dtypes import DTYPES
+from memo.train.data import ByteFileTokens, SyntheticTokens
+from memo.units import format_mib
+from memo.utils.flops import detect_peak_flops, flops_per_sample
+
+if TYPE_CHECKING:
+    from memo.models import ModelConfig
+    from memo.train.strategies import Strategy
+
+__all__ = ["StepMetrics", "TrainConfig", "TrainResult", "extras_text", "new_result", "step_line",
+           "token_source"]
+
+
+@dataclass
+class TrainConfig:
+    """What to train and how; the fields mirror the command-line flags."""
+
+    model: str = "tiny"
+    """Registered model name (see ``memo.models.list_configs()``)."""
+    seq_len: int = 256
+    """Tokens per sequence."""
+    micro_batch: int = 1
+    """Sequences per step."""
+    steps: int = 10
+    """Optimizer steps."""
+    device: str = "cpu"
+    """``cpu`` or ``cuda[:i]``."""
+    dtype: str = "float32"
+    """Parameter, activation and optimizer-state dtype (no float32 master copy)."""
+    lr: float = 1e-3
+    """AdamW learning rate (constant)."""
+    seed: int = 0
+    """Seed for initialisation and data."""
+    peak_tflops: float | None = None
+    """Peak TFLOPS for MFU; ``None`` looks the GPU up (unknown on CPU)."""
+    data: str | None = None
+    """Text file whose bytes are the tokens; ``None`` means synthetic tokens."""
+    engine: str = "memo"
+    """Who builds the model (NOTE [Training engines] in memo/engines.py): ``memo``, ``megatron`` or ``fsdp2``
+    (memo's or a Hugging Face model, its states sharded by FSDP2: memo/distributed/fsdp2.py)."""
+    offload_states: bool = False
+    """``--offload-states``: FSDP2's ``CPUOffloadPolicy`` (parameter shards, gradients and optimizer states
+    in host memory); ``--engine fsdp2`` only."""
+    hf_config: str | None = None
+    """A Hugging Face causal-LM config (JSON file, directory or inline JSON) to train, not ``model``."""
+    tensor_parallel: int = 1
+    """``--tp``: megatron tensor-parallel ranks (NOTE [Parallel layout] in memo/distributed/layout.py)."""
+    context_parallel: int = 1
+    """``--cp``: megatron context-parallel ranks (load-balanced causal layout)."""
+    data_parallel: int | None = None
+    """``--dp``: data-parallel ranks; None is world / (tp·cp). ``micro_batch`` is the global batch."""
+    sequence_parallel: bool = False
+    """``--sp``: megatron sequence parallelism inside the tensor-parallel group."""
+    cp_comm: str = "all_gather"  # --cp-comm: CP attention by K/V all-gather or Ulysses all-to-all ("a2a")
+    pipeline_parallel: int = 1
+    """``--pp``: megatron pipeline stages (NOTE [Pipelined steps] in memo/train/pipelined.py)."""
+    virtual_pipeline: int = 1
+    """``--vpp``: model chunks per pipeline stage (megatron's interleaved schedule)."""
+    micro_batches: int = 1
+    """``--micro-batches``: micro-batches of ``micro_batch`` sequences per optimizer step, gradients
+    accumulated (more than one, or ``--pp`` > 1: megatron's schedules, NOTE [Pipelined steps])."""
+
+    def __post_init__(self) -> None:
+        from memo.engines import ENGINES
+
+        if self.engine not in ENGINES:
+            raise MemoError(f"memo.train: --engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.hf_config is not None and self.engine not in ("memo", "fsdp2"):
+            raise MemoError("memo.train: --hf-config builds a Hugging Face model; it does not combine with "
+                            f"--engine {self.engine} (--engine fsdp2 shards it)")
+        if self.offload_states and self.engine != "fsdp2":
+            raise MemoError("memo.train: --offload-states places the model states in host memory through "
+                            f"FSDP2's CPUOffloadPolicy; add --engine fsdp2 (got --engine {self.engine})")
+        if self.hf_config is None and self.model not in list_configs():
+            get_config(self.model)  # raises the error listing valid names
+        for name in ("seq_len", "micro_batch", "steps"):
+            if getattr(self, name) < 1:
+                raise MemoError(
+                    f"memo.train: --{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
+                )
+        if self.dtype not in DTYPES:
+            raise MemoError(f"memo.train: --dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if not self.lr > 0:
+            raise MemoError(f"memo.train: --lr must be > 0, got {self.lr}")
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise MemoError(f"memo.train: --peak-tflops must be > 0, got {self.peak_tflops}")
+        parallel = (self.tensor_parallel, self.context_parallel, self.data_parallel or 1)
+        if self.engine == "fsdp2":  # NOTE [Which engine runs which layout] in planner/engines.py
+            from memo.planner.engines import layout_problem
+
+            problem = layout_problem("fsdp2", tp=self.tensor_parallel, cp=self.context_parallel,
+                                     pp=self.pipeline_parallel, cp_comm=self.cp_comm,
+                                     sp=self.sequence_parallel)
+            if problem is not None:
+                raise MemoError(f"memo.train: {problem}")
+        if (max(parallel) > 1 or self.sequence_parallel) and self.engine != "fsdp2" and (
+                self.engine != "megatron" or self.hf_config is not None):
+            what = "--hf-config" if self.hf_config is not None else f"--engine {self.engine}"
+            raise MemoError(
+                f"memo.train: {what} builds a single-process model; --tp/--cp/--dp > 1 and --sp need "
+                "megatron-core's parallel layers: use --engine megatron (--engine fsdp2 for --dp alone), or "
+                "run with --tp/--cp/--dp 1 and no --sp")
+
+
+@dataclass
+class StepMetrics:
+    """What one step measured."""
+
+    step: int
+    loss: float
+    step_time_s: float
+    tgs: float
+    """Tokens per second per device (one device here)."""
+    mfu: float | None
+    """Model FLOPs utilisation, ``None`` when the peak is unknown."""
+    peak_memory_bytes: int | None
+    extras: dict = field(default_factory=dict)
+    """What the strategy measured after this step (host bytes, allocator counters, ...)."""
+
+
+@dataclass
+class TrainResult:
+    """A finished run: its config, per-step metrics and the constants they were computed from."""
+
+    config: TrainConfig
+    steps: list[StepMetrics] = field(default_factory=list)
+    num_parameters: int = 0
+    flops_per_sample: float = 0.0
+    peak_flops: float | None = None
+    peak_memory_kind: str = "unavailable"
+    model_fingerprint: str = ""
+    strategy: Strategy | None = None
+    """The :class:`memo.train.Strategy` the run used."""
+    world: int = 1
+    """Processes (devices) the job's tokens are shared by: TGS is per device."""
+    parallel: dict[str, Any] | None = None
+    """A parallel run's layout (tp, cp, sp, dp, world) and every rank's device peak and host bytes
+    (``ranks``); None for one process."""
+
+
+def step_line(metrics: StepMetrics, memory_kind: str) -> str:
+    """The log line of one step."""
+    mfu_text = "n/a" if metrics.mfu is None else f"{100 * metrics.mfu:.1f}%"
+    return (
+        f"step {metrics.step:>4}  loss {metrics.loss:.4f}  time {metrics.step_time_s * 1e3:.0f} ms  "
+        f"tgs {metrics.tgs:,.0f} tok/s  mfu {mfu_text}  peak mem {format_mib(metrics.peak_memory_bytes)} "
+        f"({memory_kind})" + extras_text(metrics.extras)
+    )
+
+
+def token_source(config: TrainConfig, model_config: ModelConfig) -> SyntheticTokens | ByteFileTokens:
+    """The batches: the bytes of ``config.data``, or synthetic tokens."""
+    if config.data is not None:
+        return ByteFileTokens(config.data, model_config.vocab_size, config.seq_len, config.micro_batch,
+                              config.seed)
+    return SyntheticTokens(model_config.vocab_size, config.seq_len, config.micro_batch, config.seed)
+
+
+def new_result(config: TrainConfig, model: torch.nn.Module, model_config: ModelConfig, device: torch.device,
+                dtype: torch.dtype, strategy: Any) -> TrainResult:
+    """The run's result before any step: the model's size and FLOPs, the device's peak FLOPS."""
+    return TrainResult(
+        config=config,
+        num_parameters=sum(p.numel() for p in model.parameters()),
+        flops_per_sample=flops_per_sample(model_config, config.seq_len),
+        peak_flops=detect_peak_flops(device, dtype,
+                                     None if config.peak_tflops is None else config.peak_tflops * 1e12),
+        model_fingerprint=fingerprint(model_config),
+        strategy=strategy,
+    )
+
+
+def extras_text(extras: dict[str, Any]) -> str:
+    if not extras:
+        return ""
+    alloc = extras.get("allocator", {})
+    return (
+        f"  host pinned {format_mib(extras.get('host_pinned_bytes', 0))}"
+        f"  alloc planned/fallback/unplanned {alloc.get('planned', 0)}/{alloc.get('fallback', 0)}/"
+        f"{alloc.get('unplanned', 0)}"
+        + (f"  copy wait {extras['copy_wait_s'] * 1e3:.1f} ms" if "copy_wait_s" in extras else "")
+    )
