@@ -27,7 +27,7 @@ GPU (``--gpu``) records and plans the GPU's tiles instead: it gives the runtime 
 the GPU's default makes (:func:`default_tile_tokens` with ``"cuda"``) and the plan records it, so
 the GPU replays exactly those tiles (NOTE [Tiles of the device a plan is for] in
 memo/pipeline/job.py). The policy's cost model counts the chunks of the device the plan is for
-(``_layer_costs`` in memo/pipeline/policy.py).
+(``layer_costs`` in memo/pipeline/policy.py).
 """
 
 from __future__ import annotations
