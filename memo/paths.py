@@ -10,8 +10,8 @@ at most a zero-padded width (``{stage:02d}``), and ``{{``/``}}`` for literal bra
 refused before any work, naming the field and what is allowed.
 
 NOTE [Outputs are not inputs]
-``memo plan t.json -o t.json`` replaced the trace with its plan, ``memo train --plan p.json --report
-p.json`` the plan with a report: the atomic write (NOTE [Atomic writes] in memo/jsonio.py) only makes
+``memo plan t.json -o t.json`` would replace the trace with its plan, ``memo train --plan p.json
+--report p.json`` the plan with a report: the atomic write (NOTE [Atomic writes] in memo/jsonio.py) only makes
 the loss complete. Every command compares its output paths with its input paths, and with each other,
 before it reads or writes anything: the same path once symbolic links and ``..`` are resolved
 (``os.path.realpath``), or, where both exist, the same file by another name (``os.path.samefile``:

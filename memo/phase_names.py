@@ -37,7 +37,7 @@ def layer_phase(direction: str, index: int) -> str:
 
 def parse_phase(name: str) -> tuple[str, int | None]:
     """Split a phase name into its kind and layer index: ``"layer.bwd[2]" -> ("layer.bwd", 2)``."""
-    # fullmatch: ``$`` alone also matches before a trailing newline, which let "embed.fwd\n" through.
+    # fullmatch: ``$`` alone also matches before a trailing newline, which would let "embed.fwd\n" through.
     match = _PHASE_RE.fullmatch(name) if isinstance(name, str) else None
     if match is None:
         raise MemoError(

@@ -1,4 +1,4 @@
-"""Token tiles that repeat one another, skipped in a meta estimate (issue 28: a search in minutes).
+"""Token tiles that repeat one another, skipped in a meta estimate.
 
 Torch-free and light, like memo/token_split.py: the loops that run over token tiles live in the
 models (the loss's chunks, attention's head groups), the runtime (a memo layer's recompute chunks)

@@ -1,4 +1,4 @@
-"""The one rule for splitting a sequence over a parallel layout (issue 32: it had four homes).
+"""The one rule for splitting a sequence over a parallel layout.
 
 Torch-free and light (it imports memo.errors alone, not the planner and its PuLP), so every part
 uses it: the models (context- and sequence-parallel shapes), the profiler

@@ -1,4 +1,4 @@
-"""What a plan is made for, in one typed description (issue 32): :class:`JobSpec`, and the one check
+"""What a plan is made for, in one typed description: :class:`JobSpec`, and the one check
 of a plan against a job (:func:`job_mismatch`, :meth:`memo.planner.Plan.check_compatible`).
 
 ``memo.planner.load_plan``'s keywords and ``memo train``'s plan check both end here, so a plan made

@@ -103,8 +103,8 @@ class Plan:
         unphased: "plan" when the allocations outside every phase are planned (and are in
             ``allocations``); "fallback" when the plan is for memo's allocator to replay and leaves
             them out (NOTE [Unphased allocations are not planned for replay]): checked against a
-            trace, the trace is compared without them. Plan files written before this field read
-            as "fallback" when their solver record says unphased allocations were left out.
+            trace, the trace is compared without them. A plan file without this field reads
+            as "fallback" when its solver record says unphased allocations were left out.
         warnings: what the planner noticed (e.g. a layer phase that differs from the others).
     """
 
@@ -305,7 +305,7 @@ class Plan:
         offsets = _offsets(allocations, level1, level2, items)
         fields = summary_fields(data)
         detail = data.get("alpha_detail")
-        # Plans written before the field said so only in their solver record.
+        # A plan without the field says so only in its solver record.
         old_default = "fallback" if "unphased_left_to_fallback" in fields["solver"] else "plan"
         unphased = data.get("unphased", old_default)
         if unphased not in UNPHASED_MODES:

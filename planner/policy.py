@@ -370,7 +370,7 @@ def choose_policy(c: LayerCosts, device_budget: int | None = None, alpha: float 
     headroom] in memo/pipeline/device.py).
 
     The tiles the memo and input-only layers run in are chosen too (NOTE [Tiles bounded by memory]
-    in memo/runtime/layer.py): the runtime's default, or a smaller one of ``c.tile_choices`` where
+    in memo/runtime/tiles.py): the runtime's default, or a smaller one of ``c.tile_choices`` where
     that makes a faster policy fit (a smaller tile holds less of a layer's backward at once).
 
     Raises:

@@ -1,4 +1,4 @@
-"""What ``memo show`` prints of a plan, read without its allocations (issue 31).
+"""What ``memo show`` prints of a plan, read without its allocations.
 
 NOTE [A plan's summary]
 A plan of 10^7 allocations is a file of some 400 MB, most of it the allocation rows and the offsets
@@ -10,22 +10,23 @@ layout it writes (each top-level field on a line of its own, ``"allocations"`` l
 is read here from a memory map: each top-level field that is printed is parsed and checked as
 :meth:`Plan.from_dict` checks it, ``items``, ``level1``, ``level2``, ``phases`` and the rows are
 skipped, and the rows are counted by their lines. Loading the whole plan (``load_plan``) checks that
-the count and the peaks are what the rows give. A file from before these fields is scanned (NOTE [A
+the count and the peaks are what the rows give. A file without these fields is scanned (NOTE [A
 plan without its summary]); a file in another layout is loaded whole up to :data:`MAX_WHOLE_BYTES`,
 and refused above it.
 
 NOTE [A plan without its summary]
-Plans written before ``allocation_count`` and ``phase_peaks`` (and files edited by hand) have the
-layout but not the fields: loading one whole took over 60 s and 1.6 GiB at 3.5M allocations. The two
-fields are what the rows give, so they are computed from the rows here, without an object per row:
-the rows are read a block of lines at a time, as numbers (numpy parses them; every line must hold
-six integers and nothing else), each row's offset comes from the plan's tables (its layer block's
-``level2`` offset plus the ``level1`` offset of its request index, or its own entry in ``items``,
-as :meth:`Plan.from_dict` places it) and the highest byte per phase is kept, in the order the phases
-first appear, as :meth:`Plan.phase_peaks` orders them. The tables are parsed as JSON, so they are
-bounded (:data:`MAX_TABLE_BYTES`): a plan that places millions of allocations one by one in ``items``
-is refused with the way to a summary. A file that does not have the layout (one line, say) is loaded
-whole when it is small and refused when it is large, once its size is seen, before it is parsed.
+Plans without ``allocation_count`` and ``phase_peaks`` (from a memo that lacks them, or edited by
+hand) have the layout but not the fields: loading one whole took over 60 s and 1.6 GiB at 3.5M
+allocations. The two fields are what the rows give, so they are computed from the rows here, without
+an object per row: the rows are read a block of lines at a time, as numbers (numpy parses them;
+every line must hold six integers and nothing else), each row's offset comes from the plan's tables
+(its layer block's ``level2`` offset plus the ``level1`` offset of its request index, or its own
+entry in ``items``, as :meth:`Plan.from_dict` places it) and the highest byte per phase is kept, in
+the order the phases first appear, as :meth:`Plan.phase_peaks` orders them. The tables are parsed as
+JSON, so they are bounded (:data:`MAX_TABLE_BYTES`): a plan that places millions of allocations one
+by one in ``items`` is refused with the way to a summary. A file that does not have the layout (one
+line, say) is loaded whole when it is small and refused when it is large, once its size is seen,
+before it is parsed.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""memo's vocabularies, each defined once (issue 32): layer policies, training strategies, estimate
+"""memo's vocabularies, each defined once: layer policies, training strategies, estimate
 methods, trace recorders, context-parallel communications and model-state shardings.
 
 Each is a ``str`` enum, so a member is its name wherever a string is expected (argparse choices,

@@ -1,7 +1,7 @@
 // Python glue for the rounding-buffer CPU backend (memo._C.rounding). Validates
 // tensors and hands raw pointers to the torch-independent core in copy_worker.h.
-// Not <torch/extension.h>: it pulls in all of libtorch's C++ API (nn, optim, ...) and was the
-// slowest file of the build; the tensor caster and from_blob are all this file needs.
+// Not <torch/extension.h>: it pulls in all of libtorch's C++ API (nn, optim, ...), which makes this
+// the slowest file to build; the tensor caster and from_blob are all this file needs.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/from_blob.h>
 #include <torch/csrc/utils/pybind.h>

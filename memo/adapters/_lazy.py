@@ -1,4 +1,4 @@
-"""One registry for layer and model adapters (issue 32: there were two copies).
+"""The one registry for layer and model adapters.
 
 NOTE [Adapters by class name]
 Adapters are registered by qualified class name (``"package.module.Class"``), so that memo can name

@@ -117,7 +117,7 @@ class LayerAdapter(Generic[Ctx]):
 
     def core_module(self, layer: nn.Module) -> nn.Module | None:
         """The submodule that computes the layer's core attention, if it is one: the profiler counts
-        what is made inside it as S_attn (NOTE [Layer anatomy] in DESIGN.md)."""
+        what is made inside it as S_attn (NOTE [Layer anatomy] in memo/models/layers.py)."""
         core = getattr(layer, "core_attention", None)
         return core if isinstance(core, nn.Module) else None
 

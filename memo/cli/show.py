@@ -67,7 +67,7 @@ def format_plan(plan: Plan | PlanSummary) -> str:
         out.append(f"policy        {describe_policy(plan.policy)} (per layer: "
                    f"{' '.join(p[0] for p in plan.policy)}; m = memo, i = input-only, r = full recompute, "
                    "k = keep)")
-        # NOTE [Tiles bounded by memory]
+        # NOTE [Tiles bounded by memory] in memo/runtime/tiles.py
         if any(p in (LayerPolicy.MEMO, LayerPolicy.INPUT_ONLY) for p in plan.policy):
             tiles = ("the runtime's default (s/8 tokens, at most 256 MiB of a tile's transients)"
                      if plan.tile_tokens is None else
@@ -75,7 +75,7 @@ def format_plan(plan: Plan | PlanSummary) -> str:
                      "or a smaller tile chosen to fit the device budget)")
             out.append("tiles         " + tiles)
     out += device_lines(plan.device)
-    if plan.offload:  # NOTE [Planned and actual offload] in memo/planner/plan.py
+    if plan.offload:  # NOTE [Planned and actual offload] in planner/plan.py
         o = plan.offload
         out.append(f"offload       {o['offloaded_layers']} layers; per layer planned "
                    f"{_mib(o['planned_bytes_per_layer'])}, actual {_mib(o['actual_bytes_per_layer'])}")

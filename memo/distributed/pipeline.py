@@ -14,7 +14,7 @@ its own order, the tensors between stages sent point to point. What that changes
   layers is offloaded (``kept_tail`` in memo/runtime/runtime.py; ``memo.wrap`` asks it of the model
   it wraps, which may be a ``GPTModel`` chunk or its ``decoder``).
 * How many forwards are in flight. memo's runtime keeps one host region per forward awaiting its
-  backward (NOTE [Forwards in flight] in memo/runtime/runtime.py), so a stage's host memory is its
+  backward (NOTE [Forwards in flight] in memo/runtime/buffers.py), so a stage's host memory is its
   layers' bytes times the micro-batches its schedule keeps in flight: :func:`in_flight`.
 * Nothing else: each chunk is its own model to ``memo.wrap`` (one runtime per chunk, as each chunk is
   its own module to megatron's DDP), and the schedule calls it as it calls an unwrapped chunk.
@@ -25,7 +25,7 @@ default (``batch_p2p_comm``). Under gloo, when both neighbours of a stage are th
 with the interleaved schedule: the next and the previous stage are the one other rank), gloo pairs the
 messages between two processes in the order they were posted, and a batch posts them in an order the
 peer does not mirror: activations arrive where gradients are expected and the other way round, with no
-error (the unwrapped model's gradients came out 2.6 to 7.0 relative off, issue 29). Sent one by one
+error (the unwrapped model's gradients come out 2.6 to 7.0 relative off). Sent one by one
 (``batch_p2p_comm=False``), every send meets the receive megatron pairs with it. memo's pipelines turn
 batching off wherever the process group is not NCCL's (:func:`pipeline_config`); NCCL keeps it.
 """

@@ -110,7 +110,7 @@ def _expand_heads(t: torch.Tensor, n_heads: int) -> torch.Tensor:
 # the kernels run on groups of whole key/value heads (with their query heads), each group's q at
 # most HEAD_GROUP_BYTES, writing into the full-size outputs: the transients shrink to one group's,
 # and the numbers are the same (each head's arithmetic is untouched). A q within the bound runs in
-# one call, as before; flash-attn takes grouped heads natively and always runs in one call.
+# one call; flash-attn takes grouped heads natively and always runs in one call.
 HEAD_GROUP_BYTES = 256 << 20
 
 

@@ -137,10 +137,11 @@ def _fingerprint_fields(config: ModelConfig) -> dict[str, object]:
 
 
 # NOTE [Fingerprint of later fields]
-# Saved plans and traces compare fingerprints, so a ModelConfig field whose default leaves the
-# architecture as it was is hashed only when it is set to something else: head_dim when it is not
+# Saved plans and traces compare fingerprints, so a ModelConfig field whose default adds nothing to
+# the architecture is hashed only when it is set to something else: head_dim when it is not
 # hidden / n_heads, qk_norm when it is on. A config that does not use them, written with them or
-# without, has the fingerprint it had before they existed, and the plans made for it still load.
+# without, hashes as a config without those fields, so plans saved for it by a memo that lacks
+# them still load.
 
 
 def fingerprint(config: ModelConfig) -> str:

@@ -1,4 +1,4 @@
-"""dtype names, defined once (issue 32): the names memo writes in plans, traces and reports, the short
+"""dtype names, defined once: the names memo writes in plans, traces and reports, the short
 aliases ``memo profile`` and ``memo estimate`` also accept, and the torch dtype of each."""
 
 from __future__ import annotations

@@ -138,7 +138,7 @@ def profile(
         gradients: where the plan puts the parameter gradients (make_plan's ``gradients``):
             "arena" (default), sharing the arena's bytes with the activations freed before them,
             for training that sets the gradients to None after each optimizer step; "fallback" for
-            gradient accumulation (NOTE [Allocations that outlive the iteration] in planner/core.py).
+            gradient accumulation (NOTE [Allocations that outlive the iteration] in planner/outliving.py).
         policy: a fixed layer policy (NOTE [Layer policy]) instead of the planner's choice.
         recorder: ``"dispatch"`` (every storage torch creates; any device) or ``"allocator"``
             (memo.allocator.logging: the real requests; cpu/cuda) for the trace the plan is
@@ -235,13 +235,11 @@ def _gradients_kept(model: str | nn.Module) -> Iterator[None]:
 # the allocator will see. The dispatch recorder sees the storages torch creates, not what kernels
 # allocate below the dispatcher: on CPU the flash-attention kernel's scratch inside every layer
 # forward, the embedding's index copy. Planned from its trace, every request after the first unseen
-# one in a phase deviates: tiny at 512 tokens on CPU ran 80 requests a step from the plan and 712
-# from the fallback. ``memo profile`` has recorded with the allocator on real devices since it had
-# both recorders; profile() kept "dispatch" as its default, so a plan made from Python mostly went
-# unused. The default is now the CLI's: the allocator recorder on cpu and cuda when a plan is made,
-# the dispatch recorder on meta (it is all there is) or when only alpha is wanted. On CUDA the
-# allocator recorder needs memo's CUDA allocator, installed before the first CUDA tensor; when that
-# is too late the dispatch recorder runs and the result's notes say why.
+# one in a phase deviates: tiny at 512 tokens on CPU runs 80 requests a step from the plan and 712
+# from the fallback. So profile()'s default is ``memo profile``'s: the allocator recorder on cpu and
+# cuda when a plan is made, the dispatch recorder on meta (it is all there is) or when only alpha
+# is wanted. On CUDA the allocator recorder needs memo's CUDA allocator, installed before the first
+# CUDA tensor; when that is too late the dispatch recorder runs and the result's notes say why.
 def _default_recorder(recorder: str | None, model: str | nn.Module, device: torch.device, plan: bool
                       ) -> tuple[str, str | None]:
     """The recorder to use (``plan``: whether a plan is made) and, when the default could not be the

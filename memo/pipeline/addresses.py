@@ -44,7 +44,7 @@ def plan_addresses(job: ProfileJob, result: ProfileResult, chosen: PolicySolutio
         warnings.filterwarnings("ignore", message=r"memo\.planner: phase layer\.", category=UserWarning)
         result.plan = make_plan(Trace.from_dict(result.trace), **kwargs)
     if wrapped is not None and wrapped.offloaded_layers:
-        # NOTE [Planned and actual offload] in memo/planner/plan.py
+        # NOTE [Planned and actual offload] in planner/plan.py
         local = req.seq_len // req.tp  # a rank's layer input holds seq_len / tp tokens
         a = offload_tokens(result.alpha.alpha, local)
         result.plan.offload = {

@@ -73,7 +73,7 @@ def example_batch(model: nn.Module, seq_len: int, micro_batch: int, device: torc
 # every wrapped pass gets the tile explicitly (``default_tile``: default_tile_tokens of the layer's
 # rows on the target) and the plan records it, default or not (``plan.tile_tokens``): the runtime
 # that replays the plan runs exactly those tiles on any device. Elsewhere a default tile stays None
-# in the plan, as before: the runtime of the plan's own device type makes the same default per
+# in the plan: the runtime of the plan's own device type makes the same default per
 # token range ([0:a] and [a:s] each), which one recorded number could not say.
 @dataclass(frozen=True)
 class ResolvedRequest:
@@ -95,7 +95,7 @@ class ResolvedRequest:
     #: The largest of a number over the ranks profiling together (NOTE [Decisions every rank shares]).
     agree_max: Callable[[int], int] = int
     #: Where the plan puts the parameter gradients: make_plan's ``gradients`` (NOTE [Allocations that
-    #: outlive the iteration] in planner/core.py).
+    #: outlive the iteration] in planner/outliving.py).
     gradients: str = "arena"
 
     @property

@@ -232,7 +232,7 @@ def _calibrated_costs(probe: StepProbe, costs: LayerCosts, wrap_pass: bool | Non
     its memo need likewise, against a recorded iteration of every layer under memo at
     alpha = 0 (_calibrate_memo). The chosen policy is recorded once more (the StepProbe, for
     memo.planner.calibrate.probe_policy). The torch-free arithmetic of each step is in
-    memo/planner/calibrate.py; the recordings are made through the StepProbe.
+    planner/calibrate.py; the recordings are made through the StepProbe.
     """
     try:
         recorded = probe.total(["recompute"] * costs.n_layers, 0.0)
@@ -254,8 +254,8 @@ def _calibrate_memo(probe: StepProbe, costs: LayerCosts) -> LayerCosts:
     with memo or input-only layers. Where the host memory cannot hold every layer at alpha = 0 but
     can hold every layer's input, the recording is of every layer input-only (NOTE [Input-only
     layers]) instead: the estimate of the policies the host allows is then the one checked (without
-    it, an estimate far above what the runtime holds went uncorrected: Llama-3.1-8B at 336K on meta
-    was estimated at 73.4 GB, recorded at 55.7 GB). Skipped where the host holds neither.
+    it, an estimate far above what the runtime holds would go uncorrected: Llama-3.1-8B at 336K on
+    meta is estimated at 73.4 GB, recorded at 55.7 GB). Skipped where the host holds neither.
     """
     calibration = memo_calibration(costs)
     if calibration is None:

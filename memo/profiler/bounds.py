@@ -1,9 +1,9 @@
 """The least memory a run needs, checked before any work.
 
 NOTE [Least memory, checked first]
-A sequence the machine cannot hold used to be found out late: ``memo profile --device cpu
---seq-len 1000000000`` on the tiny model recorded for over a minute on meta before the real
-model failed to allocate, and ``memo train`` died in PyTorch's allocator with a traceback. Two
+A sequence the machine cannot hold is refused before any work; found out late, ``memo profile
+--device cpu --seq-len 1000000000`` on the tiny model records for over a minute on meta before the
+real model fails to allocate, and ``memo train`` dies in PyTorch's allocator with a traceback. Two
 things are on the device that runs the model at the same instant under every strategy (offload,
 recompute, a plan), and their sizes are known from the shapes alone:
 

@@ -160,7 +160,7 @@ def summarise_layers(stats: list[LayerStats]) -> dict[str, Any]:
 def offloaded_bytes(layers: dict[str, Any], offloaded_tokens: int, seq_len: int,
                     policy: list[str] | None = None) -> int:
     """Bytes one offloaded layer copies when ``offloaded_tokens`` of ``seq_len`` tokens are offloaded:
-    S_input + S_attn + a/s · S_others (NOTE [Planned and actual offload] in memo/planner/plan.py).
+    S_input + S_attn + a/s · S_others (NOTE [Planned and actual offload] in planner/plan.py).
 
     With a layer ``policy``, the most any of its offloading layers copies (the runtime sizes its
     buffers by the largest): a memo layer's as above, an input-only layer's S_input alone (NOTE

@@ -4,10 +4,10 @@ NOTE [memo under torch.compile]
 A memo layer is not one graph: its forward packs saved tensors into host buffers through native
 calls, hands copies to a worker, records random states and keeps sub-graphs as autograd edges,
 and its backward recomputes and back-propagates token tiles with ``torch.autograd.grad``. Dynamo
-traced into all of that when a wrapped model was compiled: some forty graph breaks a layer (the
-native allocator, the copy worker, saved-tensor hooks, ``fork_rng``) and, as the tile and phase
-changed from call to call, the recompile limit hit in every layer; a 3-layer Llama took 112 s for
-three steps (gradients still exact).
+tracing into all of that breaks the graph some forty times a layer (the native allocator, the
+copy worker, saved-tensor hooks, ``fork_rng``) and, as the tile and phase change from call to
+call, hits the recompile limit in every layer: a 3-layer Llama took 112 s for three steps
+(gradients still exact).
 
 So a wrapped layer's call is opaque to the compiler: ``_wrapped_forward`` (memo/runtime/wrap.py)
 runs it through :func:`eager`, ``torch.compiler.disable`` of the layer's whole memo path. Compiling

@@ -31,7 +31,7 @@ layer's (PEFT's LoRA dropout was 8.5e-4 off in loss).
 
 A dropout whose input rows are not the range's tokens (a layer that gathers its sequence under
 tensor parallelism, a dropout on attention scores) cannot take rows of a full-sequence mask; it
-draws per range as before (the recompute replays each range's random state, so gradients stay
+draws a mask per range (the recompute replays each range's random state, so gradients stay
 exact for the masks drawn) and memo says once that those masks differ from the unwrapped layer's.
 """
 

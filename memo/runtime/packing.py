@@ -106,7 +106,7 @@ class Packer:
     def deferred(self) -> Iterator[Deferred]:
         """Hooks that only note what is saved; ``resolve()`` packs it later, once the bases its views
         may refer to are known (NOTE [Black-box core attention] in
-        memo/runtime/layer.py)."""
+        memo/runtime/core_attention.py)."""
         later = Deferred(self)
         with torch.autograd.graph.saved_tensors_hooks(later.note, self.unpack):
             yield later

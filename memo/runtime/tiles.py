@@ -18,8 +18,8 @@ large layers at long sequences, where the floor is far below ``s / RECOMPUTE_CHU
 CPU a chunk's host cost is a few ms too (Python, some hundred small ops, a weight gradient written
 per chunk), and its kernels are about a thousand times slower, so the floor there is a thousandth
 of the work, MIN_CPU_CHUNK_WORK (2^25), and never under MIN_CPU_CHUNK_TOKENS: a hidden-128 Llama
-at 1,280 tokens in five 256-token tiles ran 1.57x its unwrapped step, in one tile 1.24x (issue
-30, benchmarks/varlen.py); its floor is 2,048 tokens, from hidden 362 up it is 256. That floor is
+at 1,280 tokens in five 256-token tiles ran 1.57x its unwrapped step, in one tile 1.24x
+(benchmarks/varlen.py); its floor is 2,048 tokens, from hidden 362 up it is 256. That floor is
 for speed; where a budget binds, the policy may still choose tiles down to MIN_CPU_CHUNK_TOKENS on
 the CPU (:func:`min_tile_tokens`), trading host time for memory. Meta follows the CPU, so that a
 plan made on meta is the plan made on the CPU (tests/runtime/test_plan_truth.py). A profile on meta for a

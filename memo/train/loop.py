@@ -214,7 +214,7 @@ def train(
     if device.type == "cuda" and not torch.cuda.is_available():
         raise MemoError(f"memo.train: --device {config.device} asked for CUDA, but torch sees no CUDA device")
     dtype = DTYPES[config.dtype]
-    parallel = _start_parallel(config)  # None: one process, as before
+    parallel = _start_parallel(config)  # None: one process
     try:
         if parallel is not None:
             device = parallel.device

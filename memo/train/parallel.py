@@ -46,7 +46,7 @@ def start_parallel(config: TrainConfig) -> ParallelRun | None:
         return FSDP2Run.start(layout, launch, config.device, config.seed, config.offload_states)
     megatron = config.engine == "megatron" and config.hf_config is None
     if layout.world == 1 and not layout.sequence_parallel and not (launch.launched and megatron):
-        # One process, as before (megatron's world of one: memo/engines.py). Under torchrun a
+        # One process (megatron's world of one: memo/engines.py). Under torchrun a
         # megatron world of one is a distributed run (NCCL on a GPU); memo's and Hugging Face's
         # models have no parallel layers and run as one process whatever launched them.
         return None

@@ -1,5 +1,5 @@
-"""Moved to :mod:`memo.runtime.peers` (``memo estimate`` records the peers too, below ``memo.train``);
-this import path is kept for one release."""
+"""An alias of :mod:`memo.runtime.peers`, where the peers live (``memo estimate`` records them too,
+below ``memo.train``); this import path is kept for one release."""
 
 import warnings
 

@@ -1,5 +1,5 @@
 """``memo train --engine megatron --micro-batches M [--pp P [--vpp V]]``: steps run by megatron-core's
-schedules (issue 29), memo's layers inside each model chunk (NOTE [Pipeline stages] in
+schedules, memo's layers inside each model chunk (NOTE [Pipeline stages] in
 memo/distributed/pipeline.py).
 
 NOTE [Pipelined steps]

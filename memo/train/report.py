@@ -175,7 +175,7 @@ def build_report(result: TrainResult) -> dict[str, Any]:
         "plan": None if plan is None else {"peak": plan.peak, "lower_bound": plan.lower_bound,
                                            "device_total_bytes": (getattr(plan, "device", None) or {}).get(
                                                "total_bytes")},
-        # NOTE [Planned and actual offload] in memo/planner/plan.py
+        # NOTE [Planned and actual offload] in planner/plan.py
         "offload": strategy.offload,
     }
     if getattr(result, "parallel", None) is not None:
