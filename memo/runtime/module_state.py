@@ -93,7 +93,7 @@ def gathered(module: nn.Module) -> Iterator[None]:
 # observers, counters. memo's sizing pass is a dry forward of each offloaded layer, and it runs a
 # layer's pre/post again on token ranges (one call per tile, and the recompute in backward): each
 # call would advance that state once more than the unwrapped model does, and at alpha = 1 the
-# sizing pass alone changed the first step's loss. So the sizing pass snapshots the layer's
+# sizing pass alone would change the first step's loss. So the sizing pass snapshots the layer's
 # buffers and puts back those whose values it changed (a cache filled or resized for a new length,
 # a new or reshaped buffer, is not state and is kept). A layer that changes its buffers is then
 # wrapped only where it runs once per forward and never in backward: alpha = 1 and one tile.
