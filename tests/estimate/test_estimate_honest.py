@@ -149,7 +149,7 @@ def test_fit_limit_is_below_the_device() -> None:
 def test_head_chunked_ulysses_is_a_labelled_what_if(tmp_path: Path) -> None:
     # NOTE [Head-chunked Ulysses, a what-if]: chunks of whole key/value head groups, each one Ulysses can
     # share; the estimate holds less and says it is not runnable.
-    from memo.estimate.meta_ulysses import head_chunk_slices
+    from memo.models.ulysses_attention import head_chunk_slices
 
     assert head_chunk_slices(32, 8, 8, 4) == [(slice(8 * j, 8 * j + 8), slice(2 * j, 2 * j + 2))
                                               for j in range(4)]
