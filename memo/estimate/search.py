@@ -58,6 +58,15 @@ spends them where they decide the answer:
 
 Every reported length is one an actual estimate at that length found to fit, and the best layout's is
 the longest such within the granularity: one granularity more did not fit (or is past the cap).
+
+NOTE [Head chunks in the search]
+Ulysses over more chunks of heads holds less during attention and sends the key/value heads more
+often (NOTE [Ulysses over chunks of heads] in memo/models/ulysses_attention.py). memo's searches by
+the plan method therefore try each Ulysses layout of memo train's default chunks also at the finest
+count its heads split into (:func:`with_head_chunks`; the two share a family, so one screen), and
+rank the default first where both fit: the finer count answers only where it goes further, and its
+command says ``--ulysses-head-chunks``. The peers run the default: they are ALST's recipe, which
+does not chunk heads, and the formula method has no term the chunks change.
 """
 
 from __future__ import annotations
@@ -72,7 +81,8 @@ from memo.units import GiB
 if TYPE_CHECKING:
     from memo.estimate.core import Estimator
 
-__all__ = ["align", "gallop", "longest", "longest_sequences", "rank_key", "search_layouts", "tokens"]
+__all__ = ["align", "gallop", "longest", "longest_sequences", "rank_key", "search_layouts", "tokens",
+           "with_head_chunks"]
 
 
 
@@ -173,8 +183,33 @@ def gallop(total: Callable[[int], int | None], limit: int, granularity: int, max
 
 
 def rank_key(layout: Layout, fits: bool, total: int, gpus_per_node: int) -> tuple:
-    """NOTE [Layout ranking]: smaller is better."""
-    return (not fits, layout.model_parallel, layout.tp > gpus_per_node, -layout.micro_batch, total)
+    """NOTE [Layout ranking]: smaller is better; memo train's default chunks of heads before a finer count
+    (NOTE [Head chunks in the search])."""
+    return (not fits, layout.model_parallel, layout.tp > gpus_per_node, -layout.micro_batch,
+            layout.head_chunks is not None, total)
+
+
+def with_head_chunks(estimator: Estimator, layouts: list[Layout], strategy: str) -> list[Layout]:
+    """``layouts`` and, for memo by the plan method, each Ulysses layout of the default chunks of heads
+    again at the finest count its heads split into where that is finer (NOTE [Head chunks in the
+    search])."""
+    if strategy != "memo" or getattr(estimator, "method", "plan") != "plan":
+        return layouts
+    import dataclasses
+
+    from memo.models.ulysses_attention import finest_head_chunks, head_chunks, ulysses_heads_problem
+
+    config, out = estimator.config, list(layouts)
+    for lay in layouts:
+        if lay.cp == 1 or lay.cp_comm != "a2a" or lay.head_chunks is not None:
+            continue
+        n, n_kv = config.n_heads // lay.tp, config.n_kv_heads // lay.tp
+        if ulysses_heads_problem(n, n_kv, lay.cp) is not None:
+            continue
+        finest = finest_head_chunks(n, n_kv, lay.cp)
+        if finest > head_chunks(n, n_kv, lay.cp):
+            out.append(dataclasses.replace(lay, head_chunks=finest))
+    return out
 
 
 def search_layouts(estimator: Estimator, seq_len: int, gpus: int, strategy: str,
@@ -188,7 +223,8 @@ def search_layouts(estimator: Estimator, seq_len: int, gpus: int, strategy: str,
     need."""
     say = log or (lambda _line: None)
     config = estimator.config
-    layouts = valid_layouts(config, gpus, seq_len, micro_batches, shardings=shardings, cp_comms=cp_comms)
+    layouts = with_head_chunks(estimator, valid_layouts(config, gpus, seq_len, micro_batches,
+                                                        shardings=shardings, cp_comms=cp_comms), strategy)
     if not layouts:
         raise MemoError(f"memo estimate: no layout of {gpus} GPUs that memo train launches is valid for "
                         f"{config.name} at seq len {seq_len:,} (TP must divide its {config.n_heads} heads "
@@ -269,10 +305,12 @@ def longest_sequences(estimator: Estimator, layouts: list[Layout], strategies: t
     if getattr(estimator, "method", "plan") == "formula":
         return [_exact_search(estimator, layouts, strategy, granularity, max_seq, first, log)
                 for strategy in strategies]
-    return [_predicted_search(estimator, layouts,
-                              screen_families(estimator, layouts, granularity, max_seq, log, first, strategy),
-                              strategy, granularity, max_seq, first, log)
-            for strategy in strategies]
+    out = []
+    for strategy in strategies:
+        tried = with_head_chunks(estimator, layouts, strategy)  # NOTE [Head chunks in the search]
+        kept = screen_families(estimator, tried, granularity, max_seq, log, first, strategy)
+        out.append(_predicted_search(estimator, tried, kept, strategy, granularity, max_seq, first, log))
+    return out
 
 
 def _family(layout: Layout) -> tuple[int, int, int, int, str]:
