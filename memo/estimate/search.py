@@ -191,8 +191,8 @@ def rank_key(layout: Layout, fits: bool, total: int, gpus_per_node: int) -> tupl
 
 def with_head_chunks(estimator: Estimator, layouts: list[Layout], strategy: str) -> list[Layout]:
     """``layouts`` and, for memo by the plan method, each Ulysses layout of the default chunks of heads
-    again at the finest count its heads split into where that is finer (NOTE [Head chunks in the
-    search])."""
+    again at the finest count its heads split into, where that is finer and an engine of ``memo train``
+    runs it (NOTE [Head chunks in the search])."""
     if strategy != "memo" or getattr(estimator, "method", "plan") != "plan":
         return layouts
     import dataclasses
@@ -206,9 +206,9 @@ def with_head_chunks(estimator: Estimator, layouts: list[Layout], strategy: str)
         n, n_kv = config.n_heads // lay.tp, config.n_kv_heads // lay.tp
         if ulysses_heads_problem(n, n_kv, lay.cp) is not None:
             continue
-        finest = finest_head_chunks(n, n_kv, lay.cp)
-        if finest > head_chunks(n, n_kv, lay.cp):
-            out.append(dataclasses.replace(lay, head_chunks=finest))
+        finer = dataclasses.replace(lay, head_chunks=finest_head_chunks(n, n_kv, lay.cp))
+        if finer.head_chunks > head_chunks(n, n_kv, lay.cp) and finer.engine is not None:
+            out.append(finer)  # an engine that runs the count (NOTE [Which engine runs which layout])
     return out
 
 
