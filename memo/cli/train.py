@@ -296,12 +296,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                      "gathered, the default) or a2a (Ulysses: an all-to-all gives each rank all tokens of "
                      "1/cp of the heads; --cp must divide the heads per --tp rank)")
     par.add_argument("--ulysses-head-chunks", type=positive_int, default=None, metavar="N",
-                     help="with --cp-comm a2a under --engine fsdp2 (memo's models): run Ulysses' exchange "
-                     "and attention over N chunks of heads, one at a time. Default: one chunk per key/value "
-                     "head a rank receives, so no key/value head is sent twice. More chunks split the "
-                     "query heads further (UPipe): each rank holds 1/N of the head-sharded q, k, v, o "
-                     "and gradients during attention, for N/(the default's chunks) times the key/value "
-                     "all-to-all traffic; the heads must split into N (the error lists the counts that do)")
+                     help="--cp-comm a2a, --engine fsdp2 (memo's models): Ulysses over N chunks of heads, "
+                     "one at a time (default: one per key/value head a rank receives). More split the query "
+                     "heads (UPipe): a rank holds 1/N of the head shards during attention, for N/default "
+                     "times the key/value traffic")
     par.add_argument("--dp", type=positive_int, default=None,
                      help="data-parallel ranks: --micro-batch (the global batch) split over this many model "
                      "replicas (default: WORLD_SIZE / (tp·cp))")
