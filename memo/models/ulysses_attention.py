@@ -38,7 +38,8 @@ NOTE [Ulysses over chunks of heads]
 Attention heads are independent, so the exchange and the attention may run over a few heads at a
 time (UPipe, arXiv 2602.21196): chunk i of the query heads and the key/value heads they use go to
 head shards, attend, and come back into their place in the output before the next chunk starts.
-The result is the same to the bit; what changes is what a rank holds during attention: the head
+The result is the same (to the bit, but for the order in which the gradients of a key/value head
+sent by several chunks are summed); what changes is what a rank holds during attention: the head
 shards of one chunk instead of all of them (q, k, v, o and, in backward, grad_o and dq, dk, dv of
 all S tokens). By default memo runs as many chunks as each rank receives key/value heads
 (:func:`head_chunks`), so every chunk sends each rank exactly one key/value head and the query heads
@@ -53,7 +54,8 @@ key/value head shared by several chunks or ranks is sent once for each. That tra
 default's count) times the key/value traffic for 1/N of the head shards. Backward sums the
 gradients of a key/value head over the chunks that sent it (and over its replicas), in float32 for
 low-precision inputs. Llama-3.1-8B at CP 8 splits into at most 4 chunks: 8 query heads and 2
-key/value heads each, one query head per rank.
+key/value heads each, one query head per rank, a quarter of the head shards for 4x the key/value
+traffic.
 
 NOTE [Contiguous Ulysses]
 Ulysses needs no load balancing: after the exchange every rank attends all S tokens of its heads,
@@ -260,6 +262,7 @@ def legal_head_chunks(n: int, n_kv: int, size: int) -> list[int]:
 def finest_head_chunks(n: int, n_kv: int, size: int) -> int:
     """The most chunks the heads split into (each rank gets one query head per chunk where it can):
     the least a rank holds during attention, for the most key/value traffic."""
+    kv_replicas(n, n_kv, size)  # a MemoError for heads the ranks cannot share at all
     return legal_head_chunks(n, n_kv, size)[-1]
 
 
