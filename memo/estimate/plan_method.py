@@ -480,6 +480,8 @@ def attention_exchange_bytes(config: ModelConfig, layout: Layout, seq_len: int, 
     d = config.head_dim
     tokens = seq_len * layout.micro_batch
     if layout.cp_comm == "a2a":
+        if layout.head_chunks is not None:  # one chunk's heads at a time (NOTE [Head chunks in an estimate])
+            n, n_kv = n // layout.head_chunks, max(n_kv // layout.head_chunks, 1)
         return 4 * tokens * d * elem * (n // c + max(n_kv // c, 1))
     return 2 * tokens * n_kv * d * (elem + 4)
 
