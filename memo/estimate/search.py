@@ -63,10 +63,12 @@ NOTE [Head chunks in the search]
 Ulysses over more chunks of heads holds less during attention and sends the key/value heads more
 often (NOTE [Ulysses over chunks of heads] in memo/models/ulysses_attention.py). memo's searches by
 the plan method therefore try each Ulysses layout of memo train's default chunks also at the finest
-count its heads split into (:func:`with_head_chunks`; the two share a family, so one screen), and
-rank the default first where both fit: the finer count answers only where it goes further, and its
-command says ``--ulysses-head-chunks``. The peers run the default: they are ALST's recipe, which
-does not chunk heads, and the formula method has no term the chunks change.
+count its heads split into (:func:`with_head_chunks`; the two share a family, so one screen). The
+default ranks first where both fit (:func:`rank_key`), and the longest-sequence search confirms the
+finer count after every default, from one granularity past the best length found: so it answers
+only where it goes further, and its command then says ``--ulysses-head-chunks``. The peers run the
+default: they are ALST's recipe, which does not chunk heads, and the formula method has no term the
+chunks change.
 """
 
 from __future__ import annotations
@@ -491,8 +493,11 @@ def _predicted_search(estimator: Estimator, layouts: list[Layout], kept: set[tup
         total = _Totals(estimator, layout, strategy)
         items.append({"layout": layout, "total": total,
                       "guess": first_guess(total, limit, granularity, max_seq, first)})
-    # equal guesses (both at the cap) go to the layout whose states leave the device more room
-    items.sort(key=lambda x: (-int(x["guess"]), estimator.states(x["layout"], first)[1]))
+    # equal guesses (both at the cap) go to the layout whose states leave the device more room; finer
+    # head chunks after every default, so that each is probed past the best the default reached and
+    # answers only where it goes further (NOTE [Head chunks in the search])
+    items.sort(key=lambda x: (x["layout"].head_chunks is not None, -int(x["guess"]),
+                              estimator.states(x["layout"], first)[1]))
     results: list[dict[str, Any]] = []
     best_len = 0
     for item in items:
