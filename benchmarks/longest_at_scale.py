@@ -14,10 +14,11 @@ Each row is ``memo estimate --max-seq --search`` run in-process (its JSON is the
 1. memo, the offloaded-checkpoint peer (ALST's recipe as ``memo train`` runs it) and full recompute,
    every strategy held to ONE device limit (``--fit-limit-gib``): the peers' own rule, the seed's 80%
    of the GPU, so that the peers' rows are also their rows under their own limit;
-2. memo alone at its own limit (its plan's budget, NOTE [Fit limits] in memo/estimate/core.py);
-3. not runnable, a what-if labelled as such: memo on its layout with Ulysses over chunks of one query
-   head per rank (UPipe's head-chunked Ulysses); ``memo train`` chunks no finer than one key/value
-   head per rank (NOTE [Head-chunked Ulysses, a what-if] in memo/estimate/plan_method.py).
+2. memo alone at its own limit (its plan's budget, NOTE [Fit limits] in memo/estimate/core.py).
+
+memo's search tries its Ulysses layouts at the finest count of head chunks too (UPipe's head-chunked
+Ulysses, ``memo train --ulysses-head-chunks``; NOTE [Head chunks in the search] in
+memo/estimate/search.py); its layout cell says the count where it chose one.
 
 Every layout is one ``memo train`` launches, and memo's row prints the command that launches it. The
 search returns the longest multiple of the granularity that fits (NOTE [Fast longest-sequence
@@ -121,46 +122,11 @@ def run_row(row: Row, granularity: str, log: Any) -> dict[str, Any]:
     common = [*base, "--fit-limit-gib", f"{common_limit_gib():.6f}", "--strategy", *STRATEGIES]
     answer, seconds, cpu = _estimate(common, log)
     own, own_seconds, own_cpu = _estimate([*base, "--strategy", "memo"], log)
-    what_if = head_chunks_what_if(row, _rows_by_strategy(answer)["memo"], granularity, log)
     return {"row": row.name, "model": row.model, "gpus": row.gpus, "alst_published_tokens": row.alst,
             "peer": row.peer, "goal_tokens": row.goal,
             "command": "memo " + " ".join(common), "seconds": seconds, "cpu_seconds": cpu, "answer": answer,
             "own_limit_command": "memo " + " ".join([*base, "--strategy", "memo"]),
-            "own_limit_seconds": own_seconds, "own_limit_cpu_seconds": own_cpu, "own_limit_answer": own,
-            "head_chunks_what_if": what_if}
-
-
-def head_chunks_what_if(row: Row, memo: dict[str, Any], granularity: str, log: Any) -> dict[str, Any] | None:
-    """memo's longest sequence on its layout if Ulysses ran over chunks of one query head per rank (UPipe),
-    finer than ``memo train`` chunks: NOTE [Head-chunked Ulysses, a what-if] in memo/estimate/plan_method.py.
-    None where the layout has no Ulysses or ``memo train``'s chunks are already that fine."""
-    from memo.cli.args import seq_len
-    from memo.estimate import Estimator, Layout, Machine, longest_sequences
-    from memo.models import get_config
-
-    lay = memo["layout"]
-    if lay is None or lay["cp"] == 1 or lay["cp_comm"] != "a2a":
-        return None
-    from memo.models.ulysses_attention import head_chunks
-
-    config = get_config(row.model)
-    n, n_kv = config.n_heads // lay["tp"], config.n_kv_heads // lay["tp"]
-    chunks = n // lay["cp"]
-    if chunks <= head_chunks(n, n_kv, lay["cp"]):
-        return None
-    machine = Machine(device_mem_gb=DEVICE_GB, host_mem_gb=HOST_GB, gpus_per_node=row.gpus_per_node,
-                      bandwidth_gbps=BANDWIDTH_GBPS)
-    est = Estimator(row.model, machine=machine, fit_limit_bytes=int(DEVICE_GB * GB * COMMON_FRACTION),
-                    what_if_head_chunks=chunks)
-    layout = Layout(**{k: lay[k] for k in ("gpus", "tp", "cp", "pp", "micro_batch", "cp_comm", "sharding")})
-    start = time.perf_counter()
-    (found,) = longest_sequences(est, [layout], ("memo",), seq_len(granularity), row.seq_cap)
-    best = found["best"]
-    seconds = time.perf_counter() - start
-    log(f"longest_at_scale: memo with Ulysses over {chunks} head chunks (not runnable): "
-        f"{best['longest'] if best else 0:,} tokens, {seconds:.0f} s")
-    return {"chunks": chunks, "longest": best["longest"] if best else 0, "seconds": round(seconds, 1),
-            "runnable": False}
+            "own_limit_seconds": own_seconds, "own_limit_cpu_seconds": own_cpu, "own_limit_answer": own}
 
 
 def _rows_by_strategy(answer: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -179,7 +145,8 @@ def _tokens(n: int) -> str:
 def _layout(lay: dict[str, Any] | None) -> str:
     if lay is None:
         return "-"
-    cp = f"CP {lay['cp']}" + (" Ulysses" if lay["cp"] > 1 and lay["cp_comm"] == "a2a" else "")
+    cp = f"CP {lay['cp']}" + (" Ulysses" if lay["cp"] > 1 and lay["cp_comm"] == "a2a" else "") + (
+        f" over {lay['head_chunks']} head chunks" if lay.get("head_chunks") else "")
     return f"TP {lay['tp']} x {cp} x PP {lay['pp']}, {lay['sharding']}"
 
 
@@ -195,10 +162,9 @@ def table(runs: list[dict[str, Any]]) -> str:
     to ALST's published one, memo's at its own limit, and memo's layout."""
     limit = f"{common_limit_gib():.1f}"
     head = ("| model, GPUs | ALST published | peer (ALST's recipe) | full recompute | **memo** | memo goal | "
-            "memo at its own limit | memo's layout, policy | host GiB/node (memo) | search s (CPU s) | "
-            "not runnable: memo + UPipe head chunks |")
+            "memo at its own limit | memo's layout, policy | host GiB/node (memo) | search s (CPU s) |")
     lines = [f"Every strategy held to {limit} GiB per GPU (`--fit-limit-gib`, the peers' own 80% rule); "
-             "ratios to ALST's published length.", "", head, "|" + "---|" * 11]
+             "ratios to ALST's published length.", "", head, "|" + "---|" * 10]
     for run in runs:
         rows = _rows_by_strategy(run["answer"])
         own = _rows_by_strategy(run["own_limit_answer"])["memo"]
@@ -218,13 +184,8 @@ def table(runs: list[dict[str, Any]]) -> str:
             f"**{cell('memo')}** | {_tokens(run['goal_tokens'])} | {_tokens(own['longest'])} "
             f"({own_e.get('limit_gib', 0):.1f} GiB) | {_layout(memo['layout'])}; {_memo_policy(e)} | "
             f"{e.get('host_gib_per_node') or 0:,.0f} | {run['seconds']:.0f} ({run['cpu_seconds']:.0f}) + "
-            f"{run['own_limit_seconds']:.0f} ({run['own_limit_cpu_seconds']:.0f}) | {_what_if(run, alst)} |")
+            f"{run['own_limit_seconds']:.0f} ({run['own_limit_cpu_seconds']:.0f}) |")
     return "\n".join(lines)
-
-
-def _what_if(run: dict[str, Any], alst: int) -> str:
-    got = run.get("head_chunks_what_if")
-    return "-" if not got else f"{_ratio(got['longest'], alst)}, {got['chunks']} chunks"
 
 
 def commands(runs: list[dict[str, Any]]) -> str:

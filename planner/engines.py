@@ -15,7 +15,10 @@ how the model states are sharded (planner/vocab.py's Sharding):
 - fsdp2: PyTorch's FSDP2 over a (DP, CP) mesh: every state sharded over all DP x CP ranks (ZeRO-3),
   in host memory with --offload-states, and Ulysses CP (memo/distributed/fsdp2.py). No TP or PP,
   and no K/V all-gather: its load-balanced layout needs position ids of two chunks, which memo's
-  reference models and HF's do not take per tile; Ulysses needs none (contiguous tokens).
+  reference models and HF's do not take per tile; Ulysses needs none (contiguous tokens). Its
+  Ulysses runs memo's core attention on memo's models, over any count of head chunks the heads
+  split into (--ulysses-head-chunks, NOTE [Ulysses over chunks of heads] in
+  memo/models/ulysses_attention.py); megatron's runs memo train's default count only.
 """
 
 from __future__ import annotations
@@ -40,19 +43,22 @@ class EngineLayouts:
     """Context-parallel communications it runs when CP > 1."""
     shardings: tuple[Sharding, ...]
     """How it shards the model states (planner/vocab.py's Sharding)."""
+    head_chunks: bool
+    """Ulysses over a chosen count of head chunks (``--ulysses-head-chunks``)."""
 
 
 RUNNABLE: tuple[EngineLayouts, ...] = (
-    EngineLayouts("megatron", True, True, (CPComm.ALL_GATHER, CPComm.A2A), (Sharding.OPTIMIZER,)),
-    EngineLayouts("fsdp2", False, False, (CPComm.A2A,), (Sharding.FULL, Sharding.FULL_OFFLOAD)),
+    EngineLayouts("megatron", True, True, (CPComm.ALL_GATHER, CPComm.A2A), (Sharding.OPTIMIZER,), False),
+    EngineLayouts("fsdp2", False, False, (CPComm.A2A,), (Sharding.FULL, Sharding.FULL_OFFLOAD), True),
 )
 
 
 def layout_problem(engine: str, *, tp: int = 1, cp: int = 1, pp: int = 1, cp_comm: str = CPComm.ALL_GATHER,
-                   sharding: str | None = None, sp: bool = False) -> str | None:
+                   sharding: str | None = None, sp: bool = False,
+                   head_chunks: int | None = None) -> str | None:
     """Why ``engine`` cannot run this layout family (NOTE [Which engine runs which layout]), or None.
     ``sharding`` None: any of the engine's; ``sp``: sequence parallelism, which splits a tensor-parallel
-    group's tokens."""
+    group's tokens; ``head_chunks``: Ulysses' chunks of heads, None for the default."""
     table = {row.engine: row for row in RUNNABLE}
     row = table.get(engine)
     if row is None:
@@ -67,13 +73,17 @@ def layout_problem(engine: str, *, tp: int = 1, cp: int = 1, pp: int = 1, cp_com
                 f"{cp_comm} (--cp-comm {' / '.join(row.cp_comms)}, or --engine megatron)")
     if sharding is not None and sharding not in row.shardings:
         return f"--engine {engine} shards the model states as {' or '.join(row.shardings)}, not {sharding}"
+    if head_chunks is not None and not row.head_chunks:
+        return (f"--engine {engine} runs Ulysses over its default chunks of heads, not "
+                f"--ulysses-head-chunks {head_chunks} (--engine fsdp2 does)")
     return None
 
 
 def engine_for_layout(*, tp: int = 1, cp: int = 1, pp: int = 1, cp_comm: str = CPComm.ALL_GATHER,
-                      sharding: str = Sharding.OPTIMIZER) -> str | None:
+                      sharding: str = Sharding.OPTIMIZER, head_chunks: int | None = None) -> str | None:
     """The engine of :data:`RUNNABLE` that runs this layout family, or None when none does."""
     for row in RUNNABLE:
-        if layout_problem(row.engine, tp=tp, cp=cp, pp=pp, cp_comm=cp_comm, sharding=sharding) is None:
+        if layout_problem(row.engine, tp=tp, cp=cp, pp=pp, cp_comm=cp_comm, sharding=sharding,
+                          head_chunks=head_chunks) is None:
             return row.engine
     return None

@@ -63,6 +63,11 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
                      help="sequences per micro-batch B (--search also tries the powers of two below it)")
     job.add_argument("--cp-comm", choices=CP_COMMS, default=None, help=_CP_COMM_HELP)
     job.add_argument("--sharding", choices=SHARDINGS, default=None, help=_SHARDING_HELP)
+    job.add_argument("--ulysses-head-chunks", type=positive_int, default=None, metavar="N",
+                     help="Ulysses (a2a) over N chunks of heads, as memo train --ulysses-head-chunks runs "
+                     "it: 1/N of the head shards during attention for more key/value traffic (default: memo "
+                     "train's, one chunk per key/value head a rank receives; a search of memo's plans also "
+                     "tries the finest count)")
     p.add_argument("--strategy", choices=STRATEGY_CHOICES, default=None, nargs="+", metavar="STRATEGY",
                    help=f"activation memory strategy, one of {', '.join(STRATEGY_CHOICES)} (default: memo); "
                    "--max-seq takes several (default: all of them)")
@@ -174,6 +179,10 @@ def _check(args: argparse.Namespace) -> None:
     if args.method == "formula" and args.strategy is not None and "memo" in args.strategy:
         raise MemoError("memo estimate: the formula has no closed form for memo (its device share depends on "
                         "alpha, host memory and the link); use --method plan")
+    if args.ulysses_head_chunks is not None and args.search:
+        raise MemoError(f"memo estimate: --ulysses-head-chunks {args.ulysses_head_chunks} names one "
+                        "layout's chunks of heads; --search tries memo's Ulysses layouts at the default and "
+                        "the finest count itself")
     if args.alpha is not None and args.max_seq:
         raise MemoError("memo estimate: --alpha is fixed, but --max-seq lowers memo's alpha wherever a "
                         "length needs it; leave --alpha out")
@@ -216,9 +225,9 @@ def _layout(args: argparse.Namespace) -> Layout:
 
     def layout(comm: str) -> Layout:
         return Layout(args.gpus, args.tp, args.cp, args.pp, args.micro_batch, cp_comm=comm,
-                      sharding=args.sharding or "optimizer")
+                      sharding=args.sharding or "optimizer", head_chunks=args.ulysses_head_chunks)
 
-    chosen = layout(args.cp_comm or "all_gather")
+    chosen = layout(args.cp_comm or ("a2a" if args.ulysses_head_chunks else "all_gather"))
     if args.cp_comm is None and chosen.engine is None:
         chosen = next((lay for lay in map(layout, CP_COMMS) if lay.engine is not None), chosen)
     problem = chosen.launch_problem()
@@ -229,8 +238,16 @@ def _layout(args: argparse.Namespace) -> Layout:
 
 def _layout_cell(lay: dict[str, Any]) -> str:
     """``TP CP PP DP sharding`` of a layout's dict, ``a2a`` after CP where it is Ulysses."""
-    a2a = " a2a" if lay["cp"] > 1 and lay["cp_comm"] == "a2a" else ""
+    a2a = (" a2a" if lay["cp"] > 1 and lay["cp_comm"] == "a2a" else "") + (
+        f"/{lay['head_chunks']}" if lay.get("head_chunks") else "")
     return f"{lay['tp']} {lay['cp']}{a2a} {lay['pp']} {lay['dp']} {lay['sharding']}"
+
+
+def _cp_comm_cell(lay: Layout) -> str:
+    """The CP communication, and Ulysses' chunks of heads where not memo train's default."""
+    if lay.cp == 1:
+        return "-"
+    return lay.cp_comm + (f" /{lay.head_chunks} chunks" if lay.head_chunks is not None else "")
 
 
 def _shardings(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
@@ -354,7 +371,7 @@ def _run_search(args: argparse.Namespace, est: Estimator, log: Log) -> dict[str,
         for i, r in enumerate(rows, 1):
             lay, e = r["layout"], r["estimate"]
             cells = (str(i), lay.engine, str(lay.tp), str(lay.cp), str(lay.pp), str(lay.dp),
-                     str(lay.micro_batch), lay.cp_comm if lay.cp > 1 else "-", lay.sharding,
+                     str(lay.micro_batch), _cp_comm_cell(lay), lay.sharding,
                      str(lay.model_parallel))
             if e is None:
                 table.append((*cells, "-", "-", "-", "cannot run", "-"))
@@ -555,7 +572,7 @@ def _plot(args: argparse.Namespace, est: Estimator, out: dict[str, Any]) -> None
     series = []
     if out["kind"] == "memo.estimate.longest":
         top = max((s["longest"] for s in out["strategies"]), default=0) or args.granularity
-        fields = ("gpus", "tp", "cp", "pp", "micro_batch", "cp_comm", "sharding")
+        fields = ("gpus", "tp", "cp", "pp", "micro_batch", "cp_comm", "sharding", "head_chunks")
         pairs = [(s["strategy"], Layout(**{k: s["layout"][k] for k in fields}))
                  for s in out["strategies"] if s["layout"]]
     else:

@@ -141,6 +141,7 @@ def _config(args: argparse.Namespace) -> TrainConfig:
         pipeline_parallel=args.pp,
         virtual_pipeline=args.vpp,
         micro_batches=args.micro_batches,
+        ulysses_head_chunks=args.ulysses_head_chunks,
     )
 
 
@@ -294,6 +295,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                      help="how the context-parallel ranks' attention communicates: all_gather (K and V "
                      "gathered, the default) or a2a (Ulysses: an all-to-all gives each rank all tokens of "
                      "1/cp of the heads; --cp must divide the heads per --tp rank)")
+    par.add_argument("--ulysses-head-chunks", type=positive_int, default=None, metavar="N",
+                     help="--cp-comm a2a, --engine fsdp2 (memo's models): Ulysses over N chunks of heads, "
+                     "one at a time (default: one per key/value head a rank receives). More split the query "
+                     "heads (UPipe): a rank holds 1/N of the head shards during attention, for N/default "
+                     "times the key/value traffic")
     par.add_argument("--dp", type=positive_int, default=None,
                      help="data-parallel ranks: --micro-batch (the global batch) split over this many model "
                      "replicas (default: WORLD_SIZE / (tp·cp))")

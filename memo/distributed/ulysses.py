@@ -7,6 +7,8 @@ attention alone exchanges tokens for heads. For memo's models every layer's para
 embedding and layers learn their first position; an HF model runs its own attention between the
 exchanges (NOTE [Ulysses around HF's attention] in memo/adapters/hf_ulysses.py). Neither changes a
 parameter or the state dict, so FSDP2 shards the same model over the DP x CP ranks.
+:func:`chunk_heads` sets how many chunks of heads memo's models attend over (NOTE [Ulysses over chunks
+of heads]).
 """
 
 from __future__ import annotations
@@ -16,12 +18,12 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from memo.errors import MemoError
-from memo.models.ulysses_attention import SequenceShard, UlyssesCoreAttention, kv_replicas
+from memo.models.ulysses_attention import SequenceShard, UlyssesCoreAttention, head_chunk_slices, kv_replicas
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["shard_sequence"]
+__all__ = ["chunk_heads", "shard_sequence"]
 
 
 def shard_sequence(model: nn.Module, group: ProcessGroup) -> SequenceShard:
@@ -50,3 +52,19 @@ def shard_sequence(model: nn.Module, group: ProcessGroup) -> SequenceShard:
         return shard
     raise MemoError(f"memo.distributed: Ulysses context parallelism runs memo's reference models and Hugging "
                     f"Face causal LMs; {type(model).__name__} is neither")
+
+
+def chunk_heads(model: nn.Module, chunks: int) -> None:
+    """Make the Ulysses rank ``model`` (after :func:`shard_sequence`) attend over ``chunks`` chunks of
+    heads (NOTE [Ulysses over chunks of heads]); a MemoError for a count its heads cannot split into,
+    and for a model whose attention is not memo's Ulysses core attention."""
+    from memo.models.model import TransformerModel
+
+    shard = getattr(getattr(model, "embedding", None), "sequence_shard", None)
+    if not isinstance(model, TransformerModel) or shard is None:
+        raise MemoError("memo.distributed: chunks of heads are memo's Ulysses core attention's, on memo's "
+                        "reference models made Ulysses ranks by shard_sequence; a Hugging Face model runs "
+                        "its own attention between the exchanges (NOTE [Ulysses around HF's attention])")
+    config = model.config
+    head_chunk_slices(config.n_heads, config.n_kv_heads or config.n_heads, shard.size, chunks)
+    shard.head_chunks = chunks

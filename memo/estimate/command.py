@@ -13,6 +13,8 @@ assumed, where ``memo train``'s defaults would differ:
 - ``--micro-batch b·d``: ``memo train``'s ``--micro-batch`` is the global batch, which its d
   data-parallel ranks split, and the estimate's b is one rank's;
 - ``--offload-states``: FSDP2's states in host memory (sharding ``full-offload``);
+- ``--ulysses-head-chunks N``: Ulysses over the layout's chunks of heads, where it is not memo
+  train's default (NOTE [Head chunks in an estimate] in memo/estimate/meta_ulysses.py);
 - ``--dtype``, ``--device cuda``, ``--device-mem-gb``, ``--host-mem-gb``: ``memo train`` defaults to
   float32 on the CPU and to the memory it finds; the answer holds for the estimate's dtype and
   machine, so its plan is made for those;
@@ -68,6 +70,8 @@ def launch_argv(estimator: Estimator, layout: Layout, seq_len: int, strategy: st
         argv += ["--tp", str(layout.tp), "--sp"]
     if layout.cp > 1:
         argv += ["--cp", str(layout.cp), "--cp-comm", layout.cp_comm]
+    if layout.head_chunks is not None:
+        argv += ["--ulysses-head-chunks", str(layout.head_chunks)]
     if layout.pp > 1:
         argv += ["--pp", str(layout.pp), "--micro-batches", str(layout.pp)]
     if layout.dp > 1:

@@ -227,7 +227,7 @@ class Estimator:
     def __init__(self, model: str, *, method: str = "plan", dtype: str = "bfloat16",
                  model_states: str = "formula", machine: Machine | None = None,
                  log: Callable[[str], None] | None = None, device: str = "cuda", memo_policy: str = "auto",
-                 fit_limit_bytes: int | None = None, what_if_head_chunks: int = 1) -> None:
+                 fit_limit_bytes: int | None = None) -> None:
         from memo.models import get_config
         from memo.pipeline import DTYPES
 
@@ -261,12 +261,6 @@ class Estimator:
                             f"GB ({device_bytes / GiB:,.2f} GiB)")
         #: NOTE [Fit limits]: one limit for every strategy, or None for each strategy's own rule.
         self.fit_limit_bytes = fit_limit_bytes
-        chunks = what_if_head_chunks
-        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-            raise MemoError(f"memo estimate: head chunks must be a positive integer, got {chunks!r}")
-        #: NOTE [Head-chunked Ulysses, a what-if] in meta_ulysses.py: 1 is what memo train runs; more
-        #: labels every Ulysses estimate as not runnable.
-        self.profiler.ulysses_head_chunks = chunks
 
     def limit_rule(self, strategy: str) -> str:
         """How ``strategy``'s fit limit is set (NOTE [Fit limits])."""
@@ -484,10 +478,14 @@ class Estimator:
                        f"parameters on the first stage ({table * 2 / GiB:,.2f} GiB in bf16, replicated, "
                        "x9 with its gradient and optimizer states), which the seed's Llama formula has no "
                        "term for; --model-states mixed counts it")
-        chunks = self.profiler.ulysses_head_chunks
-        if layout.cp > 1 and layout.cp_comm == "a2a" and chunks > 1:
-            out.append(f"NOT RUNNABLE: Ulysses over {chunks} chunks of the query heads, one at a time, finer "
-                       "than memo train chunks (a what-if: NOTE [Head-chunked Ulysses, a what-if])")
+        if layout.head_chunks is not None:
+            from memo.models.ulysses_attention import head_chunks
+
+            c, t = layout.head_chunks, layout.tp
+            default = head_chunks(self.config.n_heads // t, self.config.n_kv_heads // t, layout.cp)
+            out.append(f"Ulysses over {c} chunks of heads, one at a time (--ulysses-head-chunks {c}): 1/{c} "
+                       f"of the head shards during attention, for {c / default:g}x the default's key/value "
+                       "traffic (NOTE [Head chunks in an estimate])")
         if layout.cp > 1 and self.method == "plan":
             exchange = attention_exchange_bytes(self.config, layout, seq_len, self.dtype.itemsize)
             gib = f"{exchange / GiB:,.2f} GiB"

@@ -64,6 +64,10 @@ class Layout:
     states]): ``"optimizer"`` (megatron's distributed optimizer, ZeRO-1), ``"full"`` (FSDP2,
     ZeRO-3: weights, gradients and optimizer states) or ``"full-offload"`` (FSDP2 with its
     states in host memory: ``CPUOffloadPolicy``)."""
+    head_chunks: int | None = None
+    """The chunks of heads Ulysses attends over, one at a time (``memo train --ulysses-head-chunks``,
+    NOTE [Ulysses over chunks of heads] in memo/models/ulysses_attention.py); None: memo train's
+    default, one chunk per key/value head a rank receives. Ulysses layouts only."""
 
     def __post_init__(self) -> None:
         for name in ("gpus", "tp", "cp", "pp", "micro_batch"):
@@ -76,6 +80,12 @@ class Layout:
         if self.sharding not in SHARDINGS:
             raise MemoError(f"memo estimate: --sharding must be one of {', '.join(SHARDINGS)}, got "
                             f"{self.sharding!r}")
+        chunks = self.head_chunks
+        if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
+            raise MemoError(f"memo estimate: head chunks must be a positive integer, got {chunks!r}")
+        if chunks is not None and (self.cp == 1 or self.cp_comm != "a2a"):
+            raise MemoError(f"memo estimate: {chunks} head chunks are Ulysses' (CP > 1, --cp-comm a2a); got "
+                            f"CP {self.cp}, {self.cp_comm}")
         group = self.tp * self.cp * self.pp
         if self.gpus % group:
             raise MemoError(
@@ -97,11 +107,14 @@ class Layout:
         return (f"TP {self.tp} x CP {self.cp} x PP {self.pp} x DP {self.dp}"
                 + (f", micro-batch {self.micro_batch}" if self.micro_batch > 1 else "")
                 + (", Ulysses all-to-all" if self.cp > 1 and self.cp_comm == "a2a" else "")
+                + (f" over {self.head_chunks} chunks of heads" if self.head_chunks else "")
                 + {"optimizer": "", "full": ", states fully sharded",
                    "full-offload": ", states fully sharded in host memory"}[self.sharding])
 
     def short(self) -> str:
-        return (f"t{self.tp} c{self.cp}{' a2a' if self.cp > 1 and self.cp_comm == 'a2a' else ''} p{self.pp} "
+        a2a = (" a2a" if self.cp > 1 and self.cp_comm == "a2a" else "") + (
+            f"/{self.head_chunks}" if self.head_chunks else "")
+        return (f"t{self.tp} c{self.cp}{a2a} p{self.pp} "
                 f"d{self.dp} b{self.micro_batch}"
                 + ("" if self.sharding == "optimizer" else f" {self.sharding}"))
 
@@ -113,7 +126,7 @@ class Layout:
         """The engine of ``memo train`` that launches this layout, or None (NOTE [Layouts memo train
         launches])."""
         return engine_for_layout(tp=self.tp, cp=self.cp, pp=self.pp, cp_comm=self.cp_comm,
-                                 sharding=self.sharding)
+                                 sharding=self.sharding, head_chunks=self.head_chunks)
 
     def launch_problem(self) -> str | None:
         """Why no engine of ``memo train`` launches this layout, each engine's reason and what does run,
@@ -121,7 +134,7 @@ class Layout:
         if self.engine is not None:
             return None
         reasons = [layout_problem(row.engine, tp=self.tp, cp=self.cp, pp=self.pp, cp_comm=self.cp_comm,
-                                  sharding=self.sharding) for row in RUNNABLE]
+                                  sharding=self.sharding, head_chunks=self.head_chunks) for row in RUNNABLE]
         runs = "; ".join(_runs(row) for row in RUNNABLE)
         return (f"memo train launches no {self.describe()}: " + "; ".join(r for r in reasons if r)
                 + f". What it launches: {runs}; --search ranks only those")
@@ -155,6 +168,13 @@ class Layout:
             problem = ulysses_heads_problem(config.n_heads // t, config.n_kv_heads // t, self.cp)
             if problem is not None:
                 out.append(f"Ulysses CP: {problem}")
+            elif self.head_chunks is not None:
+                from memo.models.ulysses_attention import legal_head_chunks
+
+                legal = legal_head_chunks(config.n_heads // t, config.n_kv_heads // t, self.cp)
+                if self.head_chunks not in legal:
+                    out.append(f"Ulysses CP: the heads per rank do not split into {self.head_chunks} chunks "
+                               f"(legal counts: {', '.join(map(str, legal))})")
         problem = None if seq_len is None else seq_len_problem(seq_len, t, self.cp)
         if problem is not None:
             out.append(problem)  # NOTE [Tokens per rank] in memo/token_split.py

@@ -1,6 +1,6 @@
 """memo's Ulysses attention on a meta rank model, its exchange recorded where it allocates (NOTE
-[Ulysses in a meta estimate]), over chunks of heads as a what-if (NOTE [Head-chunked Ulysses, a
-what-if])."""
+[Ulysses in a meta estimate]), over the chunks of heads ``memo train`` runs (NOTE [Head chunks in an
+estimate])."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 
     from memo.models.model import TransformerModel
 
-__all__ = ["head_chunk_slices", "meta_ulysses"]
+__all__ = ["meta_ulysses"]
 
 
 # NOTE [Ulysses in a meta estimate]
@@ -32,16 +32,15 @@ __all__ = ["head_chunk_slices", "meta_ulysses"]
 # of 8 bytes per token of the sequence, which is not recorded (building it on the host for every
 # exchange of a meta rank costs seconds per profile at millions of tokens).
 #
-# NOTE [Head-chunked Ulysses, a what-if]
-# UPipe (arXiv 2602.21196) runs Ulysses' exchange and the kernel over chunks of heads, one chunk at a
-# time, so the head-sharded copies and the kernel's own transients are a chunk's, not every head's.
-# ``memo train`` chunks so that no key/value head is sent twice: one chunk per key/value head a rank
-# receives (NOTE [Ulysses over chunks of heads]), one chunk where a rank receives one (Llama-3.1-8B
-# at CP 8). ``head_chunks`` > 1 chunks the query heads further, as UPipe does, each chunk sending
-# the key/value heads its query heads share again: memo's own unchunked Ulysses functions called once
-# per chunk, each chunk's outputs written into the full-size ones, so that an estimate can say what
-# it would buy. Such an estimate is labelled as not runnable and no answer of ``memo estimate``
-# uses it (benchmarks/longest_at_scale.py reports it beside memo's row).
+# NOTE [Head chunks in an estimate]
+# ``memo train --ulysses-head-chunks N`` runs Ulysses' exchange and the kernel over N chunks of heads,
+# one at a time (NOTE [Ulysses over chunks of heads] in memo/models/ulysses_attention.py), so the
+# head-sharded copies and the kernel's own transients are a chunk's, not every head's. A layout's
+# ``head_chunks`` (None: memo train's default, one chunk per key/value head a rank receives) is
+# recorded by the very functions memo train runs, ``ulysses_chunked_forward`` and ``_backward`` over
+# the chunks ``head_chunk_slices`` cuts, so the estimate and the runtime cannot chunk differently. The
+# longest-sequence search tries memo's Ulysses layouts at the finest count beside the default
+# (NOTE [Head chunks in the search] in memo/estimate/search.py), and the launch command carries it.
 
 
 class _MetaShard:
@@ -62,70 +61,29 @@ def _meta_all_to_all(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(t.contiguous())
 
 
-def head_chunk_slices(n: int, n_kv: int, size: int, chunks: int) -> list[tuple[slice, slice]]:
-    """(query heads, key/value heads) of each of ``chunks`` chunks (NOTE [Head-chunked Ulysses, a
-    what-if]); a MemoError where the heads do not split so that Ulysses can share each chunk."""
-    from memo.errors import MemoError
-    from memo.models.ulysses_attention import ulysses_heads_problem
-
-    per_kv = n // n_kv
-    if n % chunks or (n // chunks) % per_kv and per_kv % (n // chunks):
-        raise MemoError(f"memo estimate: {n} query heads do not split into {chunks} chunks of whole "
-                        "key/value head groups")
-    q = n // chunks
-    out = []
-    for j in range(chunks):
-        first, last = j * q // per_kv, ((j + 1) * q - 1) // per_kv + 1
-        problem = ulysses_heads_problem(q, last - first, size)
-        if problem is not None:
-            raise MemoError(f"memo estimate: a chunk of {q} query heads: {problem}")
-        out.append((slice(j * q, (j + 1) * q), slice(first, last)))
-    return out
-
-
-def meta_ulysses(model: TransformerModel, size: int, contiguous: bool = True, head_chunks: int = 1) -> None:
+def meta_ulysses(model: TransformerModel, size: int, contiguous: bool = True,
+                 head_chunks: int | None = None) -> None:
     """Every layer of memo's meta rank ``model`` attends as one rank of a Ulysses group of ``size``
-    (NOTE [Ulysses in a meta estimate]); ``head_chunks`` > 1: over that many chunks of heads, one at
-    a time (NOTE [Head-chunked Ulysses, a what-if])."""
+    (NOTE [Ulysses in a meta estimate]), over ``head_chunks`` chunks of heads (None: memo train's
+    default; NOTE [Head chunks in an estimate])."""
     from memo.models.cp_attention import GroupAttention
     from memo.models.ulysses_attention import (
         UlyssesCoreAttention,
-        ulysses_backward,
         ulysses_chunked_backward,
         ulysses_chunked_forward,
-        ulysses_forward,
     )
 
     shard = _MetaShard(size)
 
     def forward_half(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, _group: object = None) -> tuple[
             torch.Tensor, torch.Tensor]:
-        if head_chunks == 1:  # what memo train runs
-            return ulysses_chunked_forward(q, k, v, size, _meta_all_to_all, contiguous)
-        o, lse = q.new_empty(q.shape), None
-        for qh, kh in head_chunk_slices(q.shape[2], k.shape[2], size, head_chunks):
-            o_c, lse_c = ulysses_forward(q[:, :, qh], k[:, :, kh], v[:, :, kh], size, _meta_all_to_all,
-                                         contiguous)
-            if lse is None:
-                lse = lse_c.new_empty((lse_c.shape[0], q.shape[2], lse_c.shape[2]))
-            o[:, :, qh], lse[:, qh] = o_c, lse_c
-            del o_c, lse_c
-        return o, lse
+        return ulysses_chunked_forward(q, k, v, size, _meta_all_to_all, contiguous, head_chunks)
 
     def backward_half(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       o: torch.Tensor, lse: torch.Tensor, _group: object = None) -> tuple[
             torch.Tensor, torch.Tensor, torch.Tensor]:
-        if head_chunks == 1:
-            return ulysses_chunked_backward(grad_o, q, k, v, o, lse, size, _meta_all_to_all, contiguous)
-        dq, dk, dv = q.new_empty(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
-        for qh, kh in head_chunk_slices(q.shape[2], k.shape[2], size, head_chunks):
-            dq_c, dk_c, dv_c = ulysses_backward(grad_o[:, :, qh], q[:, :, qh], k[:, :, kh], v[:, :, kh],
-                                                o[:, :, qh], lse[:, qh], size, _meta_all_to_all, contiguous)
-            dq[:, :, qh] = dq_c
-            dk[:, :, kh] += dk_c  # chunks that share a key/value head add their parts
-            dv[:, :, kh] += dv_c
-            del dq_c, dk_c, dv_c
-        return dq, dk, dv
+        return ulysses_chunked_backward(grad_o, q, k, v, o, lse, size, _meta_all_to_all, contiguous,
+                                        head_chunks)
 
     class MetaUlyssesCoreAttention(UlyssesCoreAttention):
         def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -133,7 +133,7 @@ def rank_layer_ms(machine: Machine, config: ModelConfig, layout: Layout, seq_len
 
 
 def _rank_model(config: ModelConfig, n_layers: int, layout: Layout, seq_len: int, dtype: torch.dtype,
-                recompute: str, head_chunks: int = 1) -> TransformerModel:
+                recompute: str) -> TransformerModel:
     from memo.models import DEFAULT_MAX_SEQ_LEN, build_model
 
     cfg = dataclasses.replace(config, n_layers=n_layers)
@@ -141,7 +141,7 @@ def _rank_model(config: ModelConfig, n_layers: int, layout: Layout, seq_len: int
     kw = {"max_seq_len": max(seq_len, DEFAULT_MAX_SEQ_LEN)} if config.arch == "gpt" else {}
     model = build_model(cfg, device="meta", dtype=dtype, tensor_parallel=layout.tp, recompute=recompute, **kw)
     if layout.cp > 1 and layout.cp_comm == "a2a":
-        meta_ulysses(model, layout.cp, head_chunks=head_chunks)
+        meta_ulysses(model, layout.cp, head_chunks=layout.head_chunks)
     return model
 
 
@@ -291,8 +291,6 @@ class RankProfiler:
         self.cache: dict[tuple, tuple[RankNumbers, Any]] = {}
         self.profiles = 0
         self.notes: list[str] = []
-        #: NOTE [Head-chunked Ulysses, a what-if] in meta_ulysses.py: 1 is what memo train runs.
-        self.ulysses_head_chunks = 1
 
     def _record(self, strategy: str, layout: Layout, seq_len: int, depth: int, alpha: float | None,
                 stage: bool = True, policy: tuple[str, ...] | None = None) -> tuple[RankNumbers, Any]:
@@ -306,7 +304,7 @@ class RankProfiler:
             policy = (strategy,) * (depth - kept) + ("keep",) * kept
         # a Ulysses rank records its exchange (NOTE [Ulysses in a meta estimate] in meta_ulysses.py)
         ulysses = layout.cp > 1 and layout.cp_comm == "a2a"
-        exchange = (layout.cp_comm, self.ulysses_head_chunks) if ulysses else None
+        exchange = (layout.cp_comm, layout.head_chunks) if ulysses else None
         key = (strategy, layout.tp, layout.cp, layout.micro_batch, seq_len, depth,
                None if alpha is None else round(alpha, 6), stages, policy, exchange)
         if key in self.cache:
@@ -314,8 +312,7 @@ class RankProfiler:
         from memo.pipeline import profile
 
         recompute = "full" if strategy == "full-recompute" else "none"
-        model = _rank_model(self.config, depth, layout, seq_len, self.dtype, recompute,
-                            self.ulysses_head_chunks)
+        model = _rank_model(self.config, depth, layout, seq_len, self.dtype, recompute)
         kind_of = _policy_kinds(policy) if policy is not None and "recompute" in policy else None
         if stages > 1:
             out: tuple[RankNumbers, Any] = (analyse_trace(self._first_stage(model, strategy, layout, seq_len,
@@ -483,6 +480,8 @@ def attention_exchange_bytes(config: ModelConfig, layout: Layout, seq_len: int, 
     d = config.head_dim
     tokens = seq_len * layout.micro_batch
     if layout.cp_comm == "a2a":
+        if layout.head_chunks is not None:  # one chunk's heads at a time (NOTE [Head chunks in an estimate])
+            n, n_kv = n // layout.head_chunks, max(n_kv // layout.head_chunks, 1)
         return 4 * tokens * d * elem * (n // c + max(n_kv // c, 1))
     return 2 * tokens * n_kv * d * (elem + 4)
 

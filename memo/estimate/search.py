@@ -58,6 +58,17 @@ spends them where they decide the answer:
 
 Every reported length is one an actual estimate at that length found to fit, and the best layout's is
 the longest such within the granularity: one granularity more did not fit (or is past the cap).
+
+NOTE [Head chunks in the search]
+Ulysses over more chunks of heads holds less during attention and sends the key/value heads more
+often (NOTE [Ulysses over chunks of heads] in memo/models/ulysses_attention.py). memo's searches by
+the plan method therefore try each Ulysses layout of memo train's default chunks also at the finest
+count its heads split into (:func:`with_head_chunks`; the two share a family, so one screen). The
+default ranks first where both fit (:func:`rank_key`), and the longest-sequence search confirms the
+finer count after every default, from one granularity past the best length found: so it answers
+only where it goes further, and its command then says ``--ulysses-head-chunks``. The peers run the
+default: they are ALST's recipe, which does not chunk heads, and the formula method has no term the
+chunks change.
 """
 
 from __future__ import annotations
@@ -72,7 +83,8 @@ from memo.units import GiB
 if TYPE_CHECKING:
     from memo.estimate.core import Estimator
 
-__all__ = ["align", "gallop", "longest", "longest_sequences", "rank_key", "search_layouts", "tokens"]
+__all__ = ["align", "gallop", "longest", "longest_sequences", "rank_key", "search_layouts", "tokens",
+           "with_head_chunks"]
 
 
 
@@ -173,8 +185,33 @@ def gallop(total: Callable[[int], int | None], limit: int, granularity: int, max
 
 
 def rank_key(layout: Layout, fits: bool, total: int, gpus_per_node: int) -> tuple:
-    """NOTE [Layout ranking]: smaller is better."""
-    return (not fits, layout.model_parallel, layout.tp > gpus_per_node, -layout.micro_batch, total)
+    """NOTE [Layout ranking]: smaller is better; memo train's default chunks of heads before a finer count
+    (NOTE [Head chunks in the search])."""
+    return (not fits, layout.model_parallel, layout.tp > gpus_per_node, -layout.micro_batch,
+            layout.head_chunks is not None, total)
+
+
+def with_head_chunks(estimator: Estimator, layouts: list[Layout], strategy: str) -> list[Layout]:
+    """``layouts`` and, for memo by the plan method, each Ulysses layout of the default chunks of heads
+    again at the finest count its heads split into, where that is finer and an engine of ``memo train``
+    runs it (NOTE [Head chunks in the search])."""
+    if strategy != "memo" or getattr(estimator, "method", "plan") != "plan":
+        return layouts
+    import dataclasses
+
+    from memo.models.ulysses_attention import finest_head_chunks, head_chunks, ulysses_heads_problem
+
+    config, out = estimator.config, list(layouts)
+    for lay in layouts:
+        if lay.cp == 1 or lay.cp_comm != "a2a" or lay.head_chunks is not None:
+            continue
+        n, n_kv = config.n_heads // lay.tp, config.n_kv_heads // lay.tp
+        if ulysses_heads_problem(n, n_kv, lay.cp) is not None:
+            continue
+        finer = dataclasses.replace(lay, head_chunks=finest_head_chunks(n, n_kv, lay.cp))
+        if finer.head_chunks > head_chunks(n, n_kv, lay.cp) and finer.engine is not None:
+            out.append(finer)  # an engine that runs the count (NOTE [Which engine runs which layout])
+    return out
 
 
 def search_layouts(estimator: Estimator, seq_len: int, gpus: int, strategy: str,
@@ -188,7 +225,8 @@ def search_layouts(estimator: Estimator, seq_len: int, gpus: int, strategy: str,
     need."""
     say = log or (lambda _line: None)
     config = estimator.config
-    layouts = valid_layouts(config, gpus, seq_len, micro_batches, shardings=shardings, cp_comms=cp_comms)
+    layouts = with_head_chunks(estimator, valid_layouts(config, gpus, seq_len, micro_batches,
+                                                        shardings=shardings, cp_comms=cp_comms), strategy)
     if not layouts:
         raise MemoError(f"memo estimate: no layout of {gpus} GPUs that memo train launches is valid for "
                         f"{config.name} at seq len {seq_len:,} (TP must divide its {config.n_heads} heads "
@@ -269,10 +307,12 @@ def longest_sequences(estimator: Estimator, layouts: list[Layout], strategies: t
     if getattr(estimator, "method", "plan") == "formula":
         return [_exact_search(estimator, layouts, strategy, granularity, max_seq, first, log)
                 for strategy in strategies]
-    return [_predicted_search(estimator, layouts,
-                              screen_families(estimator, layouts, granularity, max_seq, log, first, strategy),
-                              strategy, granularity, max_seq, first, log)
-            for strategy in strategies]
+    out = []
+    for strategy in strategies:
+        tried = with_head_chunks(estimator, layouts, strategy)  # NOTE [Head chunks in the search]
+        kept = screen_families(estimator, tried, granularity, max_seq, log, first, strategy)
+        out.append(_predicted_search(estimator, tried, kept, strategy, granularity, max_seq, first, log))
+    return out
 
 
 def _family(layout: Layout) -> tuple[int, int, int, int, str]:
@@ -453,8 +493,11 @@ def _predicted_search(estimator: Estimator, layouts: list[Layout], kept: set[tup
         total = _Totals(estimator, layout, strategy)
         items.append({"layout": layout, "total": total,
                       "guess": first_guess(total, limit, granularity, max_seq, first)})
-    # equal guesses (both at the cap) go to the layout whose states leave the device more room
-    items.sort(key=lambda x: (-int(x["guess"]), estimator.states(x["layout"], first)[1]))
+    # equal guesses (both at the cap) go to the layout whose states leave the device more room; finer
+    # head chunks after every default, so that each is probed past the best the default reached and
+    # answers only where it goes further (NOTE [Head chunks in the search])
+    items.sort(key=lambda x: (x["layout"].head_chunks is not None, -int(x["guess"]),
+                              estimator.states(x["layout"], first)[1]))
     results: list[dict[str, Any]] = []
     best_len = 0
     for item in items:

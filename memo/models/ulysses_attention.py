@@ -38,12 +38,24 @@ NOTE [Ulysses over chunks of heads]
 Attention heads are independent, so the exchange and the attention may run over a few heads at a
 time (UPipe, arXiv 2602.21196): chunk i of the query heads and the key/value heads they use go to
 head shards, attend, and come back into their place in the output before the next chunk starts.
-The result is the same to the bit; what changes is what a rank holds during attention: the head
+The result is the same (to the bit, but for the order in which the gradients of a key/value head
+sent by several chunks are summed); what changes is what a rank holds during attention: the head
 shards of one chunk instead of all of them (q, k, v, o and, in backward, grad_o and dq, dk, dv of
-all S tokens). memo runs as many chunks as each rank receives key/value heads
+all S tokens). By default memo runs as many chunks as each rank receives key/value heads
 (:func:`head_chunks`), so every chunk sends each rank exactly one key/value head and the query heads
 that share it: key/value heads are never sent twice. Llama-3.1-8B (32 query, 8 key/value heads) at
 CP 2 runs 4 chunks, a quarter of the head shards at a time; at CP 8, one.
+
+A finer count (``memo train --ulysses-head-chunks N``) splits the query heads further, as UPipe
+does: each chunk is an equal run of query heads that holds whole key/value head groups or lies
+inside one (:func:`head_chunk_slices`, which the estimate's meta rank runs too), and it sends the
+key/value heads its query heads use, replicated over the ranks where fewer than the ranks, so a
+key/value head shared by several chunks or ranks is sent once for each. That trades N / (the
+default's count) times the key/value traffic for 1/N of the head shards. Backward sums the
+gradients of a key/value head over the chunks that sent it (and over its replicas), in float32 for
+low-precision inputs. Llama-3.1-8B at CP 8 splits into at most 4 chunks: 8 query heads and 2
+key/value heads each, one query head per rank, a quarter of the head shards for 4x the key/value
+traffic.
 
 NOTE [Contiguous Ulysses]
 Ulysses needs no load balancing: after the exchange every rank attends all S tokens of its heads,
@@ -69,8 +81,8 @@ from memo.models.causal_attention import _check, attention_backward, attention_f
 from memo.models.cp_attention import GroupAttention, _lse_for_kernel, _lse_rows, _sequence_order
 from memo.planner.vocab import CP_COMMS
 
-__all__ = ["CP_COMM_TYPES", "SequenceShard", "UlyssesCoreAttention", "head_chunks", "heads_to_tokens",
-           "kv_replicas",
+__all__ = ["CP_COMM_TYPES", "SequenceShard", "UlyssesCoreAttention", "finest_head_chunks",
+           "head_chunk_slices", "head_chunks", "heads_to_tokens", "kv_replicas", "legal_head_chunks",
            "tokens_to_heads", "ulysses_attention",
            "ulysses_attention_backward", "ulysses_attention_forward", "ulysses_backward",
            "ulysses_chunked_backward", "ulysses_chunked_forward", "ulysses_forward", "ulysses_heads_problem"]
@@ -212,26 +224,60 @@ def ulysses_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 
 
 def head_chunks(n_heads: int, n_kv_heads: int, size: int) -> int:
-    """How many chunks of heads the exchange runs in (NOTE [Ulysses over chunks of heads]): one per
-    key/value head each rank receives, so that every chunk sends each rank one key/value head."""
+    """memo's default count of chunks of heads (NOTE [Ulysses over chunks of heads]): one per key/value
+    head each rank receives, so that every chunk sends each rank one key/value head."""
     return max(n_kv_heads * kv_replicas(n_heads, n_kv_heads, size) // size, 1)
 
 
+def head_chunk_slices(n: int, n_kv: int, size: int, chunks: int) -> list[tuple[slice, slice]]:
+    """(query heads, key/value heads) of each of ``chunks`` chunks (NOTE [Ulysses over chunks of
+    heads]): equal runs of query heads, each holding whole key/value head groups or lying inside one,
+    and each one the ``size`` ranks can share; a MemoError for a count the heads cannot split into."""
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise MemoError(f"{_WHERE}: the count of head chunks must be a positive integer, got {chunks!r}")
+    per_kv = n // n_kv
+    if n % chunks or (n // chunks) % per_kv and per_kv % (n // chunks):
+        raise MemoError(f"{_WHERE}: {n} query heads do not split into {chunks} chunks of whole key/value "
+                        f"head groups (or of equal parts of one); legal counts: "
+                        f"{', '.join(map(str, legal_head_chunks(n, n_kv, size)))}")
+    q = n // chunks
+    out = []
+    for j in range(chunks):
+        first, last = j * q // per_kv, ((j + 1) * q - 1) // per_kv + 1
+        problem = ulysses_heads_problem(q, last - first, size)
+        if problem is not None:
+            raise MemoError(f"{_WHERE}: {chunks} chunks of heads: a chunk of {q} query heads: {problem}; "
+                            f"legal counts: {', '.join(map(str, legal_head_chunks(n, n_kv, size)))}")
+        out.append((slice(j * q, (j + 1) * q), slice(first, last)))
+    return out
+
+
+def legal_head_chunks(n: int, n_kv: int, size: int) -> list[int]:
+    """Every count of chunks :func:`head_chunk_slices` accepts for these heads, ascending."""
+    per_kv = n // n_kv
+    return [c for c in range(1, n + 1) if not n % c and not ((n // c) % per_kv and per_kv % (n // c))
+            and ulysses_heads_problem(n // c, max(n // c // per_kv, 1), size) is None]
+
+
+def finest_head_chunks(n: int, n_kv: int, size: int) -> int:
+    """The most chunks the heads split into (each rank gets one query head per chunk where it can):
+    the least a rank holds during attention, for the most key/value traffic."""
+    kv_replicas(n, n_kv, size)  # a MemoError for heads the ranks cannot share at all
+    return legal_head_chunks(n, n_kv, size)[-1]
+
+
 def ulysses_chunked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, size: int, exchange: Exchange,
-                            contiguous: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`ulysses_forward` over chunks of heads (NOTE [Ulysses over chunks of heads])."""
-    n = q.shape[2]
-    chunks = head_chunks(n, k.shape[2], size)
-    if chunks == 1:
+                            contiguous: bool, chunks: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`ulysses_forward` over ``chunks`` chunks of heads, one at a time (None: :func:`head_chunks`;
+    NOTE [Ulysses over chunks of heads])."""
+    n, n_kv = q.shape[2], k.shape[2]
+    slices = head_chunk_slices(n, n_kv, size, head_chunks(n, n_kv, size) if chunks is None else chunks)
+    if len(slices) == 1:
         return ulysses_forward(q, k, v, size, exchange, contiguous)
-    replicas = _layout(q, k, v, size, contiguous)
-    k, v = _replicate(k, replicas), _replicate(v, replicas)
-    qc, kc = n // chunks, k.shape[2] // chunks
-    s, b, _, d = q.shape
+    s, b = q.shape[:2]
     o = torch.empty_like(q)
     lse: torch.Tensor | None = None
-    for i in range(chunks):
-        heads, kv_heads = slice(i * qc, (i + 1) * qc), slice(i * kc, (i + 1) * kc)
+    for heads, kv_heads in slices:
         o_i, lse_i = ulysses_forward(q[:, :, heads], k[:, :, kv_heads], v[:, :, kv_heads], size, exchange,
                                      contiguous)
         o[:, :, heads] = o_i
@@ -245,23 +291,33 @@ def ulysses_chunked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
 
 def ulysses_chunked_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              o: torch.Tensor, lse: torch.Tensor, size: int, exchange: Exchange,
-                             contiguous: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`ulysses_backward` over chunks of heads (NOTE [Ulysses over chunks of heads])."""
-    n, kv_dtype = q.shape[2], k.dtype
-    chunks = head_chunks(n, k.shape[2], size)
-    if chunks == 1:
+                             contiguous: bool, chunks: int | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`ulysses_backward` over ``chunks`` chunks of heads (NOTE [Ulysses over chunks of heads]);
+    a key/value head that several chunks send has their gradients summed, in float32 for low precision."""
+    n, n_kv = q.shape[2], k.shape[2]
+    slices = head_chunk_slices(n, n_kv, size, head_chunks(n, n_kv, size) if chunks is None else chunks)
+    if len(slices) == 1:
         return ulysses_backward(grad_o, q, k, v, o, lse, size, exchange, contiguous)
-    replicas = _layout(q, k, v, size, contiguous)
-    k, v = _replicate(k, replicas), _replicate(v, replicas)
-    qc, kc = n // chunks, k.shape[2] // chunks
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    for i in range(chunks):
-        heads, kv_heads = slice(i * qc, (i + 1) * qc), slice(i * kc, (i + 1) * kc)
-        grads = ulysses_backward(grad_o[:, :, heads], q[:, :, heads], k[:, :, kv_heads], v[:, :, kv_heads],
-                                 o[:, :, heads], lse[:, heads], size, exchange, contiguous)
-        dq[:, :, heads], dk[:, :, kv_heads], dv[:, :, kv_heads] = grads
-        del grads
-    return dq, _sum_replicas(dk, replicas, kv_dtype), _sum_replicas(dv, replicas, kv_dtype)
+    shared = any(a[1].stop > b[1].start for a, b in zip(slices, slices[1:], strict=False))
+    if shared:
+        acc = torch.float32 if k.dtype in (torch.float16, torch.bfloat16) else k.dtype
+        dk, dv = k.new_zeros(k.shape, dtype=acc), v.new_zeros(v.shape, dtype=acc)
+    else:
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dq = torch.empty_like(q)
+    for heads, kv_heads in slices:
+        dq_i, dk_i, dv_i = ulysses_backward(grad_o[:, :, heads], q[:, :, heads], k[:, :, kv_heads],
+                                            v[:, :, kv_heads], o[:, :, heads], lse[:, heads], size, exchange,
+                                            contiguous)
+        dq[:, :, heads] = dq_i
+        if shared:
+            dk[:, :, kv_heads] += dk_i
+            dv[:, :, kv_heads] += dv_i
+        else:
+            dk[:, :, kv_heads], dv[:, :, kv_heads] = dk_i, dv_i
+        del dq_i, dk_i, dv_i
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
 def _exchange(group: Any) -> tuple[int, Exchange]:
@@ -269,30 +325,33 @@ def _exchange(group: Any) -> tuple[int, Exchange]:
 
 
 def ulysses_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any,
-                              contiguous: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                              contiguous: bool = False, chunks: int | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's causal attention over the context-parallel ``group`` by all-to-all (NOTE [Ulysses
     context parallelism]); ``q: [2m, b, n, d]``, ``k, v: [2m, b, n_kv, d]`` in megatron's
     load-balanced layout (``contiguous``: rank r's tokens are ``[r·s, (r+1)·s)``, NOTE [Contiguous
     Ulysses]) -> ``o [2m, b, n, d]``, ``lse [b, n, 2m]`` as
-    :func:`memo.models.causal_attention.attention_forward` (float32; float64 for float64 inputs)."""
-    return ulysses_chunked_forward(q, k, v, *_exchange(group), contiguous=contiguous)
+    :func:`memo.models.causal_attention.attention_forward` (float32; float64 for float64 inputs); over
+    ``chunks`` chunks of heads (None: :func:`head_chunks`)."""
+    return ulysses_chunked_forward(q, k, v, *_exchange(group), contiguous=contiguous, chunks=chunks)
 
 
 def ulysses_attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                               o: torch.Tensor, lse: torch.Tensor, group: Any, contiguous: bool = False
-                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                               o: torch.Tensor, lse: torch.Tensor, group: Any, contiguous: bool = False,
+                               chunks: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`ulysses_attention_forward` for this rank's ``q, k, v`` -> ``dq [2m, b, n, d]``,
     ``dk, dv [2m, b, n_kv, d]``."""
-    return ulysses_chunked_backward(grad_o, q, k, v, o, lse, *_exchange(group), contiguous=contiguous)
+    return ulysses_chunked_backward(grad_o, q, k, v, o, lse, *_exchange(group), contiguous=contiguous,
+                                    chunks=chunks)
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any,
-                      contiguous: bool = False) -> torch.Tensor:
+                      contiguous: bool = False, chunks: int | None = None) -> torch.Tensor:
     """Differentiable :func:`ulysses_attention_forward`: ``-> o [2m, b, n, d]``; saves q, k, v, o, lse
     at the rank's own length."""
-    halves = ((ulysses_attention_forward, ulysses_attention_backward) if not contiguous else
-              (functools.partial(ulysses_attention_forward, contiguous=True),
-               functools.partial(ulysses_attention_backward, contiguous=True)))
+    halves = ((ulysses_attention_forward, ulysses_attention_backward) if not contiguous and chunks is None
+              else (functools.partial(ulysses_attention_forward, contiguous=contiguous, chunks=chunks),
+                    functools.partial(ulysses_attention_backward, contiguous=contiguous, chunks=chunks)))
     return GroupAttention.apply(q, k, v, group, halves)
 
 
@@ -328,11 +387,14 @@ class SequenceShard:
     Ulysses]): rank r of c holds tokens ``[r·s, (r+1)·s)`` of every sequence, s its local length.
 
     Set on memo's reference modules (``sequence_shard``) by :func:`memo.distributed.ulysses.
-    shard_sequence`; a plain attribute, so the state dict does not change."""
+    shard_sequence`; a plain attribute, so the state dict does not change. ``head_chunks``: the chunks
+    of heads its attention runs over (None: :func:`head_chunks`; NOTE [Ulysses over chunks of heads]),
+    set by :func:`memo.distributed.ulysses.chunk_heads`."""
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: Any, head_chunks: int | None = None) -> None:
         self.group = group
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.head_chunks = head_chunks
 
     def first_position(self, local_len: int) -> int:
         """The absolute position of this rank's first token, for ``local_len`` tokens per rank."""
@@ -341,11 +403,14 @@ class SequenceShard:
     def attention_kernels(self) -> tuple[Callable[..., Any], Callable[..., Any]]:
         """``(forward(q, k, v) -> (o, lse), backward(grad_o, q, k, v, o, lse) -> (dq, dk, dv))`` of causal
         attention over this shard's group, without autograd, as memo's runtime runs a layer's core."""
-        return (functools.partial(ulysses_attention_forward, group=self.group, contiguous=True),
-                functools.partial(ulysses_attention_backward, group=self.group, contiguous=True))
+        return (functools.partial(ulysses_attention_forward, group=self.group, contiguous=True,
+                                  chunks=self.head_chunks),
+                functools.partial(ulysses_attention_backward, group=self.group, contiguous=True,
+                                  chunks=self.head_chunks))
 
     def __repr__(self) -> str:
-        return f"SequenceShard(rank={self.rank}, size={self.size})"
+        chunks = "" if self.head_chunks is None else f", head_chunks={self.head_chunks}"
+        return f"SequenceShard(rank={self.rank}, size={self.size}{chunks})"
 
 
 class UlyssesCoreAttention(torch.nn.Module):
@@ -359,7 +424,7 @@ class UlyssesCoreAttention(torch.nn.Module):
         self.shard = shard
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        o = ulysses_attention(q, k, v, self.shard.group, contiguous=True)
+        o = ulysses_attention(q, k, v, self.shard.group, contiguous=True, chunks=self.shard.head_chunks)
         s, b, n, d = o.shape
         return o.view(s, b, n * d)
 

@@ -70,6 +70,9 @@ class TrainConfig:
     """``--pp``: megatron pipeline stages (NOTE [Pipelined steps] in memo/train/pipelined.py)."""
     virtual_pipeline: int = 1
     """``--vpp``: model chunks per pipeline stage (megatron's interleaved schedule)."""
+    ulysses_head_chunks: int | None = None
+    """``--ulysses-head-chunks``: chunks of heads Ulysses attends over (NOTE [Ulysses over chunks of heads]
+    in memo/models/ulysses_attention.py); None: one per key/value head a rank receives."""
     micro_batches: int = 1
     """``--micro-batches``: micro-batches of ``micro_batch`` sequences per optimizer step, gradients
     accumulated (more than one, or ``--pp`` > 1: megatron's schedules, NOTE [Pipelined steps])."""
@@ -107,6 +110,8 @@ class TrainConfig:
                                      sp=self.sequence_parallel)
             if problem is not None:
                 raise MemoError(f"memo.train: {problem}")
+        if self.ulysses_head_chunks is not None:
+            self._check_head_chunks()
         if (max(parallel) > 1 or self.sequence_parallel) and self.engine != "fsdp2" and (
                 self.engine != "megatron" or self.hf_config is not None):
             what = "--hf-config" if self.hf_config is not None else f"--engine {self.engine}"
@@ -114,6 +119,25 @@ class TrainConfig:
                 f"memo.train: {what} builds a single-process model; --tp/--cp/--dp > 1 and --sp need "
                 "megatron-core's parallel layers: use --engine megatron (--engine fsdp2 for --dp alone), or "
                 "run with --tp/--cp/--dp 1 and no --sp")
+
+    def _check_head_chunks(self) -> None:
+        """--ulysses-head-chunks runs memo's Ulysses core attention on memo's models under FSDP2, over a
+        count of chunks the heads split into; refused by name elsewhere, before any process group."""
+        flag = f"--ulysses-head-chunks {self.ulysses_head_chunks}"
+        if self.context_parallel == 1 or self.cp_comm != "a2a":
+            raise MemoError(f"memo.train: {flag} chunks Ulysses context parallelism's heads; it needs --cp "
+                            f"> 1 and --cp-comm a2a (got --cp {self.context_parallel} --cp-comm "
+                            f"{self.cp_comm})")
+        if self.engine != "fsdp2" or self.hf_config is not None:
+            what = ("--hf-config (its own attention)" if self.hf_config is not None
+                    else f"--engine {self.engine}")
+            raise MemoError(f"memo.train: {flag} runs under --engine fsdp2 on memo's models, whose core "
+                            f"attention is memo's Ulysses; not with {what}")
+        from memo.models.ulysses_attention import head_chunk_slices
+
+        shapes = get_config(self.model)
+        head_chunk_slices(shapes.n_heads, shapes.n_kv_heads or shapes.n_heads, self.context_parallel,
+                          self.ulysses_head_chunks)
 
 
 @dataclass

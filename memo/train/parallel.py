@@ -136,4 +136,6 @@ def parallel_record(parallel: ParallelRun, result: TrainResult) -> dict[str, Any
             "dp_rank": parallel.dp_rank, "peak_device_bytes": peak,
             "peak_device_kind": result.peak_memory_kind,
             "host_pinned_bytes": int(extras.get("host_pinned_bytes", 0))}
-    return {**parallel.as_dict(), "ranks": parallel.gather(mine)}
+    chunks = {"ulysses_head_chunks": result.config.ulysses_head_chunks} if result.config.ulysses_head_chunks \
+        else {}  # NOTE [Ulysses over chunks of heads]: asked for by --ulysses-head-chunks
+    return {**parallel.as_dict(), **chunks, "ranks": parallel.gather(mine)}

@@ -56,8 +56,10 @@ def _run(rank: int, world: int, cp: int, offload: bool) -> Any:
     return FSDP2Run.start(layout, launch, "cpu", seed=0, offload_states=offload)
 
 
-def _gradient_case(style: str, wrapped: bool, offload: bool, rank: int, world: int, cp: int) -> str:
-    """One model under FSDP2 x Ulysses against one process's loss and gradients."""
+def _gradient_case(style: str, wrapped: bool, offload: bool, rank: int, world: int, cp: int,
+                   head_chunks: int | None = None) -> str:
+    """One model under FSDP2 x Ulysses, over ``head_chunks`` chunks of heads where given (NOTE [Ulysses
+    over chunks of heads]), against one process's loss and gradients."""
     import memo
     from memo.adapters.model import model_adapter_for
     from memo.runtime import runtime_of
@@ -70,6 +72,11 @@ def _gradient_case(style: str, wrapped: bool, offload: bool, rank: int, world: i
     want.backward()
     run = _run(rank, world, cp, offload)
     run.wrap(model)
+    if head_chunks is not None:
+        from memo.distributed.ulysses import chunk_heads
+
+        chunk_heads(model, head_chunks)
+        assert model.embedding.sequence_shard.head_chunks == head_chunks
     n = len(model_adapter_for(model, "test").parts(model).layers)
     if wrapped:
         memo.wrap(model, alpha=ALPHA, policy=["memo"] * n)
@@ -113,9 +120,9 @@ def _plain_losses(build: Any, vocab: int, steps: int, seq_len: int, micro_batch:
     return losses
 
 
-def _train_case(cp: int, offload: bool, hf: bool, micro_batch: int) -> str:
-    """``memo train --engine fsdp2 --cp cp --cp-comm a2a`` (memo's strategy): one process's losses, and
-    this rank's plan device total within TOTAL_TOL of its measured peak."""
+def _train_case(cp: int, offload: bool, hf: bool, micro_batch: int, head_chunks: int | None = None) -> str:
+    """``memo train --engine fsdp2 --cp cp --cp-comm a2a [--ulysses-head-chunks N]`` (memo's strategy):
+    one process's losses, and this rank's plan device total within TOTAL_TOL of its measured peak."""
     from memo.models import build_model, get_config
     from memo.train.loop import TrainConfig, train
     from memo.train.strategies import StrategyOptions, make_strategy
@@ -132,13 +139,15 @@ def _train_case(cp: int, offload: bool, hf: bool, micro_batch: int) -> str:
     strategy = make_strategy(StrategyOptions(**MACHINE))
     config = TrainConfig(engine="fsdp2", model="llama-tiny", context_parallel=cp, cp_comm="a2a",
                          offload_states=offload, micro_batch=micro_batch,
-                         hf_config=json.dumps(HF_LLAMA) if hf else None, **TRAIN)
+                         hf_config=json.dumps(HF_LLAMA) if hf else None, ulysses_head_chunks=head_chunks,
+                         **TRAIN)
     result = train(config, progress=False, strategy=strategy, log=lambda _line: None)
     losses = [s.loss for s in result.steps]
     assert all(abs(g - w) <= RTOL * abs(w) for g, w in zip(losses, want, strict=True)), (losses, want)
     total = int(strategy.plan.device["total_bytes"])
     measured = max(int(s.peak_memory_bytes) for s in result.steps)
     assert result.parallel["cp"] == cp and result.parallel["cp_comm"] == "a2a", result.parallel
+    assert result.parallel.get("ulysses_head_chunks") == head_chunks, result.parallel
     what = f"plan total {total:,} B, measured {measured:,} B ({(measured - total) / total:+.2%})"
     assert abs(measured - total) <= TOTAL_TOL * total, what
     return f"{what}; losses {losses}"
@@ -147,9 +156,13 @@ def _train_case(cp: int, offload: bool, hf: bool, micro_batch: int) -> str:
 #: Per launch: (style, memo wrapped, FSDP2 CPU offload) gradient checks, and (offload, HF model, global
 #: micro-batch) ``memo train`` runs; together each launch covers every style, wrapped and not, with and
 #: without offload (a launch on this 2-core machine costs ~35 s, so not every combination is run).
+#: ``chunked``: memo's Llama (4 query, 2 key/value heads) over 2 chunks of heads at CP 2, finer than the
+#: default 1: each chunk sends each rank one query head and the key/value head it uses, replicated.
 WORLD2 = {"gradients": [("gpt", True, False), ("gpt", False, True), ("llama", True, True),
                         ("llama", False, False), ("hf-llama", True, False), ("hf-llama", False, True)],
-          "trains": [(False, False, 1), (True, True, 1)]}
+          "trains": [(False, False, 1), (True, True, 1)],
+          "chunked": {"chunks": 2, "gradients": [("llama", True, False), ("llama", False, True)],
+                      "trains": [(True, False, 1)]}}
 WORLD4 = {"gradients": [("llama", True, True), ("gpt", True, False)],
           "trains": [(True, False, 2)]}
 
@@ -161,6 +174,16 @@ def _cases(rank: int, world: int, record: Any, cases: dict[str, list[tuple]]) ->
     for offload, hf, micro_batch in cases["trains"]:
         dist_harness.check(record, f"train/offload={offload}/hf={hf}",
                            lambda o=offload, h=hf, b=micro_batch: _train_case(2, o, h, b))
+    chunked = cases.get("chunked")
+    if chunked is None:
+        return
+    c = chunked["chunks"]
+    for style, wrapped, offload in chunked["gradients"]:
+        dist_harness.check(record, f"chunks={c}/{style}/wrapped={wrapped}/offload={offload}",
+                           lambda s=style, w=wrapped, o=offload: _gradient_case(s, w, o, rank, world, 2, c))
+    for offload, hf, micro_batch in chunked["trains"]:
+        dist_harness.check(record, f"chunks={c}/train/offload={offload}/hf={hf}",
+                           lambda o=offload, h=hf, b=micro_batch: _train_case(2, o, h, b, c))
 
 
 def cp2_world2(rank: int, world: int, spec: dict[str, Any], record: Any) -> None:
@@ -196,6 +219,21 @@ def test_cp2_memo_train_losses_and_plan(world2, offload: bool, hf: bool, micro_b
     dist_harness.assert_passed(world2, f"train/offload={offload}/hf={hf}", 2)
 
 
+@pytest.mark.parametrize(("style", "wrapped", "offload"), WORLD2["chunked"]["gradients"])
+def test_cp2_head_chunks_gradients_equal_one_process(world2, style: str, wrapped: bool,
+                                                     offload: bool) -> None:
+    """``--ulysses-head-chunks`` finer than the default: one process's loss and every gradient."""
+    c = WORLD2["chunked"]["chunks"]
+    dist_harness.assert_passed(world2, f"chunks={c}/{style}/wrapped={wrapped}/offload={offload}", 2)
+
+
+@pytest.mark.parametrize(("offload", "hf", "micro_batch"), WORLD2["chunked"]["trains"])
+def test_cp2_head_chunks_memo_train_losses_and_plan(world2, offload: bool, hf: bool,
+                                                    micro_batch: int) -> None:
+    c = WORLD2["chunked"]["chunks"]
+    dist_harness.assert_passed(world2, f"chunks={c}/train/offload={offload}/hf={hf}", 2)
+
+
 @pytest.mark.parametrize(("style", "wrapped", "offload"), WORLD4["gradients"])
 def test_dp2_cp2_gradients_equal_one_process(world4, style: str, wrapped: bool, offload: bool) -> None:
     dist_harness.assert_passed(world4, f"{style}/wrapped={wrapped}/offload={offload}", 4)
@@ -217,3 +255,23 @@ def test_fsdp2_refuses_what_the_engine_table_does_not_run() -> None:
     with pytest.raises(MemoError, match="runs no tensor parallelism"):
         TrainConfig(engine="fsdp2", tensor_parallel=2)
     TrainConfig(engine="fsdp2", context_parallel=2, cp_comm="a2a")
+
+
+def test_head_chunks_are_refused_where_they_cannot_apply() -> None:
+    """NOTE [Ulysses over chunks of heads]: --ulysses-head-chunks needs Ulysses CP on memo's models under
+    FSDP2, and a count the heads split into; each refused before any process group."""
+    from memo.errors import MemoError
+    from memo.train.loop import TrainConfig
+
+    ulysses = {"engine": "fsdp2", "model": "llama-tiny", "context_parallel": 2, "cp_comm": "a2a"}
+    TrainConfig(**ulysses, ulysses_head_chunks=2)
+    with pytest.raises(MemoError, match="needs --cp > 1 and --cp-comm a2a"):
+        TrainConfig(engine="fsdp2", model="llama-tiny", ulysses_head_chunks=2)
+    with pytest.raises(MemoError, match="needs --cp > 1 and --cp-comm a2a"):
+        TrainConfig(engine="megatron", model="llama-tiny", context_parallel=2, ulysses_head_chunks=2)
+    with pytest.raises(MemoError, match="runs under --engine fsdp2.*not with --engine megatron"):
+        TrainConfig(**{**ulysses, "engine": "megatron"}, ulysses_head_chunks=2)
+    with pytest.raises(MemoError, match="not with --hf-config"):
+        TrainConfig(**ulysses, hf_config=json.dumps(HF_LLAMA), ulysses_head_chunks=2)
+    with pytest.raises(MemoError, match="a chunk of 1 query heads.*legal counts: 1, 2"):
+        TrainConfig(**ulysses, ulysses_head_chunks=4)

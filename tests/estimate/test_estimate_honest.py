@@ -146,10 +146,13 @@ def test_fit_limit_is_below_the_device() -> None:
         Estimator("gpt-mini", machine=Machine(device_mem_gb=1.0), fit_limit_bytes=int(2 * GiB))
 
 
-def test_head_chunked_ulysses_is_a_labelled_what_if(tmp_path: Path) -> None:
-    # NOTE [Head-chunked Ulysses, a what-if]: chunks of whole key/value head groups, each one Ulysses can
-    # share; the estimate holds less and says it is not runnable.
-    from memo.estimate.meta_ulysses import head_chunk_slices
+def test_head_chunks_are_estimated_as_memo_train_runs_them(tmp_path: Path) -> None:
+    # NOTE [Head chunks in an estimate]: chunks of whole key/value head groups (or of equal parts of one),
+    # each one Ulysses can share; the estimate holds less, records the count and launches it.
+    import dataclasses
+
+    from memo.estimate import launch_command
+    from memo.models.ulysses_attention import head_chunk_slices
 
     assert head_chunk_slices(32, 8, 8, 4) == [(slice(8 * j, 8 * j + 8), slice(2 * j, 2 * j + 2))
                                               for j in range(4)]
@@ -158,9 +161,41 @@ def test_head_chunked_ulysses_is_a_labelled_what_if(tmp_path: Path) -> None:
     model, seq = _llama(tmp_path), 8192
     ulysses = Layout(2, cp=2, cp_comm="a2a", sharding="full-offload")
     machine = Machine(device_mem_gb=1.0, host_mem_gb=64)
-    whole = Estimator(model, dtype="float32", machine=machine).estimate(seq, ulysses, "offloaded-checkpoint")
-    chunked = Estimator(model, dtype="float32", machine=machine, what_if_head_chunks=2).estimate(
-        seq, ulysses, "offloaded-checkpoint")
+    est = Estimator(model, dtype="float32", machine=machine)
+    whole = est.estimate(seq, ulysses, "offloaded-checkpoint")
+    chunked = est.estimate(seq, dataclasses.replace(ulysses, head_chunks=2), "offloaded-checkpoint")
     assert chunked.total_bytes < whole.total_bytes
-    assert any(n.startswith("NOT RUNNABLE") for n in chunked.notes)
-    assert not any(n.startswith("NOT RUNNABLE") for n in whole.notes)
+    assert any("--ulysses-head-chunks 2" in n for n in chunked.notes)
+    assert not any("--ulysses-head-chunks" in n for n in whole.notes)
+    assert chunked.to_dict()["head_chunks"] == 2 and whole.to_dict()["head_chunks"] is None
+    command = launch_command(est, chunked.layout, seq, "offloaded-checkpoint")
+    assert "--cp-comm a2a --ulysses-head-chunks 2 " in command
+    assert "--ulysses-head-chunks" not in launch_command(est, ulysses, seq, "offloaded-checkpoint")
+    with pytest.raises(MemoError, match=r"do not split into 4 chunks \(legal counts: 1, 2\)"):
+        est.estimate(seq, dataclasses.replace(ulysses, head_chunks=4), "offloaded-checkpoint")
+    with pytest.raises(MemoError, match="head chunks are Ulysses'"):
+        Layout(2, cp=2, head_chunks=2)
+    with pytest.raises(MemoError, match="megatron runs Ulysses over its default chunks"):
+        est.estimate(seq, Layout(2, cp=2, cp_comm="a2a", head_chunks=2), "offloaded-checkpoint")
+
+
+def test_the_search_tries_memos_ulysses_layouts_at_the_finest_head_chunks(tmp_path: Path) -> None:
+    # NOTE [Head chunks in the search]: memo's plans try the finest count beside the default; the default
+    # ranks first where both fit, the peers and the formula keep the default only.
+    from memo.estimate import longest_sequences
+    from memo.estimate.search import with_head_chunks
+
+    model = _llama(tmp_path)
+    est = Estimator(model, dtype="float32", machine=Machine(device_mem_gb=1.0, host_mem_gb=64))
+    ulysses = Layout(2, cp=2, cp_comm="a2a", sharding="full-offload")
+    finer = Layout(2, cp=2, cp_comm="a2a", sharding="full-offload", head_chunks=2)
+    assert with_head_chunks(est, [ulysses], "memo") == [ulysses, finer]
+    assert with_head_chunks(est, [ulysses], "offloaded-checkpoint") == [ulysses]
+    assert with_head_chunks(Estimator(model, method="formula"), [ulysses], "memo") == [ulysses]
+    (found,) = longest_sequences(est, [ulysses], ("memo",), 4096, 1 << 20)
+    rows = {r["layout"].head_chunks: r for r in found["layouts"]}
+    assert set(rows) == {None, 2}
+    best = found["best"]
+    assert best["longest"] == max(r["longest"] for r in rows.values())
+    if rows[2]["longest"] <= rows[None]["longest"]:
+        assert best["layout"].head_chunks is None

@@ -39,6 +39,9 @@ FAMILIES: dict[str, tuple[str, frozenset[str]]] = {
     "fsdp2": ("fsdp2", frozenset()),
     "fsdp2-cp-a2a-offload": ("fsdp2", frozenset({"cp-a2a", "offload"})),
 }
+#: And one a search of memo's plans adds (NOTE [Head chunks in the search]): Ulysses over the finest
+#: count of head chunks, "head-chunks" among its features (``--ulysses-head-chunks``).
+HEAD_CHUNKS_FAMILY = ("fsdp2-cp-a2a-head-chunks", ("fsdp2", frozenset({"cp-a2a", "head-chunks"})))
 
 
 def _features(lay: dict[str, Any]) -> frozenset[str]:
@@ -51,6 +54,8 @@ def _features(lay: dict[str, Any]) -> frozenset[str]:
         out.add(f"cp-{lay['cp_comm']}")
     if lay["sharding"] == "full-offload":
         out.add("offload")
+    if lay.get("head_chunks") is not None:
+        out.add("head-chunks")
     return frozenset(out)
 
 
@@ -295,7 +300,7 @@ def searched_commands() -> dict[str, str]:
                      "--strategy", "memo", "--device-mem-gb", "1", "--host-mem-gb", "8", "--json"]) == 0
     rows = json.loads(buf.getvalue())["layouts"]
     out = {}
-    for name, family in FAMILIES.items():
+    for name, family in [*FAMILIES.items(), HEAD_CHUNKS_FAMILY]:
         fits = [r for r in rows if (r["engine"], _features(r)) == family]
         assert fits, name
         out[name] = min(fits, key=lambda r: (r["dp"], r["rank"]))["command"]
@@ -354,3 +359,11 @@ def test_the_printed_command_trains(family: str, trained: dict[str, list[dict[st
     from tests import dist_harness
 
     dist_harness.assert_passed(trained, family, 2)
+
+
+def test_the_printed_command_with_head_chunks_trains(trained: dict[str, list[dict[str, Any]]]) -> None:
+    """The search's Ulysses row at the finest head chunks: its printed command, with
+    ``--ulysses-head-chunks``, scaled down likewise, trains a step on every rank."""
+    from tests import dist_harness
+
+    dist_harness.assert_passed(trained, HEAD_CHUNKS_FAMILY[0], 2)

@@ -21,8 +21,11 @@ from memo.errors import MemoError
 from memo.models.causal_attention import attention_backward, attention_forward
 from memo.models.cp_attention import load_balanced_chunks
 from memo.models.ulysses_attention import (
+    finest_head_chunks,
+    head_chunk_slices,
     head_chunks,
     kv_replicas,
+    legal_head_chunks,
     ulysses_backward,
     ulysses_chunked_backward,
     ulysses_chunked_forward,
@@ -172,3 +175,75 @@ def test_chunks_of_heads_give_the_same_attention(contiguous: bool, size: int, n:
             assert got.shape == want[rows].shape and _err(got, want[rows]) < 1e-12
 
     _on_ranks(size, rank)
+
+
+@pytest.mark.parametrize("contiguous", [False, True])
+@pytest.mark.parametrize("size,n,n_kv,chunks", [
+    (2, 8, 2, 2),  # GQA, default 1 chunk: each chunk one key/value head, its 4 query heads
+    (2, 8, 2, 4),  # GQA, chunks inside a key/value group: every key/value head sent by two chunks
+    (4, 8, 2, 2),  # fewer key/value heads than ranks: replicated within each chunk
+    (2, 8, 8, 2),  # MHA, coarser than the default 4 (its finest: one query head per rank per chunk)
+    (2, 8, 8, 1),  # MHA, all heads at once
+    (2, 4, 1, 2),  # multi-query: the one key/value head sent by every chunk
+])
+def test_any_legal_count_of_chunks_gives_the_same_attention(
+        contiguous: bool, size: int, n: int, n_kv: int, chunks: int) -> None:
+    """NOTE [Ulysses over chunks of heads]: counts other than the default, finer ones splitting the query
+    heads below one key/value head per rank, fp32."""
+    assert chunks != head_chunks(n, n_kv, size) and chunks in legal_head_chunks(n, n_kv, size)
+    torch.manual_seed(chunks * 10 + n + n_kv)
+    s, b, d = 2 * size * 3, 2, 8
+    q = torch.randn(s, b, n, d)
+    k, v = (torch.randn(s, b, n_kv, d) for _ in range(2))
+    o_ref, lse_ref = attention_forward(q, k, v)
+    grad_o = torch.randn_like(o_ref)
+    refs = attention_backward(grad_o, q, k, v, o_ref, lse_ref)
+
+    def rank(r: int, exchange: Callable) -> None:
+        local = s // size
+        rows = torch.arange(r * local, (r + 1) * local) if contiguous else _rows(s, size, r)
+        o, lse = ulysses_chunked_forward(q[rows], k[rows], v[rows], size, exchange, contiguous, chunks)
+        assert _err(o, o_ref[rows]) < 1e-5 and _err(lse, lse_ref[..., rows]) < 1e-5
+        grads = ulysses_chunked_backward(grad_o[rows], q[rows], k[rows], v[rows], o, lse, size, exchange,
+                                         contiguous, chunks)
+        for got, want in zip(grads, refs, strict=True):
+            assert got.shape == want[rows].shape and got.dtype == want.dtype and _err(got, want[rows]) < 1e-5
+
+    _on_ranks(size, rank)
+
+
+def test_shared_key_value_gradients_sum_in_float32_for_bfloat16() -> None:
+    torch.manual_seed(1)
+    size, s, b, n, n_kv, d, chunks = 2, 16, 1, 8, 2, 8, 4  # every key/value head sent by 2 chunks
+    q = torch.randn(s, b, n, d, dtype=torch.bfloat16)
+    k, v = (torch.randn(s, b, n_kv, d, dtype=torch.bfloat16) for _ in range(2))
+    ref = [t.float() for t in (q, k, v)]
+    o_ref, lse_ref = attention_forward(*ref)
+    dq_ref, dk_ref, dv_ref = attention_backward(torch.ones_like(o_ref), *ref, o_ref, lse_ref)
+
+    def rank(r: int, exchange: Callable) -> None:
+        rows = _rows(s, size, r)
+        o, lse = ulysses_chunked_forward(q[rows], k[rows], v[rows], size, exchange, False, chunks)
+        dq, dk, dv = ulysses_chunked_backward(torch.ones_like(o), q[rows], k[rows], v[rows], o, lse, size,
+                                              exchange, False, chunks)
+        assert o.dtype == dk.dtype == dv.dtype == torch.bfloat16
+        assert _err(o, o_ref[rows]) < 1e-2 and _err(dk, dk_ref[rows]) < 3e-2 and _err(dv, dv_ref[rows]) < 3e-2
+
+    _on_ranks(size, rank)
+
+
+def test_chunk_counts_the_heads_cannot_split_into_are_refused() -> None:
+    # Llama-3.1-8B's heads at CP 8: 1, 2 or 4 chunks (4: one query head per rank, 2 key/value heads each)
+    assert legal_head_chunks(32, 8, 8) == [1, 2, 4] and finest_head_chunks(32, 8, 8) == 4
+    assert head_chunk_slices(32, 8, 8, 4)[1] == (slice(8, 16), slice(2, 4))
+    assert finest_head_chunks(32, 8, 2) == 16 and finest_head_chunks(4, 4, 2) == 2
+    with pytest.raises(MemoError, match="8 chunks of heads: a chunk of 4 query heads: 4 query heads "
+                                        "cannot be split over 8.*legal counts: 1, 2, 4"):
+        head_chunk_slices(32, 8, 8, 8)
+    with pytest.raises(MemoError, match="8 query heads do not split into 3 chunks.*legal counts: 1, 2, 4"):
+        head_chunk_slices(8, 2, 2, 3)
+    with pytest.raises(MemoError, match="positive integer, got 0"):
+        head_chunk_slices(8, 2, 2, 0)
+    q, kv = torch.randn(4, 1, 8, 8), torch.randn(4, 1, 2, 8)
+    with pytest.raises(MemoError, match="do not split into 3 chunks"):
+        ulysses_chunked_forward(q, kv, kv, 2, lambda t: t, True, 3)

@@ -132,6 +132,9 @@ def test_bad_flags_are_refused(flags: list[str], needle: str, capsys: pytest.Cap
         (["--strategy", "full-recompute", "--plan", "p.json"], "apply to --strategy memo only"),
         (["--plan", "p.json", "--alpha", "0.5"], "not both"),
         (["--compare", "nothing.json"], "does not exist; write one with `memo train --report`"),
+        (["--ulysses-head-chunks", "2"], "needs --cp > 1 and --cp-comm a2a"),
+        (["--engine", "fsdp2", "--cp", "2", "--cp-comm", "a2a", "--model", "llama-tiny",
+          "--ulysses-head-chunks", "3"], "do not split into 3 chunks"),
     ],
 )
 def test_bad_flag_combinations_are_refused(flags: list[str], needle: str,
