@@ -567,7 +567,7 @@ def _plot(args: argparse.Namespace, est: Estimator, out: dict[str, Any]) -> None
     """Per strategy, the total at lengths around what was asked, on the layout asked (or, after a
     longest-sequence search, each strategy's best layout)."""
     from memo.estimate import Layout
-    from memo.estimate.plot import plot_memory
+    from memo.estimate.plot import lengths_to_plot, plot_memory
 
     series = []
     if out["kind"] == "memo.estimate.longest":
@@ -579,7 +579,7 @@ def _plot(args: argparse.Namespace, est: Estimator, out: dict[str, Any]) -> None
         top = 2 * args.seq_len
         pairs = [(s, _layout(args)) for s in est.strategies()]
     g = args.granularity if args.max_seq else None
-    lengths = _plot_lengths(top, g, pairs, est)
+    lengths = lengths_to_plot(top, g, [layout for _, layout in pairs])
     for strategy, layout in pairs:
         points = []
         for n in lengths:
@@ -594,18 +594,3 @@ def _plot(args: argparse.Namespace, est: Estimator, out: dict[str, Any]) -> None
              + ("" if out["kind"] == "memo.estimate.longest" else f", {_layout(args).describe()}"))
     limit = est.machine.limit_bytes if est.fit_limit_bytes is None else est.fit_limit_bytes
     plot_memory(series, int(args.device_mem_gb * 1e9), limit, title, args.plot)
-
-
-def _plot_lengths(top: int, granularity: int | None, pairs: list[tuple[str, Layout]],
-                  est: Estimator) -> list[int]:
-    """Eight lengths, doubling up to ``top`` (rounded up), each valid for every layout drawn."""
-    from memo.token_split import token_multiple
-
-    step = math.lcm(*(token_multiple(lay.tp, lay.cp) for _, lay in pairs)) if pairs else 1
-    if granularity:
-        step = math.lcm(step, granularity)
-    lengths, n = [], max(step, (top >> 7) // step * step)
-    while n < 2 * top and len(lengths) < 9:
-        lengths.append(n)
-        n = -(-2 * n // step) * step
-    return lengths or [step]

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import TYPE_CHECKING, Any
 
+from memo.token_split import token_multiple
 from memo.units import GiB
+
+if TYPE_CHECKING:
+    from memo.estimate.layout import Layout
 
 __all__ = ["plot_memory"]
 
@@ -49,3 +54,15 @@ def plot_memory(series: list[dict[str, Any]], device_bytes: int, limit_bytes: in
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def lengths_to_plot(top: int, granularity: int | None, layouts: list[Layout]) -> list[int]:
+    """Eight lengths, doubling up to ``top`` (rounded up), each valid for every layout drawn."""
+    step = math.lcm(*(token_multiple(lay.tp, lay.cp) for lay in layouts)) if layouts else 1
+    if granularity:
+        step = math.lcm(step, granularity)
+    lengths, n = [], max(step, (top >> 7) // step * step)
+    while n < 2 * top and len(lengths) < 9:
+        lengths.append(n)
+        n = -(-2 * n // step) * step
+    return lengths or [step]
