@@ -109,14 +109,20 @@ def test_every_rank_gets_its_rows_of_causal_attention(size: int, n: int, n_kv: i
     _on_ranks(size, rank)
 
 
-def test_bfloat16_keeps_the_dtypes_and_sums_replicas_in_float32() -> None:
-    torch.manual_seed(0)
-    size, s, b, n, n_kv, d = 4, 16, 1, 4, 1, 8
+def _bfloat16_case(s: int, b: int, n: int, n_kv: int, d: int) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """bfloat16 q, k, v and the float32 reference: o, lse and (grad_o = 1) dq, dk, dv."""
     q = torch.randn(s, b, n, d, dtype=torch.bfloat16)
     k, v = (torch.randn(s, b, n_kv, d, dtype=torch.bfloat16) for _ in range(2))
     ref = [t.float() for t in (q, k, v)]
     o_ref, lse_ref = attention_forward(*ref)
-    dq_ref, dk_ref, dv_ref = attention_backward(torch.ones_like(o_ref), *ref, o_ref, lse_ref)
+    return q, k, v, (o_ref, lse_ref, *attention_backward(torch.ones_like(o_ref), *ref, o_ref, lse_ref))
+
+
+def test_bfloat16_keeps_the_dtypes_and_sums_replicas_in_float32() -> None:
+    torch.manual_seed(0)
+    size, s, b, n, n_kv, d = 4, 16, 1, 4, 1, 8
+    q, k, v, (o_ref, lse_ref, dq_ref, dk_ref, dv_ref) = _bfloat16_case(s, b, n, n_kv, d)
 
     def rank(r: int, exchange: Callable) -> None:
         rows = _rows(s, size, r)
@@ -215,11 +221,7 @@ def test_any_legal_count_of_chunks_gives_the_same_attention(
 def test_shared_key_value_gradients_sum_in_float32_for_bfloat16() -> None:
     torch.manual_seed(1)
     size, s, b, n, n_kv, d, chunks = 2, 16, 1, 8, 2, 8, 4  # every key/value head sent by 2 chunks
-    q = torch.randn(s, b, n, d, dtype=torch.bfloat16)
-    k, v = (torch.randn(s, b, n_kv, d, dtype=torch.bfloat16) for _ in range(2))
-    ref = [t.float() for t in (q, k, v)]
-    o_ref, lse_ref = attention_forward(*ref)
-    dq_ref, dk_ref, dv_ref = attention_backward(torch.ones_like(o_ref), *ref, o_ref, lse_ref)
+    q, k, v, (o_ref, lse_ref, dq_ref, dk_ref, dv_ref) = _bfloat16_case(s, b, n, n_kv, d)
 
     def rank(r: int, exchange: Callable) -> None:
         rows = _rows(s, size, r)
