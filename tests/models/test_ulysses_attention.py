@@ -150,6 +150,30 @@ def test_heads_the_ranks_cannot_share_and_odd_local_lengths_are_refused() -> Non
         ulysses_forward(q, q, q, 2, lambda t: t)
 
 
+def _chunked_matches_whole(size: int, n: int, n_kv: int, contiguous: bool, chunks: int | None,
+                           dtype: torch.dtype, tol: float) -> None:
+    """Each rank's chunked Ulysses forward and backward (``chunks`` None: the default count) equal its
+    rows of causal attention over the whole sequence, within ``tol``."""
+    s, b, d = 2 * size * 3, 2, 8
+    q = torch.randn(s, b, n, d, dtype=dtype)
+    k, v = (torch.randn(s, b, n_kv, d, dtype=dtype) for _ in range(2))
+    o_ref, lse_ref = attention_forward(q, k, v)
+    grad_o = torch.randn_like(o_ref)
+    refs = attention_backward(grad_o, q, k, v, o_ref, lse_ref)
+
+    def rank(r: int, exchange: Callable) -> None:
+        local = s // size
+        rows = torch.arange(r * local, (r + 1) * local) if contiguous else _rows(s, size, r)
+        o, lse = ulysses_chunked_forward(q[rows], k[rows], v[rows], size, exchange, contiguous, chunks)
+        assert _err(o, o_ref[rows]) < tol and _err(lse, lse_ref[..., rows]) < tol
+        grads = ulysses_chunked_backward(grad_o[rows], q[rows], k[rows], v[rows], o, lse, size, exchange,
+                                         contiguous, chunks)
+        for got, want in zip(grads, refs, strict=True):
+            assert got.shape == want[rows].shape and got.dtype == want.dtype and _err(got, want[rows]) < tol
+
+    _on_ranks(size, rank)
+
+
 @pytest.mark.parametrize("contiguous", [False, True])
 @pytest.mark.parametrize("size,n,n_kv,chunks", [
     (2, 8, 4, 2),  # each rank receives 2 key/value heads: 2 chunks of 4 query heads
@@ -163,24 +187,7 @@ def test_chunks_of_heads_give_the_same_attention(contiguous: bool, size: int, n:
     [Contiguous Ulysses]), is causal attention over the whole sequence, every rank its rows."""
     assert head_chunks(n, n_kv, size) == chunks
     torch.manual_seed(chunks * 10 + n)
-    s, b, d = 2 * size * 3, 2, 8
-    q = torch.randn(s, b, n, d, dtype=torch.float64)
-    k, v = (torch.randn(s, b, n_kv, d, dtype=torch.float64) for _ in range(2))
-    o_ref, lse_ref = attention_forward(q, k, v)
-    grad_o = torch.randn_like(o_ref)
-    refs = attention_backward(grad_o, q, k, v, o_ref, lse_ref)
-
-    def rank(r: int, exchange: Callable) -> None:
-        local = s // size
-        rows = torch.arange(r * local, (r + 1) * local) if contiguous else _rows(s, size, r)
-        o, lse = ulysses_chunked_forward(q[rows], k[rows], v[rows], size, exchange, contiguous)
-        assert _err(o, o_ref[rows]) < 1e-12 and _err(lse, lse_ref[..., rows]) < 1e-12
-        grads = ulysses_chunked_backward(grad_o[rows], q[rows], k[rows], v[rows], o, lse, size, exchange,
-                                         contiguous)
-        for got, want in zip(grads, refs, strict=True):
-            assert got.shape == want[rows].shape and _err(got, want[rows]) < 1e-12
-
-    _on_ranks(size, rank)
+    _chunked_matches_whole(size, n, n_kv, contiguous, None, torch.float64, 1e-12)
 
 
 @pytest.mark.parametrize("contiguous", [False, True])
@@ -198,24 +205,7 @@ def test_any_legal_count_of_chunks_gives_the_same_attention(
     heads below one key/value head per rank, fp32."""
     assert chunks != head_chunks(n, n_kv, size) and chunks in legal_head_chunks(n, n_kv, size)
     torch.manual_seed(chunks * 10 + n + n_kv)
-    s, b, d = 2 * size * 3, 2, 8
-    q = torch.randn(s, b, n, d)
-    k, v = (torch.randn(s, b, n_kv, d) for _ in range(2))
-    o_ref, lse_ref = attention_forward(q, k, v)
-    grad_o = torch.randn_like(o_ref)
-    refs = attention_backward(grad_o, q, k, v, o_ref, lse_ref)
-
-    def rank(r: int, exchange: Callable) -> None:
-        local = s // size
-        rows = torch.arange(r * local, (r + 1) * local) if contiguous else _rows(s, size, r)
-        o, lse = ulysses_chunked_forward(q[rows], k[rows], v[rows], size, exchange, contiguous, chunks)
-        assert _err(o, o_ref[rows]) < 1e-5 and _err(lse, lse_ref[..., rows]) < 1e-5
-        grads = ulysses_chunked_backward(grad_o[rows], q[rows], k[rows], v[rows], o, lse, size, exchange,
-                                         contiguous, chunks)
-        for got, want in zip(grads, refs, strict=True):
-            assert got.shape == want[rows].shape and got.dtype == want.dtype and _err(got, want[rows]) < 1e-5
-
-    _on_ranks(size, rank)
+    _chunked_matches_whole(size, n, n_kv, contiguous, chunks, torch.float32, 1e-5)
 
 
 def test_shared_key_value_gradients_sum_in_float32_for_bfloat16() -> None:
