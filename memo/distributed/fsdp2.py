@@ -186,9 +186,11 @@ class FSDP2Run(ParallelRun):
     each group of ``cp`` consecutive ranks (NOTE [FSDP2 x Ulysses]); no megatron state."""
 
     def __init__(self, layout: ParallelLayout, launch: LaunchEnv, device: torch.device,
-                 offload_states: bool = False) -> None:
+                 offload_states: bool = False, head_chunks: int | None = None) -> None:
         super().__init__(layout, launch, device)
         self.offload_states = offload_states
+        #: Ulysses' chunks of heads (None: the default count; NOTE [Ulysses over chunks of heads]).
+        self.head_chunks = head_chunks
         cp = layout.context_parallel
         self.dp_rank, self.cp_rank = launch.rank // cp, launch.rank % cp
         self.mesh: DeviceMesh | None = None
@@ -197,12 +199,12 @@ class FSDP2Run(ParallelRun):
 
     @classmethod
     def start(cls, layout: ParallelLayout, launch: LaunchEnv, device: str, seed: int,
-              offload_states: bool = False) -> FSDP2Run:
+              offload_states: bool = False, head_chunks: int | None = None) -> FSDP2Run:
         """Join the process group (gloo on CPU, NCCL on CUDA; a group of one on a free port when no
         launcher made one), make the device mesh of all ranks FSDP2 shards over and, with context
         parallelism, the (DP, CP) mesh whose CP groups run Ulysses; ``layout`` was checked by
         :func:`memo.distributed.layout.check_layout`. ``seed`` is the caller's."""
-        run = cls(layout, launch, rank_device(device, launch), offload_states)
+        run = cls(layout, launch, rank_device(device, launch), offload_states, head_chunks)
         run._owns_group = join_process_group(launch, run.device)
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -232,7 +234,7 @@ class FSDP2Run(ParallelRun):
         if self.cp_group is not None:
             from memo.distributed.ulysses import shard_sequence
 
-            shard_sequence(model, self.cp_group)
+            shard_sequence(model, self.cp_group, self.head_chunks)
         self.root = shard_model(model, self.mesh, self.offload_states, self.device)
         if self.device.type == "cpu":
             _bind_gathers_to_memo(self.root)

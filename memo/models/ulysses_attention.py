@@ -389,7 +389,7 @@ class SequenceShard:
     Set on memo's reference modules (``sequence_shard``) by :func:`memo.distributed.ulysses.
     shard_sequence`; a plain attribute, so the state dict does not change. ``head_chunks``: the chunks
     of heads its attention runs over (None: :func:`head_chunks`; NOTE [Ulysses over chunks of heads]),
-    set by :func:`memo.distributed.ulysses.chunk_heads`."""
+    set by :func:`memo.distributed.ulysses.shard_sequence`."""
 
     def __init__(self, group: Any, head_chunks: int | None = None) -> None:
         self.group = group

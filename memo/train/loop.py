@@ -225,11 +225,7 @@ def train(
         batches = iter(token_source(config, model_config))
         optimizer = None
         if parallel is not None:
-            parallel.wrap(model)
-            if config.ulysses_head_chunks is not None:  # NOTE [Ulysses over chunks of heads]
-                from memo.distributed.ulysses import chunk_heads
-
-                chunk_heads(model, config.ulysses_head_chunks)
+            parallel.wrap(model)  # with --ulysses-head-chunks (NOTE [Ulysses over chunks of heads])
             batches = _Sharded(batches, parallel)
             # before the profile: its plan counts the optimizer states this rank holds (NOTE [ZeRO-1
             # under megatron] in memo/train/optim.py)

@@ -43,7 +43,8 @@ def start_parallel(config: TrainConfig) -> ParallelRun | None:
         heads = _heads(config) if layout.context_parallel > 1 else (1, 1)  # Ulysses shares them out
         check_layout(layout, engine="fsdp2", n_heads=heads[0], n_query_groups=heads[1], vocab_size=1,
                      seq_len=config.seq_len, micro_batch=config.micro_batch)
-        return FSDP2Run.start(layout, launch, config.device, config.seed, config.offload_states)
+        return FSDP2Run.start(layout, launch, config.device, config.seed, config.offload_states,
+                              config.ulysses_head_chunks)
     megatron = config.engine == "megatron" and config.hf_config is None
     if layout.world == 1 and not layout.sequence_parallel and not (launch.launched and megatron):
         # One process (megatron's world of one: memo/engines.py). Under torchrun a

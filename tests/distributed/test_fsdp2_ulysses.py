@@ -47,13 +47,13 @@ def _reference(style: str) -> torch.nn.Module:
     return _hf_model() if style == "hf-llama" else small_model(style, n_layers=2, seed=0)
 
 
-def _run(rank: int, world: int, cp: int, offload: bool) -> Any:
+def _run(rank: int, world: int, cp: int, offload: bool, head_chunks: int | None = None) -> Any:
     from memo.distributed.fsdp2 import FSDP2Run
     from memo.distributed.layout import LaunchEnv, ParallelLayout
 
     layout = ParallelLayout(context_parallel=cp, data_parallel=world // cp, cp_comm="a2a")
     launch = LaunchEnv(rank=rank, world_size=world, local_rank=rank, local_world_size=world, launched=True)
-    return FSDP2Run.start(layout, launch, "cpu", seed=0, offload_states=offload)
+    return FSDP2Run.start(layout, launch, "cpu", seed=0, offload_states=offload, head_chunks=head_chunks)
 
 
 def _gradient_case(style: str, wrapped: bool, offload: bool, rank: int, world: int, cp: int,
@@ -70,12 +70,9 @@ def _gradient_case(style: str, wrapped: bool, offload: bool, rank: int, world: i
     labels[1, SEQ - 20:] = -100  # padding at the end: one rank's row counts fewer tokens
     want = model_adapter_for(ref, "test").loss(ref, ids, labels)
     want.backward()
-    run = _run(rank, world, cp, offload)
+    run = _run(rank, world, cp, offload, head_chunks)
     run.wrap(model)
     if head_chunks is not None:
-        from memo.distributed.ulysses import chunk_heads
-
-        chunk_heads(model, head_chunks)
         assert model.embedding.sequence_shard.head_chunks == head_chunks
     n = len(model_adapter_for(model, "test").parts(model).layers)
     if wrapped:
