@@ -62,14 +62,11 @@ from memo.profiler.record import Recording, meta_copy, model_parts
 from memo.profiler.stats import summarise_layers
 
 # The steps, one module each by what it does. Pass 1 calls the recorder through this module's
-# ``_record``, and the allocator recorder is reachable as ``_record_allocator``, so that a test can watch
-# and call them (tests/allocator/test_cuda_path.py).
+# ``record_pass``, so that a test can watch it (tests/allocator/test_cuda_path.py).
 from .addresses import plan_addresses
 from .device import FALLBACK_HEADROOM, FALLBACK_SEGMENT_BYTES, iteration_total, usable_device_bytes
 from .job import ProfileJob, ProfileState, ResolvedRequest, build_profile_model, example_batch
-from .passes import check_allocator_device, pass2, time_first_layer
-from .passes import record_allocator as _record_allocator  # noqa: F401  (the test above calls it)
-from .passes import record_pass as _record
+from .passes import check_allocator_device, pass2, record_pass, time_first_layer
 from .policy import choose_profile_policy
 from .request import ProfileRequest
 from .result import ProfileResult
@@ -396,7 +393,7 @@ def _pass1(job: ProfileJob, given: nn.Module | None, optimizer_states: str
     try:
         ids, labels = job.inputs() if sizing is given else example_batch(sizing, req.seq_len, req.micro_batch,
                                                                          sized_on)
-        plain = _record(sizing, ids, labels, req.progress, "pass 1 (plain model)", st.meta)
+        plain = record_pass(sizing, ids, labels, req.progress, "pass 1 (plain model)", st.meta)
     except (NotImplementedError, RuntimeError) as err:
         if given is None or req.device.type == "meta" or sizing is given:
             raise
@@ -406,7 +403,7 @@ def _pass1(job: ProfileJob, given: nn.Module | None, optimizer_states: str
         st.notes.append(f"pass 1 ran on {req.device.type}, not meta: the model cannot run on meta "
                          f"({reason})")
         sized_on, sizing = req.device, given
-        plain = _record(sizing, *job.inputs(), req.progress, "pass 1 (plain model)", st.meta)
+        plain = record_pass(sizing, *job.inputs(), req.progress, "pass 1 (plain model)", st.meta)
     states = model_states(sizing, optimizer_states, req.device)
     layers = model_parts(sizing).layers
     layer_params = sum(p.numel() for p in layers[0].parameters()) if layers else 0

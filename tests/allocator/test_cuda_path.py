@@ -19,6 +19,7 @@ import memo.allocator as allocator
 import memo.allocator._backends as backends
 import memo.models.causal_attention as attn
 from memo.models import build_model
+from memo.pipeline.passes import record_allocator
 from memo.train.plan_checks import TrainRun
 
 ATEN = torch.ops.aten
@@ -173,13 +174,13 @@ def test_pass1_of_a_given_model_runs_on_meta(monkeypatch) -> None:
     model = build_model("tiny", dtype=torch.float32)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     devices: list[str] = []
-    real_record = pipeline._record
+    real_record = pipeline.record_pass
 
     def spy(net, ids, labels, *args, **kwargs):
         devices.append(next(net.parameters()).device.type)
         return real_record(net, ids, labels, *args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "_record", spy)
+    monkeypatch.setattr(pipeline, "record_pass", spy)
     result = pipeline.profile(model, 128, 1, device="cpu", bandwidth_gbps=10, layer_ms=1.0, host_mem_gb=8,
                               plan=False, wrap_pass=False)
     assert devices == ["meta"]
@@ -236,7 +237,6 @@ def test_backend_for_cuda_without_index_is_the_current_device(monkeypatch) -> No
 # 9. The allocator trace is logged after one warm-up iteration ---------------------------------
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_allocator_trace_follows_a_warm_up_iteration(monkeypatch) -> None:
-    from memo import pipeline
 
     model = build_model("tiny", dtype=torch.float32)
     forwards: list[str] = []
@@ -253,7 +253,7 @@ def test_allocator_trace_follows_a_warm_up_iteration(monkeypatch) -> None:
 
     monkeypatch.setattr(allocator, "logging", spy_logging)
     ids = torch.randint(0, 256, (1, 64))
-    trace = pipeline._record_allocator(model, ids, ids, {"model": "tiny"})
+    trace = record_allocator(model, ids, ids, {"model": "tiny"})
     assert forwards == ["warm-up", "logged"]
     assert all(p.grad is None for p in model.parameters())  # the profile leaves no gradients behind
     mallocs = [e for e in trace["events"] if e["op"] == "malloc" and "phase" in e]
