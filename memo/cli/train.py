@@ -81,8 +81,8 @@ def _checked_inputs(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     _check_paths(args)
     if args.data and not os.path.isfile(args.data) and indexed_prefix(args.data) is None:
-        raise MemoError(f"memo train: --data {args.data!r} is neither a file nor a megatron indexed "
-                        "dataset's prefix; give a FILE.jsonl (with --tokenizer), the PREFIX of "
+        raise MemoError(f"memo train: --data {args.data!r} is not a file (nor a megatron indexed "
+                        "dataset's prefix); give a FILE.jsonl (with --tokenizer), the PREFIX of "
                         "PREFIX.bin/.idx, or a file to train on its bytes, or leave --data out for synthetic "
                         "tokens")
     for path, flag in ((args.report, "--report"), (args.plot, "--plot")):

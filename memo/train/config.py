@@ -139,8 +139,8 @@ class TrainConfig:
             raise MemoError(f"memo.train: --data {self.data} is a JSONL corpus; add --tokenizer DIR (the "
                             "directory of the model's Hugging Face tokenizer)")
         if self.tokenizer is not None and kind != "jsonl":
-            raise MemoError(f"memo.train: --tokenizer tokenizes a JSONL corpus (--data FILE.jsonl); --data "
-                            f"{self.data} is {'not given' if kind is None else f'{kind} data'}")
+            given = "no --data is given" if kind is None else f"--data {self.data} is {kind} data"
+            raise MemoError(f"memo.train: --tokenizer tokenizes a JSONL corpus (--data FILE.jsonl); {given}")
         if not self.text_field:
             raise MemoError("memo.train: --text-field must name a JSON field, got an empty string")
         if kind not in ("jsonl", "indexed"):

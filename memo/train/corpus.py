@@ -28,6 +28,7 @@ token), so a restored source yields the batches the uninterrupted one would.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -208,7 +209,9 @@ class IndexedDocuments:
         if prefix is None:
             raise MemoError(f"{_WHERE}: --data {path}: no megatron indexed dataset there (PREFIX.bin and "
                             "PREFIX.idx); give its prefix")
-        from megatron.core.datasets.indexed_dataset import IndexedDataset
+        with warnings.catch_warnings():  # megatron-core's import warns of optional GPU libraries
+            warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+            from megatron.core.datasets.indexed_dataset import IndexedDataset
 
         try:
             self._data = IndexedDataset(prefix, multimodal=False, mmap=True)
