@@ -20,9 +20,10 @@ tokens keep their true positions, and the continuation attends only to its own r
 independent sequences), like the first rows of a sliding window. Rotary models see only relative
 positions within a row, so a continuation computes what a document starting there would, except that a
 position-dependent scaling (dynamic NTK, long-rope) sees the true position. The last label of such a
-row is the continuation's first token, so no target is lost between rows. Epochs follow each other
-without end; the source's :meth:`PackedDocuments.state_dict` is its exact position (epoch, document,
-token), so a restored source yields the batches the uninterrupted one would.
+row is the continuation's first token, so no target is lost between rows. A batch with no target
+at all (long prompts) is skipped, as its mean loss would be 0/0; every corpus holds a target. Epochs
+follow each other without end; the source's :meth:`PackedDocuments.state_dict` is its exact position
+(epoch, document, token), so a restored source yields the batches the uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -220,10 +221,11 @@ class IndexedDocuments:
                             f"({type(err).__name__}: {str(err).strip()[:200]}); rewrite it with megatron's "
                             "tools/preprocess_data.py") from None
         self.name, self.vocab_size = prefix, vocab_size
-        self._kept = [i for i, n in enumerate(self._data.sequence_lengths.tolist()) if n > 0]
-        if not self._kept:
-            raise MemoError(f"{_WHERE}: --data {path} holds no tokens; it has {len(self._data)} empty "
-                            "sequences")
+        lengths = self._data.sequence_lengths.tolist()
+        self._kept = [i for i, n in enumerate(lengths) if n > 0]
+        if max(lengths, default=0) < 2:
+            raise MemoError(f"{_WHERE}: --data {path} holds no token to learn: its {len(lengths)} sequences "
+                            "have fewer than 2 tokens each")
 
     def __len__(self) -> int:
         return len(self._kept)
@@ -286,8 +288,10 @@ class PackedDocuments:
         return self
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        rows = [self._row() for _ in range(self.micro_batch)]
-        return tuple(torch.stack(column) for column in zip(*rows, strict=True))  # type: ignore[return-value]
+        while True:  # a batch with no target (all prompt) is skipped: its mean loss would be 0/0
+            rows = [self._row() for _ in range(self.micro_batch)]
+            if any(bool((row[1] != IGNORE).any()) for row in rows):
+                return tuple(torch.stack(column) for column in zip(*rows, strict=True))  # type: ignore[return-value]
 
     def _identity(self) -> dict[str, int | str]:
         return {"kind": "packed", "documents": len(self.documents), "seq_len": self.seq_len,

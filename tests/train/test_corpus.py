@@ -103,6 +103,22 @@ def test_packing_keeps_document_boundaries() -> None:
     assert (positions.reshape(-1, 8)[:, 0] != 0).any()  # some row starts inside a document
 
 
+def test_a_batch_without_targets_is_skipped() -> None:
+    """A batch whose labels are all -100 (a long prompt) would have the mean loss 0/0: it is skipped."""
+    class Prompts(_Docs):
+        def document(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+            ids, labels = super().document(index)
+            return ids, (torch.full_like(ids, -100) if index == 0 else labels)
+
+    source = PackedDocuments(Prompts([12, 3]), seq_len=4, micro_batch=1, seed=0)
+    batches = [next(source) for _ in range(6)]
+    assert all((labels != -100).any() for _, labels, _ in batches)
+    plain = PackedDocuments(_Docs([12, 3]), seq_len=4, micro_batch=1, seed=0)
+    for _ in range(6):
+        next(plain)
+    assert source.state_dict() != plain.state_dict()  # rows of the prompt alone were left out
+
+
 def test_state_dict_restores_the_exact_position() -> None:
     """A source restored from another's state dict (JSON round trip) yields the batches the first one
     goes on to yield, across epoch boundaries; the same seed gives the same batches, another another."""
@@ -150,6 +166,12 @@ def test_indexed_dataset_through_megatron_s_reader(tmp_path: Path) -> None:
     with pytest.raises(MemoError, match="token id 14, outside the model's vocabulary") as err:
         IndexedDocuments(prefix, 14).document(2)
     assert "\n" not in str(err.value)
+    builder = IndexedDatasetBuilder(prefix + "1.bin", dtype=numpy.int32)
+    builder.add_item(torch.tensor([EOS]))
+    builder.end_document()
+    builder.finalize(prefix + "1.idx")
+    with pytest.raises(MemoError, match="holds no token to learn"):
+        IndexedDocuments(prefix + "1", VOCAB)
 
 
 BAD_LINES = [
