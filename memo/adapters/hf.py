@@ -175,6 +175,10 @@ _CACHE = ("past_key_values", "past_key_value", "layer_past")
 _REFUSED_IF_SET = {
     "use_cache": "use_cache=True (pass use_cache=False or set model.config.use_cache = False to train)",
     "output_attentions": "output_attentions=True (memo never forms the attention weights)",
+    "memo_document_positions": "packed documents under Ulysses context parallelism (memo's Ulysses "
+                               "kernels take no document mask; train packed data under --cp with --strategy "
+                               "none, or without --cp: NOTE [Packed documents under Ulysses] in "
+                               "memo/adapters/hf_ulysses.py)",
     **{name: f"{name} (flash-attention's packed-sequence arguments; use attn_implementation='sdpa' and "
              "position_ids or an attention mask)" for name in
        ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")},
@@ -380,7 +384,7 @@ class HFDecoderLayerAdapter(LayerAdapter[_Ctx]):
             elif name == "use_cache" and value and _cache_turned_off(None):
                 continue
             elif name in _REFUSED_IF_SET:
-                if value:
+                if isinstance(value, torch.Tensor) or value:
                     problems.append(_REFUSED_IF_SET[name])
             elif value is not None and value is not False:
                 problems.append(f"argument {name!r}, which memo does not know how to honour")

@@ -17,6 +17,15 @@ from memo.models.loss import IGNORE_INDEX
 __all__ = ["CausalLMAdapter"]
 
 
+def _transformers_version() -> str:
+    import transformers
+
+    return str(transformers.__version__)
+
+
+_TRANSFORMERS_MAJOR = int(_transformers_version().split(".")[0])
+
+
 class _ChunkedLossHead(nn.Module):
     """The LM head and mean cross-entropy of an HF causal LM, chunked over tokens so that the
     ``[b, s, V]`` logits never exist: ``(h [b, s, H] after the final norm, labels [b, s]) -> loss``.
@@ -53,6 +62,7 @@ class CausalLMAdapter(ModelAdapter):
     ``model.lm_head.weight`` (NOTE [Model adapters])."""
 
     name = "hf-causal-lm"
+    masks_documents = True  # transformers masks by position-id resets (NOTE [HF attention masks])
 
     def __init__(self) -> None:
         self._heads: weakref.WeakKeyDictionary[nn.Module, _ChunkedLossHead] = weakref.WeakKeyDictionary()
@@ -100,15 +110,23 @@ class CausalLMAdapter(ModelAdapter):
         ignore = torch.full_like(labels[:, :1], IGNORE_INDEX)
         return torch.cat([labels[:, 1:], ignore], dim=1)
 
-    def loss(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def loss(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor,
+             positions: torch.Tensor | None = None) -> torch.Tensor:
         """Mean next-token loss; ``labels[:, t]`` is the target of position t (already shifted, -100
-        ignored). Runs the base model (embedding, layers, final norm), then the chunked head."""
+        ignored). Runs the base model (embedding, layers, final norm), then the chunked head.
+        ``positions``: ``[b, s]`` position ids of packed documents, from which transformers 5.x builds
+        the block-causal mask of eager and sdpa attention (a position that does not follow its
+        predecessor starts a document; NOTE [HF attention masks] in memo/adapters/hf.py)."""
         if ids.device.type == "meta":
             raise MemoError(
                 f"memo.adapters.hf: {type(model).__name__} cannot run on the meta device: transformers "
                 "prepares its attention mask from tensor values (e.g. packed-sequence detection in "
                 "position_ids). Profile Hugging Face models on cpu or cuda")
-        out = model.model(input_ids=ids, use_cache=False)
+        if positions is not None and _TRANSFORMERS_MAJOR < 5:
+            raise MemoError(f"memo.adapters.hf: packed documents need transformers >= 5, which builds the "
+                            f"block-causal mask from position ids; this is {_transformers_version()}")
+        out = model.model(input_ids=ids, use_cache=False,
+                          **({} if positions is None else {"position_ids": positions}))
         hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
         return self.loss_head(model)(hidden, labels)
 

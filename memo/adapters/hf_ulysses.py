@@ -16,6 +16,18 @@ mask interface does not know, so the layers get the caller's mask: None for trai
 sequences (padding is -100 in the labels); a padding or packing mask cannot be split by tokens and is
 refused.
 
+NOTE [Packed documents under Ulysses]
+Packed documents reach a rank as the position ids of its tokens (NOTE [Packed documents] in
+memo/train/corpus.py), and the block-causal mask they stand for spans the whole sequence, which the
+rank's attention sees only after its exchange. So when the caller gives ``position_ids``, the base
+model's pre-hook all-gathers them over the Ulysses group (every rank runs the same forward, so the
+gather pairs up) and, where they hold a document boundary, hands the whole sequence's positions to
+the layers as ``memo_document_positions``; :func:`ulysses_sdpa_attention` turns them into the boolean
+block-causal mask transformers would build (a position that does not follow its predecessor starts a
+document) and runs sdpa under it. Every rank decides from the same gathered positions, so all ranks
+take the same path. memo's wrapped layers run memo's causal Ulysses kernels, which take no mask: they
+refuse ``memo_document_positions`` (memo/adapters/hf.py), on every rank alike.
+
 Under memo (``memo.wrap``) the layer adapter recognises ``"memo_ulysses"`` and runs memo's Ulysses
 halves with the same exchange (memo/adapters/hf.py), so wrapped and unwrapped ranks compute the same.
 """
@@ -31,10 +43,13 @@ from torch import nn
 from memo.errors import MemoError
 from memo.models.ulysses_attention import SequenceShard, heads_to_tokens, kv_replicas, tokens_to_heads
 
-__all__ = ["ULYSSES_ATTENTION", "shard_hf_sequence", "ulysses_sdpa_attention"]
+__all__ = ["DOCUMENT_POSITIONS", "ULYSSES_ATTENTION", "shard_hf_sequence", "ulysses_sdpa_attention"]
 
 #: The attention implementation name memo registers with transformers.
 ULYSSES_ATTENTION = "memo_ulysses"
+#: The keyword the layers get the whole sequence's document positions by (NOTE [Packed documents under
+#: Ulysses]).
+DOCUMENT_POSITIONS = "memo_document_positions"
 
 _WHERE = "memo.adapters.hf_ulysses"
 
@@ -60,6 +75,7 @@ def ulysses_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Te
         raise MemoError(f"{_WHERE}: sliding_window={window} is shorter than the sequence "
                         f"({query.shape[2] * shard.size} tokens); memo's Ulysses attention is causal over "
                         "the whole sequence and applies no window. Use sequences of at most the window")
+    documents = kwargs.pop(DOCUMENT_POSITIONS, None)
     n, n_kv = query.shape[1], key.shape[1]
     replicas = kv_replicas(n, n_kv, shard.size)
     group = shard.group
@@ -71,12 +87,13 @@ def ulysses_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Te
         return tokens_to_heads(t, group).permute(1, 2, 0, 3)
 
     q, k, v = heads(query), heads(key, replicas), heads(value, replicas)
+    mask = None if documents is None else _document_mask(documents.to(q.device), q.shape[0])
     # sdpa repeats key/value heads by the module's ratio where it cannot use GQA itself: the ratio of
     # the heads this rank holds, which replicas change
     ratio, had = q.shape[1] // k.shape[1], getattr(module, "num_key_value_groups", None)
     module.num_key_value_groups = ratio
     try:
-        out, _ = sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling,
+        out, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling,
                                         is_causal=kwargs.pop("is_causal", getattr(module, "is_causal", True)),
                                         **kwargs)
     finally:
@@ -85,6 +102,26 @@ def ulysses_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Te
         else:
             module.num_key_value_groups = had
     return heads_to_tokens(out.transpose(0, 1), group).transpose(0, 1), None  # [b, s, n, d]
+
+
+def _starts(positions: torch.Tensor) -> torch.Tensor:
+    """Where a document starts: a position that does not follow its predecessor (transformers' rule)."""
+    return torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1) != 1
+
+
+def _document_mask(positions: torch.Tensor, b: int) -> torch.Tensor:
+    """``[b, 1, S, S]`` boolean, True = attend: causal within each document of ``positions`` ``[B, S]``."""
+    documents = _starts(positions).cumsum(-1).expand(b, -1)
+    s = positions.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=positions.device).tril()
+    return ((documents[:, :, None] == documents[:, None, :]) & causal).unsqueeze(1)
+
+
+def _gathered(positions: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
+    """The whole sequence's position ids, ``[B, c·s]``, from every rank's ``[B, s]``."""
+    parts = [torch.empty_like(positions) for _ in range(shard.size)]
+    torch.distributed.all_gather(parts, positions.contiguous(), group=shard.group)
+    return torch.cat(parts, dim=1)
 
 
 def _register() -> None:
@@ -97,7 +134,11 @@ def _positions_hook(shard: SequenceShard) -> Callable[
         [nn.Module, tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]]:
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[
             tuple[Any, ...], dict[str, Any]]:
-        if kwargs.get("position_ids") is not None:
+        given_positions = kwargs.get("position_ids")
+        if given_positions is not None:  # NOTE [Packed documents under Ulysses]
+            whole = _gathered(given_positions, shard)
+            if bool(_starts(whole)[:, 1:].any()):
+                kwargs[DOCUMENT_POSITIONS] = whole
             return args, kwargs
         given = kwargs.get("input_ids", args[0] if args else None)
         if given is None:

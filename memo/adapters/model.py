@@ -12,7 +12,10 @@ batch of token ids. A :class:`ModelAdapter` says exactly that, for one family of
   forward to the last one's);
 - ``loss(model, ids, labels) -> loss``: ``ids, labels: [b, s]`` int64, where ``labels[:, t]`` is the
   token that should follow ``ids[:, t]`` (memo's convention: already shifted; ``-100`` is ignored),
-  and the loss is the mean over the counted tokens;
+  and the loss is the mean over the counted tokens; an adapter whose ``masks_documents`` is True also
+  takes ``positions: [b, s]`` int64, each token's position in its own document (packed documents,
+  NOTE [Packed documents] in memo/train/corpus.py): a reset of the positions starts a document, and no
+  token attends across one (:func:`adapter_loss` refuses positions to the others);
 - ``vocab_size(model)`` and ``check(model)`` (refuse, with the reason, a configuration the adapter
   cannot profile or train, e.g. gradient checkpointing already turned on).
 
@@ -32,8 +35,8 @@ from torch import nn
 from memo.adapters._lazy import AdapterRegistry, qualname
 from memo.errors import MemoError
 
-__all__ = ["MemoModelAdapter", "ModelAdapter", "ModelParts", "find_model_adapter", "model_adapter_for",
-           "use_model_adapter",
+__all__ = ["MemoModelAdapter", "ModelAdapter", "ModelParts", "adapter_loss", "find_model_adapter",
+           "model_adapter_for", "use_model_adapter", "with_positions",
            "register_model_adapter", "registered_model_adapters", "unregister_model_adapter"]
 
 
@@ -51,6 +54,8 @@ class ModelAdapter:
 
     #: Short name for messages and reports.
     name: str = "model"
+    #: Whether :meth:`loss` takes ``positions`` and keeps packed documents apart (NOTE [Model adapters]).
+    masks_documents: bool = False
 
     def check(self, model: nn.Module) -> None:
         """Raise :class:`MemoError` when memo cannot profile or train this model as configured."""
@@ -58,7 +63,8 @@ class ModelAdapter:
     def parts(self, model: nn.Module) -> ModelParts:
         raise MemoError(f"memo.adapters: {type(self).__name__} does not define parts()")
 
-    def loss(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def loss(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor,
+             positions: torch.Tensor | None = None) -> torch.Tensor:
         raise MemoError(f"memo.adapters: {type(self).__name__} does not define loss()")
 
     def targets(self, model: nn.Module, labels: torch.Tensor) -> torch.Tensor:
@@ -80,11 +86,65 @@ class MemoModelAdapter(ModelAdapter):
     def parts(self, model: nn.Module) -> ModelParts:
         return ModelParts(model.embedding, list(model.layers), [model.head])
 
-    def loss(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def loss(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor,
+             positions: torch.Tensor | None = None) -> torch.Tensor:
+        if positions is not None:
+            raise _no_document_masking(self, type(model).__name__)
         return model(ids, labels)
 
     def vocab_size(self, model: nn.Module) -> int:
         return int(model.config.vocab_size)
+
+
+def adapter_loss(adapter: ModelAdapter, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor,
+                 positions: torch.Tensor | None = None) -> torch.Tensor:
+    """``adapter.loss``, with ``positions`` (packed documents) only for an adapter that masks documents,
+    else a MemoError: a model without document masking would attend across the documents."""
+    if positions is None:
+        return adapter.loss(model, ids, labels)
+    if not adapter.masks_documents:
+        raise _no_document_masking(adapter, type(model).__name__)
+    return adapter.loss(model, ids, labels, positions)
+
+
+def _no_document_masking(adapter: ModelAdapter, model_name: str) -> MemoError:
+    return MemoError(f"memo.adapters: the {adapter.name} model adapter ({model_name}) does not mask "
+                     "attention at document boundaries, so packed documents would attend to each other; "
+                     "train packed data on a Hugging Face causal LM, or one document per sequence")
+
+
+class _ExamplePositions(ModelAdapter):
+    """``base`` with an example batch's positions as the default of its loss (:func:`with_positions`)."""
+
+    masks_documents = True
+
+    def __init__(self, base: ModelAdapter, positions: torch.Tensor) -> None:
+        self.base, self.positions, self.name = base, positions, base.name
+
+    def check(self, model: nn.Module) -> None:
+        self.base.check(model)
+
+    def parts(self, model: nn.Module) -> ModelParts:
+        return self.base.parts(model)
+
+    def loss(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor,
+             positions: torch.Tensor | None = None) -> torch.Tensor:
+        return adapter_loss(self.base, model, ids, labels, self.positions if positions is None else positions)
+
+    def targets(self, model: nn.Module, labels: torch.Tensor) -> torch.Tensor:
+        return self.base.targets(model, labels)
+
+    def vocab_size(self, model: nn.Module) -> int:
+        return self.base.vocab_size(model)
+
+
+def with_positions(adapter: ModelAdapter, positions: torch.Tensor) -> ModelAdapter:
+    """``adapter`` whose loss without positions uses ``positions`` (an example batch's packed documents),
+    for :func:`use_model_adapter`: memo's profile, which calls ``loss(model, ids, labels)``, then records
+    the iteration a packed step runs; a step passes its own positions."""
+    if not adapter.masks_documents:
+        raise _no_document_masking(adapter, "its model")
+    return _ExamplePositions(adapter, positions)
 
 
 #: Qualified class name -> the adapter, or ``"module:attribute"`` to import on first use (other

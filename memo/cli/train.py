@@ -77,11 +77,14 @@ def run(args: argparse.Namespace) -> int:
 def _checked_inputs(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Refuse bad paths and flags before training; the reports ``--compare`` adds to the plot."""
     from memo.jsonio import check_writable
+    from memo.train.corpus import indexed_prefix
 
     _check_paths(args)
-    if args.data and not os.path.isfile(args.data):
-        raise MemoError(f"memo train: --data {args.data!r} is not a file; give a text or binary file to "
-                        "train on its bytes, or leave --data out for synthetic tokens")
+    if args.data and not os.path.isfile(args.data) and indexed_prefix(args.data) is None:
+        raise MemoError(f"memo train: --data {args.data!r} is not a file (nor a megatron indexed "
+                        "dataset's prefix); give a FILE.jsonl (with --tokenizer), the PREFIX of "
+                        "PREFIX.bin/.idx, or a file to train on its bytes, or leave --data out for synthetic "
+                        "tokens")
     for path, flag in ((args.report, "--report"), (args.plot, "--plot")):
         if path:  # before training, so that a long run does not end in an error that loses it
             check_writable(path, f"memo train {flag}")
@@ -130,6 +133,8 @@ def _config(args: argparse.Namespace) -> TrainConfig:
         seed=args.seed,
         peak_tflops=args.peak_tflops,
         data=args.data,
+        tokenizer=args.tokenizer,
+        text_field=args.text_field,
         engine=args.engine,
         offload_states=args.offload_states,
         hf_config=args.hf_config,
@@ -273,7 +278,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--peak-tflops", type=positive_float, help="device peak TFLOPS for MFU (default: known GPUs)"
     )
-    p.add_argument("--data", metavar="FILE", help="train on the bytes of FILE instead of synthetic tokens")
+    data = p.add_argument_group("your data (default: synthetic tokens)")
+    data.add_argument("--data", metavar="FILE",
+                      help="what to train on, by its kind: FILE.jsonl, one JSON object per line, "
+                      "{\"text\": ...} or {\"prompt\": ..., \"completion\": ...} (loss on the completion "
+                      "only), tokenized with --tokenizer; a megatron indexed dataset, PREFIX or "
+                      "PREFIX.bin/.idx (each sequence a document); both are packed into rows of "
+                      "--seq-len with their document boundaries kept (a Hugging Face model: --hf-config). "
+                      "Any other file: its bytes are the tokens")
+    data.add_argument("--tokenizer", metavar="DIR",
+                      help="--data FILE.jsonl: the directory of a Hugging Face tokenizer (the model's; "
+                      "AutoTokenizer, local files only); documents get its BOS when it adds one, and its EOS")
+    data.add_argument("--text-field", default=d.text_field, metavar="NAME",
+                      help="the field of a JSONL record holding its text (default: text)")
     p.add_argument("--engine", choices=("memo", "megatron", "fsdp2"), default="memo",
                    help="who builds --model: memo's reference model, a megatron-core GPTModel of the same "
                    "shapes with memo's layer spec, or memo's (or the --hf-config) model with its states "

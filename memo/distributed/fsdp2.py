@@ -90,7 +90,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from memo.adapters.model import ModelAdapter, ModelParts, model_adapter_for
+from memo.adapters.model import ModelAdapter, ModelParts, adapter_loss, model_adapter_for
 from memo.distributed.layout import (
     LaunchEnv,
     ParallelLayout,
@@ -109,15 +109,17 @@ __all__ = ["FSDP2Run", "LossRoot", "fsdp_modules", "shard_model"]
 
 class LossRoot(nn.Module):
     """FSDP2's root around ``model``: its forward is the model adapter's loss (NOTE [FSDP2's root is
-    the loss]). ``ids, labels: [b, s]`` -> the mean loss over the counted tokens."""
+    the loss]). ``ids, labels: [b, s]`` (``positions``: of packed documents, or None) -> the mean loss
+    over the counted tokens."""
 
     def __init__(self, model: nn.Module, adapter: ModelAdapter) -> None:
         super().__init__()
         self.model = model
         self._adapter = adapter
 
-    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self._adapter.loss(self.model, ids, labels)
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        return adapter_loss(self._adapter, self.model, ids, labels, positions)
 
 
 def shard_model(model: nn.Module, mesh: DeviceMesh | None, offload_states: bool = False,
@@ -160,9 +162,10 @@ class _ShardLoss(ModelAdapter):
 
     name = "fsdp2-shard"
 
-    def __init__(self, run: FSDP2Run, base: ModelAdapter, positions: torch.Tensor, global_count: int) -> None:
+    def __init__(self, run: FSDP2Run, base: ModelAdapter, positions: torch.Tensor, global_count: int,
+                 documents: torch.Tensor | None = None) -> None:
         self.run, self.base = run, base
-        self.positions, self.global_count = positions, global_count
+        self.positions, self.global_count, self.documents = positions, global_count, documents
 
     def check(self, model: nn.Module) -> None:
         self.base.check(model)
@@ -171,7 +174,7 @@ class _ShardLoss(ModelAdapter):
         return self.base.parts(model)
 
     def loss(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.run.loss(model, ids, labels, self.positions, self.global_count)[0]
+        return self.run.loss(model, ids, labels, self.positions, self.global_count, self.documents)[0]
 
     def targets(self, model: nn.Module, labels: torch.Tensor) -> torch.Tensor:
         return self.base.targets(model, labels)
@@ -246,11 +249,13 @@ class FSDP2Run(ParallelRun):
         return torch.arange(self.cp_rank * s // cp, (self.cp_rank + 1) * s // cp)
 
     def loss(self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor,
-             global_count: int) -> tuple[torch.Tensor, torch.Tensor]:
+             global_count: int, documents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(to_backward, global_loss)`` as :meth:`ParallelRun.loss` (NOTE [Parallel layout]): the root's
         mean over this rank's counted tokens times their count is its sum; FSDP2's reduce-scatter
         averages over all ``dp·cp`` ranks, so the rank back-propagates its sum over the global count
-        times ``dp·cp``. ``positions`` are implied by the shard (the model knows its first position)."""
+        times ``dp·cp``. ``positions`` are implied by the shard (the model knows its first position);
+        ``documents``: the shard's position ids of packed documents (NOTE [Packed documents] in
+        memo/train/corpus.py), handed to the model."""
         if self.root is None:
             raise MemoError("memo.distributed: FSDP2Run.loss before wrap(model); shard the model first")
         count = int((labels != -100).sum())
@@ -261,7 +266,7 @@ class FSDP2Run(ParallelRun):
             labels = labels.clone()
             labels.view(-1)[0] = 0
         try:
-            local = self.root(ids, labels) * count
+            local = self.root(ids, labels, documents) * count
         except BaseException:
             # NOTE [An aborted forward under FSDP2]
             # A forward can end early on purpose: memo stops the model's forward at its first layer to
@@ -279,10 +284,11 @@ class FSDP2Run(ParallelRun):
         scale = max(global_count, 1)
         return local * (ranks / scale), total / scale
 
-    def model_adapter(self, positions: torch.Tensor, global_count: int) -> ModelAdapter:
+    def model_adapter(self, positions: torch.Tensor, global_count: int,
+                      documents: torch.Tensor | None = None) -> ModelAdapter:
         if self.root is None:
             raise MemoError("memo.distributed: FSDP2Run.model_adapter before wrap(model)")
-        return _ShardLoss(self, self.root._adapter, positions, global_count)
+        return _ShardLoss(self, self.root._adapter, positions, global_count, documents)
 
     def optimizer_group(self) -> None:
         """None: FSDP2 already shards every state, the optimizer's with the parameters."""

@@ -19,6 +19,7 @@ from memo.utils.flops import detect_peak_flops, flops_per_sample
 
 if TYPE_CHECKING:
     from memo.models import ModelConfig
+    from memo.train.corpus import PackedDocuments
     from memo.train.strategies import Strategy
 
 __all__ = ["StepMetrics", "TrainConfig", "TrainResult", "extras_text", "new_result", "step_line",
@@ -48,7 +49,14 @@ class TrainConfig:
     peak_tflops: float | None = None
     """Peak TFLOPS for MFU; ``None`` looks the GPU up (unknown on CPU)."""
     data: str | None = None
-    """Text file whose bytes are the tokens; ``None`` means synthetic tokens."""
+    """``--data``: a ``.jsonl`` corpus (with ``tokenizer``), a megatron indexed dataset (``PREFIX`` or its
+    ``.bin``/``.idx``), or any other file whose bytes are the tokens; ``None`` means synthetic tokens
+    (NOTE [Packed documents] in memo/train/corpus.py)."""
+    tokenizer: str | None = None
+    """``--tokenizer``: a directory a Hugging Face tokenizer was saved to, for a ``.jsonl`` ``data``."""
+    text_field: str = "text"
+    """``--text-field``: the field of a JSONL record holding its text (other records are prompt/completion
+    pairs)."""
     engine: str = "memo"
     """Who builds the model (NOTE [Training engines] in memo/engines.py): ``memo``, ``megatron`` or ``fsdp2``
     (memo's or a Hugging Face model, its states sharded by FSDP2: memo/distributed/fsdp2.py)."""
@@ -112,6 +120,7 @@ class TrainConfig:
                 raise MemoError(f"memo.train: {problem}")
         if self.ulysses_head_chunks is not None:
             self._check_head_chunks()
+        self._check_data()
         if (max(parallel) > 1 or self.sequence_parallel) and self.engine != "fsdp2" and (
                 self.engine != "megatron" or self.hf_config is not None):
             what = "--hf-config" if self.hf_config is not None else f"--engine {self.engine}"
@@ -119,6 +128,34 @@ class TrainConfig:
                 f"memo.train: {what} builds a single-process model; --tp/--cp/--dp > 1 and --sp need "
                 "megatron-core's parallel layers: use --engine megatron (--engine fsdp2 for --dp alone), or "
                 "run with --tp/--cp/--dp 1 and no --sp")
+
+    def _check_data(self) -> None:
+        """``--data``, ``--tokenizer`` and ``--text-field`` agree; packed documents go to a model and a loop
+        that keep them apart (NOTE [Packed documents] in memo/train/corpus.py)."""
+        from memo.train.corpus import data_kind
+
+        kind = None if self.data is None else data_kind(self.data)
+        if kind == "jsonl" and self.tokenizer is None:
+            raise MemoError(f"memo.train: --data {self.data} is a JSONL corpus; add --tokenizer DIR (the "
+                            "directory of the model's Hugging Face tokenizer)")
+        if self.tokenizer is not None and kind != "jsonl":
+            given = "no --data is given" if kind is None else f"--data {self.data} is {kind} data"
+            raise MemoError(f"memo.train: --tokenizer tokenizes a JSONL corpus (--data FILE.jsonl); {given}")
+        if not self.text_field:
+            raise MemoError("memo.train: --text-field must name a JSON field, got an empty string")
+        if kind not in ("jsonl", "indexed"):
+            return
+        if self.engine == "megatron":
+            raise MemoError(f"memo.train: --data {self.data} packs documents, and --engine megatron is given "
+                            "no position ids to mask them by; use --engine memo or fsdp2")
+        hf = self.hf_config is not None or getattr(self, "hf_model", None) is not None
+        if not hf:
+            raise MemoError(f"memo.train: --data {self.data} packs documents into rows, and memo's reference "
+                            f"model {self.model!r} has no document masking (its tokens would attend across "
+                            "documents); train a Hugging Face model (--hf-config/--hf-model) on it")
+        if self.micro_batches > 1 or self.pipeline_parallel > 1:
+            raise MemoError(f"memo.train: --data {self.data} packs documents, whose position ids the "
+                            "pipelined loop (--micro-batches/--pp) does not carry; run without them")
 
     def _check_head_chunks(self) -> None:
         """--ulysses-head-chunks runs memo's Ulysses core attention on memo's models under FSDP2, over a
@@ -186,8 +223,18 @@ def step_line(metrics: StepMetrics, memory_kind: str) -> str:
     )
 
 
-def token_source(config: TrainConfig, model_config: ModelConfig) -> SyntheticTokens | ByteFileTokens:
-    """The batches: the bytes of ``config.data``, or synthetic tokens."""
+def token_source(config: TrainConfig, model_config: ModelConfig
+                 ) -> SyntheticTokens | ByteFileTokens | PackedDocuments:
+    """The batches of ``config.data`` by its kind (:func:`memo.train.corpus.data_kind`): packed documents of a
+    JSONL corpus or an indexed dataset, the bytes of a file, or synthetic tokens."""
+    from memo.train.corpus import IndexedDocuments, JsonlDocuments, PackedDocuments, data_kind
+
+    kind = None if config.data is None else data_kind(config.data)
+    if kind in ("jsonl", "indexed"):
+        vocab = model_config.vocab_size
+        documents = (IndexedDocuments(config.data, vocab) if kind == "indexed"
+                     else JsonlDocuments(config.data, config.tokenizer, config.text_field, vocab))
+        return PackedDocuments(documents, config.seq_len, config.micro_batch, config.seed)
     if config.data is not None:
         return ByteFileTokens(config.data, model_config.vocab_size, config.seq_len, config.micro_batch,
                               config.seed)

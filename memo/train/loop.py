@@ -111,6 +111,7 @@ def train_step(
     labels: torch.Tensor,
     iteration: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     step_loss: ParallelLoss | None = None,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One forward + backward + optimizer step; returns the (detached) loss.
 
@@ -118,15 +119,17 @@ def train_step(
     optimizer step is no layer's work and must not be attributed to the last backward phase.
     ``step_loss``: one rank's share of a parallel job (NOTE [Parallel layout]): its ``loss(model,
     ids, labels)`` gives ``(to_backward, global_loss)``, ``zero_grads()`` and ``finish_grads(model)``
-    bracket the gradients; None: the model adapter's loss, one process.
+    bracket the gradients; None: the model adapter's loss, one process. ``positions``: ``[b, s]`` position
+    ids of packed documents (NOTE [Packed documents] in memo/train/corpus.py), one process (a parallel
+    rank's are in ``step_loss``).
     """
     if step_loss is None:
-        from memo.adapters.model import model_adapter_for
+        from memo.adapters.model import adapter_loss, model_adapter_for
 
         adapter = model_adapter_for(model, "memo.train")
         optimizer.zero_grad(set_to_none=True)
         with iteration():
-            loss = adapter.loss(model, ids, labels)
+            loss = adapter_loss(adapter, model, ids, labels, positions)
             loss.backward()
         optimizer.step()
         return loss.detach()
@@ -234,7 +237,11 @@ def train(
         if parallel is not None:  # the profile records the step's own loss (use_model_adapter)
             from memo.adapters.model import use_model_adapter
 
-            use_model_adapter(model, parallel.model_adapter(first[2], batches.count))
+            use_model_adapter(model, parallel.model_adapter(first[2], batches.count, *first[3:]))
+        elif len(first) > 2:  # packed documents: the profile records a packed step (with_positions)
+            from memo.adapters.model import model_adapter_for, use_model_adapter, with_positions
+
+            use_model_adapter(model, with_positions(model_adapter_for(model, "memo.train"), first[2]))
         emit = log if log is not None else tqdm.write
         result = new_result(config, model, model_config, device, dtype, strategy)
         result.world = 1 if parallel is None else parallel.layout.world
@@ -294,10 +301,14 @@ def _steps(config: TrainConfig, model: torch.nn.Module, model_config: ModelConfi
         else:
             batch = tuple(t.to(device, non_blocking=True) for t in next(batches))
         ids, labels = batch[0], batch[1]
-        step_loss = None if parallel is None else _ParallelLoss(parallel, batch[2], batches.count)
+        # (ids, labels[, document positions]) from a source; (ids, labels, shard positions[, the shard's
+        # document positions]) from a parallel rank's Sharded
+        positions = batch[2] if parallel is None and len(batch) > 2 else None
+        step_loss = None if parallel is None else _ParallelLoss(parallel, batch[2], batches.count,
+                                                                 batch[3] if len(batch) > 3 else None)
         _synchronize(device)
         start = time.perf_counter()
-        loss = _run_step(model, optimizer, ids, labels, strategy, step, step_loss)
+        loss = _run_step(model, optimizer, ids, labels, strategy, step, step_loss, positions)
         _synchronize(device)
         seconds = time.perf_counter() - start
         if not math.isfinite(loss):
@@ -313,14 +324,15 @@ def _steps(config: TrainConfig, model: torch.nn.Module, model_config: ModelConfi
 
 def _run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor,
               labels: torch.Tensor, strategy: Strategy, step: int,
-              step_loss: ParallelLoss | None = None) -> float:
+              step_loss: ParallelLoss | None = None, positions: torch.Tensor | None = None) -> float:
     """One training step under the strategy, its loss as a float (``.item()`` waits for the step).
 
     A request memo's allocator refused (its budget, NOTE [Device budget], or the device) is
     raised as one MemoError line with its numbers, not a traceback from deep inside autograd.
     """
     try:
-        return train_step(model, optimizer, ids, labels, strategy.step, step_loss).float().item()  # waits
+        return train_step(model, optimizer, ids, labels, strategy.step, step_loss,
+                          positions).float().item()  # waits
     except RuntimeError as err:
         if "memo allocator:" not in str(err) and not isinstance(err, torch.cuda.OutOfMemoryError):
             raise

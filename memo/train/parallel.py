@@ -81,10 +81,15 @@ class ParallelLoss:
     parallel: ParallelRun
     positions: torch.Tensor
     global_count: int
+    documents: torch.Tensor | None = None
+    """The shard's position ids of packed documents (NOTE [Packed documents] in memo/train/corpus.py)."""
 
     def loss(self, model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.parallel.loss(model, ids, labels, self.positions, self.global_count)
+        if self.documents is None:
+            return self.parallel.loss(model, ids, labels, self.positions, self.global_count)
+        return self.parallel.loss(model, ids, labels, self.positions, self.global_count,
+                                  documents=self.documents)  # type: ignore[call-arg]  # FSDP2Run's
 
     def zero_grads(self) -> None:
         self.parallel.zero_grads()
@@ -95,7 +100,10 @@ class ParallelLoss:
 
 class Sharded:
     """The global batches of a token source, each cut to this rank's share (NOTE [Parallel layout]):
-    yields ``(ids, labels, position_ids)`` and keeps the global batch's counted tokens in ``count``."""
+    yields ``(ids, labels, position_ids)`` and keeps the global batch's counted tokens in ``count``. A
+    source of packed documents (batches ``(ids, labels, document positions)``, NOTE [Packed documents] in
+    memo/train/corpus.py) adds the rank's cut of its document positions, ``(ids, labels, position_ids,
+    document positions)``; only an FSDP2 run takes them (megatron gets no packed data: TrainConfig)."""
 
     def __init__(self, batches: Iterator[Batch], parallel: ParallelRun) -> None:
         self.batches, self.parallel = batches, parallel
@@ -105,9 +113,12 @@ class Sharded:
         return self
 
     def __next__(self) -> tuple[torch.Tensor, ...]:
-        ids, labels = next(self.batches)
+        ids, labels, *documents = next(self.batches)
         self.count = int((labels != -100).sum())
-        return self.parallel.shard(ids, labels)
+        shard = self.parallel.shard(ids, labels)
+        if documents:  # cut like the ids: the same rows and tokens
+            shard = (*shard, self.parallel.shard(documents[0], documents[0])[0])
+        return shard
 
 
 def agree(parallel: ParallelRun, strategy: Strategy, emit: Callable[[str], None]) -> None:
