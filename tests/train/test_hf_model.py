@@ -30,12 +30,16 @@ THETA = 100.0
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_sharp_checkpoint(tmp_path_factory.mktemp("ckpt"))
+
+
+def make_sharp_checkpoint(directory: Path) -> Path:
     """A tokenizer and a 4-layer tiny Llama of its vocabulary, as save_pretrained writes them. Its query
     and key weights are scaled up so that attention is sharp and the loss shows the rotary embedding
     (at the initial 0.02 scale attention is near uniform, whatever the positions)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    directory = make_tokenizer(tmp_path_factory.mktemp("ckpt"))
+    directory = make_tokenizer(directory)
     make_tiny_llama(directory, len(AutoTokenizer.from_pretrained(directory)), layers=4)
     model = AutoModelForCausalLM.from_pretrained(directory)
     with torch.no_grad():
