@@ -180,9 +180,19 @@ class TrainConfig:
                             "config (--hf-model or --hf-config); memo's models take rope_theta in their "
                             "CONFIG.json")
         if self.export is not None:
-            from memo.train.export import check_export
+            self._check_export()
 
-            check_export(self)
+    def _check_export(self) -> None:
+        """NOTE [Exporting the trained model] in memo/train/export.py: a Hugging Face model, to a new
+        directory that is no input."""
+        from memo.train.export import check_export_path
+
+        if self.engine == "megatron" or not self.hugging_face:
+            what = "megatron's GPTModel" if self.engine == "megatron" else f"memo's model {self.model!r}"
+            raise MemoError(f"memo.train: --export {self.export!r}: {what} has no Hugging Face layout to "
+                            "export to; --export writes the model of --hf-model or --hf-config")
+        check_export_path(str(self.export), [("--hf-model", self.hf_model), ("--hf-config", self.hf_config),
+                                             ("--data", self.data)])
 
     def _check_head_chunks(self) -> None:
         """--ulysses-head-chunks runs memo's Ulysses core attention on memo's models under FSDP2, over a

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,9 +33,8 @@ from memo.errors import MemoError
 
 if TYPE_CHECKING:
     from memo.distributed.layout import ParallelRun
-    from memo.train.config import TrainConfig
 
-__all__ = ["TOKENIZER_FILES", "check_export", "export_trained", "full_state_dict"]
+__all__ = ["TOKENIZER_FILES", "check_export_path", "export_trained", "full_state_dict"]
 
 #: The files of a Hugging Face tokenizer that an export copies from the ``--hf-model`` checkpoint.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -42,19 +42,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "chat_template.jinja", "chat_template.json")
 
 
-def check_export(config: TrainConfig) -> None:
-    """Refuse an ``--export`` that cannot be written whole, before training (NOTE [Exporting the
-    trained model]): a model that is not Hugging Face's, a path that exists and is not an empty
-    directory, a path that is an input or inside one, a place that cannot be written."""
-    path = str(config.export)
+def check_export_path(path: str, inputs: list[tuple[str, str | None]]) -> None:
+    """Refuse an ``--export`` directory that cannot be written whole, before training (NOTE [Exporting
+    the trained model]): one that exists and is not empty, is one of the run's ``inputs`` (``(flag,
+    path)``; None: not given) or holds one or lies inside one, or cannot be made."""
     where = f"memo.train: --export {path!r}"
-    if config.engine == "megatron" or not config.hugging_face:
-        what = "megatron's GPTModel" if config.engine == "megatron" else f"memo's model {config.model!r}"
-        raise MemoError(f"{where}: {what} has no Hugging Face layout to export to; --export writes the model "
-                        "of --hf-model or --hf-config")
     target = os.path.realpath(path)
-    for flag, given in (("--hf-model", config.hf_model), ("--hf-config", config.hf_config),
-                        ("--data", config.data)):
+    for flag, given in inputs:
         if given is None or not os.path.exists(given):
             continue
         source = os.path.realpath(given)
@@ -86,14 +80,15 @@ def full_state_dict(model: torch.nn.Module, parallel: ParallelRun | None) -> dic
     return {name: t.detach().to("cpu") for name, t in model.state_dict().items()}
 
 
-def export_trained(model: torch.nn.Module, config: TrainConfig, parallel: ParallelRun | None = None,
-                   log: Any = None) -> str | None:
-    """Write the trained ``model`` to ``config.export`` (NOTE [Exporting the trained model]); every rank
-    of a parallel run calls it, rank 0 writes. Returns the directory written (None on the other ranks)."""
+def export_trained(model: torch.nn.Module, directory: str, parallel: ParallelRun | None = None,
+                   tokenizer_from: str | None = None, log: Callable[[str], None] | None = None) -> str | None:
+    """Write the trained ``model`` to ``directory`` (NOTE [Exporting the trained model]), with the
+    tokenizer files of the checkpoint directory ``tokenizer_from``; every rank of a parallel run calls
+    it, rank 0 writes. Returns the directory written (None on the other ranks)."""
     state = full_state_dict(model, parallel)
     if parallel is not None and not parallel.is_first:
         return None
-    target = os.path.abspath(str(config.export))
+    target = os.path.abspath(directory)
     parent = os.path.dirname(target)
     os.makedirs(parent, exist_ok=True)
     partial = os.path.join(parent, f".{os.path.basename(target)}.partial-{os.getpid()}")
@@ -102,15 +97,15 @@ def export_trained(model: torch.nn.Module, config: TrainConfig, parallel: Parall
     try:
         os.makedirs(partial)
         model.save_pretrained(partial, state_dict=state)  # type: ignore[operator]
-        if config.hf_model is not None:
+        if tokenizer_from is not None:
             for name in TOKENIZER_FILES:
-                source = os.path.join(config.hf_model, name)
+                source = os.path.join(tokenizer_from, name)
                 if os.path.isfile(source):
                     shutil.copyfile(source, os.path.join(partial, name))
         try:
             os.rename(partial, target)  # onto a missing or empty directory: atomic on POSIX
         except OSError as err:
-            raise MemoError(f"memo.train: --export {config.export!r}: the finished export could not be moved "
+            raise MemoError(f"memo.train: --export {directory!r}: the finished export could not be moved "
                             f"there ({err.strerror}); it was left in {partial!r}") from None
     except MemoError:
         raise

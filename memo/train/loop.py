@@ -258,7 +258,7 @@ def train(
         if config.export is not None:  # every rank: FSDP2 gathers the shards (memo/train/export.py)
             from memo.train import export
 
-            export.export_trained(model, config, parallel, emit)
+            export.export_trained(model, config.export, parallel, config.hf_model, emit)
         if parallel is not None:
             result.parallel = _parallel_record(parallel, result)
     finally:
