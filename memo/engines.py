@@ -373,7 +373,10 @@ def build_hf_causal_lm(config: PretrainedConfig, device: torch.device | str, dty
 # config names (config.json's "dtype", older "torch_dtype"; float32 where it names none) unless --dtype
 # is given, with transformers' sdpa attention (memo reproduces eager and sdpa). A parameter the
 # checkpoint lacks would be initialised at random by transformers with a warning: it is refused, as is
-# a model_type without a causal LM in transformers or without a memo model adapter.
+# a model_type without a causal LM in transformers or without a memo model adapter. --engine megatron
+# refuses a checkpoint: megatron-core 0.16 has no Hugging Face weight converter (its models/huggingface
+# wraps HF modules, it does not convert them), and one into memo's GPTModel would have to regroup QKV
+# per query group, pad the vocabulary and cut every tensor for TP and pipeline stages: not small.
 # Under FSDP2 every rank loads the whole checkpoint (from the same files: the same tensors) and moves it
 # to its device, where fully_shard then keeps the rank's shard. So each rank holds the whole model once
 # in host memory while loading (the memory-mapped files are shared through the page cache, the tensors

@@ -334,7 +334,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     hf = p.add_argument_group("your own Hugging Face model")
     hf.add_argument("--hf-model", metavar="DIR",
                     help="fine-tune the Hugging Face causal LM saved in DIR (config.json and safetensors "
-                    "weights, as save_pretrained writes them; Llama, Qwen2, Qwen3, Mistral), loaded with "
+                    "weights, as save_pretrained writes them; Llama, Qwen2, Mistral), loaded with "
                     "from_pretrained offline in its own dtype unless --dtype is given; --engine memo or "
                     "fsdp2 (with --offload-states, --dp, --cp C --cp-comm a2a); not with --model or "
                     "--hf-config")
