@@ -253,3 +253,29 @@ def test_checkpoint_dtype_is_the_default(tmp_path: Path) -> None:
 
     make_tiny_llama(tmp_path, 64, layers=1, dtype=torch.bfloat16)
     assert TrainConfig(hf_model=str(tmp_path)).dtype == "bfloat16"
+
+
+def test_an_export_is_whole_or_absent(tmp_path: Path) -> None:
+    """NOTE [Exporting the trained model]: a write that fails midway leaves neither the directory nor a
+    partial one; a finished export lands in an empty directory given for it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from memo.train.export import export_trained
+
+    model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=1, hidden_size=16, intermediate_size=32,
+                                         num_attention_heads=2, vocab_size=64))
+    real = model.save_pretrained
+
+    def dies(directory: str, **kwargs: Any) -> None:
+        (Path(directory) / "model.safetensors").write_bytes(b"half")
+        raise OSError("disk full")
+
+    model.save_pretrained = dies  # type: ignore[method-assign]
+    with pytest.raises(OSError, match="disk full"):
+        export_trained(model, str(tmp_path / "out"))
+    assert list(tmp_path.iterdir()) == []
+    model.save_pretrained = real  # type: ignore[method-assign]
+    (tmp_path / "out").mkdir()
+    assert export_trained(model, str(tmp_path / "out")) == str(tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert (tmp_path / "out" / "model.safetensors").is_file()
