@@ -470,7 +470,9 @@ def load_hf_causal_lm(path: str, config: PretrainedConfig, device: torch.device 
                         f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); transformers "
                         "would start them at random: give a complete checkpoint of this config")
     model_adapter_for(model, where)  # a causal LM memo has no model adapter for: refused before training
-    return model.to(device=device)
+    # from_pretrained returns the model in eval mode (for inference); it is trained, with the dropout its
+    # config asks for, as a model from_config is
+    return model.to(device=device).train()
 
 
 # NOTE [Context extension]

@@ -272,8 +272,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--model", default=None,
                    help=f"memo's model to train: a name ({', '.join(list_configs())}) or a CONFIG.json "
-                   f"with memo.models.ModelConfig's fields (default {d.model}; not with --hf-model or "
-                   "--hf-config)")
+                   f"with memo.models.ModelConfig's fields; not with --hf-model or --hf-config (default: "
+                   f"{d.model})")
     p.add_argument("--seq-len", type=seq_len, default=d.seq_len, help="tokens per sequence: 4096, 128K, 1M")
     p.add_argument("--micro-batch", type=positive_int, default=d.micro_batch, help="sequences per step")
     p.add_argument("--steps", type=positive_int, default=d.steps, help="optimizer steps")

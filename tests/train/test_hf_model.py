@@ -114,7 +114,7 @@ def test_hf_model_trains_from_the_checkpoint_and_exports_it(
     config = TrainConfig(hf_model=str(checkpoint), seq_len=SEQ, steps=2, export=str(tmp_path / "out"))
     assert config.dtype == "float32"  # the checkpoint's own
     result, model = run(config, "full-offload", monkeypatch)
-    assert result.strategy.offloaded_layers == 2
+    assert result.strategy.offloaded_layers == 2 and model.training  # not from_pretrained's eval mode
     want = hf_loss(checkpoint, *first_batch(config))
     got = result.steps[0].loss
     assert abs(got - want) <= 1e-5 * abs(want), (got, want)
