@@ -124,8 +124,11 @@ def _hardware() -> dict[str, Any]:
     return info
 
 
-def _train_cmd(strategy: str, model: str, seq: str, steps: int, report: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "memo", "train", "--model", model, "--seq-len", seq, "--steps", str(steps),
+def _train_cmd(strategy: str, model: str | None, seq: str, steps: int, report: Path,
+               *extra: str) -> list[str]:
+    """``memo train`` of ``model`` (None: ``extra`` names the model, e.g. ``--hf-config``)."""
+    return [sys.executable, "-m", "memo", "train", *(("--model", model) if model else ()), "--seq-len", seq,
+            "--steps", str(steps),
             "--device", "cuda", "--dtype", "bfloat16", "--strategy", strategy, "--no-progress",
             "--report", str(report), *extra]
 
@@ -278,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{' '.join(extra)} gpt-125m"
             c = Check(f"torchrun memo train {what} {seq} bf16 (NCCL, world 1)",
                       [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-                       *_train_cmd("memo", "gpt-125m", seq, steps, report, *extra)[1:]], 600)
+                       *_train_cmd("memo", None if "--hf-config" in extra else "gpt-125m", seq, steps, report,
+                                   *extra)[1:]], 600)
             _train_numbers(c.run(logs), report)
             checks.append(c)
 

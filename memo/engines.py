@@ -18,10 +18,15 @@ embedding, layers and head are, and how the loss is computed); only how the mode
 - ``--hf-config``: ``transformers.AutoModelForCausalLM.from_config`` of a config given as a
   JSON file, a directory with ``config.json`` (no weights are loaded), or inline JSON with a
   ``model_type``; randomly initialised, no download.
-- ``fsdp2``: memo's model of that name, or the ``--hf-config`` model, built as above on every rank
-  from the same seed, then sharded by PyTorch FSDP2 (``fully_shard`` per layer and on the root,
-  ``CPUOffloadPolicy`` with ``--offload-states``) over data-parallel ranks, under ``torchrun`` or as a
-  world of one (memo/distributed/fsdp2.py, NOTE [memo under FSDP2] there).
+- ``--hf-model``: ``transformers.AutoModelForCausalLM.from_pretrained`` of a local checkpoint directory
+  (config.json and safetensors weights, offline), in its config's dtype or ``--dtype`` (NOTE [Loading
+  a checkpoint]).
+- ``--rope-theta`` / ``--rope-scaling`` change an HF config's rope parameters before its model is built
+  (NOTE [Context extension]).
+- ``fsdp2``: memo's model of that name, or the ``--hf-config`` / ``--hf-model`` model, built as above on
+  every rank (from the same seed, or the same checkpoint), then sharded by PyTorch FSDP2 (``fully_shard``
+  per layer and on the root, ``CPUOffloadPolicy`` with ``--offload-states``) over data-parallel ranks,
+  under ``torchrun`` or as a world of one (memo/distributed/fsdp2.py, NOTE [memo under FSDP2] there).
 """
 
 from __future__ import annotations
@@ -50,8 +55,9 @@ if TYPE_CHECKING:
     from memo.distributed.layout import ParallelLayout
     from memo.models.config import ModelConfig
 
-__all__ = ["ENGINES", "RUNNABLE", "EngineLayouts", "build_hf_causal_lm", "build_megatron_gpt",
-           "build_megatron_stages", "engine_for_layout", "hf_config", "init_megatron_world", "layout_problem"]
+__all__ = ["ENGINES", "RUNNABLE", "EngineLayouts", "apply_rope", "build_hf_causal_lm", "build_megatron_gpt",
+           "build_megatron_stages", "check_hf_checkpoint", "checkpoint_dtype", "engine_for_layout",
+           "hf_checkpoint_config", "hf_config", "init_megatron_world", "layout_problem", "load_hf_causal_lm"]
 
 ENGINES = ("memo", "megatron", "fsdp2")
 
@@ -284,7 +290,7 @@ def _rope_parameters(config: PretrainedConfig) -> object:
     return getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
 
 
-def _check_rope_types(config: PretrainedConfig) -> None:
+def _check_rope_types(config: PretrainedConfig, flag: str = "--hf-config") -> None:
     """Every rope_type the config names has a rotary init in transformers (else a KeyError at build)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -298,7 +304,7 @@ def _check_rope_types(config: PretrainedConfig) -> None:
     for one in sets:
         kind = one.get("rope_type", one.get("type", "default"))
         if kind not in known:
-            raise MemoError(f"memo.train: --hf-config: rope_type {kind!r:.80} is not one transformers "
+            raise MemoError(f"memo.train: {flag}: rope_type {kind!r:.80} is not one transformers "
                             f"{_transformers_version()} knows; use one of {', '.join(sorted(known))}")
 
 
@@ -320,10 +326,10 @@ class _Kept(logging.Handler):
 
 
 @contextlib.contextmanager
-def _rope_refusals() -> Iterator[list[str]]:
-    """The rope validators' refusals logged while a config is made (NOTE [An HF config memo can run]);
-    when there are none, the other records they logged are passed on as transformers would have
-    printed them (with a refusal, memo's one line is all that is printed)."""
+def _rope_refusals(also: tuple[str, ...] = ()) -> Iterator[list[str]]:
+    """The rope validators' refusals logged while a config is made (NOTE [An HF config memo can run]),
+    and records saying any of ``also``; when there are none, the other records they logged are passed
+    on as transformers would have printed them (with a refusal, memo's one line is all that is printed)."""
     logger = logging.getLogger("transformers.modeling_rope_utils")
     handler = _Kept(logging.WARNING)
     level, propagate = logger.level, logger.propagate
@@ -337,7 +343,8 @@ def _rope_refusals() -> Iterator[list[str]]:
         logger.removeHandler(handler)
         logger.setLevel(level)
         logger.propagate = propagate
-    refused += [r.getMessage() for r in handler.records if any(w in r.getMessage() for w in _ROPE_REFUSALS)]
+    refused += [r.getMessage() for r in handler.records
+                if any(w in r.getMessage() for w in (*_ROPE_REFUSALS, *also))]
     if not refused:
         for record in handler.records:
             if logger.isEnabledFor(record.levelno):
@@ -357,3 +364,179 @@ def build_hf_causal_lm(config: PretrainedConfig, device: torch.device | str, dty
                         f"from this config ({_one_line(err)}){_fields_holding(config, err)}; check the sizes "
                         "and options it names") from None
     return model.to(device=device)
+
+
+# NOTE [Loading a checkpoint]
+# ``--hf-model DIR`` is a directory as ``save_pretrained`` writes it: config.json and safetensors weights
+# (model.safetensors, or the shards model.safetensors.index.json lists); pickled weights
+# (pytorch_model.bin) are not loaded, and nothing is downloaded. The weights load in the dtype the
+# config names (config.json's "dtype", older "torch_dtype"; float32 where it names none) unless --dtype
+# is given, with transformers' sdpa attention (memo reproduces eager and sdpa). A parameter the
+# checkpoint lacks would be initialised at random by transformers with a warning: it is refused, as is
+# a model_type without a causal LM in transformers or without a memo model adapter. --engine megatron
+# refuses a checkpoint: megatron-core 0.16 has no Hugging Face weight converter (its models/huggingface
+# wraps HF modules, it does not convert them), and one into memo's GPTModel would have to regroup QKV
+# per query group, pad the vocabulary and cut every tensor for TP and pipeline stages: not small.
+# Under FSDP2 every rank loads the whole checkpoint (from the same files: the same tensors) and moves it
+# to its device, where fully_shard then keeps the rank's shard. So each rank holds the whole model once
+# in host memory while loading (the memory-mapped files are shared through the page cache, the tensors
+# are each rank's own) and once on its device until it is sharded: 2 bytes a parameter in bfloat16,
+# 16 GB for an 8B model on each rank. That is simple and correct for any model one device holds; a
+# larger one would be built on the meta device by every rank, sharded, and filled from rank 0's loaded
+# tensors (torch.distributed.checkpoint.state_dict.set_model_state_dict with broadcast_from_rank0=True).
+
+#: The files that hold a checkpoint's weights as safetensors, alone or as shards.
+_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
+
+
+def check_hf_checkpoint(path: str) -> None:
+    """A one-line MemoError when ``path`` cannot be a ``--hf-model`` checkpoint: not a directory, no
+    config.json, no safetensors weights (NOTE [Loading a checkpoint])."""
+    where = f"memo.train: --hf-model {path!r}"
+    made = "give the directory save_pretrained wrote (config.json and model.safetensors)"
+    if not os.path.isdir(path):
+        raise MemoError(f"{where} is not a directory; {made}")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise MemoError(f"{where} has no config.json; {made} (--hf-config builds a model from a config "
+                        "alone, with random weights)")
+    if not any(os.path.isfile(os.path.join(path, name)) for name in _WEIGHTS):
+        pickled = os.path.isfile(os.path.join(path, "pytorch_model.bin"))
+        raise MemoError(f"{where} holds no safetensors weights ({' or '.join(_WEIGHTS)}); " + (
+            "its pytorch_model.bin is a pickle, which memo does not load: write the model with "
+            "save_pretrained(DIR, safe_serialization=True)" if pickled else made))
+
+
+def checkpoint_dtype(path: str) -> str:
+    """The dtype (a name memo trains in) that a ``--hf-model`` checkpoint's config.json names, float32
+    where it names none (NOTE [Loading a checkpoint])."""
+    from memo.jsonio import read_json
+    from memo.models.dtypes import DTYPES
+
+    check_hf_checkpoint(path)
+    fields = read_json(os.path.join(path, "config.json"), f"memo.train: --hf-model {path!r}",
+                       "give the directory save_pretrained wrote")
+    if not isinstance(fields, dict):
+        raise MemoError(f"memo.train: --hf-model {path!r}: its config.json is not a JSON object")
+    name = str(fields.get("dtype") or fields.get("torch_dtype") or "float32").removeprefix("torch.")
+    if name not in DTYPES:
+        raise MemoError(f"memo.train: --hf-model {path!r}: its config.json names dtype {name!r:.40}, which "
+                        f"memo does not train in; give --dtype ({', '.join(DTYPES)})")
+    return name
+
+
+def hf_checkpoint_config(path: str, rope_theta: float | None = None,
+                         rope_scaling: dict[str, Any] | None = None) -> PretrainedConfig:
+    """The config of the ``--hf-model`` checkpoint at ``path``, with the rope parameters given
+    (NOTE [Context extension]); a directory that is no causal-LM checkpoint is a one-line MemoError."""
+    check_hf_checkpoint(path)
+    try:
+        from transformers import AutoConfig
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError as err:
+        raise MemoError(f"memo.train: --hf-model needs transformers ({err}); pip install memo[hf]") from None
+    where = f"memo.train: --hf-model {path!r}"
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as err:  # transformers raises ValueError, KeyError, OSError, ... for a bad config
+        raise MemoError(f"{where}: transformers cannot read its config.json ({_one_line(err)})") from None
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise MemoError(f"{where}: its model_type {config.model_type!r} ({type(config).__name__}) is not a "
+                        "causal LM in transformers; memo train fine-tunes causal LMs such as llama, qwen2, "
+                        "mistral")
+    apply_rope(config, rope_theta, rope_scaling)
+    return config
+
+
+def load_hf_causal_lm(path: str, config: PretrainedConfig, device: torch.device | str,
+                      dtype: torch.dtype) -> nn.Module:
+    """``AutoModelForCausalLM.from_pretrained(path, config=config)`` in ``dtype`` on ``device``, offline,
+    safetensors only, every parameter from the checkpoint (NOTE [Loading a checkpoint])."""
+    from transformers import AutoModelForCausalLM
+
+    from memo.adapters.model import model_adapter_for
+
+    where = f"memo.train: --hf-model {path!r}"
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            path, config=config, dtype=dtype, local_files_only=True, use_safetensors=True,
+            attn_implementation="sdpa", output_loading_info=True)
+    except MemoError:
+        raise
+    except Exception as err:
+        raise MemoError(f"{where}: transformers cannot load it ({_one_line(err)})") from None
+    missing = [*sorted(info.get("missing_keys") or []), *(str(k) for k in info.get("mismatched_keys") or [])]
+    if missing:
+        raise MemoError(f"{where}: its weights lack {len(missing)} of the model's tensors "
+                        f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); transformers "
+                        "would start them at random: give a complete checkpoint of this config")
+    model_adapter_for(model, where)  # a causal LM memo has no model adapter for: refused before training
+    # from_pretrained returns the model in eval mode (for inference); it is trained, with the dropout its
+    # config asks for, as a model from_config is
+    return model.to(device=device).train()
+
+
+# NOTE [Context extension]
+# --rope-theta and --rope-scaling change the rope parameters of the Hugging Face config (--hf-model's or
+# --hf-config's) before its model is built, so the rotary embedding the model builds, the one it trains
+# with and the config.json that --export writes all hold them. --rope-scaling is a JSON object spelt as
+# transformers' rope_parameters ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings":
+# 4096}; linear, dynamic, llama3 and longrope the same way; "type" is read as "rope_type"). It replaces
+# the config's parameters, keeping its rope_theta unless --rope-theta gives one; a config with one set
+# per layer type gets the same change in each. Where --rope-scaling names the pre-trained length
+# (original_max_position_embeddings: yarn, llama3, longrope), max_position_embeddings becomes that
+# length times its factor, the extended context, as transformers' validators expect (llama3 refuses an
+# original length that is not below it, yarn warns when their ratio is not the factor); otherwise it is
+# left as it is (dynamic NTK scales from it). What transformers refuses, or only logs as wrong (a value
+# that "must be" something, a key it does not know), is a one-line MemoError (NOTE [An HF config memo
+# can run]).
+
+
+def apply_rope(config: PretrainedConfig, rope_theta: float | None = None,
+               rope_scaling: dict[str, Any] | None = None) -> None:
+    """Set ``config``'s rope parameters in place (NOTE [Context extension]), checked as transformers
+    checks them."""
+    if rope_theta is None and rope_scaling is None:
+        return
+    given = [f for f, v in (("--rope-theta", rope_theta), ("--rope-scaling", rope_scaling)) if v is not None]
+    where = f"memo.train: {' '.join(given)}"
+    params = _rope_parameters(config)
+    if not isinstance(params, dict) or not params:
+        raise MemoError(f"{where}: this {config.model_type} config has no rope parameters to change")
+    nested = config.nested_rope_parameter_keys(params)
+    changed: dict[Any, dict[str, Any]] = {}
+    for key in nested or [None]:
+        old = dict((params[key] if key is not None else params) or {})
+        new = old if rope_scaling is None else _scaling(rope_scaling, old)
+        if rope_theta is not None:
+            new["rope_theta"] = float(rope_theta)
+        changed[key] = new
+    config.rope_parameters = {**params, **changed} if nested else changed[None]
+    scaling = rope_scaling or {}
+    original, factor = scaling.get("original_max_position_embeddings"), scaling.get("factor")
+    if all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in (original, factor)):
+        config.max_position_embeddings = int(original * factor)
+    with _rope_refusals(also=("Unrecognized keys",)) as refused:
+        try:
+            config.standardize_rope_params()
+            _check_rope_types(config, " ".join(given))
+            config.validate_rope()
+        except MemoError:
+            raise
+        except Exception as err:
+            raise MemoError(f"{where}: transformers refuses the rope parameters "
+                            f"{config.rope_parameters!r:.200}: {_one_line(err)}") from None
+    if refused:
+        raise MemoError(f"{where}: transformers refuses the rope parameters {config.rope_parameters!r:.200}: "
+                        f"{refused[0]}")
+
+
+def _scaling(scaling: dict[str, Any], old: dict[str, Any]) -> dict[str, Any]:
+    """``--rope-scaling``'s parameters in transformers' spelling, with the config's theta and partial
+    rotary factor where it gives none."""
+    new = dict(scaling)
+    if "type" in new and "rope_type" not in new:
+        new["rope_type"] = new.pop("type")
+    for key in ("rope_theta", "partial_rotary_factor"):
+        if key in old:
+            new.setdefault(key, old[key])
+    return new

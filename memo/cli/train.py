@@ -122,8 +122,12 @@ def _options(args: argparse.Namespace) -> StrategyOptions:
 def _config(args: argparse.Namespace) -> TrainConfig:
     from memo.train.config import TrainConfig
 
+    sources = [flag for flag, value in (("--model", args.model), ("--hf-config", args.hf_config),
+                                        ("--hf-model", args.hf_model)) if value is not None]
+    if len(sources) > 1:
+        raise MemoError(f"memo train: {' and '.join(sources)} each name the model to train; give one of them")
     return TrainConfig(
-        model=args.model,
+        model=args.model if args.model is not None else TrainConfig.model,
         seq_len=args.seq_len,
         micro_batch=args.micro_batch,
         steps=args.steps,
@@ -138,6 +142,10 @@ def _config(args: argparse.Namespace) -> TrainConfig:
         engine=args.engine,
         offload_states=args.offload_states,
         hf_config=args.hf_config,
+        hf_model=args.hf_model,
+        rope_theta=args.rope_theta,
+        rope_scaling=args.rope_scaling,
+        export=args.export,
         tensor_parallel=args.tp,
         context_parallel=args.cp,
         data_parallel=args.dp,
@@ -213,9 +221,11 @@ def _check_paths(args: argparse.Namespace) -> None:
     hf = args.hf_config
     if hf and os.path.isdir(hf):
         hf = os.path.join(hf, "config.json")
+    checkpoint = [(f"--hf-model {args.hf_model!r} (its {name})", os.path.join(args.hf_model, name))
+                  for name in ("config.json", "model.safetensors")] if args.hf_model else []
     inputs = [*_plan_files("--plan", args.plan, pipelined, args), ("--data", args.data),
-              ("--hf-config", hf if hf and os.path.isfile(hf) else None),
-              ("--model", args.model if os.path.isfile(args.model) else None),
+              ("--hf-config", hf if hf and os.path.isfile(hf) else None), *checkpoint,
+              ("--model", args.model if args.model and os.path.isfile(args.model) else None),
               *(("--compare", path) for path in args.compare)]
     outputs = [("--report", args.report), ("--plot", args.plot),
                *_plan_files("--save-plan", args.save_plan, True, args)]
@@ -265,14 +275,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "the head kept on the device; an equivalent of torchtune's OffloadActivations, not torchtune "
         "itself). Every strategy runs under the same --device-mem-gb budget and reports the same numbers.",
     )
-    p.add_argument("--model", default=d.model,
-                   help=f"model name ({', '.join(list_configs())}) or a CONFIG.json with "
-                   "memo.models.ModelConfig's fields")
+    p.add_argument("--model", default=None,
+                   help=f"memo's model to train: a name ({', '.join(list_configs())}) or a CONFIG.json "
+                   f"with memo.models.ModelConfig's fields; not with --hf-model or --hf-config (default: "
+                   f"{d.model})")
     p.add_argument("--seq-len", type=seq_len, default=d.seq_len, help="tokens per sequence: 4096, 128K, 1M")
     p.add_argument("--micro-batch", type=positive_int, default=d.micro_batch, help="sequences per step")
     p.add_argument("--steps", type=positive_int, default=d.steps, help="optimizer steps")
     p.add_argument("--device", type=train_device, default=d.device, help="cpu or cuda[:i]")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype, help="parameter/activation dtype")
+    p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
+                   help="parameter/activation dtype; auto (the default): the --hf-model checkpoint's own, "
+                   "else float32")
     p.add_argument("--lr", type=positive_float, default=d.lr, help="AdamW learning rate")
     p.add_argument("--seed", type=int, default=d.seed, help="seed for initialisation and data")
     p.add_argument(
@@ -335,6 +348,27 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="train a Hugging Face causal LM (Llama, Qwen2, Mistral) built from this config "
                    "instead of --model: a config.json, a directory holding one (no weights are loaded), or "
                    "inline JSON with a model_type; random weights, no download")
+    hf = p.add_argument_group("your own Hugging Face model")
+    hf.add_argument("--hf-model", metavar="DIR",
+                    help="fine-tune the Hugging Face causal LM saved in DIR (config.json and safetensors "
+                    "weights, as save_pretrained writes them; Llama, Qwen2, Mistral), loaded with "
+                    "from_pretrained offline in its own dtype unless --dtype is given; --engine memo or "
+                    "fsdp2 (with --offload-states, --dp, --cp C --cp-comm a2a); not with --model or "
+                    "--hf-config")
+    hf.add_argument("--rope-theta", type=positive_float, metavar="F",
+                    help="--hf-model/--hf-config: the rotary base, set in the config before the model is "
+                    "built and written into --export's config.json")
+    hf.add_argument("--rope-scaling", metavar="JSON",
+                    help="--hf-model/--hf-config: context extension, the config's rope parameters as "
+                    "transformers spells them, e.g. '{\"rope_type\": \"yarn\", \"factor\": 4.0, "
+                    "\"original_max_position_embeddings\": 4096}' (or linear, dynamic, llama3 with their "
+                    "factor); keeps the config's rope_theta unless --rope-theta is given; written into "
+                    "--export's config.json")
+    hf.add_argument("--export", metavar="DIR",
+                    help="at the end of training, write the trained --hf-model/--hf-config model to DIR (new "
+                    "or empty) with save_pretrained: safetensors, config.json (with the rope flags), the "
+                    "generation config and the checkpoint's tokenizer files; under FSDP2 the shards are "
+                    "gathered and rank 0 writes; written whole or not at all")
     p.add_argument("--strategy", choices=STRATEGIES, default="memo", help="activation-memory strategy")
     p.add_argument(
         "--alpha", default="auto",

@@ -5,6 +5,8 @@ parallel rank's additions (memo/train/parallel.py) import them from here."""
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -40,8 +42,9 @@ class TrainConfig:
     """Optimizer steps."""
     device: str = "cpu"
     """``cpu`` or ``cuda[:i]``."""
-    dtype: str = "float32"
-    """Parameter, activation and optimizer-state dtype (no float32 master copy)."""
+    dtype: str = "auto"
+    """Parameter, activation and optimizer-state dtype (no float32 master copy); ``auto`` (not given) is
+    the ``hf_model`` checkpoint's own dtype, else float32, and is resolved when the config is made."""
     lr: float = 1e-3
     """AdamW learning rate (constant)."""
     seed: int = 0
@@ -65,6 +68,20 @@ class TrainConfig:
     in host memory); ``--engine fsdp2`` only."""
     hf_config: str | None = None
     """A Hugging Face causal-LM config (JSON file, directory or inline JSON) to train, not ``model``."""
+    hf_model: str | None = None
+    """``--hf-model``: a local Hugging Face checkpoint directory (config.json and safetensors weights, as
+    ``save_pretrained`` writes it) to fine-tune, not ``model`` or ``hf_config`` (NOTE [Loading a
+    checkpoint] in memo/engines.py)."""
+    rope_theta: float | None = None
+    """``--rope-theta``: the rotary base of the ``hf_model`` / ``hf_config`` model (NOTE [Context
+    extension] in memo/engines.py); None keeps the config's."""
+    rope_scaling: dict[str, Any] | None = None
+    """``--rope-scaling``: rope parameters as transformers spells them (a dict, or its JSON text), e.g.
+    ``{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}``; None keeps the
+    config's."""
+    export: str | None = None
+    """``--export``: a directory (new or empty) to write the trained Hugging Face model to at the end,
+    with ``save_pretrained`` (NOTE [Exporting the trained model] in memo/train/export.py)."""
     tensor_parallel: int = 1
     """``--tp``: megatron tensor-parallel ranks (NOTE [Parallel layout] in memo/distributed/layout.py)."""
     context_parallel: int = 1
@@ -90,19 +107,24 @@ class TrainConfig:
 
         if self.engine not in ENGINES:
             raise MemoError(f"memo.train: --engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        self._check_hf_model()
         if self.hf_config is not None and self.engine not in ("memo", "fsdp2"):
             raise MemoError("memo.train: --hf-config builds a Hugging Face model; it does not combine with "
                             f"--engine {self.engine} (--engine fsdp2 shards it)")
         if self.offload_states and self.engine != "fsdp2":
             raise MemoError("memo.train: --offload-states places the model states in host memory through "
                             f"FSDP2's CPUOffloadPolicy; add --engine fsdp2 (got --engine {self.engine})")
-        if self.hf_config is None and self.model not in list_configs():
+        if not self.hugging_face and self.model not in list_configs():
             get_config(self.model)  # raises the error listing valid names
         for name in ("seq_len", "micro_batch", "steps"):
             if getattr(self, name) < 1:
                 raise MemoError(
                     f"memo.train: --{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
                 )
+        if self.dtype == "auto":
+            from memo.engines import checkpoint_dtype
+
+            self.dtype = "float32" if self.hf_model is None else checkpoint_dtype(self.hf_model)
         if self.dtype not in DTYPES:
             raise MemoError(f"memo.train: --dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if not self.lr > 0:
@@ -122,8 +144,8 @@ class TrainConfig:
             self._check_head_chunks()
         self._check_data()
         if (max(parallel) > 1 or self.sequence_parallel) and self.engine != "fsdp2" and (
-                self.engine != "megatron" or self.hf_config is not None):
-            what = "--hf-config" if self.hf_config is not None else f"--engine {self.engine}"
+                self.engine != "megatron" or self.hugging_face):
+            what = self._hf_flag() if self.hugging_face else f"--engine {self.engine}"
             raise MemoError(
                 f"memo.train: {what} builds a single-process model; --tp/--cp/--dp > 1 and --sp need "
                 "megatron-core's parallel layers: use --engine megatron (--engine fsdp2 for --dp alone), or "
@@ -135,6 +157,9 @@ class TrainConfig:
         from memo.train.corpus import data_kind
 
         kind = None if self.data is None else data_kind(self.data)
+        if kind == "jsonl" and self.tokenizer is None and self.hf_model is not None and _has_tokenizer(
+                self.hf_model):
+            self.tokenizer = self.hf_model  # a checkpoint as users have it holds its tokenizer
         if kind == "jsonl" and self.tokenizer is None:
             raise MemoError(f"memo.train: --data {self.data} is a JSONL corpus; add --tokenizer DIR (the "
                             "directory of the model's Hugging Face tokenizer)")
@@ -148,14 +173,64 @@ class TrainConfig:
         if self.engine == "megatron":
             raise MemoError(f"memo.train: --data {self.data} packs documents, and --engine megatron is given "
                             "no position ids to mask them by; use --engine memo or fsdp2")
-        hf = self.hf_config is not None or getattr(self, "hf_model", None) is not None
-        if not hf:
+        if not self.hugging_face:
             raise MemoError(f"memo.train: --data {self.data} packs documents into rows, and memo's reference "
                             f"model {self.model!r} has no document masking (its tokens would attend across "
                             "documents); train a Hugging Face model (--hf-config/--hf-model) on it")
         if self.micro_batches > 1 or self.pipeline_parallel > 1:
             raise MemoError(f"memo.train: --data {self.data} packs documents, whose position ids the "
                             "pipelined loop (--micro-batches/--pp) does not carry; run without them")
+    @property
+    def hugging_face(self) -> bool:
+        """Whether the model is a Hugging Face one (``hf_model`` or ``hf_config``), not ``model``."""
+        return self.hf_model is not None or self.hf_config is not None
+
+    def _hf_flag(self) -> str:
+        return "--hf-model" if self.hf_model is not None else "--hf-config"
+
+    def _check_hf_model(self) -> None:
+        """``hf_model``, the rope flags and ``export``: one model source, a checkpoint that is one (NOTE
+        [Loading a checkpoint] in memo/engines.py), an engine that takes it, rope parameters for a
+        Hugging Face model, an export path that is new and no input."""
+        if self.hf_model is not None:
+            if self.hf_config is not None:
+                raise MemoError("memo.train: --hf-model loads a checkpoint with its own config; --hf-config "
+                                "builds a model from a config alone: give one of them")
+            if self.engine == "megatron":
+                raise MemoError("memo.train: --hf-model loads a Hugging Face checkpoint, which --engine "
+                                "megatron has no converter for; use --engine memo or --engine fsdp2")
+            from memo.engines import check_hf_checkpoint
+
+            check_hf_checkpoint(self.hf_model)
+        if isinstance(self.rope_scaling, str):
+            self.rope_scaling = _json_object(self.rope_scaling, "--rope-scaling")
+        if self.rope_scaling is not None and (
+                not isinstance(self.rope_scaling, dict) or not isinstance(
+                    self.rope_scaling.get("rope_type", self.rope_scaling.get("type")), str)):
+            raise MemoError("memo.train: --rope-scaling must be a JSON object with a \"rope_type\" (linear, "
+                            f"dynamic, yarn, llama3, longrope), got {self.rope_scaling!r:.120}")
+        if self.rope_theta is not None and (isinstance(self.rope_theta, bool) or not isinstance(
+                self.rope_theta, (int, float)) or not math.isfinite(self.rope_theta) or self.rope_theta <= 0):
+            raise MemoError(f"memo.train: --rope-theta must be a positive number, got "
+                            f"{self.rope_theta!r:.40}")
+        if (self.rope_theta is not None or self.rope_scaling is not None) and not self.hugging_face:
+            raise MemoError("memo.train: --rope-theta and --rope-scaling change a Hugging Face model's "
+                            "config (--hf-model or --hf-config); memo's models take rope_theta in their "
+                            "CONFIG.json")
+        if self.export is not None:
+            self._check_export()
+
+    def _check_export(self) -> None:
+        """NOTE [Exporting the trained model] in memo/train/export.py: a Hugging Face model, to a new
+        directory that is no input."""
+        from memo.train.export import check_export_path
+
+        if self.engine == "megatron" or not self.hugging_face:
+            what = "megatron's GPTModel" if self.engine == "megatron" else f"memo's model {self.model!r}"
+            raise MemoError(f"memo.train: --export {self.export!r}: {what} has no Hugging Face layout to "
+                            "export to; --export writes the model of --hf-model or --hf-config")
+        check_export_path(str(self.export), [("--hf-model", self.hf_model), ("--hf-config", self.hf_config),
+                                             ("--data", self.data), ("--tokenizer", self.tokenizer)])
 
     def _check_head_chunks(self) -> None:
         """--ulysses-head-chunks runs memo's Ulysses core attention on memo's models under FSDP2, over a
@@ -165,9 +240,9 @@ class TrainConfig:
             raise MemoError(f"memo.train: {flag} chunks Ulysses context parallelism's heads; it needs --cp "
                             f"> 1 and --cp-comm a2a (got --cp {self.context_parallel} --cp-comm "
                             f"{self.cp_comm})")
-        if self.engine != "fsdp2" or self.hf_config is not None:
-            what = ("--hf-config (its own attention)" if self.hf_config is not None
-                    else f"--engine {self.engine}")
+        if self.engine != "fsdp2" or self.hugging_face:
+            what = f"{self._hf_flag()} (its own attention)" if self.hugging_face else \
+                f"--engine {self.engine}"
             raise MemoError(f"memo.train: {flag} runs under --engine fsdp2 on memo's models, whose core "
                             f"attention is memo's Ulysses; not with {what}")
         from memo.models.ulysses_attention import head_chunk_slices
@@ -175,6 +250,22 @@ class TrainConfig:
         shapes = get_config(self.model)
         head_chunk_slices(shapes.n_heads, shapes.n_kv_heads or shapes.n_heads, self.context_parallel,
                           self.ulysses_head_chunks)
+
+
+def _has_tokenizer(directory: str) -> bool:
+    """Whether a Hugging Face checkpoint directory holds a tokenizer ``AutoTokenizer`` can load."""
+    import os
+
+    return any(os.path.isfile(os.path.join(directory, name))
+               for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+
+
+def _json_object(text: str, flag: str) -> Any:
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        raise MemoError(f"memo.train: {flag} {text!r:.120} is not JSON; give e.g. '{{\"rope_type\": "
+                        "\"yarn\", \"factor\": 4.0, \"original_max_position_embeddings\": 4096}'") from None
 
 
 @dataclass

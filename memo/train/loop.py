@@ -262,6 +262,10 @@ def train(
                    optimizer)
         finally:
             strategy.close()
+        if config.export is not None:  # every rank: FSDP2 gathers the shards (memo/train/export.py)
+            from memo.train import export
+
+            export.export_trained(model, config.export, parallel, config.hf_model, emit)
         if parallel is not None:
             result.parallel = _parallel_record(parallel, result)
     finally:
@@ -370,8 +374,12 @@ def _build(config: TrainConfig, device: torch.device, dtype: torch.dtype, budget
     """The model to train and a memo ModelConfig of its shapes (for FLOPs, the fingerprint and plans)."""
     from memo import engines
 
+    if config.hf_model is not None:  # NOTE [Loading a checkpoint] in memo/engines.py
+        hf = engines.hf_checkpoint_config(config.hf_model, config.rope_theta, config.rope_scaling)
+        return engines.load_hf_causal_lm(config.hf_model, hf, device, dtype), _hf_shapes(hf)
     if config.hf_config is not None:
         hf = engines.hf_config(config.hf_config)
+        engines.apply_rope(hf, config.rope_theta, config.rope_scaling)  # NOTE [Context extension]
         model = engines.build_hf_causal_lm(hf, device, dtype)
         return model, _hf_shapes(hf)
     model_config = get_config(config.model)
@@ -394,9 +402,10 @@ def _build(config: TrainConfig, device: torch.device, dtype: torch.dtype, budget
 
 
 def _model_name(config: TrainConfig, model_config: ModelConfig) -> str:
-    if config.hf_config is not None:
+    if config.hugging_face:
         fsdp2 = ", FSDP2" + (", states offloaded" if config.offload_states else "")
-        return f"{model_config.name} (Hugging Face{fsdp2 if config.engine == 'fsdp2' else ''})"
+        source = "" if config.hf_model is None else f" from {config.hf_model}"
+        return f"{model_config.name}{source} (Hugging Face{fsdp2 if config.engine == 'fsdp2' else ''})"
     if config.engine == "fsdp2":
         return f"{config.model} (FSDP2{', states offloaded' if config.offload_states else ''})"
     return config.model if config.engine == "memo" else f"{config.model} (megatron-core GPTModel)"

@@ -45,14 +45,14 @@ def start_parallel(config: TrainConfig) -> ParallelRun | None:
                      seq_len=config.seq_len, micro_batch=config.micro_batch)
         return FSDP2Run.start(layout, launch, config.device, config.seed, config.offload_states,
                               config.ulysses_head_chunks)
-    megatron = config.engine == "megatron" and config.hf_config is None
+    megatron = config.engine == "megatron" and not config.hugging_face
     if layout.world == 1 and not layout.sequence_parallel and not (launch.launched and megatron):
         # One process (megatron's world of one: memo/engines.py). Under torchrun a
         # megatron world of one is a distributed run (NCCL on a GPU); memo's and Hugging Face's
         # models have no parallel layers and run as one process whatever launched them.
         return None
-    if config.engine != "megatron" or config.hf_config is not None:  # refused first by check_layout
-        check_layout(layout, engine="hf" if config.hf_config is not None else config.engine, n_heads=1,
+    if config.engine != "megatron" or config.hugging_face:  # refused first by check_layout
+        check_layout(layout, engine="hf" if config.hugging_face else config.engine, n_heads=1,
                      n_query_groups=1, vocab_size=1, seq_len=1, micro_batch=1)
     shapes = get_config(config.model)
     check_layout(layout, engine=config.engine, n_heads=shapes.n_heads,
@@ -64,12 +64,12 @@ def start_parallel(config: TrainConfig) -> ParallelRun | None:
 
 def _heads(config: TrainConfig) -> tuple[int, int]:
     """The query and key/value heads of the model ``config`` trains (memo's, or the HF config's)."""
-    if config.hf_config is None:
+    if not config.hugging_face:
         shapes = get_config(config.model)
         return shapes.n_heads, shapes.n_kv_heads or shapes.n_heads
-    from memo.engines import hf_config
+    from memo.engines import hf_checkpoint_config, hf_config
 
-    hf = hf_config(config.hf_config)
+    hf = hf_config(config.hf_config) if config.hf_model is None else hf_checkpoint_config(config.hf_model)
     heads = int(getattr(hf, "num_attention_heads", 1) or 1)
     return heads, int(getattr(hf, "num_key_value_heads", None) or heads)
 

@@ -148,7 +148,7 @@ def build_report(result: TrainResult) -> dict[str, Any]:
     report = {
         "version": REPORT_VERSION,
         "kind": REPORT_KIND,
-        "model": cfg.model,
+        "model": cfg.hf_model if cfg.hf_model is not None else cfg.model,  # the checkpoint fine-tuned
         "model_fingerprint": result.model_fingerprint,
         "seq_len": cfg.seq_len,
         "micro_batch": cfg.micro_batch,
