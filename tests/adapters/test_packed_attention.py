@@ -89,10 +89,12 @@ def _llama(impl: str = "sdpa", layers: int = 2) -> torch.nn.Module:
 
 
 def _step(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor | None,
-          targets: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+          targets: torch.Tensor, mask: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Summed next-token loss over ``targets`` (-100: none) and every gradient."""
     model.zero_grad(set_to_none=True)
-    logits = model(input_ids=ids, **({} if positions is None else {"position_ids": positions})).logits
+    logits = model(input_ids=ids, attention_mask=mask,
+                   **({} if positions is None else {"position_ids": positions})).logits
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -120,8 +122,14 @@ def packed() -> dict[str, object]:
     return {"ids": ids, "positions": positions, "targets": targets, "model": model, "want": want}
 
 
-def test_packed_llama_equals_hf_masked_sdpa_eager_and_documents_one_by_one(packed: dict) -> None:
+def test_packed_llama_equals_hf_masked_sdpa_eager_and_documents_one_by_one(
+        packed: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    import memo.adapters.hf_packed as hf_packed
+
     ids, positions, targets, model, want = (packed[k] for k in _FIXTURE)
+    read = []
+    monkeypatch.setattr(hf_packed, "document_offsets",
+                        lambda *a, _fn=hf_packed.document_offsets: read.append(1) or _fn(*a))
     mine = copy.deepcopy(model)
     use_packed_attention(mine)
     assert mine.config._attn_implementation == PACKED_ATTENTION
@@ -130,6 +138,10 @@ def test_packed_llama_equals_hf_masked_sdpa_eager_and_documents_one_by_one(packe
         lambda _m, _a, kw: masks.append(kw.get("attention_mask")), with_kwargs=True)
     assert_same_step(_step(mine, ids, positions, targets), want)
     assert masks == [None]  # transformers built no mask: the layers got the documents instead
+    assert len(read) == 1  # the offsets are read once for the forward, not per layer
+    # a 2-D padding mask: transformers ignores position resets then, and so does memo
+    ones = torch.ones_like(ids)
+    assert_same_step(_step(mine, ids, positions, targets, ones), _step(model, ids, positions, targets, ones))
 
     eager = _llama("eager")
     assert_same_step(_step(eager, ids, positions, targets), want)
