@@ -151,8 +151,14 @@ def _offsets_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
 
 
 def _register() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError as err:
+        import transformers
+
+        raise MemoError(f"{_WHERE}: memo's packed attention needs transformers >= 5 (its attention and mask "
+                        f"interfaces); this is {transformers.__version__} ({err})") from None
 
     AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
     AttentionMaskInterface.register(PACKED_ATTENTION, packed_attention_mask)
