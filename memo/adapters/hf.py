@@ -36,9 +36,10 @@ goes back to ``[t, b, ...]`` the same way.
 
 Refused with a MemoError naming the layer class and the reason: a KV cache that already holds
 tokens (an empty one, and ``use_cache=True``, are turned off in training forwards: NOTE [The KV
-cache in a training forward]), ``output_attentions``, attention dropout > 0, an attention implementation other
-than ``eager``/``sdpa``, HF gradient checkpointing, flash-attention varlen arguments, a mask that is
-not ``[B, 1 or n, s, s]``, and an active sliding window without a mask that encodes it.
+cache in a training forward]), ``output_attentions``, attention dropout > 0, an attention
+implementation other than ``eager``, ``sdpa``, ``memo_packed`` (or ``memo_ulysses``), HF gradient
+checkpointing, flash-attention varlen arguments, a mask that is not ``[B, 1 or n, s, s]``, and an
+active sliding window without a mask (or documents) that encodes it.
 
 NOTE [HF attention masks]
 HF's eager and sdpa paths build the whole ``[B, 1, s, s]`` mask in the model and hand it to every
@@ -50,6 +51,10 @@ uses the same mask the same way, so it computes what HF computes:
 
 - ``None``, or a mask that is exactly causal for every batch row (checked in row blocks): memo's
   causal kernels (:mod:`memo.models.causal_attention`);
+- no mask in a model running memo's packed attention (``memo_packed``: NOTE [Packed attention in HF
+  models] in memo/adapters/hf_packed.py): causal attention within each document of the offsets the
+  base model's hook read from ``position_ids`` (memo's causal kernels per document,
+  :func:`memo.models.causal_attention.document_attention_forward`), no ``[s, s]`` mask anywhere;
 - any other mask: :func:`masked_attention_forward` / :func:`masked_attention_backward`, plain
   matrix products over blocks of query rows in float32 (float64 for float64 inputs), forward and
   backward without autograd. A boolean mask is applied as ``-inf`` and a query row with no key
@@ -87,7 +92,14 @@ from torch import nn
 
 from memo.adapters.base import AttentionBackward, AttentionForward, LayerAdapter, MLPSite
 from memo.adapters.exact import unhonoured
+from memo.adapters.hf_packed import DOCUMENT_OFFSETS, PACKED_ATTENTION, document_offsets
 from memo.errors import MemoError
+from memo.models.causal_attention import (
+    DocumentOffsets,
+    document_attention_backward,
+    document_attention_forward,
+    longest_document,
+)
 from memo.models.masked_attention import is_plain_causal, masked_attention_backward, masked_attention_forward
 
 try:
@@ -112,7 +124,7 @@ DECODER_LAYERS = (
 
 #: Attention implementations whose math memo reproduces (NOTE [HF attention masks]), and memo's own
 #: Ulysses one (NOTE [Ulysses around HF's attention] in memo/adapters/hf_ulysses.py).
-SUPPORTED_ATTENTION = (None, "eager", "sdpa", "memo_ulysses")
+SUPPORTED_ATTENTION = (None, "eager", "sdpa", "memo_ulysses", PACKED_ATTENTION)
 
 # ---------------------------------------------------------------------------------------------
 # Masked attention (NOTE [HF attention masks])
@@ -164,18 +176,23 @@ class _Ctx:
     mask: torch.Tensor | None
     scale: float
     as_tuple: bool
+    #: The documents packed into each row (NOTE [Packed attention in HF models] in
+    #: memo/adapters/hf_packed.py), None when attention is plain causal or under ``mask``.
+    offsets: DocumentOffsets | None = None
     #: dtype attention ran in (the autocast dtype under autocast), set by core_forward.
     attn_dtype: torch.dtype | None = None
 
 
 # Arguments HF's own model loop passes that do not change the layer's math.
 _IGNORED = {"position_ids", "cache_position", "output_hidden_states", "return_dict", "num_items_in_batch"}
+# Arguments split_args reads.
+_TAKEN = {"self", "hidden_states", "attention_mask", "position_embeddings", DOCUMENT_OFFSETS}
 # Arguments that must be absent, None or False.
 _CACHE = ("past_key_values", "past_key_value", "layer_past")
 _REFUSED_IF_SET = {
     "use_cache": "use_cache=True (pass use_cache=False or set model.config.use_cache = False to train)",
     "output_attentions": "output_attentions=True (memo never forms the attention weights)",
-    "memo_document_positions": "packed documents under Ulysses context parallelism (memo's Ulysses "
+    "memo_ulysses_document_offsets": "packed documents under Ulysses context parallelism (memo's Ulysses "
                                "kernels take no document mask; train packed data under --cp with --strategy "
                                "none, or without --cp: NOTE [Packed documents under Ulysses] in "
                                "memo/adapters/hf_ulysses.py)",
@@ -299,6 +316,18 @@ def _causal_kernels(layer: nn.Module) -> tuple[AttentionForward, AttentionBackwa
     return attention_forward, attention_backward
 
 
+def _document_offsets(layer: nn.Module, given: dict[str, Any], b: int) -> DocumentOffsets | None:
+    """The documents of a maskless call of a layer running memo's packed attention: the offsets the
+    base model's hook computed once for the forward, else the layer's ``position_ids``' (NOTE [Packed
+    attention in HF models] in memo/adapters/hf_packed.py); None for any other attention."""
+    if _attn_implementation(layer) != PACKED_ATTENTION:
+        return None
+    if DOCUMENT_OFFSETS in given:
+        return given[DOCUMENT_OFFSETS]
+    positions = given.get("position_ids")
+    return document_offsets(positions, b) if isinstance(positions, torch.Tensor) else None
+
+
 def _scale(layer: nn.Module) -> float:
     attn = layer.self_attn
     scale = getattr(attn, "scaling", None)
@@ -375,7 +404,7 @@ class HFDecoderLayerAdapter(LayerAdapter[_Ctx]):
                 given.update(given.pop(name, {}))
         problems = _gradient_checkpointing(layer) + _not_exact(layer)
         for name, value in given.items():
-            if name in ("self", "hidden_states", "attention_mask", "position_embeddings") or name in _IGNORED:
+            if name in _TAKEN or name in _IGNORED:
                 continue
             if name in _CACHE:
                 if value is not None and not _cache_turned_off(value):
@@ -412,15 +441,18 @@ class HFDecoderLayerAdapter(LayerAdapter[_Ctx]):
         if mask is not None:
             cut = _layer_mask(mask, s, b, n, where)
             mask = None if self._verdicts.plain_causal(mask, cut) else cut
+        offsets = _document_offsets(layer, given, b) if mask is None else None
         window = _sliding_window(layer)
-        if mask is None and window is not None and s * (1 if shard is None else shard.size) > window:
+        longest = s * (1 if shard is None else shard.size) if offsets is None else longest_document(offsets)
+        if mask is None and window is not None and longest > window:
             raise MemoError(
-                f"{where}: sliding_window={window} is shorter than the sequence ({s} tokens) but the layer "
+                f"{where}: sliding_window={window} is shorter than the sequence ({longest} tokens"
+                f"{' in its longest document' if offsets else ''}) but the layer "
                 "got no attention mask that applies it; memo's causal attention would see every earlier "
                 "token. Call the model (with attn_implementation 'eager' or 'sdpa' its mask carries the "
                 f"window), or use sequences of at most {window} tokens")
-        ctx = _Ctx(cos=cos, sin=sin, mask=mask, scale=_scale(layer),
-                   as_tuple=_returns_tuple(cls))
+        ctx = _Ctx(cos=cos, sin=sin, mask=mask, scale=_scale(layer), as_tuple=_returns_tuple(cls),
+                   offsets=offsets)
         return hidden.transpose(0, 1), ctx
 
     # The submodules run in the layer's own layout, [b, t, h] (NOTE [HF layout]): a hook on
@@ -452,7 +484,9 @@ class HFDecoderLayerAdapter(LayerAdapter[_Ctx]):
         dt = ctx.attn_dtype
         q, k, v = q.to(dt), k.to(dt), v.to(dt)
         s, b, n, d = q.shape
-        if ctx.mask is None:
+        if ctx.offsets is not None:
+            o, lse = document_attention_forward(q, k, v, ctx.offsets, ctx.scale)
+        elif ctx.mask is None:
             forward, _ = _causal_kernels(layer)
             o, lse = forward(_rescale(q, ctx.scale), k, v)
         else:
@@ -466,7 +500,10 @@ class HFDecoderLayerAdapter(LayerAdapter[_Ctx]):
         s, b, n, d = q.shape
         qc, kc, vc = q.to(dt), k.to(dt), v.to(dt)
         grad_o = grad_o.reshape(s, b, n, d).to(dt)
-        if ctx.mask is None:
+        if ctx.offsets is not None:
+            dq, dk, dv = document_attention_backward(grad_o, qc, kc, vc, o.view(s, b, n, d), lse, ctx.offsets,
+                                                     ctx.scale)
+        elif ctx.mask is None:
             _, attention_backward = _causal_kernels(layer)
             factor = _factor(ctx.scale, d)
             dq, dk, dv = attention_backward(grad_o, _rescale(qc, ctx.scale), kc, vc, o.view(s, b, n, d), lse)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from memo.adapters.hf import _CHECKPOINTING_OFF, SUPPORTED_ATTENTION
+from memo.adapters.hf_packed import use_packed_attention
 from memo.adapters.model import ModelAdapter, ModelParts
 from memo.errors import MemoError
 from memo.models.loss import IGNORE_INDEX
@@ -114,9 +115,10 @@ class CausalLMAdapter(ModelAdapter):
              positions: torch.Tensor | None = None) -> torch.Tensor:
         """Mean next-token loss; ``labels[:, t]`` is the target of position t (already shifted, -100
         ignored). Runs the base model (embedding, layers, final norm), then the chunked head.
-        ``positions``: ``[b, s]`` position ids of packed documents, from which transformers 5.x builds
-        the block-causal mask of eager and sdpa attention (a position that does not follow its
-        predecessor starts a document; NOTE [HF attention masks] in memo/adapters/hf.py)."""
+        ``positions``: ``[b, s]`` position ids of packed documents (a position that does not follow its
+        predecessor starts a document): the model is switched to memo's packed attention, which attends
+        within each document with no ``[s, s]`` mask (NOTE [Packed attention in HF models] in
+        memo/adapters/hf_packed.py)."""
         if ids.device.type == "meta":
             raise MemoError(
                 f"memo.adapters.hf: {type(model).__name__} cannot run on the meta device: transformers "
@@ -125,6 +127,8 @@ class CausalLMAdapter(ModelAdapter):
         if positions is not None and _TRANSFORMERS_MAJOR < 5:
             raise MemoError(f"memo.adapters.hf: packed documents need transformers >= 5, which builds the "
                             f"block-causal mask from position ids; this is {_transformers_version()}")
+        if positions is not None:  # NOTE [Packed attention in HF models] in memo/adapters/hf_packed.py
+            use_packed_attention(model)
         out = model.model(input_ids=ids, use_cache=False,
                           **({} if positions is None else {"position_ids": positions}))
         hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state

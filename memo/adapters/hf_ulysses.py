@@ -21,12 +21,15 @@ Packed documents reach a rank as the position ids of its tokens (NOTE [Packed do
 memo/train/corpus.py), and the block-causal mask they stand for spans the whole sequence, which the
 rank's attention sees only after its exchange. So when the caller gives ``position_ids``, the base
 model's pre-hook all-gathers them over the Ulysses group (every rank runs the same forward, so the
-gather pairs up) and, where they hold a document boundary, hands the whole sequence's positions to
-the layers as ``memo_document_positions``; :func:`ulysses_sdpa_attention` turns them into the boolean
-block-causal mask transformers would build (a position that does not follow its predecessor starts a
-document) and runs sdpa under it. Every rank decides from the same gathered positions, so all ranks
-take the same path. memo's wrapped layers run memo's causal Ulysses kernels, which take no mask: they
-refuse ``memo_document_positions`` (memo/adapters/hf.py), on every rank alike.
+gather pairs up) and, where they hold a document boundary, turns them once per forward into the
+offsets of the whole sequence's documents (a position that does not follow its predecessor starts
+one: transformers' rule) and hands them to the layers as ``memo_ulysses_document_offsets``. After its
+exchange a rank holds every token of its heads, so :func:`ulysses_sdpa_attention` runs memo's causal
+kernels within each document there (NOTE [Attention over packed documents] in
+memo/models/causal_attention.py): no ``[s, s]`` mask. Every rank decides from the same gathered
+positions, so all ranks take the same path. memo's wrapped layers run memo's causal Ulysses kernels,
+which take no documents: they refuse ``memo_ulysses_document_offsets`` (memo/adapters/hf.py), on every
+rank alike.
 
 Under memo (``memo.wrap``) the layer adapter recognises ``"memo_ulysses"`` and runs memo's Ulysses
 halves with the same exchange (memo/adapters/hf.py), so wrapped and unwrapped ranks compute the same.
@@ -40,16 +43,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from memo.adapters.hf_packed import document_offsets
 from memo.errors import MemoError
+from memo.models.causal_attention import document_attention
 from memo.models.ulysses_attention import SequenceShard, heads_to_tokens, kv_replicas, tokens_to_heads
 
 __all__ = ["DOCUMENT_POSITIONS", "ULYSSES_ATTENTION", "shard_hf_sequence", "ulysses_sdpa_attention"]
 
 #: The attention implementation name memo registers with transformers.
 ULYSSES_ATTENTION = "memo_ulysses"
-#: The keyword the layers get the whole sequence's document positions by (NOTE [Packed documents under
+#: The keyword the layers get the whole sequence's document offsets by (NOTE [Packed documents under
 #: Ulysses]).
-DOCUMENT_POSITIONS = "memo_document_positions"
+DOCUMENT_POSITIONS = "memo_ulysses_document_offsets"
 
 _WHERE = "memo.adapters.hf_ulysses"
 
@@ -76,6 +81,9 @@ def ulysses_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Te
                         f"({query.shape[2] * shard.size} tokens); memo's Ulysses attention is causal over "
                         "the whole sequence and applies no window. Use sequences of at most the window")
     documents = kwargs.pop(DOCUMENT_POSITIONS, None)
+    if documents is not None and dropout > 0:
+        raise MemoError(f"{_WHERE}: attention dropout {dropout} with packed documents; memo's document "
+                        "attention has no dropout (set config.attention_dropout = 0)")
     n, n_kv = query.shape[1], key.shape[1]
     replicas = kv_replicas(n, n_kv, shard.size)
     group = shard.group
@@ -87,13 +95,15 @@ def ulysses_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Te
         return tokens_to_heads(t, group).permute(1, 2, 0, 3)
 
     q, k, v = heads(query), heads(key, replicas), heads(value, replicas)
-    mask = None if documents is None else _document_mask(documents.to(q.device), q.shape[0])
+    if documents is not None:  # every token of these heads: attention within each document
+        o = document_attention(*(t.permute(2, 0, 1, 3) for t in (q, k, v)), documents, scaling)
+        return heads_to_tokens(o, group).transpose(0, 1), None  # [b, s, n, d]
     # sdpa repeats key/value heads by the module's ratio where it cannot use GQA itself: the ratio of
     # the heads this rank holds, which replicas change
     ratio, had = q.shape[1] // k.shape[1], getattr(module, "num_key_value_groups", None)
     module.num_key_value_groups = ratio
     try:
-        out, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling,
+        out, _ = sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling,
                                         is_causal=kwargs.pop("is_causal", getattr(module, "is_causal", True)),
                                         **kwargs)
     finally:
@@ -102,19 +112,6 @@ def ulysses_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Te
         else:
             module.num_key_value_groups = had
     return heads_to_tokens(out.transpose(0, 1), group).transpose(0, 1), None  # [b, s, n, d]
-
-
-def _starts(positions: torch.Tensor) -> torch.Tensor:
-    """Where a document starts: a position that does not follow its predecessor (transformers' rule)."""
-    return torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1) != 1
-
-
-def _document_mask(positions: torch.Tensor, b: int) -> torch.Tensor:
-    """``[b, 1, S, S]`` boolean, True = attend: causal within each document of ``positions`` ``[B, S]``."""
-    documents = _starts(positions).cumsum(-1).expand(b, -1)
-    s = positions.shape[1]
-    causal = torch.ones(s, s, dtype=torch.bool, device=positions.device).tril()
-    return ((documents[:, :, None] == documents[:, None, :]) & causal).unsqueeze(1)
 
 
 def _gathered(positions: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
@@ -134,15 +131,17 @@ def _positions_hook(shard: SequenceShard) -> Callable[
         [nn.Module, tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]]:
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[
             tuple[Any, ...], dict[str, Any]]:
-        given_positions = kwargs.get("position_ids")
-        if given_positions is not None:  # NOTE [Packed documents under Ulysses]
-            whole = _gathered(given_positions, shard)
-            if bool(_starts(whole)[:, 1:].any()):
-                kwargs[DOCUMENT_POSITIONS] = whole
-            return args, kwargs
         given = kwargs.get("input_ids", args[0] if args else None)
         if given is None:
             given = kwargs.get("inputs_embeds")
+        given_positions = kwargs.get("position_ids")
+        if given_positions is not None:  # NOTE [Packed documents under Ulysses]
+            whole = _gathered(given_positions, shard)
+            b = whole.shape[0] if given is None else given.shape[0]
+            offsets = document_offsets(whole, b)
+            if offsets is not None:
+                kwargs[DOCUMENT_POSITIONS] = offsets
+            return args, kwargs
         if given is None:
             return args, kwargs
         s = given.shape[1]

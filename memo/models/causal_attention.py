@@ -12,6 +12,8 @@ NOTE [fp32 attention on CUDA]).
 - :func:`attention_forward` returns ``(o, lse)`` without recording a graph.
 - :func:`attention_backward` turns ``grad_o`` into ``(dq, dk, dv)`` from the
   saved tensors; memo's runtime calls the halves directly.
+- :func:`document_attention` (and its halves) is the same attention within each of the documents
+  packed into a row, never across them (NOTE [Attention over packed documents]).
 
 Backends, chosen per call from the tensors' device:
 
@@ -42,7 +44,9 @@ import torch
 
 from memo.errors import MemoError
 
-__all__ = ["attention", "attention_backward", "attention_forward", "attention_backend"]
+__all__ = ["DocumentOffsets", "attention", "attention_backend", "attention_backward", "attention_forward",
+           "document_attention", "document_attention_backward", "document_attention_forward",
+           "longest_document"]
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -191,11 +195,13 @@ def attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
 
 
 def _forward_kernels(
-    backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True
+    backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+    scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``causal=False`` lets every query see every key (``k`` may be longer or shorter than ``q``): the
-    off-diagonal blocks of context-parallel attention (memo/models/cp_attention.py)."""
-    scale = 1.0 / math.sqrt(q.shape[-1])
+    off-diagonal blocks of context-parallel attention (memo/models/cp_attention.py). ``scale``: of the
+    scores, ``1/sqrt(d)`` when None."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if backend == "flash_attn":
         fa = _flash_attn_module()
         # flash-attn is batch-first [b, s, n, d] and handles n_kv < n itself.
@@ -242,8 +248,9 @@ def _aten_forward(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 def _backward_kernels(backend: str, grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       o: torch.Tensor, lse: torch.Tensor,
-                      causal: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    scale = 1.0 / math.sqrt(q.shape[-1])
+                      causal: bool = True, scale: float | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if backend == "flash_attn":
         fa = _flash_attn_module()
         bq, bk, bv, bo, bg = (t.transpose(0, 1).contiguous() for t in (q, k, v, o, grad_o))
@@ -313,3 +320,126 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
     Saves exactly ``q, k, v, o, lse`` for backward (NOTE [Attention saved tensors]).
     """
     return _Attention.apply(q, k, v)
+
+
+# NOTE [Attention over packed documents]
+# Documents packed into one row attend causally within themselves and never across: the mask is
+# block-diagonal, one causal block per document. memo never forms it. A row's documents are given as
+# offsets, like flash-attention's cu_seqlens: ``0 = o_0 < o_1 < ... < o_m = s``, document j being
+# tokens ``[o_j, o_{j+1})``. Each document runs through the causal kernels above on its own tokens
+# (consecutive batch rows with the same offsets together), writing into the full-size outputs: the
+# numbers are those of each document's attention run alone, and memory is the kernels' own, linear in
+# s (their head groups and GQA handling included), never a score or mask matrix over the row. The
+# log-sum-exp is ``[b, n, s]`` on every backend: the fp32 CUDA kernel's padding (NOTE [fp32 attention
+# on CUDA]) is cut off per document in forward and put back (+inf, rows it never reads) in backward.
+
+#: Per batch row, the offsets of its documents (NOTE [Attention over packed documents]).
+DocumentOffsets = tuple[tuple[int, ...], ...]
+
+
+def _row_runs(offsets: DocumentOffsets, s: int, b: int) -> list[tuple[slice, tuple[int, ...]]]:
+    """Consecutive batch rows with the same offsets, as ``(rows, offsets)``; a MemoError for offsets
+    that do not cut ``s`` tokens of ``b`` rows into documents."""
+    if len(offsets) != b:
+        raise MemoError(f"memo.models.attention: document offsets for {len(offsets)} rows, the batch has {b}")
+    for row in offsets:
+        if len(row) < 2 or row[0] != 0 or row[-1] != s or any(a >= e for a, e in _pairs(row)):
+            raise MemoError(f"memo.models.attention: document offsets {list(row)[:8]} do not cut {s} tokens "
+                            "into documents; give 0 = o_0 < o_1 < ... < o_m = s per row (cu_seqlens)")
+    runs: list[tuple[slice, tuple[int, ...]]] = []
+    for r, row in enumerate(offsets):
+        if runs and runs[-1][1] == row:
+            runs[-1] = (slice(runs[-1][0].start, r + 1), row)
+        else:
+            runs.append((slice(r, r + 1), row))
+    return runs
+
+
+def _spans(offsets: DocumentOffsets, s: int, b: int) -> list[tuple[slice, int, int]]:
+    """``(rows, start, end)`` of every document the kernels run (NOTE [Attention over packed documents])."""
+    return [(rows, a, e) for rows, row in _row_runs(offsets, s, b) for a, e in _pairs(row)]
+
+
+def _pairs(row: tuple[int, ...]) -> zip[tuple[int, int]]:
+    return zip(row, row[1:], strict=False)
+
+
+def longest_document(offsets: DocumentOffsets) -> int:
+    """The most tokens of one document in ``offsets`` (NOTE [Attention over packed documents])."""
+    return max(e - a for row in offsets for a, e in _pairs(row))
+
+
+def document_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: DocumentOffsets,
+                               scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention within each packed document, without autograd (NOTE [Attention over packed
+    documents]).
+
+    Args:
+        q: ``[s, b, n, d]``; k, v: ``[s, b, n_kv, d]``, ``n % n_kv == 0``.
+        offsets: per batch row, ``0 = o_0 < ... < o_m = s``: its documents ``[o_j, o_{j+1})``.
+        scale: of the scores, ``1/sqrt(d)`` when None.
+
+    Returns:
+        ``o: [s, b, n, d]`` (contiguous, dtype of q) and ``lse: [b, n, s]`` as :func:`attention_forward`'s
+        (never padded).
+    """
+    _check(q, k, v)
+    s, b, n, _ = q.shape
+    backend = attention_backend(q.device)
+    with torch.no_grad():
+        o = q.new_empty(q.shape)
+        lse: torch.Tensor | None = None
+        for rows, a, e in _spans(offsets, s, b):
+            o_i, lse_i = _forward_kernels(backend, q[a:e, rows], k[a:e, rows], v[a:e, rows], scale=scale)
+            if lse is None:
+                lse = lse_i.new_empty((b, n, s))
+            o[a:e, rows], lse[rows, :, a:e] = o_i, lse_i[..., :e - a]
+            del o_i, lse_i
+    assert lse is not None
+    return o, lse
+
+
+def document_attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                o: torch.Tensor, lse: torch.Tensor, offsets: DocumentOffsets,
+                                scale: float | None = None
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`document_attention_forward`: ``dq: [s, b, n, d]``, ``dk, dv: [s, b, n_kv, d]``."""
+    _check(q, k, v)
+    s, b = q.shape[:2]
+    backend = attention_backend(q.device)
+    padded = backend == "aten_cuda" and q.dtype not in _FLASH_DTYPES  # NOTE [fp32 attention on CUDA]
+    grad_o = grad_o.contiguous()
+    with torch.no_grad():
+        dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+        for rows, a, e in _spans(offsets, s, b):
+            lse_i = lse[rows, :, a:e].contiguous()
+            if padded:
+                lse_i = torch.nn.functional.pad(lse_i, (0, -(e - a) % 32), value=float("inf"))
+            dq[a:e, rows], dk[a:e, rows], dv[a:e, rows] = _backward_kernels(
+                backend, grad_o[a:e, rows], q[a:e, rows], k[a:e, rows], v[a:e, rows], o[a:e, rows], lse_i,
+                scale=scale)
+        return dq, dk, dv
+
+
+class _DocumentAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                offsets: DocumentOffsets, scale: float | None):
+        o, lse = document_attention_forward(q, k, v, offsets, scale)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.offsets, ctx.scale = offsets, scale  # type: ignore[attr-defined]
+        return o
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad_o: torch.Tensor):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = document_attention_backward(grad_o, q, k, v, o, lse, ctx.offsets,  # type: ignore[attr-defined]
+                                                 ctx.scale)  # type: ignore[attr-defined]
+        return dq, dk, dv, None, None
+
+
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: DocumentOffsets,
+                       scale: float | None = None) -> torch.Tensor:
+    """Differentiable :func:`document_attention_forward`: ``q: [s, b, n, d]``, ``k, v: [s, b, n_kv, d]``
+    -> ``[s, b, n, d]``; saves exactly ``q, k, v, o, lse`` (NOTE [Attention saved tensors])."""
+    return _DocumentAttention.apply(q, k, v, offsets, scale)
