@@ -301,8 +301,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                       "Any other file: its bytes are the tokens")
     data.add_argument("--tokenizer", metavar="DIR",
                       help="--data FILE.jsonl: the directory of a Hugging Face tokenizer (the model's; "
-                      "AutoTokenizer, local files only; default: the --hf-model checkpoint's own); documents get its "
-                      "BOS when it adds one, and its EOS")
+                      "AutoTokenizer, local files only; default: the --hf-model checkpoint's own); documents "
+                      "get its BOS when it adds one, and its EOS")
     data.add_argument("--text-field", default=d.text_field, metavar="NAME",
                       help="the field of a JSONL record holding its text (default: text)")
     p.add_argument("--engine", choices=("memo", "megatron", "fsdp2"), default="memo",

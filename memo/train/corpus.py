@@ -7,23 +7,23 @@ The readers are the ecosystem's: transformers' ``AutoTokenizer`` (``local_files_
 NOTE [Packed documents]
 A document is a token sequence and, for each token, the token it should predict (its label): the next
 token of the same document, -100 where the data says not to learn (the prompt of a prompt/completion
-record) and -100 for the document's last token, whose next token would be another document's first.
-The documents of an epoch, in an order drawn from ``--seed`` and the epoch, are laid end to end and cut
-into rows of ``seq_len`` tokens; ``micro_batch`` rows make a batch ``(ids, labels, position_ids)``, each
+record) and -100 for the document's last token, whose next token would be another document's first. The
+documents of an epoch, in an order drawn from ``--seed`` and the epoch, are laid end to end and cut into
+rows of ``seq_len`` tokens; ``micro_batch`` rows make a batch ``(ids, labels, position_ids)``, each
 ``[micro_batch, seq_len]`` int64, labels in memo's convention (already shifted: ``labels[:, t]`` is what
 ``ids[:, t]`` predicts). ``position_ids`` give each token its position in its own document, so a
-document's first token has position 0 and a reset of the positions marks a boundary. The model masks
-attention by those resets (transformers builds its block-causal mask from them: NOTE [HF attention
-masks] in memo/adapters/hf.py), so no token attends across documents. A document longer than what is
-left of a row continues at the start of the next row with its positions continuing (k, k+1, ...): its
-tokens keep their true positions, and the continuation attends only to its own row (rows are
-independent sequences), like the first rows of a sliding window. Rotary models see only relative
-positions within a row, so a continuation computes what a document starting there would, except that a
-position-dependent scaling (dynamic NTK, long-rope) sees the true position. The last label of such a
-row is the continuation's first token, so no target is lost between rows. A batch with no target
-at all (long prompts) is skipped, as its mean loss would be 0/0; every corpus holds a target. Epochs
-follow each other without end; the source's :meth:`PackedDocuments.state_dict` is its exact position
-(epoch, document, token), so a restored source yields the batches the uninterrupted one would.
+document's first token has position 0 and a reset of the positions marks a boundary. The model attends
+within the spans those resets mark, document by document with no s x s mask (NOTE [Packed attention in HF
+models] in memo/adapters/hf_packed.py), so no token attends across documents. A document longer than what
+is left of a row continues at the start of the next row with its positions continuing (k, k+1, ...): its
+tokens keep their true positions, and the continuation attends only to its own row (rows are independent
+sequences), like the first rows of a sliding window. Rotary models see only relative positions within a
+row, so a continuation computes what a document starting there would, except that a position-dependent
+scaling (dynamic NTK, long-rope) sees the true position. The last label of such a row is the
+continuation's first token, so no target is lost between rows. A batch with no target at all (long
+prompts) is skipped, as its mean loss would be 0/0; every corpus holds a target. Epochs follow each other
+without end; the source's :meth:`PackedDocuments.state_dict` is its exact position (epoch, document,
+token), so a restored source yields the batches the uninterrupted one would.
 """
 
 from __future__ import annotations
