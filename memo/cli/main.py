@@ -118,7 +118,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Terminated:
         print("memo: terminated (SIGTERM)", file=sys.stderr)
         return 128 + signal.SIGTERM
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:
+        # A run that stopped at a step and saved (memo.train.stop.StopRequested) says so, with its status.
+        status = getattr(err, "exit_status", None)
+        if status is not None:
+            print(err, file=sys.stderr)
+            return int(status)
         # Ctrl-C: one line, no traceback; files are written atomically, so none is left half-written.
         print("memo: interrupted", file=sys.stderr)
         return 130

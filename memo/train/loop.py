@@ -20,13 +20,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from memo.errors import MemoError
+from memo.errors import MemoError, internal_assert
 from memo.models import DEFAULT_MAX_SEQ_LEN, build_model, get_config, list_configs
 from memo.models.dtypes import DTYPES
 from memo.planner.job import JobSpec
 from memo.profiler.bounds import check_least_memory, least_memory
 from memo.train.config import StepMetrics, TrainConfig, TrainResult, new_result, step_line, token_source
 from memo.train.data import Batch, ByteFileTokens, SyntheticTokens
+from memo.train.evaluation import eval_loss
+from memo.train.grad_norm import GradNorm
 from memo.train.optim import adamw, rank_optimizer
 from memo.train.parallel import ParallelLoss as _ParallelLoss
 from memo.train.parallel import Sharded as _Sharded
@@ -35,6 +37,7 @@ from memo.train.parallel import parallel_record as _parallel_record
 from memo.train.parallel import ranks_text as _ranks
 from memo.train.parallel import start_parallel as _start_parallel
 from memo.train.plan_checks import TrainRun
+from memo.train.run_control import RunControl
 from memo.utils.flops import mfu
 
 if TYPE_CHECKING:
@@ -111,6 +114,7 @@ def train_step(
     labels: torch.Tensor,
     iteration: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     step_loss: ParallelLoss | None = None,
+    grad_norm: GradNorm | None = None,
 ) -> torch.Tensor:
     """One forward + backward + optimizer step; returns the (detached) loss.
 
@@ -118,7 +122,8 @@ def train_step(
     optimizer step is no layer's work and must not be attributed to the last backward phase.
     ``step_loss``: one rank's share of a parallel job (NOTE [Parallel layout]): its ``loss(model,
     ids, labels)`` gives ``(to_backward, global_loss)``, ``zero_grads()`` and ``finish_grads(model)``
-    bracket the gradients; None: the model adapter's loss, one process.
+    bracket the gradients; None: the model adapter's loss, one process. ``grad_norm``: measures (and
+    clips) the reduced gradients before the optimizer steps (memo/train/grad_norm.py).
     """
     if step_loss is None:
         from memo.adapters.model import model_adapter_for
@@ -128,6 +133,8 @@ def train_step(
         with iteration():
             loss = adapter.loss(model, ids, labels)
             loss.backward()
+        if grad_norm is not None:
+            grad_norm(model.parameters())
         optimizer.step()
         return loss.detach()
     optimizer.zero_grad(set_to_none=True)
@@ -136,6 +143,8 @@ def train_step(
         to_backward, loss = step_loss.loss(model, ids, labels)
         to_backward.backward()
     step_loss.finish_grads(model)
+    if grad_norm is not None:
+        grad_norm(model.parameters())
     optimizer.step()
     return loss
 
@@ -222,7 +231,10 @@ def train(
                 log, progress = (lambda _line: None), False  # NOTE [Parallel layout]: rank 0 speaks
         torch.manual_seed(config.seed)
         model, model_config = _build(config, device, dtype, strategy.device_budget_bytes, parallel)
-        batches = iter(token_source(config, model_config))
+        control = RunControl(config, strategy, parallel, log if log is not None else tqdm.write)
+        source = token_source(config, model_config)
+        control.begin(model_config, source, {"world": 1} if parallel is None else parallel.as_dict())
+        batches = iter(source)
         optimizer = None
         if parallel is not None:
             parallel.wrap(model)  # with --ulysses-head-chunks (NOTE [Ulysses over chunks of heads])
@@ -248,12 +260,15 @@ def train(
                                       sequence_parallel=parallel.layout.sequence_parallel)
         run = TrainRun(job, parallel)
         try:
+            control.reuse_plan(job)
             strategy.prepare(model, first[0], first[1], run, log=emit)
+            control.prepared()
             if parallel is not None:
                 _agree(parallel, strategy, emit)
             _steps(config, model, model_config, strategy, result, batches, first, emit, progress, parallel,
-                   optimizer)
+                   optimizer, control)
         finally:
+            control.close()
             strategy.close()
         if parallel is not None:
             result.parallel = _parallel_record(parallel, result)
@@ -266,10 +281,11 @@ def train(
 def _steps(config: TrainConfig, model: torch.nn.Module, model_config: ModelConfig, strategy: Strategy,
            result: TrainResult, batches: Iterator[Batch], first: Batch | None, emit: Callable[[str], None],
            progress: bool, parallel: ParallelRun | None = None,
-           optimizer: torch.optim.Optimizer | None = None) -> None:
+           optimizer: torch.optim.Optimizer | None = None, control: RunControl | None = None) -> None:
     """The measured steps of :func:`train`, inside the prepared strategy (``parallel``: this rank's
     :class:`memo.distributed.layout.ParallelRun`, whose batches are ``(ids, labels, positions)``;
-    ``optimizer``: its optimizer, else AdamW over the model's parameters)."""
+    ``optimizer``: its optimizer, else AdamW over the model's parameters; ``control``: the run's schedule,
+    clipping, evaluation, metrics and checkpoints, memo/train/run_control.py)."""
     from tqdm import tqdm
 
     device = first[0].device
@@ -284,9 +300,12 @@ def _steps(config: TrainConfig, model: torch.nn.Module, model_config: ModelConfi
         + ("MFU n/a (no peak FLOPS known for this device; --peak-tflops sets one)" if peak is None
            else f"MFU against a peak of {peak / 1e12:.0f} TFLOPS")
     )
+    internal_assert(control is not None, "memo.train: _steps runs under train()'s RunControl")
+    start = control.attach(getattr(parallel, "root", None) or model, optimizer,
+                           lambda evals: eval_loss(model, evals, parallel, device))
     reset_peak_memory(device)
     # A bar on a terminal; in a redirected log the step lines below say the same without the noise.
-    bar = tqdm(range(1, config.steps + 1), desc="train", unit="step", file=sys.stderr,
+    bar = tqdm(range(start + 1, config.steps + 1), desc="train", unit="step", file=sys.stderr,
                disable=not progress or not sys.stderr.isatty())
     for step in bar:
         if first is not None:
@@ -297,7 +316,7 @@ def _steps(config: TrainConfig, model: torch.nn.Module, model_config: ModelConfi
         step_loss = None if parallel is None else _ParallelLoss(parallel, batch[2], batches.count)
         _synchronize(device)
         start = time.perf_counter()
-        loss = _run_step(model, optimizer, ids, labels, strategy, step, step_loss)
+        loss = _run_step(model, optimizer, ids, labels, strategy, step, step_loss, control.grad_norm)
         _synchronize(device)
         seconds = time.perf_counter() - start
         if not math.isfinite(loss):
@@ -305,22 +324,25 @@ def _steps(config: TrainConfig, model: torch.nn.Module, model_config: ModelConfi
                 f"memo.train: loss became {loss} at step {step}; lower --lr or use --dtype float32/bfloat16"
             )
         metrics = _step_metrics(config, strategy, result, step, loss, seconds, device)
+        control.after_step(step, metrics)
         result.steps.append(metrics)
         bar.set_postfix(loss=f"{loss:.3f}")
         emit(step_line(metrics, result.peak_memory_kind))
+        control.check_stop(step)
     bar.close()
 
 
 def _run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor,
               labels: torch.Tensor, strategy: Strategy, step: int,
-              step_loss: ParallelLoss | None = None) -> float:
+              step_loss: ParallelLoss | None = None, grad_norm: GradNorm | None = None) -> float:
     """One training step under the strategy, its loss as a float (``.item()`` waits for the step).
 
     A request memo's allocator refused (its budget, NOTE [Device budget], or the device) is
     raised as one MemoError line with its numbers, not a traceback from deep inside autograd.
     """
     try:
-        return train_step(model, optimizer, ids, labels, strategy.step, step_loss).float().item()  # waits
+        return train_step(model, optimizer, ids, labels, strategy.step, step_loss,
+                          grad_norm).float().item()  # waits
     except RuntimeError as err:
         if "memo allocator:" not in str(err) and not isinstance(err, torch.cuda.OutOfMemoryError):
             raise
