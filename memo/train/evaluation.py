@@ -3,7 +3,9 @@ tokens, without gradients (NOTE [Evaluation])."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -15,7 +17,7 @@ if TYPE_CHECKING:
     from memo.models import ModelConfig
     from memo.train.config import TrainConfig
 
-__all__ = ["eval_batches", "eval_loss"]
+__all__ = ["eval_batches", "eval_loss", "off_plan"]
 
 
 # NOTE [Evaluation]
@@ -23,9 +25,10 @@ __all__ = ["eval_batches", "eval_loss"]
 # source, seeded by ``--seed``): every evaluation sees the same K batches, so the numbers compare. Each
 # batch's loss is the mean over its counted tokens, as a step's; the evaluation is their mean. The
 # forward runs under torch.no_grad(): memo's wrapped layers then run their own forward (no offload, no
-# recompute: memo/runtime/wrap.py), outside the strategy's iteration (no plan is replayed), and FSDP2
-# reshards what it gathered. The generators are left as they were (torch.random.fork_rng), so a run
-# with evaluations draws what one without them draws.
+# recompute: memo/runtime/wrap.py), outside the strategy's iteration and with its Session's phases paused
+# (memo's allocator serves it from its fallback pool, as a batch the plan was not made for: NOTE [A batch of
+# another length] in memo/session.py), and FSDP2 reshards what it gathered. The generators are left as
+# they were (torch.random.fork_rng), so a run with evaluations draws what one without them draws.
 def eval_batches(config: TrainConfig, model_config: ModelConfig) -> list[Batch]:
     """The K fixed global batches of ``config.eval_data`` (NOTE [Evaluation])."""
     from memo.train.config import token_source
@@ -34,12 +37,28 @@ def eval_batches(config: TrainConfig, model_config: ModelConfig) -> list[Batch]:
     return [next(source) for _ in range(config.eval_batches)]
 
 
+@contextlib.contextmanager
+def off_plan(session: Any, device: torch.device) -> Iterator[None]:
+    """No phase open and memo's allocator off its plan (``session``: the strategy's Session, or None), no
+    gradients, and the generators as they were afterwards (NOTE [Evaluation])."""
+    tracker = getattr(session, "tracker", None)
+    with contextlib.ExitStack() as stack:
+        if tracker is not None:
+            from memo.allocator import unplanned
+
+            stack.enter_context(tracker.paused())
+            stack.enter_context(unplanned())
+        stack.enter_context(torch.random.fork_rng(devices=[device] if device.type == "cuda" else []))
+        stack.enter_context(torch.no_grad())
+        yield
+
+
 def eval_loss(model: torch.nn.Module, batches: list[Batch], parallel: ParallelRun | None,
-              device: torch.device) -> float:
-    """The mean loss of ``batches`` (global ``(ids, labels)``; each rank takes its share) under no_grad."""
+              device: torch.device, session: Any = None) -> float:
+    """The mean loss of ``batches`` (global ``(ids, labels)``; each rank takes its share) off the plan of
+    ``session`` (NOTE [Evaluation])."""
     losses = []
-    cuda = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=cuda), torch.no_grad():
+    with off_plan(session, device):
         for ids, labels in batches:
             losses.append(float(_batch_loss(model, ids, labels, parallel, device)))
     _reshard(parallel)

@@ -277,8 +277,8 @@ def _steps(stage: _Stage, meter: MemoryMeter, optimizer: torch.optim.Optimizer, 
     step, parallel, layout = stage.step, stage.parallel, stage.layout
     session = meter.session
     internal_assert(session is not None, "memo.train: the steps run inside the meter's Session")
-    first = control.attach(_state_module(step.chunks), optimizer, lambda evals: _loss_on_every_rank(
-        step.evaluate([shard(b, parallel, stage.device) for b in evals]), parallel))
+    first = control.attach(_state_module(step.chunks), optimizer,
+                           lambda evals: _eval_loss(stage, evals, session))
     bar = tqdm(range(first + 1, config.steps + 1), desc="train", unit="step", file=sys.stderr,
                disable=not progress or not sys.stderr.isatty())
     for n in bar:
@@ -304,6 +304,16 @@ def _steps(stage: _Stage, meter: MemoryMeter, optimizer: torch.optim.Optimizer, 
         emit(step_line(metrics, result.peak_memory_kind))
         control.check_stop(n)
     bar.close()
+
+
+def _eval_loss(stage: _Stage, batches: list[Batch], session: Session) -> float:
+    """The mean loss of the evaluation's global ``batches`` by the schedule's forwards, off the plan
+    (NOTE [Evaluation] in memo/train/evaluation.py), on every rank."""
+    from memo.train.evaluation import off_plan
+
+    with off_plan(session, stage.device):
+        loss = stage.step.evaluate([shard(b, stage.parallel, stage.device) for b in batches])
+    return _loss_on_every_rank(loss, stage.parallel)
 
 
 def _state_module(chunks: list[torch.nn.Module]) -> torch.nn.Module:
