@@ -37,7 +37,7 @@ def take_config_file(parser: argparse.ArgumentParser) -> None:
         parser.set_defaults(**load_config_file(parsed.config, parser))
         return parse(args, namespace)
 
-    parser.parse_known_args = parse_known_args  # type: ignore[method-assign]
+    parser.parse_known_args = parse_known_args  # type: ignore[method-assign,assignment]
 
 
 def _read(path: str) -> Any:

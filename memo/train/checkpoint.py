@@ -14,10 +14,11 @@ A checkpoint is a folder ``DIR/step-00000012`` holding:
   the tensors' names), the learning-rate scheduler, the token source's position (NOTE [A token source's
   position] in memo/train/data.py) and the random generators (torch's CPU and CUDA ones, Python's,
   megatron's tracker); ``plan-rank3.json``, memo's plan of that rank, when its strategy made one.
-- ``manifest.json``: versioned, what run wrote it (model fingerprint, engine, strategy, world size and
-  layout, sequence length, dtype, batch), checked on resume: a checkpoint of another model, world size or
-  layout is refused with what differs (every tensor that is not an FSDP2 shard is a rank's own, so a
-  checkpoint is read by the layout that wrote it).
+- ``manifest.json``: versioned, what run wrote it (the step; model and its fingerprint, engine, world size
+  and layout, sequence length, dtype, batch and micro-batches, checked on resume; the strategy, recorded),
+  so that a checkpoint of another model, world size or layout is refused with everything that differs
+  (every tensor that is not an FSDP2 shard is a rank's own, so a checkpoint is read by the layout that
+  wrote it).
 
 Atomic: the ranks write into ``step-00000012.tmp``; rank 0 writes the manifest last, renames the folder
 (the commit) and then replaces ``DIR/latest`` (atomically, NOTE [Atomic writes] in memo/jsonio.py). A run

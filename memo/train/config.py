@@ -42,7 +42,7 @@ class TrainConfig:
     dtype: str = "float32"
     """Parameter, activation and optimizer-state dtype (no float32 master copy)."""
     lr: float = 1e-3
-    """AdamW learning rate (constant)."""
+    """AdamW learning rate: the peak of ``lr_schedule`` (constant by default)."""
     seed: int = 0
     """Seed for initialisation and data."""
     peak_tflops: float | None = None

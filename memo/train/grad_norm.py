@@ -42,14 +42,14 @@ class GradNorm:
             scale = self.max_norm / (norm + 1e-6)
             if scale < 1.0:
                 for p in with_grad:
-                    p.grad.mul_(scale)  # type: ignore[union-attr]
+                    p.grad.mul_(scale)
         return norm
 
     @staticmethod
     def _norm(params: list[torch.nn.Parameter]) -> float:
         if not params:
             return 0.0
-        total = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)  # type: ignore[misc]
+        total = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
         full = getattr(total, "full_tensor", None)
         return float(full() if full is not None else total)
 
@@ -63,7 +63,7 @@ class GradNorm:
             mine = getattr(p, "tensor_model_parallel", False) or tp_rank == 0
             if getattr(p, "shared", False) or not mine:
                 continue
-            squares += p.grad.detach().double().pow(2).sum().cpu()  # type: ignore[union-attr]
+            squares += p.grad.detach().double().pow(2).sum().cpu()
         if torch.distributed.is_initialized():
             squares = squares.to(params[0].device if params else "cpu")
             torch.distributed.all_reduce(squares, group=parallel_state.get_model_parallel_group())

@@ -7,6 +7,8 @@ norm] in memo/train/grad_norm.py), a run's reported rates and norms, the flags' 
 from __future__ import annotations
 
 import math
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -133,3 +135,26 @@ def test_bad_config_files_are_one_line_errors(tmp_path: Path, text: str, message
     with pytest.raises(MemoError, match=message) as err:
         _parse(["--config", str(path)])
     assert "\n" not in str(err.value)
+
+
+def test_a_stop_signal_sets_a_flag_and_memo_exits_with_its_status(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [Stopping at a step] in memo/train/stop.py: while installed, Ctrl-C only sets the flag the
+    loop reads after its step; the stop it raises then exits ``memo`` with 128 + the signal."""
+    from memo.cli import main as cli
+    from memo.cli import train as train_cli
+    from memo.train.stop import StopRequested, StopSignals
+
+    stop = StopSignals()
+    stop.install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.agreed(distributed=False) == signal.SIGINT
+    finally:
+        stop.uninstall()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+    def stopped(_args: object) -> int:
+        raise StopRequested(signal.SIGINT, "memo.train: stopped by SIGINT after step 3")
+
+    monkeypatch.setattr(train_cli, "run", stopped)
+    assert cli.main(["train"]) == 130
