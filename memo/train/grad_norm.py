@@ -58,13 +58,15 @@ class GradNorm:
         from megatron.core import parallel_state
 
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        squares = torch.zeros((), dtype=torch.float64)
-        for p in params:
-            mine = getattr(p, "tensor_model_parallel", False) or tp_rank == 0
-            if getattr(p, "shared", False) or not mine:
-                continue
-            squares += p.grad.detach().double().pow(2).sum().cpu()
+        counted = [p for p in params if not getattr(p, "shared", False)
+                   and (getattr(p, "tensor_model_parallel", False) or tp_rank == 0)]
+        device = params[0].device if params else torch.device("cpu")
+        # per-tensor reductions (no copy of a gradient: the step's peak stays the plan's), summed on the
+        # device, one collective
+        squares = torch.zeros((), dtype=torch.float64, device=device)
+        if counted:
+            norms = torch.stack([torch.linalg.vector_norm(p.grad.detach()) for p in counted])  # type: ignore[union-attr]
+            squares = norms.double().pow(2).sum()
         if torch.distributed.is_initialized():
-            squares = squares.to(params[0].device if params else "cpu")
             torch.distributed.all_reduce(squares, group=parallel_state.get_model_parallel_group())
         return float(squares.sqrt())
