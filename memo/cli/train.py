@@ -13,6 +13,9 @@ Examples::
         --seq-len 2K --steps 10 --report tp2.json
     torchrun --standalone --nproc-per-node 2 -m memo train --engine fsdp2 --offload-states --model tiny \\
         --seq-len 1K --micro-batch 2 --steps 10 --report fsdp2.json
+    memo train --model tiny --seq-len 1K --steps 1000 --lr-schedule cosine --warmup-steps 50 \\
+        --clip-grad 1.0 --save ck --save-every 100 --metrics run.jsonl --config run.yaml
+    memo train ... --resume ck    # after a crash, SIGTERM or Ctrl-C: continues with the same losses
 
 Several processes (``torchrun``): NOTE [Parallel layout] in memo/distributed/layout.py. Every rank
 profiles and plans its own shard and trains; only rank 0 prints and writes the report, which

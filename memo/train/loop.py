@@ -302,11 +302,11 @@ def _steps(config: TrainConfig, model: torch.nn.Module, model_config: ModelConfi
     )
     internal_assert(control is not None, "memo.train: _steps runs under train()'s RunControl")
     session = getattr(getattr(strategy, "meter", None), "session", None)
-    start = control.attach(getattr(parallel, "root", None) or model, optimizer,
-                           lambda evals: eval_loss(model, evals, parallel, device, session))
+    resumed_at = control.attach(getattr(parallel, "root", None) or model, optimizer,
+                                lambda evals: eval_loss(model, evals, parallel, device, session))
     reset_peak_memory(device)
     # A bar on a terminal; in a redirected log the step lines below say the same without the noise.
-    bar = tqdm(range(start + 1, config.steps + 1), desc="train", unit="step", file=sys.stderr,
+    bar = tqdm(range(resumed_at + 1, config.steps + 1), desc="train", unit="step", file=sys.stderr,
                disable=not progress or not sys.stderr.isatty())
     for step in bar:
         if first is not None:

@@ -26,7 +26,7 @@ MODULE = "tests.distributed.test_resume"
 WORLD = 2
 RUN = {"model": "tiny", "seq_len": 64, "micro_batch": 2, "steps": 4, "save_every": 2, "lr_schedule": "cosine",
        "warmup_steps": 1, "min_lr": 1e-4, "clip_grad": 1.0}
-MACHINE = {"alpha": 0.5, "layer_ms": 1.0, "bandwidth_gbps": 10.0, "host_mem_gb": 64.0, "time_limit": 1.0}
+MACHINE = {"alpha": 0.5, "layer_ms": 1.0, "bandwidth_gbps": 10.0, "host_mem_gb": 64.0, "time_limit": 0.3}
 CASES = {
     "fsdp2-offload": {"engine": "fsdp2", "offload_states": True},
     "fsdp2-cp2": {"engine": "fsdp2", "context_parallel": 2, "cp_comm": "a2a"},
