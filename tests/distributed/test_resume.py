@@ -8,12 +8,15 @@ saved plans), with a cosine schedule after one warmup step and clipping that bin
 state and the clipped gradients must come back too, and an evaluation every 2 steps (equal too, and the
 uninterrupted run's evaluation at step 2 must not change the steps after it). The first case's gradient
 norm is also checked against one process's (the norm of FSDP2's DTensor shards is the whole gradient's).
+Last, SIGTERM sent to one rank stops both at the same step with a checkpoint (no rank left waiting in a
+collective), and that checkpoint resumes to the uninterrupted losses.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 from typing import Any
 
 import pytest
@@ -83,9 +86,44 @@ def _case(name: str, root: str, rank: int) -> str:
     return json.dumps(whole)
 
 
+def _stop_case(root: str, rank: int) -> str:
+    """SIGTERM reaches rank 1 alone, during step 2 of the pipelined case: every rank stops after that step
+    (NOTE [Stopping at a step]), its checkpoint saved; resumed, the run repeats the uninterrupted losses."""
+    from memo.train import run_control
+    from memo.train.stop import StopRequested
+
+    name = "megatron-dp2-pipelined"
+    folder = os.path.join(root, "stopped")
+    real = run_control.RunControl.after_step
+
+    def after_step(self: Any, step: int, metrics: Any) -> None:
+        if rank == 1 and step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # its handler sets the flag; the step goes on
+        real(self, step, metrics)
+
+    run_control.RunControl.after_step = after_step  # type: ignore[method-assign]
+    try:
+        _train(CASES[name], folder, save_every=None)
+        raise AssertionError("the run did not stop")
+    except StopRequested as stop:
+        assert stop.exit_status == 143 and "after step 2" in str(stop), str(stop)
+    finally:
+        run_control.RunControl.after_step = real  # type: ignore[method-assign]
+    assert sorted(os.listdir(folder)) == ["latest", "step-00000002"], os.listdir(folder)
+    whole = json.loads(_WHOLE[name])
+    resumed, _ = _train(CASES[name], folder, resume=folder)
+    assert [s["loss"] for s in resumed] == [s["loss"] for s in whole[2:]], (resumed, whole)
+    return "stopped together after step 2"
+
+
+#: each case's uninterrupted steps (JSON), for the stop case
+_WHOLE: dict[str, str] = {}
+
+
 def resume_world2(rank: int, world: int, spec: dict[str, Any], record: Any) -> None:
     for name in CASES:
-        check(record, name, lambda name=name: _case(name, spec["root"], rank))
+        check(record, name, lambda name=name: _WHOLE.setdefault(name, _case(name, spec["root"], rank)))
+    check(record, "stop", lambda: _stop_case(spec["root"], rank))
     check(record, "one-process-norm", lambda: json.dumps(_one_process_norm()))
 
 
@@ -109,6 +147,10 @@ def table(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, 
 @pytest.mark.parametrize("name", list(CASES))
 def test_a_resumed_parallel_run_repeats_the_uninterrupted_losses(table: dict[str, Any], name: str) -> None:
     dist_harness.assert_passed(table, name, WORLD)
+
+
+def test_a_signal_to_one_rank_stops_every_rank_at_one_step(table: dict[str, Any]) -> None:
+    dist_harness.assert_passed(table, "stop", WORLD)
 
 
 def test_the_fsdp2_gradient_norm_is_the_whole_gradients(table: dict[str, Any]) -> None:
