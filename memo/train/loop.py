@@ -325,11 +325,10 @@ def _steps(config: TrainConfig, model: torch.nn.Module, model_config: ModelConfi
                 f"memo.train: loss became {loss} at step {step}; lower --lr or use --dtype float32/bfloat16"
             )
         metrics = _step_metrics(config, strategy, result, step, loss, seconds, device)
-        control.after_step(step, metrics)
         result.steps.append(metrics)
         bar.set_postfix(loss=f"{loss:.3f}")
         emit(step_line(metrics, result.peak_memory_kind))
-        control.check_stop(step)
+        control.end_step(step, metrics)
     bar.close()
 
 

@@ -298,11 +298,10 @@ def _steps(stage: _Stage, meter: MemoryMeter, optimizer: torch.optim.Optimizer, 
                               measured["peak_device_bytes"],
                               {**_extras(session.runtimes), "allocator": measured["allocator"]})
         result.peak_memory_kind = measured["peak_device_kind"]
-        control.after_step(n, metrics)
         result.steps.append(metrics)
         bar.set_postfix(loss=f"{loss:.3f}")
         emit(step_line(metrics, result.peak_memory_kind))
-        control.check_stop(n)
+        control.end_step(n, metrics)
     bar.close()
 
 

@@ -9,9 +9,8 @@ gradient norm and clipping (memo/train/grad_norm.py), evaluation (memo/train/eva
     control.reuse_plan(job)                         # before the strategy profiles
     start = control.attach(module, optimizer, eval_fn)   # inside the Session, before the first step
     for step in range(start + 1, config.steps + 1):
-        ... a step, with control.grad_norm called before the optimizer steps ...
-        control.after_step(step, metrics)
-        control.check_stop(step)
+        ... a step, with control.grad_norm called before the optimizer steps, its line printed ...
+        control.end_step(step, metrics)
     control.close()
 
 NOTE [Exact resume]
@@ -183,12 +182,12 @@ class RunControl:
         return start
 
     # ------------------------------------------------------------------------------ after each step
-    def after_step(self, step: int, metrics: StepMetrics) -> None:
+    def end_step(self, step: int, metrics: StepMetrics) -> None:
         """The step's learning rate and gradient norm into ``metrics``, the scheduler stepped, then the
-        evaluation, the metrics line and the checkpoint that are due."""
+        evaluation, the metrics line and the checkpoint that are due, and the stop a signal asked for."""
         c = self.config
         if self.state is None or self._optimizer is None:
-            raise MemoError("memo.train: RunControl.after_step before attach()")
+            raise MemoError("memo.train: RunControl.end_step before attach()")
         metrics.lr = float(self._optimizer.param_groups[0]["lr"])
         metrics.grad_norm = self.grad_norm.last
         self.state.scheduler.step()
@@ -201,8 +200,9 @@ class RunControl:
         due = step == c.steps or (c.save_every is not None and step % c.save_every == 0)
         if c.save is not None and due:
             self._save(step)
+        self._check_stop(step)
 
-    def check_stop(self, step: int) -> None:
+    def _check_stop(self, step: int) -> None:
         """Stop every rank at this step if any got SIGTERM or SIGINT: save, then raise
         :class:`memo.train.stop.StopRequested` (NOTE [Stopping at a step] in memo/train/stop.py)."""
         if self.stop is None:

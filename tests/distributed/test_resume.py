@@ -94,21 +94,21 @@ def _stop_case(root: str, rank: int) -> str:
 
     name = "megatron-dp2-pipelined"
     folder = os.path.join(root, "stopped")
-    real = run_control.RunControl.after_step
+    real = run_control.RunControl.end_step
 
-    def after_step(self: Any, step: int, metrics: Any) -> None:
+    def end_step(self: Any, step: int, metrics: Any) -> None:
         if rank == 1 and step == 2:
             os.kill(os.getpid(), signal.SIGTERM)  # its handler sets the flag; the step goes on
         real(self, step, metrics)
 
-    run_control.RunControl.after_step = after_step  # type: ignore[method-assign]
+    run_control.RunControl.end_step = end_step  # type: ignore[method-assign]
     try:
         _train(CASES[name], folder, save_every=None)
         raise AssertionError("the run did not stop")
     except StopRequested as stop:
         assert stop.exit_status == 143 and "after step 2" in str(stop), str(stop)
     finally:
-        run_control.RunControl.after_step = real  # type: ignore[method-assign]
+        run_control.RunControl.end_step = real  # type: ignore[method-assign]
     assert sorted(os.listdir(folder)) == ["latest", "step-00000002"], os.listdir(folder)
     whole = json.loads(_WHOLE[name])
     resumed, _ = _train(CASES[name], folder, resume=folder)
