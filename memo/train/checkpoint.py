@@ -97,11 +97,6 @@ def _dcp(call: Any, tensors: dict[str, torch.Tensor], folder: Path) -> None:
         call(tensors, checkpoint_id=folder, no_dist=alone)
 
 
-def _barrier() -> None:
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-
-
 # ----------------------------------------------------------------------------------- JSON with tensors
 
 
@@ -220,33 +215,36 @@ def _state_dicts(state: TrainState) -> dict[str, Any]:
 def save_checkpoint(root: str | os.PathLike[str], step: int, state: TrainState, manifest: dict[str, Any],
                     keep: int) -> Path:
     """Write the checkpoint of ``step`` under ``root`` (NOTE [Checkpoints]); every rank calls it. Returns
-    the step's folder."""
+    the step's folder. A rank that cannot write its part stops every rank with a MemoError (one left in a
+    collective would wait for it); the previous checkpoint stays whole."""
     import torch.distributed.checkpoint as dcp
 
     rank = _rank()
     final = Path(root) / step_dir_name(step)
     tmp = final.with_name(final.name + ".tmp")
-    if rank == 0:
-        if tmp.exists():
-            shutil.rmtree(tmp)  # a save that died before
-        tmp.mkdir(parents=True)
-    _barrier()
-    tensors: dict[str, torch.Tensor] = {}
-    states = _encode(_state_dicts(state), tensors, "", rank)
-    _dcp(dcp.save, tensors, tmp)
-    plan = None
-    if state.plan is not None:
-        from memo.planner import save_plan
 
-        plan = f"plan-rank{rank}.json"
-        save_plan(state.plan, tmp / plan)
-    record = {"version": CHECKPOINT_VERSION, "kind": _RANK_KIND, "rank": rank, "states": states,
-              "scheduler": _encode(state.scheduler.state_dict(), None, "scheduler", rank),
-              "data": _encode(state.source.state_dict(), None, "data", rank),
-              "rng": _encode(_rng_state(), None, "rng", rank), "plan": plan}
-    _write_json(tmp / f"rank-{rank:05d}.json", record)
-    _barrier()
-    if rank == 0:
+    def start() -> None:
+        if rank == 0:
+            if tmp.exists():
+                shutil.rmtree(tmp)  # a save that died before
+            tmp.mkdir(parents=True)
+
+    def write_rank() -> None:
+        plan = None
+        if state.plan is not None:
+            from memo.planner import save_plan
+
+            plan = f"plan-rank{rank}.json"
+            save_plan(state.plan, tmp / plan)
+        record = {"version": CHECKPOINT_VERSION, "kind": _RANK_KIND, "rank": rank, "states": states,
+                  "scheduler": _encode(state.scheduler.state_dict(), None, "scheduler", rank),
+                  "data": _encode(state.source.state_dict(), None, "data", rank),
+                  "rng": _encode(_rng_state(), None, "rng", rank), "plan": plan}
+        _write_json(tmp / f"rank-{rank:05d}.json", record)
+
+    def commit() -> None:
+        if rank != 0:
+            return
         _write_json(tmp / "manifest.json", {"version": CHECKPOINT_VERSION, "kind": _KIND, "step": step,
                                             **manifest})
         if final.exists():  # this step saved before (a stop right after a periodic save): replaced whole
@@ -255,8 +253,36 @@ def save_checkpoint(root: str | os.PathLike[str], step: int, state: TrainState, 
         with atomic_write(Path(root) / "latest", "memo.train --save") as f:
             f.write(final.name + "\n")
         _prune(Path(root), keep)
-    _barrier()
+
+    _together(start, step)
+    tensors: dict[str, torch.Tensor] = {}
+    states = _encode(_state_dicts(state), tensors, "", rank)
+    _dcp(dcp.save, tensors, tmp)  # collective: DCP raises on every rank when one fails
+    _together(write_rank, step)
+    _together(commit, step)
     return final
+
+
+def _together(part: Any, step: int) -> None:
+    """Run ``part`` of a save on this rank; when it fails on any rank, fail on every rank (NOTE
+    [Checkpoints]). One process: its own error, as it is."""
+    alone = not torch.distributed.is_initialized()
+    problem = None
+    try:
+        part()
+    except Exception as err:
+        if alone:
+            raise
+        problem = f"{type(err).__name__}: {err}"
+    if alone:
+        return
+    problems: list[str | None] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(problems, problem)
+    failed = [(r, p) for r, p in enumerate(problems) if p is not None]
+    if failed:
+        r, p = failed[0]
+        raise MemoError(f"memo.train: the checkpoint of step {step} was not written (rank {r}: "
+                        f"{str(p).splitlines()[0]}); the previous one stays whole")
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

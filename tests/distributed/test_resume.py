@@ -9,7 +9,8 @@ state and the clipped gradients must come back too, and an evaluation every 2 st
 uninterrupted run's evaluation at step 2 must not change the steps after it). The first case's gradient
 norm is also checked against one process's (the norm of FSDP2's DTensor shards is the whole gradient's).
 Last, SIGTERM sent to one rank stops both at the same step with a checkpoint (no rank left waiting in a
-collective), and that checkpoint resumes to the uninterrupted losses.
+collective), and that checkpoint resumes to the uninterrupted losses; a save that fails on one rank stops
+both with one error and commits nothing.
 """
 
 from __future__ import annotations
@@ -116,6 +117,32 @@ def _stop_case(root: str, rank: int) -> str:
     return "stopped together after step 2"
 
 
+def _failed_save_case(root: str, rank: int) -> str:
+    """Rank 1 cannot write its record: both ranks stop with the same MemoError (neither waits in a collective
+    for the other), and no checkpoint is committed."""
+    from memo.errors import MemoError
+    from memo.train import checkpoint
+
+    folder = os.path.join(root, "failed")
+    real = checkpoint._write_json
+
+    def failing(path: Any, data: dict[str, Any]) -> None:
+        if rank == 1:
+            raise OSError("no space left on device")
+        real(path, data)
+
+    checkpoint._write_json = failing
+    try:
+        _train(CASES["megatron-dp2-pipelined"], folder, steps=2)
+        raise AssertionError("the save did not fail")
+    except MemoError as err:
+        assert "checkpoint of step 2 was not written (rank 1: OSError: no space left" in str(err), str(err)
+    finally:
+        checkpoint._write_json = real
+    assert os.listdir(folder) == ["step-00000002.tmp"], os.listdir(folder)
+    return "every rank stopped"
+
+
 #: each case's uninterrupted steps (JSON), for the stop case
 _WHOLE: dict[str, str] = {}
 
@@ -124,6 +151,7 @@ def resume_world2(rank: int, world: int, spec: dict[str, Any], record: Any) -> N
     for name in CASES:
         check(record, name, lambda name=name: _WHOLE.setdefault(name, _case(name, spec["root"], rank)))
     check(record, "stop", lambda: _stop_case(spec["root"], rank))
+    check(record, "failed-save", lambda: _failed_save_case(spec["root"], rank))
     check(record, "one-process-norm", lambda: json.dumps(_one_process_norm()))
 
 
@@ -151,6 +179,10 @@ def test_a_resumed_parallel_run_repeats_the_uninterrupted_losses(table: dict[str
 
 def test_a_signal_to_one_rank_stops_every_rank_at_one_step(table: dict[str, Any]) -> None:
     dist_harness.assert_passed(table, "stop", WORLD)
+
+
+def test_a_save_that_fails_on_one_rank_stops_every_rank(table: dict[str, Any]) -> None:
+    dist_harness.assert_passed(table, "failed-save", WORLD)
 
 
 def test_the_fsdp2_gradient_norm_is_the_whole_gradients(table: dict[str, Any]) -> None:
