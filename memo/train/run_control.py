@@ -167,9 +167,13 @@ class RunControl:
         if self.resume is not None:
             start = self.resume.step
             self.resume.load(self.state)
-            # ZeRO-1 steps the wrapper's groups into its local optimizer's: the scheduler's rate in both
-            for group, lr in zip(optimizer.param_groups, self.state.scheduler.get_last_lr(), strict=True):
-                group["lr"] = lr
+            # the rate of this run's schedule at the saved step (NOTE [Learning-rate schedule]: the same
+            # float as the saved one for the same flags), into the optimizer's groups (ZeRO-1 steps its
+            # wrapper's groups into its local optimizer's)
+            scheduler = self.state.scheduler
+            for group, factor, base in zip(optimizer.param_groups, scheduler.lr_lambdas, scheduler.base_lrs,
+                                           strict=True):
+                group["lr"] = base * factor(scheduler.last_epoch)
             self.emit(f"memo.train: resumed from {self.resume.dir} at step {start}")
         if c.eval_data is not None:
             from memo.train.evaluation import eval_batches

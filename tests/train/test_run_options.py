@@ -73,6 +73,19 @@ def test_a_run_reports_its_rate_and_clipped_norm() -> None:
     assert all(s.grad_norm is not None and s.grad_norm > 0.5 for s in steps)  # the bound binds: clipped
 
 
+def test_a_run_resumed_with_more_steps_follows_its_own_schedule(tmp_path: Path) -> None:
+    """NOTE [Learning-rate schedule]: the resumed run's rates are its own curve's from the saved step on."""
+    from memo.train.loop import train
+    from memo.train.strategies import NoStrategy
+
+    flags = {"model": "tiny", "seq_len": 32, "lr": 0.01, "lr_schedule": "cosine"}
+    train(TrainConfig(**flags, steps=2, save=str(tmp_path)), progress=False, strategy=NoStrategy(),
+          log=lambda _line: None)
+    steps = train(TrainConfig(**flags, steps=4, resume=str(tmp_path)), progress=False, strategy=NoStrategy(),
+                  log=lambda _line: None).steps
+    assert [s.lr for s in steps] == [0.01 * lr_factor(i, "cosine", 0, 4, 0.0) for i in (2, 3)]
+
+
 @pytest.mark.parametrize(("flags", "message"), [
     ({"save_every": 2}, "give --save too"),
     ({"eval_every": 2}, "give --eval-data too"),
