@@ -42,14 +42,16 @@ CASES = {
 # ----------------------------------------------------------------------------- rank side
 
 
-def _train(layout: dict[str, Any], folder: str, **run: Any) -> tuple[list[dict[str, Any]], list[str]]:
-    """The run's steps, and what it said about resuming."""
+def _train(layout: dict[str, Any], folder: str, strategy: str = "memo", **run: Any
+           ) -> tuple[list[dict[str, Any]], list[str]]:
+    """The run's steps, and what it said about resuming (``strategy``: memo's, or a plain one)."""
     from memo.train.loop import TrainConfig, train
     from memo.train.strategies import StrategyOptions, make_strategy
 
     config = TrainConfig(**{**RUN, **layout, "save": folder, **run})
     said: list[str] = []
-    result = train(config, progress=False, strategy=make_strategy(StrategyOptions(**MACHINE)),
+    options = StrategyOptions(**MACHINE) if strategy == "memo" else StrategyOptions(strategy=strategy)
+    result = train(config, progress=False, strategy=make_strategy(options),
                    log=lambda line: said.append(line) if line.startswith("memo.train: resum") else None)
     return [{"step": s.step, "loss": s.loss, "grad_norm": s.grad_norm, "lr": s.lr, "eval": s.eval_loss}
             for s in result.steps], said
@@ -133,7 +135,7 @@ def _failed_save_case(root: str, rank: int) -> str:
 
     checkpoint._write_json = failing
     try:
-        _train(CASES["megatron-dp2-pipelined"], folder, steps=2)
+        _train(CASES["megatron-dp2-pipelined"], folder, "none", steps=2)
         raise AssertionError("the save did not fail")
     except MemoError as err:
         assert "checkpoint of step 2 was not written (rank 1: OSError: no space left" in str(err), str(err)
