@@ -107,7 +107,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     argv = list(sys.argv[1:] if argv is None else argv)
     only = argv[0] if argv and argv[0] in COMMANDS else None
-    args = build_parser(only).parse_args(argv)
+    try:
+        args = build_parser(only).parse_args(argv)
+    except MemoError as err:  # a --config file's bad key or value (memo/cli/config_file.py)
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     args.started = started
     try:
         with _sigterm_as_interrupt():
@@ -118,7 +122,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Terminated:
         print("memo: terminated (SIGTERM)", file=sys.stderr)
         return 128 + signal.SIGTERM
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:
+        # A run that stopped at a step and saved (memo.train.stop.StopRequested) says so, with its status.
+        status = getattr(err, "exit_status", None)
+        if status is not None:
+            print(err, file=sys.stderr)
+            return int(status)
         # Ctrl-C: one line, no traceback; files are written atomically, so none is left half-written.
         print("memo: interrupted", file=sys.stderr)
         return 130

@@ -13,6 +13,9 @@ Examples::
         --seq-len 2K --steps 10 --report tp2.json
     torchrun --standalone --nproc-per-node 2 -m memo train --engine fsdp2 --offload-states --model tiny \\
         --seq-len 1K --micro-batch 2 --steps 10 --report fsdp2.json
+    memo train --model tiny --seq-len 1K --steps 1000 --lr-schedule cosine --warmup-steps 50 \\
+        --clip-grad 1.0 --save ck --save-every 100 --metrics run.jsonl --config run.yaml
+    memo train ... --resume ck    # after a crash, SIGTERM or Ctrl-C: continues with the same losses
 
 Several processes (``torchrun``): NOTE [Parallel layout] in memo/distributed/layout.py. Every rank
 profiles and plans its own shard and trains; only rank 0 prints and writes the report, which
@@ -33,6 +36,7 @@ from memo.cli.args import (
     seq_len,
     train_device,
 )
+from memo.cli.config_file import take_config_file
 from memo.errors import MemoError
 from memo.train import STRATEGIES
 from memo.train.report import build_report, load_report, save_report
@@ -85,7 +89,7 @@ def _checked_inputs(args: argparse.Namespace) -> list[dict[str, Any]]:
                         "dataset's prefix); give a FILE.jsonl (with --tokenizer), the PREFIX of "
                         "PREFIX.bin/.idx, or a file to train on its bytes, or leave --data out for synthetic "
                         "tokens")
-    for path, flag in ((args.report, "--report"), (args.plot, "--plot")):
+    for path, flag in ((args.report, "--report"), (args.plot, "--plot"), (args.metrics, "--metrics")):
         if path:  # before training, so that a long run does not end in an error that loses it
             check_writable(path, f"memo train {flag}")
     compare = [load_report(p) for p in args.compare]  # refuse bad files before training
@@ -155,6 +159,7 @@ def _config(args: argparse.Namespace) -> TrainConfig:
         virtual_pipeline=args.vpp,
         micro_batches=args.micro_batches,
         ulysses_head_chunks=args.ulysses_head_chunks,
+        **{name: getattr(args, name) for name in RUN_FLAGS},
     )
 
 
@@ -226,8 +231,8 @@ def _check_paths(args: argparse.Namespace) -> None:
     inputs = [*_plan_files("--plan", args.plan, pipelined, args), ("--data", args.data),
               ("--hf-config", hf if hf and os.path.isfile(hf) else None), *checkpoint,
               ("--model", args.model if args.model and os.path.isfile(args.model) else None),
-              *(("--compare", path) for path in args.compare)]
-    outputs = [("--report", args.report), ("--plot", args.plot),
+              *(("--compare", path) for path in args.compare), ("--eval-data", args.eval_data)]
+    outputs = [("--report", args.report), ("--plot", args.plot), ("--metrics", args.metrics),
                *_plan_files("--save-plan", args.save_plan, True, args)]
     check_distinct("memo train", inputs, outputs)
 
@@ -400,5 +405,47 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     add_machine_arguments(p, "processes sharing the host memory (default: torchrun's LOCAL_WORLD_SIZE, "
                              "else 1)")
+    _add_run_arguments(p, d)
+    take_config_file(p)
     p.set_defaults(func=run)
     return p
+
+
+#: The flags of a real run, by their TrainConfig field (memo/train/run_control.py).
+RUN_FLAGS = ("save", "save_every", "keep", "resume", "lr_schedule", "warmup_steps", "min_lr", "clip_grad",
+             "eval_data", "eval_every", "eval_batches", "metrics", "tensorboard")
+
+
+def _add_run_arguments(p: argparse.ArgumentParser, d: TrainConfig) -> None:
+    from memo.train.run_options import LR_SCHEDULES
+
+    ck = p.add_argument_group("checkpoints (torch.distributed.checkpoint; SIGTERM or Ctrl-C saves one and "
+                              "exits 143 / 130)")
+    ck.add_argument("--save", metavar="DIR", help="write checkpoints to DIR/step-N (after the last step, "
+                    "every --save-every steps, and on SIGTERM or Ctrl-C)")
+    ck.add_argument("--save-every", type=positive_int, metavar="N", help="a checkpoint every N steps")
+    ck.add_argument("--keep", type=positive_int, default=d.keep, help="checkpoints kept in --save DIR")
+    ck.add_argument("--resume", metavar="DIR",
+                    help="continue from the latest whole checkpoint in DIR (a --save DIR) or from a "
+                    "DIR/step-N folder; its losses are the uninterrupted run's")
+    opt = p.add_argument_group("optimization")
+    opt.add_argument("--lr-schedule", choices=LR_SCHEDULES, default=d.lr_schedule,
+                     help="learning rate after the warmup: constant, or cosine / linear decay to --min-lr at "
+                     "the last step")
+    opt.add_argument("--warmup-steps", type=int, default=d.warmup_steps, metavar="N",
+                     help="the learning rate rises linearly to --lr over the first N steps")
+    opt.add_argument("--min-lr", type=float, default=d.min_lr, help="the learning rate at the last step "
+                     "(cosine, linear)")
+    opt.add_argument("--clip-grad", type=positive_float, metavar="MAX_NORM",
+                     help="scale the gradients to a global norm of at most MAX_NORM (default: no clipping)")
+    ev = p.add_argument_group("evaluation and metrics")
+    ev.add_argument("--eval-data", metavar="FILE", help="held-out data, read as --data is; its mean loss is "
+                    "printed and in the metrics")
+    ev.add_argument("--eval-every", type=positive_int, metavar="N",
+                    help="evaluate every N steps (default: after the last step)")
+    ev.add_argument("--eval-batches", type=positive_int, default=d.eval_batches, metavar="K",
+                    help="the fixed batches of --eval-data each evaluation averages over")
+    ev.add_argument("--metrics", metavar="FILE.jsonl", help="one JSON line per step: step, loss, lr, "
+                    "grad_norm, tokens_per_s, mfu, peak_memory_bytes, eval_loss")
+    ev.add_argument("--tensorboard", metavar="DIR",
+                    help="the same scalars as TensorBoard events in DIR (needs the tensorboard package)")

@@ -46,7 +46,7 @@ class TrainConfig:
     """Parameter, activation and optimizer-state dtype (no float32 master copy); ``auto`` (not given) is
     the ``hf_model`` checkpoint's own dtype, else float32, and is resolved when the config is made."""
     lr: float = 1e-3
-    """AdamW learning rate (constant)."""
+    """AdamW learning rate: the peak of ``lr_schedule`` (constant by default)."""
     seed: int = 0
     """Seed for initialisation and data."""
     peak_tflops: float | None = None
@@ -101,6 +101,33 @@ class TrainConfig:
     micro_batches: int = 1
     """``--micro-batches``: micro-batches of ``micro_batch`` sequences per optimizer step, gradients
     accumulated (more than one, or ``--pp`` > 1: megatron's schedules, NOTE [Pipelined steps])."""
+    # What a real run adds around the steps (memo/train/run_control.py; checked by check_run_options).
+    save: str | None = None
+    """``--save DIR``: checkpoints written there (NOTE [Checkpoints] in memo/train/checkpoint.py)."""
+    save_every: int | None = None
+    """``--save-every N``: a checkpoint every N steps (and after the last step, and on a stop signal)."""
+    keep: int = 3
+    """``--keep K``: the newest K checkpoints are kept in ``save``, older ones removed."""
+    resume: str | None = None
+    """``--resume DIR``: continue from the latest whole checkpoint in DIR (or from a step-N folder)."""
+    lr_schedule: str = "constant"
+    """``--lr-schedule``: ``constant``, ``cosine`` or ``linear`` decay to ``min_lr`` after the warmup."""
+    warmup_steps: int = 0
+    """``--warmup-steps N``: the learning rate rises linearly to ``lr`` over the first N steps."""
+    min_lr: float = 0.0
+    """``--min-lr``: where cosine and linear decay end, at the last step."""
+    clip_grad: float | None = None
+    """``--clip-grad MAX_NORM``: gradients scaled so that their global norm is at most MAX_NORM."""
+    eval_data: str | None = None
+    """``--eval-data FILE``: held-out tokens, read as ``data`` is; the mean loss of ``eval_batches``."""
+    eval_every: int | None = None
+    """``--eval-every N``: evaluate every N steps (None: after the last step only)."""
+    eval_batches: int = 4
+    """``--eval-batches K``: the fixed batches each evaluation averages over."""
+    metrics: str | None = None
+    """``--metrics FILE.jsonl``: one JSON line per step (rank 0)."""
+    tensorboard: str | None = None
+    """``--tensorboard DIR``: the same scalars as TensorBoard events (needs the ``tensorboard`` package)."""
 
     def __post_init__(self) -> None:
         from memo.engines import ENGINES
@@ -143,6 +170,7 @@ class TrainConfig:
         if self.ulysses_head_chunks is not None:
             self._check_head_chunks()
         self._check_data()
+        self._check_run_options()
         if (max(parallel) > 1 or self.sequence_parallel) and self.engine != "fsdp2" and (
                 self.engine != "megatron" or self.hugging_face):
             what = self._hf_flag() if self.hugging_face else f"--engine {self.engine}"
@@ -180,6 +208,7 @@ class TrainConfig:
         if self.micro_batches > 1 or self.pipeline_parallel > 1:
             raise MemoError(f"memo.train: --data {self.data} packs documents, whose position ids the "
                             "pipelined loop (--micro-batches/--pp) does not carry; run without them")
+
     @property
     def hugging_face(self) -> bool:
         """Whether the model is a Hugging Face one (``hf_model`` or ``hf_config``), not ``model``."""
@@ -232,6 +261,42 @@ class TrainConfig:
         check_export_path(str(self.export), [("--hf-model", self.hf_model), ("--hf-config", self.hf_config),
                                              ("--data", self.data), ("--tokenizer", self.tokenizer)])
 
+    def _check_run_options(self) -> None:
+        """What a real run adds around the steps (memo/train/run_control.py): one MemoError line for a bad
+        value or a flag that needs another, before any process group or model exists."""
+        import os
+
+        from memo.train.run_options import LR_SCHEDULES, check_tensorboard
+
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise MemoError(f"memo.train: --lr-schedule must be one of {', '.join(LR_SCHEDULES)}, got "
+                            f"{self.lr_schedule!r}")
+        for name in ("save_every", "eval_every"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise MemoError(f"memo.train: --{name.replace('_', '-')} must be >= 1, got {value}")
+        for name in ("keep", "eval_batches"):
+            if getattr(self, name) < 1:
+                raise MemoError(f"memo.train: --{name.replace('_', '-')} must be >= 1, got "
+                                f"{getattr(self, name)}")
+        if self.warmup_steps < 0:
+            raise MemoError(f"memo.train: --warmup-steps must be >= 0, got {self.warmup_steps}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise MemoError(f"memo.train: --min-lr must be in [0, --lr {self.lr:g}], got {self.min_lr:g}")
+        if self.clip_grad is not None and not self.clip_grad > 0:
+            raise MemoError(f"memo.train: --clip-grad must be a positive norm, got {self.clip_grad}")
+        if self.save_every is not None and self.save is None:
+            raise MemoError("memo.train: --save-every N writes checkpoints to --save DIR; give --save too")
+        if self.eval_every is not None and self.eval_data is None:
+            raise MemoError("memo.train: --eval-every N evaluates on --eval-data FILE; give --eval-data too")
+        if self.eval_data is not None and not os.path.isfile(self.eval_data):
+            raise MemoError(f"memo.train: --eval-data {self.eval_data!r} is not a file")
+        if self.tensorboard is not None:
+            check_tensorboard()
+        if self.resume is not None and not os.path.isdir(self.resume):
+            raise MemoError(f"memo.train: --resume {self.resume!r} is not a folder; give the --save DIR of "
+                            "an earlier run (or one of its step-N folders)")
+
     def _check_head_chunks(self) -> None:
         """--ulysses-head-chunks runs memo's Ulysses core attention on memo's models under FSDP2, over a
         count of chunks the heads split into; refused by name elsewhere, before any process group."""
@@ -282,6 +347,12 @@ class StepMetrics:
     peak_memory_bytes: int | None
     extras: dict = field(default_factory=dict)
     """What the strategy measured after this step (host bytes, allocator counters, ...)."""
+    lr: float | None = None
+    """The learning rate the step ran at (memo/train/lr.py)."""
+    grad_norm: float | None = None
+    """The global gradient norm before clipping (NOTE [Global gradient norm] in memo/train/grad_norm.py)."""
+    eval_loss: float | None = None
+    """The mean loss on ``--eval-data`` after this step, when it evaluated (memo/train/evaluation.py)."""
 
 
 @dataclass

@@ -1,9 +1,19 @@
-"""The token sources a training run reads: synthetic tokens, or the bytes of a local file."""
+"""The token sources a training run reads: synthetic tokens, or the bytes of a local file.
+
+NOTE [A token source's position]
+A source's ``state_dict()`` is where it is in its stream: the state of the generator that draws its
+batches, and what it was made for (the kind, the sequence length, the batch, the file's size). Its
+``load_state_dict(state)`` puts a source made for the same run back there, so the next batch is the one
+the saved source would have yielded next (a resumed run reads the batches of the run it continues,
+memo/train/checkpoint.py); a state of another source is refused with what differs. The state holds
+plain values and tensors, never the data itself.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -37,6 +47,17 @@ class SyntheticTokens:
             tokens = self.cycle[(starts + index) % self.period]
             yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
+    def state_dict(self) -> dict[str, Any]:
+        """NOTE [A token source's position]."""
+        return {"kind": "synthetic", "seq_len": self.seq_len, "micro_batch": self.micro_batch,
+                "period": self.period, "generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """NOTE [A token source's position]."""
+        _check_state(state, {"kind": "synthetic", "seq_len": self.seq_len, "micro_batch": self.micro_batch,
+                             "period": self.period})
+        self.generator.set_state(state["generator"])
+
 
 class ByteFileTokens:
     """The bytes of a local file as token ids (0..255), read as random windows of ``seq_len + 1``.
@@ -57,6 +78,7 @@ class ByteFileTokens:
                 "use a larger file or a shorter --seq-len"
             )
         self.tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+        self.path = str(path)
         self.seq_len, self.micro_batch = seq_len, micro_batch
         self.generator = torch.Generator().manual_seed(seed)
 
@@ -67,3 +89,30 @@ class ByteFileTokens:
             starts = torch.randint(0, last_start + 1, (self.micro_batch, 1), generator=self.generator)
             tokens = self.tokens[starts + index]
             yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    def state_dict(self) -> dict[str, Any]:
+        """NOTE [A token source's position]."""
+        return {**self._made_for(), "generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """NOTE [A token source's position]."""
+        _check_state(state, self._made_for())
+        self.generator.set_state(state["generator"])
+
+    def _made_for(self) -> dict[str, Any]:
+        return {"kind": "bytes", "seq_len": self.seq_len, "micro_batch": self.micro_batch,
+                "bytes": int(self.tokens.numel())}
+
+
+def _check_state(state: dict[str, Any], expected: dict[str, Any]) -> None:
+    """Refuse a position saved by another source (NOTE [A token source's position])."""
+    differ = [f"{k} {state.get(k)!r} (saved) vs {v!r} (this run)" for k, v in expected.items()
+              if state.get(k) != v]
+    if differ:
+        raise MemoError("memo.train: the saved data position is of another token source: "
+                        + ", ".join(differ) + "; resume with the data and shapes the checkpoint was made "
+                        "with")
+    generator = state.get("generator")
+    if not isinstance(generator, torch.Tensor) or generator.dtype != torch.uint8:
+        raise MemoError("memo.train: the saved data position has no generator state; the checkpoint is "
+                        "damaged")

@@ -20,13 +20,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from memo.errors import MemoError
+from memo.errors import MemoError, internal_assert
 from memo.models import DEFAULT_MAX_SEQ_LEN, build_model, get_config, list_configs
 from memo.models.dtypes import DTYPES
 from memo.planner.job import JobSpec
 from memo.profiler.bounds import check_least_memory, least_memory
 from memo.train.config import StepMetrics, TrainConfig, TrainResult, new_result, step_line, token_source
 from memo.train.data import Batch, ByteFileTokens, SyntheticTokens
+from memo.train.evaluation import eval_loss
+from memo.train.grad_norm import GradNorm
 from memo.train.optim import adamw, rank_optimizer
 from memo.train.parallel import ParallelLoss as _ParallelLoss
 from memo.train.parallel import Sharded as _Sharded
@@ -35,6 +37,7 @@ from memo.train.parallel import parallel_record as _parallel_record
 from memo.train.parallel import ranks_text as _ranks
 from memo.train.parallel import start_parallel as _start_parallel
 from memo.train.plan_checks import TrainRun
+from memo.train.run_control import RunControl
 from memo.utils.flops import mfu
 
 if TYPE_CHECKING:
@@ -112,6 +115,7 @@ def train_step(
     iteration: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     step_loss: ParallelLoss | None = None,
     positions: torch.Tensor | None = None,
+    grad_norm: GradNorm | None = None,
 ) -> torch.Tensor:
     """One forward + backward + optimizer step; returns the (detached) loss.
 
@@ -121,7 +125,8 @@ def train_step(
     ids, labels)`` gives ``(to_backward, global_loss)``, ``zero_grads()`` and ``finish_grads(model)``
     bracket the gradients; None: the model adapter's loss, one process. ``positions``: ``[b, s]`` position
     ids of packed documents (NOTE [Packed documents] in memo/train/corpus.py), one process (a parallel
-    rank's are in ``step_loss``).
+    rank's are in ``step_loss``). ``grad_norm``: measures (and clips) the reduced gradients before the
+    optimizer steps (memo/train/grad_norm.py).
     """
     if step_loss is None:
         from memo.adapters.model import adapter_loss, model_adapter_for
@@ -131,6 +136,8 @@ def train_step(
         with iteration():
             loss = adapter_loss(adapter, model, ids, labels, positions)
             loss.backward()
+        if grad_norm is not None:
+            grad_norm(model.parameters())
         optimizer.step()
         return loss.detach()
     optimizer.zero_grad(set_to_none=True)
@@ -139,6 +146,8 @@ def train_step(
         to_backward, loss = step_loss.loss(model, ids, labels)
         to_backward.backward()
     step_loss.finish_grads(model)
+    if grad_norm is not None:
+        grad_norm(model.parameters())
     optimizer.step()
     return loss
 
@@ -225,7 +234,10 @@ def train(
                 log, progress = (lambda _line: None), False  # NOTE [Parallel layout]: rank 0 speaks
         torch.manual_seed(config.seed)
         model, model_config = _build(config, device, dtype, strategy.device_budget_bytes, parallel)
-        batches = iter(token_source(config, model_config))
+        control = RunControl(config, strategy, parallel, log if log is not None else tqdm.write)
+        source = token_source(config, model_config)
+        control.begin(model_config, source, {"world": 1} if parallel is None else parallel.as_dict())
+        batches = iter(source)
         optimizer = None
         if parallel is not None:
             parallel.wrap(model)  # with --ulysses-head-chunks (NOTE [Ulysses over chunks of heads])
@@ -255,12 +267,15 @@ def train(
                                       sequence_parallel=parallel.layout.sequence_parallel)
         run = TrainRun(job, parallel)
         try:
+            control.reuse_plan(job)
             strategy.prepare(model, first[0], first[1], run, log=emit)
+            control.prepared()
             if parallel is not None:
                 _agree(parallel, strategy, emit)
             _steps(config, model, model_config, strategy, result, batches, first, emit, progress, parallel,
-                   optimizer)
+                   optimizer, control)
         finally:
+            control.close()
             strategy.close()
         if config.export is not None:  # every rank: FSDP2 gathers the shards (memo/train/export.py)
             from memo.train import export
@@ -277,10 +292,11 @@ def train(
 def _steps(config: TrainConfig, model: torch.nn.Module, model_config: ModelConfig, strategy: Strategy,
            result: TrainResult, batches: Iterator[Batch], first: Batch | None, emit: Callable[[str], None],
            progress: bool, parallel: ParallelRun | None = None,
-           optimizer: torch.optim.Optimizer | None = None) -> None:
+           optimizer: torch.optim.Optimizer | None = None, control: RunControl | None = None) -> None:
     """The measured steps of :func:`train`, inside the prepared strategy (``parallel``: this rank's
     :class:`memo.distributed.layout.ParallelRun`, whose batches are ``(ids, labels, positions)``;
-    ``optimizer``: its optimizer, else AdamW over the model's parameters)."""
+    ``optimizer``: its optimizer, else AdamW over the model's parameters; ``control``: the run's schedule,
+    clipping, evaluation, metrics and checkpoints, memo/train/run_control.py)."""
     from tqdm import tqdm
 
     device = first[0].device
@@ -295,9 +311,13 @@ def _steps(config: TrainConfig, model: torch.nn.Module, model_config: ModelConfi
         + ("MFU n/a (no peak FLOPS known for this device; --peak-tflops sets one)" if peak is None
            else f"MFU against a peak of {peak / 1e12:.0f} TFLOPS")
     )
+    internal_assert(control is not None, "memo.train: _steps runs under train()'s RunControl")
+    session = getattr(getattr(strategy, "meter", None), "session", None)
+    resumed_at = control.attach(getattr(parallel, "root", None) or model, optimizer,
+                                lambda evals: eval_loss(model, evals, parallel, device, session))
     reset_peak_memory(device)
     # A bar on a terminal; in a redirected log the step lines below say the same without the noise.
-    bar = tqdm(range(1, config.steps + 1), desc="train", unit="step", file=sys.stderr,
+    bar = tqdm(range(resumed_at + 1, config.steps + 1), desc="train", unit="step", file=sys.stderr,
                disable=not progress or not sys.stderr.isatty())
     for step in bar:
         if first is not None:
@@ -312,7 +332,8 @@ def _steps(config: TrainConfig, model: torch.nn.Module, model_config: ModelConfi
                                                                  batch[3] if len(batch) > 3 else None)
         _synchronize(device)
         start = time.perf_counter()
-        loss = _run_step(model, optimizer, ids, labels, strategy, step, step_loss, positions)
+        loss = _run_step(model, optimizer, ids, labels, strategy, step, step_loss, positions,
+                         control.grad_norm)
         _synchronize(device)
         seconds = time.perf_counter() - start
         if not math.isfinite(loss):
@@ -323,12 +344,14 @@ def _steps(config: TrainConfig, model: torch.nn.Module, model_config: ModelConfi
         result.steps.append(metrics)
         bar.set_postfix(loss=f"{loss:.3f}")
         emit(step_line(metrics, result.peak_memory_kind))
+        control.end_step(step, metrics)
     bar.close()
 
 
 def _run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor,
               labels: torch.Tensor, strategy: Strategy, step: int,
-              step_loss: ParallelLoss | None = None, positions: torch.Tensor | None = None) -> float:
+              step_loss: ParallelLoss | None = None, positions: torch.Tensor | None = None,
+              grad_norm: GradNorm | None = None) -> float:
     """One training step under the strategy, its loss as a float (``.item()`` waits for the step).
 
     A request memo's allocator refused (its budget, NOTE [Device budget], or the device) is
@@ -336,7 +359,7 @@ def _run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: tor
     """
     try:
         return train_step(model, optimizer, ids, labels, strategy.step, step_loss,
-                          positions).float().item()  # waits
+                          positions, grad_norm).float().item()  # waits
     except RuntimeError as err:
         if "memo allocator:" not in str(err) and not isinstance(err, torch.cuda.OutOfMemoryError):
             raise

@@ -49,6 +49,7 @@ from memo.session import Session
 from memo.train.config import StepMetrics, TrainConfig, TrainResult, new_result, step_line, token_source
 from memo.train.data import Batch
 from memo.train.meter import MemoryMeter
+from memo.train.run_control import RunControl
 from memo.train.schedule import StageStep, initialise, one_process_world, shard
 
 if TYPE_CHECKING:
@@ -120,7 +121,11 @@ def train_pipelined(config: TrainConfig, *, log: Emit | None = None, progress: b
     try:
         if parallel is not None and not parallel.is_first:
             emit, progress = (lambda _line: None), False
-        stage, model_config, source = _build_stage(config, parallel, undo)
+        control = RunControl(config, strategy, parallel, emit)
+        undo.append(control.close)
+        stage, model_config, source = _build_stage(config, parallel, undo, control)
+        control.reuse_plan(None, per_rank=True)
+        strategy.alpha = _check(config, strategy)  # the checkpoint's plan, where it is run on
         # before the stage's profile: its plan counts the optimizer states this rank holds (NOTE
         # [ZeRO-1 under megatron] in memo/train/optim.py)
         optimizer = rank_optimizer([p for c in stage.step.chunks for p in c.parameters()], config.lr,
@@ -136,7 +141,7 @@ def train_pipelined(config: TrainConfig, *, log: Emit | None = None, progress: b
         result.num_parameters = _all_parameters(stage.step.chunks, parallel)
         result.world = stage.layout.world
         emit(_header(config, strategy, stage))
-        _steps(stage, meter, optimizer, source, config, result, emit, progress)
+        _steps(stage, meter, optimizer, source, config, result, emit, progress, control)
         if parallel is not None:
             result.parallel = _stages_record(parallel, result, stage.index, config)
     finally:
@@ -155,11 +160,11 @@ def _header(config: TrainConfig, strategy: Strategy, stage: _Stage) -> str:
             f"{_schedule_name(stage.layout)}")
 
 
-def _build_stage(config: TrainConfig, parallel: ParallelRun | None, undo: list[Callable[[], None]]
-                 ) -> tuple[_Stage, Any, Any]:
+def _build_stage(config: TrainConfig, parallel: ParallelRun | None, undo: list[Callable[[], None]],
+                 control: RunControl) -> tuple[_Stage, Any, Any]:
     """This rank's stage: megatron's world (one process: set up here, its undoing added to ``undo``), the
     stage's chunks with the whole model's weights (NOTE [Pipeline initialisation]) and its first step's
-    micro-batches; the model config and the token source."""
+    micro-batches (from where ``control`` resumes); the model config and the token source."""
     from memo.engines import build_megatron_stages, init_megatron_world
     from memo.models import DEFAULT_MAX_SEQ_LEN, get_config
     from memo.models.dtypes import DTYPES
@@ -178,7 +183,9 @@ def _build_stage(config: TrainConfig, parallel: ParallelRun | None, undo: list[C
                    else config.seq_len)
     chunks = build_megatron_stages(model_config, max_seq_len, device, DTYPES[config.dtype], layout)
     initialise(chunks, config.seed, model_config.n_layers, layout)
-    source = iter(token_source(config, model_config))
+    tokens = token_source(config, model_config)
+    control.begin(model_config, tokens, layout.as_dict() if parallel is None else parallel.as_dict())
+    source = iter(tokens)
     batches = [shard(next(source), parallel, device) for _ in range(config.micro_batches)]
     step = StageStep(chunks, layout, config.seq_len, batches)
     index = 0 if parallel is None else parallel.pp_rank
@@ -260,8 +267,9 @@ def _can_plan(device: torch.device, emit: Emit) -> bool:
 
 
 def _steps(stage: _Stage, meter: MemoryMeter, optimizer: torch.optim.Optimizer, source: Iterator[Batch],
-           config: TrainConfig, result: TrainResult, emit: Emit, progress: bool) -> None:
-    """The training steps, each with its metrics and log line."""
+           config: TrainConfig, result: TrainResult, emit: Emit, progress: bool, control: RunControl) -> None:
+    """The training steps, each with its metrics and log line, under the run's ``control`` (schedule,
+    clipping, evaluation, metrics, checkpoints: memo/train/run_control.py)."""
     from tqdm import tqdm
 
     from memo.utils.flops import mfu
@@ -269,13 +277,15 @@ def _steps(stage: _Stage, meter: MemoryMeter, optimizer: torch.optim.Optimizer, 
     step, parallel, layout = stage.step, stage.parallel, stage.layout
     session = meter.session
     internal_assert(session is not None, "memo.train: the steps run inside the meter's Session")
-    bar = tqdm(range(1, config.steps + 1), desc="train", unit="step", file=sys.stderr,
+    first = control.attach(_state_module(step.chunks), optimizer,
+                           lambda evals: _eval_loss(stage, evals, session))
+    bar = tqdm(range(first + 1, config.steps + 1), desc="train", unit="step", file=sys.stderr,
                disable=not progress or not sys.stderr.isatty())
     for n in bar:
-        if n > 1:
+        if n > first + 1:
             step.batches = [shard(next(source), parallel, stage.device) for _ in range(config.micro_batches)]
         start = time.perf_counter()
-        loss = step.train(optimizer, session.iteration)
+        loss = step.train(optimizer, session.iteration, control.grad_norm)
         measured = meter.read()
         seconds = time.perf_counter() - start
         loss = _loss_on_every_rank(loss, parallel)
@@ -291,7 +301,23 @@ def _steps(stage: _Stage, meter: MemoryMeter, optimizer: torch.optim.Optimizer, 
         result.steps.append(metrics)
         bar.set_postfix(loss=f"{loss:.3f}")
         emit(step_line(metrics, result.peak_memory_kind))
+        control.end_step(n, metrics)
     bar.close()
+
+
+def _eval_loss(stage: _Stage, batches: list[Batch], session: Session) -> float:
+    """The mean loss of the evaluation's global ``batches`` by the schedule's forwards, off the plan
+    (NOTE [Evaluation] in memo/train/evaluation.py), on every rank."""
+    from memo.train.evaluation import off_plan
+
+    with off_plan(session, stage.device):
+        loss = stage.step.evaluate([shard(b, stage.parallel, stage.device) for b in batches])
+    return _loss_on_every_rank(loss, stage.parallel)
+
+
+def _state_module(chunks: list[torch.nn.Module]) -> torch.nn.Module:
+    """What a checkpoint takes the state dict of: the stage's one chunk, or its chunks in a list."""
+    return chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
 
 
 def _schedule_name(layout: ParallelLayout) -> str:

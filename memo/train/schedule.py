@@ -173,9 +173,11 @@ class StageStep:
             d.zero_grad_buffer()
 
     def train(self, optimizer: torch.optim.Optimizer,
-              phases: Callable[[], contextlib.AbstractContextManager[None]]) -> float | None:
+              phases: Callable[[], contextlib.AbstractContextManager[None]],
+              grad_norm: Callable[[list[nn.Parameter]], float] | None = None) -> float | None:
         """One training step, its forwards and backwards inside ``phases`` (the Session's iteration);
-        the mean of the micro-batches' losses on the last stage (None on the others)."""
+        the mean of the micro-batches' losses on the last stage (None on the others). ``grad_norm``
+        measures (and clips) the reduced gradients before the optimizer steps (memo/train/grad_norm.py)."""
         optimizer.zero_grad(set_to_none=True)
         with phases():
             out = self._forward_backward()
@@ -187,7 +189,18 @@ class StageStep:
                 for p in chunk.parameters():
                     if getattr(p, "main_grad", None) is not None:
                         p.grad = p.main_grad
+        if grad_norm is not None:
+            grad_norm([p for chunk in self.chunks for p in chunk.parameters()])
         optimizer.step()
+        if not out:
+            return None
+        return float(torch.stack([d["loss"] for d in out]).mean())
+
+    def evaluate(self, batches: list[MicroBatch]) -> float | None:
+        """The mean loss of ``batches`` (this rank's shares) by the schedule's forwards only, without
+        gradients; on the last stage (None on the others)."""
+        with torch.no_grad():
+            out = self._schedule(batches, forward_only=True)
         if not out:
             return None
         return float(torch.stack([d["loss"] for d in out]).mean())
@@ -211,16 +224,21 @@ class StageStep:
     def _forward_backward(self) -> list[dict[str, torch.Tensor]]:
         """The schedule's forwards and backwards of the micro-batches from zero gradients; what the last
         stage's loss functions reported."""
+        if self.ddp is not None:
+            for d in self.ddp:
+                d.zero_grad_buffer()
+        return self._schedule(self.batches)
+
+    def _schedule(self, batches: list[MicroBatch], forward_only: bool = False
+                  ) -> list[dict[str, torch.Tensor]]:
+        """megatron's schedule over ``batches``; what the last stage's loss functions reported."""
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed": expected here
             from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        if self.ddp is not None:
-            for d in self.ddp:
-                d.zero_grad_buffer()
         return get_forward_backward_func()(
             forward_step_func=_forward_step(self.layout),
-            data_iterator=[iter(self.batches) for _ in self.chunks],
-            model=self.ddp if self.ddp is not None else self.chunks, num_microbatches=len(self.batches),
+            data_iterator=[iter(batches) for _ in self.chunks],
+            model=self.ddp if self.ddp is not None else self.chunks, num_microbatches=len(batches),
             seq_length=self.seq_len,  # megatron divides by CP (and TP under SP)
-            micro_batch_size=self.batches[0][0].shape[0])
+            micro_batch_size=batches[0][0].shape[0], forward_only=forward_only)
