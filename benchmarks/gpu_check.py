@@ -173,6 +173,41 @@ def _steady_state(train_check: Check) -> Check:
     return check
 
 
+def _resume_checks(work: Path, logs: Path, seq: str) -> list[Check]:
+    """Issue 43: a bf16 run under NCCL at world 1 (FSDP2), stopped after 2 of 4 steps with a checkpoint and
+    resumed, against the 4 uninterrupted steps: the losses of steps 3 and 4 must be equal."""
+    py, steps = sys.executable, 4
+    torchrun = [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
+    # a constant learning rate: a run of 2 --steps and one of 4 then follow the same schedule
+    engine = ("--engine", "fsdp2", "--clip-grad", "1.0")
+    whole, first, rest = (work / f"resume-{n}.json" for n in ("whole", "first", "rest"))
+    ckpt = work / "resume-ckpt"
+    runs = [Check(f"torchrun memo train fsdp2 gpt-125m {seq} bf16, {steps} steps (NCCL, world 1)",
+                  [*torchrun, *_train_cmd("memo", "gpt-125m", seq, steps, whole, *engine)[1:]], 600),
+            Check(f"... the first 2 steps, --save {ckpt.name}",
+                  [*torchrun, *_train_cmd("memo", "gpt-125m", seq, 2, first, *engine, "--save",
+                                          str(ckpt))[1:]], 600),
+            Check(f"... --resume {ckpt.name} to step {steps}",
+                  [*torchrun, *_train_cmd("memo", "gpt-125m", seq, steps, rest, *engine,
+                                          "--resume", str(ckpt))[1:]], 600)]
+    for run, report in zip(runs, (whole, first, rest), strict=True):
+        _train_numbers(run.run(logs), report)
+    check = Check("resumed bf16 losses equal the uninterrupted run's (NCCL, world 1)", [], 0)
+    if not all(r.ok for r in runs):
+        check.status, check.detail = "fail", "a run failed: see the checks above"
+        return [*runs, check]
+
+    def losses(report: Path) -> dict[int, float]:
+        return {s["step"]: s["loss"] for s in json.loads(report.read_text())["steps"]}
+
+    want, got = losses(whole), losses(rest)
+    compared = {step: (want[step], got.get(step)) for step in range(3, steps + 1)}
+    check.numbers = {"losses (uninterrupted, resumed)": compared}
+    check.status = "pass" if all(a == b for a, b in compared.values()) else "fail"
+    check.detail = ", ".join(f"step {k}: {a!r} vs {b!r}" for k, (a, b) in compared.items())
+    return [*runs, check]
+
+
 def _pytest_numbers(check: Check) -> None:
     found = re.findall(r"(\d+) (passed|failed|skipped|error|errors|deselected)", check.output)
     check.numbers = {kind: int(n) for n, kind in found}
@@ -218,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None,
                    help="results file (default: benchmarks/results/gpu-check-<date>.json)")
     p.add_argument("--skip", nargs="*", default=[],
-                   choices=("pytest", "train", "megatron", "benchmarks", "sanitizer", "hf"),
+                   choices=("pytest", "train", "megatron", "resume", "benchmarks", "sanitizer", "hf"),
                    help="check groups to leave out")
     args = p.parse_args(argv)
     status = preflight()
@@ -285,6 +320,10 @@ def main(argv: list[str] | None = None) -> int:
                                    *extra)[1:]], 600)
             _train_numbers(c.run(logs), report)
             checks.append(c)
+
+    if "resume" not in args.skip:
+        for check in _resume_checks(work, logs, seq):
+            checks.append(check)
 
     if "sanitizer" not in args.skip:
         sanitizer = shutil.which("compute-sanitizer")
