@@ -55,25 +55,32 @@ def off_plan(session: Any, device: torch.device) -> Iterator[None]:
 
 def eval_loss(model: torch.nn.Module, batches: list[Batch], parallel: ParallelRun | None,
               device: torch.device, session: Any = None) -> float:
-    """The mean loss of ``batches`` (global ``(ids, labels)``; each rank takes its share) off the plan of
-    ``session`` (NOTE [Evaluation])."""
+    """The mean loss of ``batches`` (global ``(ids, labels[, document positions])``, NOTE [Packed documents]
+    in memo/train/corpus.py; each rank takes its share) off the plan of ``session`` (NOTE [Evaluation])."""
     losses = []
     with off_plan(session, device):
-        for ids, labels in batches:
-            losses.append(float(_batch_loss(model, ids, labels, parallel, device)))
+        for ids, labels, *documents in batches:
+            losses.append(float(_batch_loss(model, ids, labels, documents[0] if documents else None, parallel,
+                                            device)))
     _reshard(parallel)
     return sum(losses) / len(losses)
 
 
-def _batch_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor, parallel: ParallelRun | None,
+def _batch_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor,
+                documents: torch.Tensor | None, parallel: ParallelRun | None,
                 device: torch.device) -> torch.Tensor:
     if parallel is None:
-        from memo.adapters.model import model_adapter_for
+        from memo.adapters.model import adapter_loss, model_adapter_for
 
-        return model_adapter_for(model, "memo.train").loss(model, ids.to(device), labels.to(device))
+        return adapter_loss(model_adapter_for(model, "memo.train"), model, ids.to(device), labels.to(device),
+                            None if documents is None else documents.to(device))
     count = int((labels != -100).sum())
     mine = [t.to(device) for t in parallel.shard(ids, labels)]
-    return parallel.loss(model, mine[0], mine[1], mine[2], count)[1]
+    if documents is None:
+        return parallel.loss(model, mine[0], mine[1], mine[2], count)[1]
+    # packed documents: the rank's cut of their positions, as memo.train.parallel.Sharded cuts them
+    return parallel.loss(model, mine[0], mine[1], mine[2], count,
+                         parallel.shard(documents, documents)[0].to(device))[1]
 
 
 def _reshard(parallel: Any) -> None:

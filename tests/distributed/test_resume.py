@@ -75,7 +75,7 @@ def _one_process_norm() -> float:
 
 def _case(name: str, root: str, rank: int) -> str:
     folder = os.path.join(root, name)
-    run = {"eval_data": os.path.join(root, "eval.bin"), "eval_every": 2, "eval_batches": 2}
+    run = {"eval_data": os.path.join(root, "eval.txt"), "eval_every": 2, "eval_batches": 2}
     whole, _ = _train(CASES[name], folder, **run)
     resumed, said = _train(CASES[name], folder + "-resumed", resume=os.path.join(folder, "step-00000002"),
                            **run)
@@ -163,7 +163,7 @@ def resume_world2(rank: int, world: int, spec: dict[str, Any], record: Any) -> N
 @pytest.fixture(scope="module")
 def table(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     root = str(tmp_path_factory.mktemp("resume"))
-    with open(os.path.join(root, "eval.bin"), "wb") as f:
+    with open(os.path.join(root, "eval.txt"), "wb") as f:
         f.write(bytes(torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(1)).tolist()))
     try:
         return dist_harness.by_name(dist_harness.launch(f"{MODULE}:resume_world2", WORLD, {"root": root},

@@ -41,7 +41,7 @@ def _train(**run: Any) -> list[Any]:
 def whole(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The uninterrupted run: STEPS steps, a checkpoint every 2 (the newest 3 kept), evaluations, metrics."""
     root = tmp_path_factory.mktemp("whole")
-    eval_data = root / "eval.bin"
+    eval_data = root / "eval.txt"
     eval_data.write_bytes(bytes(torch.randint(0, 256, (2048,), generator=torch.Generator().manual_seed(1))
                                 .tolist()))
     steps = _train(steps=STEPS, save=str(root / "ck"), save_every=2, keep=3, metrics=str(root / "m.jsonl"),

@@ -55,3 +55,31 @@ def test_the_checkpoint_trains_on_the_corpus_from_hf_s_own_loss(files: dict[str,
     assert abs(losses[0] - want) <= RTOL * want, (losses[0], want)
     assert abs(crossing - want) > 10 * RTOL * want  # attending across documents would show
     assert losses[1] < losses[0]
+
+
+def test_a_resumed_fine_tune_on_packed_documents_is_the_uninterrupted_one(
+        files: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    """The corpus's position (epoch, document, token) is in the checkpoint with the rest: 2 steps saved and
+    resumed to 4 give the losses, evaluation losses and exported weights of 4 steps run at once."""
+    from safetensors.torch import load_file
+
+    root = files["root"] / "resume"
+    root.mkdir()
+    common = ["train", "--hf-model", str(files["checkpoint"]), "--data", str(files["data"]),
+              "--seq-len", "48", "--micro-batch", "2", "--no-progress", "--strategy", "none", "--lr", "3e-3",
+              "--lr-schedule", "constant", "--clip-grad", "0.5", "--eval-data", str(files["data"]),
+              "--eval-every", "2", "--eval-batches", "2"]
+
+    def run(name: str, *extra: str) -> list[tuple[float, float | None]]:
+        metrics = root / f"{name}.jsonl"
+        assert main([*common, "--metrics", str(metrics), "--export", str(root / name), *extra]) == 0
+        capsys.readouterr()
+        return [(r["loss"], r.get("eval_loss")) for r in map(json.loads, metrics.read_text().splitlines())]
+
+    whole = run("whole", "--steps", "4")
+    run("first", "--steps", "2", "--save", str(root / "ckpt"))
+    resumed = run("resumed", "--steps", "4", "--save", str(root / "ckpt"), "--resume", str(root / "ckpt"))
+    assert resumed == whole[2:], (resumed, whole)  # steps 3 and 4, and the evaluation after step 4
+    want = load_file(root / "whole" / "model.safetensors")
+    got = load_file(root / "resumed" / "model.safetensors")
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
