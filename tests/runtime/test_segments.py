@@ -1,0 +1,48 @@
+"""Segments of two layers (NOTE [Segments of two layers] in memo/runtime/segments.py): a "segment" layer's
+input is recomputed in its backward from the input-only layer before it. Loss and every gradient equal
+the unwrapped model's (fp32, < 1e-5); the host holds one input per segment; the policy must pair them."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import memo.runtime as mr
+from memo.errors import MemoError
+from tests.grads import assert_same_step, random_batch, small_model, train_step
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+POLICY = ["input-only", "segment", "input-only", "segment", "input-only", "keep"]
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_segments_match_unwrapped(arch: str) -> None:
+    model = small_model(arch, len(POLICY), seed=0)
+    if arch == "gpt":  # dropout draws: the replayed forward of the layer before must draw the same masks
+        for m in model.modules():
+            if isinstance(m, torch.nn.Dropout):
+                m.p = 0.1
+    ref = copy.deepcopy(model)
+    ids, labels = random_batch(model, 2, 48, seed=3)
+    mr.wrap(model, alpha=0.0, policy=POLICY, debug_copy_delay_us=200)
+    rt = mr.runtime_of(model)
+    for step in range(2):  # the second step reuses the buffers
+        torch.manual_seed(step)
+        want = train_step(ref, ids, labels)
+        torch.manual_seed(step)
+        assert_same_step(train_step(model, ids, labels), want, rtol=1e-5)
+    # one host region per input-only layer, none for a segment layer
+    assert rt.n_offloaded == 5
+    assert rt.buffers.region_bytes[1] == rt.buffers.region_bytes[3] == 0
+    assert rt.host_bytes == 3 * rt.buffers.region_bytes[0] > 0
+    mr.unwrap(model)
+
+
+def test_segment_must_follow_input_only() -> None:
+    model = small_model("llama", 3, seed=0)
+    for bad in (["segment", "input-only", "keep"], ["memo", "segment", "keep"]):
+        with pytest.raises(MemoError, match="segment layer recomputes its input"):
+            mr.wrap(model, alpha=0.0, policy=bad)
