@@ -517,7 +517,8 @@ class RoundingBuffers:
         """A tensor of ``shape`` at the start of layer i's device buffer, for layer i's own backward (state
         READY): where a segment layer recomputes its input (NOTE [Segments of two layers])."""
         layer = self.layers[f][i]
-        internal_assert(layer.state is BufferState.READY, f"scratch of layer {i}'s buffer in state {layer.state}")
+        internal_assert(layer.state is BufferState.READY,
+                        f"scratch of layer {i}'s buffer in state {layer.state}")
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         if nbytes > self.layer_bytes:
             raise MemoError(f"memo.runtime: segment layer {i} recomputes an input of {nbytes:,} bytes, more "
