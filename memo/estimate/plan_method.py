@@ -313,7 +313,8 @@ class RankProfiler:
 
         recompute = "full" if strategy == "full-recompute" else "none"
         model = _rank_model(self.config, depth, layout, seq_len, self.dtype, recompute)
-        kind_of = _policy_kinds(policy) if policy is not None and "recompute" in policy else None
+        mixed = policy is not None and ("recompute" in policy or "segment" in policy)
+        kind_of = _policy_kinds(policy) if mixed else None
         if stages > 1:
             out: tuple[RankNumbers, Any] = (analyse_trace(self._first_stage(model, strategy, layout, seq_len,
                                                                             alpha, policy), kind_of), None)
@@ -387,15 +388,17 @@ class RankProfiler:
                                    token_bytes=params_token_bytes(layer_params, hidden, self.dtype.itemsize))
 
     def numbers(self, strategy: str, layout: Layout, seq_len: int, alpha: float | None = None,
-                whole_depth: bool = False, stage: bool = True, recomputed: int = 0) -> RankNumbers:
+                whole_depth: bool = False, stage: bool = True, recomputed: int = 0,
+                pairs: int = 0) -> RankNumbers:
         """The first stage's :class:`RankNumbers` at its L/p layers (NOTE [Estimate from a meta profile]);
         ``whole_depth`` records all L/p layers instead of extending two depths (what the tests compare);
         ``stage=False``: one iteration of one micro-batch through them and the head (NOTE [Last stage
         under 1F1B]); ``recomputed``: that many of memo's layers keep their input on the device and
-        recompute (NOTE [Inputs on the device where the host binds] in core.py)."""
+        recompute (NOTE [Inputs on the device where the host binds] in core.py); ``pairs``: that many
+        pairs of them share one offloaded input (NOTE [Segments where the host binds] in core.py)."""
         depth = self.config.n_layers // layout.pp
-        if recomputed:
-            return self._mixed(strategy, layout, seq_len, alpha, whole_depth, stage, recomputed)
+        if recomputed or pairs:
+            return self._mixed(strategy, layout, seq_len, alpha, whole_depth, stage, recomputed, pairs)
         if depth <= DEPTHS[-1] or whole_depth:
             return self._record(strategy, layout, seq_len, depth, alpha, stage)[0]
         lo, hi = DEPTHS[0], DEPTHS[-1]
@@ -404,24 +407,33 @@ class RankProfiler:
         return a.extend(b, lo, hi, depth)
 
     def _mixed(self, strategy: str, layout: Layout, seq_len: int, alpha: float | None, whole_depth: bool,
-               stage: bool, recomputed: int) -> RankNumbers:
-        """:meth:`numbers` of a stage whose first ``offloading`` layers run ``strategy`` and the next
-        ``recomputed`` ones ``"recompute"`` (then the kept ones). Linear in each count, as the depth
-        extension is (NOTE [Estimate from a meta profile]): recorded with two offloading layers and one
-        recomputed, with one more of each, and extended by both slopes."""
+               stage: bool, recomputed: int, pairs: int = 0) -> RankNumbers:
+        """:meth:`numbers` of a stage whose first ``pairs`` pairs of layers run ``strategy`` and
+        ``"segment"``, the next ones ``strategy``, the next ``recomputed`` ones ``"recompute"`` (then the
+        kept ones). Linear in each count, as the depth extension is (NOTE [Estimate from a meta
+        profile]): recorded with a few of each kind, with one more of each kind in turn, and extended by
+        each slope."""
         depth = self.config.n_layers // layout.pp
         kept = min(self.machine.memo_keep_last, depth)
-        offloading = depth - kept - recomputed
-        internal_assert(offloading >= 1 and recomputed >= 1, "a mixed policy needs layers of both kinds")
+        counts = (pairs, depth - kept - recomputed - 2 * pairs, recomputed)
+        internal_assert(counts[1] >= 0 and (counts[0] or counts[1]) and (recomputed or pairs),
+                        "a mixed policy needs layers of two kinds")
 
-        def record(n_off: int, n_rc: int) -> RankNumbers:
-            policy = (strategy,) * n_off + ("recompute",) * n_rc + ("keep",) * kept
+        def record(n: tuple[int, ...]) -> RankNumbers:
+            policy = ((strategy, "segment") * n[0] + (strategy,) * n[1] + ("recompute",) * n[2]
+                      + ("keep",) * kept)
             return self._record(strategy, layout, seq_len, len(policy), alpha, stage, policy)[0]
 
-        if whole_depth or depth <= DEPTHS[-1] + kept:
-            return record(offloading, recomputed)
-        base, more_rc, more_off = record(2, 1), record(2, 2), record(3, 1)
-        return base.along(((more_off, offloading - 2), (more_rc, recomputed - 1)))
+        # two single offloading layers where there are, else two pairs: the first and last layers differ
+        base = (min(pairs, 1 if counts[1] else 2), min(counts[1], 2), min(recomputed, 1))
+        if whole_depth or counts == base:
+            return record(counts)
+        steps = []
+        for k in range(3):
+            if counts[k] > base[k]:
+                more = tuple(n + (j == k) for j, n in enumerate(base))
+                steps.append((record(more), counts[k] - base[k]))
+        return record(base).along(tuple(steps))
 
     def layer_sizes(self, layout: Layout, seq_len: int) -> tuple[int, int, int]:
         """S_input, S_attn, S_others of one layer of the rank (pass 1 of the plain model)."""

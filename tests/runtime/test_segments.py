@@ -46,3 +46,26 @@ def test_segment_must_follow_input_only() -> None:
     for bad in (["segment", "input-only", "keep"], ["memo", "segment", "keep"]):
         with pytest.raises(MemoError, match="segment layer recomputes its input"):
             mr.wrap(model, alpha=0.0, policy=bad)
+
+
+def _step_peak(policy: list[str]) -> tuple[int, int]:
+    """The most CPU bytes live at once in the second recorded step of a tiny Llama under ``policy`` (the
+    first sized the rounding buffers), parameters' gradients included; and the bytes of a layer input."""
+    from memo.estimate.rank_numbers import analyse_trace
+    from memo.profiler.record import record
+
+    model = small_model("llama", len(policy), seed=0)
+    ids, labels = random_batch(model, 1, 256, seed=3)
+    mr.wrap(model, alpha=0.0, policy=policy)
+    train_step(model, ids, labels)
+    peak = analyse_trace(record(model, ids, labels).trace).iteration
+    mr.unwrap(model)
+    return peak, ids.numel() * model.config.hidden * 4
+
+
+def test_segments_cost_the_device_what_input_only_does() -> None:
+    # NOTE [Segments of two layers]: the recomputed input takes the segment layer's own rounding buffer,
+    # so the device holds what input-only layers hold, as the planner and the estimate count it
+    # (planner/policy.py's device_need: a segment layer is an input-only one).
+    (io, x_bytes), (seg, _) = _step_peak(["input-only"] * 4), _step_peak(["input-only", "segment"] * 2)
+    assert abs(seg - io) < x_bytes // 4, (seg, io, x_bytes)  # not one layer input more
