@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from torch import nn
 
     from memo.adapters.base import LayerAdapter
@@ -47,6 +49,9 @@ class LayerContext(Protocol):
     """Topics already warned about, once per runtime."""
     policy: list[str]
     """Each layer's policy (NOTE [Layer policy] in memo/runtime/runtime.py)."""
+    calls: Sequence[WrappedLayer]
+    """The wrapped layers, in forward order (a segment layer reruns the one before it: NOTE [Segments of
+    two layers] in memo/runtime/segments.py)."""
 
     def begin_forward(self) -> None:
         """Called by the first layer's forward: choose the flight this forward records into."""

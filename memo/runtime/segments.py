@@ -21,20 +21,20 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from memo.errors import MemoError
+from memo.errors import MemoError, internal_assert
 from memo.repeated_tiles import tile_indices
 from memo.runtime.dropout import replay_rng
 from memo.runtime.module_state import as_in_forward, gathered
 from memo.runtime.rows import Rows
 
 if TYPE_CHECKING:
-    from memo.runtime.layer import LayerCall
+    from memo.runtime.layer_context import WrappedLayer
     from memo.runtime.layer_record import LayerRecord
 
 __all__ = ["replay_output", "segment_input"]
 
 
-def segment_input(call: LayerCall, rec: LayerRecord) -> torch.Tensor:
+def segment_input(call: WrappedLayer, rec: LayerRecord) -> torch.Tensor:
     """The input of segment layer ``call``, made again in its own device buffer from the offloaded input of
     the layer before it (NOTE [Segments of two layers]); ``rec`` is the segment layer's record."""
     rt, i, f = call.runtime, call.index, rec.flight
@@ -45,6 +45,8 @@ def segment_input(call: LayerCall, rec: LayerRecord) -> torch.Tensor:
                         f"{i - 1} awaiting its backward; a segment layer's backward must run before the "
                         "backward of the layer it follows (NOTE [Segments of two layers])")
     buffers = rt.buffers
+    internal_assert(buffers is not None and rec.x_like is not None, "a segment layer ran a forward")
+    assert buffers is not None and rec.x_like is not None  # for the type checker: asserted above
     buffers.ready(i - 1, f)
     x_head = buffers.view(i - 1, head_rec.x_slot, f)
     shape, dtype = rec.x_like
@@ -53,7 +55,7 @@ def segment_input(call: LayerCall, rec: LayerRecord) -> torch.Tensor:
     return out
 
 
-def replay_output(call: LayerCall, rec: LayerRecord, x: torch.Tensor, out: torch.Tensor) -> None:
+def replay_output(call: WrappedLayer, rec: LayerRecord, x: torch.Tensor, out: torch.Tensor) -> None:
     """``out[:] = layer(x)`` without autograd, as input-only layer ``call``'s forward computed it (``rec``):
     its tiles, attention, RNG, autocast and module tensors (NOTE [Segments of two layers])."""
     layer, adapter, ctx, g, s = call.layer, call.adapter, rec.ctx, rec.g, rec.s
