@@ -424,15 +424,23 @@ class RankProfiler:
                       + ("keep",) * kept)
             return self._record(strategy, layout, seq_len, len(policy), alpha, stage, policy)[0]
 
-        # two single offloading layers where there are, else two pairs: the first and last layers differ
-        base = (min(pairs, 1 if counts[1] else 2), min(counts[1], 2), min(recomputed, 1))
-        if whole_depth or counts == base:
+        if whole_depth or depth <= DEPTHS[-1] + kept:
             return record(counts)
-        steps = []
-        for k in range(3):
-            if counts[k] > base[k]:
-                more = tuple(n + (j == k) for j, n in enumerate(base))
-                steps.append((record(more), counts[k] - base[k]))
+        # A pair and a single offloading layer (three layers: the first and the last differ from the
+        # middle ones), then one more pair, and one more recomputed layer; a single offloading layer adds
+        # half of what a pair adds (a segment layer holds what an input-only one does: NOTE [Segments
+        # where the host binds] in core.py), so pairs cost one recording more than input-only alone.
+        if not pairs:
+            base = (0, 2, 1)
+            steps = [(record((0, 3, 1)), counts[1] - 2)]
+        else:
+            base = (1, 1, min(recomputed, 1))
+            more = record((2, 1, base[2]))
+            first = record(base)
+            half = first.halfway(more)
+            steps = [(more, pairs - 1), (half, counts[1] - 1)]
+        if recomputed > base[2]:
+            steps.append((record((base[0], base[1], base[2] + 1)), recomputed - base[2]))
         return record(base).along(tuple(steps))
 
     def layer_sizes(self, layout: Layout, seq_len: int) -> tuple[int, int, int]:
