@@ -28,8 +28,9 @@ NOTE [Segments in the policy]
 Where the host cannot hold every input-only layer's input, a pair of them may share one: the second
 runs "segment" (NOTE [Segments of two layers] in memo/runtime/layer.py), its input recomputed in its
 backward by the forward of the first, from the first's input. It costs the device nothing beyond an
-input-only layer (the recomputed input takes the segment layer's own rounding buffer) and one more
-forward of a layer (T); it frees S_input of host per pair. A split of input-only layers takes the fewest
+input-only layer (the recomputed input takes the segment layer's own rounding buffer), and time: one
+more forward of a layer (T) and the first's prefetch, which no backward hides (S_input / B); it frees
+S_input of host per pair. A split of input-only layers takes the fewest
 segments that make their inputs fit the host (``split_segments``), at most one per two layers; only
 then does it count as not fitting.
 
@@ -271,9 +272,10 @@ def _seconds(c: LayerCosts, n_memo: int, n_fr: int, alpha: float, n_in: int = 0,
     memo = (1 - alpha) * (1 - c.attn_fraction) * c.layer_time + stall
     # NOTE [Input-only layers] in memo/runtime/layer.py: the whole forward again, attention included.
     input_only = c.layer_time + max(0.0, c.s_input / c.bandwidth - c.layer_time)
-    # a segment layer's backward runs the forward of the layer before it once more (NOTE [Segments in
-    # the policy]); its own input comes from that, not from the link
-    return n_fr * c.layer_time + n_memo * memo + n_in * input_only + n_seg * c.layer_time
+    # a segment layer's backward runs the forward of the layer before it once more, after waiting for that
+    # layer's input, whose prefetch has no backward to hide under (NOTE [Segments in the policy])
+    segment = c.layer_time + c.s_input / c.bandwidth
+    return n_fr * c.layer_time + n_memo * memo + n_in * input_only + n_seg * segment
 
 
 def _split_alpha(c: LayerCosts, n_memo: int, n_fr: int, n_keep: int, cap: float,
