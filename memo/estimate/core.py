@@ -443,7 +443,7 @@ class Estimator:
         estimate]); where it cannot hold them all, as many as it holds, the others keeping their input on
         the device (NOTE [Inputs on the device where the host binds]); a MemoError where it holds none."""
         layout, seq_len = est.layout, est.seq_len
-        s_in = self.profiler.layer_sizes(layout, seq_len)[0]
+        s_in = self.profiler.input_bytes(layout, seq_len)
         layers = self.profiler.offloaded_layers(layout)
         offloaded = min(layers, host // s_in) if s_in > 0 else layers
         # NOTE [Segments where the host binds]: pairs first, then layers whose input stays on the device
@@ -475,7 +475,7 @@ class Estimator:
         """NOTE [The peer in an estimate]: every layer's input in host memory, or a MemoError."""
         layout = est.layout
         host = self.machine.host_per_process() // layout.pp - (est.host_bytes_per_process or 0)
-        s_in = self.profiler.layer_sizes(layout, est.seq_len)[0]
+        s_in = self.profiler.input_bytes(layout, est.seq_len)
         need = s_in * (self.config.n_layers // layout.pp)
         if need > host:
             raise MemoError(f"memo estimate: offloaded-checkpoint keeps every layer's input in host memory, "

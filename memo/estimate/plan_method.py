@@ -325,28 +325,44 @@ class RankProfiler:
         with warnings.catch_warnings(), repeated_tiles_skipped():  # NOTE [Repeated tiles in a meta estimate]
             warnings.simplefilter("ignore")  # the planner's notes on layer phases; alpha is checked here
             if policy is not None:  # NOTE [Memo's policy in an estimate] in core.py
-                m = self.machine
-                # gpu: the recorded pass runs the tiles of the GPU the estimate is for, not the meta
-                # device's (NOTE [Tiles of the device a plan is for] in memo/pipeline/job.py).
-                result = profile(model, seq_len, layout.micro_batch, self.dtype, "meta",
-                                 policy=list(policy),
-                                 alpha=0.0 if strategy == "input-only" else alpha,
-                                 bandwidth_gbps=m.bandwidth_gbps, layer_ms=1.0, host_mem_gb=1e6,
-                                 gpus_per_node=1, gpu=m.gpu if self.device == "cuda" else None,
-                                 plan=False, **common)
+                trace = self._wrapped(model, strategy, layout, seq_len, alpha, policy)
             elif strategy == "offloaded-checkpoint":
                 trace = _record_offloaded_checkpoint(model, layout, seq_len)
             else:
                 result = profile(model, seq_len, layout.micro_batch, self.dtype, "meta", solve=False,
                                  **common)
         self.profiles += 1
-        if strategy == "offloaded-checkpoint":
-            out = (analyse_trace(trace), None)
+        if policy is not None or strategy == "offloaded-checkpoint":
+            out = (analyse_trace(trace, kind_of), None)
             self.cache[key] = out
             return out
         out = (analyse_trace(result.trace, kind_of), result.layer_stats)
         self.cache[key] = out
         return out
+
+    def _wrapped(self, model: TransformerModel, strategy: str, layout: Layout, seq_len: int,
+                 alpha: float | None, policy: tuple[str, ...]) -> dict[str, Any]:
+        """One iteration of the rank model wrapped by memo's runtime with ``policy``, recorded: what
+        ``memo profile``'s second pass records (memo/pipeline/passes.py's wrapped_pass), with the tiles of
+        the GPU the estimate is for (NOTE [Tiles of the device a plan is for] in memo/pipeline/job.py), and
+        without its first pass of the plain model, which an estimate does not read."""
+        import torch
+
+        from memo import runtime
+        from memo.profiler.context_parallel import rank_tokens
+        from memo.profiler.record import phase_tracker, record
+
+        runtime.wrap(model, alpha=0.0 if strategy == "input-only" else alpha, policy=list(policy),
+                     recompute_chunk_tokens=self._tile(model, layout, seq_len))
+        tracker = phase_tracker(model)
+        ids = torch.zeros(layout.micro_batch, rank_tokens(seq_len, layout.tp, layout.cp), dtype=torch.long,
+                          device="meta")
+        try:
+            return record(model, ids, ids, tracker=tracker,
+                          meta={"model": self.config.name, "seq_len": seq_len}).trace
+        finally:
+            tracker.remove()
+            runtime.unwrap(model, force=True)
 
     def _first_stage(self, model: TransformerModel, strategy: str, layout: Layout, seq_len: int,
                      alpha: float | None, policy: tuple[str, ...] | None) -> dict[str, Any]:
@@ -448,6 +464,14 @@ class RankProfiler:
         depth = min(self.config.n_layers // layout.pp, DEPTHS[0])
         stats = self._record("none", layout, seq_len, depth, None, stage=False)[1]
         return (max(s.s_input for s in stats), max(s.s_attn for s in stats), max(s.s_others for s in stats))
+
+    def input_bytes(self, layout: Layout, seq_len: int) -> int:
+        """S_input of one layer of the rank without recording it: its ``[s/(c·t), b, h]`` input in the
+        model's dtype (what :meth:`layer_sizes` records first; tests/estimate checks they agree)."""
+        from memo.profiler.context_parallel import rank_tokens
+
+        rows = rank_tokens(seq_len, layout.tp, layout.cp) // layout.tp
+        return rows * layout.micro_batch * self.config.hidden * self.dtype.itemsize
 
     def offloaded_layers(self, layout: Layout) -> int:
         """Memo layers of the stage that offload (NOTE [Memo's alpha in an estimate])."""

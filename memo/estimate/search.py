@@ -193,7 +193,7 @@ def host_cap(estimator: Estimator, layout: Layout, strategy: str, first: int, gr
         return None
     try:
         host = estimator.machine.host_per_process() // layout.pp - estimator.state_bytes(layout, first)[2]
-        s_in = estimator.profiler.layer_sizes(layout, first)[0]
+        s_in = estimator.profiler.input_bytes(layout, first)
     except MemoError:
         return None
     layers = estimator.profiler.offloaded_layers(layout)

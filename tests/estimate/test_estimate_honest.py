@@ -214,3 +214,11 @@ def test_the_search_tries_memos_ulysses_layouts_at_the_finest_head_chunks(tmp_pa
     assert best["longest"] == max(r["longest"] for r in rows.values())
     if rows[2]["longest"] <= rows[None]["longest"]:
         assert best["layout"].head_chunks is None
+
+
+def test_the_layer_input_is_counted_as_recorded() -> None:
+    # RankProfiler.input_bytes (what host-bound estimates and search guesses read without recording) is
+    # the S_input the rank's recorded layers hold, under tensor and context parallelism alike.
+    est = Estimator("gpt-mini", dtype="float32")
+    for layout in (Layout(1), Layout(2, tp=2), Layout(4, cp=2, pp=2)):
+        assert est.profiler.input_bytes(layout, 4096) == est.profiler.layer_sizes(layout, 4096)[0]
