@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence  # at run time: tests resolve LayerContext's hints
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
-
     from torch import nn
 
     from memo.adapters.base import LayerAdapter
