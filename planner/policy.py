@@ -26,7 +26,7 @@ what the layers hold, the device needs:
 
 NOTE [Segments in the policy]
 Where the host cannot hold every input-only layer's input, a pair of them may share one: the second
-runs "segment" (NOTE [Segments of two layers] in memo/runtime/layer.py), its input recomputed in its
+runs "segment" (NOTE [Segments of two layers] in memo/runtime/segments.py), its input recomputed in its
 backward by the forward of the first, from the first's input. It costs the device nothing beyond an
 input-only layer (the recomputed input takes the segment layer's own rounding buffer), and time: one
 more forward of a layer (T) and the first's prefetch, which no backward hides (S_input / B); it frees
@@ -95,7 +95,7 @@ def validate_policy(policy: Any, n_layers: int | None = None) -> list[str]:
             raise MemoError(f"memo.policy: layer {i} is 'segment' but layer {i - 1} is "
                             f"{policy[i - 1] if i else 'none'!r}: a segment layer recomputes its input from "
                             "the input-only layer right before it (NOTE [Segments of two layers] in "
-                            "memo/runtime/layer.py)")
+                            "memo/runtime/segments.py)")
     return list(policy)
 
 

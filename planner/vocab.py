@@ -22,7 +22,7 @@ class LayerPolicy(str, enum.Enum):
     RECOMPUTE = "recompute"  # keep its input on the device, recompute everything
     KEEP = "keep"  # keep every activation on the device
     #: its input is not kept: backward recomputes it from the input-only layer before it (NOTE
-    #: [Segments of two layers] in memo/runtime/layer.py)
+    #: [Segments of two layers] in memo/runtime/segments.py)
     SEGMENT = "segment"
 
     def __str__(self) -> str:
@@ -89,7 +89,7 @@ class Sharding(str, enum.Enum):
 LAYER_POLICIES: tuple[str, ...] = tuple(p.value for p in LayerPolicy)
 #: The policies whose layers copy to host memory.
 #: The policies of the layers that hold a slot in the rounding buffers (the policy's leading layers): a
-#: segment layer's slot has no host bytes (NOTE [Segments of two layers] in memo/runtime/layer.py).
+#: segment layer's slot has no host bytes (NOTE [Segments of two layers] in memo/runtime/segments.py).
 OFFLOADING_POLICIES: tuple[str, ...] = (LayerPolicy.MEMO.value, LayerPolicy.INPUT_ONLY.value,
                                         LayerPolicy.SEGMENT.value)
 STRATEGIES: tuple[str, ...] = tuple(s.value for s in StrategyName)

@@ -506,7 +506,7 @@ class RoundingBuffers:
 
     def ready(self, i: int, f: int = 0) -> None:
         """Layer i's buffer holds its forward again before its own backward: the segment layer after it
-        reads its input (NOTE [Segments of two layers] in memo/runtime/layer.py). Its backward then
+        reads its input (NOTE [Segments of two layers] in memo/runtime/segments.py). Its backward then
         finds it READY."""
         layer = self.layers[f][i]
         if layer.state is not BufferState.READY:

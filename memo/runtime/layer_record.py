@@ -105,7 +105,7 @@ class LayerRecord:
     #: from the RNG state it ran at (``rng_core``).
     input_only: bool = False
     rng_core: Any = None
-    #: A segment layer (NOTE [Segments of two layers] in memo/runtime/layer.py): its input is not kept;
+    #: A segment layer (NOTE [Segments of two layers] in memo/runtime/segments.py): its input is not kept;
     #: its backward recomputes it, of this shape and dtype, from the layer before it.
     segment: bool = False
     x_like: tuple[tuple[int, ...], torch.dtype] | None = None
