@@ -30,6 +30,7 @@ Usage::
 
     python benchmarks/longest_at_scale.py                               # every row, ~minutes each
     python benchmarks/longest_at_scale.py --only 8b-x8 --json out.json
+    python benchmarks/longest_at_scale.py --from-json a.json b.json     # the table of saved runs
 """
 
 from __future__ import annotations
@@ -154,6 +155,7 @@ def _memo_policy(est: dict[str, Any] | None) -> str:
     if not est or est.get("policy") is None:
         return "-"
     cell = est["policy"] + ("" if est["alpha"] is None else f" alpha {est['alpha']:.2f}")
+    cell += f", {est['segment_layers']} segment" if est.get("segment_layers") else ""
     return cell + (f", {est['recomputed_layers']} recompute" if est.get("recomputed_layers") else "")
 
 
@@ -197,12 +199,22 @@ def commands(runs: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def _load(path: Path) -> dict[str, Any]:
+    """A JSON file of runs this script wrote (its version and kind checked)."""
+    data = json.loads(path.read_text())
+    if data.get("kind") != "memo.benchmark.longest_at_scale" or data.get("version") != 2:
+        raise SystemExit(f"longest_at_scale: {path} is not a version-2 run of this script")
+    return data
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", choices=[r.name for r in ROWS], nargs="+", default=[r.name for r in ROWS],
                    help="rows to run (default: all)")
     p.add_argument("--granularity", default="32K", help="step of the longest-sequence search")
     p.add_argument("--json", type=Path, metavar="OUT.json", help="write the runs as JSON here")
+    p.add_argument("--from-json", type=Path, nargs="+", metavar="RUNS.json",
+                   help="print the table of runs this script wrote (--json), in ROWS' order, and run nothing")
     return p
 
 
@@ -212,11 +224,16 @@ def main(argv: list[str] | None = None) -> int:
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    runs = [run_row(row, args.granularity, log) for row in ROWS if row.name in args.only]
+    if args.from_json:
+        saved = [run for path in args.from_json for run in _load(path)["runs"]]
+        order = [row.name for row in ROWS]
+        runs = sorted(saved, key=lambda run: order.index(run["row"]))
+    else:
+        runs = [run_row(row, args.granularity, log) for row in ROWS if row.name in args.only]
     print(table(runs))
     print("\nmemo's launch commands:\n")
     print(commands(runs))
-    if args.json:
+    if args.json and not args.from_json:
         args.json.write_text(json.dumps({"version": 2, "kind": "memo.benchmark.longest_at_scale",
                                          "common_limit_gib": common_limit_gib(), "runs": runs}, indent=1))
     return 0

@@ -24,6 +24,16 @@ what the layers hold, the device needs:
   backward, their gradients, the gradient of o), which is not modelled: a recorded memo
   iteration measures it (``memo_overhead``, NOTE [Calibrated policy] in memo/pipeline/policy.py).
 
+NOTE [Segments in the policy]
+Where the host cannot hold every input-only layer's input, a pair of them may share one: the second
+runs "segment" (NOTE [Segments of two layers] in memo/runtime/segments.py), its input recomputed in its
+backward by the forward of the first, from the first's input. It costs the device nothing beyond an
+input-only layer (the recomputed input takes the segment layer's own rounding buffer), and time: one
+more forward of a layer (T) and the first's prefetch, which no backward hides (S_input / B); it frees
+S_input of host per pair. A split of input-only layers takes the fewest
+segments that make their inputs fit the host (``split_segments``), at most one per two layers; only
+then does it count as not fitting.
+
 NOTE [Forwards in flight in the policy]
 A pipeline stage runs the forwards of several micro-batches before their backwards (1F1B: up to P - i
 at stage i), so what a layer holds from its forward to its backward is held ``in_flight`` times: a kept
@@ -57,7 +67,7 @@ from .vocab import LAYER_POLICIES, OFFLOADING_POLICIES
 
 __all__ = ["ALPHA_GIVEN_UP", "LAYER_POLICIES", "OFFLOADING_POLICIES", "LayerCosts", "PolicySolution",
            "choose_policy", "describe_policy", "device_need", "full_recompute_need", "given_policy",
-           "usable_budget", "validate_policy"]
+           "split_segments", "usable_budget", "validate_policy"]
 
 # What a layer may do (NOTE [Layer policy] in memo/runtime/runtime.py): LAYER_POLICIES, and
 # OFFLOADING_POLICIES whose layers copy to the host arena, come from planner/vocab.py (LayerPolicy),
@@ -78,8 +88,14 @@ def validate_policy(policy: Any, n_layers: int | None = None) -> list[str]:
                         "layers; the plan was made for another model (re-run `memo profile`)")
     n_offloading = sum(p in OFFLOADING_POLICIES for p in policy)
     if any(p not in OFFLOADING_POLICIES for p in policy[:n_offloading]):
-        raise MemoError("memo.policy: the offloading layers of a policy ('memo', 'input-only') must come "
-                        f"first (NOTE [Layer policy]), got {list(policy)}")
+        raise MemoError("memo.policy: the offloading layers of a policy ('memo', 'input-only', 'segment') "
+                        f"must come first (NOTE [Layer policy]), got {list(policy)}")
+    for i, p in enumerate(policy):
+        if p == "segment" and (i == 0 or policy[i - 1] != "input-only"):
+            raise MemoError(f"memo.policy: layer {i} is 'segment' but layer {i - 1} is "
+                            f"{policy[i - 1] if i else 'none'!r}: a segment layer recomputes its input from "
+                            "the input-only layer right before it (NOTE [Segments of two layers] in "
+                            "memo/runtime/segments.py)")
     return list(policy)
 
 
@@ -171,8 +187,23 @@ class PolicySolution:
         return out
 
 
-def _policy(n_memo: int, n_fr: int, n_keep: int, n_in: int = 0) -> list[str]:
-    return ["memo"] * n_memo + ["input-only"] * n_in + ["recompute"] * n_fr + ["keep"] * n_keep
+def _policy(n_memo: int, n_fr: int, n_keep: int, n_in: int = 0, n_seg: int = 0) -> list[str]:
+    """``n_in`` counts the segment layers too: each pairs with the input-only layer before it."""
+    return (["memo"] * n_memo + ["input-only", "segment"] * n_seg + ["input-only"] * (n_in - 2 * n_seg)
+            + ["recompute"] * n_fr + ["keep"] * n_keep)
+
+
+def split_segments(c: LayerCosts, n_memo: int, n_in: int) -> int | None:
+    """The fewest segment layers (NOTE [Segments in the policy]) among ``n_in`` input-only ones for their
+    inputs to fit the host; None where even one segment per two layers does not fit."""
+    if n_memo or not n_in:
+        return 0
+    per_layer = c.s_input * c.in_flight
+    over = n_in * per_layer - c.host_memory
+    if over <= 0:
+        return 0
+    need = -(-over // per_layer) if per_layer else 0
+    return need if need <= n_in // 2 else None
 
 
 def _counts(policy: list[str]) -> dict[str, int]:
@@ -236,12 +267,15 @@ def _alpha_upper(c: LayerCosts, n_memo: int, n_fr: int, n_keep: int, cap: float,
     }
 
 
-def _seconds(c: LayerCosts, n_memo: int, n_fr: int, alpha: float, n_in: int = 0) -> float:
+def _seconds(c: LayerCosts, n_memo: int, n_fr: int, alpha: float, n_in: int = 0, n_seg: int = 0) -> float:
     stall = max(0.0, c.copy_bytes(alpha) / c.bandwidth - c.layer_time)
     memo = (1 - alpha) * (1 - c.attn_fraction) * c.layer_time + stall
     # NOTE [Input-only layers] in memo/runtime/layer.py: the whole forward again, attention included.
     input_only = c.layer_time + max(0.0, c.s_input / c.bandwidth - c.layer_time)
-    return n_fr * c.layer_time + n_memo * memo + n_in * input_only
+    # a segment layer's backward runs the forward of the layer before it once more, after waiting for that
+    # layer's input, whose prefetch has no backward to hide under (NOTE [Segments in the policy])
+    segment = c.layer_time + c.s_input / c.bandwidth
+    return n_fr * c.layer_time + n_memo * memo + n_in * input_only + n_seg * segment
 
 
 def _split_alpha(c: LayerCosts, n_memo: int, n_fr: int, n_keep: int, cap: float,
@@ -250,7 +284,7 @@ def _split_alpha(c: LayerCosts, n_memo: int, n_fr: int, n_keep: int, cap: float,
     it: the given one, or the largest every hard bound allows; None when it does not fit in host
     memory."""
     f = c.in_flight
-    if n_in * c.s_input * f > c.host_memory:
+    if split_segments(c, n_memo, n_in) is None:
         return None
     if not n_memo:
         # no memo layer: alpha does nothing, but a given one is kept (it is what was asked)
@@ -308,7 +342,8 @@ def _search_splits(c: LayerCosts, cap: float, alpha: float | None
                     smallest = (need, split, a)
                 if need > cap + 2:  # alpha at its device bound: the two buffers round up by a byte each
                     continue
-                key = (_seconds(c, n_memo, n_fr, a, n_in), need, split, a, why)
+                n_seg = split_segments(c, n_memo, n_in) or 0
+                key = (_seconds(c, n_memo, n_fr, a, n_in, n_seg), need, split, a, why)
                 if best is None or key[:2] < best[:2]:
                     best = key
     return best, smallest
@@ -414,7 +449,7 @@ def choose_policy(c: LayerCosts, device_budget: int | None = None, alpha: float 
     if n_memo == 0 and n_in == 0 and n_keep < c.n_layers:
         why = "device_memory"
     parts = _split_need(c, split, a)
-    policy = _policy(n_memo, n_fr, n_keep, n_in)
+    policy = _policy(n_memo, n_fr, n_keep, n_in, split_segments(c, n_memo, n_in) or 0)
     return PolicySolution(policy=policy, alpha=float(a), binding=why,
                           extra_seconds=seconds, device_bytes=sum(parts.values()), parts=parts,
                           device_cap=int(cap),
@@ -441,12 +476,13 @@ def given_policy(c: LayerCosts, policy: list[str], alpha: float | None = None,
                  device_budget: int | None = None) -> PolicySolution:
     """The PolicySolution of a policy fixed by the caller: its estimated need and time (not
     checked against the budget; the recorded pass tells the truth)."""
-    n_memo, n_in, n_fr, n_keep = (policy.count(k) for k in LAYER_POLICIES)
+    n_memo, n_in, n_fr, n_keep, n_seg = (policy.count(k) for k in LAYER_POLICIES)
     a = 0.0 if alpha is None else float(alpha)
-    parts = device_need(c, n_memo, n_fr, n_keep, a, n_in)
+    parts = device_need(c, n_memo, n_fr, n_keep, a, n_in + n_seg)
     need = sum(parts.values())
     return PolicySolution(policy=list(policy), alpha=a, binding="given",
-                          extra_seconds=_seconds(c, n_memo, n_fr, a, n_in), device_bytes=need, parts=parts,
+                          extra_seconds=_seconds(c, n_memo, n_fr, a, n_in + n_seg, n_seg), device_bytes=need,
+                          parts=parts,
                           device_cap=device_budget or need,
                           device_budget=device_budget, full_recompute_bytes=full_recompute_need(c),
                           counts=_counts(list(policy)))

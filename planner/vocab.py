@@ -21,6 +21,9 @@ class LayerPolicy(str, enum.Enum):
     INPUT_ONLY = "input-only"  # offload its input only, recompute everything else (attention too)
     RECOMPUTE = "recompute"  # keep its input on the device, recompute everything
     KEEP = "keep"  # keep every activation on the device
+    #: its input is not kept: backward recomputes it from the input-only layer before it (NOTE
+    #: [Segments of two layers] in memo/runtime/segments.py)
+    SEGMENT = "segment"
 
     def __str__(self) -> str:
         return self.value
@@ -85,7 +88,10 @@ class Sharding(str, enum.Enum):
 
 LAYER_POLICIES: tuple[str, ...] = tuple(p.value for p in LayerPolicy)
 #: The policies whose layers copy to host memory.
-OFFLOADING_POLICIES: tuple[str, ...] = (LayerPolicy.MEMO.value, LayerPolicy.INPUT_ONLY.value)
+#: The policies of the layers that hold a slot in the rounding buffers (the policy's leading layers): a
+#: segment layer's slot has no host bytes (NOTE [Segments of two layers] in memo/runtime/segments.py).
+OFFLOADING_POLICIES: tuple[str, ...] = (LayerPolicy.MEMO.value, LayerPolicy.INPUT_ONLY.value,
+                                        LayerPolicy.SEGMENT.value)
 STRATEGIES: tuple[str, ...] = tuple(s.value for s in StrategyName)
 ESTIMATE_METHODS: tuple[str, ...] = tuple(m.value for m in EstimateMethod)
 RECORDERS: tuple[str, ...] = tuple(r.value for r in Recorder)

@@ -538,9 +538,11 @@ def _print_layout_grid(args: argparse.Namespace, out_rows: list[dict[str, Any]],
 
 
 def _policy_cell(e: dict[str, Any]) -> str:
-    """memo's layer policy of an estimate's dict: its kind, alpha, and the layers that keep their input on
-    the device (NOTE [Inputs on the device where the host binds] in memo/estimate/core.py)."""
+    """memo's layer policy of an estimate's dict: its kind, alpha, the segment layers and the layers that
+    keep their input on the device (NOTE [Segments where the host binds], [Inputs on the device where the
+    host binds] in memo/estimate/core.py)."""
     cell = e["policy"] + ("" if e["alpha"] is None else f", alpha {e['alpha']:.3f}")
+    cell += f", {e['segment_layers']} segment" if e.get("segment_layers") else ""
     return cell + (f", {e['recomputed_layers']} recompute" if e.get("recomputed_layers") else "")
 
 

@@ -33,7 +33,7 @@ from memo.estimate.plan_method import (
     memo_alpha_within,
     rank_layer_ms,
 )
-from memo.planner.vocab import ESTIMATE_METHODS, OFFLOADING_POLICIES, StrategyName
+from memo.planner.vocab import ESTIMATE_METHODS, StrategyName
 from memo.units import GB, GiB
 
 __all__ = ["ESTIMATE_KIND", "ESTIMATE_VERSION", "MEMO_POLICIES", "METHODS", "MODEL_STATES", "Estimate",
@@ -44,7 +44,7 @@ ESTIMATE_VERSION = 1
 METHODS = ESTIMATE_METHODS
 
 #: memo's layer policies an estimate may use (NOTE [Memo's policy in an estimate]).
-MEMO_POLICIES = ("auto", *OFFLOADING_POLICIES)
+MEMO_POLICIES = ("auto", StrategyName.MEMO.value, "input-only")
 
 # NOTE [Memo's policy in an estimate]
 # memo's rows run every offloading layer one way: "memo" (input and attention output to the host,
@@ -77,6 +77,17 @@ MEMO_POLICIES = ("auto", *OFFLOADING_POLICIES)
 # share; the estimate records that policy (NOTE [Estimate from a meta profile]: linear in each count).
 # A length the host cannot hold one layer's input of is refused: memo offloads nothing there, which is
 # the full-recompute row.
+#
+# NOTE [Segments where the host binds]
+# Before any layer keeps its input on the device, pairs of input-only layers share one offloaded input:
+# the second of a pair runs "segment" (NOTE [Segments of two layers] in memo/runtime/segments.py), its
+# input recomputed in its backward from the first's, in its own rounding buffer, so the device holds
+# what an input-only layer's backward holds. The estimate takes the fewest pairs that make the inputs
+# fit the host (each frees one S_input), as planner/policy.py's split does when ``memo train`` plans the
+# job (NOTE [Segments in the policy]); only where every layer is paired and the host still cannot hold
+# them do layers keep their input on the device and recompute (then r of them leave (L - r) / 2 pairs).
+# The recorded policy is the runtime's: pairs first, then single input-only layers, then recomputed
+# ones, each count extended linearly (NOTE [Estimate from a meta profile]).
 
 #: How model states are counted (NOTE [Estimate model states]).
 MODEL_STATES = ("formula", "mixed", "same")
@@ -165,6 +176,9 @@ class Estimate:
     #: memo's layers that keep their input on the device and recompute, where the host cannot hold every
     #: layer's (NOTE [Inputs on the device where the host binds]); the others run ``policy``.
     recomputed_layers: int = field(default=0)
+    #: memo's segment layers (NOTE [Segments where the host binds]): each recomputes its input from the
+    #: input-only layer before it, so a pair offloads one input.
+    segment_layers: int = field(default=0)
     #: What "fits" is measured against (NOTE [Fit limits]): "fraction" (fit_fraction of the GPU) or
     #: "plan" (the usable budget of memo's plan) or "given" (``given_limit_bytes``, every strategy's).
     limit_rule: str = field(default="fraction")
@@ -199,7 +213,7 @@ class Estimate:
             "device_mem_gb": self.device_mem_gb, "fit_fraction": self.fit_fraction,
             "limit_gib": gib(self.limit_bytes), "limit_bytes": self.limit_bytes, "fits": self.fits,
             "limit_rule": self.limit_rule, "policy": self.policy,
-            "recomputed_layers": self.recomputed_layers,
+            "recomputed_layers": self.recomputed_layers, "segment_layers": self.segment_layers,
             "alpha": self.alpha, "alpha_binding": self.alpha_binding,
             "host_bytes_per_process": self.host_bytes_per_process,
             "host_bytes_per_node": self.host_bytes_per_node,
@@ -365,14 +379,15 @@ class Estimator:
         return attention_exchange_bytes(self.config, layout, seq_len, self.dtype.itemsize)
 
     def _activations(self, strategy: str, layout: Layout, seq_len: int, alpha: float | None,
-                     recomputed: int = 0) -> int:
+                     recomputed: int = 0, pairs: int = 0) -> int:
         """NOTE [Gradients in the peak] and [First stage under 1F1B] in memo/estimate/plan_method.py;
-        ``recomputed``: NOTE [Inputs on the device where the host binds]."""
-        n = self.profiler.numbers(strategy, layout, seq_len, alpha, recomputed=recomputed)
+        ``recomputed``, ``pairs``: NOTE [Inputs on the device where the host binds], [Segments where the
+        host binds]."""
+        n = self.profiler.numbers(strategy, layout, seq_len, alpha, recomputed=recomputed, pairs=pairs)
         stages = [n]
         if layout.pp > 1:  # NOTE [Last stage under 1F1B]: its head, one micro-batch
             stages.append(self.profiler.numbers(strategy, layout, seq_len, alpha, stage=False,
-                                                recomputed=recomputed))
+                                                recomputed=recomputed, pairs=pairs))
         if self.model_states == "same":
             return max(s.iteration - s.gradients for s in stages)
         return max(s.activations for s in stages)
@@ -428,9 +443,12 @@ class Estimator:
         estimate]); where it cannot hold them all, as many as it holds, the others keeping their input on
         the device (NOTE [Inputs on the device where the host binds]); a MemoError where it holds none."""
         layout, seq_len = est.layout, est.seq_len
-        s_in = self.profiler.layer_sizes(layout, seq_len)[0]
+        s_in = self.profiler.input_bytes(layout, seq_len)
         layers = self.profiler.offloaded_layers(layout)
         offloaded = min(layers, host // s_in) if s_in > 0 else layers
+        # NOTE [Segments where the host binds]: pairs first, then layers whose input stays on the device
+        recomputed = max(0, layers - 2 * offloaded)
+        pairs = min(layers - offloaded, (layers - recomputed) // 2)
         if offloaded < 1:
             why = (f"the host cannot hold even one layer's input (S_input {s_in / GiB:,.3f} GiB > "
                    f"{host / GiB:,.2f} GiB per process), so memo offloads nothing: it is full recompute here")
@@ -439,13 +457,17 @@ class Estimator:
                                 "sequence")
             raise MemoError(f"{memo_error}; {why}") from memo_error
         est.policy = "input-only"
-        est.recomputed_layers = layers - offloaded
-        est.activations_bytes += self._activations("input-only", layout, seq_len, None, est.recomputed_layers)
+        est.recomputed_layers, est.segment_layers = recomputed, pairs
+        est.activations_bytes += self._activations("input-only", layout, seq_len, None, recomputed, pairs)
         est.alpha, est.alpha_binding = None, "host memory"
-        self._host(est, s_in * offloaded * layout.pp)
+        inputs = layers - recomputed - pairs
+        self._host(est, s_in * inputs * layout.pp)
+        if pairs:
+            est.notes.append(f"memo: {pairs} pairs of layers share one offloaded input, the second "
+                             "recomputing its input from the first's (NOTE [Segments where the host binds])")
         if est.recomputed_layers:
-            held = s_in * offloaded / GiB
-            est.notes.append(f"memo: the host holds {offloaded} layers' inputs ({held:,.2f} GiB per "
+            held = s_in * inputs / GiB
+            est.notes.append(f"memo: the host holds {inputs} layers' inputs ({held:,.2f} GiB per "
                              f"process); {est.recomputed_layers} layers keep theirs on the device and "
                              "recompute (NOTE [Inputs on the device where the host binds])")
 
@@ -453,7 +475,7 @@ class Estimator:
         """NOTE [The peer in an estimate]: every layer's input in host memory, or a MemoError."""
         layout = est.layout
         host = self.machine.host_per_process() // layout.pp - (est.host_bytes_per_process or 0)
-        s_in = self.profiler.layer_sizes(layout, est.seq_len)[0]
+        s_in = self.profiler.input_bytes(layout, est.seq_len)
         need = s_in * (self.config.n_layers // layout.pp)
         if need > host:
             raise MemoError(f"memo estimate: offloaded-checkpoint keeps every layer's input in host memory, "

@@ -313,7 +313,8 @@ class RankProfiler:
 
         recompute = "full" if strategy == "full-recompute" else "none"
         model = _rank_model(self.config, depth, layout, seq_len, self.dtype, recompute)
-        kind_of = _policy_kinds(policy) if policy is not None and "recompute" in policy else None
+        mixed = policy is not None and ("recompute" in policy or "segment" in policy)
+        kind_of = _policy_kinds(policy) if mixed else None
         if stages > 1:
             out: tuple[RankNumbers, Any] = (analyse_trace(self._first_stage(model, strategy, layout, seq_len,
                                                                             alpha, policy), kind_of), None)
@@ -324,28 +325,44 @@ class RankProfiler:
         with warnings.catch_warnings(), repeated_tiles_skipped():  # NOTE [Repeated tiles in a meta estimate]
             warnings.simplefilter("ignore")  # the planner's notes on layer phases; alpha is checked here
             if policy is not None:  # NOTE [Memo's policy in an estimate] in core.py
-                m = self.machine
-                # gpu: the recorded pass runs the tiles of the GPU the estimate is for, not the meta
-                # device's (NOTE [Tiles of the device a plan is for] in memo/pipeline/job.py).
-                result = profile(model, seq_len, layout.micro_batch, self.dtype, "meta",
-                                 policy=list(policy),
-                                 alpha=0.0 if strategy == "input-only" else alpha,
-                                 bandwidth_gbps=m.bandwidth_gbps, layer_ms=1.0, host_mem_gb=1e6,
-                                 gpus_per_node=1, gpu=m.gpu if self.device == "cuda" else None,
-                                 plan=False, **common)
+                trace = self._wrapped(model, strategy, layout, seq_len, alpha, policy)
             elif strategy == "offloaded-checkpoint":
                 trace = _record_offloaded_checkpoint(model, layout, seq_len)
             else:
                 result = profile(model, seq_len, layout.micro_batch, self.dtype, "meta", solve=False,
                                  **common)
         self.profiles += 1
-        if strategy == "offloaded-checkpoint":
-            out = (analyse_trace(trace), None)
+        if policy is not None or strategy == "offloaded-checkpoint":
+            out = (analyse_trace(trace, kind_of), None)
             self.cache[key] = out
             return out
         out = (analyse_trace(result.trace, kind_of), result.layer_stats)
         self.cache[key] = out
         return out
+
+    def _wrapped(self, model: TransformerModel, strategy: str, layout: Layout, seq_len: int,
+                 alpha: float | None, policy: tuple[str, ...]) -> dict[str, Any]:
+        """One iteration of the rank model wrapped by memo's runtime with ``policy``, recorded: what
+        ``memo profile``'s second pass records (memo/pipeline/passes.py's wrapped_pass), with the tiles of
+        the GPU the estimate is for (NOTE [Tiles of the device a plan is for] in memo/pipeline/job.py), and
+        without its first pass of the plain model, which an estimate does not read."""
+        import torch
+
+        from memo import runtime
+        from memo.profiler.context_parallel import rank_tokens
+        from memo.profiler.record import phase_tracker, record
+
+        runtime.wrap(model, alpha=0.0 if strategy == "input-only" else alpha, policy=list(policy),
+                     recompute_chunk_tokens=self._tile(model, layout, seq_len))
+        tracker = phase_tracker(model)
+        ids = torch.zeros(layout.micro_batch, rank_tokens(seq_len, layout.tp, layout.cp), dtype=torch.long,
+                          device="meta")
+        try:
+            return record(model, ids, ids, tracker=tracker,
+                          meta={"model": self.config.name, "seq_len": seq_len}).trace
+        finally:
+            tracker.remove()
+            runtime.unwrap(model, force=True)
 
     def _first_stage(self, model: TransformerModel, strategy: str, layout: Layout, seq_len: int,
                      alpha: float | None, policy: tuple[str, ...] | None) -> dict[str, Any]:
@@ -387,15 +404,17 @@ class RankProfiler:
                                    token_bytes=params_token_bytes(layer_params, hidden, self.dtype.itemsize))
 
     def numbers(self, strategy: str, layout: Layout, seq_len: int, alpha: float | None = None,
-                whole_depth: bool = False, stage: bool = True, recomputed: int = 0) -> RankNumbers:
+                whole_depth: bool = False, stage: bool = True, recomputed: int = 0,
+                pairs: int = 0) -> RankNumbers:
         """The first stage's :class:`RankNumbers` at its L/p layers (NOTE [Estimate from a meta profile]);
         ``whole_depth`` records all L/p layers instead of extending two depths (what the tests compare);
         ``stage=False``: one iteration of one micro-batch through them and the head (NOTE [Last stage
         under 1F1B]); ``recomputed``: that many of memo's layers keep their input on the device and
-        recompute (NOTE [Inputs on the device where the host binds] in core.py)."""
+        recompute (NOTE [Inputs on the device where the host binds] in core.py); ``pairs``: that many
+        pairs of them share one offloaded input (NOTE [Segments where the host binds] in core.py)."""
         depth = self.config.n_layers // layout.pp
-        if recomputed:
-            return self._mixed(strategy, layout, seq_len, alpha, whole_depth, stage, recomputed)
+        if recomputed or pairs:
+            return self._mixed(strategy, layout, seq_len, alpha, whole_depth, stage, recomputed, pairs)
         if depth <= DEPTHS[-1] or whole_depth:
             return self._record(strategy, layout, seq_len, depth, alpha, stage)[0]
         lo, hi = DEPTHS[0], DEPTHS[-1]
@@ -404,30 +423,55 @@ class RankProfiler:
         return a.extend(b, lo, hi, depth)
 
     def _mixed(self, strategy: str, layout: Layout, seq_len: int, alpha: float | None, whole_depth: bool,
-               stage: bool, recomputed: int) -> RankNumbers:
-        """:meth:`numbers` of a stage whose first ``offloading`` layers run ``strategy`` and the next
-        ``recomputed`` ones ``"recompute"`` (then the kept ones). Linear in each count, as the depth
-        extension is (NOTE [Estimate from a meta profile]): recorded with two offloading layers and one
-        recomputed, with one more of each, and extended by both slopes."""
+               stage: bool, recomputed: int, pairs: int = 0) -> RankNumbers:
+        """:meth:`numbers` of a stage whose first ``pairs`` pairs of layers run ``strategy`` and
+        ``"segment"``, the next ones ``strategy``, the next ``recomputed`` ones ``"recompute"`` (then the
+        kept ones). Linear in each count, as the depth extension is (NOTE [Estimate from a meta
+        profile]): recorded with a few of each kind, with one more of each kind in turn, and extended by
+        each slope."""
         depth = self.config.n_layers // layout.pp
         kept = min(self.machine.memo_keep_last, depth)
-        offloading = depth - kept - recomputed
-        internal_assert(offloading >= 1 and recomputed >= 1, "a mixed policy needs layers of both kinds")
+        counts = (pairs, depth - kept - recomputed - 2 * pairs, recomputed)
+        internal_assert(counts[1] >= 0 and (counts[0] or counts[1]) and (recomputed or pairs),
+                        "a mixed policy needs layers of two kinds")
 
-        def record(n_off: int, n_rc: int) -> RankNumbers:
-            policy = (strategy,) * n_off + ("recompute",) * n_rc + ("keep",) * kept
+        def record(n: tuple[int, ...]) -> RankNumbers:
+            policy = ((strategy, "segment") * n[0] + (strategy,) * n[1] + ("recompute",) * n[2]
+                      + ("keep",) * kept)
             return self._record(strategy, layout, seq_len, len(policy), alpha, stage, policy)[0]
 
         if whole_depth or depth <= DEPTHS[-1] + kept:
-            return record(offloading, recomputed)
-        base, more_rc, more_off = record(2, 1), record(2, 2), record(3, 1)
-        return base.along(((more_off, offloading - 2), (more_rc, recomputed - 1)))
+            return record(counts)
+        # A pair and a single offloading layer (three layers: the first and the last differ from the
+        # middle ones), then one more pair, and one more recomputed layer; a single offloading layer adds
+        # half of what a pair adds (a segment layer holds what an input-only one does: NOTE [Segments
+        # where the host binds] in core.py), so pairs cost one recording more than input-only alone.
+        if not pairs:
+            base = (0, 2, 1)
+            steps = [(record((0, 3, 1)), counts[1] - 2)]
+        else:
+            base = (1, 1, min(recomputed, 1))
+            more = record((2, 1, base[2]))
+            first = record(base)
+            half = first.halfway(more)
+            steps = [(more, pairs - 1), (half, counts[1] - 1)]
+        if recomputed > base[2]:
+            steps.append((record((base[0], base[1], base[2] + 1)), recomputed - base[2]))
+        return record(base).along(tuple(steps))
 
     def layer_sizes(self, layout: Layout, seq_len: int) -> tuple[int, int, int]:
         """S_input, S_attn, S_others of one layer of the rank (pass 1 of the plain model)."""
         depth = min(self.config.n_layers // layout.pp, DEPTHS[0])
         stats = self._record("none", layout, seq_len, depth, None, stage=False)[1]
         return (max(s.s_input for s in stats), max(s.s_attn for s in stats), max(s.s_others for s in stats))
+
+    def input_bytes(self, layout: Layout, seq_len: int) -> int:
+        """S_input of one layer of the rank without recording it: its ``[s/(c·t), b, h]`` input in the
+        model's dtype (what :meth:`layer_sizes` records first; tests/estimate checks they agree)."""
+        from memo.profiler.context_parallel import rank_tokens
+
+        rows = rank_tokens(seq_len, layout.tp, layout.cp) // layout.tp
+        return rows * layout.micro_batch * self.config.hidden * self.dtype.itemsize
 
     def offloaded_layers(self, layout: Layout) -> int:
         """Memo layers of the stage that offload (NOTE [Memo's alpha in an estimate])."""

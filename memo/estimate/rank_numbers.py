@@ -53,6 +53,21 @@ class RankNumbers:
                            stage_activations=fields["stage_activations"], held=fields["held"],
                            gradients=fields["gradients"])
 
+    def halfway(self, other: RankNumbers) -> RankNumbers:
+        """Every number (and every kind's peaks, where both have the same kinds) halfway to ``other``'s."""
+        def mid(a: int, b: int) -> int:
+            return (a + b) // 2
+
+        kinds: tuple[tuple[str, int, int, int], ...] = ()
+        if [row[0] for row in self.by_kind] == [row[0] for row in other.by_kind]:
+            kinds = tuple((a[0], mid(a[1], b[1]), mid(a[2], b[2]), mid(a[3], b[3]))
+                          for a, b in zip(self.by_kind, other.by_kind, strict=True))
+        return RankNumbers(iteration=mid(self.iteration, other.iteration),
+                           activations=mid(self.activations, other.activations),
+                           stage_activations=mid(self.stage_activations, other.stage_activations),
+                           held=mid(self.held, other.held), gradients=mid(self.gradients, other.gradients),
+                           by_kind=kinds)
+
     def extend(self, other: RankNumbers, depth: int, other_depth: int, target: int) -> RankNumbers:
         """Linear in depth through (depth, self) and (other_depth, other), at ``target``."""
         f = (target - depth) / (other_depth - depth)

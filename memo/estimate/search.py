@@ -59,6 +59,15 @@ spends them where they decide the answer:
 Every reported length is one an actual estimate at that length found to fit, and the best layout's is
 the longest such within the granularity: one granularity more did not fit (or is past the cap).
 
+NOTE [Host-bound guesses]
+The line through two short lengths' device totals knows nothing of the host. memo's least device need
+and the offloaded-checkpoint peer send layer inputs there, so where the host binds first the line
+guesses far past where either can run, and the probes spend many estimates coming down from it. Their
+guess is therefore the shorter of the line's and the longest length whose inputs the host holds (every
+layer's for the peer, one per pair of layers for memo: :func:`host_cap`); from there the probes go up
+where the length fits (memo keeps inputs on the device past it), so the answer is the same, found with
+fewer estimates.
+
 NOTE [Head chunks in the search]
 Ulysses over more chunks of heads holds less during attention and sends the key/value heads more
 often (NOTE [Ulysses over chunks of heads] in memo/models/ulysses_attention.py). memo's searches by
@@ -78,6 +87,7 @@ from typing import TYPE_CHECKING, Any
 
 from memo.errors import MemoError
 from memo.estimate.layout import Layout, valid_layouts
+from memo.planner.vocab import StrategyName
 from memo.units import GiB
 
 if TYPE_CHECKING:
@@ -171,6 +181,26 @@ def first_guess(total: Callable[[int], int | None], limit: int, granularity: int
     if t1 is not None and t2 is not None and t2 > t1:
         guess = int(first + (limit - t1) * first / (t2 - t1))
     return min(max(guess // g * g, g), max_seq // g * g)
+
+
+def host_cap(estimator: Estimator, layout: Layout, strategy: str, first: int, granularity: int) -> int | None:
+    """The longest multiple of ``granularity`` whose layer inputs the host holds, for a strategy that sends
+    them there: memo's (one per pair of layers: NOTE [Segments where the host binds] in core.py) and the
+    offloaded-checkpoint peer's (every layer's), from the layer input at ``first`` tokens (inputs grow
+    linearly with the length); None for the others, or where nothing is known (NOTE [Host-bound
+    guesses])."""
+    if strategy not in (StrategyName.MEMO.value, StrategyName.OFFLOADED_CHECKPOINT.value):
+        return None
+    try:
+        host = estimator.machine.host_per_process() // layout.pp - estimator.state_bytes(layout, first)[2]
+        s_in = estimator.profiler.input_bytes(layout, first)
+    except MemoError:
+        return None
+    layers = estimator.profiler.offloaded_layers(layout)
+    inputs = -(-layers // 2) if strategy == StrategyName.MEMO.value else layers
+    if s_in <= 0 or host <= 0:
+        return None
+    return max(int(host * first / (inputs * s_in)) // granularity * granularity, granularity)
 
 
 def gallop(total: Callable[[int], int | None], limit: int, granularity: int, max_seq: int,
@@ -491,8 +521,9 @@ def _predicted_search(estimator: Estimator, layouts: list[Layout], kept: set[tup
         if _family(layout) not in kept:
             continue
         total = _Totals(estimator, layout, strategy)
-        items.append({"layout": layout, "total": total,
-                      "guess": first_guess(total, limit, granularity, max_seq, first)})
+        guess = first_guess(total, limit, granularity, max_seq, first)
+        cap = host_cap(estimator, layout, strategy, first, granularity)
+        items.append({"layout": layout, "total": total, "guess": guess if cap is None else min(guess, cap)})
     # equal guesses (both at the cap) go to the layout whose states leave the device more room; finer
     # head chunks after every default, so that each is probed past the best the default reached and
     # answers only where it goes further (NOTE [Head chunks in the search])

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -196,6 +197,8 @@ class LayerSlot:
     #: Which layer forward the slot holds: a number no other forward gets, 0 when it holds none. A
     #: backward checks it against its record's (NOTE [Failed iteration] in memo/runtime/runtime.py).
     epoch: int = 0
+    #: READY before its own backward: a segment layer's backward read it (:meth:`RoundingBuffers.ready`).
+    early: bool = False
 
     def transition(self, new: BufferState) -> None:
         if new not in _TRANSITIONS[self.state]:
@@ -485,6 +488,9 @@ class RoundingBuffers:
     def begin_backward(self, i: int, f: int = 0) -> None:
         """Layer i's backward starts: make sure its prefetch was issued and wait for it."""
         layer = self.layers[f][i]
+        if layer.early and layer.state is BufferState.READY:
+            layer.early = False  # the segment layer after it waited for its prefetch already
+            return
         if layer.state in (BufferState.OFFLOADING, BufferState.OFFLOADED):
             self.stats.late_prefetches += 1
             self.prefetch(i, f, evict=True)
@@ -497,6 +503,28 @@ class RoundingBuffers:
         if not self._skip("prefetch"):
             self._wait(layer.prefetch_event)
         layer.transition(BufferState.READY)
+
+    def ready(self, i: int, f: int = 0) -> None:
+        """Layer i's buffer holds its forward again before its own backward: the segment layer after it
+        reads its input (NOTE [Segments of two layers] in memo/runtime/segments.py). Its backward then
+        finds it READY."""
+        layer = self.layers[f][i]
+        if layer.state is not BufferState.READY:
+            self.begin_backward(i, f)
+            layer.early = True
+
+    def scratch(self, i: int, shape: tuple[int, ...], dtype: torch.dtype, f: int = 0) -> torch.Tensor:
+        """A tensor of ``shape`` at the start of layer i's device buffer, for layer i's own backward (state
+        READY): where a segment layer recomputes its input (NOTE [Segments of two layers])."""
+        layer = self.layers[f][i]
+        internal_assert(layer.state is BufferState.READY,
+                        f"scratch of layer {i}'s buffer in state {layer.state}")
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if nbytes > self.layer_bytes:
+            raise MemoError(f"memo.runtime: segment layer {i} recomputes an input of {nbytes:,} bytes, more "
+                            f"than the {self.layer_bytes:,} of its rounding buffer; the layer before it "
+                            "offloads its input, which is as large: the inputs of the two differ in shape")
+        return self._buffer(i)[:nbytes].view(dtype).view(shape)
 
     def view(self, i: int, slot: int, f: int = 0) -> torch.Tensor:
         """Layer i's tensor number ``slot``, read from its device buffer (state READY)."""
@@ -519,6 +547,7 @@ class RoundingBuffers:
         for f in range(self.n_flights) if flights is None else flights:
             for layer in self.layers[f]:
                 layer.state = BufferState.IDLE
+                layer.early = False
                 layer.offload_event = layer.prefetch_event = None
                 layer.epoch = 0
         # The compute events in _released stay: a kernel may still read a buffer.

@@ -85,6 +85,7 @@ from memo.runtime.module_state import (
 )
 from memo.runtime.packing import BufferSink, CountingSink, Packer
 from memo.runtime.rows import Rows
+from memo.runtime.segments import segment_input
 from memo.runtime.sequence_order import SequenceOrder
 from memo.runtime.subgraphs import SubGraphs
 from memo.runtime.taps import Tap, TapGrads
@@ -157,8 +158,9 @@ class LayerCall:
 
     @property
     def input_only(self) -> bool:
-        """Whether this layer runs the input-only policy (NOTE [Input-only layers])."""
-        return self.runtime.policy[self.index] == "input-only"
+        """Whether this layer runs the input-only policy (NOTE [Input-only layers]); a segment layer does,
+        its input recomputed instead of offloaded (NOTE [Segments of two layers] in segments.py)."""
+        return self.runtime.policy[self.index] in ("input-only", "segment")
 
     def _keep_storages(self) -> set[int]:
         keep = set()
@@ -228,8 +230,11 @@ class LayerCall:
                       autocast=AutocastState.capture(xc.device), input_only=input_only)
         if layer.training:
             rec.dropout = LayerDropout(s, xc.device, self._say, batch_first=adapter.batch_first)
-        rec.x_slot = sink.pack(xc, "layer input x")
-        packer.add_base(xc, rec.x_slot)
+        rec.segment = self.runtime.policy[self.index] == "segment"
+        rec.x_like = (tuple(xc.shape), xc.dtype)
+        if not rec.segment:  # NOTE [Segments of two layers] in memo/runtime/segments.py
+            rec.x_slot = sink.pack(xc, "layer input x")
+            packer.add_base(xc, rec.x_slot)
 
         hidden = xc.shape[-1]
         batch = xc[0].numel() // max(1, hidden)
@@ -328,7 +333,7 @@ class LayerCall:
         buffers = self._begin_backward(rec)
         run = SubGraphs(params, anchor)
         grad_y = grad_y.contiguous()
-        x_dev = buffers.view(i, rec.x_slot, f)
+        x_dev = segment_input(self, rec) if rec.segment else buffers.view(i, rec.x_slot, f)
 
         # 0. an input-only layer recomputes q, k, v and attention first (NOTE [Input-only layers]).
         kept: _KeptChunk | None = None

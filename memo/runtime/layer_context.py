@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence  # at run time: tests resolve LayerContext's hints
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -47,6 +48,9 @@ class LayerContext(Protocol):
     """Topics already warned about, once per runtime."""
     policy: list[str]
     """Each layer's policy (NOTE [Layer policy] in memo/runtime/runtime.py)."""
+    calls: Sequence[WrappedLayer]
+    """The wrapped layers, in forward order (a segment layer reruns the one before it: NOTE [Segments of
+    two layers] in memo/runtime/segments.py)."""
 
     def begin_forward(self) -> None:
         """Called by the first layer's forward: choose the flight this forward records into."""

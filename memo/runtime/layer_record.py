@@ -105,6 +105,10 @@ class LayerRecord:
     #: from the RNG state it ran at (``rng_core``).
     input_only: bool = False
     rng_core: Any = None
+    #: A segment layer (NOTE [Segments of two layers] in memo/runtime/segments.py): its input is not kept;
+    #: its backward recomputes it, of this shape and dtype, from the layer before it.
+    segment: bool = False
+    x_like: tuple[tuple[int, ...], torch.dtype] | None = None
 
     def scope(self, phase: str, t0: int, t1: int) -> contextlib.AbstractContextManager[None]:
         """Where ``pre``/``post`` runs on tokens ``[t0:t1]``: dropout draws full-sequence masks."""

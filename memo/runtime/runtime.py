@@ -81,8 +81,11 @@ __all__ = ["LAYER_POLICIES", "OFFLOADING_POLICIES", "MemoRuntime", "default_poli
 #                attention included (NOTE [Input-only layers] in memo/runtime/layer.py): half of
 #                memo's host bytes at alpha = 0, for when host memory binds;
 #   "recompute"  full recompute (torch.utils.checkpoint, non-reentrant): only its input stays;
-#   "keep"       plain autograd: every activation it saves stays on the device.
-# The offloading layers ("memo" and "input-only", in any order) must come first: the host arena
+#   "keep"       plain autograd: every activation it saves stays on the device;
+#   "segment"    an input-only layer whose input is not offloaded: its backward makes it again from the
+#                input-only layer right before it (NOTE [Segments of two layers] in segments.py).
+# The offloading layers ("memo", "input-only" and "segment", in any order but a segment layer after an
+# input-only one) must come first: the host arena
 # has one region per offloading layer, in layer order, and the gradient of layer i + 1's output
 # starts layer i's prefetch. Without a policy
 # (no plan) memo keeps the last two layers whole and offloads the others, the paper's fixed
@@ -234,8 +237,8 @@ class MemoRuntime:
 
     @property
     def n_offloaded(self) -> int:
-        """Layers that offload: the leading "memo" and "input-only" layers of the policy (NOTE [Layer
-        policy])."""
+        """Layers with a slot in the rounding buffers: the leading "memo", "input-only" and "segment" layers
+        of the policy (NOTE [Layer policy]; a segment layer's slot has no host bytes)."""
         return sum(p in OFFLOADING_POLICIES for p in self.policy)
 
     def attach(self, layers: list[tuple[nn.Module, LayerAdapter]],

@@ -230,8 +230,8 @@ def wrap(
         runtime: a :class:`MemoRuntime` to use (else one is created from the arguments above).
         debug_copy_delay_us: see :class:`MemoRuntime`.
         host_memory_limit: see :class:`MemoRuntime`.
-        policy: per layer "memo", "input-only", "recompute" or "keep" (NOTE [Layer policy]); default:
-            the plan's,
+        policy: per layer "memo", "input-only", "segment", "recompute" or "keep" (NOTE [Layer policy]);
+            default: the plan's,
             else all layers but the last two offload.
         recompute_chunk_tokens: tokens per tile of the token-wise parts (NOTE [Tiles bounded by
             memory] in memo/runtime/tiles.py); default: the plan's ``tile_tokens``, else the runtime's

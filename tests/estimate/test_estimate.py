@@ -348,12 +348,14 @@ def test_memo_goes_input_only_where_the_host_binds() -> None:
     forced = Estimator("gpt-mini", dtype="float32", machine=machine, memo_policy="memo")
     with pytest.raises(MemoError, match="host memory too small"):
         forced.estimate(4096, Layout(1), "memo")
-    # a host of one layer's input: that layer input-only, the others recompute from the device (NOTE
-    # [Inputs on the device where the host binds]); of half of one: nothing to offload
+    # a host of one layer's input: that layer input-only with a segment layer after it, the others
+    # recompute from the device (NOTE [Segments where the host binds], [Inputs on the device where the
+    # host binds]); of half of one: nothing to offload
     small = Estimator("gpt-mini", dtype="float32",
                       machine=Machine(device_mem_gb=1.0, host_mem_gb=s_in / 0.8 / 1e9, gpus_per_node=1))
     small.profiler.cache = probe.profiler.cache
-    assert small.estimate(4096, Layout(1), "memo").recomputed_layers == layers - 1
+    one = small.estimate(4096, Layout(1), "memo")
+    assert (one.segment_layers, one.recomputed_layers) == (1, layers - 2)
     smaller = Estimator("gpt-mini", dtype="float32",
                         machine=Machine(device_mem_gb=1.0, host_mem_gb=s_in / 2 / 0.8 / 1e9, gpus_per_node=1))
     with pytest.raises(MemoError, match="cannot hold even one layer's input"):

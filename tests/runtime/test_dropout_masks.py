@@ -91,6 +91,19 @@ def test_a_step_with_dropout_equals_the_unwrapped_step(alpha: float, chunk: int 
         assert_same_step(_step(model, x, seed), _step(ref, x, seed))
 
 
+def test_a_segment_layer_replays_the_masks_of_the_layer_before_it() -> None:
+    # NOTE [Segments of two layers]: the forward of layer 0 run again in layer 1's backward draws layer 0's
+    # masks, and leaves the random stream where the unwrapped step leaves it.
+    torch.manual_seed(0)
+    ref = DropoutModel()
+    model = copy.deepcopy(ref)
+    mr.wrap(model, runtime=mr.MemoRuntime(0.0, recompute_chunk_tokens=4,
+                                          policy=["input-only", "segment", "keep"], debug_copy_delay_us=200))
+    x = torch.randn(19, 2, 16)
+    for seed in (7, 8):
+        assert_same_step(_step(model, x, seed), _step(ref, x, seed))
+
+
 def test_a_compiled_bias_dropout_add_draws_the_eager_masks_in_forward_and_recompute() -> None:
     """The compiled function's dropout runs memo's eager draw (dynamo breaks the graph there), so the
     masks do not depend on grad mode or compilation: memo with the compiled layer equals the
