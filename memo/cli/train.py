@@ -302,8 +302,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                       "{\"text\": ...} or {\"prompt\": ..., \"completion\": ...} (loss on the completion "
                       "only), tokenized with --tokenizer; a megatron indexed dataset, PREFIX or "
                       "PREFIX.bin/.idx (each sequence a document); both are packed into rows of "
-                      "--seq-len with their document boundaries kept (a Hugging Face model: --hf-config). "
-                      "Any other file: its bytes are the tokens")
+                      "--seq-len with their document boundaries kept (a Hugging Face model: --hf-model, "
+                      "--hf-config). Any other file: its bytes are the tokens")
     data.add_argument("--tokenizer", metavar="DIR",
                       help="--data FILE.jsonl: the directory of a Hugging Face tokenizer (the model's; "
                       "AutoTokenizer, local files only; default: the --hf-model checkpoint's own); documents "
