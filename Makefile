@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 DEMO_DIR   ?= demo_out
 # Two workers, one test file each at a time (module fixtures stay in one process): CI has 2 cores,
 # and most tests are single-threaded Python.
-PYTEST_ARGS ?= --durations=15 -n 3 --dist loadfile
+PYTEST_ARGS ?= --durations=15 -n 2 --dist loadfile
 
 WHEELS     ?=
 GPU_CHECK_ARGS ?=
