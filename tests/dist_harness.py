@@ -39,6 +39,17 @@ COLLECTIVE_TIMEOUT_S = 60.0
 Record = Callable[[str, bool, str], None]
 
 
+# NOTE [Ranks forked from a server]
+# Each rank is a fresh process, as under torchrun, but not a fresh interpreter: a spawned rank imported
+# torch, memo and megatron-core again (seconds of CPU per rank, a quarter of the distributed tests' time on
+# two cores). Ranks are forked from multiprocessing's fork server instead, one per pytest worker, which
+# imported those modules once and started no threads (forking a process with threads, e.g. pytest's after a
+# test ran torch ops, is not safe; the server never runs any). MEMO_TEST_START_METHOD=spawn goes back.
+START_METHOD = os.environ.get("MEMO_TEST_START_METHOD", "forkserver")
+if START_METHOD == "forkserver":
+    mp.set_forkserver_preload(["torch", "torch.distributed", "memo", "memo.train.loop", "megatron.core"])
+
+
 class LaunchError(RuntimeError):
     """A launch that failed (a rank raised) or ran past its deadline, with what was recorded."""
 
@@ -58,7 +69,7 @@ def launch(worker: str, world_size: int, spec: dict[str, Any],
     with tempfile.TemporaryDirectory(prefix="memo-dist-") as out:
         port = free_port()
         ctx = mp.start_processes(_entry, args=(worker, world_size, port, out, spec), nprocs=world_size,
-                                 join=False, start_method="spawn")
+                                 join=False, start_method=START_METHOD)
         deadline = time.monotonic() + timeout_s
         try:
             while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
