@@ -24,7 +24,26 @@ __all__ = ["Batch", "ByteFileTokens", "SyntheticTokens"]
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-class SyntheticTokens:
+class _GeneratorPosition:
+    """A source whose position is its generator's state (NOTE [A token source's position]); a subclass
+    says what it was made for in ``_made_for``."""
+
+    generator: torch.Generator
+
+    def _made_for(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """NOTE [A token source's position]."""
+        return {**self._made_for(), "generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """NOTE [A token source's position]."""
+        _check_state(state, self._made_for())
+        self.generator.set_state(state["generator"])
+
+
+class SyntheticTokens(_GeneratorPosition):
     """Learnable synthetic data: a fixed random cycle of distinct tokens, read at random offsets.
 
     Every token is followed by the same token everywhere in the data, so the loss can fall
@@ -47,19 +66,12 @@ class SyntheticTokens:
             tokens = self.cycle[(starts + index) % self.period]
             yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
-    def state_dict(self) -> dict[str, Any]:
-        """NOTE [A token source's position]."""
+    def _made_for(self) -> dict[str, Any]:
         return {"kind": "synthetic", "seq_len": self.seq_len, "micro_batch": self.micro_batch,
-                "period": self.period, "generator": self.generator.get_state()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """NOTE [A token source's position]."""
-        _check_state(state, {"kind": "synthetic", "seq_len": self.seq_len, "micro_batch": self.micro_batch,
-                             "period": self.period})
-        self.generator.set_state(state["generator"])
+                "period": self.period}
 
 
-class ByteFileTokens:
+class ByteFileTokens(_GeneratorPosition):
     """The bytes of a local file as token ids (0..255), read as random windows of ``seq_len + 1``.
 
     Yields ``(ids, labels)`` like :class:`SyntheticTokens`.
@@ -89,15 +101,6 @@ class ByteFileTokens:
             starts = torch.randint(0, last_start + 1, (self.micro_batch, 1), generator=self.generator)
             tokens = self.tokens[starts + index]
             yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-    def state_dict(self) -> dict[str, Any]:
-        """NOTE [A token source's position]."""
-        return {**self._made_for(), "generator": self.generator.get_state()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """NOTE [A token source's position]."""
-        _check_state(state, self._made_for())
-        self.generator.set_state(state["generator"])
 
     def _made_for(self) -> dict[str, Any]:
         return {"kind": "bytes", "seq_len": self.seq_len, "micro_batch": self.micro_batch,

@@ -74,13 +74,12 @@ def _batch_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor,
 
         return adapter_loss(model_adapter_for(model, "memo.train"), model, ids.to(device), labels.to(device),
                             None if documents is None else documents.to(device))
+    from memo.train.parallel import shard_batch
+
     count = int((labels != -100).sum())
-    mine = [t.to(device) for t in parallel.shard(ids, labels)]
-    if documents is None:
-        return parallel.loss(model, mine[0], mine[1], mine[2], count)[1]
-    # packed documents: the rank's cut of their positions, as memo.train.parallel.Sharded cuts them
-    return parallel.loss(model, mine[0], mine[1], mine[2], count,
-                         parallel.shard(documents, documents)[0].to(device))[1]
+    mine = [t.to(device) for t in shard_batch(parallel, (ids, labels) if documents is None
+                                               else (ids, labels, documents))]
+    return parallel.loss(model, mine[0], mine[1], mine[2], count, *mine[3:])[1]
 
 
 def _reshard(parallel: Any) -> None:

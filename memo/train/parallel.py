@@ -18,7 +18,8 @@ if TYPE_CHECKING:
     from memo.train.config import TrainConfig, TrainResult
     from memo.train.strategies import Strategy
 
-__all__ = ["ParallelLoss", "Sharded", "agree", "parallel_record", "ranks_text", "start_parallel"]
+__all__ = ["ParallelLoss", "Sharded", "agree", "parallel_record", "ranks_text", "shard_batch",
+           "start_parallel"]
 
 
 def ranks_text(n: int) -> str:
@@ -113,12 +114,19 @@ class Sharded:
         return self
 
     def __next__(self) -> tuple[torch.Tensor, ...]:
-        ids, labels, *documents = next(self.batches)
-        self.count = int((labels != -100).sum())
-        shard = self.parallel.shard(ids, labels)
-        if documents:  # cut like the ids: the same rows and tokens
-            shard = (*shard, self.parallel.shard(documents[0], documents[0])[0])
-        return shard
+        batch = next(self.batches)
+        self.count = int((batch[1] != -100).sum())
+        return shard_batch(self.parallel, batch)
+
+
+def shard_batch(parallel: ParallelRun, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """This rank's share of a global batch (:class:`Sharded`): ``(ids, labels, position_ids)``, plus the
+    rank's cut of the document positions of packed documents, cut like the ids (the same rows and tokens)."""
+    ids, labels, *documents = batch
+    shard = parallel.shard(ids, labels)
+    if documents:
+        shard = (*shard, parallel.shard(documents[0], documents[0])[0])
+    return shard
 
 
 def agree(parallel: ParallelRun, strategy: Strategy, emit: Callable[[str], None]) -> None:
