@@ -7,8 +7,9 @@ PIP        := $(PYTHON) -m pip
 TORCH_SPEC ?= torch==2.13.0
 DEMO_DIR   ?= demo_out
 # Two workers, one test file each at a time (module fixtures stay in one process): CI has 2 cores,
-# and most tests are single-threaded Python.
-PYTEST_ARGS ?= --durations=15 -n 2 --dist loadfile
+# and most tests are single-threaded Python. Files in collection order, which tests/conftest.py
+# makes longest first (LONGEST_FIRST), not xdist's most-tests-first.
+PYTEST_ARGS ?= --durations=15 -n 2 --dist loadfile --no-loadscope-reorder
 
 WHEELS     ?=
 GPU_CHECK_ARGS ?=
