@@ -57,9 +57,11 @@ def _run(rank: int, world: int, cp: int, offload: bool, head_chunks: int | None 
 
 
 def _gradient_case(style: str, wrapped: bool, offload: bool, rank: int, world: int, cp: int,
-                   head_chunks: int | None = None) -> str:
+                   head_chunks: int | None = None, policy: str = "memo") -> str:
     """One model under FSDP2 x Ulysses, over ``head_chunks`` chunks of heads where given (NOTE [Ulysses
-    over chunks of heads]), against one process's loss and gradients."""
+    over chunks of heads]), against one process's loss and gradients. ``policy="segment"``: the layers
+    run in pairs, input-only then segment (NOTE [Segments of two layers] in memo/runtime/segments.py),
+    whose backward runs the first layer's forward again on FSDP2's sharded weights."""
     import memo
     from memo.adapters.model import model_adapter_for
     from memo.runtime import runtime_of
@@ -76,7 +78,8 @@ def _gradient_case(style: str, wrapped: bool, offload: bool, rank: int, world: i
         assert model.embedding.sequence_shard.head_chunks == head_chunks
     n = len(model_adapter_for(model, "test").parts(model).layers)
     if wrapped:
-        memo.wrap(model, alpha=ALPHA, policy=["memo"] * n)
+        memo.wrap(model, alpha=ALPHA, policy=["input-only", "segment"] * (n // 2) if policy == "segment"
+                  else ["memo"] * n)
     mine = run.shard(ids, labels)
     to_backward, loss = run.loss(model, mine[0], mine[1], mine[2], int((labels != -100).sum()))
     to_backward.backward()
@@ -91,6 +94,9 @@ def _gradient_case(style: str, wrapped: bool, offload: bool, rank: int, world: i
     if wrapped:
         stats = runtime_of(model).stats
         assert stats.layer_backwards == n and stats.recomputed_tokens > 0, stats
+        if policy == "segment":  # one offloaded input per pair: the segment layer moved no bytes
+            x_bytes = BATCH * (SEQ // cp) * ref.config.hidden * 4
+            assert stats.bytes_offloaded == stats.bytes_prefetched == x_bytes * (n // 2), (stats, x_bytes)
     run.root = None
     return f"loss {float(loss):.6f}, worst gradient error {worst:.2g} ({name})"
 
@@ -159,7 +165,8 @@ WORLD2 = {"gradients": [("gpt", True, False), ("gpt", False, True), ("llama", Tr
                         ("llama", False, False), ("hf-llama", True, False), ("hf-llama", False, True)],
           "trains": [(False, False, 1), (True, True, 1)],
           "chunked": {"chunks": 2, "gradients": [("llama", True, False), ("llama", False, True)],
-                      "trains": [(True, False, 1)]}}
+                      "trains": [(True, False, 1)]},
+          "segments": [("llama", True, True), ("gpt", True, False)]}
 WORLD4 = {"gradients": [("llama", True, True), ("gpt", True, False)],
           "trains": [(True, False, 2)]}
 
@@ -171,6 +178,10 @@ def _cases(rank: int, world: int, record: Any, cases: dict[str, list[tuple]]) ->
     for offload, hf, micro_batch in cases["trains"]:
         dist_harness.check(record, f"train/offload={offload}/hf={hf}",
                            lambda o=offload, h=hf, b=micro_batch: _train_case(2, o, h, b))
+    for style, wrapped, offload in cases.get("segments", []):
+        dist_harness.check(record, f"segments/{style}/offload={offload}",
+                           lambda s=style, w=wrapped, o=offload: _gradient_case(s, w, o, rank, world, 2,
+                                                                                 policy="segment"))
     chunked = cases.get("chunked")
     if chunked is None:
         return
@@ -214,6 +225,13 @@ def test_cp2_gradients_equal_one_process(world2, style: str, wrapped: bool, offl
 @pytest.mark.parametrize(("offload", "hf", "micro_batch"), WORLD2["trains"])
 def test_cp2_memo_train_losses_and_plan(world2, offload: bool, hf: bool, micro_batch: int) -> None:
     dist_harness.assert_passed(world2, f"train/offload={offload}/hf={hf}", 2)
+
+
+@pytest.mark.parametrize(("style", "wrapped", "offload"), WORLD2["segments"])
+def test_cp2_segments_gradients_equal_one_process(world2, style: str, wrapped: bool, offload: bool) -> None:
+    """Pairs of layers, input-only then segment, under FSDP2 x Ulysses (with and without FSDP2's CPU
+    offload): one process's loss and every gradient."""
+    dist_harness.assert_passed(world2, f"segments/{style}/offload={offload}", 2)
 
 
 @pytest.mark.parametrize(("style", "wrapped", "offload"), WORLD2["chunked"]["gradients"])
