@@ -347,6 +347,8 @@ class LayerCall:
         core_graph = None
         if rec.input_only:
             kept, qkv = self._recompute_qkv(rec, x_dev)
+            # q, k, v are this backward's alone unless they are the kept chunk's graph's outputs (one chunk)
+            own = kept is None or not {storage_id(t) for t in kept[1]} & {storage_id(r.tensor) for r in qkv}
             recomputed, o_dev, core_graph = rec.core.recompute(rec, qkv, x_dev.device)
             del qkv
         else:
@@ -360,7 +362,7 @@ class LayerCall:
         # saved (or, input-only, recomputed) o and lse, with q, k, v the saved [0:a] rows and [a:s]
         # recomputed without grad.
         if rec.input_only:
-            dq, dk, dv = rec.core.recomputed_backward(rec, run, grad_o, recomputed, core_graph)
+            dq, dk, dv = rec.core.recomputed_backward(rec, run, grad_o, recomputed, core_graph, own)
             del recomputed, core_graph
         else:
             qkv = None

@@ -98,3 +98,30 @@ def test_the_peak_drops_by_one_layer_input(monkeypatch: pytest.MonkeyPatch) -> N
     lean = peak()
     monkeypatch.setattr(layer_module, "owned_incoming", lambda *_: False)
     assert peak() - lean == 256 * small_model("llama", 1).config.hidden * 4  # one float32 layer input
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_attention_gradients_over_recomputed_qkv(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE [Gradients written over q, k, v] in memo/models/causal_attention.py: an input-only layer's
+    # recomputed q, k, v (several chunks: its own rows) take dq, dk, dv, with the same gradients; with one
+    # chunk they are the kept chunk's graph's outputs, and are not written over.
+    import memo.models.causal_attention as ca
+
+    model = small_model(arch, 2, seed=0)
+    ids, labels = random_batch(model, 1, 256, seed=3)
+    want = train_step(copy.deepcopy(model), ids, labels)
+    real, over = ca._backward_kernels, []
+
+    def spy(*args: object, **kw: object) -> object:
+        grads = real(*args, **kw)
+        over.append(all(g.data_ptr() == t.data_ptr() for g, t in zip(grads, args[2:5], strict=True)))
+        return grads
+
+    monkeypatch.setattr(ca, "_backward_kernels", spy)
+    for chunk, written in ((64, True), (None, False)):
+        m = copy.deepcopy(model)
+        mr.wrap(m, alpha=0.0, policy=["input-only"] * 2, recompute_chunk_tokens=chunk)
+        over.clear()
+        assert_same_step(train_step(m, ids, labels), want)
+        assert over == [written] * 2
+        mr.unwrap(m)
