@@ -37,14 +37,18 @@ they are transient, never saved.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import threading
+from collections.abc import Iterator
 
 import torch
 
 from memo.errors import MemoError
 
 __all__ = ["DocumentOffsets", "attention", "attention_backend", "attention_backward", "attention_forward",
+           "gradients_into_inputs",
            "document_attention", "document_attention_backward", "document_attention_forward",
            "longest_document"]
 
@@ -118,16 +122,41 @@ def _expand_heads(t: torch.Tensor, n_heads: int) -> torch.Tensor:
 HEAD_GROUP_BYTES = 256 << 20
 
 
-def _head_groups(q: torch.Tensor, k: torch.Tensor) -> list[tuple[slice, slice]]:
-    """(query heads, key/value heads) of each group NOTE [Attention in head groups] runs."""
+def _head_groups(q: torch.Tensor, k: torch.Tensor, per_kv_head: bool = False) -> list[tuple[slice, slice]]:
+    """(query heads, key/value heads) of each group NOTE [Attention in head groups] runs (one per
+    key/value head, ``per_kv_head``)."""
     n, n_kv = q.shape[2], k.shape[2]
     per_kv = q.numel() // n_kv * q.element_size()  # q bytes per key/value head
-    kv_per_group = max(1, min(n_kv, HEAD_GROUP_BYTES // max(per_kv, 1)))
+    kv_per_group = 1 if per_kv_head else max(1, min(n_kv, HEAD_GROUP_BYTES // max(per_kv, 1)))
     while n_kv % kv_per_group:
         kv_per_group -= 1
     g = n // n_kv
     return [(slice(j * g, (j + kv_per_group) * g), slice(j, j + kv_per_group))
             for j in range(0, n_kv, kv_per_group)]
+
+
+# NOTE [Gradients written over q, k, v]
+# Attention's backward reads q, k, v and makes dq, dk, dv of the same sizes; a caller that reads q, k, v
+# no more (memo's input-only layer, whose recomputed q, k, v are its own) lets it write them over its
+# inputs, within :func:`gradients_into_inputs`. The kernels then run on head groups (NOTE [Attention in
+# head groups]), at least one group per key/value head: each group's gradients are written over its own
+# heads of q, k and v once its kernel has run, and no later group reads those heads, so the backward
+# holds its inputs and one group's transients instead of its inputs and its outputs. The numbers are the
+# same (each head's arithmetic is untouched). A permission of the calling thread, not an argument: it
+# passes through adapters' core_backward, which call attention_backward with positional tensors.
+_INTO_INPUTS = threading.local()
+
+
+@contextlib.contextmanager
+def gradients_into_inputs() -> Iterator[None]:
+    """Within: :func:`attention_backward` may write dq, dk, dv over the q, k, v it is given (the caller
+    reads them no more; NOTE [Gradients written over q, k, v])."""
+    before = getattr(_INTO_INPUTS, "on", False)
+    _INTO_INPUTS.on = True
+    try:
+        yield
+    finally:
+        _INTO_INPUTS.on = before
 
 
 def _reduce_heads(grad: torch.Tensor, n_kv: int) -> torch.Tensor:
@@ -191,7 +220,8 @@ def attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     with torch.no_grad():
         # The flash kernels need a unit stride in the last dimension; autograd may hand us
         # an expanded or transposed gradient.
-        return _backward_kernels(attention_backend(q.device), grad_o.contiguous(), q, k, v, o, lse)
+        return _backward_kernels(attention_backend(q.device), grad_o.contiguous(), q, k, v, o, lse,
+                                 into_inputs=getattr(_INTO_INPUTS, "on", False))
 
 
 def _forward_kernels(
@@ -248,8 +278,10 @@ def _aten_forward(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 def _backward_kernels(backend: str, grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       o: torch.Tensor, lse: torch.Tensor,
-                      causal: bool = True, scale: float | None = None
+                      causal: bool = True, scale: float | None = None, into_inputs: bool = False
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``into_inputs``: dq, dk, dv written over q, k, v (NOTE [Gradients written over q, k, v]); not
+    with flash-attn, whose one call holds them all."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if backend == "flash_attn":
         fa = _flash_attn_module()
@@ -259,10 +291,12 @@ def _backward_kernels(backend: str, grad_o: torch.Tensor, q: torch.Tensor, k: to
             bg, bq, bk, bv, bo, lse, dq, dk, dv, 0.0, scale, causal, -1, -1, 0.0, None, False, None
         )  # fmt: skip
         return tuple(t.transpose(0, 1).contiguous() for t in (dq, dk, dv))  # type: ignore[return-value]
-    groups = _head_groups(q, k)
-    if len(groups) > 1:  # NOTE [Attention in head groups]
-        dq = q.new_empty(q.shape)
-        dk, dv = k.new_empty(k.shape), v.new_empty(v.shape)
+    groups = _head_groups(q, k, per_kv_head=into_inputs)
+    if len(groups) > 1 or into_inputs:  # NOTE [Attention in head groups]
+        if into_inputs:  # NOTE [Gradients written over q, k, v]
+            dq, dk, dv = q, k, v
+        else:
+            dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
         for qh, kh in groups:
             dq[:, :, qh], dk[:, :, kh], dv[:, :, kh] = _aten_backward(
                 backend, grad_o[:, :, qh], q[:, :, qh], k[:, :, kh], v[:, :, kh], o[:, :, qh],

@@ -24,12 +24,14 @@ recomputed for attention, only for pre's own backward.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from memo.errors import MemoError, internal_assert
+from memo.models.causal_attention import gradients_into_inputs
 from memo.runtime.dropout import replay_rng
 from memo.runtime.layer_context import WrappedLayer
 from memo.runtime.layer_record import Grads, LayerRecord
@@ -110,13 +112,16 @@ class MemoCore:
         return (q, k, v, o, lse), o_rows, None
 
     def recomputed_backward(self, rec: LayerRecord, run: SubGraphs, grad_o: torch.Tensor,
-                            recomputed: tuple[torch.Tensor, ...], graph: torch.Tensor | None) -> Grads:
+                            recomputed: tuple[torch.Tensor, ...], graph: torch.Tensor | None,
+                            own: bool = False) -> Grads:
         """Step 2 of an input-only layer's backward, from what :meth:`recompute` made -> dq, dk, dv
-        in the rows' layout."""
+        in the rows' layout; ``own``: q, k, v are this backward's alone, and dq, dk, dv may be written
+        over them (NOTE [Gradients written over q, k, v] in memo/models/causal_attention.py)."""
         order = rec.order
         (grad_seq,) = order.to_sequence(grad_o)
         q, k, v, o, lse = recomputed
-        grads = self.call.adapter.core_backward(self.call.layer, grad_seq, q, k, v, o, lse, rec.ctx)
+        with gradients_into_inputs() if own else contextlib.nullcontext():
+            grads = self.call.adapter.core_backward(self.call.layer, grad_seq, q, k, v, o, lse, rec.ctx)
         return order.to_rows(*grads)
 
 
@@ -205,9 +210,11 @@ class BlackBoxCore:
         return tuple(leaves), o_rows, out if out.requires_grad else None
 
     def recomputed_backward(self, rec: LayerRecord, run: SubGraphs, grad_o: torch.Tensor,
-                            recomputed: tuple[torch.Tensor, ...], graph: torch.Tensor | None) -> Grads:
+                            recomputed: tuple[torch.Tensor, ...], graph: torch.Tensor | None,
+                            own: bool = False) -> Grads:
         """Step 2 of an input-only layer's backward: the recomputed graph's backward -> dq, dk, dv
-        in the rows' layout (zeros for an input the core does not use)."""
+        in the rows' layout (zeros for an input the core does not use; ``own`` is not used: the black
+        box's backward makes its own)."""
         (grad_seq,) = rec.order.to_sequence(grad_o)
         leaves = recomputed
         found = run([get_gradient_edge(graph)], [grad_seq], leaves) if graph is not None else (None,) * 3

@@ -83,6 +83,7 @@ from memo.runtime.module_state import (
     module_tensors,
     restore_changed,
 )
+from memo.runtime.owned_grad import incoming_refs, owned_incoming
 from memo.runtime.packing import BufferSink, CountingSink, Packer
 from memo.runtime.rows import Rows
 from memo.runtime.segments import segment_input
@@ -307,10 +308,12 @@ class LayerCall:
         return y.take(), rec
 
     def backward(self, rec: LayerRecord, grad_y: torch.Tensor, params: tuple[torch.Tensor, ...],
-                 anchor: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+                 anchor: torch.Tensor, refs: int = 0) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         """``grad_y: [s, b, h]`` -> ``grad_x: [s, b, h]`` and the gradients of ``params`` (NOTE
         [Gradients through the engine]), recomputing with the tensors forward ran with (NOTE
-        [Recompute with the forward's tensors] in memo/runtime/module_state.py)."""
+        [Recompute with the forward's tensors] in memo/runtime/module_state.py). ``refs``: grad_y's
+        Python references on entry to the engine's call (NOTE [Gradient of x over the incoming one] in
+        memo/runtime/owned_grad.py; 0: not memo's to write over)."""
         # A sharding wrapper frees a layer's gathered parameters after its forward and gathers them
         # again before its backward (FSDP2: NOTE [memo under FSDP2] in memo/distributed/fsdp2.py). One
         # still freed here would be read as empty memory by the recompute: refuse it by name.
@@ -325,15 +328,18 @@ class LayerCall:
                 "run around the layer's call (memo.wrap before or after fully_shard, NOTE [memo under "
                 "FSDP2]); do not call the layer's forward past them")
         with as_in_forward(self.layer, rec.module_tensors):
-            return self._backward(rec, grad_y, params, anchor)
+            return self._backward(rec, grad_y, params, anchor, refs)
 
     def _backward(self, rec: LayerRecord, grad_y: torch.Tensor, params: tuple[torch.Tensor, ...],
-                  anchor: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+                  anchor: torch.Tensor, refs: int) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         i, f = self.index, rec.flight
         buffers = self._begin_backward(rec)
         run = SubGraphs(params, anchor)
-        grad_y = grad_y.contiguous()
         x_dev = segment_input(self, rec) if rec.segment else buffers.view(i, rec.x_slot, f)
+        # NOTE [Gradient of x over the incoming one] in memo/runtime/owned_grad.py
+        grad_x = grad_y if refs and owned_incoming(grad_y, refs, x_dev) else torch.empty_like(
+            x_dev, memory_format=torch.contiguous_format)
+        grad_y = grad_y.contiguous()
 
         # 0. an input-only layer recomputes q, k, v and attention first (NOTE [Input-only layers]).
         kept: _KeptChunk | None = None
@@ -341,19 +347,22 @@ class LayerCall:
         core_graph = None
         if rec.input_only:
             kept, qkv = self._recompute_qkv(rec, x_dev)
+            # q, k, v are this backward's alone unless they are the kept chunk's graph's outputs (one chunk)
+            own = kept is None or not {storage_id(t) for t in kept[1]} & {storage_id(r.tensor) for r in qkv}
             recomputed, o_dev, core_graph = rec.core.recompute(rec, qkv, x_dev.device)
             del qkv
         else:
             o_dev = buffers.view(i, rec.o_slot, f)
 
         # 1. post -> the gradient of o, and post's share of the gradient of x.
-        grad_o, grad_x = self._post_backward(rec, run, grad_y, x_dev, o_dev)
+        grad_o = self._post_backward(rec, run, grad_y, grad_x, x_dev, o_dev)
+        del grad_y
 
         # 2. attention's backward (memo/runtime/core_attention.py): the black box's own, or from the
         # saved (or, input-only, recomputed) o and lse, with q, k, v the saved [0:a] rows and [a:s]
         # recomputed without grad.
         if rec.input_only:
-            dq, dk, dv = rec.core.recomputed_backward(rec, run, grad_o, recomputed, core_graph)
+            dq, dk, dv = rec.core.recomputed_backward(rec, run, grad_o, recomputed, core_graph, own)
             del recomputed, core_graph
         else:
             qkv = None
@@ -387,15 +396,15 @@ class LayerCall:
         rec.packer.resolve_slot = lambda slot: buffers.view(i, slot, f)
         return buffers
 
-    def _post_backward(self, rec: LayerRecord, run: SubGraphs, grad_y: torch.Tensor, x_dev: torch.Tensor,
-                       o_dev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Step 1 of the backward: post's -> the gradient of o, and post's share of the gradient of x."""
+    def _post_backward(self, rec: LayerRecord, run: SubGraphs, grad_y: torch.Tensor, grad_x: torch.Tensor,
+                       x_dev: torch.Tensor, o_dev: torch.Tensor) -> torch.Tensor:
+        """Step 1 of the backward: post's -> the gradient of o, and post's share of the gradient of x
+        written into ``grad_x`` (which may be ``grad_y`` itself: each chunk is written once read)."""
         layer, adapter, a, ctx, gather = self.layer, self.adapter, rec.a, rec.ctx, rec.g
         ag, device = a * gather, x_dev.device
         # The [0:a] tiles' sub-graphs, then recompute + backward of [a:s] chunk by chunk (NOTE
         # [Chunked recompute]).
         grad_o = torch.empty_like(o_dev, memory_format=torch.contiguous_format)
-        grad_x = torch.empty_like(x_dev, memory_format=torch.contiguous_format)
         for (t0, t1), edge in zip(rec.head, rec.post_edges, strict=True):
             run([edge], [grad_y[t0:t1]])
             _copy_or_zero(grad_o[t0 * gather:t1 * gather], rec.taps.pop(("o", t0)))
@@ -414,7 +423,7 @@ class LayerCall:
             del gx, go
         if rec.dropout is not None:
             rec.dropout.end_phase()
-        return grad_o, grad_x
+        return grad_o
 
     def _pre_backward(self, rec: LayerRecord, run: SubGraphs, full: Grads, grad_x: torch.Tensor,
                       x_dev: torch.Tensor, kept: _KeptChunk | None) -> None:
@@ -546,6 +555,7 @@ class MemoLayerFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: FunctionCtx, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        refs = incoming_refs(grad_y)  # first: NOTE [Gradient of x over the incoming one] in owned_grad.py
         if ctx.rec is None and ctx.failed:
             raise MemoError(
                 "memo.runtime: this wrapped layer's backward raised before, and memo dropped that "
@@ -564,7 +574,7 @@ class MemoLayerFunction(torch.autograd.Function):
                 "backward, e.g. gradient penalties). Run that computation on memo.unwrap(model); the "
                 "iteration was dropped, the model is ready for the next forward")
         try:
-            grad_x, param_grads = ctx.call.backward(rec, grad_y, ctx.saved_params, ctx.anchor)
+            grad_x, param_grads = ctx.call.backward(rec, grad_y, ctx.saved_params, ctx.anchor, refs)
         except BaseException:
             ctx.failed = True
             ctx.call.runtime.drop_failed(rec.flight, ctx.call.index, rec.epoch, "backward")

@@ -51,8 +51,10 @@ class CoreAttention(Protocol):
         rows' layout, its graph or None)."""
 
     def recomputed_backward(self, rec: LayerRecord, run: SubGraphs, grad_o: torch.Tensor,
-                            recomputed: tuple[torch.Tensor, ...], graph: torch.Tensor | None) -> Grads:
-        """The backward of what :meth:`recompute` made -> dq, dk, dv in the rows' layout."""
+                            recomputed: tuple[torch.Tensor, ...], graph: torch.Tensor | None,
+                            own: bool = False) -> Grads:
+        """The backward of what :meth:`recompute` made -> dq, dk, dv in the rows' layout (``own``: q, k,
+        v are the backward's alone, to be written over)."""
 
 
 @dataclass
