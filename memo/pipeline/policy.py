@@ -54,16 +54,8 @@ def choose_profile_policy(job: ProfileJob, plain: Recording, states: dict[str, A
     net = job.built()
     ids, labels = job.inputs()
 
-    recorded: dict[tuple[float, tuple[str, ...], int | None], tuple[dict[str, Any], Any]] = {}
-
     def record(policy: list[str], alpha: float, tile_tokens: int | None) -> dict[str, Any]:
-        # NOTE [A probe recorded once]: the same (alpha, policy, tile) on the same model and batch is
-        # the same iteration, request for request; a choice that lands on one already recorded (memo
-        # at alpha = 0 once alpha is given up, NOTE [Calibrated policy]) takes that recording.
-        key = (float(alpha), tuple(policy), job.tile_tokens(tile_tokens))
-        if key not in recorded:
-            recorded[key] = wrapped_pass(job, net, ids, labels, alpha, False, plain, policy, tile_tokens)
-        trace, wrapped = recorded[key]
+        trace, wrapped = wrapped_pass(job, net, ids, labels, alpha, False, plain, policy, tile_tokens)
         st.last_probe = ((float(alpha), tuple(policy), tile_tokens), trace, wrapped)
         return trace
 
