@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import os
 import signal
 import sys
 import textwrap
@@ -102,9 +103,23 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+# NOTE [OpenMP threads that sleep]
+# A `memo` process waits passively at OpenMP barriers (OMP_WAIT_POLICY=PASSIVE, unless the
+# environment sets it or GOMP_SPINCOUNT): libgomp's default spins for about 3 ms before sleeping.
+# memo's runtime runs a layer as many small tiles, each op of which opens a parallel region; where
+# another job shares the cores, the partner thread is often descheduled, and every region then spins
+# away its time slice: gpt-mini at 2K on a 2-core machine at a load of 8 took 32 s a step with the
+# default and 5.4 s with passive waits (benchmarks/contention.py). libgomp reads the variable once,
+# when torch loads it, so it is set here, before any subcommand imports torch.
+def _openmp_threads_sleep() -> None:
+    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     # When the command started: a subcommand with a time limit (memo plan) counts from here.
     started = time.monotonic()
+    _openmp_threads_sleep()
     argv = list(sys.argv[1:] if argv is None else argv)
     only = argv[0] if argv and argv[0] in COMMANDS else None
     try:

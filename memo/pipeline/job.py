@@ -123,6 +123,9 @@ class ProfileState:
     #: default but pass 2's device is not the device the plan is for (NOTE [Tiles of the device a
     #: plan is for]); None where that device's own default is what runs. Set with the cost model.
     default_tile: int | None = None
+    #: Whether an iteration of the model has run on the job's device in this process (NOTE [Warm-up
+    #: before logging] in memo/pipeline/step.py).
+    warmed: bool = False
 
 
 @dataclass(frozen=True)

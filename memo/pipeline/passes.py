@@ -63,12 +63,13 @@ def record_pass(
 
 
 def record_allocator(
-    model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, meta: dict[str, Any]
+    model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, meta: dict[str, Any], warmed: bool = False
 ) -> dict[str, Any]:
-    """One iteration of ``model`` traced by memo.allocator.logging (:func:`.step.record_step`)."""
+    """One iteration of ``model`` traced by memo.allocator.logging (:func:`.step.record_step`;
+    ``warmed``: an iteration of this job already ran in this process)."""
     from .step import ModelStep, record_step
 
-    return record_step(ModelStep(model, (ids, labels)), ids.device, meta)
+    return record_step(ModelStep(model, (ids, labels)), ids.device, meta, warmed=warmed)
 
 
 def time_first_layer(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> Quantity:
@@ -96,7 +97,9 @@ def wrapped_pass(job: ProfileJob, model: nn.Module, ids: torch.Tensor, labels: t
     runtime.wrap(model, alpha=alpha, policy=policy, recompute_chunk_tokens=job.tile_tokens(tile_tokens))
     try:
         if req.recorder == "allocator":
-            trace = record_allocator(model, ids, labels, _target_meta(plain, ids.device, "allocator"))
+            trace = record_allocator(model, ids, labels, _target_meta(plain, ids.device, "allocator"),
+                                     warmed=st.warmed)
+            st.warmed = True
         else:
             trace = record_pass(model, ids, labels, progress, f"pass 2 (alpha={alpha:.3f})", st.meta).trace
         rt = runtime.runtime_of(model)
@@ -158,7 +161,8 @@ def pass2(job: ProfileJob, plain: Recording, chosen: PolicySolution, wrap_pass: 
         # The planned trace must come from the device that will run (and, for the allocator
         # recorder, from the allocator's own requests), even when the model cannot be wrapped.
         if req.recorder == "allocator":
-            second = record_allocator(net, ids, labels, _target_meta(plain, req.device, "allocator"))
+            second = record_allocator(net, ids, labels, _target_meta(plain, req.device, "allocator"),
+                                      warmed=st.warmed)
         else:
             second = record_pass(net, ids, labels, req.progress, "pass 2 (plain model)", st.meta).trace
     if second is not None:

@@ -7,8 +7,8 @@ backwards (one batch, or a schedule's micro-batches), and the phase listener tha
 allocator which plan table is open (a :class:`memo.phases.PhaseTracker`, or a stage's
 :class:`memo.pipeline.stage_plan.StagePhases`). The rest is written once, for any step:
 
-- the allocator recorder (:func:`record_step`): one unlogged warm-up, then the step logged with its
-  phases open;
+- the allocator recorder (:func:`record_step`): one unlogged warm-up (on the CPU, for the first
+  recording of a job only), then the step logged with its phases open;
 - the calibration of the layer policy against recorded iterations (NOTE [Calibrated policy]): one
   loop, :func:`memo.pipeline.policy.calibrated_choice`, which records through a step;
 - the construction of a run (:class:`memo.Session`): allocator, wrapped chunks, phases.
@@ -95,6 +95,18 @@ class ModelStep:
         parts = self.adapter.parts(self.chunks[0])
         return PhaseTracker(parts.embedding, parts.layers, parts.head, listeners=[listener])
 
+    def prepare(self) -> None:
+        """Make memo's runtime's one-time allocations now, as an iteration's first forward would (its
+        dry run and rounding buffers; NOTE [Warm-up before logging]); nothing for an unwrapped model."""
+        from memo import runtime
+        from memo.profiler.record import layer_inputs
+
+        model, batch = self.chunks[0], self.batch
+        internal_assert(batch is not None, "ModelStep.prepare needs the step's batch")
+        if runtime.is_wrapped(model):
+            args, kwargs = layer_inputs(model, *batch)
+            runtime.runtime_of(model).allocate(*args, **kwargs)
+
 
 def split_policy(policy: list[str], counts: list[int]) -> list[list[str]]:
     """A layer policy (the step's layers in order, chunk after chunk) cut into each chunk's."""
@@ -131,10 +143,13 @@ def open_with_kept_buffers(trace: dict[str, Any], sizes: list[int]) -> None:
     trace["events"] = [{"op": "malloc", "id": top + 1 + i, "size": n} for i, n in enumerate(sizes)] + events
 
 
-def record_step(step: Step, device: torch.device, meta: dict[str, Any]) -> dict[str, Any]:
+def record_step(step: Step, device: torch.device, meta: dict[str, Any], *, warmed: bool = False
+                ) -> dict[str, Any]:
     """The allocator's trace of one run of ``step`` (memo.allocator.logging: the real requests, in the
     allocator's order), after one run that is not logged (NOTE [Warm-up before logging]); the step's
     one-time device buffers open it (NOTE [Buffers made in the warm-up]). No gradient is left behind.
+    ``warmed``: an iteration of this job already ran on ``device`` in this process; on the CPU, a
+    :class:`ModelStep` is then only prepared (:meth:`ModelStep.prepare`), not run, before the log.
 
     This is the trace to plan from when the plan is replayed by (phase, request index): kernels
     allocate scratch the dispatch recorder cannot see (NOTE [Which recorder] in docs/profiling.md).
@@ -146,8 +161,16 @@ def record_step(step: Step, device: torch.device, meta: dict[str, Any]) -> dict[
     # allocator: cuBLAS its workspace per handle and stream, the runtime its rounding buffers,
     # kernels their lazily built caches. Logged in the first iteration they would take request
     # indices that no later iteration makes, and every later request of that phase would
-    # deviate. So one iteration runs unlogged first.
-    step.run()
+    # deviate. So one iteration runs unlogged first. On the CPU, once one iteration of the job has
+    # run in the process, the only one-time allocations left are memo's runtime's own (the dry run
+    # sizing its buffers, and the buffers), which ModelStep.prepare makes without an iteration: the
+    # logged iteration is then the same, request for request, as after a warm-up (checked in
+    # tests/pipeline/test_setup_cost.py), for half the time. CUDA always warms up (a new wrap may
+    # bring new streams, and cuBLAS a workspace per stream).
+    if warmed and device.type == "cpu" and isinstance(step, ModelStep):
+        step.prepare()
+    else:
+        step.run()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     for p in params:
