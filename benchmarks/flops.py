@@ -2,11 +2,11 @@
 """FLOPs of one training step by strategy, counted on the meta device (issue 45).
 
 ``python benchmarks/flops.py`` runs forward and backward of each model under :class:`FlopCounter`
-(:class:`torch.utils.flop_counter.FlopCounterMode`'s formulas, at dispatch) on the meta device (shapes only, no arithmetic, so a
-Llama-3.1-8B shape at 128K tokens counts in seconds) for none (plain autograd), full recompute
-(``model.recompute = "full"``, ``torch.utils.checkpoint`` per layer) and memo at alpha 0, 0.5 and 1
-(``memo.wrap`` with every layer on the "memo" policy), and prints the markdown table of
-benchmarks/RESULTS.md's section "FLOPs per step by strategy" (``--json FILE`` keeps the numbers).
+(:class:`torch.utils.flop_counter.FlopCounterMode`'s formulas, at dispatch) on the meta device
+(shapes only, no arithmetic, so a Llama-3.1-8B shape at 128K tokens counts in seconds) for none
+(plain autograd), full recompute (``model.recompute = "full"``, ``torch.utils.checkpoint`` per
+layer) and memo at alpha 0, 0.5 and 1 (``memo.wrap``, every layer on the "memo" policy), and prints
+the table of benchmarks/RESULTS.md's "FLOPs per step by strategy" (``--json FILE`` keeps the numbers).
 
 NOTE [Counting causal attention]
 FlopCounterMode's own attention formulas count the full score matrix and know nothing of the causal
@@ -215,8 +215,9 @@ def check(case: dict[str, Any]) -> list[str]:
         if (row["attention_forward"], row["attention_backward"]) != (none["attention_forward"],
                                                                     none["attention_backward"]):
             broken.append(f"{name}: attention counted {row['attention_forward']:.4g} + "
-                          f"{row['attention_backward']:.4g}, plain autograd's is {none['attention_forward']:.4g}"
-                          f" + {none['attention_backward']:.4g}: memo must never recompute attention")
+                          f"{row['attention_backward']:.4g}, plain autograd's is "
+                          f"{none['attention_forward']:.4g} + {none['attention_backward']:.4g}: memo must "
+                          "never recompute attention")
         if row["total"] >= full["total"]:
             broken.append(f"{name}: {row['total']:.4g} FLOPs, not below full recompute's {full['total']:.4g}")
     return broken
