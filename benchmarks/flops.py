@@ -20,7 +20,17 @@ head dim), against the 6·s²·H of the model formula memo.utils.flops.flops_per
 The bound checked (``check`` below, and tests/benchmarks/test_flops.py on a tiny model): memo's FLOPs
 over plain autograd's are at most (1 - alpha) of the layers' token-wise forward (what full recompute
 adds, less its recomputed attention), its attention FLOPs are plain autograd's (counted once, never
-recomputed), and memo is below full recompute at every alpha.
+recomputed), and memo is below full recompute at every alpha (at lengths above the MLP's width:
+NOTE [What memo recomputes that checkpoint skips]).
+
+NOTE [What memo recomputes that checkpoint skips]
+Full recompute (``torch.utils.checkpoint``, non-reentrant) stops a layer's recompute once every tensor
+backward needs is back: the MLP's down projection, whose output nothing saves, is not run again.
+memo's recompute of a token tile runs the whole token-wise forward, down projection included (counted:
+(1 - alpha) x the layers' token-wise forward exactly). So memo at alpha = 0 is below full recompute only
+where attention's forward (2·s²·H per layer, which memo never recomputes) outweighs that projection
+(2·s·ffn·h): above s = ffn_hidden tokens for a Llama (8,192 for llama-3.2-1b, 14,336 for the 8B).
+The table's lengths are far above; the tiny model of tests/benchmarks/test_flops.py runs above its own.
 
 NOTE [The first step of a wrapped model]
 The FLOPs of a step are those of a step after the first: memo's first step of a wrapped model runs
