@@ -905,9 +905,9 @@ def _print_prediction(rows: list[dict[str, Any]], gpu: str) -> None:
     headline = [r for r in rows if r["stage"][:-1].isdigit()]
     if headline:
         minutes = headline[-1]["total_with_build_s"] / 60
-        print(f"gpu_bench: the headline rows end {minutes:.1f} min after the build starts "
-              f"({'within' if minutes <= HEADLINE_MINUTES else 'over'} issue 45's {HEADLINE_MINUTES} minutes)",
-              flush=True)
+        within = "within" if minutes <= HEADLINE_MINUTES else "over"
+        print(f"gpu_bench: the headline rows end {minutes:.1f} min after the build starts ({within} issue "
+              f"45's {HEADLINE_MINUTES} minutes)", flush=True)
 
 
 # NOTE [Resuming a run]
