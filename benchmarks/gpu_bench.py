@@ -1,15 +1,17 @@
 #!/usr/bin/env python
 """memo against the methods a user would pick instead, on one GPU, in one command within a time budget.
 
-``make gpu-bench`` (issue 27) runs this on a lent GPU (an H100 80GB or an H200) for a 1B-class
-Llama (``llama-3.2-1b``, memo/models/config.py) in bf16, and writes one markdown file to paste into
-benchmarks/RESULTS.md (``--out``) and a JSON file with every raw number beside it:
+``make gpu-bench`` (issues 27 and 45) runs this on a lent GPU (an H100 80GB or an H200) for a
+1B-class Llama (``llama-3.2-1b``, memo/models/config.py) in bf16, and writes one markdown file to
+paste into benchmarks/RESULTS.md (``--out``), a JSON file with every raw number beside it, and the
+records file a later loan resumes from (NOTE [Resuming a run]), in stages (NOTE [Stages of a loan]):
 
-1. the longest sequence each strategy trains (two steps of forward, backward and AdamW), searched
+1. the step time and MFU of each strategy at 64K and 128K tokens (``--seq-lens``), and memo's device
+   peak against its plan's ``device["total_bytes"]`` (the bar: within 3%) and full recompute's peak;
+2. every attention kernel the device offers, timed and checked (NOTE [Attention kernels in the bench]);
+3. the longest sequence each strategy trains (two steps of forward, backward and AdamW), searched
    by benchmarks/max_seq_len.py's :func:`search` (doubling, then bisection to ``--granularity``);
-2. the step time and MFU of each strategy at 32K, 64K and 128K tokens (``--seq-lens``);
-3. memo's device peak against its plan's ``device["total_bytes"]`` (the bar: within 3%) and
-   against full recompute's peak at the same length.
+4. the same rows for a Llama-3.1-8B-shaped model with 4 layers at 128K and 256K tokens.
 
 Strategies: none, full-recompute, offloaded-checkpoint, torchtune-offload and memo; one that
 :data:`memo.train.STRATEGIES` does not list is skipped with a line saying so.
@@ -32,32 +34,30 @@ third table needs. On the CPU, ``--jobs`` children run at once and share their i
 several strategies (each emulates its own device, as benchmarks/strategies.py's CPU rows do).
 
 NOTE [Time budget]
-The budget (``--time-budget-s``, default 1100 s) counts from ``--started-at`` (the Makefile passes
+The budget (``--time-budget-s``, default 720 s) counts from ``--started-at`` (the Makefile passes
 the moment ``make gpu-bench`` began, so the build is inside it) or from this script's start. The
-timed rows of every strategy run first, within ROWS_FRACTION (75%) of what is left; then the
-searches, within all that is left. In each phase a strategy's child gets a share of what is left
-when its turn comes (WEIGHTS: memo's rows 2.5, since it profiles and plans at each length; none
-0.5; the others 1; time a child leaves unused goes to those after it); a child still running
-GRACE_S (20 s) after its share is stopped, and never after the budget. Inside a child every row
-and every try is predicted before it starts, from the same strategy's measurement at the longest
-length not above it (else the shortest above): its set-up (what is not a step: model build,
-memo's profile) scaled by the length, its steps by model FLOPs
-(:func:`memo.utils.flops.flops_per_sample`). What is predicted not to end EXIT_S (10 s) before
-the share does is not run and is printed as skipped, with the seconds it needed and had; a search
-cut short that way reports its longest length as a lower bound ("time budget"). Strategies run
-in the order none, full-recompute, memo, offloaded-checkpoint, torchtune-offload.
+stages run in order (NOTE [Stages of a loan]), each child given all the time left; a child still
+running GRACE_S (20 s) after the budget's end is stopped. Inside a child every row and every try is
+predicted before it starts: from the same strategy's measurement at the longest length not above it
+(else the shortest above), its set-up (what is not a step: model build, memo's profile) scaled by
+the length and its steps by model FLOPs (:func:`memo.utils.flops.flops_per_sample`); before any
+measurement, from the prior of NOTE [Predicted device time]. What is predicted not to end EXIT_S
+(10 s) before the budget does is not run and is printed as skipped, with the seconds it needed and
+had; it is what ``--resume`` runs on the next loan (NOTE [Resuming a run]). A search cut short that
+way reports its longest length as a lower bound ("time budget").
 
-``--dry-run`` runs the very same code (children, rows, searches, budget, both output files) on
-the CPU with a 4-layer Llama (benchmarks/configs/llama-dry-run.json), 128 to 512 tokens and
-memo's CPU allocator emulating a 10 MiB device, in float32 (a CPU's bf16 is many times slower),
-two children at once, in about half a minute to a minute; a GPU session then measures instead of
-debugging.
+``--dry-run`` runs the very same code (children, stages, records, budget, both output files) on
+the CPU with a 4-layer Llama (benchmarks/configs/llama-dry-run.json; the wide stage a 2-layer wider
+one), 128 and 256 tokens and memo's CPU allocator emulating a 10 MiB device, in float32 (a CPU's
+bf16 is many times slower), two children at once; a GPU session then measures instead of debugging.
 
 Usage::
 
     make gpu-bench WHEELS=/path/to/wheels            # installs, builds with MEMO_BUILD_CUDA=1, runs this
+    make gpu-bench GPU_BENCH_ARGS="--resume benchmarks/results/gpu_bench.records.jsonl"   # the next loan
     python benchmarks/gpu_bench.py --dry-run         # CPU: the same code path, tiny
-    python benchmarks/gpu_bench.py --time-budget-s 600 --seq-lens 32K 64K --max-seq 256K
+    python benchmarks/gpu_bench.py --dry-run --predict   # the GPU run's predicted device time, per stage
+    python benchmarks/gpu_bench.py --stages 64K kernels --time-budget-s 400
 """
 
 from __future__ import annotations
