@@ -55,6 +55,17 @@ def test_causal_attention_is_half_the_full_score_matrix(case: dict) -> None:
     assert 0.5 < case["rows"]["none"]["total"] / case["formula"] < 1.5
 
 
+@pytest.mark.xfail(strict=True, reason="memo's tiled recompute runs the QKV projection again for every "
+                   "tile but one (NOTE [memo's tiled recompute runs the QKV projection again] in "
+                   "benchmarks/flops.py)")
+def test_the_bound_in_several_tiles(case: dict) -> None:
+    none = case["rows"]["none"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        tiled = flops.count_step("llama-tiny", SEQ, "memo", 0.0, tile_tokens=SEQ // 4)
+    assert tiled["total"] - none["total"] <= none["layers_forward"] - none["attention_forward"]
+
+
 def test_check_reports_a_broken_bound(case: dict) -> None:
     broken = copy.deepcopy(case)
     memo = broken["rows"]["memo alpha=0.5"]
