@@ -6,9 +6,10 @@
 nothing: what a step costs there is the host's work (Python, dispatch, memo's bookkeeping) that on a
 GPU must hide behind the kernels. For none, full recompute and memo (alpha 0.5, every layer memo's, the
 tiles a GPU run uses: :func:`memo.runtime.tiles.default_tile_tokens` for "cuda") at 8K, 128K and 1M
-tokens it counts the ops dispatched per layer and step (a TorchDispatchMode) and times the Python
-seconds per layer and step, each the difference between a 2-layer and a 1-layer model (the embedding,
-head and loss cancel), and prints the table of benchmarks/RESULTS.md's "The host's share of a step".
+tokens it counts the ops dispatched per layer and step (a TorchDispatchMode) and the host's CPU
+seconds per layer and step (``time.process_time``, one thread, the fastest of TIMED_STEPS steps),
+each the difference between a 2-layer and a 1-layer model (the embedding, head and loss cancel), and
+prints the table of benchmarks/RESULTS.md's "The host's share of a step".
 
 NOTE [Host work per tile]
 A memo layer runs its token-wise parts tile by tile, and every tile costs host work whatever its size
@@ -110,9 +111,11 @@ def _one(strategy: str, seq_len: int, n_layers: int, tile: int) -> tuple[int, fl
         _step(model, ids)
     seconds = float("inf")
     for _ in range(TIMED_STEPS):  # the fastest: a shared machine only ever adds time
-        start = time.perf_counter()
+        # The process's CPU time: on meta every second of a step is this process's host work, and
+        # other processes on a shared machine do not count in it.
+        start = time.process_time()
         _step(model, ids)
-        seconds = min(seconds, time.perf_counter() - start)
+        seconds = min(seconds, time.process_time() - start)
     if strategy == "memo":
         memo.unwrap(model)
     return counter.ops, seconds
