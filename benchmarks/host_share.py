@@ -43,6 +43,10 @@ ALPHA = 0.5
 #: The bound's device: an H100's dense bf16 peak, at the MFU memo reached at 32K on an H200.
 PEAK_FLOPS = 989e12
 MFU = 0.25
+#: Host seconds per op of eager PyTorch on a GPU (dispatch and a kernel launch): an assumption, not a
+#: measurement here (meta's ops run Python shape functions a CUDA dispatch does not, so meta's seconds
+#: per op are an upper bound); the last column's bound uses it with the counted ops per tile.
+CUDA_S_PER_OP = 10e-6
 #: Steps timed per measurement; the fastest counts.
 TIMED_STEPS = 3
 
@@ -147,21 +151,25 @@ def layer_params() -> int:
 def format_markdown(rows: list[dict[str, Any]]) -> str:
     from memo.runtime.tiles import MIN_CHUNK_WORK
 
-    lines = ["| strategy | seq | tiles/layer (tokens) | ops/layer/step | host ms/layer/step | H100 layer "
-             "compute ms | host / compute | host ms per tile | tile that hides it |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| strategy | seq | tiles/layer (tokens) | ops/layer/step | host ms/layer/step (meta) | "
+             "H100 layer compute ms | host / compute | ops per tile | host ms per tile (meta) | "
+             "tile that hides it (meta) | tile that hides it (10 µs/op) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     none = {r["seq_len"]: r for r in rows if r["strategy"] == "none"}
     for r in rows:
         device = _layer_device_s(r["seq_len"])
-        per_tile, hides = "-", "-"
+        ops, per_tile, hides, hides_cuda = "-", "-", "-", "-"
         if r["strategy"] == "memo" and r["seq_len"] in none:
             extra = r["host_s_per_layer"] - none[r["seq_len"]]["host_s_per_layer"]
+            tile_ops = (r["ops_per_layer"] - none[r["seq_len"]]["ops_per_layer"]) / r["tiles"]
+            ops = f"{tile_ops:,.0f}"
             per_tile = f"{1e3 * extra / r['tiles']:.2f}"
             hides = f"{min_tile_tokens_hidden(extra / r['tiles'], layer_params()):,}"
+            hides_cuda = f"{min_tile_tokens_hidden(tile_ops * CUDA_S_PER_OP, layer_params()):,}"
         tiles = "-" if r["tiles"] is None else f"{r['tiles']} ({r['tile_tokens']:,})"
         lines.append(f"| {r['strategy']} | {r['seq_len'] // 1024:,}K | {tiles} | {r['ops_per_layer']:,} | "
                      f"{1e3 * r['host_s_per_layer']:,.1f} | {1e3 * device:,.1f} | "
-                     f"{r['host_s_per_layer'] / device:.3f} | {per_tile} | {hides} |")
+                     f"{r['host_s_per_layer'] / device:.3f} | {ops} | {per_tile} | {hides} | {hides_cuda} |")
     floor = MIN_CHUNK_WORK // _config(1).hidden ** 2
     return "\n".join(lines) + (f"\n\nmemo.runtime.tiles's work floor for this layer: {floor:,} tokens "
                                f"(MIN_CHUNK_WORK / hidden²).\n")
@@ -171,7 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq-lens", nargs="+", default=None, help="lengths (default 8K 128K 1M)")
     p.add_argument("--json", default=None, help="also write the measurements to this JSON file")
+    p.add_argument("--from-json", default=None, help="print the table of a JSON file this script wrote")
     args = p.parse_args(argv)
+    if args.from_json:
+        print(format_markdown(json.loads(Path(args.from_json).read_text())["rows"]))
+        return 0
     from memo.cli.args import seq_len
 
     torch.set_num_threads(1)
