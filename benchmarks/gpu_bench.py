@@ -972,8 +972,15 @@ def main(argv: list[str] | None = None) -> int:
         gpu_args = _parser().parse_args(["--model", "llama-3.2-1b"]) if args.dry_run else args
         if args.dry_run:
             _defaults(gpu_args)
-        _print_prediction(predict(gpu_args, stages(gpu_args, (*STRATEGIES, "kernels")), args.predict_gpu),
-                          args.predict_gpu)
+        plan_gpu = stages(gpu_args, (*STRATEGIES, "kernels"))
+        _print_prediction(predict(gpu_args, plan_gpu, args.predict_gpu), args.predict_gpu)
+        cached = predict(gpu_args, plan_gpu, args.predict_gpu,
+                         {("memo", n) for st in plan_gpu for n in st.seq_lens})
+        headline = [r for r in cached if r["stage"][:-1].isdigit()]
+        if headline:
+            print(f"gpu_bench: with memo's plans in the cache (a later loan, NOTE [Plan cache]) the headline "
+                  f"rows end {headline[-1]['total_with_build_s'] / 60:.1f} min after the build starts",
+                  flush=True)
         return 0
     if args.device.startswith("cuda") and (status := preflight()):
         return status
