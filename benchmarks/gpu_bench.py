@@ -6,9 +6,9 @@
 paste into benchmarks/RESULTS.md (``--out``), a JSON file with every raw number beside it, and the
 records file a later loan resumes from (NOTE [Resuming a run]), in stages (NOTE [Stages of a loan]):
 
-1. the step time and MFU of each strategy at 64K and 128K tokens (``--seq-lens``), and memo's device
+1. every attention kernel the device offers, timed and checked (NOTE [Attention kernels in the bench]);
+2. the step time and MFU of each strategy at 64K and 128K tokens (``--seq-lens``), and memo's device
    peak against its plan's ``device["total_bytes"]`` (the bar: within 3%) and full recompute's peak;
-2. every attention kernel the device offers, timed and checked (NOTE [Attention kernels in the bench]);
 3. the longest sequence each strategy trains (two steps of forward, backward and AdamW), searched
    by benchmarks/max_seq_len.py's :func:`search` (doubling, then bisection to ``--granularity``);
 4. the same rows for a Llama-3.1-8B-shaped model with 4 layers at 128K and 256K tokens.
@@ -445,6 +445,10 @@ def _child(args: argparse.Namespace) -> int:
         argv += ["--device-mem-mb", str(args.device_mem_mb)]
     msl = max_seq_len._parser().parse_args(argv)
     max_seq_len._defaults(msl)  # max_seq_len's own defaults: memo profiled by name on CUDA, ...
+    if args.attention_kernel:  # NOTE [Stages of a loan]: the chosen kernel failed its check
+        from memo.models.attention_kernels import pin_kernel
+
+        pin_kernel(args.attention_kernel)
     if torch.device(msl.device).type == "cuda":
         if len(args.child) != 1:
             sys.exit("error: gpu_bench: on CUDA a child measures one strategy (NOTE [One interpreter per "
@@ -629,6 +633,8 @@ def _child_cmd(stage: Stage, names: list[str], args: argparse.Namespace, deadlin
            "--threads", str(args.threads), "--deadline", repr(deadline), "--plan-dir", args.plan_dir]
     if args.dry_run:
         cmd.append("--dry-run")
+    if args.attention_kernel and stage.phase != "kernels":
+        cmd += ["--attention-kernel", args.attention_kernel]
     if args.device_mem_mb is not None:
         cmd += ["--device-mem-mb", str(args.device_mem_mb)]
     if args.peak_tflops is not None:
@@ -745,6 +751,7 @@ def _defaults(args: argparse.Namespace) -> None:
     args.steps = args.steps or 2  # NOTE [Predicted device time]: one warm-up step, one timed
     args.time_budget_s = args.time_budget_s or 720.0
     args.jobs = args.jobs or 1
+    args.attention_kernel = getattr(args, "attention_kernel", None)
     if args.jobs < 1 or (args.jobs > 1 and not args.device.startswith("cpu")):
         sys.exit(f"error: gpu_bench: --jobs must be 1 on a GPU (one device) and at least 1 on the CPU, "
                  f"got {args.jobs}")
@@ -791,8 +798,8 @@ def _parser() -> argparse.ArgumentParser:
                    "began, so the build is inside the budget)")
     p.add_argument("--only", nargs="+", choices=WANTED, help="measure only these strategies")
     p.add_argument("--stages", nargs="+", default=None,
-                   help="run only these stages (NOTE [Stages of a loan]): a headline length (64K, 128K), "
-                   "kernels, torchtune, longest, wide (default: all, in that order)")
+                   help="run only these stages (NOTE [Stages of a loan]): kernels, a headline length (64K, "
+                   "128K), torchtune, longest, wide (default: all, in that order)")
     p.add_argument("--wide-model", default=None,
                    help="the wide stage's model (default benchmarks/configs/llama-3.1-8b-4l.json: "
                    "Llama-3.1-8B's layer, 4 of them)")
@@ -820,16 +827,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
     p.add_argument("--phase", choices=("rows", "search", "kernels"), default=None, help=argparse.SUPPRESS)
     p.add_argument("--known", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--attention-kernel", default=None, help=argparse.SUPPRESS)
     return p
 
 
 # NOTE [Stages of a loan]
 # A loan is short (15 minutes of device time, the machine's start included), so what matters most runs
-# first and the rest waits for the next loan (NOTE [Resuming a run]): the headline rows, one stage per
-# length (64K, then 128K: none, full recompute, memo, offloaded-checkpoint), then the attention kernels'
-# timings, torchtune-offload's rows, the longest sequence of every strategy, and last the wide stage, a
-# Llama-3.1-8B-shaped model with 4 layers at 128K and 256K. A stage's children run one after the other,
-# each given all the time left (what it predicts will not fit it skips, to be run on resume).
+# first and the rest waits for the next loan (NOTE [Resuming a run]): the attention kernels' timings and
+# checks first (~30 s: every row after runs the chosen kernel, and one that fails or does not match the
+# fp32 reference is replaced by torch's flash kernel in every later child, ``--attention-kernel``,
+# rather than spoil the loan), the headline rows, one stage per length (64K, then 128K: none, full
+# recompute, memo, offloaded-checkpoint), torchtune-offload's rows, the longest sequence of every
+# strategy, and last the wide stage, a Llama-3.1-8B-shaped model with 4 layers at 128K and 256K. A
+# stage's children run one after the other, each given all the time left (what it predicts will not
+# fit it skips, to be run on resume).
 @dataclasses.dataclass(frozen=True)
 class Stage:
     """One stage of a run (NOTE [Stages of a loan])."""
@@ -846,9 +857,9 @@ def stages(args: argparse.Namespace, available: tuple[str, ...]) -> list[Stage]:
     def keep(names: tuple[str, ...]) -> tuple[str, ...]:
         return tuple(n for n in names if n in available and (args.only is None or n in args.only))
 
-    out = [Stage(_k(n), args.model, "rows", (n,), keep(HEADLINE)) for n in args.seq_lens]
-    out += [Stage("kernels", args.model, "kernels", (), ("kernels",)),
-            Stage("torchtune", args.model, "rows", tuple(args.seq_lens), keep(("torchtune-offload",))),
+    out = [Stage("kernels", args.model, "kernels", (), ("kernels",))]
+    out += [Stage(_k(n), args.model, "rows", (n,), keep(HEADLINE)) for n in args.seq_lens]
+    out += [Stage("torchtune", args.model, "rows", tuple(args.seq_lens), keep(("torchtune-offload",))),
             Stage("longest", args.model, "search", (), keep(RUN_ORDER)),
             Stage("wide", args.wide_model, "rows", tuple(args.wide_seq_lens), keep(WIDE))]
     wanted = args.stages
@@ -1008,11 +1019,29 @@ def main(argv: list[str] | None = None) -> int:
     run = _Run(args, started, end, out_md, records_path, all_records, skipped)
     for stage in plan:
         run.stage(stage)
+        if stage.phase == "kernels":
+            _pin_after_kernels(args, run.records)
     report = run.save()
     print("\n" + out_md.read_text())
     print(f"results written to {out_md} and {out_json}; records in {records_path}")
     # A child stopped at the end of its share is the budget at work; one that failed is an error.
     return 1 if any(r["ended"].startswith("exit") for r in report["strategies"]) else 0
+
+
+def _pin_after_kernels(args: argparse.Namespace, records: list[dict[str, Any]]) -> None:
+    """Torch's flash kernel for every later child where the chosen kernel failed its check on a GPU
+    (NOTE [Stages of a loan]); the report says so."""
+    if not args.device.startswith("cuda"):
+        return
+    record = next((r for r in reversed(records) if r["type"] == "kernels"), None)
+    chosen = None if record is None else record["chosen"]["kernel"]
+    ok = record is not None and all(r["matches_reference"] for r in record["rows"] if r["kernel"] == chosen) \
+        and any(r["kernel"] == chosen for r in record["rows"])
+    if not ok and chosen != "aten_cuda":
+        args.attention_kernel = "aten_cuda"
+        what = chosen or "unknown: the kernels stage did not finish"
+        print(f"gpu_bench: the chosen attention kernel ({what}) failed its check; every later child runs "
+              "aten_cuda", flush=True)
 
 
 class _Run:
@@ -1121,7 +1150,7 @@ class _Run:
             "wide": {"model": args.wide_model, "seq_lens": args.wide_seq_lens,
                      "strategies": [wide_results[n] for n in WANTED if n in wide_results],
                      "memo_vs_plan": _memo_vs_plan(wide_results, args.wide_seq_lens)},
-            "kernels": kernels,
+            "kernels": kernels, "attention_kernel_pinned": args.attention_kernel,
             "skipped": self.skipped + [line for res in (results, wide_results) for n in WANTED if n in res
                                        for line in res[n]["skipped"]],
         }

@@ -37,7 +37,7 @@ import torch
 from memo.errors import MemoError
 
 __all__ = ["KERNELS", "KernelChoice", "attention_kernel", "choose_kernel", "cudnn_takes", "describe_kernel",
-           "flash_attn_module", "kernels_available"]
+           "flash_attn_module", "kernels_available", "pin_kernel"]
 
 #: Every kernel name, fastest first where more than one is available (NOTE [Choosing the attention kernel]).
 KERNELS = ("cudnn", "flash_attn", "aten_cuda", "aten_cpu")
@@ -118,7 +118,29 @@ def choose_kernel(capability: tuple[int, int], cudnn: bool, flash_attn: bool) ->
 @functools.cache
 def _cuda_choice(index: int) -> KernelChoice:
     capability = torch.cuda.get_device_capability(index)
-    return choose_kernel(tuple(capability), _cudnn_attention_present(), flash_attn_module() is not None)
+    choice = choose_kernel(tuple(capability), _cudnn_attention_present(), flash_attn_module() is not None)
+    if _pinned is not None:
+        if _pinned not in choice.available:
+            raise MemoError(f"memo.models.attention: kernel {_pinned!r} was pinned, but cuda:{index} offers "
+                            f"only {', '.join(choice.available)}")
+        return KernelChoice(_pinned, choice.available, f"pinned by pin_kernel (the rule: {choice.kernel})")
+    return choice
+
+
+_pinned: str | None = None
+
+
+def pin_kernel(kernel: str | None) -> None:
+    """Run ``kernel`` on every CUDA device instead of the rule's choice (None: the rule again). For a
+    process that found the rule's kernel wrong on its device (benchmarks/gpu_bench.py's
+    ``--attention-kernel``); call it before the first attention. A device without ``kernel`` refuses at
+    its first attention."""
+    global _pinned
+    if kernel is not None and kernel not in KERNELS[:3]:
+        raise MemoError(f"memo.models.attention: cannot pin kernel {kernel!r}; choose one of "
+                        f"{', '.join(KERNELS[:3])}")
+    _pinned = kernel
+    _cuda_choice.cache_clear()
 
 
 def describe_kernel(device: torch.device | str) -> KernelChoice:

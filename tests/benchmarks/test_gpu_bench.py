@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from memo.errors import MemoError
+
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 import gpu_bench  # noqa: E402
@@ -196,25 +198,61 @@ def test_resume_refuses_another_job(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         gpu_bench.read_records(records, _args())
 
 
+def test_a_kernel_that_fails_its_check_is_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
+    from memo.models import attention_kernels as ak
+
+    args = _args("--device", "cuda", "--jobs", "1")
+    row = {"kernel": "cudnn", "matches_reference": False}
+    gpu_bench._pin_after_kernels(args, [{"type": "kernels", "chosen": {"kernel": "cudnn"}, "rows": [row]}])
+    assert args.attention_kernel == "aten_cuda"
+    fine = _args("--device", "cuda", "--jobs", "1")
+    gpu_bench._pin_after_kernels(fine, [{"type": "kernels", "chosen": {"kernel": "cudnn"},
+                                         "rows": [{**row, "matches_reference": True}]}])
+    assert fine.attention_kernel is None
+    # The pin overrides the rule on every CUDA device, and refuses a kernel the device lacks.
+    monkeypatch.setattr(torch_cuda(), "get_device_capability", lambda index: (9, 0))
+    monkeypatch.setattr(ak, "_cudnn_attention_present", lambda: True)
+    monkeypatch.setattr(ak, "flash_attn_module", lambda: None)
+    try:
+        ak.pin_kernel("aten_cuda")
+        assert ak.describe_kernel("cuda:0").kernel == "aten_cuda"
+        ak.pin_kernel("flash_attn")
+        with pytest.raises(MemoError, match="'flash_attn' was pinned, but cuda:0 offers only cudnn"):
+            ak.describe_kernel("cuda:0")
+        with pytest.raises(MemoError, match="cannot pin kernel 'aten_cpu'"):
+            ak.pin_kernel("aten_cpu")
+        ak.pin_kernel(None)
+        assert ak.describe_kernel("cuda:0").kernel == "cudnn"
+    finally:
+        ak.pin_kernel(None)
+
+
+def torch_cuda():
+    import torch
+
+    return torch.cuda
+
+
 def test_the_prediction_is_its_model(capsys: pytest.CaptureFixture[str]) -> None:
     from memo.utils.flops import flops_per_sample
 
     args = gpu_bench._parser().parse_args([])
     gpu_bench._defaults(args)
     plan = gpu_bench.stages(args, (*gpu_bench.WANTED, "kernels"))
-    assert [s.name for s in plan] == ["64K", "128K", "kernels", "torchtune", "longest", "wide"]
-    rows = gpu_bench.predict(args, plan, "H100")
+    assert [s.name for s in plan] == ["kernels", "64K", "128K", "torchtune", "longest", "wide"]
+    rows = gpu_bench.predict(args, plan, "H100")[1:]
+    build = gpu_bench.BUILD_S + gpu_bench.KERNELS_S
     # 64K: a child start, a set-up and two steps per strategy; memo's set-up is its profile and plan.
     step = {n: flops_per_sample("llama-3.2-1b", 65536) / (989e12 * gpu_bench.PRIOR_MFU[n])
             for n in gpu_bench.HEADLINE}
     setup = {n: 42.0 * 2 if n == "memo" else gpu_bench.OTHER_SETUP_S for n in gpu_bench.HEADLINE}
     expect = sum(gpu_bench.STARTUP_S + setup[n] + 2 * step[n] for n in gpu_bench.HEADLINE)
     assert math.isclose(rows[0]["seconds"], expect)
-    assert math.isclose(rows[0]["total_with_build_s"], gpu_bench.BUILD_S + expect)
+    assert math.isclose(rows[0]["total_with_build_s"], build + expect)
     # A cached plan costs a load, not a profile.
-    cached = gpu_bench.predict(args, plan[:1], "H100", {("memo", 65536)})
+    cached = gpu_bench.predict(args, plan[1:2], "H100", {("memo", 65536)})
     assert math.isclose(rows[0]["seconds"] - cached[0]["seconds"], 84.0 - gpu_bench.PLAN_LOAD_S)
-    assert rows[4]["seconds"] is None  # a search goes as far as the time left
+    assert rows[3]["seconds"] is None  # a search goes as far as the time left
     gpu_bench.main(["--dry-run", "--predict"])
     printed = capsys.readouterr().out
     assert "predicted device time on an H100" in printed and "the headline rows end" in printed
