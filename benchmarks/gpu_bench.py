@@ -812,8 +812,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="print the predicted device time of each stage on --predict-gpu and exit "
                    "(NOTE [Predicted device time]); with --dry-run, of the GPU run's defaults")
     p.add_argument("--predict-gpu", default="H100",
-                   help="the GPU --predict and a run's opening line predict for (a key of "
-                   "memo.utils.flops.GPU_PEAK_TFLOPS; default H100)")
+                   help="the GPU --predict predicts for (a key of memo.utils.flops.GPU_PEAK_TFLOPS; default "
+                   "H100); a run's opening line predicts for its own GPU (nvidia-smi), else this one")
     p.add_argument("--plan-dir", default=None,
                    help="memo's plan cache (NOTE [Plan cache]; default build/gpu_bench_plans)")
     p.add_argument("--threads", type=int, default=1, help="CPU: torch threads per child (1)")
@@ -904,6 +904,19 @@ def predict(args: argparse.Namespace, plan: list[Stage], gpu: str, cached: set[t
         out.append({"stage": stage.name, "strategies": list(stage.strategies), "seconds": seconds,
                     "total_with_build_s": total})
     return out
+
+
+def _gpu_key() -> str | None:
+    """This machine's GPU as a key of memo.utils.flops.GPU_PEAK_TFLOPS, from nvidia-smi (the parent never
+    touches the device: NOTE [One interpreter per strategy])."""
+    from memo.utils.flops import GPU_PEAK_TFLOPS
+
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    name = subprocess.run([smi, "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                          text=True).stdout.strip().splitlines()
+    return next((k for k in GPU_PEAK_TFLOPS if name and k in name[0]), None)
 
 
 def _print_prediction(rows: list[dict[str, Any]], gpu: str) -> None:
@@ -1011,7 +1024,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.time_budget_s:.0f} s, {end - time.time():.0f} s left; records: {records_path}"
           + (f" (resumed: {len(all_records)} records)" if args.resume else ""), flush=True)
     if not args.dry_run:
-        _print_prediction(predict(args, plan, args.predict_gpu), args.predict_gpu)
+        gpu = _gpu_key() or args.predict_gpu
+        _print_prediction(predict(args, plan, gpu), gpu)
     skipped = [f"{n}: not measured: memo.train.STRATEGIES does not list it ({', '.join(STRATEGIES)})"
                for n in RUN_ORDER if n not in STRATEGIES and (args.only is None or n in args.only)]
     for line in skipped:
