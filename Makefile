@@ -92,18 +92,27 @@ gpu-check:
 	$(PYTHON) -c "import torch, memo, memo._C; print('memo installed:', memo._C.build_info())"
 	$(PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
-# memo against its peers on one GPU (issue 27), llama-3.2-1b in bf16, within a time budget that
-# starts when this target does (the build is inside it; benchmarks/gpu_bench.py, NOTE [Time budget]):
-#   make gpu-bench WHEELS=dir   (GPU_BENCH_ARGS="--time-budget-s 900" for less time)
-# Writes benchmarks/results/gpu_bench.md (to paste into benchmarks/RESULTS.md) and gpu_bench.json.
-# Stops at once, non-zero, where no CUDA device is present; `python benchmarks/gpu_bench.py --dry-run`
-# runs the same code on the CPU. GPU_BENCH_START: make expands the recipe before its first line runs.
+# memo against its peers on one GPU (issues 27, 45), llama-3.2-1b in bf16, in stages that fit a short
+# loan, within a time budget that starts when this target does (the build is inside it;
+# benchmarks/gpu_bench.py, NOTE [Stages of a loan], NOTE [Time budget]):
+#   make gpu-bench WHEELS=dir                      (GPU_BENCH_ARGS="--time-budget-s 400" for less time)
+#   make gpu-bench GPU_BENCH_ARGS="--resume benchmarks/results/gpu_bench.records.jsonl"   (the next loan)
+# Writes benchmarks/results/gpu_bench.md (to paste into benchmarks/RESULTS.md), gpu_bench.json and the
+# records a later loan resumes from (gpu_bench.records.jsonl; carry build/gpu_bench_plans with it: memo's
+# plans, NOTE [Plan cache]). Stops at once, non-zero, where no CUDA device is present;
+# `python benchmarks/gpu_bench.py --dry-run` runs the same code on the CPU, `--dry-run --predict` prints
+# the predicted device time. The build: the device's own architecture only (MEMO_CUDA_ARCHS from
+# nvidia-smi, e.g. 90 on Hopper), parallel jobs (MAX_JOBS, setup.py), -g0, and an unchanged CUDA library
+# is not rebuilt (setup.py). GPU_BENCH_START: make expands the recipe before its first line runs.
+GPU_ARCH = $(shell nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d '.')
 gpu-bench:
 	@$(PYTHON) benchmarks/gpu_bench.py --preflight
 	$(eval GPU_BENCH_START := $(shell date +%s))
 	@if [ -n "$(WHEELS)" ]; then $(PIP) install -q --no-index --no-deps $(WHEELS)/*.whl; fi
-	MEMO_BUILD_CUDA=1 $(PIP) install --no-build-isolation --no-deps -e .
+	MEMO_BUILD_CUDA=1 MEMO_CUDA_ARCHS="$${MEMO_CUDA_ARCHS:-$(or $(GPU_ARCH),80;90)}" \
+		$(PIP) install --no-build-isolation --no-deps -e .
 	$(PYTHON) -c "import torch, memo, memo._C; print('memo installed:', memo._C.build_info())"
+	@echo "gpu-bench: build and install took $$(( $$(date +%s) - $(GPU_BENCH_START) )) s"
 	$(PYTHON) benchmarks/gpu_bench.py --started-at $(GPU_BENCH_START) $(GPU_BENCH_ARGS)
 
 bench: install

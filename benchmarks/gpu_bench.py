@@ -1,15 +1,17 @@
 #!/usr/bin/env python
 """memo against the methods a user would pick instead, on one GPU, in one command within a time budget.
 
-``make gpu-bench`` (issue 27) runs this on a lent GPU (an H100 80GB or an H200) for a 1B-class
-Llama (``llama-3.2-1b``, memo/models/config.py) in bf16, and writes one markdown file to paste into
-benchmarks/RESULTS.md (``--out``) and a JSON file with every raw number beside it:
+``make gpu-bench`` (issues 27 and 45) runs this on a lent GPU (an H100 80GB or an H200) for a
+1B-class Llama (``llama-3.2-1b``, memo/models/config.py) in bf16, and writes one markdown file to
+paste into benchmarks/RESULTS.md (``--out``), a JSON file with every raw number beside it, and the
+records file a later loan resumes from (NOTE [Resuming a run]), in stages (NOTE [Stages of a loan]):
 
-1. the longest sequence each strategy trains (two steps of forward, backward and AdamW), searched
+1. every attention kernel the device offers, timed and checked (NOTE [Attention kernels in the bench]);
+2. the step time and MFU of each strategy at 64K and 128K tokens (``--seq-lens``), and memo's device
+   peak against its plan's ``device["total_bytes"]`` (the bar: within 3%) and full recompute's peak;
+3. the longest sequence each strategy trains (two steps of forward, backward and AdamW), searched
    by benchmarks/max_seq_len.py's :func:`search` (doubling, then bisection to ``--granularity``);
-2. the step time and MFU of each strategy at 32K, 64K and 128K tokens (``--seq-lens``);
-3. memo's device peak against its plan's ``device["total_bytes"]`` (the bar: within 3%) and
-   against full recompute's peak at the same length.
+4. the same rows for a Llama-3.1-8B-shaped model with 4 layers at 128K and 256K tokens.
 
 Strategies: none, full-recompute, offloaded-checkpoint, torchtune-offload and memo; one that
 :data:`memo.train.STRATEGIES` does not list is skipped with a line saying so.
@@ -32,40 +34,41 @@ third table needs. On the CPU, ``--jobs`` children run at once and share their i
 several strategies (each emulates its own device, as benchmarks/strategies.py's CPU rows do).
 
 NOTE [Time budget]
-The budget (``--time-budget-s``, default 1100 s) counts from ``--started-at`` (the Makefile passes
+The budget (``--time-budget-s``, default 720 s) counts from ``--started-at`` (the Makefile passes
 the moment ``make gpu-bench`` began, so the build is inside it) or from this script's start. The
-timed rows of every strategy run first, within ROWS_FRACTION (75%) of what is left; then the
-searches, within all that is left. In each phase a strategy's child gets a share of what is left
-when its turn comes (WEIGHTS: memo's rows 2.5, since it profiles and plans at each length; none
-0.5; the others 1; time a child leaves unused goes to those after it); a child still running
-GRACE_S (20 s) after its share is stopped, and never after the budget. Inside a child every row
-and every try is predicted before it starts, from the same strategy's measurement at the longest
-length not above it (else the shortest above): its set-up (what is not a step: model build,
-memo's profile) scaled by the length, its steps by model FLOPs
-(:func:`memo.utils.flops.flops_per_sample`). What is predicted not to end EXIT_S (10 s) before
-the share does is not run and is printed as skipped, with the seconds it needed and had; a search
-cut short that way reports its longest length as a lower bound ("time budget"). Strategies run
-in the order none, full-recompute, memo, offloaded-checkpoint, torchtune-offload.
+stages run in order (NOTE [Stages of a loan]), each child given all the time left; a child still
+running GRACE_S (20 s) after the budget's end is stopped. Inside a child every row and every try is
+predicted before it starts: from the same strategy's measurement at the longest length not above it
+(else the shortest above), its set-up (what is not a step: model build, memo's profile) scaled by
+the length and its steps by model FLOPs (:func:`memo.utils.flops.flops_per_sample`); before any
+measurement, from the prior of NOTE [Predicted device time]. What is predicted not to end EXIT_S
+(10 s) before the budget does is not run and is printed as skipped, with the seconds it needed and
+had; it is what ``--resume`` runs on the next loan (NOTE [Resuming a run]). A search cut short that
+way reports its longest length as a lower bound ("time budget").
 
-``--dry-run`` runs the very same code (children, rows, searches, budget, both output files) on
-the CPU with a 4-layer Llama (benchmarks/configs/llama-dry-run.json), 128 to 512 tokens and
-memo's CPU allocator emulating a 10 MiB device, in float32 (a CPU's bf16 is many times slower),
-two children at once, in about half a minute to a minute; a GPU session then measures instead of
-debugging.
+``--dry-run`` runs the very same code (children, stages, records, budget, both output files) on
+the CPU with a 4-layer Llama (benchmarks/configs/llama-dry-run.json; the wide stage a 2-layer wider
+one), 128 and 256 tokens and memo's CPU allocator emulating a 10 MiB device, in float32 (a CPU's
+bf16 is many times slower), two children at once; a GPU session then measures instead of debugging.
 
 Usage::
 
     make gpu-bench WHEELS=/path/to/wheels            # installs, builds with MEMO_BUILD_CUDA=1, runs this
+    make gpu-bench GPU_BENCH_ARGS="--resume benchmarks/results/gpu_bench.records.jsonl"   # the next loan
     python benchmarks/gpu_bench.py --dry-run         # CPU: the same code path, tiny
-    python benchmarks/gpu_bench.py --time-budget-s 600 --seq-lens 32K 64K --max-seq 256K
+    python benchmarks/gpu_bench.py --dry-run --predict   # the GPU run's predicted device time, per stage
+    python benchmarks/gpu_bench.py --stages 64K kernels --time-budget-s 400
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import datetime as dt
+import functools
 import gc
+import hashlib
 import json
 import os
 import shutil
@@ -95,11 +98,16 @@ GRACE_S = 20.0
 EXIT_S = 10.0
 #: Seconds a child takes to start (imports, CUDA) until one has been measured: 9 s on an H200.
 STARTUP_S = 10.0
-#: The fraction of the time left that the timed rows of all strategies may use; the searches get the
-#: rest, and what the rows leave unused.
-ROWS_FRACTION = 0.75
 _RECORD = "GPU-BENCH-JSON "
 DRY_RUN_MODEL = str(ROOT / "benchmarks" / "configs" / "llama-dry-run.json")
+DRY_RUN_WIDE_MODEL = str(ROOT / "benchmarks" / "configs" / "llama-dry-run-wide.json")
+#: The wide stage's model: Llama-3.1-8B's layer (hidden 4096, GQA 32/8, ffn 14336), 4 of its 32 layers.
+WIDE_MODEL = str(ROOT / "benchmarks" / "configs" / "llama-3.1-8b-4l.json")
+#: The headline rows' strategies, in the order they run (issue 45); torchtune-offload has a stage after.
+HEADLINE = ("none", "full-recompute", "memo", "offloaded-checkpoint")
+#: The strategies of the wide stage: plain autograd runs out of memory there long before.
+WIDE = ("full-recompute", "memo", "offloaded-checkpoint")
+RECORDS_KIND = "memo.benchmark.gpu_bench.records"
 #: The peak a dry run divides by: a CPU has no entry in memo.utils.flops.GPU_PEAK_TFLOPS.
 DRY_RUN_PEAK_TFLOPS = 1.0
 
@@ -145,9 +153,11 @@ def predict_seconds(points: list[Point], length: int, steps: int, model: str) ->
 class _Budget:
     """A child's share of the time budget: the wall-clock moment it ends, and what it let run."""
 
-    def __init__(self, deadline: float, model: str) -> None:
+    def __init__(self, deadline: float, model: str, name: str = "", peak_tflops: float | None = None) -> None:
         self.deadline = deadline
         self.model = model
+        self.name = name
+        self.peak_tflops = peak_tflops  # for the prior, before a row of this strategy was measured
         self.points: list[Point] = []
 
     def left(self) -> float:
@@ -157,12 +167,64 @@ class _Budget:
         """Why a run of ``steps`` steps at ``length`` tokens must not start, or None."""
         left = self.left()
         need = predict_seconds(self.points, length, steps, self.model)
+        if need is None and self.peak_tflops is not None:
+            need = prior_seconds(self.name, self.model, length, steps, self.peak_tflops)
         if left <= 0:
             return "this strategy's share of the time budget is spent"
         if need is not None and need > left:
             return (f"needs ~{need:.0f} s (predicted), {left:.0f} s of this strategy's share of the time "
                     "budget left")
         return None
+
+
+# NOTE [Predicted device time]
+# What a loan costs before anything was measured on it (``--predict``, printed at the start of every
+# run, and what a child predicts for a row of a strategy it has not measured yet):
+#   build + per child (STARTUP_S + per row (setup + steps x step time))
+# - build: BUILD_S, the ~3 minutes `make gpu-check` took to install and build on an H200 (2026-11-26,
+#   tenth session, both architectures); `make gpu-bench` now builds for the device's architecture
+#   only, with parallel nvcc threads, and skips an unchanged CUDA library, so this is an upper bound.
+# - step time: model FLOPs (memo.utils.flops.flops_per_sample) / (the GPU's dense bf16 peak from
+#   memo.utils.flops.GPU_PEAK_TFLOPS x the strategy's MFU). PRIOR_MFU is each strategy's MFU measured
+#   at 32K on an H200 (RESULTS.md, "make gpu-bench trial on an H200", the fused-AdamW rows where
+#   measured); full recompute measured 22.1% at 64K, so MFU holds within a few points up to 64K. An
+#   H100 has the H200's bf16 peak (989 TFLOPS) and less memory bandwidth: the prediction assumes the
+#   same MFU, which long sequences (attention-bound, compute-bound) make close.
+# - setup: memo's profile and plan, 42 s at 32K on the H200, scaled by length (PRIOR_SETUP_S); a plan
+#   from the cache (NOTE [Plan cache]) costs PLAN_LOAD_S instead; every other strategy builds its model
+#   in a few seconds (OTHER_SETUP_S).
+# - A row that runs out of memory ends at its first step: the prediction, which runs every row to the
+#   end, is an upper bound there (plain autograd at 64K on an 80 GB H100).
+BUILD_S = 180.0
+PRIOR_MFU = {"none": 0.276, "full-recompute": 0.231, "offloaded-checkpoint": 0.211,
+             "torchtune-offload": 0.224, "memo": 0.254}
+PRIOR_SETUP_S = {"memo": (42.0, 32768)}
+OTHER_SETUP_S = 5.0
+PLAN_LOAD_S = 5.0
+#: Issue 45: the headline rows within this many minutes of the machine's start, build included.
+HEADLINE_MINUTES = 8
+#: Seconds the attention-kernel timings take (a child, its start included).
+KERNELS_S = 30.0
+
+
+def prior_seconds(name: str, model: str, length: int, steps: int, peak_tflops: float,
+                  cached_plan: bool = False) -> float:
+    """One row's seconds before anything was measured (NOTE [Predicted device time])."""
+    from memo.utils.flops import flops_per_sample
+
+    step = flops_per_sample(_config(model), length) / (peak_tflops * 1e12 * PRIOR_MFU.get(name, 0.2))
+    if name in PRIOR_SETUP_S and not cached_plan:
+        seconds, at = PRIOR_SETUP_S[name]
+        setup = seconds * length / at
+    else:
+        setup = PLAN_LOAD_S if name in PRIOR_SETUP_S else OTHER_SETUP_S
+    return setup + steps * step
+
+
+def _config(model: str) -> Any:
+    from memo.models import get_config, load_config
+
+    return load_config(model) if model.endswith(".json") else get_config(model)
 
 
 # ---------------------------------------------------------------- child: one strategy
@@ -177,7 +239,7 @@ def _say(line: str) -> None:
 
 
 def _row(name: str, length: int, msl: argparse.Namespace, steps: int,
-         peak_tflops: float | None) -> dict[str, Any]:
+         peak_tflops: float | None, plan_dir: str | None = None) -> dict[str, Any]:
     """Train ``steps`` steps of ``name`` at ``length`` tokens under max_seq_len's budget and meter;
     MFU = :func:`memo.utils.flops.flops_per_sample` / mean step time / ``peak_tflops``."""
     import max_seq_len
@@ -189,9 +251,12 @@ def _row(name: str, length: int, msl: argparse.Namespace, steps: int,
     from memo.utils.flops import flops_per_sample, mfu
 
     meter = max_seq_len.CappedMeter(None if msl.device_mem_mb is None else int(msl.device_mem_mb * 2**20))
-    # memo profiles this very model, as `memo train` does (alpha "auto", the layer policy for the budget).
+    # memo profiles this very model, as `memo train` does (alpha "auto", the layer policy for the budget),
+    # unless an earlier run left its plan in the cache (NOTE [Plan cache]).
+    cached = _plan_path(plan_dir, msl, length) if name == "memo" and plan_dir else None
+    plan = str(cached) if cached is not None and cached.exists() else None
     strategy = build_strategy(name, meter, time_limit=msl.time_limit,
-                              device_mem_gb=max_seq_len._budget_gb(msl))
+                              device_mem_gb=max_seq_len._budget_gb(msl), plan=plan)
     config = TrainConfig(model=msl.model, seq_len=length, micro_batch=1, steps=steps, device=msl.device,
                          dtype=msl.dtype, seed=0, peak_tflops=peak_tflops)
     flops = flops_per_sample(msl.model, length)  # one sequence per step
@@ -215,6 +280,13 @@ def _row(name: str, length: int, msl: argparse.Namespace, steps: int,
                    host_bytes=int(last.get("host_pinned_bytes", 0)), alpha=strategy.alpha,
                    alpha_binding=strategy.alpha_binding,
                    allocator=dict(last.get("allocator", {})))
+        if name == "memo":
+            row["plan_source"] = "cache" if plan is not None else "profiled"
+            if plan is None and cached is not None and strategy.plan is not None:
+                from memo.planner import save_plan
+
+                cached.parent.mkdir(parents=True, exist_ok=True)
+                save_plan(strategy.plan, cached)
         plan = strategy.plan
         device = getattr(plan, "device", None) if plan is not None else None
         if device:
@@ -235,6 +307,130 @@ def _row(name: str, length: int, msl: argparse.Namespace, steps: int,
     return row
 
 
+# NOTE [Attention kernels in the bench]
+# memo's causal attention runs the kernel memo.models.attention_kernels chooses for the device (NOTE
+# [Choosing the attention kernel] there); the choice is a claim about speed that only the device can
+# check. The "kernels" stage times every kernel the device offers at the model's attention shape
+# (its heads, key/value heads and head dim; micro-batch 1) at KERNEL_LENGTHS tokens, forward and
+# backward apart (the median of KERNEL_REPS after a warm-up), and checks each kernel's output,
+# log-sum-exp and gradients against the fp32 reference at KERNEL_CHECK_LEN tokens (the memory-efficient
+# kernel in fp32; float64 on a CPU), within twice what torch's flash kernel errs plus 4 ulp (the rule of
+# tests/models/test_attention_kernels.py). TFLOPS count causal attention as benchmarks/flops.py does.
+KERNEL_LENGTHS = {"cuda": (16384, 65536), "cpu": (256,)}
+KERNEL_CHECK_LEN = {"cuda": 2048, "cpu": 128}
+KERNEL_REPS = {"cuda": 5, "cpu": 2}
+
+
+def _time(fn: Any, reps: int, cuda: bool) -> float:
+    import torch
+
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def _kernel_errors(kernel: str, q: Any, k: Any, v: Any, g: Any, ref: tuple[Any, ...]) -> list[float]:
+    from memo.models import causal_attention as ca
+
+    o, lse = ca._forward_kernels(kernel, q, k, v)
+    grads = ca._backward_kernels(kernel, g, q, k, v, o, lse)
+    s = q.shape[0]
+    mine = (o, lse[..., :s], *grads)
+    theirs = (ref[0], ref[1][..., :s], *ref[2:])
+    return [(a.double() - b.double()).abs().max().item() for a, b in zip(mine, theirs, strict=True)]
+
+
+def _kernel_timings(model: str, device: str, dtype_name: str) -> dict[str, Any]:
+    """The "kernels" record (NOTE [Attention kernels in the bench])."""
+    import torch
+
+    from memo.models import attention_kernels as ak
+    from memo.models import causal_attention as ca
+
+    config = _config(model)
+    kind = torch.device(device).type
+    cuda = kind == "cuda"
+    dtype = getattr(torch, dtype_name)
+    n, n_kv = config.n_heads, config.n_kv_heads or config.n_heads
+    d = config.head_dim or config.hidden // n
+    choice = ak.describe_kernel(device)
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def inputs(s: int, dt: Any) -> tuple[Any, ...]:
+        shapes = ((s, 1, n, d), (s, 1, n_kv, d), (s, 1, n_kv, d), (s, 1, n, d))
+        return tuple(torch.randn(shape, generator=gen, device=device, dtype=dt) for shape in shapes)
+
+    check = inputs(KERNEL_CHECK_LEN[kind], dtype)
+    ref_dtype = torch.float32 if cuda else torch.float64
+    ref_kernel = "aten_cuda" if cuda else "aten_cpu"
+    ref_in = tuple(t.to(ref_dtype) for t in check)
+    ref_o, ref_lse = ca._forward_kernels(ref_kernel, *ref_in[:3])
+    ref = (ref_o, ref_lse, *ca._backward_kernels(ref_kernel, ref_in[3], *ref_in[:3], ref_o, ref_lse))
+    errors = {kernel: _kernel_errors(kernel, *check, ref) for kernel in choice.available}
+    base = errors[ref_kernel]
+    eps = torch.finfo(dtype).eps
+    rows = []
+    for kernel in choice.available:
+        matches = all(e <= 2 * b + 4 * eps for e, b in zip(errors[kernel], base, strict=True))
+        for s in KERNEL_LENGTHS[kind]:
+            q, k, v, g = inputs(s, dtype)
+            o, lse = ca._forward_kernels(kernel, q, k, v)
+            fwd = _time(functools.partial(ca._forward_kernels, kernel, q, k, v), KERNEL_REPS[kind], cuda)
+            backward = functools.partial(ca._backward_kernels, kernel, g, q, k, v, o, lse)
+            bwd = _time(backward, KERNEL_REPS[kind], cuda)
+            flops = 2.0 * s * s * n * d  # causal forward: QKᵀ and PV, half the score matrix
+            rows.append({"kernel": kernel, "seq_len": s, "forward_s": fwd, "backward_s": bwd,
+                         "forward_tflops": flops / fwd / 1e12, "backward_tflops": 2.5 * flops / bwd / 1e12,
+                         "errors": dict(zip(("o", "lse", "dq", "dk", "dv"), errors[kernel], strict=True)),
+                         "matches_reference": matches})
+            del q, k, v, g, o, lse
+            _say(f"  kernel {kernel} @ {s:,}: forward {fwd * 1e3:,.1f} ms, backward {bwd * 1e3:,.1f} ms"
+                 f"{'' if matches else ' (DOES NOT MATCH the reference)'}")
+    return {"type": "kernels", "strategy": "kernels", "chosen": choice.as_dict(), "dtype": dtype_name,
+            "heads": [n, n_kv, d], "rows": rows}
+
+
+# NOTE [Plan cache]
+# memo's timed row profiles and plans the very model on the device, as `memo train` does: ~42 s of a
+# 32K row on an H200, more than its steps. What the plan depends on is known before the row runs (the
+# model's fingerprint, the length, dtype, device budget and planner time limit, the GPU, and memo's own
+# code), so a row saves its plan under a key of all of them (``--plan-dir``, default build/gpu_bench_plans)
+# and a later run with the same key loads it instead (``plan_source``: "cache" or "profiled" in the row).
+# A later loan carries the folder; a change to any of them (another GPU, a new memo) is another key.
+_SOURCE_HASH: list[str] = []
+
+
+def _source_hash() -> str:
+    """sha256 of memo's and the planner's Python and C++ sources: a plan is memo's code's."""
+    if not _SOURCE_HASH:
+        digest = hashlib.sha256()
+        for path in sorted([*(ROOT / "memo").rglob("*.py"), *(ROOT / "planner").rglob("*.py"),
+                            *(ROOT / "csrc").rglob("*.*")]):
+            digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
+        _SOURCE_HASH.append(digest.hexdigest())
+    return _SOURCE_HASH[0]
+
+
+def _plan_path(plan_dir: str, msl: argparse.Namespace, length: int) -> Path:
+    """The cache file of memo's plan for ``length`` tokens of this child's job (NOTE [Plan cache])."""
+    import torch
+
+    from memo.models import fingerprint
+
+    gpu = torch.cuda.get_device_name(torch.device(msl.device)) if msl.device.startswith("cuda") else "cpu"
+    key = json.dumps([fingerprint(_config(msl.model)), length, msl.dtype, msl.device_mem_mb, msl.time_limit,
+                      gpu, _source_hash()])
+    return Path(plan_dir) / f"memo-{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+
+
 def _child(args: argparse.Namespace) -> int:
     """The strategies of ``--child`` one after the other (on CUDA exactly one: NOTE [One interpreter per
     strategy]; a CPU run with --jobs shares an interpreter between strategies, as
@@ -249,6 +445,10 @@ def _child(args: argparse.Namespace) -> int:
         argv += ["--device-mem-mb", str(args.device_mem_mb)]
     msl = max_seq_len._parser().parse_args(argv)
     max_seq_len._defaults(msl)  # max_seq_len's own defaults: memo profiled by name on CUDA, ...
+    if args.attention_kernel:  # NOTE [Stages of a loan]: the chosen kernel failed its check
+        from memo.models.attention_kernels import pin_kernel
+
+        pin_kernel(args.attention_kernel)
     if torch.device(msl.device).type == "cuda":
         if len(args.child) != 1:
             sys.exit("error: gpu_bench: on CUDA a child measures one strategy (NOTE [One interpreter per "
@@ -256,6 +456,11 @@ def _child(args: argparse.Namespace) -> int:
         max_seq_len._setup_cuda(args.child[0], msl)
     info = _info(args.model, args.peak_tflops)
     _emit({**info, "strategy": None, "t": time.time()})
+    if args.phase == "kernels":
+        start = time.time()
+        _emit(_kernel_timings(args.model, msl.device, msl.dtype))
+        _emit({"type": "done", "strategy": "kernels", "seconds": time.time() - start})
+        return 0
     status = 0
     for name in args.child:
         start = time.time()
@@ -265,39 +470,38 @@ def _child(args: argparse.Namespace) -> int:
 
 
 def _strategy(name: str, args: argparse.Namespace, msl: argparse.Namespace, peak_tflops: float | None) -> int:
-    """One strategy's phase: the timed rows, or the longest-sequence search (NOTE [One interpreter per
-    strategy])."""
-    budget = _Budget(args.deadline - EXIT_S, args.model)
-    rows: list[dict[str, Any]] = []
-    if args.phase in ("rows", "both"):
-        status = _rows(name, args, msl, peak_tflops, budget, rows)
-        if args.phase == "rows" or status:
-            return status
-    # What the rows found: from the parent (--known), or from this child's own rows ("both", the CPU
-    # with --jobs), through the same JSON.
-    found = json.loads(args.known or "{}").get(name, {}) if args.phase == "search" else \
-        json.loads(json.dumps(_known(rows)))
-    budget.points.clear()
-    known: dict[int, tuple[bool, str]] = {}
+    """One strategy's stage: its timed rows, or its longest-sequence search (NOTE [One interpreter per
+    strategy]), told by the parent what earlier stages and runs measured (``--known``: NOTE [Resuming a
+    run])."""
+    # Before a length of this strategy was measured, the budget asks the GPU prior (NOTE [Predicted device
+    # time]); a dry run's CPU is no GPU, so it runs its first row unpredicted.
+    budget = _Budget(args.deadline - EXIT_S, args.model, name, None if args.dry_run else peak_tflops)
+    known = json.loads(args.known or "{}").get(name) or {"rows": {}, "tries": {}}
+    found = {**known["tries"], **known["rows"]}
     for key, row in found.items():
-        known[int(key)] = (row["fits"], row["detail"])
-        if row["fits"]:
+        if row["fits"] and "step_s" in row:
             budget.points.append(Point(int(key), row["setup_s"], row["step_s"], row["steps"]))
-    return _search(name, msl, budget, known)
+    if args.phase == "rows":
+        return _rows(name, args, msl, peak_tflops, budget, known["rows"])
+    return _search(name, msl, budget, {int(k): (r["fits"], r["detail"]) for k, r in found.items()})
 
 
 def _rows(name: str, args: argparse.Namespace, msl: argparse.Namespace, peak_tflops: float | None,
-          budget: _Budget, rows: list[dict[str, Any]]) -> int:
-    """The timed rows, shortest first; a length longer than one that ran out of memory is not run."""
-    oom: int | None = None
+          budget: _Budget, done: dict[str, dict[str, Any]]) -> int:
+    """The timed rows not in ``done`` (measured before), shortest first; a length longer than one that ran
+    out of memory is not run."""
+    oom = min((int(k) for k, r in done.items() if not r["fits"]), default=None)
     for length in args.seq_lens:
-        why = f"{oom:,} tokens ran out of memory" if oom is not None else budget.refuse(length, args.steps)
+        if str(length) in done:
+            continue
+        why = f"{oom:,} tokens ran out of memory" if oom is not None and oom < length else \
+            budget.refuse(length, args.steps)
         if why is not None:
             _emit({"type": "skip", "strategy": name, "what": f"timed row at {length:,}", "seq_len": length,
-                   "why": why})
+                   "why": why, "oom": oom is not None and oom < length})
             _say(f"  {name} @ {length:,}: skipped: {why}")
             continue
-        row = _row(name, length, msl, args.steps, peak_tflops)
+        row = _row(name, length, msl, args.steps, peak_tflops, args.plan_dir)
         if row["status"] == "ok":
             step = row["mean_step_time_s"]
             row["setup_s"] = row["wall_s"] - args.steps * step
@@ -305,12 +509,11 @@ def _rows(name: str, args: argparse.Namespace, msl: argparse.Namespace, peak_tfl
             _say(f"  {name} @ {length:,}: {step * 1e3:,.0f} ms/step, peak "
                  f"{row['peak_device_bytes'] / 2**20:,.1f} MiB [{row['wall_s']:.1f} s]")
         elif row["status"] == "out of memory":
-            oom = length
+            oom = length if oom is None else min(oom, length)
             _say(f"  {name} @ {length:,}: out of memory [{row['wall_s']:.1f} s]")
         else:
             _say(f"  {name} @ {length:,}: error: {row['detail']}")
         _emit(row)
-        rows.append(row)
         if row["status"] == "error":
             return 1
     return 0
@@ -398,29 +601,40 @@ def _records(text: str) -> list[dict[str, Any]]:
     return [json.loads(line[len(_RECORD):]) for line in text.splitlines() if line.startswith(_RECORD)]
 
 
-def _run_child(cmd: list[str], timeout: float) -> tuple[list[dict[str, Any]], str]:
-    """Run a child (its stderr passes through, live); its records, and how it ended."""
+def _run_child(cmd: list[str], timeout: float, on_record: Any) -> str:
+    """Run a child (its stderr passes through, live), handing each record to ``on_record`` as it comes
+    (NOTE [Resuming a run]); how it ended."""
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    timer = threading.Timer(max(timeout, 1.0), lambda: os.killpg(proc.pid, signal.SIGKILL))
+    timer.start()  # the child and what it started (a MIP solver) are one process group
     try:
-        out, _ = proc.communicate(timeout=max(timeout, 1.0))
-        ended = "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
-    except subprocess.TimeoutExpired:
-        # The child and what it started (a MIP solver) are one process group.
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        ended = f"stopped after {timeout:.0f} s (its share of the time budget)"
-    return _records(out or ""), ended
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith(_RECORD):
+                on_record(json.loads(line[len(_RECORD):]))
+        proc.wait()
+    finally:
+        stopped = not timer.is_alive() and proc.returncode == -signal.SIGKILL
+        timer.cancel()
+    if stopped:
+        return f"stopped after {timeout:.0f} s (its share of the time budget)"
+    return "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
 
 
-def _child_cmd(names: list[str], args: argparse.Namespace, deadline: float, phase: str,
+def _child_cmd(stage: Stage, names: list[str], args: argparse.Namespace, deadline: float,
                known: dict[str, Any]) -> list[str]:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", *names, "--phase", phase,
-           "--known", json.dumps(known), "--model", args.model,
-           "--device", args.device, "--dtype", args.dtype, "--seq-lens", *map(str, args.seq_lens),
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", *names, "--phase", stage.phase,
+           "--known", json.dumps(known), "--model", stage.model,
+           "--device", args.device, "--dtype", args.dtype, "--seq-lens", *map(str, stage.seq_lens or
+                                                                                args.seq_lens),
            "--steps", str(args.steps), "--granularity", str(args.granularity), "--start", str(args.start),
            "--max-seq", str(args.max_seq), "--time-limit", str(args.time_limit),
-           "--threads", str(args.threads), "--deadline", repr(deadline)]
+           "--threads", str(args.threads), "--deadline", repr(deadline), "--plan-dir", args.plan_dir]
+    if args.dry_run:
+        cmd.append("--dry-run")
+    if args.attention_kernel and stage.phase != "kernels":
+        cmd += ["--attention-kernel", args.attention_kernel]
     if args.device_mem_mb is not None:
         cmd += ["--device-mem-mb", str(args.device_mem_mb)]
     if args.peak_tflops is not None:
@@ -452,30 +666,41 @@ def _search_summary(records: list[dict[str, Any]], name: str, ended: str) -> dic
 
 def _strategy_result(name: str, records: list[dict[str, Any]],
                      phases: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    skips = [r for r in records if r["type"] == "skip"]
+    # What a later run measured replaces what an earlier one skipped (NOTE [Resuming a run]).
+    measured = {r["seq_len"] for r in records if r["type"] == "row"}
+    tried = {r["seq_len"] for r in records if r["type"] == "try" and not r["budget_stop"]}
+    skips = [r for r in records if r["type"] == "skip" and r.get("seq_len") not in measured]
+    records = [r for r in records if not (r["type"] == "try" and r["budget_stop"] and r["seq_len"] in tried)]
     ended = next((p["ended"] for p in phases.values() if p["ended"] != "ok"), "ok")
+    search_ended = next((p["ended"] for p in phases.values() if p.get("phase") == "search"), "not run")
     return {"strategy": name, "ended": ended, "phases": phases,
             "seconds": sum(p["seconds"] for p in phases.values()),
-            "rows": [r for r in records if r["type"] == "row"],
-            "search": _search_summary(records, name, (phases.get("search") or phases.get("both") or {}).get(
-                "ended", "not run")),
+            "rows": sorted((r for r in records if r["type"] == "row"), key=lambda r: r["seq_len"]),
+            "search": _search_summary(records, name, search_ended),
             "row_skips": {str(r["seq_len"]): r["why"] for r in skips if "seq_len" in r},
             "skipped": [f"{r['strategy']}: {r['what']}: {r['why']}" for r in skips]}
 
 
-def _known(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """What the timed rows found, for the search: a length that trained fits, one that ran out of
-    memory does not; the rows that trained also time the search's tries (NOTE [Time budget])."""
-    known = {}
+def _known(records: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """What earlier stages and runs found for one strategy, for its child (NOTE [Resuming a run]): the
+    timed rows that trained or ran out of memory ("rows"; a child does not run them again), and the
+    search's tries that trained or did not ("tries"); a length that trained also times later ones."""
+    known: dict[str, dict[str, dict[str, Any]]] = {"rows": {}, "tries": {}}
     for r in records:
         if r["type"] == "row" and r["status"] == "ok":
             peak = r["peak_device_bytes"] / 2**20
-            known[str(r["seq_len"])] = {
+            known["rows"][str(r["seq_len"])] = {
                 "fits": True, "setup_s": r["setup_s"], "step_s": r["mean_step_time_s"], "steps": r["steps"],
                 "detail": f"fits (the timed row: {r['steps']} steps, peak {peak:,.1f} MiB)"}
         elif r["type"] == "row" and r["status"] == "out of memory":
-            known[str(r["seq_len"])] = {"fits": False,
-                                        "detail": "out of memory (the timed row): " + r["detail"]}
+            known["rows"][str(r["seq_len"])] = {"fits": False,
+                                                "detail": "out of memory (the timed row): " + r["detail"]}
+        elif r["type"] == "try" and not r["budget_stop"]:
+            entry = {"fits": r["fits"], "detail": r["detail"]}
+            if r["fits"] and r.get("seconds") is not None:
+                step = r.get("step_time_s") or r["seconds"] / 2
+                entry.update(setup_s=max(r["seconds"] - 2 * step, 0.0), step_s=step, steps=2)
+            known["tries"][str(r["seq_len"])] = entry
     return known
 
 
@@ -496,7 +721,9 @@ def _defaults(args: argparse.Namespace) -> None:
         args.device = args.device or "cpu"
         args.model = args.model or DRY_RUN_MODEL
         args.dtype = args.dtype or "float32"  # bf16 matmuls are many times slower on a CPU
-        args.seq_lens = args.seq_lens or [128, 256, 512]
+        args.seq_lens = args.seq_lens or [128, 256]
+        args.wide_model = args.wide_model or DRY_RUN_WIDE_MODEL
+        args.wide_seq_lens = args.wide_seq_lens or [128, 256]
         args.device_mem_mb = args.device_mem_mb if args.device_mem_mb is not None else 10.0
         args.granularity = args.granularity or 128
         args.max_seq = args.max_seq or 1024
@@ -505,19 +732,26 @@ def _defaults(args: argparse.Namespace) -> None:
         args.peak_tflops = args.peak_tflops or DRY_RUN_PEAK_TFLOPS
         args.time_budget_s = args.time_budget_s or 240.0
         args.jobs = args.jobs or 2
+        args.plan_dir = args.plan_dir or str(ROOT / "build" / "gpu_bench_plans-dry-run")
     args.device = args.device or "cuda"
     args.dtype = args.dtype or "bfloat16"
     args.model = args.model or "llama-3.2-1b"
     if args.model.endswith(".json"):  # the children run in the repository's root
         args.model = os.path.abspath(args.model)
-    args.seq_lens = sorted(set(args.seq_lens or [32768, 65536, 131072]))
+    if args.wide_model and args.wide_model.endswith(".json"):
+        args.wide_model = os.path.abspath(args.wide_model)
+    args.seq_lens = sorted(set(args.seq_lens or [65536, 131072]))
+    args.wide_model = args.wide_model or WIDE_MODEL
+    args.wide_seq_lens = sorted(set(args.wide_seq_lens or [131072, 262144]))
+    args.plan_dir = args.plan_dir or str(ROOT / "build" / "gpu_bench_plans")
     args.granularity = args.granularity or 8192
     args.start = args.start or args.seq_lens[0]
     args.max_seq = args.max_seq or (1 << 20)
     args.time_limit = args.time_limit or 5.0
-    args.steps = args.steps or 3
-    args.time_budget_s = args.time_budget_s or 1100.0
+    args.steps = args.steps or 2  # NOTE [Predicted device time]: one warm-up step, one timed
+    args.time_budget_s = args.time_budget_s or 720.0
     args.jobs = args.jobs or 1
+    args.attention_kernel = getattr(args, "attention_kernel", None)
     if args.jobs < 1 or (args.jobs > 1 and not args.device.startswith("cpu")):
         sys.exit(f"error: gpu_bench: --jobs must be 1 on a GPU (one device) and at least 1 on the CPU, "
                  f"got {args.jobs}")
@@ -540,9 +774,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
                    help="default bfloat16 (dry run: float32, which a CPU runs many times faster)")
     p.add_argument("--seq-lens", nargs="+", type=seq_len, default=None,
-                   help="lengths of the timed rows (default: 32K 64K 128K)")
+                   help="lengths of the headline rows, one stage each (default: 64K 128K)")
     p.add_argument("--steps", type=positive_int, default=None,
-                   help="steps per timed row; step 1 is warm-up (default 3: two timed steps)")
+                   help="steps per timed row; step 1 is warm-up (default 2: one timed step, a loan is short)")
     p.add_argument("--granularity", type=seq_len, default=None,
                    help="the search's bisection stops at this many tokens (default 8K)")
     p.add_argument("--start", type=seq_len, default=None,
@@ -563,6 +797,25 @@ def _parser() -> argparse.ArgumentParser:
                    help="Unix time the budget counts from (default: now; make gpu-bench passes the moment it "
                    "began, so the build is inside the budget)")
     p.add_argument("--only", nargs="+", choices=WANTED, help="measure only these strategies")
+    p.add_argument("--stages", nargs="+", default=None,
+                   help="run only these stages (NOTE [Stages of a loan]): kernels, a headline length (64K, "
+                   "128K), torchtune, longest, wide (default: all, in that order)")
+    p.add_argument("--wide-model", default=None,
+                   help="the wide stage's model (default benchmarks/configs/llama-3.1-8b-4l.json: "
+                   "Llama-3.1-8B's layer, 4 of them)")
+    p.add_argument("--wide-seq-lens", nargs="+", type=seq_len, default=None,
+                   help="the wide stage's lengths (default 128K 256K)")
+    p.add_argument("--resume", default=None, metavar="RECORDS",
+                   help="go on where the run that wrote RECORDS (its .records.jsonl) stopped: only what it "
+                   "did not measure runs, and its new records go to the same file (NOTE [Resuming a run])")
+    p.add_argument("--predict", action="store_true",
+                   help="print the predicted device time of each stage on --predict-gpu and exit "
+                   "(NOTE [Predicted device time]); with --dry-run, of the GPU run's defaults")
+    p.add_argument("--predict-gpu", default="H100",
+                   help="the GPU --predict predicts for (a key of memo.utils.flops.GPU_PEAK_TFLOPS; default "
+                   "H100); a run's opening line predicts for its own GPU (nvidia-smi), else this one")
+    p.add_argument("--plan-dir", default=None,
+                   help="memo's plan cache (NOTE [Plan cache]; default build/gpu_bench_plans)")
     p.add_argument("--threads", type=int, default=1, help="CPU: torch threads per child (1)")
     p.add_argument("--jobs", type=int, default=None,
                    help="CPU only: children at once, the strategies dealt out among them (default 1; dry run "
@@ -570,11 +823,162 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None,
                    help="markdown results (default benchmarks/results/gpu_bench.md; dry run "
                    "build/gpu_bench-dry-run.md); the JSON is written beside it (.json)")
-    p.add_argument("--child", nargs="+", choices=WANTED, help=argparse.SUPPRESS)
+    p.add_argument("--child", nargs="+", choices=(*WANTED, "kernels"), help=argparse.SUPPRESS)
     p.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--phase", choices=("rows", "search", "both"), default=None, help=argparse.SUPPRESS)
+    p.add_argument("--phase", choices=("rows", "search", "kernels"), default=None, help=argparse.SUPPRESS)
     p.add_argument("--known", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--attention-kernel", default=None, help=argparse.SUPPRESS)
     return p
+
+
+# NOTE [Stages of a loan]
+# A loan is short (15 minutes of device time, the machine's start included), so what matters most runs
+# first and the rest waits for the next loan (NOTE [Resuming a run]): the attention kernels' timings and
+# checks first (~30 s: every row after runs the chosen kernel, and one that fails or does not match the
+# fp32 reference is replaced by torch's flash kernel in every later child, ``--attention-kernel``,
+# rather than spoil the loan), the headline rows, one stage per length (64K, then 128K: none, full
+# recompute, memo, offloaded-checkpoint), torchtune-offload's rows, the longest sequence of every
+# strategy, and last the wide stage, a Llama-3.1-8B-shaped model with 4 layers at 128K and 256K. A
+# stage's children run one after the other, each given all the time left (what it predicts will not
+# fit it skips, to be run on resume).
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One stage of a run (NOTE [Stages of a loan])."""
+
+    name: str
+    model: str
+    phase: str  # "rows", "kernels" or "search"
+    seq_lens: tuple[int, ...]
+    strategies: tuple[str, ...]
+
+
+def stages(args: argparse.Namespace, available: tuple[str, ...]) -> list[Stage]:
+    """The stages of a run, in order, with the strategies ``available`` and ``--only`` keep."""
+    def keep(names: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(n for n in names if n in available and (args.only is None or n in args.only))
+
+    out = [Stage("kernels", args.model, "kernels", (), ("kernels",))]
+    out += [Stage(_k(n), args.model, "rows", (n,), keep(HEADLINE)) for n in args.seq_lens]
+    out += [Stage("torchtune", args.model, "rows", tuple(args.seq_lens), keep(("torchtune-offload",))),
+            Stage("longest", args.model, "search", (), keep(RUN_ORDER)),
+            Stage("wide", args.wide_model, "rows", tuple(args.wide_seq_lens), keep(WIDE))]
+    wanted = args.stages
+    return [st for st in out if st.strategies and (wanted is None or st.name in wanted)]
+
+
+def _settled(stage: Stage, name: str, mine: list[dict[str, Any]]) -> bool:
+    """Whether earlier records hold what ``stage`` measures of strategy ``name`` (NOTE [Resuming a run])."""
+    if stage.phase == "kernels":
+        return any(r["type"] == "kernels" for r in mine)
+    if stage.phase == "search":
+        return any(r["type"] == "search" for r in mine)
+    rows = {r["seq_len"]: r["status"] for r in mine if r["type"] == "row"}
+    oom = min((n for n, status in rows.items() if status == "out of memory"), default=None)
+    return all(n in rows or (oom is not None and oom < n) for n in stage.seq_lens)
+
+
+def predict(args: argparse.Namespace, plan: list[Stage], gpu: str, cached: set[tuple[str, int]] = frozenset()
+            ) -> list[dict[str, Any]]:
+    """Each stage's predicted seconds on ``gpu`` (NOTE [Predicted device time]), and the running total
+    with the build."""
+    import torch
+
+    from memo.utils.flops import GPU_PEAK_TFLOPS
+
+    key = next((k for k in GPU_PEAK_TFLOPS if k.lower() == gpu.lower()), None)
+    if key is None:
+        sys.exit(f"error: gpu_bench: --predict-gpu {gpu!r} is not in memo.utils.flops.GPU_PEAK_TFLOPS "
+                 f"({', '.join(GPU_PEAK_TFLOPS)})")
+    peak = GPU_PEAK_TFLOPS[key][torch.bfloat16]
+    total, out = BUILD_S, []
+    for stage in plan:
+        if stage.phase == "kernels":
+            seconds = KERNELS_S
+        elif stage.phase == "search":
+            seconds = None  # how far a search goes is what it measures
+        else:
+            seconds = sum(STARTUP_S + sum(prior_seconds(n, stage.model, length, args.steps, peak,
+                                                        (n, length) in cached) for length in stage.seq_lens)
+                          for n in stage.strategies)
+        total += seconds or 0.0
+        out.append({"stage": stage.name, "strategies": list(stage.strategies), "seconds": seconds,
+                    "total_with_build_s": total})
+    return out
+
+
+def _gpu_key() -> str | None:
+    """This machine's GPU as a key of memo.utils.flops.GPU_PEAK_TFLOPS, from nvidia-smi (the parent never
+    touches the device: NOTE [One interpreter per strategy])."""
+    from memo.utils.flops import GPU_PEAK_TFLOPS
+
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    name = subprocess.run([smi, "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                          text=True).stdout.strip().splitlines()
+    return next((k for k in GPU_PEAK_TFLOPS if name and k in name[0]), None)
+
+
+def _print_prediction(rows: list[dict[str, Any]], gpu: str) -> None:
+    print(f"gpu_bench: predicted device time on an {gpu} (NOTE [Predicted device time]; build "
+          f"{BUILD_S:.0f} s):", flush=True)
+    for r in rows:
+        seconds = "as far as the time left" if r["seconds"] is None else f"{r['seconds']:.0f} s"
+        print(f"  {r['stage']:>9}: {seconds:>24}, {r['total_with_build_s'] / 60:5.1f} min with the build and "
+              f"the stages before ({', '.join(r['strategies'])})", flush=True)
+    headline = [r for r in rows if r["stage"][:-1].isdigit()]
+    if headline:
+        minutes = headline[-1]["total_with_build_s"] / 60
+        within = "within" if minutes <= HEADLINE_MINUTES else "over"
+        print(f"gpu_bench: the headline rows end {minutes:.1f} min after the build starts ({within} issue "
+              f"45's {HEADLINE_MINUTES} minutes)", flush=True)
+
+
+# NOTE [Resuming a run]
+# Every record a child prints (a timed row, a try of the search, a skip, the kernels' timings) is
+# appended, as it arrives, to the run's records file (``<out>.records.jsonl``, a header line first:
+# kind, version and the job the records belong to), so a loan that ends in the middle of a row keeps
+# every row before it. ``--resume FILE`` reads the file back, checks that it is this job's (model,
+# dtype, device budget, steps), and runs only what it does not hold: a stage whose rows (or search, or
+# timings) are all there is skipped, a child is told the rows it must not run again and what its
+# search found so far (``--known``), and the new records go to the same file. The results (markdown
+# and JSON) are made from all the records, old and new.
+def _job(args: argparse.Namespace) -> dict[str, Any]:
+    return {"model": args.model, "wide_model": args.wide_model, "dtype": args.dtype, "device": args.device,
+            "device_mem_mb": args.device_mem_mb, "steps": args.steps, "dry_run": args.dry_run}
+
+
+def _portable(job: dict[str, Any]) -> dict[str, Any]:
+    """A job with models named relative to the repository, so a records file resumes in another clone."""
+    def rel(model: str) -> str:
+        return os.path.relpath(model, ROOT) if os.path.isabs(model) else model
+
+    return {**job, "model": rel(job["model"]), "wide_model": rel(job["wide_model"])}
+
+
+def read_records(path: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The records of the run that wrote ``path``, checked against this job (NOTE [Resuming a run])."""
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    try:
+        head = json.loads(lines[0]) if lines else {}
+        records = [json.loads(line) for line in lines[1:]]
+    except json.JSONDecodeError as err:
+        # A loan may end in the middle of a line: the last one alone may be cut short.
+        good = [json.loads(line) for line in lines[1:-1]]
+        if len(good) != len(lines) - 2:
+            sys.exit(f"error: gpu_bench: --resume {path}: not a records file ({err})")
+        records = good
+    if head.get("kind") != RECORDS_KIND or head.get("version") != BENCH_VERSION:
+        sys.exit(f"error: gpu_bench: --resume {path}: not a gpu_bench records file (kind "
+                 f"{head.get('kind')!r}, version {head.get('version')!r}; want {RECORDS_KIND!r}, "
+                 f"{BENCH_VERSION})")
+    mine = _portable(_job(args))
+    if head.get("job") != mine:
+        theirs = head.get("job", {})
+        diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
+        sys.exit(f"error: gpu_bench: --resume {path} was written for another job: {diff} (theirs, this "
+                 "run's); give the same --model, --dtype, --device-mem-mb and --steps, or start a new run")
+    return records
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -585,115 +989,188 @@ def main(argv: list[str] | None = None) -> int:
     _defaults(args)
     if args.child is not None:
         return _child(args)
+    from memo.train import STRATEGIES  # imports no torch: the parent never touches the device
+
+    plan = stages(args, (*STRATEGIES, "kernels"))
+    if args.predict:
+        gpu_args = _parser().parse_args(["--model", "llama-3.2-1b"]) if args.dry_run else args
+        if args.dry_run:
+            _defaults(gpu_args)
+        plan_gpu = stages(gpu_args, (*STRATEGIES, "kernels"))
+        _print_prediction(predict(gpu_args, plan_gpu, args.predict_gpu), args.predict_gpu)
+        cached = predict(gpu_args, plan_gpu, args.predict_gpu,
+                         {("memo", n) for st in plan_gpu for n in st.seq_lens})
+        headline = [r for r in cached if r["stage"][:-1].isdigit()]
+        if headline:
+            print(f"gpu_bench: with memo's plans in the cache (a later loan, NOTE [Plan cache]) the headline "
+                  f"rows end {headline[-1]['total_with_build_s'] / 60:.1f} min after the build starts",
+                  flush=True)
+        return 0
     if args.device.startswith("cuda") and (status := preflight()):
         return status
-
-    from memo.train import STRATEGIES  # imports no torch: the parent never touches the device
 
     end = started + args.time_budget_s
     out_md = Path(args.out) if args.out else (ROOT / "build" / "gpu_bench-dry-run.md" if args.dry_run
                                                else ROOT / "benchmarks" / "results" / "gpu_bench.md")
     out_json = out_md.with_suffix(".json")
+    records_path = Path(args.resume) if args.resume else out_md.with_suffix(".records.jsonl")
     out_md.parent.mkdir(parents=True, exist_ok=True)
+    all_records: list[dict[str, Any]] = read_records(records_path, args) if args.resume else []
+    if not args.resume:
+        records_path.write_text(json.dumps({"kind": RECORDS_KIND, "version": BENCH_VERSION,
+                                            "job": _portable(_job(args))}) + "\n")
     print(f"gpu_bench: {args.model}, {args.dtype} on {args.device}{' (dry run)' if args.dry_run else ''}; "
-          f"timed rows at {', '.join(f'{n:,}' for n in args.seq_lens)} tokens; time budget "
-          f"{args.time_budget_s:.0f} s, {end - time.time():.0f} s left", flush=True)
+          f"headline rows at {', '.join(f'{n:,}' for n in args.seq_lens)} tokens; time budget "
+          f"{args.time_budget_s:.0f} s, {end - time.time():.0f} s left; records: {records_path}"
+          + (f" (resumed: {len(all_records)} records)" if args.resume else ""), flush=True)
+    if not args.dry_run:
+        gpu = _gpu_key() or args.predict_gpu
+        _print_prediction(predict(args, plan, gpu), gpu)
+    skipped = [f"{n}: not measured: memo.train.STRATEGIES does not list it ({', '.join(STRATEGIES)})"
+               for n in RUN_ORDER if n not in STRATEGIES and (args.only is None or n in args.only)]
+    for line in skipped:
+        print(f"gpu_bench: skipped {line}", flush=True)
+    run = _Run(args, started, end, out_md, records_path, all_records, skipped)
+    for stage in plan:
+        run.stage(stage)
+        if stage.phase == "kernels":
+            _pin_after_kernels(args, run.records)
+    report = run.save()
+    print("\n" + out_md.read_text())
+    print(f"results written to {out_md} and {out_json}; records in {records_path}")
+    # A child stopped at the end of its share is the budget at work; one that failed is an error.
+    return 1 if any(r["ended"].startswith("exit") for r in report["strategies"]) else 0
 
-    wanted = [n for n in RUN_ORDER if args.only is None or n in args.only]
-    results: dict[str, dict[str, Any]] = {}
-    info: dict[str, Any] = {}
-    skipped: list[str] = []
-    for name in wanted:
-        if name not in STRATEGIES:
-            skipped.append(f"{name}: not measured: memo.train.STRATEGIES does not list it "
-                           f"({', '.join(STRATEGIES)})")
-            print(f"gpu_bench: skipped {skipped[-1]}", flush=True)
-    todo = [n for n in wanted if n in STRATEGIES]
 
-    def save() -> dict[str, Any]:
+def _pin_after_kernels(args: argparse.Namespace, records: list[dict[str, Any]]) -> None:
+    """Torch's flash kernel for every later child where the chosen kernel failed its check on a GPU
+    (NOTE [Stages of a loan]); the report says so."""
+    if not args.device.startswith("cuda"):
+        return
+    record = next((r for r in reversed(records) if r["type"] == "kernels"), None)
+    chosen = None if record is None else record["chosen"]["kernel"]
+    ok = record is not None and all(r["matches_reference"] for r in record["rows"] if r["kernel"] == chosen) \
+        and any(r["kernel"] == chosen for r in record["rows"])
+    if not ok and chosen != "aten_cuda":
+        args.attention_kernel = "aten_cuda"
+        what = chosen or "unknown: the kernels stage did not finish"
+        print(f"gpu_bench: the chosen attention kernel ({what}) failed its check; every later child runs "
+              "aten_cuda", flush=True)
+
+
+class _Run:
+    """The parent's state: every record so far, each strategy's stages, and the output files."""
+
+    def __init__(self, args: argparse.Namespace, started: float, end: float, out_md: Path, records_path: Path,
+                 records: list[dict[str, Any]], skipped: list[str]) -> None:
+        self.args, self.started, self.end = args, started, end
+        self.out_md, self.records_path = out_md, records_path
+        self.records = records
+        self.skipped = skipped
+        self.info: dict[str, Any] = next((r for r in records if r["type"] == "info"), {})
+        self.startup = STARTUP_S
+        self.phases: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
+        self.lock = threading.Lock()
+
+    def mine(self, model: str, name: str) -> list[dict[str, Any]]:
+        return [r for r in self.records if r.get("model") == model and r.get("strategy") == name]
+
+    def add(self, record: dict[str, Any], stage: Stage) -> None:
+        record = {**record, "stage": stage.name, "model": _portable({"model": stage.model,
+                                                                     "wide_model": stage.model})["model"]}
+        with self.lock:
+            self.records.append(record)
+            with self.records_path.open("a") as f:  # NOTE [Resuming a run]: on disk as it arrives
+                f.write(json.dumps(record) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+
+    def stage(self, stage: Stage) -> None:
+        model = _portable({"model": stage.model, "wide_model": stage.model})["model"]
+        todo = [n for n in stage.strategies if not _settled(stage, n, self.mine(model, n))]
+        for name in set(stage.strategies) - set(todo):
+            print(f"== {stage.name}: {name}: already measured (records)", flush=True)
+        groups = _groups(todo, self.args.jobs)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, self.args.jobs)) as pool:
+            list(pool.map(lambda g: self.measure(stage, model, g), groups))
+
+    def measure(self, stage: Stage, model: str, group: list[str]) -> None:
+        left = self.end - time.time()
+        for name in group:
+            self.phases.setdefault((model, name), {})[stage.name] = {"phase": stage.phase, "share_s": left,
+                                                                     "ended": "not run", "seconds": 0.0}
+        if left < self.startup + 5:
+            for name in group:
+                self.skipped.append(f"{name}: stage {stage.name} not run: {max(left, 0):.0f} s of the time "
+                                    "budget left (resume the run on the next loan)")
+                print(f"gpu_bench: skipped {self.skipped[-1]}", flush=True)
+            return
+        print(f"\n== {stage.name} ({stage.phase}): {', '.join(group)}; {left:.0f} s left", flush=True)
+        known = {n: _known(self.mine(model, n)) for n in group}
+        start = time.time()
+        got: list[dict[str, Any]] = []
+
+        def on_record(record: dict[str, Any]) -> None:
+            got.append(record)
+            self.add(record, stage)
+
+        ended = _run_child(_child_cmd(stage, group, self.args, self.end, known), self.end - start + GRACE_S,
+                           on_record)
+        with self.lock:
+            found = next((r for r in got if r["type"] == "info"), None)
+            if found:
+                self.startup = max(self.startup, found["t"] - start)
+                if not self.info:
+                    self.info.update(found)
+                    print(f"gpu_bench: {found.get('gpu', 'no GPU')}, torch {found['torch']}, CUDA "
+                          f"{found['cuda']}; peak {found['peak_tflops']} TFLOPS "
+                          f"({_peak_source(found, self.args)})", flush=True)
+            for name in group:
+                done = next((r for r in got if r["type"] == "done" and r["strategy"] == name), None)
+                self.phases[(model, name)][stage.name].update(
+                    ended="ok" if done and ended == "ok" else ended,
+                    seconds=done["seconds"] if done else time.time() - start)
+            self.save()
+
+    def results(self, model: str) -> dict[str, dict[str, Any]]:
+        out = {}
+        for name in WANTED:
+            mine = [r for r in self.mine(model, name) if r["type"] not in ("done", "info")]
+            phases = self.phases.get((model, name), {})
+            if mine or phases:
+                out[name] = _strategy_result(name, mine, phases)
+        return out
+
+    def save(self) -> dict[str, Any]:
+        args = self.args
         now = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+        model = _portable(_job(args))["model"]
+        wide = _portable(_job(args))["wide_model"]
+        results, wide_results = self.results(model), self.results(wide)
+        info = self.info
+        kernels = next((r for r in reversed(self.records) if r["type"] == "kernels"), None)
         report = {
             "version": BENCH_VERSION, "kind": BENCH_KIND, "date": now, "dry_run": args.dry_run,
-            "hardware": {k: v for k, v in info.items() if k not in ("type", "strategy", "t")},
+            "hardware": {k: v for k, v in info.items()
+                         if k not in ("type", "strategy", "t", "stage", "model")},
             "model": args.model, "num_parameters": info.get("num_parameters"), "dtype": args.dtype,
             "device": args.device, "device_mem_mb": args.device_mem_mb, "seq_lens": args.seq_lens,
             "steps": args.steps, "granularity": args.granularity, "max_seq": args.max_seq,
             "peak_tflops": info.get("peak_tflops"), "peak_source": _peak_source(info, args),
-            "time_budget_s": args.time_budget_s, "used_s": time.time() - started, "plan_bar": PLAN_BAR,
+            "time_budget_s": args.time_budget_s, "used_s": time.time() - self.started, "plan_bar": PLAN_BAR,
+            "records": str(self.records_path),
             "strategies": [results[n] for n in WANTED if n in results],
             "memo_vs_plan": _memo_vs_plan(results, args.seq_lens),
-            "skipped": skipped + [line for n in WANTED if n in results for line in results[n]["skipped"]],
+            "wide": {"model": args.wide_model, "seq_lens": args.wide_seq_lens,
+                     "strategies": [wide_results[n] for n in WANTED if n in wide_results],
+                     "memo_vs_plan": _memo_vs_plan(wide_results, args.wide_seq_lens)},
+            "kernels": kernels, "attention_kernel_pinned": args.attention_kernel,
+            "skipped": self.skipped + [line for res in (results, wide_results) for n in WANTED if n in res
+                                       for line in res[n]["skipped"]],
         }
-        out_json.write_text(json.dumps(report, indent=2) + "\n")
-        out_md.write_text(format_markdown(report))
+        self.out_md.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+        self.out_md.write_text(format_markdown(report))
         return report
-
-    lock = threading.Lock()
-    startup = [STARTUP_S]
-    records: dict[str, list[dict[str, Any]]] = {n: [] for n in todo}
-    phases: dict[str, dict[str, dict[str, Any]]] = {n: {} for n in todo}
-
-    def measure(phase: str, phase_end: float, group: list[str], waiting: list[str]) -> None:
-        with lock:
-            left = phase_end - time.time()
-            # One child at a time: its strategy's weighted share of what is left (NOTE [Time budget]);
-            # several children at once (CPU only): each may use what is left.
-            # Each child's share starts with the seconds a child takes to start (imports, CUDA), the
-            # longest seen so far.
-            unstarted = [n for n in waiting if not phases[n].get(phase)]
-            weight = WEIGHTS.get(phase, WEIGHTS["rows"])
-            work = left - startup[0] * len(unstarted)
-            mine = weight.get(group[0], 1.0) / sum(weight.get(n, 1.0) for n in unstarted)
-            share = startup[0] + work * mine if args.jobs == 1 else left
-            for name in group:
-                phases[name][phase] = {"share_s": share, "ended": "not run", "seconds": 0.0}
-            if share < startup[0] + 5:
-                for name in group:
-                    what = "timed rows" if phase == "rows" else "longest-sequence search"
-                    skipped.append(f"{name}: {what} not run: {max(left, 0):.0f} s of the time budget left")
-                    print(f"gpu_bench: skipped {skipped[-1]}", flush=True)
-                return
-            print(f"\n== {', '.join(group)}: {phase}, share {share:.0f} s of the {left:.0f} s left",
-                  flush=True)
-            known = {n: _known(records[n]) for n in group}
-        start = time.time()
-        got, ended = _run_child(_child_cmd(group, args, start + share, phase, known),
-                                min(share + GRACE_S, end - start))
-        with lock:
-            found = next((r for r in got if r["type"] == "info"), None)
-            if found:
-                startup[0] = max(startup[0], found["t"] - start)
-            if not info and found:
-                info.update(found)
-                print(f"gpu_bench: {info.get('gpu', 'no GPU')}, torch {info['torch']}, CUDA {info['cuda']}; "
-                      f"peak {info['peak_tflops']} TFLOPS ({_peak_source(info, args)})", flush=True)
-            for name in group:
-                mine = [r for r in got if r.get("strategy") == name]
-                done = next((r for r in mine if r["type"] == "done"), None)
-                phases[name][phase].update(ended="ok" if done and ended == "ok" else ended,
-                                           seconds=done["seconds"] if done else time.time() - start)
-                records[name] += [r for r in mine if r["type"] != "done"]
-                results[name] = _strategy_result(name, records[name], phases[name])
-                if phase != "rows":
-                    s = results[name]["search"]
-                    print(f"== {name}: longest {s['longest']:,} (limited by {s['limited_by']}); "
-                          f"{results[name]['seconds']:.0f} s in all", flush=True)
-            save()
-
-    # The timed rows of every strategy first, then the searches (NOTE [Time budget]): one child at a
-    # time on a GPU, each strategy alone on the device. On the CPU with --jobs, children at once, each
-    # the rows and then the search of its strategies (the same functions, in one interpreter).
-    rows_end = time.time() + ROWS_FRACTION * (end - time.time())
-    plan = [("rows", rows_end), ("search", end)] if args.jobs == 1 else [("both", end)]
-    for phase, phase_end in plan:
-        groups = _groups(todo, args.jobs)
-        with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            list(pool.map(lambda g, p=phase, e=phase_end: measure(p, e, g, todo), groups))
-    report = save()
-    print("\n" + out_md.read_text())
-    print(f"results written to {out_md} and {out_json}")
-    # A child stopped at the end of its share is the budget at work; one that failed is an error.
-    return 1 if any(r["ended"].startswith("exit") for r in report["strategies"]) else 0
 
 
 def _peak_source(info: dict[str, Any], args: argparse.Namespace) -> str | None:
@@ -785,16 +1262,17 @@ def _longest_table(report: dict[str, Any], by_name: dict[str, Any]) -> list[str]
                      "seconds"], rows), ""]
 
 
-def _step_table(report: dict[str, Any], by_name: dict[str, Any]) -> list[str]:
+def _step_table(report: dict[str, Any], by_name: dict[str, Any], lengths: list[int]) -> list[str]:
     rows = []
-    for n in report["seq_lens"]:
+    for n in lengths:
         fr = next((r for r in by_name.get("full-recompute", {}).get("rows", [])
                    if r["seq_len"] == n and r["status"] == "ok"), None)
         for name in (m for m in WANTED if m in by_name):
             row = next((r for r in by_name[name]["rows"] if r["seq_len"] == n), None)
             if row is None or row["status"] != "ok":
                 why = by_name[name]["row_skips"].get(str(n))
-                rows_ended = by_name[name].get("phases", {}).get("rows", {}).get("ended")
+                rows_ended = next((p["ended"] for p in by_name[name].get("phases", {}).values()
+                                   if p.get("phase") == "rows"), None)
                 what = (row["status"] if row is not None
                         else "not run: " + why.split(" (")[0] if why and "out of memory" in why
                         else "not run (time budget)" if why or rows_ended == "not run"
@@ -816,24 +1294,50 @@ def _step_table(report: dict[str, Any], by_name: dict[str, Any]) -> list[str]:
                      "peak/FR"], rows, right_from=2), ""]
 
 
-def _plan_table(report: dict[str, Any]) -> list[str]:
+def _plan_table(report: dict[str, Any], memo_vs_plan: list[dict[str, Any]]) -> list[str]:
     rows = [[_k(m["seq_len"]), _mib(m["peak_bytes"]), _mib(m["plan_total_bytes"]),
              "n/a" if m["peak_over_plan"] is None else f"{m['peak_over_plan']:.3f}",
              {True: "yes", False: "**no**", None: "n/a"}[m["within_bar"]],
              _mib(m["full_recompute_peak_bytes"]),
              "n/a" if m["peak_over_full_recompute"] is None else f"{m['peak_over_full_recompute']:.2f}x"]
-            for m in report["memo_vs_plan"]]
+            for m in memo_vs_plan]
     return [f"memo's device peak against its plan (`plan.device[\"total_bytes\"]`; the bar: within "
             f"{100 * report['plan_bar']:.0f}%) and against full recompute's peak at the same length:", "",
             *_table(["seq", "memo peak", "plan total", "peak/plan", "within bar", "full-recompute peak",
                      "memo/FR"], rows)]
 
 
+def _kernel_table(kernels: dict[str, Any] | None) -> list[str]:
+    if not kernels:
+        return []
+    chosen = kernels["chosen"]
+    n, n_kv, d = kernels["heads"]
+    rows = [[r["kernel"] + (" (chosen)" if r["kernel"] == chosen["kernel"] else ""), _k(r["seq_len"]),
+             f"{r['forward_s'] * 1e3:,.2f} ms", f"{r['forward_tflops']:,.1f}",
+             f"{r['backward_s'] * 1e3:,.2f} ms", f"{r['backward_tflops']:,.1f}",
+             "yes" if r["matches_reference"] else "**no**",
+             f"{max(r['errors'].values()):.2e}"] for r in kernels["rows"]]
+    return [f"Attention kernels ({kernels['dtype']}, {n} query heads, {n_kv} key/value heads, head dim {d}, "
+            f"micro-batch 1; NOTE [Attention kernels in the bench]). Chosen: {chosen['kernel']} "
+            f"({chosen['reason']}).", "",
+            *_table(["kernel", "seq", "forward", "fwd TFLOPS", "backward", "bwd TFLOPS",
+                     "matches fp32 reference", "max abs error"], rows), ""]
+
+
 def format_markdown(report: dict[str, Any]) -> str:
     """The results as markdown to paste into benchmarks/RESULTS.md."""
     by_name = {s["strategy"]: s for s in report["strategies"]}
-    lines = [*_header(report), *_longest_table(report, by_name), *_step_table(report, by_name),
-             *_plan_table(report)]
+    lines = [*_header(report), *_step_table(report, by_name, report["seq_lens"]),
+             *_plan_table(report, report["memo_vs_plan"]), "", *_longest_table(report, by_name)]
+    wide = report["wide"]
+    if wide["strategies"]:
+        model = wide["model"]
+        if os.path.isabs(model) and model.startswith(str(ROOT) + os.sep):
+            model = os.path.relpath(model, ROOT)
+        wide_by_name = {s["strategy"]: s for s in wide["strategies"]}
+        lines += [f"The wide stage: `{model}`.", "", *_step_table(report, wide_by_name, wide["seq_lens"]),
+                  *_plan_table(report, wide["memo_vs_plan"]), ""]
+    lines += _kernel_table(report["kernels"])
     if report["skipped"]:
         lines += ["", "Skipped:", "", *[f"- {line}" for line in report["skipped"]]]
     return "\n".join(lines) + "\n"

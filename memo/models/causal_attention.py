@@ -15,12 +15,15 @@ NOTE [fp32 attention on CUDA]).
 - :func:`document_attention` (and its halves) is the same attention within each of the documents
   packed into a row, never across them (NOTE [Attention over packed documents]).
 
-Backends, chosen per call from the tensors' device:
+Backends, chosen once per device (memo/models/attention_kernels.py, NOTE [Choosing the attention
+kernel]):
 
+- CUDA, compute capability 9.0 and above with cuDNN 9: ``aten._scaled_dot_product_cudnn_attention``
+  and its ``_backward`` for fp16/bf16 (head dims cuDNN takes; others run torch's flash kernel).
 - CUDA with flash-attn >= 2.7 installed: ``flash_attn``'s forward/backward
   kernels (imported lazily; they handle grouped-query attention natively).
 - CUDA otherwise: ``aten._scaled_dot_product_flash_attention`` and its ``_backward`` for
-  fp16/bf16; the memory-efficient kernel for fp32 (NOTE [fp32 attention on CUDA]).
+  fp16/bf16; the memory-efficient kernel for fp32 on every CUDA backend (NOTE [fp32 attention on CUDA]).
 - CPU and meta: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its
   ``_backward``. Both have meta kernels in torch 2.13, so shapes and dtypes on
   the meta device come from the same ops as on CPU; no meta-only fallback is
@@ -38,7 +41,6 @@ they are transient, never saved.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import threading
 from collections.abc import Iterator
@@ -46,6 +48,8 @@ from collections.abc import Iterator
 import torch
 
 from memo.errors import MemoError
+from memo.models.attention_kernels import attention_kernel, cudnn_takes
+from memo.models.attention_kernels import flash_attn_module as _flash_attn_module
 
 __all__ = ["DocumentOffsets", "attention", "attention_backend", "attention_backward", "attention_forward",
            "gradients_into_inputs",
@@ -76,32 +80,11 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
                         "needs at least one token, one sequence, one head and one channel")
 
 
-@functools.cache
-def _flash_attn_module() -> object | None:
-    """flash-attn's interface module if a version with the 2.7 kernel signatures is installed."""
-    try:
-        import flash_attn
-        from flash_attn import flash_attn_interface
-    except ImportError:
-        return None
-    major_minor = tuple(int(p) for p in flash_attn.__version__.split(".")[:2] if p.isdigit())
-    # The private _flash_attn_forward/_backward signatures changed in 2.7 (split window sizes,
-    # softcap); older releases use the aten kernels instead of guessing their signatures.
-    if major_minor < (2, 7):
-        return None
-    return flash_attn_interface
-
-
 def attention_backend(device: torch.device | str) -> str:
-    """Which kernels serve tensors on ``device``: ``"flash_attn"``, ``"aten_cuda"`` or ``"aten_cpu"``."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return "flash_attn" if _flash_attn_module() is not None else "aten_cuda"
-    if device.type in ("cpu", "meta"):
-        return "aten_cpu"
-    raise MemoError(
-        f"memo.models.attention: no attention kernel for device type {device.type!r}; use cpu, cuda or meta"
-    )
+    """Which kernels serve tensors on ``device``: ``"cudnn"``, ``"flash_attn"``, ``"aten_cuda"`` or
+    ``"aten_cpu"``, chosen once per device (NOTE [Choosing the attention kernel] in
+    memo/models/attention_kernels.py)."""
+    return attention_kernel(device)
 
 
 def _expand_heads(t: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -170,6 +153,9 @@ def _reduce_heads(grad: torch.Tensor, n_kv: int) -> torch.Tensor:
 # sequence to a multiple of 32 ([b, n, ceil(s/32)*32]); memo keeps it as the kernel returns it,
 # since its backward reads that layout.
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
+#: The backends that run torch's own CUDA kernels: cuDNN's for the calls it takes, torch's flash kernel
+#: for other fp16/bf16 calls, the memory-efficient kernel for fp32.
+_CUDA_ATEN = ("cudnn", "aten_cuda")
 
 
 def _no_philox(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -258,12 +244,18 @@ def _aten_forward(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     n = q.shape[2]
     kx, vx = _expand_heads(k, n), _expand_heads(v, n)
-    if backend == "aten_cuda" and q.dtype in _FLASH_DTYPES:
+    if backend == "cudnn" and cudnn_takes(q):
+        # cuDNN's log-sum-exp is [b, n, s, 1]; memo keeps [b, n, s] as the other kernels give it.
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            _bnsd(q), _bnsd(kx), _bnsd(vx), None, True, 0.0, causal, False, scale=scale
+        )[:2]
+        lse = lse.squeeze(-1)
+    elif backend in _CUDA_ATEN and q.dtype in _FLASH_DTYPES:
         result = torch.ops.aten._scaled_dot_product_flash_attention(
             _bnsd(q), _bnsd(kx), _bnsd(vx), 0.0, causal, False, scale=scale
         )
         out, lse = result[0], result[1]
-    elif backend == "aten_cuda":
+    elif backend in _CUDA_ATEN:
         # NOTE [fp32 attention on CUDA]
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
             _bnsd(q), _bnsd(kx), _bnsd(vx), None, True, 0.0, causal, scale=scale
@@ -310,7 +302,14 @@ def _aten_backward(backend: str, grad_o: torch.Tensor, q: torch.Tensor, k: torch
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n, n_kv = q.shape[2], k.shape[2]
     kx, vx = _expand_heads(k, n), _expand_heads(v, n)
-    if backend == "aten_cuda" and q.dtype in _FLASH_DTYPES:
+    if backend == "cudnn" and cudnn_takes(q):
+        # Without dropout the kernel never reads the philox seed/offset (NOTE [Attention saved tensors]).
+        seed = torch.zeros((), dtype=torch.int64, device=q.device)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            _bnsd(grad_o), _bnsd(q), _bnsd(kx), _bnsd(vx), _bnsd(o), lse.unsqueeze(-1), seed, seed,
+            None, None, None, q.shape[0], k.shape[0], 0.0, causal, scale=scale,
+        )  # fmt: skip
+    elif backend in _CUDA_ATEN and q.dtype in _FLASH_DTYPES:
         # A dense batch has no cumulative sequence lengths: the forward returns undefined tensors
         # for them and so do we (None). A defined tensor, even an empty one, selects the
         # variable-length kernel, which refuses 4-D inputs. Without dropout the kernel never
@@ -321,7 +320,7 @@ def _aten_backward(backend: str, grad_o: torch.Tensor, q: torch.Tensor, k: torch
             _bnsd(grad_o), _bnsd(q), _bnsd(kx), _bnsd(vx), _bnsd(o), lse, None, None, q.shape[0], k.shape[0],
             0.0, causal, seed, seed, scale=scale,
         )  # fmt: skip
-    elif backend == "aten_cuda":
+    elif backend in _CUDA_ATEN:
         seed = _no_philox(q.device, torch.int64)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
             _bnsd(grad_o), _bnsd(q), _bnsd(kx), _bnsd(vx), None, _bnsd(o), lse, seed, seed,
@@ -441,7 +440,7 @@ def document_attention_backward(grad_o: torch.Tensor, q: torch.Tensor, k: torch.
     _check(q, k, v)
     s, b = q.shape[:2]
     backend = attention_backend(q.device)
-    padded = backend == "aten_cuda" and q.dtype not in _FLASH_DTYPES  # NOTE [fp32 attention on CUDA]
+    padded = backend in _CUDA_ATEN and q.dtype not in _FLASH_DTYPES  # NOTE [fp32 attention on CUDA]
     grad_o = grad_o.contiguous()
     with torch.no_grad():
         dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)

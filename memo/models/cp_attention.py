@@ -71,7 +71,8 @@ def _lse_rows(lse: torch.Tensor, n: int) -> torch.Tensor:
 
 def _lse_for_kernel(lse: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """``lse [b, n, s]`` in the layout the backward kernel of ``q``'s dtype and device reads."""
-    if attention_backend(q.device) == "aten_cuda" and q.dtype not in (torch.float16, torch.bfloat16):
+    cuda_aten = attention_backend(q.device) in ("cudnn", "aten_cuda")  # fp32 runs the efficient kernel
+    if cuda_aten and q.dtype not in (torch.float16, torch.bfloat16):
         pad = -lse.shape[-1] % 32  # NOTE [fp32 attention on CUDA]
         if pad:
             return torch.nn.functional.pad(lse, (0, pad)).contiguous()

@@ -124,6 +124,7 @@ def build_report(result: TrainResult) -> dict[str, Any]:
 
     ``memo train`` and examples/train_gpt.py both write it.
     """
+    from memo.models.attention_kernels import describe_kernel
     from memo.train.loop import summarize
 
     cfg, strategy = result.config, result.strategy
@@ -177,6 +178,8 @@ def build_report(result: TrainResult) -> dict[str, Any]:
                                                "total_bytes")},
         # NOTE [Planned and actual offload] in planner/plan.py
         "offload": strategy.offload,
+        # NOTE [Choosing the attention kernel] in memo/models/attention_kernels.py
+        "attention_kernel": describe_kernel(cfg.device).as_dict(),
     }
     if getattr(result, "parallel", None) is not None:
         # NOTE [Parallel layout] in memo/distributed/layout.py: the loss is the global batch's; the peak

@@ -1,9 +1,10 @@
 """benchmarks/gpu_bench.py --dry-run: the code `make gpu-bench` runs on a GPU, on the CPU in miniature.
 
-One run as a user would start it (a subprocess, its strategies in child interpreters), then the
-values of its JSON checked against each other: every strategy that memo.train.STRATEGIES lists
-has a longest length and timed rows, plain autograd runs out of memory first, and memo's peak is
-compared with its plan and with full recompute's.
+One run as a user would start it (a subprocess, its strategies in child interpreters) of a headline
+stage, its JSON checked against itself; then its records file cut in the middle of a line with memo's
+row gone, and resumed: only memo's row runs, from the plan cache. In-process: the resume logic with
+stand-in children (which stage asks for which rows), the attention kernels' timings, the prediction's
+model, and a records file of another job refused.
 """
 
 from __future__ import annotations
@@ -14,56 +15,244 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from memo.errors import MemoError
+
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-WANTED = ("none", "full-recompute", "offloaded-checkpoint", "torchtune-offload", "memo")
+sys.path.insert(0, str(BENCHMARKS))
+import gpu_bench  # noqa: E402
+
+HEADLINE = ("none", "full-recompute", "memo", "offloaded-checkpoint")
 
 
-def test_dry_run_measures_every_strategy(tmp_path: Path) -> None:
-    from memo.train import STRATEGIES
-
-    out = tmp_path / "gpu_bench.md"
-    # Two timed lengths and a search capped at the second: none runs out of memory at 256 tokens in
-    # the 10 MiB emulated device, the others fit both; the budget is far above what the run needs.
-    done = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_bench.py"), "--dry-run", "--seq-lens", "128",
-                           "256", "--max-seq", "256", "--time-budget-s", "600", "--out", str(out)],
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_bench.py"), "--dry-run", *args],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"gpu_bench failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    report = json.loads(out.with_suffix(".json").read_text())
+    return done
+
+
+MEASURED = ("none", "full-recompute", "memo")
+FLAGS = ("--seq-lens", "256", "--only", *MEASURED, "--time-budget-s", "600")
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("gpu_bench") / "gpu_bench.md"
+    # The headline stage at 256 tokens alone (none runs out of memory in the 10 MiB emulated device,
+    # full recompute and memo fit); the budget is far above what it needs.
+    _run(*FLAGS, "--stages", "256", "--plan-dir", str(out.parent / "plans"), "--out", str(out))
+    return out, json.loads(out.with_suffix(".json").read_text())
+
+
+def test_dry_run_measures_the_headline_rows(dry_run: tuple[Path, dict]) -> None:
+    out, report = dry_run
     assert report["kind"] == "memo.benchmark.gpu_bench" and report["dry_run"] is True
     assert 0 < report["used_s"] < report["time_budget_s"]
     assert report["peak_tflops"] == 1.0 and "nominal" in report["peak_source"]
     by_name = {s["strategy"]: s for s in report["strategies"]}
-    measured = [n for n in WANTED if n in STRATEGIES]
-    assert set(by_name) == set(measured)
-    for name in set(WANTED) - set(STRATEGIES):  # not written yet: skipped with a line that says why
-        assert any(line.startswith(f"{name}: not measured") for line in report["skipped"]), report["skipped"]
+    assert set(by_name) == set(MEASURED)
     for name, result in by_name.items():
         assert result["ended"] == "ok", (name, result["ended"])
-        search = result["search"]
-        assert search["complete"] and search["longest"] > 0, (name, search)
-        rows = {r["seq_len"]: r for r in result["rows"]}
-        assert rows[128]["status"] == "ok", (name, rows[128])
-        assert rows[128]["mean_step_time_s"] > 0 and 0 < rows[128]["mfu"] < 1
-        assert rows[128]["peak_device_bytes"] > 0
+        [row] = result["rows"]
+        assert row["seq_len"] == 256
+        if name == "none":
+            assert row["status"] == "out of memory"
+            continue
+        assert row["status"] == "ok" and row["mean_step_time_s"] > 0 and row["peak_device_bytes"] > 0
         # MFU is model FLOPs per step / step time / peak (1 TFLOPS in a dry run).
-        row = rows[128]
         assert math.isclose(row["mfu"], row["flops_per_step"] / row["mean_step_time_s"] / 1e12)
-    # Plain autograd runs out of memory at 256 tokens: a measurement (the row's status, the search's
-    # first failure), not an error; everything that recomputes or offloads trains both lengths.
-    assert by_name["none"]["rows"][1]["status"] == "out of memory"
-    assert by_name["none"]["search"]["longest"] == 128 and by_name["none"]["search"]["first_failure"] == 256
-    assert by_name["none"]["search"]["limited_by"] == "device memory"
-    for name in set(by_name) - {"none"}:
-        search = by_name[name]["search"]
-        assert search["longest"] == 256 and search["limited_by"] == "--max-seq", (name, search)
-    # memo against its plan and against full recompute, at both lengths.
-    vs_plan = {m["seq_len"]: m for m in report["memo_vs_plan"]}
-    assert set(vs_plan) == {128, 256}
-    for m in vs_plan.values():
-        assert isinstance(m["peak_over_plan"], float) and 0.5 < m["peak_over_plan"] < 2, m
-        assert m["within_bar"] == (abs(m["peak_over_plan"] - 1) <= report["plan_bar"])
-        assert m["plan_total_bytes"] > 0 and m["peak_over_full_recompute"] > 0
+    assert by_name["memo"]["rows"][0]["plan_source"] == "profiled"
+    [m] = report["memo_vs_plan"]
+    assert isinstance(m["peak_over_plan"], float) and 0.5 < m["peak_over_plan"] < 2, m
+    assert m["within_bar"] == (abs(m["peak_over_plan"] - 1) <= report["plan_bar"])
+    assert m["peak_over_full_recompute"] > 0
     text = out.read_text()
-    for heading in ("Longest sequence", "Step time", "memo's device peak against its plan"):
+    for heading in ("Step time", "memo's device peak against its plan"):
         assert heading in text
     assert "| 256 | none | out of memory |" in text
+
+
+def test_a_cut_records_file_resumes_with_the_missing_rows_only(dry_run: tuple[Path, dict]) -> None:
+    out, _ = dry_run
+    lines = out.with_suffix(".records.jsonl").read_text().splitlines(keepends=True)
+    # A loan that ended during memo's row: its row gone, the last line cut in half.
+    kept = [line for line in lines if not ('"strategy": "memo"' in line and '"type": "row"' in line)]
+    assert len(kept) == len(lines) - 1
+    cut = out.parent / "cut.records.jsonl"
+    cut.write_text("".join(kept) + kept[-1][:15])
+    done = _run(*FLAGS, "--stages", "256", "--plan-dir", str(out.parent / "plans"),
+                "--out", str(out.parent / "resumed.md"), "--resume", str(cut))
+    assert "already measured" in done.stdout
+    new = [json.loads(line) for line in cut.read_text().splitlines()[len(kept) + 1:]]
+    rows = [r for r in new if r["type"] == "row"]
+    assert [(r["strategy"], r["seq_len"]) for r in rows] == [("memo", 256)], new
+    assert rows[0]["status"] == "ok" and rows[0]["plan_source"] == "cache"  # NOTE [Plan cache]
+    report = json.loads((out.parent / "resumed.json").read_text())
+    assert all(len(s["rows"]) == 1 for s in report["strategies"]) and len(report["strategies"]) == 3
+
+
+def test_kernel_timings_on_the_cpu() -> None:
+    record = gpu_bench._kernel_timings(gpu_bench.DRY_RUN_MODEL, "cpu", "float32")
+    assert record["chosen"]["kernel"] == "aten_cpu" and record["heads"] == [4, 2, 16]
+    [row] = record["rows"]
+    assert row["kernel"] == "aten_cpu" and row["matches_reference"]
+    assert row["forward_s"] > 0 and row["backward_s"] > 0 and max(row["errors"].values()) < 1e-4
+    text = "\n".join(gpu_bench._kernel_table(record))
+    assert "| aten_cpu (chosen) | 256 |" in text
+
+
+# ---------------------------------------------------------------- in process
+
+
+def _args(*argv: str):
+    args = gpu_bench._parser().parse_args(["--dry-run", *argv])
+    gpu_bench._defaults(args)
+    return args
+
+
+class _Children:
+    """Stand-in children: what each was asked to run, answered with made-up records."""
+
+    def __init__(self, stop_after: int | None = None) -> None:
+        self.calls: list[tuple[str, tuple[str, ...], list[int], dict]] = []
+        self.stop_after = stop_after
+        self.rows = 0
+
+    def __call__(self, cmd: list[str], timeout: float, on_record) -> str:
+        def values(flag: str) -> list[str]:
+            i = cmd.index(flag) + 1
+            j = next((k for k in range(i, len(cmd)) if cmd[k].startswith("--")), len(cmd))
+            return cmd[i:j]
+
+        names, phase = tuple(values("--child")), values("--phase")[0]
+        lengths, known = [int(n) for n in values("--seq-lens")], json.loads(values("--known")[0])
+        self.calls.append((phase, names, lengths, known))
+        if self.stop_after is not None and self.rows >= self.stop_after:
+            return "stopped after 1 s (its share of the time budget)"  # the loan has ended
+        on_record({"type": "info", "torch": "x", "cuda": None, "peak_tflops": 1.0, "strategy": None,
+                   "t": 0.0})
+        for name in names:
+            if phase == "kernels":
+                on_record({"type": "kernels", "strategy": "kernels", "chosen": {"kernel": "aten_cpu"},
+                           "rows": []})
+            for n in lengths if phase == "rows" else []:
+                if str(n) in known[name]["rows"]:
+                    continue
+                if self.stop_after is not None and self.rows == self.stop_after:
+                    return "stopped after 1 s (its share of the time budget)"
+                self.rows += 1
+                oom = name == "none" and n > 128
+                on_record({"type": "row", "strategy": name, "seq_len": n, "steps": 2, "mfu": None,
+                           "status": "out of memory" if oom else "ok", "detail": "out of memory",
+                           "mean_step_time_s": 0.1, "setup_s": 0.1, "peak_device_bytes": 1, "host_bytes": 0})
+            if phase == "search":
+                on_record({"type": "search", "strategy": name, "longest": 256})
+            on_record({"type": "done", "strategy": name, "seconds": 0.1})
+        return "ok"
+
+
+def test_resume_runs_what_the_records_lack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "bench.md"
+    argv = ["--dry-run", "--seq-lens", "128", "256", "--stages", "128", "256", "longest", "--out", str(out),
+            "--jobs", "1"]
+    first = _Children(stop_after=6)  # the loan ends during the 256 stage
+    monkeypatch.setattr(gpu_bench, "_run_child", first)
+    gpu_bench.main(argv)
+    records = out.with_suffix(".records.jsonl")
+    rows = [json.loads(line) for line in records.read_text().splitlines()[1:]]
+    assert sum(r["type"] == "row" for r in rows) == 6  # on disk, row by row
+    again = _Children()
+    monkeypatch.setattr(gpu_bench, "_run_child", again)
+    gpu_bench.main([*argv, "--resume", str(records)])
+    asked = [(phase, names, [n for n in lengths if str(n) not in known[names[0]]["rows"]])
+             for phase, names, lengths, known in again.calls]
+    # 128 was done (four rows); at 256 none ran out of memory, full recompute trained: memo and
+    # offloaded-checkpoint are left, then every strategy's search (torchtune-offload's too).
+    assert asked[:2] == [("rows", ("memo",), [256]), ("rows", ("offloaded-checkpoint",), [256])], asked
+    assert [a[1][0] for a in asked[2:] if a[0] == "search"] == list(gpu_bench.RUN_ORDER)
+    assert len(asked) == 2 + len(gpu_bench.RUN_ORDER)
+    # The search of each strategy is told what its rows found.
+    search_known = {c[1][0]: c[3] for c in again.calls if c[0] == "search"}
+    assert search_known["none"]["none"]["rows"]["256"]["fits"] is False
+    assert search_known["memo"]["memo"]["rows"]["128"]["fits"] is True
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert all(len(s["rows"]) == (2 if s["strategy"] in HEADLINE else 0) and s["search"]["complete"]
+               for s in report["strategies"])
+    # Resuming again runs nothing.
+    idle = _Children()
+    monkeypatch.setattr(gpu_bench, "_run_child", idle)
+    gpu_bench.main([*argv, "--resume", str(records)])
+    assert idle.calls == []
+
+
+def test_resume_refuses_another_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    records = tmp_path / "r.records.jsonl"
+    records.write_text(json.dumps({"kind": gpu_bench.RECORDS_KIND, "version": gpu_bench.BENCH_VERSION,
+                                   "job": gpu_bench._portable(gpu_bench._job(_args("--steps", "3")))}) + "\n")
+    with pytest.raises(SystemExit, match="written for another job: {'steps': \\(3, 2\\)}"):
+        gpu_bench.read_records(records, _args())
+    records.write_text('{"kind": "other"}\n')
+    with pytest.raises(SystemExit, match="not a gpu_bench records file"):
+        gpu_bench.read_records(records, _args())
+
+
+def test_a_kernel_that_fails_its_check_is_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
+    from memo.models import attention_kernels as ak
+
+    args = _args("--device", "cuda", "--jobs", "1")
+    row = {"kernel": "cudnn", "matches_reference": False}
+    gpu_bench._pin_after_kernels(args, [{"type": "kernels", "chosen": {"kernel": "cudnn"}, "rows": [row]}])
+    assert args.attention_kernel == "aten_cuda"
+    fine = _args("--device", "cuda", "--jobs", "1")
+    gpu_bench._pin_after_kernels(fine, [{"type": "kernels", "chosen": {"kernel": "cudnn"},
+                                         "rows": [{**row, "matches_reference": True}]}])
+    assert fine.attention_kernel is None
+    # The pin overrides the rule on every CUDA device, and refuses a kernel the device lacks.
+    monkeypatch.setattr(torch_cuda(), "get_device_capability", lambda index: (9, 0))
+    monkeypatch.setattr(ak, "_cudnn_attention_present", lambda: True)
+    monkeypatch.setattr(ak, "flash_attn_module", lambda: None)
+    try:
+        ak.pin_kernel("aten_cuda")
+        assert ak.describe_kernel("cuda:0").kernel == "aten_cuda"
+        ak.pin_kernel("flash_attn")
+        with pytest.raises(MemoError, match="'flash_attn' was pinned, but cuda:0 offers only cudnn"):
+            ak.describe_kernel("cuda:0")
+        with pytest.raises(MemoError, match="cannot pin kernel 'aten_cpu'"):
+            ak.pin_kernel("aten_cpu")
+        ak.pin_kernel(None)
+        assert ak.describe_kernel("cuda:0").kernel == "cudnn"
+    finally:
+        ak.pin_kernel(None)
+
+
+def torch_cuda():
+    import torch
+
+    return torch.cuda
+
+
+def test_the_prediction_is_its_model(capsys: pytest.CaptureFixture[str]) -> None:
+    from memo.utils.flops import flops_per_sample
+
+    args = gpu_bench._parser().parse_args([])
+    gpu_bench._defaults(args)
+    plan = gpu_bench.stages(args, (*gpu_bench.WANTED, "kernels"))
+    assert [s.name for s in plan] == ["kernels", "64K", "128K", "torchtune", "longest", "wide"]
+    rows = gpu_bench.predict(args, plan, "H100")[1:]
+    build = gpu_bench.BUILD_S + gpu_bench.KERNELS_S
+    # 64K: a child start, a set-up and two steps per strategy; memo's set-up is its profile and plan.
+    step = {n: flops_per_sample("llama-3.2-1b", 65536) / (989e12 * gpu_bench.PRIOR_MFU[n])
+            for n in gpu_bench.HEADLINE}
+    setup = {n: 42.0 * 2 if n == "memo" else gpu_bench.OTHER_SETUP_S for n in gpu_bench.HEADLINE}
+    expect = sum(gpu_bench.STARTUP_S + setup[n] + 2 * step[n] for n in gpu_bench.HEADLINE)
+    assert math.isclose(rows[0]["seconds"], expect)
+    assert math.isclose(rows[0]["total_with_build_s"], build + expect)
+    # A cached plan costs a load, not a profile.
+    cached = gpu_bench.predict(args, plan[1:2], "H100", {("memo", 65536)})
+    assert math.isclose(rows[0]["seconds"] - cached[0]["seconds"], 84.0 - gpu_bench.PLAN_LOAD_S)
+    assert rows[3]["seconds"] is None  # a search goes as far as the time left
+    gpu_bench.main(["--dry-run", "--predict"])
+    printed = capsys.readouterr().out
+    assert "predicted device time on an H100" in printed and "the headline rows end" in printed
