@@ -89,9 +89,11 @@ def test_cudnn_path_shapes_on_meta() -> None:
 def test_the_training_report_records_the_kernel() -> None:
     from memo.train import TrainConfig, train
     from memo.train.report import build_report, validate_report
+    from memo.train.strategies import StrategyOptions, make_strategy
 
+    # No strategy to profile: the kernel is the model's, whatever runs it.
     result = train(TrainConfig(model="tiny", seq_len=16, steps=1, device="cpu"), progress=False,
-                   log=lambda _line: None)
+                   strategy=make_strategy(StrategyOptions(strategy="none")), log=lambda _line: None)
     report = validate_report(build_report(result))
     assert report["attention_kernel"] == {"kernel": "aten_cpu", "available": ["aten_cpu"],
                                           "reason": "cpu: torch's CPU flash kernel"}
