@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.append(str(Path(__file__).resolve().parents[2] / "benchmarks"))  # after the repo's packages
 import host_share  # noqa: E402
 
 
