@@ -11,6 +11,7 @@ plain values and tensors, never the data itself.
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,14 +25,15 @@ __all__ = ["Batch", "ByteFileTokens", "SyntheticTokens"]
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-class _GeneratorPosition:
+class _GeneratorPosition(abc.ABC):
     """A source whose position is its generator's state (NOTE [A token source's position]); a subclass
     says what it was made for in ``_made_for``."""
 
     generator: torch.Generator
 
+    @abc.abstractmethod
     def _made_for(self) -> dict[str, Any]:
-        raise NotImplementedError
+        """What the source was made for (checked against a saved state before it is loaded)."""
 
     def state_dict(self) -> dict[str, Any]:
         """NOTE [A token source's position]."""
