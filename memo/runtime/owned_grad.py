@@ -34,6 +34,10 @@ __all__ = ["incoming_refs", "owned_incoming"]
 #   view alone, as the probe's is.
 # ``retain_grad`` keeps a clone, so it does not count. The values are unchanged: the same chunks are
 # written, only where.
+# The probe runs on the meta device: the counts are the device's business nowhere, and a probe that
+# allocates nothing cannot land in a recorded iteration. It is first called inside a layer's backward,
+# which may be the one a CPU profile records; its tensors would then be in the plan, and the run (the
+# probe cached) would leave the plan at that layer's first request.
 
 
 def incoming_refs(grad: torch.Tensor) -> int:
@@ -84,14 +88,14 @@ class _Fresh(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: FunctionCtx, grad: torch.Tensor) -> torch.Tensor:
-        return torch.ones(2, 2).view(4) if _Fresh.view else torch.ones(4)
+        return torch.ones(2, 2, device="meta").view(4) if _Fresh.view else torch.ones(4, device="meta")
 
 
 @functools.cache
 def _probed(view: bool) -> tuple[int, ...]:
     """:func:`_counts` of an unshared incoming gradient (a view of an unshared base, ``view``)."""
     with _disable_current_modes(), torch.enable_grad():
-        x = torch.zeros(4, requires_grad=True)
+        x = torch.zeros(4, requires_grad=True, device="meta")
         _Probe.seen.clear()
         _Fresh.view = view
         _Fresh.apply(_Probe.apply(x)).sum().backward()

@@ -125,3 +125,20 @@ def test_attention_gradients_over_recomputed_qkv(arch: str, monkeypatch: pytest.
         assert_same_step(train_step(m, ids, labels), want)
         assert over == [written] * 2
         mr.unwrap(m)
+
+
+def test_the_first_probe_inside_a_recorded_iteration_leaves_the_plan_whole() -> None:
+    """The ownership probe runs once per process, first inside some layer's backward, which may be the
+    iteration a CPU profile records: it allocates nothing there, so the run (probe cached) serves every
+    planned request from the plan (a probe on the CPU put its 16-byte tensors in the plan, and memo train's
+    first memo layer backward left the plan)."""
+    from memo.runtime import owned_grad
+    from memo.train.loop import TrainConfig, train
+    from memo.train.strategies import StrategyOptions, make_strategy
+
+    owned_grad._probed.cache_clear()  # as in a fresh process
+    machine = StrategyOptions(alpha=0.5, layer_ms=1.0, bandwidth_gbps=10.0, host_mem_gb=64.0, time_limit=0.3)
+    result = train(TrainConfig(model="tiny", seq_len=64, micro_batch=2, steps=2), progress=False,
+                   strategy=make_strategy(machine), log=lambda line: None)
+    counts = [s.extras["allocator"] for s in result.steps]
+    assert all(c["fallback"] == 0 and c["planned"] > 0 for c in counts), counts
