@@ -31,6 +31,7 @@ from memo.errors import MemoError
 from memo.estimate.core import MEMO_POLICIES
 from memo.estimate.layout import CP_COMMS, SHARDINGS
 from memo.estimate.plan_method import PLAN_STRATEGIES
+from memo.planner.vocab import CPComm, EstimateMethod, Sharding, StrategyName
 from memo.units import GiB
 
 if TYPE_CHECKING:
@@ -176,7 +177,7 @@ def _check(args: argparse.Namespace) -> None:
     if args.strategy is not None and len(args.strategy) > 1 and not args.max_seq:
         raise MemoError(f"memo estimate: --strategy {' '.join(args.strategy)}: one strategy per estimate or "
                         "search; several only with --max-seq")
-    if args.method == "formula" and args.strategy is not None and "memo" in args.strategy:
+    if args.method == EstimateMethod.FORMULA and StrategyName.MEMO in (args.strategy or ()):
         raise MemoError("memo estimate: the formula has no closed form for memo (its device share depends on "
                         "alpha, host memory and the link); use --method plan")
     if args.ulysses_head_chunks is not None and args.search:
@@ -238,7 +239,7 @@ def _layout(args: argparse.Namespace) -> Layout:
 
 def _layout_cell(lay: dict[str, Any]) -> str:
     """``TP CP PP DP sharding`` of a layout's dict, ``a2a`` after CP where it is Ulysses."""
-    a2a = (" a2a" if lay["cp"] > 1 and lay["cp_comm"] == "a2a" else "") + (
+    a2a = (" a2a" if lay["cp"] > 1 and lay["cp_comm"] == CPComm.A2A else "") + (
         f"/{lay['head_chunks']}" if lay.get("head_chunks") else "")
     return f"{lay['tp']} {lay['cp']}{a2a} {lay['pp']} {lay['dp']} {lay['sharding']}"
 
@@ -259,7 +260,8 @@ def _shardings(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
 def _strategies(args: argparse.Namespace, estimator: Estimator) -> tuple[str, ...]:
     if args.strategy is not None:
         return tuple(dict.fromkeys(args.strategy))
-    return estimator.strategies() if args.max_seq else ("memo",) if args.method == "plan" else ("none",)
+    default = (StrategyName.MEMO,) if args.method == EstimateMethod.PLAN else (StrategyName.NONE,)
+    return estimator.strategies() if args.max_seq else default
 
 
 def run(args: argparse.Namespace) -> int:
@@ -283,7 +285,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out, indent=1))
     else:
-        if args.method == "plan":
+        if args.method == EstimateMethod.PLAN:
             print(f"\n{est.profiler.profiles} meta profiles in {time.perf_counter() - start:.1f} s "
                   f"({repeated_tiles.skipped - skipped_before:,} repeated tiles skipped: NOTE [Repeated "
                   "tiles in a meta estimate])")
@@ -313,7 +315,7 @@ def _describe_one(e: Estimate) -> str:
 
     if e.model_states != "formula":
         how = f"counted on memo's rank model, {e.model_states} precision"
-    elif e.layout.sharding == "optimizer":
+    elif e.layout.sharding == Sharding.OPTIMIZER:
         how = "(6 + 12/(d·c)) B per parameter"
     else:  # NOTE [Sharded model states]
         how = "16/(d·c) B per parameter sharded, and the layers FSDP2 gathers"
@@ -471,7 +473,7 @@ def _print_max_seq(args: argparse.Namespace, est: Estimator, out_rows: list[dict
     """The --max-seq tables: per strategy, then per layout where there are several; notes, commands."""
     from memo.estimate import align, tokens
 
-    base = next((o["longest"] for o in out_rows if o["strategy"] == "full-recompute"), 0)
+    base = next((o["longest"] for o in out_rows if o["strategy"] == StrategyName.FULL_RECOMPUTE), 0)
     table = [("strategy", "longest seq", "tokens", "vs full recompute", "layout (TP CP PP DP sharding)",
               "GiB per GPU there", "fit limit GiB", "memo policy", "host GiB/node")]
     for o in out_rows:
@@ -533,8 +535,8 @@ def _print_layout_grid(args: argparse.Namespace, out_rows: list[dict[str, Any]],
     print("no longer: it fits that length, and not one granularity past the best layout's, so it "
           "was not searched further")
     print("* not searched: the line through two lengths ends short of a length already confirmed"
-          + ("" if args.method == "formula" else "; screened: the closed form's screen left it out "
-             "(NOTE [Fast longest-sequence search])"))
+          + ("" if args.method == EstimateMethod.FORMULA
+             else "; screened: the closed form's screen left it out (NOTE [Fast longest-sequence search])"))
 
 
 def _policy_cell(e: dict[str, Any]) -> str:

@@ -38,6 +38,7 @@ from memo.cli.args import (
 )
 from memo.cli.config_file import take_config_file
 from memo.errors import MemoError
+from memo.planner.vocab import StrategyName
 from memo.train import STRATEGIES
 from memo.train.report import build_report, load_report, save_report
 from memo.units import format_mib
@@ -56,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
 
     compare = _checked_inputs(args)
     options, config = _options(args), _config(args)
-    if config.device.startswith("cuda") and args.strategy == "memo" and options.planned_allocator:
+    if config.device.startswith("cuda") and args.strategy == StrategyName.MEMO and options.planned_allocator:
         from memo import allocator
 
         # memo's CUDA allocator must be PyTorch's before the first CUDA tensor exists.

@@ -69,6 +69,7 @@ from torch.autograd.function import FunctionCtx
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from memo.errors import MemoError
+from memo.planner.vocab import LayerPolicy
 from memo.profiler.saved import storage_id
 from memo.repeated_tiles import tile_indices
 from memo.runtime.autocast import AutocastState
@@ -161,7 +162,7 @@ class LayerCall:
     def input_only(self) -> bool:
         """Whether this layer runs the input-only policy (NOTE [Input-only layers]); a segment layer does,
         its input recomputed instead of offloaded (NOTE [Segments of two layers] in segments.py)."""
-        return self.runtime.policy[self.index] in ("input-only", "segment")
+        return self.runtime.policy[self.index] in (LayerPolicy.INPUT_ONLY, LayerPolicy.SEGMENT)
 
     def _keep_storages(self) -> set[int]:
         keep = set()
@@ -231,7 +232,7 @@ class LayerCall:
                       autocast=AutocastState.capture(xc.device), input_only=input_only)
         if layer.training:
             rec.dropout = LayerDropout(s, xc.device, self._say, batch_first=adapter.batch_first)
-        rec.segment = self.runtime.policy[self.index] == "segment"
+        rec.segment = self.runtime.policy[self.index] == LayerPolicy.SEGMENT
         rec.x_like = (tuple(xc.shape), xc.dtype)
         if not rec.segment:  # NOTE [Segments of two layers] in memo/runtime/segments.py
             rec.x_slot = sink.pack(xc, "layer input x")

@@ -45,6 +45,7 @@ from torch.utils.checkpoint import checkpoint
 from memo.adapters.base import LayerAdapter, find_adapter, registered_adapters
 from memo.adapters.model import find_model_adapter
 from memo.errors import MemoError
+from memo.planner.vocab import LayerPolicy
 from memo.runtime.compiled import eager
 from memo.runtime.layer import LayerCall
 from memo.runtime.module_state import as_in_forward, module_tensors
@@ -167,7 +168,7 @@ def _layer_forward(call: LayerCall, original: Forward | None, *args: object, **k
         x, ctx = call.adapter.split_args(call.layer, args, kwargs)
         y = rt.run_layer(call, x, ctx)
         out = call.adapter.pack_output(call.layer, y, ctx)
-    elif kind == "recompute":
+    elif kind == LayerPolicy.RECOMPUTE:
         rt.stats.recomputed_layers += 1
         # torch's checkpoint recomputes with the module's tensors of the moment: under
         # functional_call those are no longer the forward's (NOTE [Recompute with the forward's

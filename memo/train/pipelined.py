@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from memo.errors import MemoError, internal_assert
+from memo.planner.vocab import LayerPolicy, StrategyName
 from memo.session import Session
 from memo.train.config import StepMetrics, TrainConfig, TrainResult, new_result, step_line, token_source
 from memo.train.data import Batch
@@ -77,7 +78,7 @@ def _check(config: TrainConfig, strategy: Strategy) -> float | None:
     if strategy.name not in PIPELINED_STRATEGIES:
         raise MemoError(f"memo.train: {what}: --strategy {strategy.name} is not run under megatron's "
                         f"schedules; use one of {', '.join(PIPELINED_STRATEGIES)}")
-    if strategy.name != "memo":
+    if strategy.name != StrategyName.MEMO:
         return None
     opts = strategy.options
     if (opts.plan is not None or opts.save_plan) and not opts.planned_allocator:
@@ -196,10 +197,11 @@ def _session(stage: _Stage, config: TrainConfig, strategy: Strategy, emit: Emit)
     """The Session the stage's steps run in (NOTE [One construction path]): the strategy's wrap, and with
     memo's allocator the stage's plan (given, or made from its profile: memo.pipeline.stage_profile)."""
     step = stage.step
-    if strategy.name == "none":
+    if strategy.name == StrategyName.NONE:
         return Session(step, device=stage.device)
-    if strategy.name == "full-recompute":
-        return Session(step, alpha=0.0, policy=["recompute"] * sum(step.chunk_layers()), device=stage.device)
+    if strategy.name == StrategyName.FULL_RECOMPUTE:
+        return Session(step, alpha=0.0, policy=[LayerPolicy.RECOMPUTE] * sum(step.chunk_layers()),
+                       device=stage.device)
     opts = strategy.options
     alpha, policy, plan = _memo_choice(stage, config, opts, strategy.alpha, emit)
     strategy.alpha, strategy.plan = alpha, plan

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from memo.errors import MemoError
+from memo.planner.vocab import StrategyName
 from memo.train.checkpoint import Resume, TrainState, save_checkpoint
 from memo.train.grad_norm import GradNorm
 from memo.train.lr import lr_scheduler
@@ -107,7 +108,7 @@ class RunControl:
         """Before the strategy prepares: run on the checkpoint's plan where it fits (NOTE [Exact resume]).
         ``job``: what the plan must have been made for (None: the stage's checks, memo.pipeline, judge);
         ``per_rank``: the strategy takes a pattern with ``{rank}`` (a pipelined run's stages)."""
-        if self.resume is None or self.strategy.name != "memo":
+        if self.resume is None or self.strategy.name != StrategyName.MEMO:
             return
         opts = self.strategy.options  # type: ignore[attr-defined]
         if opts.plan is not None or not opts.planned_allocator:

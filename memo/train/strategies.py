@@ -190,7 +190,7 @@ class StrategyOptions:
                 self.alpha = validate_alpha(self.alpha)
             except MemoError as err:
                 raise MemoError(f"memo.train: --alpha {self.alpha}: {err}") from None
-        if self.strategy != "memo" and (self.alpha != "auto" or self.plan is not None):
+        if self.strategy != StrategyName.MEMO and (self.alpha != "auto" or self.plan is not None):
             raise MemoError(
                 f"memo.train: --alpha and --plan apply to --strategy memo only, not to {self.strategy!r}"
             )
@@ -552,6 +552,6 @@ def make_strategy(options: StrategyOptions, meter: MemoryMeter | None = None) ->
     :class:`MemoryMeter` with ``options``' device budget)."""
     if meter is None:
         meter = MemoryMeter(options.device_budget_bytes())
-    if options.strategy == "memo":
+    if options.strategy == StrategyName.MEMO:
         return MemoStrategy(options, meter)
     return _CLASSES[options.strategy](meter)
