@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["MetaKernelCache"]
+__all__ = ["MetaKernelCache", "reused"]
 
 # NOTE [Meta kernels by their inputs' shapes]
 # An estimate records iterations of a meta rank model (NOTE [Estimate from a meta profile] in
@@ -67,9 +67,6 @@ def _key_of(values: tuple[Any, ...] | list[Any], out: list[Any]) -> bool:
     return True
 
 
-_Output = tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int, int]
-
-
 class MetaKernelCache(TorchDispatchMode):
     """NOTE [Meta kernels by their inputs' shapes]: outputs of meta kernels by their inputs' metadata.
 
@@ -84,6 +81,8 @@ class MetaKernelCache(TorchDispatchMode):
         self._plain: dict[torch._ops.OpOverload, bool] = {}
         self.hits = 0
         self.misses = 0
+        #: Whether :func:`reused` entered it (once is enough: the mode answers every op under it).
+        self.active = False
 
     def _reusable(self, func: torch._ops.OpOverload) -> bool:
         plain = self._plain.get(func)
@@ -120,6 +119,7 @@ class _Meta(tuple):
 
 
 def _empty(meta: _Meta) -> torch.Tensor:
+    """A meta tensor of ``meta``'s metadata, in a storage of its bytes."""
     dtype, size, stride, offset, nbytes = meta
     t = torch.empty_strided(size, stride, dtype=dtype, device="meta")
     if offset or t.untyped_storage().nbytes() != nbytes:
@@ -155,9 +155,13 @@ def _describe(out: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[
 
 @contextlib.contextmanager
 def reused(cache: MetaKernelCache | None) -> Iterator[None]:
-    """``cache`` active (nothing where None)."""
-    if cache is None:
+    """``cache`` active (nothing where None, or where it is active already: a recording within one)."""
+    if cache is None or cache.active:
         yield
         return
-    with cache:
-        yield
+    cache.active = True
+    try:
+        with cache:
+            yield
+    finally:
+        cache.active = False

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from memo.estimate import Estimator, Layout, Machine
-from memo.estimate.meta_cache import MetaKernelCache
+from memo.estimate.meta_cache import MetaKernelCache, _empty, _Meta
 from memo.models import ModelConfig, register_config
 
 # Eight layers (more than the recorded depths, so two depths are recorded and extended), Qwen3's
@@ -75,3 +75,7 @@ def test_an_output_on_an_inputs_storage_is_never_reused() -> None:
             z = x * 2  # fresh, and reused the second time
             assert z.shape == (4, 6) and z.untyped_storage() is not x.untyped_storage()
     assert cache.hits >= 2  # the second empty and the second multiplication
+    # an output whose storage is larger than its view, at an offset, comes back the same
+    made = _empty(_Meta((torch.float16, (2, 3), (1, 2), 4, 64)))
+    assert (made.shape, made.stride(), made.storage_offset(), made.untyped_storage().nbytes()) == (
+        (2, 3), (1, 2), 4, 64)
