@@ -280,6 +280,8 @@ class RankProfiler:
 
     def __init__(self, config: ModelConfig, source: str, dtype: torch.dtype, machine: Machine,
                  log: Callable[[str], None] | None = None, device: str = "cuda") -> None:
+        from memo.estimate.meta_cache import MetaKernelCache
+
         self.config = config
         #: The device type the estimate is for: "cuda" (machine.gpu's), or "cpu" (memo train on
         #: the CPU, what tests compare with); it decides memo's tiles in the recorded pass.
@@ -291,6 +293,9 @@ class RankProfiler:
         self.cache: dict[tuple, tuple[RankNumbers, Any]] = {}
         self.profiles = 0
         self.notes: list[str] = []
+        #: NOTE [Meta kernels by their inputs' shapes] in meta_cache.py (None: every kernel runs, what
+        #: tests compare with).
+        self.kernels: MetaKernelCache | None = MetaKernelCache()
 
     def _record(self, strategy: str, layout: Layout, seq_len: int, depth: int, alpha: float | None,
                 stage: bool = True, policy: tuple[str, ...] | None = None) -> tuple[RankNumbers, Any]:
@@ -309,6 +314,16 @@ class RankProfiler:
                None if alpha is None else round(alpha, 6), stages, policy, exchange)
         if key in self.cache:
             return self.cache[key]
+        from memo.estimate.meta_cache import reused
+
+        with reused(self.kernels):
+            out = self._recorded(strategy, layout, seq_len, depth, alpha, stages, policy)
+        self.cache[key] = out
+        return out
+
+    def _recorded(self, strategy: str, layout: Layout, seq_len: int, depth: int, alpha: float | None,
+                  stages: int, policy: tuple[str, ...] | None) -> tuple[RankNumbers, Any]:
+        """:meth:`_record`'s recording, not cached."""
         from memo.pipeline import profile
 
         recompute = "full" if strategy == "full-recompute" else "none"
@@ -316,11 +331,9 @@ class RankProfiler:
         mixed = policy is not None and ("recompute" in policy or "segment" in policy)
         kind_of = _policy_kinds(policy) if mixed else None
         if stages > 1:
-            out: tuple[RankNumbers, Any] = (analyse_trace(self._first_stage(model, strategy, layout, seq_len,
-                                                                            alpha, policy), kind_of), None)
             self.profiles += 1
-            self.cache[key] = out
-            return out
+            trace = self._first_stage(model, strategy, layout, seq_len, alpha, policy)
+            return analyse_trace(trace, kind_of), None
         common = {"tensor_parallel": layout.tp, "context_parallel": layout.cp}
         with warnings.catch_warnings(), repeated_tiles_skipped():  # NOTE [Repeated tiles in a meta estimate]
             warnings.simplefilter("ignore")  # the planner's notes on layer phases; alpha is checked here
@@ -333,12 +346,8 @@ class RankProfiler:
                                  **common)
         self.profiles += 1
         if policy is not None or strategy == "offloaded-checkpoint":
-            out = (analyse_trace(trace, kind_of), None)
-            self.cache[key] = out
-            return out
-        out = (analyse_trace(result.trace, kind_of), result.layer_stats)
-        self.cache[key] = out
-        return out
+            return analyse_trace(trace, kind_of), None
+        return analyse_trace(result.trace, kind_of), result.layer_stats
 
     def _wrapped(self, model: TransformerModel, strategy: str, layout: Layout, seq_len: int,
                  alpha: float | None, policy: tuple[str, ...]) -> dict[str, Any]:
