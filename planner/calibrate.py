@@ -116,7 +116,16 @@ def with_recorded_full_recompute(costs: LayerCosts, recorded_bytes: int) -> Laye
     """``costs`` with its constant part corrected so that its full-recompute need is
     ``recorded_bytes``, what a recorded full-recompute iteration needed (NOTE [Calibrated policy])."""
     estimate = full_recompute_need(costs)
-    return dataclasses.replace(costs, base_bytes=max(0, costs.base_bytes + recorded_bytes - estimate))
+    base = max(0, costs.base_bytes + recorded_bytes - estimate)
+    if not costs.tile_overheads:
+        return dataclasses.replace(costs, base_bytes=base)
+    # memo's corrections, recorded before (NOTE [Full recompute where it can change the choice] in
+    # memo/pipeline/policy.py), keep what they measured: the memo splits' estimates do not move
+    shift = base - costs.base_bytes
+    only = costs.input_only_overhead
+    return dataclasses.replace(costs, base_bytes=base, memo_overhead=costs.memo_overhead - shift,
+                               tile_overheads=tuple((t, o - shift) for t, o in costs.tile_overheads),
+                               input_only_overhead=None if only is None else only - shift)
 
 
 def memo_calibration(costs: LayerCosts, tile_tokens: int | None = None) -> tuple[list[str], int] | None:

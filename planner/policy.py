@@ -437,7 +437,8 @@ def choose_policy(c: LayerCosts, device_budget: int | None = None, alpha: float 
     found: tuple[float, int, Split, float, str] | None = None
     least: tuple[tuple[int, Split, float], LayerCosts] | None = None
     tile = None
-    for tokens in (None, *(t for t, _ in c.tile_choices)):
+    tiles = [None, *(t for t, _ in c.tile_choices)]
+    for i, tokens in enumerate(tiles):
         costs = c.tile_costs(tokens)
         best, smallest = _search_splits(costs, cap, alpha)
         if smallest is not None and (least is None or smallest[0] < least[0][0]):
@@ -445,7 +446,11 @@ def choose_policy(c: LayerCosts, device_budget: int | None = None, alpha: float 
         if best is None:
             continue
         if found is not None and best[:2] >= found[:2]:
-            break  # a smaller tile no longer helps: keep the larger (fewer tiles, less host time)
+            # a smaller tile does not help: keep the larger (fewer tiles, less host time); a smaller one
+            # still may where its correction was recorded (NOTE [A correction per tile] in calibrate.py)
+            if any(t in dict(c.tile_overheads) for t in tiles[i + 1:]):
+                continue
+            break
         found, tile, chosen = best, tokens, costs
     if found is None:
         internal_assert(least is not None, "full recompute always has a need")

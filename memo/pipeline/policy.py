@@ -222,21 +222,28 @@ def calibrated_choice(probe: StepProbe, costs: LayerCosts, inputs: AlphaInputs, 
 
         chosen = given_policy(costs, validate_policy(policy, costs.n_layers), alpha, budget)
     else:
+        full_recompute = True
         if can_wrap:
-            costs, can_wrap = _calibrated_costs(probe, costs, wrap_pass, budget, alpha)
+            costs, can_wrap, full_recompute = _calibrated_costs(probe, costs, wrap_pass, budget, alpha)
         chosen = choose_policy(costs, budget, alpha, FALLBACK_HEADROOM, FALLBACK_SEGMENT_BYTES)
+        if not full_recompute and not (chosen.counts.get("memo") or chosen.counts.get("input-only")):
+            # NOTE [Full recompute where it can change the choice]: it can now
+            costs = with_recorded_full_recompute(costs, probe.total(["recompute"] * costs.n_layers, 0.0))
+            chosen = choose_policy(costs, budget, alpha, FALLBACK_HEADROOM, FALLBACK_SEGMENT_BYTES)
     return probe_policy(chosen, costs, probe, inputs=inputs, alpha=alpha, device_budget=budget,
                         headroom=FALLBACK_HEADROOM, headroom_bytes=FALLBACK_SEGMENT_BYTES,
                         may_probe=can_wrap and policy is None, say=say)
 
 
 def _calibrated_costs(probe: StepProbe, costs: LayerCosts, wrap_pass: bool | None, budget: int | None,
-                      alpha: float | None) -> tuple[LayerCosts, bool]:
-    """The cost model calibrated against recorded iterations, and whether the runtime can wrap the
-    step (False: it refused, and ``costs`` is returned as it came).
+                      alpha: float | None) -> tuple[LayerCosts, bool, bool]:
+    """The cost model calibrated against recorded iterations, whether the runtime can wrap the
+    step (False: it refused, and ``costs`` is returned as it came), and whether full recompute was
+    recorded (NOTE [Full recompute where it can change the choice]).
 
     NOTE [Calibrated policy]: the cost model's full-recompute need is checked against a
-    recorded full-recompute iteration, and its constant part corrected by the difference,
+    recorded full-recompute iteration (where it can change the choice: NOTE [Full recompute where it
+    can change the choice]), and its constant part corrected by the difference,
     so that "never more than full recompute" compares memo with a measured figure; then
     its memo need likewise, against a recorded iteration of every layer under memo at
     alpha = 0 in the tile the choice is expected to use (_calibrate_memo; NOTE [A correction per
@@ -247,19 +254,32 @@ def _calibrated_costs(probe: StepProbe, costs: LayerCosts, wrap_pass: bool | Non
     warm-up]).
     """
     memo = _record_memo(probe, costs, budget, alpha)
+    if memo is not None and budget is not None:
+        return _with_memo(costs, *memo), True, False
     try:
         recorded = probe.total(["recompute"] * costs.n_layers, 0.0)
     except MemoError:
         if wrap_pass:
             raise
-        return costs, False  # the runtime refuses this model: pass 2 says so, in a note
+        return costs, False, False  # the runtime refuses this model: pass 2 says so, in a note
     costs = with_recorded_full_recompute(costs, recorded)
-    if memo is None:
-        return costs, True
-    tile, total = memo
+    return (costs if memo is None else _with_memo(costs, *memo)), True, True
+
+
+def _with_memo(costs: LayerCosts, tile: int | None, total: int) -> LayerCosts:
     calibration = memo_calibration(costs, tile)
     internal_assert(calibration is not None, "a policy recorded for memo_calibration is one")
-    return with_recorded_memo(costs, total, cast("tuple[list[str], int]", calibration)[1], tile), True
+    return with_recorded_memo(costs, total, cast("tuple[list[str], int]", calibration)[1], tile)
+
+
+# NOTE [Full recompute where it can change the choice]
+# Without a device budget the cap is what full recompute needs, so it is recorded. Under a budget the
+# recording corrects the cost model's constant part (base_bytes) alone, and memo's correction, recorded
+# in the same model, moves by the opposite amount: the estimate of every split with memo or input-only
+# layers is the same with it or without it. It can change only a choice of kept and recomputed layers
+# alone, so under a budget it is recorded only when the choice is one (and chosen again); a full
+# recompute iteration costs more than a memo one (gpt-mini at 4K: 8.9 CPU s against 7.6 to 9.8). The
+# plan's "full recompute needs" is then the estimate.
 
 
 # NOTE [A calibration needs no warm-up]
