@@ -17,10 +17,11 @@ torch:
 NOTE [A correction per tile]
 The memo correction (``memo_overhead``) is measured by one recorded iteration at alpha = 0 in one
 tile, but the choice may run memo in a smaller tile (``LayerCosts.tile_choices``), and the cost model
-overstates what a smaller tile saves: it counts one chunk's whole share of S_others held in a layer's
-backward, the runtime holds about 0.29 of it (gpt-mini, float32, CPU: at 2K memo at alpha 0 needs
-66.98 MB in the default 2,048-token tile, 61.02, 59.96 and 59.44 MB in 1,024, 512 and 256-token
-tiles, where the model says 7.4, 11.0 and 12.9 MB less than the default). A correction measured in a
+overstates what a smaller tile saves: it counts one chunk's whole share of S_others held in a
+layer's backward, where the runtime's need shrinks by about 0.29 of it from tile to tile (gpt-mini,
+float32, CPU: at 2K memo at alpha 0 needs 66.98 MB in the default 2,048-token tile, 61.02, 59.96 and
+59.44 MB in 1,024, 512 and 256-token tiles, where the model says 7.4, 11.0 and 12.9 MB less than the
+default; at 4K 75.77 MB in the default tile and 72.09 MB in 256-token ones). A correction measured in a
 larger tile makes a smaller tile's estimate short by the difference, and the probes then chase a
 constant through alpha's slope (at 4K within 0.08 GB: three rounds over the cap in 256-token tiles
 after a calibration in the default one). So each tile keeps the correction recorded in it

@@ -289,10 +289,11 @@ def _with_memo(costs: LayerCosts, tile: int | None, total: int) -> LayerCosts:
 # allocates once only adds to the bytes live at each moment, so its total is at least the warmed
 # one's: a correction from it is never short. So the job's first recording on the CPU, a calibration,
 # logs its first iteration (after the runtime's own one-time allocations, ModelStep.prepare), and the
-# recordings after it find the process warmed. gpt-mini at 2K, float32, CPU: full recompute and memo at
-# alpha 0 recorded this way need the same bytes as after a warm-up (69,838,600 and 66,983,944), and
-# the plan's trace is the same event for event; the warm-up was a whole iteration (2.5 CPU s). CUDA
-# always warms up (record_step).
+# recordings after it find the process warmed. gpt-mini, float32, CPU: recorded this way, full
+# recompute at 2K and memo at alpha 0 in 256-token tiles at 2K and 4K need the same bytes as after a
+# warm-up (69,838,600, 59,437,576 and 72,086,024), and at 2K the plan's trace is the same event for
+# event; the warm-up was a whole iteration (2.5 CPU s of full recompute at 2K). CUDA always warms up
+# (record_step).
 def _record_memo(probe: StepProbe, costs: LayerCosts, budget: int | None, alpha: float | None
                  ) -> tuple[int | None, int] | None:
     """NOTE [Calibrated policy]: the tile the policy is expected to run memo in (chosen once from the
