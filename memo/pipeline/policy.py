@@ -246,7 +246,7 @@ def _calibrated_costs(probe: StepProbe, costs: LayerCosts, wrap_pass: bool | Non
     can change the choice]), and its constant part corrected by the difference,
     so that "never more than full recompute" compares memo with a measured figure; then
     its memo need likewise, against a recorded iteration of every layer under memo at
-    alpha = 0 in the tile the choice is expected to use (_calibrate_memo; NOTE [A correction per
+    alpha = 0 in the tile the choice is expected to use (_record_memo; NOTE [A correction per
     tile] in planner/calibrate.py). The chosen policy is recorded once more (the StepProbe, for
     memo.planner.calibrate.probe_policy). The torch-free arithmetic of each step is in
     planner/calibrate.py; the recordings are made through the StepProbe. The memo iteration is
