@@ -160,3 +160,16 @@ def test_profile_runs_one_iteration_per_recording(one_thread, monkeypatch):
     assert 3 <= len(recorded) <= 4, recorded
     assert recorded[-1] == (list(result.policy.policy), result.alpha.alpha, result.policy.tile_tokens)
     assert len(runs) == len(recorded)  # pass 2 is the last probe, and nothing warms up
+
+
+def test_full_recompute_recorded_after_memo_moves_no_memo_estimate():
+    """NOTE [Full recompute where it can change the choice] (memo/pipeline/policy.py): recorded after
+    memo's correction, full recompute moves the constant part and memo's correction the other way."""
+    from memo.planner import full_recompute_need
+    from memo.planner.calibrate import memo_calibration, with_recorded_full_recompute
+
+    costs = _calibrated(_calibrated(_mini_4k(), None), 256)
+    after = with_recorded_full_recompute(costs, 103_458_568)  # gpt-mini at 4K, recorded
+    assert full_recompute_need(after) == 103_458_568 and after.base_bytes != costs.base_bytes
+    for tile in (None, 1024, 256):
+        assert memo_calibration(after, tile) == memo_calibration(costs, tile)
