@@ -43,10 +43,12 @@ def child(name: str) -> dict:
 
     model_name, seq, budget = JOBS[name]
     machine = {} if budget is None else {"device_mem_gb": budget}
+    counts = _count_iterations()
     wall, cpu = time.perf_counter(), time.process_time()
     result = profile(model_name, seq, dtype="float32", device="cpu", **machine)
     setup = {"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu,
-             "stages_s": {k: result.timings.get(k, 0.0) for k in STAGES}}
+             "stages_s": {k: result.timings.get(k, 0.0) for k in STAGES}, **counts}
+    counts.clear()  # the steps below are not the setup's
     torch.manual_seed(0)
     model = build_model(model_name, device="cpu", dtype=torch.float32)
     vocab = model.config.vocab_size
@@ -64,6 +66,29 @@ def child(name: str) -> dict:
             "cpu_s": statistics.median(c for _, c in steps[1:])}
     return {"job": name, "setup": setup, "step": step, "alpha": result.alpha.alpha,
             "policy": list(result.policy.policy)}
+
+
+def _count_iterations() -> dict:
+    """Counts, from now on, the setup's recorded iterations (``recordings``: memo.pipeline.step.record_step,
+    the policy's calibration and probes and pass 2) and the iterations run on the device
+    (``iterations``: ModelStep.run, a recording's and any warm-up's), as the returned dict's values."""
+    from memo.pipeline import step
+
+    counts = {"recordings": 0, "iterations": 0}
+    record_step, run = step.record_step, step.ModelStep.run
+
+    def counted_record(*args, **kwargs):
+        if counts:
+            counts["recordings"] += 1
+        return record_step(*args, **kwargs)
+
+    def counted_run(self):
+        if counts:
+            counts["iterations"] += 1
+        return run(self)
+
+    step.record_step, step.ModelStep.run = counted_record, counted_run
+    return counts
 
 
 def one_m_profile() -> dict:
@@ -98,8 +123,9 @@ def run_child(name: str) -> dict:
 def table(rows: list[dict], meta: dict) -> str:
     lines = [f"{meta['date']}, {meta['cores']} cores, load average before {meta['load_average_before']:.1f}; "
              "seconds wall (CPU)", "",
-             "| job | setup | pass 1 | measure | probes | plan | one step | setup / step (wall, CPU) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| job | setup | pass 1 | measure | probes | plan | recordings (iterations) | one step "
+             "| setup / step (wall, CPU) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         s, st = r["setup"], r["step"]
         stages = s.get("stages_s") or {}
@@ -107,7 +133,8 @@ def table(rows: list[dict], meta: dict) -> str:
         step = "-" if st is None else f"{st['wall_s']:.2f} ({st['cpu_s']:.2f})"
         ratio = "-" if st is None else f"{s['wall_s'] / st['wall_s']:.1f}, {s['cpu_s'] / st['cpu_s']:.1f}"
         setup = f"{s['wall_s']:.1f} ({s['cpu_s']:.1f})"
-        lines.append(f"| {r['job']} | {setup} | {' | '.join(cells)} | {step} | {ratio} |")
+        recorded = f"{s['recordings']} ({s['iterations']})" if "recordings" in s else "-"
+        lines.append(f"| {r['job']} | {setup} | {' | '.join(cells)} | {recorded} | {step} | {ratio} |")
     return "\n".join(lines)
 
 

@@ -11,7 +11,27 @@ torch:
   input-only) at alpha = 0, the one :func:`memo_calibration` names;
 * :func:`probe_policy` records the chosen policy through a callback (:data:`RecordPolicy`) and,
   while the recording needs more than the cap, corrects the estimate (:func:`corrected_costs`) and
-  chooses again, PROBES times at most.
+  chooses again, PROBES times at most; a memo choice in a tile not yet recorded at alpha = 0 has that
+  tile recorded first where its estimate would be optimistic (NOTE [A correction per tile]).
+
+NOTE [A correction per tile]
+The memo correction (``memo_overhead``) is measured by one recorded iteration at alpha = 0 in one
+tile, but the choice may run memo in a smaller tile (``LayerCosts.tile_choices``), and the cost model
+overstates what a smaller tile saves: it counts one chunk's whole share of S_others held in a
+layer's backward, where the runtime's need shrinks by about 0.29 of it from tile to tile (gpt-mini,
+float32, CPU: at 2K memo at alpha 0 needs 66.98 MB in the default 2,048-token tile, 61.02, 59.96 and
+59.44 MB in 1,024, 512 and 256-token tiles, where the model says 7.4, 11.0 and 12.9 MB less than the
+default; at 4K 75.77 MB in the default tile and 72.09 MB in 256-token ones). A correction measured in a
+larger tile makes a smaller tile's estimate short by the difference, and the probes then chase a
+constant through alpha's slope (at 4K within 0.08 GB: three rounds over the cap in 256-token tiles
+after a calibration in the default one). So each tile keeps the correction recorded in it
+(``LayerCosts.tile_overheads``, measured by :func:`with_recorded_memo`); a tile not recorded takes
+that of the smallest recorded tile, which makes a larger tile's estimate long (safe) and a smaller
+one's short. Hence: the calibration records the tile the choice is expected to use (the profile
+chooses once before it records), and :func:`probe_policy` records a memo choice's tile at alpha = 0
+before probing it where that tile is smaller than every recorded one, or where a probe in a tile not
+recorded came out over the cap. Two recordings in one tile, at alpha = 0 and at the probe's alpha,
+then give the slope in alpha its own correction (:func:`corrected_costs`), and the next choice lands.
 """
 
 from __future__ import annotations
@@ -34,6 +54,7 @@ from .policy import (
     describe_policy,
     device_need,
     full_recompute_need,
+    given_policy,
 )
 
 __all__ = ["PROBES", "AlphaInputs", "PolicyRecording", "ProbedPolicy", "RecordPolicy", "alpha_of",
@@ -96,14 +117,24 @@ def with_recorded_full_recompute(costs: LayerCosts, recorded_bytes: int) -> Laye
     """``costs`` with its constant part corrected so that its full-recompute need is
     ``recorded_bytes``, what a recorded full-recompute iteration needed (NOTE [Calibrated policy])."""
     estimate = full_recompute_need(costs)
-    return dataclasses.replace(costs, base_bytes=max(0, costs.base_bytes + recorded_bytes - estimate))
+    base = max(0, costs.base_bytes + recorded_bytes - estimate)
+    if not costs.tile_overheads:
+        return dataclasses.replace(costs, base_bytes=base)
+    # memo's corrections, recorded before (NOTE [Full recompute where it can change the choice] in
+    # memo/pipeline/policy.py), keep what they measured: the memo splits' estimates do not move
+    shift = base - costs.base_bytes
+    only = costs.input_only_overhead
+    return dataclasses.replace(costs, base_bytes=base, memo_overhead=costs.memo_overhead - shift,
+                               tile_overheads=tuple((t, o - shift) for t, o in costs.tile_overheads),
+                               input_only_overhead=None if only is None else only - shift)
 
 
-def memo_calibration(costs: LayerCosts) -> tuple[list[str], int] | None:
-    """The layer policy to record at alpha = 0 to calibrate memo's need, and its estimate: every
-    layer under memo, or every layer input-only where the host memory cannot hold every layer at
-    alpha = 0 but can hold every layer's input (NOTE [Input-only layers]); None where it holds
-    neither (NOTE [Calibrated policy])."""
+def memo_calibration(costs: LayerCosts, tile_tokens: int | None = None) -> tuple[list[str], int] | None:
+    """The layer policy to record at alpha = 0 to calibrate memo's need, and its estimate in the tile
+    of ``tile_tokens`` (None: the runtime's default): every layer under memo, or every layer
+    input-only where the host memory cannot hold every layer at alpha = 0 but can hold every layer's
+    input (NOTE [Input-only layers]); None where it holds neither (NOTE [Calibrated policy])."""
+    costs = costs.tile_costs(tile_tokens)
     n = costs.n_layers
     if n * costs.copy_bytes(0.0) <= costs.host_memory:
         return ["memo"] * n, sum(device_need(costs, n, 0, 0, 0.0).values())
@@ -112,10 +143,35 @@ def memo_calibration(costs: LayerCosts) -> tuple[list[str], int] | None:
     return None
 
 
-def with_recorded_memo(costs: LayerCosts, recorded_bytes: int, estimate: int) -> LayerCosts:
-    """``costs`` with memo_overhead set so that the policy :func:`memo_calibration` named, estimated
-    at ``estimate``, needs ``recorded_bytes``, what its recorded iteration needed."""
-    return dataclasses.replace(costs, memo_overhead=costs.memo_overhead + recorded_bytes - estimate)
+def with_recorded_memo(costs: LayerCosts, recorded_bytes: int, estimate: int,
+                       tile_tokens: int | None = None) -> LayerCosts:
+    """``costs`` with the correction of the tile of ``tile_tokens`` (None: the runtime's default) set
+    so that the policy :func:`memo_calibration` named there, estimated at ``estimate``, needs
+    ``recorded_bytes``, what its recorded iteration needed; memo_overhead, for the tiles not
+    recorded, is then the smallest recorded tile's (NOTE [A correction per tile])."""
+    overhead = costs.tile_costs(tile_tokens).memo_overhead + recorded_bytes - estimate
+    return _with_tile_overhead(costs, tile_tokens, overhead)
+
+
+def _with_tile_overhead(costs: LayerCosts, tile_tokens: int | None, overhead: int) -> LayerCosts:
+    recorded = {**dict(costs.tile_overheads), tile_tokens: overhead}
+    smallest = max(recorded, key=lambda t: costs.tile_costs(t).recompute_chunks)
+    return dataclasses.replace(costs, memo_overhead=recorded[smallest],
+                               tile_overheads=tuple(recorded.items()))
+
+
+def recorded_tile(costs: LayerCosts, tile_tokens: int | None) -> bool:
+    """Whether memo's correction in the tile of ``tile_tokens`` was recorded (:func:`with_recorded_memo`)."""
+    return tile_tokens in dict(costs.tile_overheads)
+
+
+def _tile_due(costs: LayerCosts, chosen: PolicySolution) -> bool:
+    """Whether ``chosen`` runs memo in a tile smaller than every tile recorded at alpha = 0: its
+    estimate is then short (NOTE [A correction per tile]), so the tile is recorded before the choice."""
+    if not costs.tile_overheads or not chosen.counts.get("memo") or recorded_tile(costs, chosen.tile_tokens):
+        return False
+    chunks = costs.tile_costs(chosen.tile_tokens).recompute_chunks
+    return chunks > max(costs.tile_costs(t).recompute_chunks for t, _ in costs.tile_overheads)
 
 
 def alpha_of(chosen: PolicySolution, inputs: AlphaInputs, alpha: float | None) -> AlphaSolution:
@@ -141,8 +197,9 @@ def corrected_costs(costs: LayerCosts, chosen: PolicySolution, total: int, attem
     corrections did not land, alpha > 0 is given up: memo at alpha = 0 was recorded.
     """
     error = (total - chosen.device_bytes) * 5 // 4
+    tile = costs.tile_costs(chosen.tile_tokens)  # the corrections the estimate was made with
     if not chosen.counts.get("memo"):  # input-only layers alone: their own correction
-        return dataclasses.replace(costs, input_only_overhead=costs.input_overhead + error)
+        return dataclasses.replace(costs, input_only_overhead=tile.input_overhead + error)
     # A memo split's error is memo's: input-only splits keep the correction they had (they hold
     # less, and are chosen again when memo no longer fits).
     costs = dataclasses.replace(costs, input_only_overhead=costs.input_overhead)
@@ -151,6 +208,8 @@ def corrected_costs(costs: LayerCosts, chosen: PolicySolution, total: int, attem
     if chosen.alpha > 1e-6 and costs.memo_alpha_bytes < ALPHA_GIVEN_UP:
         return dataclasses.replace(costs, memo_alpha_bytes=costs.memo_alpha_bytes + int(
             math.ceil(error / chosen.alpha)))
+    if recorded_tile(costs, chosen.tile_tokens):
+        return _with_tile_overhead(costs, chosen.tile_tokens, tile.memo_overhead + error)
     return dataclasses.replace(costs, memo_overhead=costs.memo_overhead + error)
 
 
@@ -159,21 +218,36 @@ def probe_policy(chosen: PolicySolution, costs: LayerCosts, record: RecordPolicy
                  may_probe: bool, say: Callable[[str], None]) -> ProbedPolicy:
     """The chosen policy recorded once (when ``may_probe`` and it has memo or input-only layers): an
     estimate short of the cap is corrected (:func:`corrected_costs`) and chosen again, PROBES times
-    at most (alpha, then memo at alpha = 0, then input-only layers alone, then what is left).
+    at most (alpha, then memo at alpha = 0, then input-only layers alone, then what is left). Where
+    ``costs`` has a tile recorded at alpha = 0, a memo choice in a smaller tile has its tile recorded
+    first, and one over the cap in a tile not recorded has it recorded instead of a correction (NOTE [A
+    correction per tile]).
 
     ``alpha``, ``device_budget``, ``headroom`` and ``headroom_bytes`` are :func:`choose_policy`'s, for
     each choice after the first; ``inputs`` gives each choice its AlphaSolution (:func:`alpha_of`);
     ``say`` is called with one line per choice and per correction. Raises DeviceBudgetError when the
     last recording still needs more than the cap.
     """
+    def again(costs: LayerCosts) -> PolicySolution:
+        return choose_policy(costs, device_budget, alpha, headroom, headroom_bytes)
+
+    corrections = 0
     for attempt in range(PROBES):
+        while may_probe and _tile_due(costs, chosen):
+            say(f"policy: {describe_policy(chosen.policy)} in {chosen.tile_tokens}-token tiles, smaller than "
+                "any recorded: recording memo at alpha 0 in them first")
+            costs = _in_tile(costs, chosen, None, None, record)
+            if not recorded_tile(costs, chosen.tile_tokens):
+                break  # the host holds no calibration policy: probed as it is
+            chosen = again(costs)
         solution = alpha_of(chosen, inputs, alpha)
         say(f"policy: {describe_policy(chosen.policy)}; alpha = {solution.alpha:.4f} "
             f"(binding: {solution.binding}); device need {format_bytes(chosen.device_bytes)} per "
             f"rank, estimated (full recompute {format_bytes(chosen.full_recompute_bytes)})")
         if not may_probe or not (chosen.counts.get("memo") or chosen.counts.get("input-only")):
             break
-        total = record(chosen, solution.alpha).total_bytes
+        recording = record(chosen, solution.alpha)
+        total = recording.total_bytes
         if total <= chosen.device_cap:
             break
         if attempt == PROBES - 1:
@@ -182,8 +256,30 @@ def probe_policy(chosen: PolicySolution, costs: LayerCosts, record: RecordPolicy
                 f"{solution.alpha:.4f}) needs {format_bytes(total)} per rank when recorded, over the cap "
                 f"of {format_bytes(chosen.device_cap)}, after every correction of the estimate; give a fixed "
                 "--alpha, or more --device-mem-gb")
-        costs = corrected_costs(costs, chosen, total, attempt)
         say(f"policy: the recorded iteration needs {format_bytes(total)}, over the cap of "
             f"{format_bytes(chosen.device_cap)}; choosing again")
-        chosen = choose_policy(costs, device_budget, alpha, headroom, headroom_bytes)
+        tile = chosen.tile_tokens
+        if costs.tile_overheads and chosen.counts.get("memo") and not recorded_tile(costs, tile):
+            # NOTE [A correction per tile]: the tile's own correction, not alpha's slope
+            costs = _in_tile(costs, chosen, solution.alpha, recording, record)
+        else:
+            costs = corrected_costs(costs, chosen, total, corrections)
+            corrections += 1
+        chosen = again(costs)
     return ProbedPolicy(chosen, solution)
+
+
+def _in_tile(costs: LayerCosts, chosen: PolicySolution, alpha: float | None,
+             recording: PolicyRecording | None, record: RecordPolicy) -> LayerCosts:
+    """``costs`` with the correction of ``chosen``'s tile recorded (:func:`with_recorded_memo`):
+    :func:`memo_calibration`'s policy at alpha = 0 there, which is ``recording`` (of ``chosen`` at
+    ``alpha``) where ``chosen`` is that policy at alpha = 0, else recorded through ``record``."""
+    tile_tokens = chosen.tile_tokens
+    calibration = memo_calibration(costs, tile_tokens)
+    if calibration is None:
+        return costs
+    policy, estimate = calibration
+    if recording is None or alpha != 0.0 or list(chosen.policy) != policy:
+        given = given_policy(costs.tile_costs(tile_tokens), policy)
+        recording = record(dataclasses.replace(given, tile_tokens=tile_tokens), 0.0)
+    return with_recorded_memo(costs, recording.iteration_bytes, estimate, tile_tokens)

@@ -132,6 +132,17 @@ class LayerCosts:
     #: Forwards whose activations the layers hold at once (NOTE [Forwards in flight in the policy]):
     #: 1 for one iteration; a pipeline stage's schedule keeps more.
     in_flight: int = 1
+    #: ``(tile tokens, memo_overhead)`` of each tile a recorded iteration at alpha = 0 measured (None:
+    #: the runtime's default tile); memo_overhead stands for the tiles not recorded (NOTE [A correction
+    #: per tile] in planner/calibrate.py).
+    tile_overheads: tuple[tuple[int | None, int], ...] = ()
+
+    def tile_costs(self, tokens: int | None) -> LayerCosts:
+        """These costs in the tile of ``tokens`` (None: the runtime's default): its chunks and, where
+        recorded, its own correction."""
+        chunks = self.recompute_chunks if tokens is None else dict(self.tile_choices)[tokens]
+        overhead = dict(self.tile_overheads).get(tokens, self.memo_overhead)
+        return dataclasses.replace(self, recompute_chunks=chunks, memo_overhead=overhead)
 
     @property
     def keep_bytes(self) -> int:
@@ -426,15 +437,20 @@ def choose_policy(c: LayerCosts, device_budget: int | None = None, alpha: float 
     found: tuple[float, int, Split, float, str] | None = None
     least: tuple[tuple[int, Split, float], LayerCosts] | None = None
     tile = None
-    for tokens, chunks in ((None, c.recompute_chunks), *c.tile_choices):
-        costs = dataclasses.replace(c, recompute_chunks=chunks)
+    tiles = [None, *(t for t, _ in c.tile_choices)]
+    for i, tokens in enumerate(tiles):
+        costs = c.tile_costs(tokens)
         best, smallest = _search_splits(costs, cap, alpha)
         if smallest is not None and (least is None or smallest[0] < least[0][0]):
             least = (smallest, costs)
         if best is None:
             continue
         if found is not None and best[:2] >= found[:2]:
-            break  # a smaller tile no longer helps: keep the larger (fewer tiles, less host time)
+            # a smaller tile does not help: keep the larger (fewer tiles, less host time); a smaller one
+            # still may where its correction was recorded (NOTE [A correction per tile] in calibrate.py)
+            if any(t in dict(c.tile_overheads) for t in tiles[i + 1:]):
+                continue
+            break
         found, tile, chosen = best, tokens, costs
     if found is None:
         internal_assert(least is not None, "full recompute always has a need")

@@ -9,9 +9,9 @@ import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
-from memo.errors import MemoError
+from memo.errors import MemoError, internal_assert
 from memo.machine import GB
 from memo.planner import LayerCosts, PolicySolution, Trace
 from memo.planner.calibrate import (
@@ -59,7 +59,11 @@ def choose_profile_policy(job: ProfileJob, plain: Recording, states: dict[str, A
         st.last_probe = ((float(alpha), tuple(policy), tile_tokens), trace, wrapped)
         return trace
 
-    probe = StepProbe(record, static_bytes(states), req.agree_max, req.gradients)
+    def record_total(policy: list[str], alpha: float, tile_tokens: int | None) -> dict[str, Any]:
+        st.warmed = True  # NOTE [A calibration needs no warm-up]
+        return record(policy, alpha, tile_tokens)
+
+    probe = StepProbe(record, static_bytes(states), req.agree_max, req.gradients, record_total=record_total)
     probed = calibrated_choice(probe, costs, lp_inputs, alpha=alpha, policy=policy,
                                budget=req.machine.device_budget_bytes, wrap_pass=wrap_pass, say=req.say)
     result.policy, result.alpha, result.model_states = probed.policy, probed.alpha, states
@@ -177,10 +181,14 @@ class StepProbe:
     gradients: str
     #: Whether a recording counts the optimizer's moment (under a device budget only).
     with_moment: bool = False
+    #: Records as ``record`` does, for the calibration's totals only: it may log an iteration without
+    #: warming up first (NOTE [A calibration needs no warm-up]); None: ``record``.
+    record_total: Callable[[list[str], float, int | None], dict[str, Any]] | None = None
 
-    def total(self, policy: list[str], alpha: float) -> int:
-        """NOTE [Device total] of one recorded iteration, the same on every rank."""
-        return self.measure(self.record(policy, alpha, None)).iteration_bytes
+    def total(self, policy: list[str], alpha: float, tile_tokens: int | None = None) -> int:
+        """NOTE [Device total] of one recorded iteration of ``policy`` at ``alpha`` in the tile of
+        ``tile_tokens`` (None: the runtime's default), the same on every rank; for a calibration."""
+        return self.measure((self.record_total or self.record)(policy, alpha, tile_tokens)).iteration_bytes
 
     def __call__(self, chosen: PolicySolution, alpha: float) -> PolicyRecording:
         return self.measure(self.record(list(chosen.policy), alpha, chosen.tile_tokens))
@@ -214,55 +222,104 @@ def calibrated_choice(probe: StepProbe, costs: LayerCosts, inputs: AlphaInputs, 
 
         chosen = given_policy(costs, validate_policy(policy, costs.n_layers), alpha, budget)
     else:
+        full_recompute = True
         if can_wrap:
-            costs, can_wrap = _calibrated_costs(probe, costs, wrap_pass)
+            costs, can_wrap, full_recompute = _calibrated_costs(probe, costs, wrap_pass, budget, alpha)
         chosen = choose_policy(costs, budget, alpha, FALLBACK_HEADROOM, FALLBACK_SEGMENT_BYTES)
+        if not full_recompute and not (chosen.counts.get("memo") or chosen.counts.get("input-only")):
+            # NOTE [Full recompute where it can change the choice]: it can now
+            costs = with_recorded_full_recompute(costs, probe.total(["recompute"] * costs.n_layers, 0.0))
+            chosen = choose_policy(costs, budget, alpha, FALLBACK_HEADROOM, FALLBACK_SEGMENT_BYTES)
     return probe_policy(chosen, costs, probe, inputs=inputs, alpha=alpha, device_budget=budget,
                         headroom=FALLBACK_HEADROOM, headroom_bytes=FALLBACK_SEGMENT_BYTES,
                         may_probe=can_wrap and policy is None, say=say)
 
 
-def _calibrated_costs(probe: StepProbe, costs: LayerCosts, wrap_pass: bool | None) -> tuple[LayerCosts, bool]:
-    """The cost model calibrated against recorded iterations, and whether the runtime can wrap the
-    step (False: it refused, and ``costs`` is returned as it came).
+def _calibrated_costs(probe: StepProbe, costs: LayerCosts, wrap_pass: bool | None, budget: int | None,
+                      alpha: float | None) -> tuple[LayerCosts, bool, bool]:
+    """The cost model calibrated against recorded iterations, whether the runtime can wrap the
+    step (False: it refused, and ``costs`` is returned as it came), and whether full recompute was
+    recorded (NOTE [Full recompute where it can change the choice]).
 
     NOTE [Calibrated policy]: the cost model's full-recompute need is checked against a
-    recorded full-recompute iteration, and its constant part corrected by the difference,
+    recorded full-recompute iteration (where it can change the choice: NOTE [Full recompute where it
+    can change the choice]), and its constant part corrected by the difference,
     so that "never more than full recompute" compares memo with a measured figure; then
     its memo need likewise, against a recorded iteration of every layer under memo at
-    alpha = 0 (_calibrate_memo). The chosen policy is recorded once more (the StepProbe, for
+    alpha = 0 in the tile the choice is expected to use (_record_memo; NOTE [A correction per
+    tile] in planner/calibrate.py). The chosen policy is recorded once more (the StepProbe, for
     memo.planner.calibrate.probe_policy). The torch-free arithmetic of each step is in
-    planner/calibrate.py; the recordings are made through the StepProbe.
+    planner/calibrate.py; the recordings are made through the StepProbe. The memo iteration is
+    recorded first: it is the cheaper one to log without a warm-up (NOTE [A calibration needs no
+    warm-up]).
     """
+    memo = _record_memo(probe, costs, budget, alpha)
+    if memo is not None and budget is not None:
+        return _with_memo(costs, *memo), True, False
     try:
         recorded = probe.total(["recompute"] * costs.n_layers, 0.0)
     except MemoError:
         if wrap_pass:
             raise
-        return costs, False  # the runtime refuses this model: pass 2 says so, in a note
+        return costs, False, False  # the runtime refuses this model: pass 2 says so, in a note
     costs = with_recorded_full_recompute(costs, recorded)
-    return _calibrate_memo(probe, costs), True
+    return (costs if memo is None else _with_memo(costs, *memo)), True, True
 
 
-def _calibrate_memo(probe: StepProbe, costs: LayerCosts) -> LayerCosts:
-    """NOTE [Calibrated policy]: ``costs`` with memo_overhead set so that the estimate of every
-    layer under memo at alpha = 0 is what a recorded iteration of exactly that needs.
+def _with_memo(costs: LayerCosts, tile: int | None, total: int) -> LayerCosts:
+    calibration = memo_calibration(costs, tile)
+    internal_assert(calibration is not None, "a policy recorded for memo_calibration is one")
+    return with_recorded_memo(costs, total, cast("tuple[list[str], int]", calibration)[1], tile)
+
+
+# NOTE [Full recompute where it can change the choice]
+# Without a device budget the cap is what full recompute needs, so it is recorded. Under a budget the
+# recording corrects the cost model's constant part (base_bytes) alone, and memo's correction, recorded
+# in the same model, moves by the opposite amount: the estimate of every split with memo or input-only
+# layers is the same with it or without it. It can change only a choice of kept and recomputed layers
+# alone, so under a budget it is recorded only when the choice is one (and chosen again); a full
+# recompute iteration costs more than a memo one (gpt-mini at 4K: 8.9 CPU s against 7.6 to 9.8). The
+# plan's "full recompute needs" is then the estimate.
+
+
+# NOTE [A calibration needs no warm-up]
+# A recording whose trace becomes a plan warms up first (NOTE [Warm-up before logging] in
+# memo/pipeline/step.py): one-time allocations logged in it would take request indices no later
+# iteration makes. A calibration's recording is only read for its total, and what a first iteration
+# allocates once only adds to the bytes live at each moment, so its total is at least the warmed
+# one's: a correction from it is never short. So the job's first recording on the CPU, a calibration,
+# logs its first iteration (after the runtime's own one-time allocations, ModelStep.prepare), and the
+# recordings after it find the process warmed. gpt-mini, float32, CPU: recorded this way, full
+# recompute at 2K and memo at alpha 0 in 256-token tiles at 2K and 4K need the same bytes as after a
+# warm-up (69,838,600, 59,437,576 and 72,086,024), and at 2K the plan's trace is the same event for
+# event; the warm-up was a whole iteration (2.5 CPU s of full recompute at 2K). CUDA always warms up
+# (record_step).
+def _record_memo(probe: StepProbe, costs: LayerCosts, budget: int | None, alpha: float | None
+                 ) -> tuple[int | None, int] | None:
+    """NOTE [Calibrated policy]: the tile the policy is expected to run memo in (chosen once from the
+    model as it is; None: the runtime's default) and what :func:`memo_calibration`'s policy at
+    alpha = 0 needed there, recorded; None where the host holds no such policy or the runtime refused it.
 
     The cost model leaves out what a memo layer's backward holds besides its recomputed share
     (gradients of q, k, v and o, the prefetched layer's rounding buffer in flight) and may count
     more than the runtime holds at once; the correction is added to, or taken from, every split
-    with memo or input-only layers. Where the host memory cannot hold every layer at alpha = 0 but
-    can hold every layer's input, the recording is of every layer input-only (NOTE [Input-only
-    layers]) instead: the estimate of the policies the host allows is then the one checked (without
-    it, an estimate far above what the runtime holds would go uncorrected: Llama-3.1-8B at 336K on
-    meta is estimated at 73.4 GB, recorded at 55.7 GB). Skipped where the host holds neither.
+    with memo or input-only layers in that tile. Where the host memory cannot hold every layer at
+    alpha = 0 but can hold every layer's input, the recording is of every layer input-only (NOTE
+    [Input-only layers]) instead: the estimate of the policies the host allows is then the one checked
+    (without it, an estimate far above what the runtime holds would go uncorrected: Llama-3.1-8B at
+    336K on meta is estimated at 73.4 GB, recorded at 55.7 GB).
     """
-    calibration = memo_calibration(costs)
-    if calibration is None:
-        return costs
-    policy, estimate = calibration
+    from memo.planner import choose_policy
+
     try:
-        recorded = probe.total(policy, 0.0)
+        first = choose_policy(costs, budget, alpha, FALLBACK_HEADROOM, FALLBACK_SEGMENT_BYTES)
+        tile = first.tile_tokens if first.counts.get("memo") else None
     except MemoError:
-        return costs  # the chosen policy's probe (below) still checks what is chosen
-    return with_recorded_memo(costs, recorded, estimate)
+        tile = None  # nothing fits the model as it is: the default tile
+    calibration = memo_calibration(costs, tile)
+    if calibration is None:
+        return None
+    try:
+        return tile, probe.total(calibration[0], 0.0, tile)
+    except MemoError:
+        return None  # the chosen policy's probe (below) still checks what is chosen
