@@ -50,7 +50,8 @@ import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, TypeVar
 
-__all__ = ["Replicator", "recording", "repeated_tiles_skipped", "run_tiles", "skipped", "skipping", "tile_indices"]
+__all__ = ["Replicator", "recording", "repeated_tiles_skipped", "replicated", "run_tiles", "skipped",
+           "skipping", "tile_indices"]
 
 T = TypeVar("T")
 
