@@ -21,7 +21,10 @@ recorded; in-place writes into them allocate nothing.
 
 Per-op Python overhead matters (32 layers at a million tokens on meta run
 thousands of ops): the set of fresh return positions is computed once per op
-overload and cached.
+overload and cached. On meta, the repeats of a steady tile are not run at all:
+the recorder copies the steady tile's events (NOTE [Replicated tiles in a meta
+recording] in memo/repeated_tiles.py), which is why a free looks its record id
+up in the live entry rather than keeping the one it was made with.
 """
 
 from __future__ import annotations
