@@ -231,7 +231,9 @@ class DispatchRecorder(TorchDispatchMode):
             # record id is the entry's, not one fixed here: replicated tiles move it (NOTE [Replicated
             # tiles in a meta recording] in memo/repeated_tiles.py).
             entry = self._live.pop(key, None)
-            internal_assert(entry is not None, f"storage key {key} freed twice")
+            if entry is None:
+                internal_assert(False, f"storage key {key} freed twice")
+                return
             rid = entry[0]
             self.live_bytes -= self.allocations[rid].size
             if self._closed:
