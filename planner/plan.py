@@ -454,10 +454,9 @@ def without_unphased(trace: Trace | Mapping[str, Any]) -> tuple[Trace, int, int]
     make the arena bigger than anything it ever hands out.
     """
     t = trace if isinstance(trace, Trace) else Trace.from_dict(trace)
-    data = t.to_dict()
     dropped: set[Any] = set()
     events, count, nbytes = [], 0, 0
-    for ev in data["events"]:
+    for ev in t.events:  # validated in t; the new trace shares them (a parsed trace's events are not changed)
         if ev["op"] == "malloc" and ev.get("phase") is None:
             dropped.add(ev["id"])
             count, nbytes = count + 1, nbytes + int(ev["size"])
@@ -466,8 +465,8 @@ def without_unphased(trace: Trace | Mapping[str, Any]) -> tuple[Trace, int, int]
             dropped.discard(ev["id"])
             continue
         events.append(ev)
-    data["events"] = events
-    return Trace.from_dict(data), count, nbytes
+    layers = None if t.layers is None else dict(t.layers)
+    return Trace(events=events, meta=dict(t.meta), layers=layers), count, nbytes
 
 
 def save_plan(plan: Plan, path: str | os.PathLike[str]) -> None:

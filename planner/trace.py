@@ -184,9 +184,8 @@ class Trace:
         run_start = 0
         total = 0
         for i, ev in enumerate(events):
-            where = f"event {i}"
             if not isinstance(ev, dict):
-                raise _fail(where, f"must be an object, got {ev!r}")
+                raise _fail(f"event {i}", f"must be an object, got {ev!r}")
             op = ev.get("op")
             if op == "end":
                 if i != len(events) - 1:
@@ -195,29 +194,33 @@ class Trace:
                 end_time = i
                 continue
             if op not in ("malloc", "free"):
-                raise _fail(where, f"op must be 'malloc', 'free' or 'end', got {op!r}")
+                raise _fail(f"event {i}", f"op must be 'malloc', 'free' or 'end', got {op!r}")
             if "id" not in ev:
-                raise _fail(where, f"{op} without an id")
-            ident = _check_int(ev["id"], where, "id")
+                raise _fail(f"event {i}", f"{op} without an id")
+            ident = ev["id"]
+            if type(ident) is not int:  # the check's message only where it fails: once per event is slow
+                _check_int(ident, f"event {i}", "id")
             if op == "malloc":
-                size = _check_int(ev.get("size"), where, "size")
+                size = ev.get("size")
+                if type(size) is not int:
+                    size = _check_int(size, f"event {i}", "size")
                 if size <= 0:
-                    raise _fail(where, f"malloc of id {ident} has size {size}; sizes must be > 0")
+                    raise _fail(f"event {i}", f"malloc of id {ident} has size {size}; sizes must be > 0")
                 if size >= MAX_BYTES:  # NOTE [Byte counts are bounded] in memo/units.py
-                    raise _fail(where, f"malloc of id {ident} has size {size}; sizes must be below 2**62 "
-                                "bytes (4 EiB): the trace is damaged")
+                    raise _fail(f"event {i}", f"malloc of id {ident} has size {size}; sizes must be below "
+                                "2**62 bytes (4 EiB): the trace is damaged")
                 total += size
                 if ident in live:
-                    raise _fail(where, f"malloc of id {ident}, which is still live (allocated by event "
-                                f"{live[ident][1]} and not freed)")
+                    raise _fail(f"event {i}", f"malloc of id {ident}, which is still live (allocated by "
+                                f"event {live[ident][1]} and not freed)")
                 phase = ev.get("phase")
-                if phase is not None:
+                if phase is not None and phase not in requests:  # a phase seen before was checked then
                     if not isinstance(phase, str):
-                        raise _fail(where, f"phase must be a string, got {phase!r}")
+                        raise _fail(f"event {i}", f"phase must be a string, got {phase!r}")
                     try:
                         parse_phase(phase)
                     except MemoError as err:
-                        raise _fail(where, str(err)) from None
+                        raise _fail(f"event {i}", str(err)) from None
                 if phase != current or i == 0:
                     if i > run_start or runs:
                         runs.append(PhaseRun(current, run_start, i))
@@ -230,7 +233,7 @@ class Trace:
                 run_of_malloc.append(len(runs))
             else:
                 if ident not in live:
-                    raise _fail(where, f"free of id {ident}, which is not live "
+                    raise _fail(f"event {i}", f"free of id {ident}, which is not live "
                                 "(never allocated, or already freed: double free)")
                 index = live.pop(ident)[0]
                 done[index] = (i, len(runs))

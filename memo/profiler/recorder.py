@@ -21,7 +21,10 @@ recorded; in-place writes into them allocate nothing.
 
 Per-op Python overhead matters (32 layers at a million tokens on meta run
 thousands of ops): the set of fresh return positions is computed once per op
-overload and cached.
+overload and cached. On meta, the repeats of a steady tile are not run at all:
+the recorder copies the steady tile's events (NOTE [Replicated tiles in a meta
+recording] in memo/repeated_tiles.py), which is why a free looks its record id
+up in the live entry rather than keeping the one it was made with.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from torch.utils._pytree import tree_flatten
 
 from memo import repeated_tiles
 from memo.errors import internal_assert
+from memo.profiler.replicate import Mark, steady_template
 
 __all__ = ["Allocation", "DispatchRecorder", "RECORDER_NAME"]
 
@@ -133,6 +137,9 @@ class DispatchRecorder(TorchDispatchMode):
         self._in_attn = 0
         self._closed = False
         self.ops = 0
+        #: Tiles recorded as copies of a steady one, and the ops they stand for (not in ``ops``).
+        self.replicated_tiles = 0
+        self.replicated_ops = 0
         self.seconds = 0.0
 
     # -- phase bookkeeping -------------------------------------------------
@@ -209,7 +216,7 @@ class DispatchRecorder(TorchDispatchMode):
         if self._in_attn:
             alloc.tags.add("attn")
         self.allocations[rid] = alloc
-        self._live[key] = (rid, weakref.ref(storage, self._make_free(key, rid)))
+        self._live[key] = (rid, weakref.ref(storage, self._make_free(key)))
         self.live_bytes += size
         event: dict[str, Any] = {"op": "malloc", "id": rid, "size": size}
         if phase is not None:
@@ -218,11 +225,16 @@ class DispatchRecorder(TorchDispatchMode):
             event["phase"] = phase
         self.events.append(event)
 
-    def _make_free(self, key: int, rid: int) -> Callable[[weakref.ref], None]:
+    def _make_free(self, key: int) -> Callable[[weakref.ref], None]:
         def on_free(_ref: weakref.ref) -> None:
-            # Dropping the entry first matters: CPython may reuse the id for the next storage.
+            # Dropping the entry first matters: CPython may reuse the id for the next storage. The
+            # record id is the entry's, not one fixed here: replicated tiles move it (NOTE [Replicated
+            # tiles in a meta recording] in memo/repeated_tiles.py).
             entry = self._live.pop(key, None)
-            internal_assert(entry is not None and entry[0] == rid, f"storage {rid} freed twice")
+            if entry is None:
+                internal_assert(False, f"storage key {key} freed twice")
+                return
+            rid = entry[0]
             self.live_bytes -= self.allocations[rid].size
             if self._closed:
                 return
@@ -233,6 +245,45 @@ class DispatchRecorder(TorchDispatchMode):
 
         return on_free
 
+    # -- replicated tiles (NOTE [Replicated tiles in a meta recording] in memo/repeated_tiles.py) --
+    def mark(self) -> Mark:
+        """Where the recording stands now, between two tiles."""
+        return Mark(len(self.events), self._next_id, self._span, self.ops)
+
+    def replicate(self, first: Mark, second: Mark, copies: int) -> bool:
+        """Record ``copies`` more tiles like the one since ``second`` without running them, when it is
+        steady (:func:`~memo.profiler.replicate.steady_template` against the tile from ``first`` to
+        ``second``); the storages it left alive then stand for the last copy's. False: not steady,
+        nothing recorded."""
+        now = self.mark()
+        lo = first.next_id
+        tags = {rid: (self.allocations[rid].op, self.allocations[rid].tags) for rid in range(lo, now.next_id)}
+        template = steady_template(self.events, tags, first, second, now)
+        if template is None or copies <= 0 or self._closed:
+            return False
+        m = template.mallocs
+        tile = [self.allocations[rid] for rid in range(second.next_id, now.next_id)]
+        phase = self._phase()
+        for k in range(copies):
+            base = now.next_id + k * m
+            events = template.events(base)
+            for a in tile:
+                self.allocations[a.id - second.next_id + base] = Allocation(
+                    a.id - second.next_id + base, a.size, a.phase, a.span, a.op, tags=set(a.tags))
+            for ev in events:
+                if ev["op"] == "free":
+                    freed = self.allocations[ev["id"]]
+                    freed.free_span, freed.free_phase = self._span, phase
+            self.events += events
+        shift = copies * m
+        for key, (rid, ref) in list(self._live.items()):
+            if second.next_id <= rid < now.next_id:
+                self._live[key] = (rid + shift, ref)
+        self._next_id += shift
+        self.replicated_tiles += copies
+        self.replicated_ops += copies * template.ops
+        return True
+
     def live_state(self) -> tuple[int, int]:
         """(storages, bytes) recorded and alive now."""
         return len(self._live), self.live_bytes
@@ -240,7 +291,7 @@ class DispatchRecorder(TorchDispatchMode):
     def __enter__(self) -> DispatchRecorder:
         self._t0 = time.perf_counter()
         if self._device_type == "meta":  # only meta recordings may skip repeated tiles
-            self._skip_span = repeated_tiles.recording(self.live_state)
+            self._skip_span = repeated_tiles.recording(self.live_state, self)
             self._skip_span.__enter__()
         return super().__enter__()
 
