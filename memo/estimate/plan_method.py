@@ -280,7 +280,7 @@ class RankProfiler:
 
     def __init__(self, config: ModelConfig, source: str, dtype: torch.dtype, machine: Machine,
                  log: Callable[[str], None] | None = None, device: str = "cuda") -> None:
-        from memo.estimate.meta_cache import MetaKernelCache
+        from memo.profiler.meta_cache import MetaKernelCache
 
         self.config = config
         #: The device type the estimate is for: "cuda" (machine.gpu's), or "cpu" (memo train on
@@ -293,8 +293,8 @@ class RankProfiler:
         self.cache: dict[tuple, tuple[RankNumbers, Any]] = {}
         self.profiles = 0
         self.notes: list[str] = []
-        #: NOTE [Meta kernels by their inputs' shapes] in meta_cache.py (None: every kernel runs, what
-        #: tests compare with).
+        #: NOTE [Meta kernels by their inputs' shapes] in memo/profiler/meta_cache.py (None: every kernel
+        #: runs, what tests compare with).
         self.kernels: MetaKernelCache | None = MetaKernelCache()
 
     def _record(self, strategy: str, layout: Layout, seq_len: int, depth: int, alpha: float | None,
@@ -314,7 +314,7 @@ class RankProfiler:
                None if alpha is None else round(alpha, 6), stages, policy, exchange)
         if key in self.cache:
             return self.cache[key]
-        from memo.estimate.meta_cache import reused
+        from memo.profiler.meta_cache import reused
 
         with reused(self.kernels):
             out = self._recorded(strategy, layout, seq_len, depth, alpha, stages, policy)

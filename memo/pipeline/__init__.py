@@ -58,6 +58,7 @@ from memo.profiler.bounds import check_least_memory, least_memory
 from memo.profiler.context_parallel import context_parallel_note, rank_tokens
 from memo.profiler.device import model_states
 from memo.profiler.measure import check_machine, measure_machine
+from memo.profiler.meta_cache import MetaKernelCache, reused
 from memo.profiler.record import Recording, meta_copy, model_parts
 from memo.profiler.stats import summarise_layers
 
@@ -174,7 +175,11 @@ def profile_step(step: str | ModelStep, request: ProfileRequest) -> ProfileResul
     model = step if isinstance(step, str) else step.chunks[0]
     batch = None if isinstance(step, str) else step.batch
     r = request
-    with _gradients_kept(model):
+    # NOTE [Meta kernels by their inputs' shapes] in memo/profiler/meta_cache.py: a profile on meta records
+    # the same ops on the same shapes over and over (its layers, tiles and policy probes); its trace, and
+    # so its plan, is the same event for event (tests/profiler/test_meta_cache_profile.py).
+    kernels = MetaKernelCache() if torch.device(r.device).type == "meta" else None
+    with _gradients_kept(model), reused(kernels):
         recorder, why = _default_recorder(r.recorder, model, torch.device(r.device), r.solve and r.plan)
         seq_len, micro_batch = _checked_sizes(r.seq_len, r.micro_batch, batch, r.tensor_parallel,
                                               r.context_parallel, recorder)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from memo.estimate import Estimator, Layout, Machine
-from memo.estimate.meta_cache import MetaKernelCache, _empty, _Meta
 from memo.models import ModelConfig, register_config
+from memo.profiler.meta_cache import MetaKernelCache, _empty, _Meta
 
 # Eight layers (more than the recorded depths, so two depths are recorded and extended), Qwen3's
 # QK-norm and grouped key/value heads, a vocabulary of a few loss chunks: seconds on meta.
