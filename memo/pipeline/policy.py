@@ -226,7 +226,8 @@ def calibrated_choice(probe: StepProbe, costs: LayerCosts, inputs: AlphaInputs, 
         if can_wrap:
             costs, can_wrap, full_recompute = _calibrated_costs(probe, costs, wrap_pass, budget, alpha)
         chosen = choose_policy(costs, budget, alpha, FALLBACK_HEADROOM, FALLBACK_SEGMENT_BYTES)
-        if not full_recompute and not (chosen.counts.get("memo") or chosen.counts.get("input-only")):
+        offloads = chosen.counts.get("memo") or chosen.counts.get("input-only")
+        if can_wrap and not full_recompute and not offloads:  # the runtime wraps the step, and
             # NOTE [Full recompute where it can change the choice]: it can now
             costs = with_recorded_full_recompute(costs, probe.total(["recompute"] * costs.n_layers, 0.0))
             chosen = choose_policy(costs, budget, alpha, FALLBACK_HEADROOM, FALLBACK_SEGMENT_BYTES)
