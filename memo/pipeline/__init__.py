@@ -175,11 +175,7 @@ def profile_step(step: str | ModelStep, request: ProfileRequest) -> ProfileResul
     model = step if isinstance(step, str) else step.chunks[0]
     batch = None if isinstance(step, str) else step.batch
     r = request
-    # NOTE [Meta kernels by their inputs' shapes] in memo/profiler/meta_cache.py: a profile on meta records
-    # the same ops on the same shapes over and over (its layers, tiles and policy probes); its trace, and
-    # so its plan, is the same event for event (tests/profiler/test_meta_cache_profile.py).
-    kernels = MetaKernelCache() if torch.device(r.device).type == "meta" else None
-    with _gradients_kept(model), reused(kernels):
+    with _gradients_kept(model), contextlib.ExitStack() as kernels:
         recorder, why = _default_recorder(r.recorder, model, torch.device(r.device), r.solve and r.plan)
         seq_len, micro_batch = _checked_sizes(r.seq_len, r.micro_batch, batch, r.tensor_parallel,
                                               r.context_parallel, recorder)
@@ -190,6 +186,12 @@ def profile_step(step: str | ModelStep, request: ProfileRequest) -> ProfileResul
         resolved = dataclasses.replace(resolved, progress=r.progress, say=r.log or (lambda _line: None),
                                        agree_max=r.agree_max or int, gradients=r.gradients)
         job = ProfileJob(resolved, ProfileState(net=net, batch=batch, notes=[] if why is None else [why]))
+        if resolved.device.type == "meta":
+            # NOTE [Meta kernels by their inputs' shapes] in memo/profiler/meta_cache.py: a profile on meta
+            # records the same ops on the same shapes over and over (layers, tiles, policy probes); its
+            # trace, and so its plan, is the same event for event (tests/profiler/test_meta_cache_profile.py).
+            # Only there: a dispatch mode over real tensors can change what they allocate.
+            kernels.enter_context(reused(MetaKernelCache()))
         # Refuse bad arguments before building or recording anything (a 1M-token pass takes a while).
         if r.solve:
             check_machine(r.machine, resolved.device, resolved.dtype)

@@ -60,8 +60,11 @@ def choose_profile_policy(job: ProfileJob, plain: Recording, states: dict[str, A
         return trace
 
     def record_total(policy: list[str], alpha: float, tile_tokens: int | None) -> dict[str, Any]:
-        st.warmed = True  # NOTE [A calibration needs no warm-up]
-        return record(policy, alpha, tile_tokens)
+        cold, st.warmed = not st.warmed, True  # NOTE [A calibration needs no warm-up]
+        trace = record(policy, alpha, tile_tokens)
+        if cold:  # its one-time allocations hold request indices no later iteration makes: never a plan
+            st.last_probe = None
+        return trace
 
     probe = StepProbe(record, static_bytes(states), req.agree_max, req.gradients, record_total=record_total)
     probed = calibrated_choice(probe, costs, lp_inputs, alpha=alpha, policy=policy,

@@ -25,7 +25,7 @@ def test_a_meta_profile_with_reused_kernels_is_the_one_with_every_kernel_run(
     monkeypatch.setattr(meta_cache.MetaKernelCache, "__torch_dispatch__", counted)
     reused = profile(model, seq_len, dtype="float32", device="meta", alpha=alpha, time_limit=2, **MACHINE)
     assert seen["ops"] > 1000  # the cache saw the profile's ops
-    monkeypatch.setattr("memo.pipeline.MetaKernelCache", lambda: None)
+    monkeypatch.setattr("memo.pipeline.MetaKernelCache", lambda: None)  # reused(None): every kernel runs
     every = profile(model, seq_len, dtype="float32", device="meta", alpha=alpha, time_limit=2, **MACHINE)
     assert reused.trace["events"] == every.trace["events"]
     assert reused.alpha.alpha == every.alpha.alpha and reused.policy == every.policy
