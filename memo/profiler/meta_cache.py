@@ -81,8 +81,6 @@ class MetaKernelCache(TorchDispatchMode):
         self._plain: dict[torch._ops.OpOverload, bool] = {}
         self.hits = 0
         self.misses = 0
-        #: Whether :func:`reused` entered it (once is enough: the mode answers every op under it).
-        self.active = False
 
     def _reusable(self, func: torch._ops.OpOverload) -> bool:
         plain = self._plain.get(func)
@@ -153,15 +151,22 @@ def _describe(out: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[
     return described, spec
 
 
+#: The cache :func:`reused` entered and has not left: one answers every op under it, so a recording
+#: within one (a profile within an estimate) keeps it rather than stacking a second mode, which would
+#: dispatch every op twice and answer from a cache that lasts one profile.
+_active: MetaKernelCache | None = None
+
+
 @contextlib.contextmanager
 def reused(cache: MetaKernelCache | None) -> Iterator[None]:
-    """``cache`` active (nothing where None, or where it is active already: a recording within one)."""
-    if cache is None or cache.active:
+    """``cache`` active (nothing where None, or where a cache is active already)."""
+    global _active
+    if cache is None or _active is not None:
         yield
         return
-    cache.active = True
+    _active = cache
     try:
         with cache:
             yield
     finally:
-        cache.active = False
+        _active = None
