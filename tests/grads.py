@@ -58,3 +58,12 @@ def train_step(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor
     loss = model(ids, labels)
     loss.backward()
     return loss.detach(), grads_of(model)
+
+
+def fused_qkv_views(s: int, b: int, n: int, n_kv: int, d: int, dtype: torch.dtype
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random q, k, v ``[s, b, heads, d]`` as views of one fused projection, as the reference layers make
+    them (not contiguous), and an incoming gradient of the attention output."""
+    qkv = torch.randn(s, b, n + 2 * n_kv, d, dtype=dtype)
+    grad_o = torch.randn(s, b, n, d, dtype=dtype)
+    return qkv[:, :, :n], qkv[:, :, n:n + n_kv], qkv[:, :, n + n_kv:], grad_o

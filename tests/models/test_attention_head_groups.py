@@ -8,6 +8,7 @@ import torch
 
 import memo.models.causal_attention as ca
 from memo.profiler.recorder import DispatchRecorder
+from tests.grads import fused_qkv_views
 
 
 def _peak(events: list[dict]) -> int:
@@ -32,11 +33,7 @@ def _one_group_per_kv_head(monkeypatch: pytest.MonkeyPatch, q: torch.Tensor, n_k
 def test_groups_give_the_one_call_numbers(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, n: int,
                                           n_kv: int) -> None:
     torch.manual_seed(n * n_kv)
-    s, b, d = 48, 2, 16
-    # q, k, v as views of one fused projection, as the reference layers make them (not contiguous)
-    qkv = torch.randn(s, b, n + 2 * n_kv, d, dtype=dtype)
-    q, k, v = qkv[:, :, :n], qkv[:, :, n:n + n_kv], qkv[:, :, n + n_kv:]
-    grad_o = torch.randn(s, b, n, d, dtype=dtype)
+    q, k, v, grad_o = fused_qkv_views(48, 2, n, n_kv, 16, dtype)
     o, lse = ca.attention_forward(q, k, v)
     grads = ca.attention_backward(grad_o, q, k, v, o, lse)
     _one_group_per_kv_head(monkeypatch, q, n_kv)

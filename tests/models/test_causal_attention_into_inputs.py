@@ -8,17 +8,14 @@ import torch
 
 import memo.models.causal_attention as ca
 from memo.profiler.recorder import DispatchRecorder
+from tests.grads import fused_qkv_views
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,n_kv", [(8, 2), (4, 4), (6, 1)])
 def test_gradients_over_inputs_are_the_usual_ones(dtype: torch.dtype, n: int, n_kv: int) -> None:
     torch.manual_seed(n * n_kv)
-    s, b, d = 40, 2, 16
-    # q, k, v as views of one fused projection, as the reference layers make them (not contiguous)
-    qkv = torch.randn(s, b, n + 2 * n_kv, d, dtype=dtype)
-    q, k, v = qkv[:, :, :n], qkv[:, :, n:n + n_kv], qkv[:, :, n + n_kv:]
-    grad_o = torch.randn(s, b, n, d, dtype=dtype)
+    q, k, v, grad_o = fused_qkv_views(40, 2, n, n_kv, 16, dtype)
     o, lse = ca.attention_forward(q, k, v)
     want = ca.attention_backward(grad_o, q, k, v, o, lse)
     with ca.gradients_into_inputs():
