@@ -31,11 +31,15 @@ install: $(STAMP)
 		2>/dev/null || { rm -f $(STAMP); $(MAKE) --no-print-directory $(STAMP); }
 	@$(PYTHON) -c "import torch, memo, memo._C; print('memo installed:', memo._C.build_info())"
 
+# What memo needs and its tests use; pip runs only when one is missing (.ci/have_requirements.py).
+REQUIREMENTS := "setuptools>=64" wheel ninja pybind11 numpy "pulp>=2.8,<4" tqdm matplotlib pytest \
+	pytest-xdist hypothesis ruff "mypy>=1.10" "megatron-core==0.16.1" "transformers==5.23.0" "peft==0.21.2" \
+	"accelerate==1.15.0"
+
 $(STAMP): $(NATIVE)
-	@if [ -n "$(TORCH_SPEC)" ]; then $(PIP) install -q "$(TORCH_SPEC)"; fi
-	$(PIP) install -q "setuptools>=64" wheel ninja pybind11 numpy "pulp>=2.8,<4" tqdm matplotlib \
-		pytest pytest-xdist hypothesis ruff "mypy>=1.10" "megatron-core==0.16.1" "transformers==5.23.0" \
-		"peft==0.21.2" "accelerate==1.15.0"
+	@$(PYTHON) .ci/have_requirements.py $(if $(TORCH_SPEC),"$(TORCH_SPEC)") $(REQUIREMENTS) 2>/dev/null || { \
+		if [ -n "$(TORCH_SPEC)" ]; then $(PIP) install -q "$(TORCH_SPEC)"; fi; \
+		$(PIP) install -q $(REQUIREMENTS); }
 	@mkdir -p build
 	@echo "memo: building the extension (compiler progress below; full log in build/install.log)"
 	@set -o pipefail; $(PIP) install -v --no-build-isolation --no-deps -e . 2>&1 | tee build/install.log \

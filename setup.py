@@ -59,6 +59,7 @@ Switches (one prefix, ``MEMO_``):
 
 from __future__ import annotations
 
+import concurrent.futures
 import glob
 import hashlib
 import importlib.util
@@ -181,9 +182,13 @@ class BuildWithCuda(BuildExtension if HAVE_TORCH else build_ext):
     def _build_core_archive(self) -> str:
         # The extensions' own compiler (before BuildExtension hands it to ninja), so both binaries get
         # the same objects; -fPIC comes with it, as the archive goes into shared objects.
+        # One source per job, MAX_JOBS at once: distutils compiles a list one file after another.
         out_dir = os.path.join(self.build_temp, "memo_core")
-        objects = self.compiler.compile(CORE_SOURCES, output_dir=out_dir,
-                                        include_dirs=[os.path.join(ROOT, "csrc")], extra_postargs=CORE_FLAGS)
+        with concurrent.futures.ThreadPoolExecutor(int(os.environ.get("MAX_JOBS", "1"))) as pool:
+            include = [os.path.join(ROOT, "csrc")]
+            per_source = pool.map(lambda src: self.compiler.compile(
+                [src], output_dir=out_dir, include_dirs=include, extra_postargs=CORE_FLAGS), CORE_SOURCES)
+            objects = [obj for objs in per_source for obj in objs]
         self.compiler.create_static_lib(objects, "memo_core", output_dir=out_dir)
         archive = os.path.join(out_dir, self.compiler.library_filename("memo_core"))
         _log(f"core: {len(objects)} objects archived in {archive}, linked into memo._C and the CUDA library")

@@ -47,7 +47,9 @@ Record = Callable[[str, bool, str], None]
 # test ran torch ops, is not safe; the server never runs any). MEMO_TEST_START_METHOD=spawn goes back.
 START_METHOD = os.environ.get("MEMO_TEST_START_METHOD", "forkserver")
 if START_METHOD == "forkserver":
-    mp.set_forkserver_preload(["torch", "torch.distributed", "memo", "memo.train.loop", "megatron.core"])
+    # torch._dynamo too: the first meta op with a Python decomposition imports it (3-5 s of CPU per rank)
+    mp.set_forkserver_preload(["torch", "torch.distributed", "memo", "memo.train.loop",
+                               "megatron.core"])
 
 
 class LaunchError(RuntimeError):
@@ -120,9 +122,12 @@ def _entry(rank: int, worker: str, world_size: int, port: int, out: str, spec: d
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     records: list[dict[str, Any]] = []
     path = Path(out, f"rank{rank}.json")
+    started = time.monotonic()
 
     def record(name: str, ok: bool, detail: str = "") -> None:
-        records.append({"name": name, "ok": bool(ok), "detail": detail})
+        # "s" and "cpu": seconds (wall, CPU) since the rank started, to see where a slow launch goes
+        records.append({"name": name, "ok": bool(ok), "detail": detail,
+                        "s": round(time.monotonic() - started, 2), "cpu": round(time.process_time(), 2)})
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(records))
         tmp.replace(path)

@@ -103,7 +103,7 @@ class LlamaEmbedding(nn.Module):
         super().__init__()
         self.tensor_parallel = check_tensor_parallel(tensor_parallel)
         rows = rank_shapes(config, tensor_parallel).vocab_rows
-        self.word = nn.Embedding(rows, config.hidden, device=device, dtype=dtype)
+        self.word = _embedding(rows, config.hidden, device, dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         _check_ids(ids)
@@ -111,6 +111,17 @@ class LlamaEmbedding(nn.Module):
         check_sequence_parallel(ids.shape[1], t)
         # Index with the transposed ids so the result is sequence-first without a copy of h-wide rows.
         return scatter_to_sequence_parallel(vocab_parallel_embedding(self.word, ids.t(), t), t)
+
+
+def _embedding(rows: int, hidden: int, device: torch.device | str | None,
+               dtype: torch.dtype | None) -> nn.Embedding:
+    """``nn.Embedding(rows, hidden)``, its initial draw skipped on meta: ``normal_`` of a meta tensor runs
+    torch's Python reference, whose first call imports torch._dynamo (seconds of CPU at the start of a
+    ``memo train`` that sizes its model on meta), and a meta weight has no values to draw. Elsewhere the
+    draw stays, so a seed gives the weights it always gave."""
+    if device is not None and torch.device(device).type == "meta":
+        return nn.Embedding(rows, hidden, _weight=torch.empty(rows, hidden, device="meta", dtype=dtype))
+    return nn.Embedding(rows, hidden, device=device, dtype=dtype)
 
 
 class GPTEmbedding(nn.Module):
@@ -133,8 +144,8 @@ class GPTEmbedding(nn.Module):
         self.max_seq_len = max_seq_len
         self.tensor_parallel = check_tensor_parallel(tensor_parallel)
         rows = rank_shapes(config, tensor_parallel).vocab_rows
-        self.word = nn.Embedding(rows, config.hidden, device=device, dtype=dtype)
-        self.position = nn.Embedding(max_seq_len, config.hidden, device=device, dtype=dtype)
+        self.word = _embedding(rows, config.hidden, device, dtype)
+        self.position = _embedding(max_seq_len, config.hidden, device, dtype)
 
     #: This rank's share of a sequence split over Ulysses ranks (NOTE [Contiguous Ulysses] in
     #: memo/models/ulysses_attention.py): its ids are positions ``first_position(s) ..``; None: from 0.

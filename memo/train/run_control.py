@@ -31,6 +31,7 @@ leaves the generators as it found them (NOTE [Evaluation] in memo/train/evaluati
 from __future__ import annotations
 
 import signal
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -157,12 +158,10 @@ class RunControl:
                eval_fn: Callable[[list[Batch]], float]) -> int:
         """Inside the Session, before the first step: the scheduler, the resumed states, the evaluation
         batches, the metrics files and the signal handlers. Returns the step the run starts after."""
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
         self.prepared()
         c = self.config
         self._optimizer = optimizer
-        local = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+        local = _local_optimizer(optimizer)
         self.state = TrainState(module, local, lr_scheduler(optimizer, c), self._source)
         start = 0
         if self.resume is not None:
@@ -253,3 +252,13 @@ def _plan_of_job(plan: Any, identity: dict[str, Any]) -> Any:
     named.meta = {**(plan.meta or {}), "model": identity["model"],
                   "fingerprint": identity["model_fingerprint"]}
     return named
+
+
+def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer that holds this rank's states: ZeRO-1's local one, else ``optimizer``. Only a process
+    that imported torch.distributed.optim can hold a ZeroRedundancyOptimizer; importing it to ask costs
+    every other run a second of CPU at start."""
+    zero = sys.modules.get("torch.distributed.optim")
+    if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer):
+        return optimizer.optim
+    return optimizer

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 
 import pytest
 import torch
@@ -274,7 +273,6 @@ def test_num_parameters_known_sizes() -> None:
 
 
 def test_meta_gpt_7b_forward_backward_long_sequence() -> None:
-    start = time.monotonic()
     s = 131072
     model = build_model("gpt-7b", device="meta", dtype=torch.bfloat16, max_seq_len=s)
     ids = torch.zeros(1, s, dtype=torch.long, device="meta")
@@ -282,7 +280,6 @@ def test_meta_gpt_7b_forward_backward_long_sequence() -> None:
     assert loss.device.type == "meta" and loss.shape == ()
     loss.backward()
     assert model.layers[0].qkv.weight.grad.shape == (3 * 4096, 4096)
-    assert time.monotonic() - start < 30
 
 
 def test_meta_llama_3_8b_forward() -> None:
