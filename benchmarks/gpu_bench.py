@@ -563,7 +563,13 @@ def _unfit(name: str, length: int, msl: argparse.Namespace, plan_dir: str) -> di
         need = None if source is None else (getattr(load_plan(path), "device", None) or {}).get("total_bytes")
         how = f"its plan's device total ({source})"
     else:
-        found = prep.need(msl.model, length, msl.dtype, name, plan_dir)
+        from memo.errors import MemoError
+
+        try:
+            found = prep.need(msl.model, length, msl.dtype, name, plan_dir)
+        except MemoError as err:  # no estimate is no reason not to measure
+            _say(f"  {name} @ {length:,}: no memory estimate ({err}); the row runs")
+            found = None
         need, how = (None, "") if found is None else (found["bytes"], found["how"])
     device = _device_bytes(msl)
     detail = prep.refuse_unfit(need, device)
@@ -1004,16 +1010,23 @@ def _predict(argv: list[str], available: tuple[str, ...]) -> int:
     plan = stages(gpu_args, available)
     rows = predict(gpu_args, plan, gpu)
     _print_prediction(rows, gpu)
-    ahead = set(plans_ahead(gpu_args))
-    found = cached_plans(gpu_args, plan, prep.gpu_table_key(gpu))
-    print(f"gpu_bench: memo's plans made ahead for the {gpu} in {gpu_args.plan_dir}: {len(found & ahead)} of "
-          f"{len(ahead)} (make gpu-bench-plans; NOTE [Plans made ahead on meta])", flush=True)
+    ahead, found = _print_plans_ahead(gpu_args, plan, gpu)
     if not ahead <= found:
         headline = [r for r in predict(gpu_args, plan, gpu, found | ahead) if r["stage"][:-1].isdigit()]
         if headline:
             print(f"gpu_bench: with them (make gpu-bench-plans first) the headline rows end "
                   f"{headline[-1]['total_with_build_s'] / 60:.1f} min after the build starts", flush=True)
     return 0
+
+
+def _print_plans_ahead(args: argparse.Namespace, plan: list[Stage], gpu: str
+                       ) -> tuple[set[tuple[str, int]], set[tuple[str, int]]]:
+    """Say how many of the plans ``make gpu-bench-plans`` makes ``--plan-dir`` holds; (wanted, found)."""
+    ahead = set(plans_ahead(args))
+    found = cached_plans(args, plan, prep.gpu_table_key(gpu))
+    print(f"gpu_bench: memo's plans made ahead for the {gpu} in {args.plan_dir}: {len(found & ahead)} of "
+          f"{len(ahead)} (make gpu-bench-plans; NOTE [Plans made ahead on meta])", flush=True)
+    return ahead, found
 
 
 def _gpu_key() -> str | None:
@@ -1128,6 +1141,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry_run:
         gpu = _gpu_key() or args.predict_gpu
         _print_prediction(predict(args, plan, gpu), gpu)
+        _print_plans_ahead(args, plan, gpu)
     skipped = [f"{n}: not measured: memo.train.STRATEGIES does not list it ({', '.join(STRATEGIES)})"
                for n in RUN_ORDER if n not in STRATEGIES and (args.only is None or n in args.only)]
     for line in skipped:

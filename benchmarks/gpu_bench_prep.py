@@ -159,9 +159,11 @@ def need(model: str, length: int, dtype: str, strategy: str, cache_dir: str | Pa
 
 def refuse_unfit(need_bytes: int | None, device_bytes: int | None) -> str | None:
     """Why a row that needs ``need_bytes`` must not run on a device of ``device_bytes``, or None."""
+    from memo.units import format_bytes
+
     if need_bytes is None or device_bytes is None or need_bytes <= device_bytes:
         return None
-    return (f"does not fit: needs {need_bytes / 2**30:,.2f} GiB of {device_bytes / 2**30:,.2f} GiB "
+    return (f"does not fit: needs {format_bytes(need_bytes)} of {format_bytes(device_bytes)} "
             "(estimated, not run: NOTE [Rows that cannot fit])")
 
 
