@@ -980,7 +980,7 @@ def predict(args: argparse.Namespace, plan: list[Stage], gpu: str, cached: set[t
                             continue
                         rows.append(prior_seconds(n, stage.model, length, args.steps, peak,
                                                   n == "memo" and (stage.model, length) in cached))
-                seconds += STARTUP_S + sum(rows) if rows else 0.0
+                seconds += STARTUP_S + sum(rows)  # a child starts even where no row of it can fit
         total += seconds or 0.0
         out.append({"stage": stage.name, "strategies": list(stage.strategies), "seconds": seconds,
                     "total_with_build_s": total, "does_not_fit": unfit})
