@@ -106,15 +106,15 @@ gpu-check:
 # unchanged CUDA library is not rebuilt (setup.py). GPU_BENCH_START: make expands the recipe before its
 # first line runs.
 #
-# gpu-bench-plans: what the loan need not spend device time on, made here on the CPU (~1 CPU minute)
+# gpu-bench-plans: what the loan need not spend device time on, made here on the CPU (~2 CPU minutes)
 # into build/gpu_bench_plans, which then travels with the loan (the device tool's carry): memo's plans
-# for the headline rows, made on meta for GPU_BENCH_GPU (the kind lent, H200), and every headline row's
+# for the headline and wide rows, made on meta for GPU_BENCH_GPU (the kind lent, H200), and every row's
 # predicted device memory (NOTE [Plans made ahead on meta], NOTE [Rows that cannot fit] in
 # benchmarks/gpu_bench_prep.py). Their keys hold memo's sources: make them again after a change to memo.
 GPU_BENCH_GPU ?= H200
 gpu-bench-plans: install
 	$(PYTHON) benchmarks/gpu_bench.py --make-plans --predict-gpu $(GPU_BENCH_GPU)
-	$(PYTHON) benchmarks/gpu_bench.py --predict --predict-gpu $(GPU_BENCH_GPU) --stages kernels 64K 128K
+	$(PYTHON) benchmarks/gpu_bench.py --predict --predict-gpu $(GPU_BENCH_GPU)
 
 GPU_ARCH = $(shell nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d '.')
 gpu-bench:

@@ -879,8 +879,8 @@ def _parser() -> argparse.ArgumentParser:
                    f"memo.utils.flops.GPU_PEAK_TFLOPS; default {prep.PLAN_GPU}, the kind lent); a run's "
                    "opening line predicts for its own GPU (nvidia-smi), else this one")
     p.add_argument("--make-plans", action="store_true",
-                   help="make memo's plans for the headline rows on meta for --predict-gpu, and every "
-                   "headline row's predicted device memory, into --plan-dir, on this machine's CPU (make "
+                   help="make memo's plans for its rows (of --stages) on meta for --predict-gpu, and every "
+                   "row's predicted device memory, into --plan-dir, on this machine's CPU (make "
                    "gpu-bench-plans; NOTE [Plans made ahead on meta] in benchmarks/gpu_bench_prep.py); exit")
     p.add_argument("--plan-dir", default=None,
                    help="memo's plan cache (NOTE [Plan cache]; default build/gpu_bench_plans)")
@@ -990,15 +990,15 @@ def predict(args: argparse.Namespace, plan: list[Stage], gpu: str, cached: set[t
 def cached_plans(args: argparse.Namespace, plan: list[Stage], gpu: str) -> set[tuple[str, int]]:
     """The (model, length) of memo's rows whose plan ``make gpu-bench-plans`` left in ``--plan-dir`` for
     ``gpu`` (NOTE [Plans made ahead on meta] in benchmarks/gpu_bench_prep.py)."""
-    rows = [(st.model, n) for st in plan if st.phase == "rows" and "memo" in st.strategies
-            for n in st.seq_lens]
-    return {(model, n) for model, n in rows if prep.plan_path(
+    return {(model, n) for model, n in plans_ahead(plan) if prep.plan_path(
         args.plan_dir, model, n, args.dtype, args.device_mem_mb, args.time_limit, f"meta {gpu}").exists()}
 
 
-def plans_ahead(args: argparse.Namespace) -> list[tuple[str, int]]:
-    """The (model, length) of memo's plans ``make gpu-bench-plans`` makes: the headline rows'."""
-    return [(args.model, n) for n in args.seq_lens]
+def plans_ahead(plan: list[Stage]) -> list[tuple[str, int]]:
+    """The (model, length) of memo's plans ``make gpu-bench-plans`` makes: every memo row of ``plan``'s
+    stages (the headline rows, then the wide stage's)."""
+    return [(st.model, n) for st in plan if st.phase == "rows" and "memo" in st.strategies
+            for n in st.seq_lens]
 
 
 def _predict(argv: list[str], available: tuple[str, ...]) -> int:
@@ -1022,7 +1022,7 @@ def _predict(argv: list[str], available: tuple[str, ...]) -> int:
 def _print_plans_ahead(args: argparse.Namespace, plan: list[Stage], gpu: str
                        ) -> tuple[set[tuple[str, int]], set[tuple[str, int]]]:
     """Say how many of the plans ``make gpu-bench-plans`` makes ``--plan-dir`` holds; (wanted, found)."""
-    ahead = set(plans_ahead(args))
+    ahead = set(plans_ahead(plan))
     found = cached_plans(args, plan, prep.gpu_table_key(gpu))
     print(f"gpu_bench: memo's plans made ahead for the {gpu} in {args.plan_dir}: {len(found & ahead)} of "
           f"{len(ahead)} (make gpu-bench-plans; NOTE [Plans made ahead on meta])", flush=True)
@@ -1117,8 +1117,9 @@ def main(argv: list[str] | None = None) -> int:
 
     plan = stages(args, (*STRATEGIES, "kernels"))
     if args.make_plans:
-        return prep.make_plans(args, [(st.model, n, name) for st in plan if st.phase == "rows"
-                                      for n in st.seq_lens for name in st.strategies])
+        rows = [(st.model, n, name) for st in plan if st.phase == "rows" for n in st.seq_lens
+                for name in st.strategies]
+        return prep.make_plans(args, plans_ahead(plan), rows)
     if args.predict:
         return _predict(sys.argv[1:] if argv is None else argv, (*STRATEGIES, "kernels"))
     if args.device.startswith("cuda") and (status := preflight()):

@@ -4,7 +4,8 @@ A loan is 15 minutes of device time; what does not need the device is done befor
 and carried (``build/gpu_bench_plans``):
 
 - each row's device memory, predicted before the row runs (NOTE [Rows that cannot fit]);
-- memo's plans for the headline rows, made on meta (NOTE [Plans made ahead on meta]);
+- memo's plans for its rows (the headline rows, then the wide stage's), made on meta (NOTE [Plans made
+  ahead on meta]);
 - the cache keys both are found by (NOTE [Plan cache] in benchmarks/gpu_bench.py).
 
 ``make gpu-bench-plans`` (``python benchmarks/gpu_bench.py --make-plans``) makes them; ``make gpu-bench``
@@ -36,16 +37,18 @@ GPU_MEMORY_GIB = {"H100": 79.2, "H200": 139.8}
 
 # NOTE [Plans made ahead on meta]
 # memo's timed row needs a plan: profiled on the device, it costs ~42 s at 32K on an H200 (more than
-# the row's steps) and grows with the length. ``make gpu-bench-plans`` makes the headline rows' plans on
-# the CPU instead, by ``memo profile``'s own path on meta for the GPU named (``--plan-gpu``, the lent
-# kind, H200), and the device's child loads the one whose key matches (``plan_source`` "meta cache").
+# the row's steps) and grows with the length. ``make gpu-bench-plans`` makes memo's rows' plans on the
+# CPU instead (the headline rows' and the wide stage's: ~2 CPU minutes), by ``memo profile``'s own path
+# on meta for the GPU named (``--predict-gpu``, the lent kind, H200), and the device's child loads the one
+# whose key matches (``plan_source`` "meta cache").
 # The key is everything the plan depends on: the model's fingerprint, the length, dtype, device budget,
 # planner time limit, the GPU, the machine numbers assumed below, and memo's sources (source_hash).
 # What the device's own profile would have changed, and what it costs:
 # - B and T_layer are assumed, not measured: PLAN_BANDWIDTH_GBPS (PCIe 5.0 x16) and T_layer from FLOPs
-#   at memo.profiler's default efficiency (0.5 of the GPU's bf16 peak). Alpha is the LP's answer for
-#   those: a device whose link is slower than assumed exposes copies (step time), a faster one would have
-#   allowed a larger alpha (less recompute); the plan's memory does not depend on them.
+#   at memo.profiler's default efficiency (0.5 of the GPU's bf16 peak). Alpha, and with it the plan's
+#   offloaded bytes and buffers, is the LP's answer for those: a device whose link is slower than assumed
+#   exposes copies (step time), one whose layers run slower would have allowed a larger alpha (less
+#   recompute). The plan's own numbers say what it assumed (``alpha_detail``).
 # - The host memory is the lent machine's (PLAN_HOST_GB); pinned buffers are sized from the plan before
 #   step 1, and a host that cannot give them fails there, with the numbers.
 # - The trace is the dispatch recorder's (on meta it is all there is; NOTE [Which recorder] in
@@ -167,8 +170,13 @@ def refuse_unfit(need_bytes: int | None, device_bytes: int | None) -> str | None
             "(estimated, not run: NOTE [Rows that cannot fit])")
 
 
-def make_plans(args: Any, rows: list[tuple[str, int, str]]) -> int:
-    """``make gpu-bench-plans``: memo's plan for each headline length (``args.seq_lens``) made on meta for
+def _short(model: str) -> str:
+    """A model's name for a line: a registered name, or a config file's stem."""
+    return Path(model).stem if model.endswith(".json") else model
+
+
+def make_plans(args: Any, plans: list[tuple[str, int]], rows: list[tuple[str, int, str]]) -> int:
+    """``make gpu-bench-plans``: memo's plan for each of ``plans`` (model, length) made on meta for
     ``args.predict_gpu`` (NOTE [Plans made ahead on meta]), and the predicted device memory of each of
     ``rows`` (model, length, strategy; NOTE [Rows that cannot fit]), into ``args.plan_dir``; what exists
     is kept."""
@@ -178,30 +186,30 @@ def make_plans(args: Any, rows: list[tuple[str, int, str]]) -> int:
 
     gpu = gpu_table_key(args.predict_gpu)
     budget_gb = None if args.device_mem_mb is None else args.device_mem_mb * 2**20 / 1e9
-    print(f"gpu_bench: plans ahead for {args.model} on an {gpu} in {args.plan_dir} (assumed: "
+    print(f"gpu_bench: plans ahead for an {gpu} in {args.plan_dir} (assumed: "
           f"{PLAN_BANDWIDTH_GBPS:g} GB/s link, {PLAN_HOST_GB:g} GB host memory, T_layer from FLOPs)",
           flush=True)
     for model, length, name in rows:
         start = time.process_time()
         found = need(model, length, args.dtype, name, args.plan_dir)
         if found is not None:
-            print(f"  {name} @ {length:,} ({Path(model).stem}): needs {found['bytes'] / 2**30:,.2f} GiB "
+            print(f"  {name} @ {length:,} ({_short(model)}): needs {found['bytes'] / 2**30:,.2f} GiB "
                   f"(estimated; {time.process_time() - start:.1f} CPU s)", flush=True)
-    for length in args.seq_lens:
-        path = plan_path(args.plan_dir, args.model, length, args.dtype, args.device_mem_mb, args.time_limit,
+    for model, length in plans:
+        path = plan_path(args.plan_dir, model, length, args.dtype, args.device_mem_mb, args.time_limit,
                          f"meta {gpu}")
         if path.exists():
-            print(f"  memo @ {length:,}: {path} (already made)", flush=True)
+            print(f"  memo @ {length:,} ({_short(model)}): {path} (already made)", flush=True)
             continue
         start = time.process_time()
-        result = profile(args.model, length, 1, args.dtype, "meta", recorder="dispatch",
+        result = profile(model, length, 1, args.dtype, "meta", recorder="dispatch",
                          time_limit=args.time_limit, device_mem_gb=budget_gb,
                          gpu=gpu.lower().replace(" ", "-"), bandwidth_gbps=PLAN_BANDWIDTH_GBPS,
                          host_mem_gb=PLAN_HOST_GB, gpus_per_node=1)
         path.parent.mkdir(parents=True, exist_ok=True)
         save_plan(result.plan, path)
         device = result.plan.device or {}
-        print(f"  memo @ {length:,}: alpha {result.alpha.alpha:.4f}, device total "
+        print(f"  memo @ {length:,} ({_short(model)}): alpha {result.alpha.alpha:.4f}, device total "
               f"{device.get('total_bytes', 0) / 2**30:,.2f} GiB; {path} "
               f"({time.process_time() - start:.1f} CPU s)", flush=True)
     return 0

@@ -257,7 +257,7 @@ def test_the_prediction_is_its_model(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert rows[2]["does_not_fit"] == ["none @ 128K"]
     # memo's plans made ahead (make gpu-bench-plans) cost a load, not a profile; the headline rows then
     # end within issue 45's 8 minutes of the build's start.
-    ahead = set(gpu_bench.plans_ahead(args))
+    ahead = set(gpu_bench.plans_ahead(plan[:3]))
     assert ahead == {("llama-3.2-1b", 65536), ("llama-3.2-1b", 131072)}
     cached = gpu_bench.predict(args, plan[:3], "H200", ahead)
     assert math.isclose(rows[1]["seconds"] - cached[1]["seconds"], 84.0 - gpu_bench.PLAN_LOAD_S)
@@ -285,7 +285,7 @@ def test_plans_made_ahead_are_found_and_a_row_that_cannot_fit_is_not_run(
     args = _args("--seq-lens", "128", "--plan-dir", str(tmp_path), "--predict-gpu", "h200")
     assert gpu_bench.main(["--dry-run", "--make-plans", "--seq-lens", "128", "--stages", "128",
                            "--plan-dir", str(tmp_path), "--predict-gpu", "h200"]) == 0
-    assert "memo @ 128: alpha" in capsys.readouterr().out
+    assert "memo @ 128 (llama-dry-run): alpha" in capsys.readouterr().out
     assert gpu_bench.cached_plans(args, gpu_bench.stages(args, ("memo",)), "H200") == {(args.model, 128)}
     # A child on an H200 finds it (NOTE [Plan cache]) ...
     monkeypatch.setattr(gpu_bench, "_plan_target", lambda msl: "cuda NVIDIA H200")
