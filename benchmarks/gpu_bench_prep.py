@@ -64,14 +64,15 @@ PLAN_GPU = "H200"
 
 # NOTE [Rows that cannot fit]
 # A row whose device memory exceeds the device's is not run: it would spend a model build and a first
-# step to learn what is known before it (plain autograd at 128K needs ~210 GiB). Each row's need is
+# step to learn what is known before it (plain autograd at 128K needs ~205 GiB). Each row's need is
 # memo.estimate's meta profile of the strategy (``method="plan"``, model states as memo train keeps
 # them: AdamW in the model's dtype): none, full-recompute and offloaded-checkpoint; memo's is its plan's
-# ``device["total_bytes"]`` when the plan comes from the cache. On an H200 at 32K and 64K those
-# estimates were within 0.3% of the measured peaks of none and full recompute (57.91 GiB against
-# 58.10 measured, 20.87 against 20.94) and 11% under offloaded-checkpoint's at 32K, never over: a row
-# is refused only where the estimate exceeds the device (or its --device-mem-mb budget), so a row near
-# the edge runs and its out-of-memory is measured. A refused row is reported as "does not fit" with the
+# ``device["total_bytes"]`` when the plan comes from the cache. Against the H200's measured peaks
+# (2026-11-26) those estimates were within 0.3% for none at 32K (57.91 GiB against 58.10) and full
+# recompute at 32K and 64K (14.88 against 14.95, 20.87 against 20.94), and 11% and 1% under
+# offloaded-checkpoint's at 32K and 64K, never over: a row is refused only where the estimate exceeds
+# the device (or its --device-mem-mb budget), so a row near the edge runs and its out-of-memory is
+# measured. A refused row is reported as "does not fit" with the
 # estimate's numbers: a result from the estimate, labelled so, not a measurement. The estimates are
 # cached by their key (a few CPU seconds each, ~5 s more for the first in a process).
 
