@@ -14,6 +14,7 @@ uses what it finds.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import hashlib
 import json
@@ -93,7 +94,7 @@ def _config(model: str) -> Any:
     return get_config(model)
 
 
-def _key(*parts: Any) -> str:
+def _key(*parts: object) -> str:
     return hashlib.sha256(json.dumps([*parts, source_hash()]).encode()).hexdigest()[:20]
 
 
@@ -176,7 +177,8 @@ def _short(model: str) -> str:
     return Path(model).stem if model.endswith(".json") else model
 
 
-def make_plans(args: Any, plans: list[tuple[str, int]], rows: list[tuple[str, int, str]]) -> int:
+def make_plans(args: argparse.Namespace, plans: list[tuple[str, int]],
+               rows: list[tuple[str, int, str]]) -> int:
     """``make gpu-bench-plans``: memo's plan for each of ``plans`` (model, length) made on meta for
     ``args.predict_gpu`` (NOTE [Plans made ahead on meta]), and the predicted device memory of each of
     ``rows`` (model, length, strategy; NOTE [Rows that cannot fit]), into ``args.plan_dir``; what exists
