@@ -15,7 +15,7 @@ WHEELS     ?=
 GPU_CHECK_ARGS ?=
 GPU_BENCH_ARGS ?=
 
-.PHONY: install demo test lint bench clean gpu-check gpu-bench notorch-check typecheck
+.PHONY: install demo test lint bench clean gpu-check gpu-bench gpu-bench-plans notorch-check typecheck
 
 # The install runs again only when something native changed (the stamp is older than a
 # source under csrc/, setup.py or pyproject.toml) or memo cannot be imported: the Python
@@ -99,15 +99,27 @@ gpu-check:
 # memo against its peers on one GPU (issues 27, 45), llama-3.2-1b in bf16, in stages that fit a short
 # loan, within a time budget that starts when this target does (the build is inside it;
 # benchmarks/gpu_bench.py, NOTE [Stages of a loan], NOTE [Time budget]):
+#   make gpu-bench-plans                           (first, on any machine's CPU: see below)
 #   make gpu-bench WHEELS=dir                      (GPU_BENCH_ARGS="--time-budget-s 400" for less time)
 #   make gpu-bench GPU_BENCH_ARGS="--resume benchmarks/results/gpu_bench.records.jsonl"   (the next loan)
 # Writes benchmarks/results/gpu_bench.md (to paste into benchmarks/RESULTS.md), gpu_bench.json and the
-# records a later loan resumes from (gpu_bench.records.jsonl; carry build/gpu_bench_plans with it: memo's
-# plans, NOTE [Plan cache]). Stops at once, non-zero, where no CUDA device is present;
-# `python benchmarks/gpu_bench.py --dry-run` runs the same code on the CPU, `--dry-run --predict` prints
-# the predicted device time. The build: the device's own architecture only (MEMO_CUDA_ARCHS from
-# nvidia-smi, e.g. 90 on Hopper), parallel jobs (MAX_JOBS, setup.py), -g0, and an unchanged CUDA library
-# is not rebuilt (setup.py). GPU_BENCH_START: make expands the recipe before its first line runs.
+# records a later loan resumes from (gpu_bench.records.jsonl). Stops at once, non-zero, where no CUDA
+# device is present; `python benchmarks/gpu_bench.py --dry-run` runs the same code on the CPU,
+# `--dry-run --predict` prints the predicted device time. The build: the device's own architecture only
+# (MEMO_CUDA_ARCHS from nvidia-smi, e.g. 90 on Hopper), parallel jobs (MAX_JOBS, setup.py), -g0, and an
+# unchanged CUDA library is not rebuilt (setup.py). GPU_BENCH_START: make expands the recipe before its
+# first line runs.
+#
+# gpu-bench-plans: what the loan need not spend device time on, made here on the CPU (~2 CPU minutes)
+# into build/gpu_bench_plans, which then travels with the loan (the device tool's carry): memo's plans
+# for the headline and wide rows, made on meta for GPU_BENCH_GPU (the kind lent, H200), and every row's
+# predicted device memory (NOTE [Plans made ahead on meta], NOTE [Rows that cannot fit] in
+# benchmarks/gpu_bench_prep.py). Their keys hold memo's sources: make them again after a change to memo.
+GPU_BENCH_GPU ?= H200
+gpu-bench-plans: install
+	$(PYTHON) benchmarks/gpu_bench.py --make-plans --predict-gpu $(GPU_BENCH_GPU)
+	$(PYTHON) benchmarks/gpu_bench.py --predict --predict-gpu $(GPU_BENCH_GPU)
+
 GPU_ARCH = $(shell nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d '.')
 gpu-bench:
 	@$(PYTHON) benchmarks/gpu_bench.py --preflight

@@ -7,8 +7,9 @@ paste into benchmarks/RESULTS.md (``--out``), a JSON file with every raw number 
 records file a later loan resumes from (NOTE [Resuming a run]), in stages (NOTE [Stages of a loan]):
 
 1. every attention kernel the device offers, timed and checked (NOTE [Attention kernels in the bench]);
-2. the step time and MFU of each strategy at 64K and 128K tokens (``--seq-lens``), and memo's device
-   peak against its plan's ``device["total_bytes"]`` (the bar: within 3%) and full recompute's peak;
+2. the step time and MFU of each strategy at 64K and 128K tokens (``--seq-lens``) where it can fit
+   (NOTE [Rows that cannot fit] in benchmarks/gpu_bench_prep.py), and memo's device peak against its
+   plan's ``device["total_bytes"]`` (the bar: within 3%) and full recompute's peak;
 3. the longest sequence each strategy trains (two steps of forward, backward and AdamW), searched
    by benchmarks/max_seq_len.py's :func:`search` (doubling, then bisection to ``--granularity``);
 4. the same rows for a Llama-3.1-8B-shaped model with 4 layers at 128K and 256K tokens.
@@ -16,22 +17,27 @@ records file a later loan resumes from (NOTE [Resuming a run]), in stages (NOTE 
 Strategies: none, full-recompute, offloaded-checkpoint, torchtune-offload and memo; one that
 :data:`memo.train.STRATEGIES` does not list is skipped with a line saying so.
 
-NOTE [One interpreter per strategy]
+NOTE [One interpreter for memo, one for the rest]
 On CUDA memo's allocator must be installed before the first CUDA tensor and the baselines must
-not have it (benchmarks/max_seq_len.py: NOTE [Emulated device memory on CPU]), so each strategy
-runs in an interpreter of its own (``--child``), set up by max_seq_len's own ``_setup_cuda``, one
-for its timed rows and one for its search. A timed row is a :func:`memo.train.train` of
-``--steps`` steps (step 1 is warm-up and not timed; memo profiles and plans the very model, as
-``memo train`` does) measured by max_seq_len's :class:`CappedMeter`, so that a row and a try of the
-search are held to the same device budget. The search is max_seq_len's :func:`search` with its
-``try_length`` replaced in the child's module: a length a row trained fits and one a row ran out of
-memory at does not, without asking the device again; any other length is max_seq_len's own try
-(two steps), unless the time budget says no. Children print one JSON record per row and per try
-as they go (``GPU-BENCH-JSON``), so one stopped at its time limit keeps what it measured.
-benchmarks/strategies.py's ``run_row`` is not used for the rows: it builds its own unbudgeted
-:class:`MemoryMeter` and does not return the strategy, whose plan (``device["total_bytes"]``) the
-third table needs. On the CPU, ``--jobs`` children run at once and share their interpreter among
-several strategies (each emulates its own device, as benchmarks/strategies.py's CPU rows do).
+not have it (benchmarks/max_seq_len.py: NOTE [Emulated device memory on CPU]), so memo runs in an
+interpreter of its own (``--child``) and every other strategy of a stage in one interpreter beside
+it, set up by max_seq_len's own ``_setup_cuda`` (PyTorch's allocator, capped where ``--device-mem-mb``
+says): a child's start (imports, CUDA) is ~10 s of a loan, and the baselines share nothing a row leaves
+behind (each row's peak is reset by memo.train.train, and its memory given back before the next).
+A timed row is a :func:`memo.train.train` of ``--steps`` steps (step 1 is warm-up and not timed; memo
+profiles and plans the very model, as ``memo train`` does, unless its plan is cached: NOTE [Plan
+cache]) measured by max_seq_len's :class:`CappedMeter`, so that a row and a try of the search are
+held to the same device budget. A row whose device memory is predicted above the device's is
+reported, not run (NOTE [Rows that cannot fit] in benchmarks/gpu_bench_prep.py). The search is
+max_seq_len's :func:`search` with its ``try_length`` replaced in the child's module: a length a row
+trained fits and one a row ran out of memory at (or was predicted not to fit) does not, without
+asking the device again; any other length is max_seq_len's own try (two steps), unless the time
+budget says no. Children print one JSON record per row and per try as they go (``GPU-BENCH-JSON``),
+so one stopped at its time limit keeps what it measured. benchmarks/strategies.py's ``run_row`` is
+not used for the rows: it builds its own unbudgeted :class:`MemoryMeter` and does not return the
+strategy, whose plan (``device["total_bytes"]``) the third table needs. On the CPU, ``--jobs``
+children run at once, the strategies dealt out among them (each emulates its own device, as
+benchmarks/strategies.py's CPU rows do).
 
 NOTE [Time budget]
 The budget (``--time-budget-s``, default 720 s) counts from ``--started-at`` (the Makefile passes
@@ -53,6 +59,7 @@ bf16 is many times slower), two children at once; a GPU session then measures in
 
 Usage::
 
+    make gpu-bench-plans                             # on the CPU, before the loan: memo's plans, rows' needs
     make gpu-bench WHEELS=/path/to/wheels            # installs, builds with MEMO_BUILD_CUDA=1, runs this
     make gpu-bench GPU_BENCH_ARGS="--resume benchmarks/results/gpu_bench.records.jsonl"   # the next loan
     python benchmarks/gpu_bench.py --dry-run         # CPU: the same code path, tiny
@@ -68,7 +75,6 @@ import dataclasses
 import datetime as dt
 import functools
 import gc
-import hashlib
 import json
 import os
 import shutil
@@ -79,6 +85,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+import gpu_bench_prep as prep
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_KIND = "memo.benchmark.gpu_bench"
@@ -180,21 +188,27 @@ class _Budget:
 # NOTE [Predicted device time]
 # What a loan costs before anything was measured on it (``--predict``, printed at the start of every
 # run, and what a child predicts for a row of a strategy it has not measured yet):
-#   build + per child (STARTUP_S + per row (setup + steps x step time))
+#   build + per child (STARTUP_S + per row that can fit (setup + steps x step time))
 # - build: BUILD_S, the ~3 minutes `make gpu-check` took to install and build on an H200 (2026-11-26,
 #   tenth session, both architectures); `make gpu-bench` now builds for the device's architecture
 #   only, with parallel nvcc threads, and skips an unchanged CUDA library, so this is an upper bound.
+# - children: per stage one for memo and one for every other strategy (NOTE [One interpreter for memo,
+#   one for the rest]), each STARTUP_S to start.
+# - rows: one predicted not to fit the GPU's memory (GPU_MEMORY_GIB in gpu_bench_prep.py; NOTE [Rows that
+#   cannot fit] there) is not run and costs nothing.
 # - step time: model FLOPs (memo.utils.flops.flops_per_sample) / (the GPU's dense bf16 peak from
 #   memo.utils.flops.GPU_PEAK_TFLOPS x the strategy's MFU). PRIOR_MFU is each strategy's MFU measured
 #   at 32K on an H200 (RESULTS.md, "make gpu-bench trial on an H200", the fused-AdamW rows where
 #   measured); full recompute measured 22.1% at 64K, so MFU holds within a few points up to 64K. An
 #   H100 has the H200's bf16 peak (989 TFLOPS) and less memory bandwidth: the prediction assumes the
-#   same MFU, which long sequences (attention-bound, compute-bound) make close.
+#   same MFU, which long sequences (attention-bound, compute-bound) make close. Two steps a row: one
+#   warm-up, one timed (the 32K rows' timed steps agreed within 0.2%).
 # - setup: memo's profile and plan, 42 s at 32K on the H200, scaled by length (PRIOR_SETUP_S); a plan
-#   from the cache (NOTE [Plan cache]) costs PLAN_LOAD_S instead; every other strategy builds its model
-#   in a few seconds (OTHER_SETUP_S).
-# - A row that runs out of memory ends at its first step: the prediction, which runs every row to the
-#   end, is an upper bound there (plain autograd at 64K on an 80 GB H100).
+#   from the cache (NOTE [Plan cache]: one made ahead by `make gpu-bench-plans`, or profiled by an
+#   earlier loan) costs PLAN_LOAD_S instead; every other strategy builds its model in a few seconds
+#   (OTHER_SETUP_S).
+# - A row that runs out of memory ends at its first step: the prediction, which runs every row it does
+#   not predict to misfit to the end, is an upper bound there.
 BUILD_S = 180.0
 PRIOR_MFU = {"none": 0.276, "full-recompute": 0.231, "offloaded-checkpoint": 0.211,
              "torchtune-offload": 0.224, "memo": 0.254}
@@ -252,9 +266,9 @@ def _row(name: str, length: int, msl: argparse.Namespace, steps: int,
 
     meter = max_seq_len.CappedMeter(None if msl.device_mem_mb is None else int(msl.device_mem_mb * 2**20))
     # memo profiles this very model, as `memo train` does (alpha "auto", the layer policy for the budget),
-    # unless an earlier run left its plan in the cache (NOTE [Plan cache]).
-    cached = _plan_path(plan_dir, msl, length) if name == "memo" and plan_dir else None
-    plan = str(cached) if cached is not None and cached.exists() else None
+    # unless its plan is in the cache (NOTE [Plan cache]).
+    cached, source = _cached_plan(plan_dir, msl, length) if name == "memo" and plan_dir else (None, None)
+    plan = str(cached) if source is not None else None
     strategy = build_strategy(name, meter, time_limit=msl.time_limit,
                               device_mem_gb=max_seq_len._budget_gb(msl), plan=plan)
     config = TrainConfig(model=msl.model, seq_len=length, micro_batch=1, steps=steps, device=msl.device,
@@ -281,7 +295,7 @@ def _row(name: str, length: int, msl: argparse.Namespace, steps: int,
                    alpha_binding=strategy.alpha_binding,
                    allocator=dict(last.get("allocator", {})))
         if name == "memo":
-            row["plan_source"] = "cache" if plan is not None else "profiled"
+            row["plan_source"] = source or "profiled"
             if plan is None and cached is not None and strategy.plan is not None:
                 from memo.planner import save_plan
 
@@ -402,39 +416,41 @@ def _kernel_timings(model: str, device: str, dtype_name: str) -> dict[str, Any]:
 # memo's timed row profiles and plans the very model on the device, as `memo train` does: ~42 s of a
 # 32K row on an H200, more than its steps. What the plan depends on is known before the row runs (the
 # model's fingerprint, the length, dtype, device budget and planner time limit, the GPU, and memo's own
-# code), so a row saves its plan under a key of all of them (``--plan-dir``, default build/gpu_bench_plans)
-# and a later run with the same key loads it instead (``plan_source``: "cache" or "profiled" in the row).
-# A later loan carries the folder; a change to any of them (another GPU, a new memo) is another key.
-_SOURCE_HASH: list[str] = []
-
-
-def _source_hash() -> str:
-    """sha256 of memo's and the planner's Python and C++ sources: a plan is memo's code's."""
-    if not _SOURCE_HASH:
-        digest = hashlib.sha256()
-        for path in sorted([*(ROOT / "memo").rglob("*.py"), *(ROOT / "planner").rglob("*.py"),
-                            *(ROOT / "csrc").rglob("*.*")]):
-            digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
-        _SOURCE_HASH.append(digest.hexdigest())
-    return _SOURCE_HASH[0]
-
-
-def _plan_path(plan_dir: str, msl: argparse.Namespace, length: int) -> Path:
-    """The cache file of memo's plan for ``length`` tokens of this child's job (NOTE [Plan cache])."""
+# code), so a plan is kept under a key of all of them (``--plan-dir``, default build/gpu_bench_plans,
+# benchmarks/gpu_bench_prep.py's plan_path) and a run with the same key loads it instead of profiling.
+# Two kinds are found there, in this order: one a row profiled on this device and saved ("cache" in
+# the row's ``plan_source``), and one ``make gpu-bench-plans`` made ahead on the CPU, on meta, for this
+# GPU ("meta cache"; what that costs in accuracy: NOTE [Plans made ahead on meta] in gpu_bench_prep.py);
+# else the row profiles ("profiled") and saves its plan. The folder travels with the loan (the device
+# tool's carry); a change to any part of the key (another GPU, a new memo) is another key.
+def _plan_target(msl: argparse.Namespace) -> str:
+    """What this child's profile would be made for: the device type and, on CUDA, the GPU's name."""
     import torch
 
-    from memo.models import fingerprint
+    if not msl.device.startswith("cuda"):
+        return torch.device(msl.device).type
+    return f"cuda {torch.cuda.get_device_name(torch.device(msl.device))}"
 
-    gpu = torch.cuda.get_device_name(torch.device(msl.device)) if msl.device.startswith("cuda") else "cpu"
-    key = json.dumps([fingerprint(_config(msl.model)), length, msl.dtype, msl.device_mem_mb, msl.time_limit,
-                      gpu, _source_hash()])
-    return Path(plan_dir) / f"memo-{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+
+def _cached_plan(plan_dir: str, msl: argparse.Namespace, length: int) -> tuple[Path, str | None]:
+    """Where this child's profiled plan for ``length`` tokens goes, and the plan to load instead with where
+    it came from: one profiled on this device ("cache"), else one made ahead on meta for this GPU ("meta
+    cache", NOTE [Plans made ahead on meta] in benchmarks/gpu_bench_prep.py), else none."""
+    args = (msl.model, length, msl.dtype, msl.device_mem_mb, msl.time_limit)
+    target = _plan_target(msl)
+    mine = prep.plan_path(plan_dir, *args, target)
+    if mine.exists():
+        return mine, "cache"
+    key = prep.gpu_key(target) if target.startswith("cuda ") else None
+    ahead = prep.plan_path(plan_dir, *args, f"meta {key}") if key else None
+    if ahead is not None and ahead.exists():
+        return ahead, "meta cache"
+    return mine, None
 
 
 def _child(args: argparse.Namespace) -> int:
-    """The strategies of ``--child`` one after the other (on CUDA exactly one: NOTE [One interpreter per
-    strategy]; a CPU run with --jobs shares an interpreter between strategies, as
-    benchmarks/strategies.py does on the CPU)."""
+    """The strategies of ``--child`` one after the other (on CUDA memo alone, or the others: NOTE [One
+    interpreter for memo, one for the rest])."""
     import max_seq_len
     import torch
 
@@ -450,9 +466,9 @@ def _child(args: argparse.Namespace) -> int:
 
         pin_kernel(args.attention_kernel)
     if torch.device(msl.device).type == "cuda":
-        if len(args.child) != 1:
-            sys.exit("error: gpu_bench: on CUDA a child measures one strategy (NOTE [One interpreter per "
-                     "strategy])")
+        if "memo" in args.child and len(args.child) != 1:
+            sys.exit("error: gpu_bench: on CUDA memo runs in a child of its own (NOTE [One interpreter for "
+                     "memo, one for the rest])")
         max_seq_len._setup_cuda(args.child[0], msl)
     info = _info(args.model, args.peak_tflops)
     _emit({**info, "strategy": None, "t": time.time()})
@@ -494,12 +510,19 @@ def _rows(name: str, args: argparse.Namespace, msl: argparse.Namespace, peak_tfl
     for length in args.seq_lens:
         if str(length) in done:
             continue
-        why = f"{oom:,} tokens ran out of memory" if oom is not None and oom < length else \
+        why = f"{oom:,} tokens did not fit (out of memory)" if oom is not None and oom < length else \
             budget.refuse(length, args.steps)
         if why is not None:
             _emit({"type": "skip", "strategy": name, "what": f"timed row at {length:,}", "seq_len": length,
                    "why": why, "oom": oom is not None and oom < length})
             _say(f"  {name} @ {length:,}: skipped: {why}")
+            continue
+        unfit = _unfit(name, length, msl, args.plan_dir)
+        if unfit is not None:  # NOTE [Rows that cannot fit] in benchmarks/gpu_bench_prep.py
+            oom = length if oom is None else min(oom, length)
+            _say(f"  {name} @ {length:,}: {unfit['detail']}")
+            _emit({"type": "row", "strategy": name, "seq_len": length, "steps": args.steps, "mfu": None,
+                   "flops_per_step": None, "wall_s": 0.0, **unfit})
             continue
         row = _row(name, length, msl, args.steps, peak_tflops, args.plan_dir)
         if row["status"] == "ok":
@@ -517,6 +540,43 @@ def _rows(name: str, args: argparse.Namespace, msl: argparse.Namespace, peak_tfl
         if row["status"] == "error":
             return 1
     return 0
+
+
+def _device_bytes(msl: argparse.Namespace) -> int | None:
+    """The device memory a row may use: the budget (``--device-mem-mb``), else the whole GPU's."""
+    import torch
+
+    if msl.device_mem_mb is not None:
+        return int(msl.device_mem_mb * 2**20)
+    if msl.device.startswith("cuda"):
+        return int(torch.cuda.get_device_properties(torch.device(msl.device)).total_memory)
+    return None
+
+
+def _unfit(name: str, length: int, msl: argparse.Namespace, plan_dir: str) -> dict[str, Any] | None:
+    """A "does not fit" row where ``name`` at ``length`` tokens needs more than the device has, predicted
+    before it runs (NOTE [Rows that cannot fit] in benchmarks/gpu_bench_prep.py), else None."""
+    if name == "memo":
+        from memo.planner import load_plan
+
+        path, source = _cached_plan(plan_dir, msl, length)
+        need = None if source is None else (getattr(load_plan(path), "device", None) or {}).get("total_bytes")
+        how = f"its plan's device total ({source})"
+    else:
+        from memo.errors import MemoError
+
+        try:
+            found = prep.need(msl.model, length, msl.dtype, name, plan_dir)
+        except MemoError as err:  # no estimate is no reason not to measure
+            _say(f"  {name} @ {length:,}: no memory estimate ({err}); the row runs")
+            found = None
+        need, how = (None, "") if found is None else (found["bytes"], found["how"])
+    device = _device_bytes(msl)
+    detail = prep.refuse_unfit(need, device)
+    if detail is None:
+        return None
+    return {"status": "does not fit", "detail": detail, "need_bytes": need, "device_bytes": device,
+            "need_from": how}
 
 
 def _search(name: str, msl: argparse.Namespace, budget: _Budget, known: dict[int, tuple[bool, str]]) -> int:
@@ -550,7 +610,7 @@ def _search(name: str, msl: argparse.Namespace, budget: _Budget, known: dict[int
         return record["fits"], record["detail"]
 
     # max_seq_len's search looks its module's try_length up at each try: this one answers from the
-    # rows and the budget (NOTE [One interpreter per strategy]).
+    # rows and the budget (NOTE [One interpreter for memo, one for the rest]).
     max_seq_len.try_length = budgeted_try
     try:
         result = max_seq_len.search(name, msl)
@@ -695,6 +755,8 @@ def _known(records: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]
         elif r["type"] == "row" and r["status"] == "out of memory":
             known["rows"][str(r["seq_len"])] = {"fits": False,
                                                 "detail": "out of memory (the timed row): " + r["detail"]}
+        elif r["type"] == "row" and r["status"] == "does not fit":
+            known["rows"][str(r["seq_len"])] = {"fits": False, "detail": r["detail"]}
         elif r["type"] == "try" and not r["budget_stop"]:
             entry = {"fits": r["fits"], "detail": r["detail"]}
             if r["fits"] and r.get("seconds") is not None:
@@ -705,10 +767,11 @@ def _known(records: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]
 
 
 def _groups(todo: list[str], jobs: int) -> list[list[str]]:
-    """The strategies of each child: one each with --jobs 1 (always on a GPU); on the CPU, --jobs
-    children, the strategies dealt out by weight (memo's profiles make it the heaviest)."""
+    """The strategies of each child: with --jobs 1 (always on a GPU) every strategy but memo in one, then
+    memo in its own (NOTE [One interpreter for memo, one for the rest]); on the CPU, --jobs children, the
+    strategies dealt out by weight (memo's profiles make it the heaviest)."""
     if jobs == 1:
-        return [[n] for n in todo]
+        return [g for g in ([n for n in todo if n != "memo"], [n for n in todo if n == "memo"]) if g]
     groups: list[list[str]] = [[] for _ in range(min(jobs, len(todo)))]
     weight = WEIGHTS["rows"]
     for name in sorted(todo, key=lambda n: -weight.get(n, 1.0)):
@@ -811,9 +874,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--predict", action="store_true",
                    help="print the predicted device time of each stage on --predict-gpu and exit "
                    "(NOTE [Predicted device time]); with --dry-run, of the GPU run's defaults")
-    p.add_argument("--predict-gpu", default="H100",
-                   help="the GPU --predict predicts for (a key of memo.utils.flops.GPU_PEAK_TFLOPS; default "
-                   "H100); a run's opening line predicts for its own GPU (nvidia-smi), else this one")
+    p.add_argument("--predict-gpu", default=prep.PLAN_GPU,
+                   help="the GPU --predict predicts for and --make-plans plans for (a key of "
+                   f"memo.utils.flops.GPU_PEAK_TFLOPS; default {prep.PLAN_GPU}, the kind lent); a run's "
+                   "opening line predicts for its own GPU (nvidia-smi), else this one")
+    p.add_argument("--make-plans", action="store_true",
+                   help="make memo's plans for its rows (of --stages) on meta for --predict-gpu, and every "
+                   "row's predicted device memory, into --plan-dir, on this machine's CPU (make "
+                   "gpu-bench-plans; NOTE [Plans made ahead on meta] in benchmarks/gpu_bench_prep.py); exit")
     p.add_argument("--plan-dir", default=None,
                    help="memo's plan cache (NOTE [Plan cache]; default build/gpu_bench_plans)")
     p.add_argument("--threads", type=int, default=1, help="CPU: torch threads per child (1)")
@@ -873,42 +941,97 @@ def _settled(stage: Stage, name: str, mine: list[dict[str, Any]]) -> bool:
     if stage.phase == "search":
         return any(r["type"] == "search" for r in mine)
     rows = {r["seq_len"]: r["status"] for r in mine if r["type"] == "row"}
-    oom = min((n for n, status in rows.items() if status == "out of memory"), default=None)
+    oom = min((n for n, status in rows.items() if status in ("out of memory", "does not fit")), default=None)
     return all(n in rows or (oom is not None and oom < n) for n in stage.seq_lens)
 
 
-def predict(args: argparse.Namespace, plan: list[Stage], gpu: str, cached: set[tuple[str, int]] = frozenset()
+def predict(args: argparse.Namespace, plan: list[Stage], gpu: str, cached: set[tuple[str, int]] | None = None
             ) -> list[dict[str, Any]]:
-    """Each stage's predicted seconds on ``gpu`` (NOTE [Predicted device time]), and the running total
-    with the build."""
+    """Each stage's predicted seconds on ``gpu`` (NOTE [Predicted device time]), the rows it will not run
+    because they cannot fit (NOTE [Rows that cannot fit] in benchmarks/gpu_bench_prep.py), and the running
+    total with the build. ``cached``: the (model, length) whose memo plan is in the cache; None: those
+    ``--plan-dir`` holds for ``gpu`` (:func:`cached_plans`)."""
     import torch
 
     from memo.utils.flops import GPU_PEAK_TFLOPS
 
-    key = next((k for k in GPU_PEAK_TFLOPS if k.lower() == gpu.lower()), None)
-    if key is None:
-        sys.exit(f"error: gpu_bench: --predict-gpu {gpu!r} is not in memo.utils.flops.GPU_PEAK_TFLOPS "
-                 f"({', '.join(GPU_PEAK_TFLOPS)})")
+    key = prep.gpu_table_key(gpu)
     peak = GPU_PEAK_TFLOPS[key][torch.bfloat16]
+    gib = prep.device_gib(key) if args.device_mem_mb is None else args.device_mem_mb / 1024
+    device = None if gib is None else int(gib * 2**30)
+    cached = cached_plans(args, plan, key) if cached is None else cached
     total, out = BUILD_S, []
     for stage in plan:
+        unfit: list[str] = []
         if stage.phase == "kernels":
-            seconds = KERNELS_S
+            seconds: float | None = KERNELS_S
         elif stage.phase == "search":
             seconds = None  # how far a search goes is what it measures
         else:
-            seconds = sum(STARTUP_S + sum(prior_seconds(n, stage.model, length, args.steps, peak,
-                                                        (n, length) in cached) for length in stage.seq_lens)
-                          for n in stage.strategies)
+            seconds = 0.0
+            for group in _groups(list(stage.strategies), 1):  # one child each (NOTE [One interpreter ...])
+                rows = []
+                for n in group:
+                    for length in stage.seq_lens:
+                        found = None if n == "memo" else prep.need(stage.model, length, args.dtype, n,
+                                                                   args.plan_dir)
+                        if prep.refuse_unfit(found and found["bytes"], device) is not None:
+                            unfit.append(f"{n} @ {_k(length)}")
+                            continue
+                        rows.append(prior_seconds(n, stage.model, length, args.steps, peak,
+                                                  n == "memo" and (stage.model, length) in cached))
+                seconds += STARTUP_S + sum(rows)  # a child starts even where no row of it can fit
         total += seconds or 0.0
         out.append({"stage": stage.name, "strategies": list(stage.strategies), "seconds": seconds,
-                    "total_with_build_s": total})
+                    "total_with_build_s": total, "does_not_fit": unfit})
     return out
+
+
+def cached_plans(args: argparse.Namespace, plan: list[Stage], gpu: str) -> set[tuple[str, int]]:
+    """The (model, length) of memo's rows whose plan ``make gpu-bench-plans`` left in ``--plan-dir`` for
+    ``gpu`` (NOTE [Plans made ahead on meta] in benchmarks/gpu_bench_prep.py)."""
+    return {(model, n) for model, n in plans_ahead(plan) if prep.plan_path(
+        args.plan_dir, model, n, args.dtype, args.device_mem_mb, args.time_limit, f"meta {gpu}").exists()}
+
+
+def plans_ahead(plan: list[Stage]) -> list[tuple[str, int]]:
+    """The (model, length) of memo's plans ``make gpu-bench-plans`` makes: every memo row of ``plan``'s
+    stages (the headline rows, then the wide stage's)."""
+    return [(st.model, n) for st in plan if st.phase == "rows" and "memo" in st.strategies
+            for n in st.seq_lens]
+
+
+def _predict(argv: list[str], available: tuple[str, ...]) -> int:
+    """``--predict``: the GPU run's device time per stage as ``--plan-dir`` holds memo's plans now, and with
+    every plan ``make gpu-bench-plans`` makes (with ``--dry-run``: of the GPU run's defaults)."""
+    gpu_args = _parser().parse_args([a for a in argv if a != "--dry-run"])
+    _defaults(gpu_args)
+    gpu = gpu_args.predict_gpu
+    plan = stages(gpu_args, available)
+    rows = predict(gpu_args, plan, gpu)
+    _print_prediction(rows, gpu)
+    ahead, found = _print_plans_ahead(gpu_args, plan, gpu)
+    if not ahead <= found:
+        headline = [r for r in predict(gpu_args, plan, gpu, found | ahead) if r["stage"][:-1].isdigit()]
+        if headline:
+            print(f"gpu_bench: with them (make gpu-bench-plans first) the headline rows end "
+                  f"{headline[-1]['total_with_build_s'] / 60:.1f} min after the build starts", flush=True)
+    return 0
+
+
+def _print_plans_ahead(args: argparse.Namespace, plan: list[Stage], gpu: str
+                       ) -> tuple[set[tuple[str, int]], set[tuple[str, int]]]:
+    """Say how many of the plans ``make gpu-bench-plans`` makes ``--plan-dir`` holds; (wanted, found)."""
+    ahead = set(plans_ahead(plan))
+    found = cached_plans(args, plan, prep.gpu_table_key(gpu))
+    print(f"gpu_bench: memo's plans made ahead for the {gpu} in {args.plan_dir}: {len(found & ahead)} of "
+          f"{len(ahead)} (make gpu-bench-plans; NOTE [Plans made ahead on meta])", flush=True)
+    return ahead, found
 
 
 def _gpu_key() -> str | None:
     """This machine's GPU as a key of memo.utils.flops.GPU_PEAK_TFLOPS, from nvidia-smi (the parent never
-    touches the device: NOTE [One interpreter per strategy])."""
+    touches the device: NOTE [One interpreter for memo, one for the rest])."""
     from memo.utils.flops import GPU_PEAK_TFLOPS
 
     smi = shutil.which("nvidia-smi")
@@ -924,8 +1047,9 @@ def _print_prediction(rows: list[dict[str, Any]], gpu: str) -> None:
           f"{BUILD_S:.0f} s):", flush=True)
     for r in rows:
         seconds = "as far as the time left" if r["seconds"] is None else f"{r['seconds']:.0f} s"
+        unfit = f"; predicted not to fit, not run: {', '.join(r['does_not_fit'])}" * bool(r["does_not_fit"])
         print(f"  {r['stage']:>9}: {seconds:>24}, {r['total_with_build_s'] / 60:5.1f} min with the build and "
-              f"the stages before ({', '.join(r['strategies'])})", flush=True)
+              f"the stages before ({', '.join(r['strategies'])}{unfit})", flush=True)
     headline = [r for r in rows if r["stage"][:-1].isdigit()]
     if headline:
         minutes = headline[-1]["total_with_build_s"] / 60
@@ -992,20 +1116,12 @@ def main(argv: list[str] | None = None) -> int:
     from memo.train import STRATEGIES  # imports no torch: the parent never touches the device
 
     plan = stages(args, (*STRATEGIES, "kernels"))
+    if args.make_plans:
+        rows = [(st.model, n, name) for st in plan if st.phase == "rows" for n in st.seq_lens
+                for name in st.strategies]
+        return prep.make_plans(args, plans_ahead(plan), rows)
     if args.predict:
-        gpu_args = _parser().parse_args(["--model", "llama-3.2-1b"]) if args.dry_run else args
-        if args.dry_run:
-            _defaults(gpu_args)
-        plan_gpu = stages(gpu_args, (*STRATEGIES, "kernels"))
-        _print_prediction(predict(gpu_args, plan_gpu, args.predict_gpu), args.predict_gpu)
-        cached = predict(gpu_args, plan_gpu, args.predict_gpu,
-                         {("memo", n) for st in plan_gpu for n in st.seq_lens})
-        headline = [r for r in cached if r["stage"][:-1].isdigit()]
-        if headline:
-            print(f"gpu_bench: with memo's plans in the cache (a later loan, NOTE [Plan cache]) the headline "
-                  f"rows end {headline[-1]['total_with_build_s'] / 60:.1f} min after the build starts",
-                  flush=True)
-        return 0
+        return _predict(sys.argv[1:] if argv is None else argv, (*STRATEGIES, "kernels"))
     if args.device.startswith("cuda") and (status := preflight()):
         return status
 
@@ -1026,6 +1142,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry_run:
         gpu = _gpu_key() or args.predict_gpu
         _print_prediction(predict(args, plan, gpu), gpu)
+        _print_plans_ahead(args, plan, gpu)
     skipped = [f"{n}: not measured: memo.train.STRATEGIES does not list it ({', '.join(STRATEGIES)})"
                for n in RUN_ORDER if n not in STRATEGIES and (args.only is None or n in args.only)]
     for line in skipped:
@@ -1273,7 +1390,7 @@ def _step_table(report: dict[str, Any], by_name: dict[str, Any], lengths: list[i
                 why = by_name[name]["row_skips"].get(str(n))
                 rows_ended = next((p["ended"] for p in by_name[name].get("phases", {}).values()
                                    if p.get("phase") == "rows"), None)
-                what = (row["status"] if row is not None
+                what = (_not_run(row) if row is not None
                         else "not run: " + why.split(" (")[0] if why and "out of memory" in why
                         else "not run (time budget)" if why or rows_ended == "not run"
                         else "not run (stopped)")
@@ -1292,6 +1409,14 @@ def _step_table(report: dict[str, Any], by_name: dict[str, Any], lengths: list[i
             "PyTorch's for the others); FR = full-recompute.", "",
             *_table(["seq", "strategy", "step time", "MFU", "device peak", "host bytes", "alpha", "time/FR",
                      "peak/FR"], rows, right_from=2), ""]
+
+
+def _not_run(row: dict[str, Any]) -> str:
+    """A row's table cell where it did not train: its status, and a predicted misfit's numbers."""
+    if row["status"] != "does not fit":
+        return row["status"]
+    return (f"does not fit: needs {_mib(row['need_bytes'])} of {_mib(row['device_bytes'])} "
+            "(estimated, not run)")
 
 
 def _plan_table(report: dict[str, Any], memo_vs_plan: list[dict[str, Any]]) -> list[str]:

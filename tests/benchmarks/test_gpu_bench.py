@@ -58,7 +58,10 @@ def test_dry_run_measures_the_headline_rows(dry_run: tuple[Path, dict]) -> None:
         [row] = result["rows"]
         assert row["seq_len"] == 256
         if name == "none":
-            assert row["status"] == "out of memory"
+            # NOTE [Rows that cannot fit]: plain autograd's estimate is over the emulated 10 MiB, so the
+            # row is reported with the estimate's numbers and not run.
+            assert row["status"] == "does not fit" and row["device_bytes"] == 10 * 2**20
+            assert row["need_bytes"] > row["device_bytes"] and "step_times_s" not in row, row
             continue
         assert row["status"] == "ok" and row["mean_step_time_s"] > 0 and row["peak_device_bytes"] > 0
         # MFU is model FLOPs per step / step time / peak (1 TFLOPS in a dry run).
@@ -71,7 +74,7 @@ def test_dry_run_measures_the_headline_rows(dry_run: tuple[Path, dict]) -> None:
     text = out.read_text()
     for heading in ("Step time", "memo's device peak against its plan"):
         assert heading in text
-    assert "| 256 | none | out of memory |" in text
+    assert "| 256 | none | does not fit: needs 11.0 MiB of 10.0 MiB (estimated, not run) |" in text
 
 
 def test_a_cut_records_file_resumes_with_the_missing_rows_only(dry_run: tuple[Path, dict]) -> None:
@@ -168,13 +171,14 @@ def test_resume_runs_what_the_records_lack(tmp_path: Path, monkeypatch: pytest.M
     gpu_bench.main([*argv, "--resume", str(records)])
     asked = [(phase, names, [n for n in lengths if str(n) not in known[names[0]]["rows"]])
              for phase, names, lengths, known in again.calls]
-    # 128 was done (four rows); at 256 none ran out of memory, full recompute trained: memo and
-    # offloaded-checkpoint are left, then every strategy's search (torchtune-offload's too).
-    assert asked[:2] == [("rows", ("memo",), [256]), ("rows", ("offloaded-checkpoint",), [256])], asked
-    assert [a[1][0] for a in asked[2:] if a[0] == "search"] == list(gpu_bench.RUN_ORDER)
-    assert len(asked) == 2 + len(gpu_bench.RUN_ORDER)
+    # 128 was done (four rows); at 256 none ran out of memory, full recompute trained: offloaded-checkpoint
+    # and memo are left, each stage's strategies in two children, memo's alone (NOTE [One interpreter for
+    # memo, one for the rest]); then every strategy's search (torchtune-offload's too).
+    assert asked[:2] == [("rows", ("offloaded-checkpoint",), [256]), ("rows", ("memo",), [256])], asked
+    rest = [n for n in gpu_bench.RUN_ORDER if n != "memo"]
+    assert [a[1] for a in asked[2:]] == [tuple(rest), ("memo",)] and {a[0] for a in asked[2:]} == {"search"}
     # The search of each strategy is told what its rows found.
-    search_known = {c[1][0]: c[3] for c in again.calls if c[0] == "search"}
+    search_known = {n: c[3] for c in again.calls if c[0] == "search" for n in c[1]}
     assert search_known["none"]["none"]["rows"]["256"]["fits"] is False
     assert search_known["memo"]["memo"]["rows"]["128"]["fits"] is True
     report = json.loads(out.with_suffix(".json").read_text())
@@ -233,26 +237,76 @@ def torch_cuda():
     return torch.cuda
 
 
-def test_the_prediction_is_its_model(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_prediction_is_its_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from memo.utils.flops import flops_per_sample
 
-    args = gpu_bench._parser().parse_args([])
+    args = gpu_bench._parser().parse_args(["--plan-dir", str(tmp_path)])
     gpu_bench._defaults(args)
     plan = gpu_bench.stages(args, (*gpu_bench.WANTED, "kernels"))
     assert [s.name for s in plan] == ["kernels", "64K", "128K", "torchtune", "longest", "wide"]
-    rows = gpu_bench.predict(args, plan, "H100")[1:]
-    build = gpu_bench.BUILD_S + gpu_bench.KERNELS_S
-    # 64K: a child start, a set-up and two steps per strategy; memo's set-up is its profile and plan.
+    rows = gpu_bench.predict(args, plan[:3], "H200")  # no plans in the folder
+    # 64K: one child for none, full recompute and offloaded-checkpoint, one for memo (NOTE [One interpreter
+    # for memo, one for the rest]); a set-up and two steps a row; memo's set-up is its profile and plan.
     step = {n: flops_per_sample("llama-3.2-1b", 65536) / (989e12 * gpu_bench.PRIOR_MFU[n])
             for n in gpu_bench.HEADLINE}
     setup = {n: 42.0 * 2 if n == "memo" else gpu_bench.OTHER_SETUP_S for n in gpu_bench.HEADLINE}
-    expect = sum(gpu_bench.STARTUP_S + setup[n] + 2 * step[n] for n in gpu_bench.HEADLINE)
-    assert math.isclose(rows[0]["seconds"], expect)
-    assert math.isclose(rows[0]["total_with_build_s"], build + expect)
-    # A cached plan costs a load, not a profile.
-    cached = gpu_bench.predict(args, plan[1:2], "H100", {("memo", 65536)})
-    assert math.isclose(rows[0]["seconds"] - cached[0]["seconds"], 84.0 - gpu_bench.PLAN_LOAD_S)
-    assert rows[3]["seconds"] is None  # a search goes as far as the time left
-    gpu_bench.main(["--dry-run", "--predict"])
+    expect = 2 * gpu_bench.STARTUP_S + sum(setup[n] + 2 * step[n] for n in gpu_bench.HEADLINE)
+    assert math.isclose(rows[1]["seconds"], expect) and rows[1]["does_not_fit"] == []
+    assert math.isclose(rows[1]["total_with_build_s"], gpu_bench.BUILD_S + gpu_bench.KERNELS_S + expect)
+    # 128K: plain autograd needs more than the H200's 139.8 GiB (memo.estimate's meta profile): not run.
+    assert rows[2]["does_not_fit"] == ["none @ 128K"]
+    # memo's plans made ahead (make gpu-bench-plans) cost a load, not a profile; the headline rows then
+    # end within issue 45's 8 minutes of the build's start.
+    ahead = set(gpu_bench.plans_ahead(plan[:3]))
+    assert ahead == {("llama-3.2-1b", 65536), ("llama-3.2-1b", 131072)}
+    cached = gpu_bench.predict(args, plan[:3], "H200", ahead)
+    assert math.isclose(rows[1]["seconds"] - cached[1]["seconds"], 84.0 - gpu_bench.PLAN_LOAD_S)
+    assert cached[2]["total_with_build_s"] <= gpu_bench.HEADLINE_MINUTES * 60, cached
+    # On an H100 (79.2 GiB) plain autograd does not fit at 64K either.
+    h100 = gpu_bench.predict(args, plan[:3], "H100", ahead)
+    assert h100[1]["does_not_fit"] == ["none @ 64K"]
+    assert h100[2]["total_with_build_s"] < cached[2]["total_with_build_s"]
+    gpu_bench.main(["--dry-run", "--predict", "--stages", "kernels", "64K", "128K",
+                    "--plan-dir", str(tmp_path)])
     printed = capsys.readouterr().out
-    assert "predicted device time on an H100" in printed and "the headline rows end" in printed
+    assert "predicted device time on an H200" in printed
+    assert "predicted not to fit, not run: none @ 128K" in printed
+    assert "plans made ahead for the H200" in printed and "0 of 2" in printed
+    minutes = cached[2]["total_with_build_s"] / 60
+    assert f"with them (make gpu-bench-plans first) the headline rows end {minutes:.1f} min" in printed
+
+
+def test_plans_made_ahead_are_found_and_a_row_that_cannot_fit_is_not_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    # make gpu-bench-plans, for the dry run's model at 128 tokens: memo's plan on meta for an H200 and the
+    # headline strategies' predicted needs.
+    args = _args("--seq-lens", "128", "--plan-dir", str(tmp_path), "--predict-gpu", "h200")
+    assert gpu_bench.main(["--dry-run", "--make-plans", "--seq-lens", "128", "--stages", "128",
+                           "--plan-dir", str(tmp_path), "--predict-gpu", "h200"]) == 0
+    assert "memo @ 128 (llama-dry-run): alpha" in capsys.readouterr().out
+    assert gpu_bench.cached_plans(args, gpu_bench.stages(args, ("memo",)), "H200") == {(args.model, 128)}
+    # A child on an H200 finds it (NOTE [Plan cache]) ...
+    monkeypatch.setattr(gpu_bench, "_plan_target", lambda msl: "cuda NVIDIA H200")
+    msl = argparse.Namespace(model=args.model, device="cpu", dtype=args.dtype, time_limit=args.time_limit,
+                             device_mem_mb=args.device_mem_mb)
+    path, source = gpu_bench._cached_plan(str(tmp_path), msl, 128)
+    assert source == "meta cache" and path.exists()
+    # ... and a row whose need is over the device's is a "does not fit" row, never run: memo's from its
+    # plan's total, the others' from memo.estimate (cached by make gpu-bench-plans).
+    assert gpu_bench._unfit("full-recompute", 128, msl, str(tmp_path)) is None  # 10 MiB is enough
+    monkeypatch.setattr(gpu_bench, "_device_bytes", lambda msl: 2**20)  # a 1 MiB device
+    for name in ("memo", "none", "full-recompute"):
+        row = gpu_bench._unfit(name, 128, msl, str(tmp_path))
+        assert row["status"] == "does not fit" and row["need_bytes"] > row["device_bytes"] == 2**20, row
+        assert row["detail"].startswith("does not fit: needs")
+    monkeypatch.setattr(gpu_bench, "_row", lambda *a, **k: pytest.fail("a row that cannot fit ran"))
+    emitted: list[dict] = []
+    monkeypatch.setattr(gpu_bench, "_emit", emitted.append)
+    child = argparse.Namespace(seq_lens=[128, 256], steps=2, plan_dir=str(tmp_path))
+    budget = gpu_bench._Budget(float("inf"), args.model)
+    assert gpu_bench._rows("none", child, msl, None, budget, {}) == 0
+    # 128 is reported, not run; 256, longer than a length that cannot fit, is skipped with it.
+    assert [(r["type"], r.get("status"), r["seq_len"]) for r in emitted] == [("row", "does not fit", 128),
+                                                                            ("skip", None, 256)]
