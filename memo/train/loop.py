@@ -399,6 +399,9 @@ def _build(config: TrainConfig, device: torch.device, dtype: torch.dtype, budget
 
     if config.hf_model is not None:  # NOTE [Loading a checkpoint] in memo/engines.py
         hf = engines.hf_checkpoint_config(config.hf_model, config.rope_theta, config.rope_scaling)
+        if config.engine == "megatron":
+            return engines.load_megatron_from_hf(config.hf_model, hf, config.seq_len, device, dtype,
+                                                 None if parallel is None else parallel.layout)
         return engines.load_hf_causal_lm(config.hf_model, hf, device, dtype), _hf_shapes(hf)
     if config.hf_config is not None:
         hf = engines.hf_config(config.hf_config)
