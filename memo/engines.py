@@ -20,7 +20,10 @@ embedding, layers and head are, and how the loss is computed); only how the mode
   ``model_type``; randomly initialised, no download.
 - ``--hf-model``: ``transformers.AutoModelForCausalLM.from_pretrained`` of a local checkpoint directory
   (config.json and safetensors weights, offline), in its config's dtype or ``--dtype`` (NOTE [Loading
-  a checkpoint]).
+  a checkpoint]); under ``megatron`` the checkpoint converted into memo's GPTModel
+  (:func:`load_megatron_from_hf`). megatron's vocabulary is padded to a multiple of 128; the padded
+  logits are -inf before the loss (NOTE [Hugging Face weights in megatron's layout] in
+  memo/adapters/megatron_hf.py), so a padded model's loss is its real vocabulary's.
 - ``--rope-theta`` / ``--rope-scaling`` change an HF config's rope parameters before its model is built
   (NOTE [Context extension]).
 - ``fsdp2``: memo's model of that name, or the ``--hf-config`` / ``--hf-model`` model, built as above on
@@ -411,10 +414,11 @@ def build_hf_causal_lm(config: PretrainedConfig, device: torch.device | str, dty
 # config names (config.json's "dtype", older "torch_dtype"; float32 where it names none) unless --dtype
 # is given, with transformers' sdpa attention (memo reproduces eager and sdpa). A parameter the
 # checkpoint lacks would be initialised at random by transformers with a warning: it is refused, as is
-# a model_type without a causal LM in transformers or without a memo model adapter. --engine megatron
-# refuses a checkpoint: megatron-core 0.16 has no Hugging Face weight converter (its models/huggingface
-# wraps HF modules, it does not convert them), and one into memo's GPTModel would have to regroup QKV
-# per query group, pad the vocabulary and cut every tensor for TP and pipeline stages: not small.
+# a model_type without a causal LM in transformers or without a memo model adapter. megatron-core 0.16 has
+# no Hugging Face weight converter (its models/huggingface wraps HF modules, it does not convert them):
+# --engine megatron converts Llama-family checkpoints with memo's own (NOTE [Hugging Face weights in
+# megatron's layout] in memo/adapters/megatron_hf.py), each rank reading only its tensor-parallel
+# shards; pipeline stages (--pp, and the pipelined loop of --micro-batches) are refused.
 # Under FSDP2 every rank loads the whole checkpoint (from the same files: the same tensors) and moves it
 # to its device, where fully_shard then keeps the rank's shard. So each rank holds the whole model once
 # in host memory while loading (the memory-mapped files are shared through the page cache, the tensors

@@ -431,6 +431,8 @@ def _model_name(config: TrainConfig, model_config: ModelConfig) -> str:
     if config.hugging_face:
         fsdp2 = ", FSDP2" + (", states offloaded" if config.offload_states else "")
         source = "" if config.hf_model is None else f" from {config.hf_model}"
+        if config.engine == "megatron":
+            return f"{model_config.name}{source} (converted into a megatron-core GPTModel)"
         return f"{model_config.name}{source} (Hugging Face{fsdp2 if config.engine == 'fsdp2' else ''})"
     if config.engine == "fsdp2":
         return f"{config.model} (FSDP2{', states offloaded' if config.offload_states else ''})"
