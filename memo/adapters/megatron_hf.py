@@ -35,7 +35,7 @@ import json
 import os
 from collections.abc import Iterator
 from contextlib import ExitStack
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -84,7 +84,7 @@ def megatron_shapes(hf: PretrainedConfig, where: str) -> ModelConfig:
                        qk_norm=CONVERTED_TYPES[kind])
 
 
-def _rope(hf: PretrainedConfig) -> dict:
+def _rope(hf: PretrainedConfig) -> dict[str, Any]:
     params = getattr(hf, "rope_parameters", None) or {}
     return {"rope_type": "default", "rope_theta": getattr(hf, "rope_theta", 10000.0), **params}
 
@@ -326,7 +326,8 @@ def hf_config_of(c: ModelConfig, tied: bool, dtype: torch.dtype) -> PretrainedCo
     from transformers import LlamaConfig, Qwen3Config
 
     cls = Qwen3Config if c.qk_norm else LlamaConfig
-    return cls(vocab_size=c.vocab_size, hidden_size=c.hidden, intermediate_size=c.ffn_hidden,
-               num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads,
-               head_dim=c.head_dim, rms_norm_eps=c.norm_eps, tie_word_embeddings=tied, dtype=dtype,
+    h, d, heads, groups, ffn = _sizes(c)
+    return cls(vocab_size=c.vocab_size, hidden_size=h, intermediate_size=ffn, num_hidden_layers=c.n_layers,
+               num_attention_heads=heads, num_key_value_heads=groups, head_dim=d, rms_norm_eps=c.norm_eps,
+               tie_word_embeddings=tied, dtype=dtype,
                rope_parameters={"rope_type": "default", "rope_theta": float(c.rope_theta or 10000.0)})

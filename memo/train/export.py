@@ -106,7 +106,7 @@ def export_trained(model: torch.nn.Module, directory: str, parallel: ParallelRun
         shutil.rmtree(partial)
     try:
         os.makedirs(partial)
-        hf_model.save_pretrained(partial, state_dict=state)  # type: ignore[union-attr,operator]
+        hf_model.save_pretrained(partial, state_dict=state)  # type: ignore[union-attr]
         if tokenizer_from is not None:
             for name in TOKENIZER_FILES:
                 source = os.path.join(tokenizer_from, name)
