@@ -31,7 +31,6 @@ names (memo/train/export.py).
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -41,6 +40,7 @@ import torch
 from torch import nn
 
 from memo.errors import MemoError, internal_assert
+from memo.jsonio import read_json
 from memo.models import ModelConfig
 
 if TYPE_CHECKING:
@@ -142,10 +142,13 @@ class _Weights:
 
         index = os.path.join(path, "model.safetensors.index.json")
         if os.path.isfile(index):
-            with open(index) as f:
-                files = {name: os.path.join(path, file) for name, file in json.load(f)["weight_map"].items()}
+            fields = read_json(index, where, "give the index save_pretrained wrote")
+            shards = fields.get("weight_map") if isinstance(fields, dict) else None
+            if not isinstance(shards, dict) or not all(isinstance(f, str) for f in shards.values()):
+                raise MemoError(f"{where}: {index} has no weight_map of tensor names to files; give the "
+                                "index save_pretrained wrote")
+            files = {name: os.path.join(path, file) for name, file in shards.items()}
         else:
-            files = {}
             one = os.path.join(path, "model.safetensors")
             with safe_open(one, framework="pt") as f:
                 files = dict.fromkeys(f.keys(), one)

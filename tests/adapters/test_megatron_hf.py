@@ -252,8 +252,8 @@ def _assert_same_forward(model: torch.nn.Module, exported: Path, batch: tuple[to
 
 
 def test_qwen3_qk_norms_convert(tmp_path: Path, one_thread: None) -> None:
-    """Qwen3's RMSNorm of every query and key head is megatron's q/k layernorm: the converted model's
-    loss is HF's."""
+    """Qwen3's RMSNorm of every query and key head is megatron's q/k layernorm, from a checkpoint in
+    shards (model.safetensors.index.json): the converted model's loss is HF's."""
     from memo.adapters.model import model_adapter_for
     from memo.engines import hf_checkpoint_config, load_megatron_from_hf
 
@@ -265,7 +265,9 @@ def test_qwen3_qk_norms_convert(tmp_path: Path, one_thread: None) -> None:
         for layer in hf.model.layers:
             layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
             layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
-        hf.save_pretrained(checkpoint)
+        checkpoint = tmp_path / "sharded"
+        hf.save_pretrained(checkpoint, max_shard_size="40KB")
+    assert (checkpoint / "model.safetensors.index.json").is_file()
     model, shapes = load_megatron_from_hf(str(checkpoint), hf_checkpoint_config(str(checkpoint)), SEQ, "cpu",
                                           torch.float32)
     assert shapes.qk_norm and shapes.head_dim == 16
