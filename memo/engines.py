@@ -182,9 +182,9 @@ def _megatron_models(config: ModelConfig, seq_len: int, device: torch.device | s
             stage = {}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model = GPTModel(config=tc, transformer_layer_spec=spec,
-                                     vocab_size=padded, max_sequence_length=seq_len,
-                             share_embeddings_and_output_weights=tied, **extra, **stage)
+            model = GPTModel(config=tc, transformer_layer_spec=spec, vocab_size=padded,
+                             max_sequence_length=seq_len, share_embeddings_and_output_weights=tied,
+                             **extra, **stage)
         # memo's pipeline profiles a model "as one rank runs it" (NOTE [Per-rank sizes]) when told so.
         model.tensor_parallel = tp
         model.memo_config = config  # what --export names the tensors by (memo/train/export.py)
