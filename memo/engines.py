@@ -20,7 +20,10 @@ embedding, layers and head are, and how the loss is computed); only how the mode
   ``model_type``; randomly initialised, no download.
 - ``--hf-model``: ``transformers.AutoModelForCausalLM.from_pretrained`` of a local checkpoint directory
   (config.json and safetensors weights, offline), in its config's dtype or ``--dtype`` (NOTE [Loading
-  a checkpoint]).
+  a checkpoint]); under ``megatron`` the checkpoint converted into memo's GPTModel
+  (:func:`load_megatron_from_hf`). megatron's vocabulary is padded to a multiple of 128; the padded
+  logits are -inf before the loss (NOTE [Hugging Face weights in megatron's layout] in
+  memo/adapters/megatron_hf.py), so a padded model's loss is its real vocabulary's.
 - ``--rope-theta`` / ``--rope-scaling`` change an HF config's rope parameters before its model is built
   (NOTE [Context extension]).
 - ``fsdp2``: memo's model of that name, or the ``--hf-config`` / ``--hf-model`` model, built as above on
@@ -57,14 +60,21 @@ if TYPE_CHECKING:
 
 __all__ = ["ENGINES", "RUNNABLE", "EngineLayouts", "apply_rope", "build_hf_causal_lm", "build_megatron_gpt",
            "build_megatron_stages", "check_hf_checkpoint", "checkpoint_dtype", "engine_for_layout",
-           "hf_checkpoint_config", "hf_config", "init_megatron_world", "layout_problem", "load_hf_causal_lm"]
+           "hf_checkpoint_config", "hf_config", "init_megatron_world", "layout_problem", "load_hf_causal_lm",
+           "load_megatron_from_hf"]
 
 ENGINES = ("memo", "megatron", "fsdp2")
 
 
 def init_megatron_world() -> None:
-    """megatron's model-parallel state over one process (gloo), unless a process group exists."""
+    """megatron's model-parallel state over one process (gloo), unless a process group exists, with the
+    CPU shims a parallel run installs too (memo/distributed/cpu_shims.py; nothing where CUDA is usable):
+    megatron's rotary embedding moves its frequencies to ``torch.cuda.current_device()``."""
     from megatron.core import parallel_state
+
+    from memo.distributed.cpu_shims import install_cpu_shims
+
+    install_cpu_shims()
 
     if not torch.distributed.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -105,8 +115,33 @@ def build_megatron_stages(config: ModelConfig, seq_len: int, device: torch.devic
     return _megatron_models(config, seq_len, device, dtype, layout)
 
 
+def load_megatron_from_hf(path: str, hf: PretrainedConfig, seq_len: int, device: torch.device | str,
+                          dtype: torch.dtype, layout: ParallelLayout | None = None
+                          ) -> tuple[nn.Module, ModelConfig]:
+    """The ``--hf-model`` checkpoint at ``path`` (its config ``hf``, rope flags applied) as this rank's
+    megatron-core ``GPTModel`` and memo's ModelConfig of its shapes: the model built as
+    :func:`build_megatron_gpt` builds memo's, then filled with the rank's shards of the checkpoint (NOTE
+    [Hugging Face weights in megatron's layout] in memo/adapters/megatron_hf.py)."""
+    from memo.adapters.megatron_hf import load_hf_weights, megatron_shapes
+    from memo.distributed.layout import ParallelLayout
+
+    where = f"memo.train: --hf-model {path!r}"
+    config = megatron_shapes(hf, where)
+    if layout is None:
+        init_megatron_world()
+        layout = ParallelLayout()
+    if layout.pipeline_parallel > 1:  # TrainConfig refuses it first
+        raise MemoError(f"{where}: --engine megatron loads a checkpoint into one GPTModel per rank; run it "
+                        "with --pp 1")
+    model = _megatron_models(config, seq_len, "cpu", dtype, layout,
+                             tied=bool(getattr(hf, "tie_word_embeddings", False)))[0]
+    load_hf_weights(model, path, hf, config, where)
+    model.hf_config = hf  # --export writes it back under this config (memo/train/export.py)
+    return model.to(device=device), config
+
+
 def _megatron_models(config: ModelConfig, seq_len: int, device: torch.device | str, dtype: torch.dtype,
-                     layout: ParallelLayout) -> list[nn.Module]:
+                     layout: ParallelLayout, tied: bool = False) -> list[nn.Module]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed": expected here
         try:
@@ -115,12 +150,14 @@ def _megatron_models(config: ModelConfig, seq_len: int, device: torch.device | s
             from megatron.core.transformer.transformer_config import TransformerConfig
 
             from memo.adapters.megatron import get_memo_gpt_layer_local_spec
+            from memo.adapters.megatron_hf import PaddedVocabMask
         except ImportError as err:
             raise MemoError(f"memo.train: --engine megatron needs megatron-core ({err}); pip install "
                             "megatron-core==0.16.1, or memo[megatron]") from None
     from memo.distributed.layout import padded_vocab_size
 
     tp = layout.tensor_parallel
+    padded = padded_vocab_size(config.vocab_size, tp)
     gpt = config.arch == "gpt"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # megatron's notes on settings memo does not use
@@ -145,11 +182,15 @@ def _megatron_models(config: ModelConfig, seq_len: int, device: torch.device | s
             stage = {}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model = GPTModel(config=tc, transformer_layer_spec=spec,
-                             vocab_size=padded_vocab_size(config.vocab_size, tp), max_sequence_length=seq_len,
+            model = GPTModel(config=tc, transformer_layer_spec=spec, vocab_size=padded,
+                             max_sequence_length=seq_len, share_embeddings_and_output_weights=tied,
                              **extra, **stage)
         # memo's pipeline profiles a model "as one rank runs it" (NOTE [Per-rank sizes]) when told so.
         model.tensor_parallel = tp
+        model.memo_config = config  # what --export names the tensors by (memo/train/export.py)
+        if getattr(model, "output_layer", None) is not None and padded > config.vocab_size:
+            model.output_layer.register_forward_hook(PaddedVocabMask(
+                config.vocab_size, padded, parallel_state.get_tensor_model_parallel_rank(), tp))
         chunks.append(model.to(device=device, dtype=dtype))
     return chunks
 
@@ -373,10 +414,11 @@ def build_hf_causal_lm(config: PretrainedConfig, device: torch.device | str, dty
 # config names (config.json's "dtype", older "torch_dtype"; float32 where it names none) unless --dtype
 # is given, with transformers' sdpa attention (memo reproduces eager and sdpa). A parameter the
 # checkpoint lacks would be initialised at random by transformers with a warning: it is refused, as is
-# a model_type without a causal LM in transformers or without a memo model adapter. --engine megatron
-# refuses a checkpoint: megatron-core 0.16 has no Hugging Face weight converter (its models/huggingface
-# wraps HF modules, it does not convert them), and one into memo's GPTModel would have to regroup QKV
-# per query group, pad the vocabulary and cut every tensor for TP and pipeline stages: not small.
+# a model_type without a causal LM in transformers or without a memo model adapter. megatron-core 0.16 has
+# no Hugging Face weight converter (its models/huggingface wraps HF modules, it does not convert them):
+# --engine megatron converts Llama-family checkpoints with memo's own (NOTE [Hugging Face weights in
+# megatron's layout] in memo/adapters/megatron_hf.py), each rank reading only its tensor-parallel
+# shards; pipeline stages (--pp, and the pipelined loop of --micro-batches) are refused.
 # Under FSDP2 every rank loads the whole checkpoint (from the same files: the same tensors) and moves it
 # to its device, where fully_shard then keeps the rank's shard. So each rank holds the whole model once
 # in host memory while loading (the memory-mapped files are shared through the page cache, the tensors

@@ -360,7 +360,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                     help="fine-tune the Hugging Face causal LM saved in DIR (config.json and safetensors "
                     "weights, as save_pretrained writes them; Llama, Qwen2, Mistral), loaded with "
                     "from_pretrained offline in its own dtype unless --dtype is given; --engine memo or "
-                    "fsdp2 (with --offload-states, --dp, --cp C --cp-comm a2a); not with --model or "
+                    "fsdp2 (with --offload-states, --dp, --cp C --cp-comm a2a), or --engine megatron for "
+                    "Llama, Mistral and Qwen3 (converted into megatron-core's GPTModel, each rank reading "
+                    "its --tp/--cp/--dp share; not with --pp or --micro-batches); not with --model or "
                     "--hf-config")
     hf.add_argument("--rope-theta", type=positive_float, metavar="F",
                     help="--hf-model/--hf-config: the rotary base, set in the config before the model is "
@@ -375,7 +377,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                     help="at the end of training, write the trained --hf-model/--hf-config model to DIR (new "
                     "or empty) with save_pretrained: safetensors, config.json (with the rope flags), the "
                     "generation config and the checkpoint's tokenizer files; under FSDP2 the shards are "
-                    "gathered and rank 0 writes; written whole or not at all")
+                    "gathered and rank 0 writes; under --engine megatron the tensor-parallel shards are "
+                    "gathered and converted back (also memo's llama-arch --model); written whole or not "
+                    "at all")
     p.add_argument("--strategy", choices=STRATEGIES, default="memo", help="activation-memory strategy")
     p.add_argument(
         "--alpha", default="auto",

@@ -171,8 +171,7 @@ class TrainConfig:
             self._check_head_chunks()
         self._check_data()
         self._check_run_options()
-        if (max(parallel) > 1 or self.sequence_parallel) and self.engine != "fsdp2" and (
-                self.engine != "megatron" or self.hugging_face):
+        if (max(parallel) > 1 or self.sequence_parallel) and self.engine not in ("fsdp2", "megatron"):
             what = self._hf_flag() if self.hugging_face else f"--engine {self.engine}"
             raise MemoError(
                 f"memo.train: {what} builds a single-process model; --tp/--cp/--dp > 1 and --sp need "
@@ -225,9 +224,10 @@ class TrainConfig:
             if self.hf_config is not None:
                 raise MemoError("memo.train: --hf-model loads a checkpoint with its own config; --hf-config "
                                 "builds a model from a config alone: give one of them")
-            if self.engine == "megatron":
-                raise MemoError("memo.train: --hf-model loads a Hugging Face checkpoint, which --engine "
-                                "megatron has no converter for; use --engine memo or --engine fsdp2")
+            if self.engine == "megatron" and (self.pipeline_parallel > 1 or self.micro_batches > 1):
+                raise MemoError("memo.train: --hf-model under --engine megatron loads the checkpoint into "
+                                "one GPTModel per rank; --pp and --micro-batches > 1 split it into stages it "
+                                "is not loaded into: run with --pp 1 --micro-batches 1")
             from memo.engines import check_hf_checkpoint
 
             check_hf_checkpoint(self.hf_model)
@@ -254,10 +254,19 @@ class TrainConfig:
         directory that is no input."""
         from memo.train.export import check_export_path
 
-        if self.engine == "megatron" or not self.hugging_face:
-            what = "megatron's GPTModel" if self.engine == "megatron" else f"memo's model {self.model!r}"
-            raise MemoError(f"memo.train: --export {self.export!r}: {what} has no Hugging Face layout to "
-                            "export to; --export writes the model of --hf-model or --hf-config")
+        where = f"memo.train: --export {self.export!r}"
+        if self.engine == "megatron" and not self.hugging_face:
+            if get_config(self.model).arch != "llama":
+                raise MemoError(f"{where}: megatron's GPTModel of the {get_config(self.model).arch} model "
+                                f"{self.model!r} has no Hugging Face class to export to; --export writes "
+                                "llama-arch megatron models, and those of --hf-model or --hf-config")
+        elif not self.hugging_face:
+            raise MemoError(f"{where}: memo's model {self.model!r} has no Hugging Face layout to export to; "
+                            "--export writes the model of --hf-model or --hf-config (or a llama-arch "
+                            "model under --engine megatron)")
+        if self.engine == "megatron" and (self.pipeline_parallel > 1 or self.micro_batches > 1):
+            raise MemoError(f"{where}: a megatron model is exported from the one GPTModel per rank of a run "
+                            "with --pp 1 --micro-batches 1; run without them")
         check_export_path(str(self.export), [("--hf-model", self.hf_model), ("--hf-config", self.hf_config),
                                              ("--data", self.data), ("--tokenizer", self.tokenizer)])
 

@@ -15,9 +15,15 @@ NOTE [Exporting the trained model]
 - Whole or not at all: rank 0 writes into a new directory beside DIR and renames it to DIR when
   everything is written, so a run that dies while exporting leaves no DIR that looks complete. DIR
   must be new or empty, and no input of the run (refused before training starts).
-- Only Hugging Face models (``--hf-model``, ``--hf-config``) are exported: memo's reference models and
-  megatron's GPTModel have their own parameter layouts (fused QKV, megatron's interleaved groups), which
-  no transformers class loads as they are. ``memo train`` has no adapters (LoRA) to merge.
+- megatron's GPTModel (``--engine megatron``, from ``--hf-model`` or memo's llama-arch models) is
+  converted back: every rank takes part in gathering its tensor-parallel shards to the first rank of its
+  TP group, and rank 0 inverts the converter (NOTE [Hugging Face weights in megatron's layout] in
+  memo/adapters/megatron_hf.py: the query groups split into q/k/v, the gate and up halves of every
+  rank's ``linear_fc1`` joined, the padded vocabulary rows cut) into a transformers model of the
+  checkpoint's config (rope flags included), or of a ``LlamaConfig`` (``Qwen3Config`` with q/k norms)
+  made from memo's config, and writes it with ``save_pretrained``.
+- memo's reference models have their own parameter layout (fused QKV), which no transformers class
+  loads as it is: not exported. ``memo train`` has no adapters (LoRA) to merge.
 """
 
 from __future__ import annotations
@@ -85,7 +91,11 @@ def export_trained(model: torch.nn.Module, directory: str, parallel: ParallelRun
     """Write the trained ``model`` to ``directory`` (NOTE [Exporting the trained model]), with the
     tokenizer files of the checkpoint directory ``tokenizer_from``; every rank of a parallel run calls
     it, rank 0 writes. Returns the directory written (None on the other ranks)."""
-    state = full_state_dict(model, parallel)
+    if _is_megatron(model):
+        hf_model = _megatron_as_hf(model, parallel)  # a collective over each TP group
+        state = None
+    else:
+        hf_model, state = model, full_state_dict(model, parallel)
     if parallel is not None and not parallel.is_first:
         return None
     target = os.path.abspath(directory)
@@ -96,7 +106,7 @@ def export_trained(model: torch.nn.Module, directory: str, parallel: ParallelRun
         shutil.rmtree(partial)
     try:
         os.makedirs(partial)
-        model.save_pretrained(partial, state_dict=state)  # type: ignore[operator]
+        hf_model.save_pretrained(partial, state_dict=state)  # type: ignore[union-attr]
         if tokenizer_from is not None:
             for name in TOKENIZER_FILES:
                 source = os.path.join(tokenizer_from, name)
@@ -116,3 +126,28 @@ def export_trained(model: torch.nn.Module, directory: str, parallel: ParallelRun
         log(f"memo.train: exported the trained model to {target} (save_pretrained; "
             "transformers.AutoModelForCausalLM.from_pretrained loads it)")
     return target
+
+
+def _is_megatron(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is megatron-core's GPTModel as memo/engines.py builds it."""
+    return type(model).__module__.startswith("megatron.") and hasattr(model, "memo_config")
+
+
+def _megatron_as_hf(model: torch.nn.Module, parallel: ParallelRun | None) -> torch.nn.Module | None:
+    """The transformers model holding megatron ``model``'s trained tensors, on rank 0 (None elsewhere):
+    its TP shards gathered, the converter inverted (NOTE [Exporting the trained model])."""
+    from transformers import AutoModelForCausalLM
+
+    from memo.adapters.megatron_hf import gather_full_state, hf_config_of, hf_state_dict
+
+    full = gather_full_state(model)
+    if parallel is not None and not parallel.is_first:
+        return None
+    config = model.memo_config
+    tied = bool(model.share_embeddings_and_output_weights)
+    dtype = full["embedding.word_embeddings.weight"].dtype
+    hf_config = getattr(model, "hf_config", None) or hf_config_of(config, tied, dtype)
+    with torch.device("meta"):  # the tensors are assigned below: nothing is initialised
+        hf = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    hf.load_state_dict(hf_state_dict(full, config, tied), strict=True, assign=True)
+    return hf

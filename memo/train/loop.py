@@ -399,6 +399,9 @@ def _build(config: TrainConfig, device: torch.device, dtype: torch.dtype, budget
 
     if config.hf_model is not None:  # NOTE [Loading a checkpoint] in memo/engines.py
         hf = engines.hf_checkpoint_config(config.hf_model, config.rope_theta, config.rope_scaling)
+        if config.engine == "megatron":
+            return engines.load_megatron_from_hf(config.hf_model, hf, config.seq_len, device, dtype,
+                                                 None if parallel is None else parallel.layout)
         return engines.load_hf_causal_lm(config.hf_model, hf, device, dtype), _hf_shapes(hf)
     if config.hf_config is not None:
         hf = engines.hf_config(config.hf_config)
@@ -428,6 +431,8 @@ def _model_name(config: TrainConfig, model_config: ModelConfig) -> str:
     if config.hugging_face:
         fsdp2 = ", FSDP2" + (", states offloaded" if config.offload_states else "")
         source = "" if config.hf_model is None else f" from {config.hf_model}"
+        if config.engine == "megatron":
+            return f"{model_config.name}{source} (converted into a megatron-core GPTModel)"
         return f"{model_config.name}{source} (Hugging Face{fsdp2 if config.engine == 'fsdp2' else ''})"
     if config.engine == "fsdp2":
         return f"{config.model} (FSDP2{', states offloaded' if config.offload_states else ''})"

@@ -15,6 +15,7 @@ from memo.train.data import Batch
 
 if TYPE_CHECKING:
     from memo.distributed.layout import ParallelRun
+    from memo.models import ModelConfig
     from memo.train.config import TrainConfig, TrainResult
     from memo.train.strategies import Strategy
 
@@ -46,21 +47,30 @@ def start_parallel(config: TrainConfig) -> ParallelRun | None:
                      seq_len=config.seq_len, micro_batch=config.micro_batch)
         return FSDP2Run.start(layout, launch, config.device, config.seed, config.offload_states,
                               config.ulysses_head_chunks)
-    megatron = config.engine == "megatron" and not config.hugging_face
+    megatron = config.engine == "megatron"  # memo's model or a --hf-model checkpoint converted to it
     if layout.world == 1 and not layout.sequence_parallel and not (launch.launched and megatron):
         # One process (megatron's world of one: memo/engines.py). Under torchrun a
         # megatron world of one is a distributed run (NCCL on a GPU); memo's and Hugging Face's
         # models have no parallel layers and run as one process whatever launched them.
         return None
-    if config.engine != "megatron" or config.hugging_face:  # refused first by check_layout
+    if config.engine != "megatron":  # refused first by check_layout
         check_layout(layout, engine="hf" if config.hugging_face else config.engine, n_heads=1,
                      n_query_groups=1, vocab_size=1, seq_len=1, micro_batch=1)
-    shapes = get_config(config.model)
+    shapes = get_config(config.model) if config.hf_model is None else _checkpoint_shapes(config)
     check_layout(layout, engine=config.engine, n_heads=shapes.n_heads,
                  n_query_groups=shapes.n_kv_heads or shapes.n_heads, vocab_size=shapes.vocab_size,
                  seq_len=config.seq_len, micro_batch=config.micro_batch, n_layers=shapes.n_layers,
                  micro_batches=config.micro_batches)
     return ParallelRun.start(layout, launch, config.device, config.seed)
+
+
+def _checkpoint_shapes(config: TrainConfig) -> ModelConfig:
+    """The shapes of megatron's model of the ``--hf-model`` checkpoint (memo/adapters/megatron_hf.py)."""
+    from memo.adapters.megatron_hf import megatron_shapes
+    from memo.engines import hf_checkpoint_config
+
+    hf = hf_checkpoint_config(str(config.hf_model), config.rope_theta, config.rope_scaling)
+    return megatron_shapes(hf, f"memo.train: --hf-model {config.hf_model!r}")
 
 
 def _heads(config: TrainConfig) -> tuple[int, int]:

@@ -231,7 +231,7 @@ def test_flags_that_do_not_combine_are_refused(checkpoint: Path, tmp_path: Path,
     refused([*ck, "--model", "tiny"], "--model and --hf-model each name the model to train")
     refused([*ck, "--hf-config", '{"model_type": "llama"}'], "--hf-config and --hf-model each name")
     refused(["--model", "tiny", "--hf-config", '{"model_type": "llama"}'], "--model and --hf-config")
-    refused([*ck, "--engine", "megatron"], "no converter for; use --engine memo or --engine fsdp2")
+    refused([*ck, "--engine", "megatron", "--micro-batches", "2"], "--pp and --micro-batches > 1 split it")
     refused([*ck, "--export", str(checkpoint)], "is, holds or lies inside the input --hf-model")
     refused([*ck, "--export", str(checkpoint / "out")], "is, holds or lies inside the input --hf-model")
     (tmp_path / "full").mkdir()
