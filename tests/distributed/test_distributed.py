@@ -622,6 +622,19 @@ def test_cpu_shims_patch_nothing_where_cuda_is_usable(monkeypatch) -> None:
 
     from memo.distributed import cpu_shims
 
+    # An in-process megatron build earlier in this worker (memo.engines.init_megatron_world) may have
+    # left them installed: start from megatron's own functions and leave the process as it was found.
+    had_shims = cpu_shims.cpu_shims_installed()
+    cpu_shims.remove_cpu_shims()
+    try:
+        _check_shims_patch_only_without_cuda(monkeypatch, fused_softmax, mrandom, cpu_shims)
+    finally:
+        if had_shims:
+            cpu_shims.install_cpu_shims()
+
+
+def _check_shims_patch_only_without_cuda(monkeypatch: Any, fused_softmax: Any, mrandom: Any,
+                                         cpu_shims: Any) -> None:
     watched = [(torch.cuda, "current_device"), (mrandom, "_get_cuda_rng_state"),
                (mrandom, "_set_cuda_rng_state"), (mrandom.CudaRNGStatesTracker, "add"),
                (mrandom.CudaRNGStatesTracker, "fork"), (fused_softmax, "get_default_causal_mask")]
