@@ -184,7 +184,7 @@ def check_layout(layout: ParallelLayout, *, engine: str, n_heads: int, n_query_g
                  micro_batches: int = 1, ffn_hidden: int = 0) -> None:
     """Refuse a layout this job cannot run, from the arguments alone (NOTE [Checks before any
     process group]): the engine's, then what the model and the sequence refuse (:func:`layout_problems`,
-    the estimate's check too), then the vocabulary and the batch. ``micro_batch`` is the global batch
+    which ``memo estimate`` asks too), then the vocabulary and the batch. ``micro_batch`` is the global batch
     (every DP rank keeps its share) of each of the step's ``micro_batches``; ``n_layers`` and
     ``ffn_hidden`` 0: not checked."""
     tp, dp, sp = layout.tensor_parallel, layout.data_parallel, layout.sequence_parallel

@@ -4,18 +4,20 @@ counts, and what a model and a sequence refuse of it.
 NOTE [One layout type]
 A job's layout is one frozen :class:`ParallelLayout`: the sizes of its tensor-, context-, data- and
 pipeline-parallel groups and the virtual pipeline's chunks, whether TP also splits the tokens (sequence
-parallelism), how the CP ranks' attention communicates, how the model states are sharded, the micro-batch
-and Ulysses' chunks of heads. ``memo train`` resolves one from its flags and the world
-(``resolve_layout`` in memo/distributed/layout.py); ``memo estimate`` makes one from N GPUs and the sizes
-with the factory ``Layout`` in memo/estimate/layout.py (d = N / (t·c·p) must be whole; TP > 1 comes with
-sequence parallelism, as the estimate counts a rank). A factory, not a second constructor, so that both
-argument orders keep their meaning: ``ParallelLayout(2, 1, 2, True)`` is t, c, d, sp and ``Layout(8, 2)``
-is N, t. The fields carry the launcher's long names, the only names a constructor or
-``dataclasses.replace`` takes; ``tp``, ``cp``, ``dp``, ``pp``, ``vpp``, ``sp`` and ``gpus`` (``world``)
-are read-only aliases, which the estimate's arithmetic reads. One type has one validation (every bad field
-is refused when a layout is made, however it is made), one divisibility check (:func:`layout_problems`)
-and one engine lookup, so the layout an estimate answers with is the layout its printed command launches.
-``cp_comm`` and ``sharding`` are held as their planner/vocab.py members whatever string made them.
+parallelism), how the CP ranks' attention communicates, how the model states are sharded, the
+micro-batch and Ulysses' chunks of heads. ``memo train`` resolves one from its flags and the world
+(``resolve_layout`` in memo/distributed/layout.py; under FSDP2 every state is sharded, in host memory
+with ``--offload-states``: ``start_parallel`` in memo/train/parallel.py); ``memo estimate`` makes one
+from N GPUs and the sizes with the factory ``Layout`` in memo/estimate/layout.py (d = N / (t·c·p) must
+be whole; TP > 1 comes with sequence parallelism, as the estimate counts a rank). A factory, not a
+second constructor, so that both argument orders keep their meaning: ``ParallelLayout(2, 1, 2, True)``
+is t, c, d, sp and ``Layout(8, 2)`` is N, t. The fields carry the launcher's long names, the only names
+a constructor or ``dataclasses.replace`` takes; ``tp``, ``cp``, ``dp``, ``pp``, ``vpp``, ``sp`` and
+``gpus`` (``world``) are read-only aliases, which the estimate's arithmetic reads. One type has one
+validation (every bad field is refused when a layout is made, however it is made), one divisibility
+check (:func:`layout_problems`) and one engine lookup, so the layout an estimate answers with is the
+layout its printed command launches. ``cp_comm`` and ``sharding`` are held as their planner/vocab.py
+members whatever string made them.
 
 NOTE [Valid layouts]
 A layout is valid for a model and a sequence when every size divides what it splits:
