@@ -35,8 +35,9 @@ from typing import Any
 import _common
 import torch
 from longest_at_scale import BANDWIDTH_GBPS, COMMON_FRACTION, DEVICE_GB, GPUS_PER_NODE, HOST_GB, ROWS, Row
+from memo.planner.vocab import CPComm, Sharding
 
-from memo.estimate import Estimator, Layout, Machine, longest_sequences
+from memo.estimate import Estimator, Layout, Machine, ParallelLayout, longest_sequences
 from memo.units import GB
 
 __all__ = ["STEPS", "main", "peer_longest"]
@@ -60,17 +61,17 @@ def _as_before(step: int) -> Iterator[None]:
     if step < 3:
         plan_method.meta_ulysses = lambda *_args, **_kw: None  # type: ignore[assignment]
 
-        def on_top(self: Any, layout: Layout, seq_len: int) -> int:
+        def on_top(self: Any, layout: ParallelLayout, seq_len: int) -> int:
             return attention_exchange_bytes(self.config, layout, seq_len, self.dtype.itemsize)
 
         core.Estimator._exchange_on_top = on_top  # type: ignore[method-assign]
     if step < 4:
-        def eighteen(self: Any, layout: Layout, seq_len: int) -> tuple[int, int, int]:
+        def eighteen(self: Any, layout: ParallelLayout, seq_len: int) -> tuple[int, int, int]:
             params, device, host = saved[3](self, layout, seq_len)
-            if layout.sharding == "optimizer":
+            if layout.sharding == Sharding.OPTIMIZER:
                 return params, device, host
             extra = -(-2 * params // (layout.dp * layout.cp))  # the model-dtype copy beside the master
-            if layout.sharding == "full":
+            if layout.sharding == Sharding.FULL:
                 return params, device + extra, host
             return params, device, host + extra
 
@@ -86,8 +87,8 @@ def peer_longest(row: Row, step: int, granularity: int = 32 << 10) -> dict[str, 
     """The peer's longest sequence on ``row``'s layout with the model as of ``step``."""
     machine = Machine(device_mem_gb=DEVICE_GB, host_mem_gb=HOST_GB, bandwidth_gbps=BANDWIDTH_GBPS,
                       gpus_per_node=min(row.gpus, GPUS_PER_NODE))
-    layout = Layout(row.gpus, cp=row.gpus, cp_comm="a2a" if row.gpus > 1 else "all_gather",
-                    sharding="full-offload")
+    layout = Layout(row.gpus, cp=row.gpus, cp_comm=CPComm.A2A if row.gpus > 1 else CPComm.ALL_GATHER,
+                    sharding=Sharding.FULL_OFFLOAD)
     start = time.perf_counter()
     with _as_before(step):
         est = Estimator(row.model, machine=machine, fit_limit_bytes=int(DEVICE_GB * GB * COMMON_FRACTION))

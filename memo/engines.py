@@ -212,7 +212,7 @@ def _transformer_config(cls: type[TransformerConfig], config: ModelConfig, dtype
         use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
         params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         tensor_model_parallel_size=tp, context_parallel_size=cp, sequence_parallel=layout.sequence_parallel,
-        cp_comm_type=layout.cp_comm if cp > 1 else None,  # MemoCoreAttention's all-gather or Ulysses CP
+        cp_comm_type=layout.cp_comm.value if cp > 1 else None,  # MemoCoreAttention's all-gather or Ulysses CP
         **pipeline_config(layout, dtype, torch.device(device)))
 
 

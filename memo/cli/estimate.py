@@ -18,6 +18,7 @@ and every answer prints the command that launches it. See docs/estimate.md.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import sys
@@ -35,7 +36,7 @@ from memo.planner.vocab import CPComm, EstimateMethod, Sharding, StrategyName
 from memo.units import GiB
 
 if TYPE_CHECKING:
-    from memo.estimate import Estimate, Estimator, Layout
+    from memo.estimate import Estimate, Estimator, ParallelLayout
 
 #: Where progress lines go (stderr, or nowhere with --json).
 Log = Callable[[str], None]
@@ -187,7 +188,7 @@ def _check(args: argparse.Namespace) -> None:
     if args.alpha is not None and args.max_seq:
         raise MemoError("memo estimate: --alpha is fixed, but --max-seq lowers memo's alpha wherever a "
                         "length needs it; leave --alpha out")
-    if args.alpha is not None and args.strategy not in (None, ["memo"]):
+    if args.alpha is not None and args.strategy not in (None, [StrategyName.MEMO]):
         raise MemoError(f"memo estimate: --alpha is memo's; --strategy {' '.join(args.strategy)} has none")
     if args.layer_ms_at is not None and args.layer_ms is None:
         raise MemoError("memo estimate: --layer-ms-at says where --layer-ms was taken; give --layer-ms too")
@@ -218,17 +219,17 @@ def _estimator(args: argparse.Namespace) -> Estimator:
                      machine=machine, log=None, memo_policy=args.memo_policy, fit_limit_bytes=given)
 
 
-def _layout(args: argparse.Namespace) -> Layout:
+def _layout(args: argparse.Namespace) -> ParallelLayout:
     """The layout the flags name, refused before any profile where ``memo train`` launches none like
     it (NOTE [Layouts memo train launches] in memo/estimate/layout.py). Without --cp-comm, the CP
     communication is all_gather where the sharding's engine runs it, else the one it runs."""
     from memo.estimate import Layout
 
-    def layout(comm: str) -> Layout:
+    def layout(comm: str) -> ParallelLayout:
         return Layout(args.gpus, args.tp, args.cp, args.pp, args.micro_batch, cp_comm=comm,
-                      sharding=args.sharding or "optimizer", head_chunks=args.ulysses_head_chunks)
+                      sharding=args.sharding or Sharding.OPTIMIZER, head_chunks=args.ulysses_head_chunks)
 
-    chosen = layout(args.cp_comm or ("a2a" if args.ulysses_head_chunks else "all_gather"))
+    chosen = layout(args.cp_comm or (CPComm.A2A if args.ulysses_head_chunks else CPComm.ALL_GATHER))
     if args.cp_comm is None and chosen.engine is None:
         chosen = next((lay for lay in map(layout, CP_COMMS) if lay.engine is not None), chosen)
     problem = chosen.launch_problem()
@@ -244,11 +245,11 @@ def _layout_cell(lay: dict[str, Any]) -> str:
     return f"{lay['tp']} {lay['cp']}{a2a} {lay['pp']} {lay['dp']} {lay['sharding']}"
 
 
-def _cp_comm_cell(lay: Layout) -> str:
+def _cp_comm_cell(lay: ParallelLayout) -> str:
     """The CP communication, and Ulysses' chunks of heads where not memo train's default."""
     if lay.cp == 1:
         return "-"
-    return lay.cp_comm + (f" /{lay.head_chunks} chunks" if lay.head_chunks is not None else "")
+    return str(lay.cp_comm) + (f" /{lay.head_chunks} chunks" if lay.head_chunks is not None else "")
 
 
 def _shardings(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
@@ -373,7 +374,7 @@ def _run_search(args: argparse.Namespace, est: Estimator, log: Log) -> dict[str,
         for i, r in enumerate(rows, 1):
             lay, e = r["layout"], r["estimate"]
             cells = (str(i), lay.engine, str(lay.tp), str(lay.cp), str(lay.pp), str(lay.dp),
-                     str(lay.micro_batch), _cp_comm_cell(lay), lay.sharding,
+                     str(lay.micro_batch), _cp_comm_cell(lay), str(lay.sharding),
                      str(lay.model_parallel))
             if e is None:
                 table.append((*cells, "-", "-", "-", "cannot run", "-"))
@@ -428,7 +429,7 @@ def _run_max_seq(args: argparse.Namespace, est: Estimator, log: Log) -> dict[str
             "granularity": args.granularity, "seq_cap": args.seq_cap, "strategies": out_rows}
 
 
-def _max_seq_layouts(args: argparse.Namespace, est: Estimator) -> list[Layout]:
+def _max_seq_layouts(args: argparse.Namespace, est: Estimator) -> list[ParallelLayout]:
     """The layouts --max-seq searches: every valid one of DP 1 with --search, else the one given."""
     from memo.estimate import valid_layouts
 
@@ -469,7 +470,7 @@ def _max_seq_row(est: Estimator, r: dict[str, Any]) -> dict[str, Any]:
 
 
 def _print_max_seq(args: argparse.Namespace, est: Estimator, out_rows: list[dict[str, Any]],
-                   layouts: list[Layout]) -> None:
+                   layouts: list[ParallelLayout]) -> None:
     """The --max-seq tables: per strategy, then per layout where there are several; notes, commands."""
     from memo.estimate import align, tokens
 
@@ -514,7 +515,7 @@ def _print_max_seq(args: argparse.Namespace, est: Estimator, out_rows: list[dict
 
 
 def _print_layout_grid(args: argparse.Namespace, out_rows: list[dict[str, Any]],
-                       layouts: list[Layout]) -> None:
+                       layouts: list[ParallelLayout]) -> None:
     """--max-seq --search: the longest sequence of every strategy on every layout."""
     from memo.estimate import align, tokens
 
@@ -548,20 +549,19 @@ def _policy_cell(e: dict[str, Any]) -> str:
     return cell + (f", {e['recomputed_layers']} recompute" if e.get("recomputed_layers") else "")
 
 
-def _smallest_need(est: Estimator, layouts: list[Layout], strategies: tuple[str, ...], length: int) -> str:
+def _smallest_need(est: Estimator, layouts: list[ParallelLayout], strategies: tuple[str, ...], n: int) -> str:
     best = None
-    for lay in layouts:
-        for s in strategies:
-            try:
-                e = est.estimate(length, lay, s)
-            except MemoError:
-                continue
-            if best is None or e.total_bytes < best.total_bytes:
-                best = e
+    for lay, s in itertools.product(layouts, strategies):
+        try:
+            e = est.estimate(n, lay, s)
+        except MemoError:
+            continue
+        if best is None or e.total_bytes < best.total_bytes:
+            best = e
     if best is None:
         return "unknown (no layout can run it)"
     return (f"{_gib(best.total_bytes)} GiB per GPU ({best.strategy}, {best.layout.describe()}, "
-            f"{length:,} tokens)")
+            f"{n:,} tokens)")
 
 
 # ---------------------------------------------------------------- --plot

@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from memo.distributed.parallel_layout import ParallelLayout, layout_problems, size_problem
 from memo.errors import MemoError
 from memo.planner.vocab import CPComm
 
@@ -83,45 +84,6 @@ __all__ = [
 #: megatron's ``make_vocab_size_divisible_by`` default: the vocabulary is padded to a multiple of it
 #: for every layout alike, so a TP run and a single-process run build the same model.
 VOCAB_MULTIPLE = 128
-
-
-@dataclass(frozen=True)
-class ParallelLayout:
-    """How a job's ranks split the work (NOTE [Parallel layout])."""
-
-    tensor_parallel: int = 1
-    """Ranks a layer's weights are split over (megatron's TP)."""
-    context_parallel: int = 1
-    """Ranks a sequence is split over (megatron's CP, load-balanced causal layout)."""
-    data_parallel: int = 1
-    """Ranks the batch rows are split over."""
-    sequence_parallel: bool = False
-    """megatron's sequence parallelism inside each TP group (needs tensor_parallel > 1)."""
-    cp_comm: str = CPComm.ALL_GATHER.value
-    """How the CP ranks' attention communicates (megatron's ``cp_comm_type``): ``"all_gather"`` (K and
-    V) or ``"a2a"`` (Ulysses: every rank attends all tokens of its share of the heads)."""
-    pipeline_parallel: int = 1
-    """Pipeline stages (megatron's PP): each rank holds L/P layers (NOTE [Pipeline stages] in
-    memo/distributed/pipeline.py)."""
-    virtual_pipeline: int = 1
-    """Model chunks per pipeline rank (megatron's interleaved schedule); 1: the 1F1B schedule."""
-
-    @property
-    def world(self) -> int:
-        return self.tensor_parallel * self.context_parallel * self.pipeline_parallel * self.data_parallel
-
-    def as_dict(self) -> dict[str, Any]:
-        """What reports record: ``tp, cp, sp, dp, pp, vpp, world``."""
-        return {"tp": self.tensor_parallel, "cp": self.context_parallel, "sp": self.sequence_parallel,
-                "dp": self.data_parallel, "pp": self.pipeline_parallel, "vpp": self.virtual_pipeline,
-                "world": self.world, "cp_comm": self.cp_comm}
-
-    def __str__(self) -> str:
-        return (f"tp={self.tensor_parallel} cp={self.context_parallel} dp={self.data_parallel}"
-                + (f" pp={self.pipeline_parallel}" if self.pipeline_parallel > 1 else "")
-                + (f" vpp={self.virtual_pipeline}" if self.virtual_pipeline > 1 else "")
-                + (" sp" if self.sequence_parallel else "")
-                + (f" cp_comm={self.cp_comm}" if self.context_parallel > 1 else ""))
 
 
 @dataclass(frozen=True)
@@ -176,15 +138,11 @@ def resolve_layout(tensor_parallel: int = 1, context_parallel: int = 1, data_par
     Raises a MemoError when the layout does not make up the world (NOTE [Checks before any process
     group]).
     """
-    for name, value in (("--tp", tensor_parallel), ("--cp", context_parallel), ("--dp", data_parallel),
+    for flag, value in (("--tp", tensor_parallel), ("--cp", context_parallel), ("--dp", data_parallel),
                         ("--pp", pipeline_parallel), ("--vpp", virtual_pipeline)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise MemoError(f"memo.distributed: {name} must be a positive integer, got {value!r}")
-    from memo.models.ulysses_attention import CP_COMM_TYPES
-
-    if cp_comm not in CP_COMM_TYPES:
-        raise MemoError(f"memo.distributed: --cp-comm must be one of {', '.join(CP_COMM_TYPES)} (memo's "
-                        f"context-parallel attention), got {cp_comm!r}")
+        problem = None if value is None else size_problem(flag, value)
+        if problem is not None:
+            raise MemoError(f"memo.distributed: {problem}")
     if virtual_pipeline > 1 and pipeline_parallel == 1:
         raise MemoError(f"memo.distributed: --vpp {virtual_pipeline} interleaves model chunks over pipeline "
                         "stages; give --pp 2 or more, or drop --vpp")
@@ -223,22 +181,21 @@ def padded_vocab_size(vocab_size: int, tensor_parallel: int = 1) -> int:
 
 def check_layout(layout: ParallelLayout, *, engine: str, n_heads: int, n_query_groups: int,
                  vocab_size: int, seq_len: int, micro_batch: int, n_layers: int = 0,
-                 micro_batches: int = 1) -> None:
+                 micro_batches: int = 1, ffn_hidden: int = 0) -> None:
     """Refuse a layout this job cannot run, from the arguments alone (NOTE [Checks before any
-    process group]). ``micro_batch`` is the global batch (every DP rank keeps its share) of each of
-    the step's ``micro_batches``."""
-    from memo.token_split import seq_len_problem
-
-    tp, cp, dp, sp = (layout.tensor_parallel, layout.context_parallel, layout.data_parallel,
-                      layout.sequence_parallel)
-    pipeline_problem = _pipeline_problem(layout, engine, n_layers, micro_batches)
+    process group]): the engine's, then what the model and the sequence refuse (:func:`layout_problems`,
+    which ``memo estimate`` asks too), then the vocabulary and the batch. ``micro_batch`` is the global batch
+    (every DP rank keeps its share) of each of the step's ``micro_batches``; ``n_layers`` and
+    ``ffn_hidden`` 0: not checked."""
+    tp, dp, sp = layout.tensor_parallel, layout.data_parallel, layout.sequence_parallel
+    pipeline_problem = _pipeline_problem(layout, engine, micro_batches)
     if pipeline_problem is not None:
         raise MemoError(f"memo.distributed: {pipeline_problem}")
     if engine == "fsdp2":  # NOTE [Which engine runs which layout] in planner/engines.py
         from memo.planner.engines import layout_problem
 
-        problem = layout_problem(engine, tp=tp, cp=cp, pp=layout.pipeline_parallel, cp_comm=layout.cp_comm,
-                                 sp=sp)
+        problem = layout_problem(engine, tp=tp, cp=layout.context_parallel, pp=layout.pipeline_parallel,
+                                 cp_comm=layout.cp_comm, sp=sp)
         if problem is not None:
             raise MemoError(f"memo.train: {layout}: {problem}")
     if engine not in ("megatron", "fsdp2") and (layout.world > 1 or sp):
@@ -251,48 +208,27 @@ def check_layout(layout: ParallelLayout, *, engine: str, n_heads: int, n_query_g
         raise MemoError("memo.distributed: --sp (sequence parallelism) splits the tokens between the "
                         "ranks of a tensor-parallel group, and megatron-core refuses it without one; give "
                         "--tp 2 or more, or drop --sp")
-    for what, count in (("attention heads", n_heads), ("query groups (key/value heads)", n_query_groups)):
-        if count % tp:
-            raise MemoError(f"memo.distributed: the model has {count} {what}, which --tp {tp} cannot split "
-                            f"evenly (each tensor-parallel rank holds a whole number of them); use a --tp "
-                            f"that divides {count}")
-    if cp > 1 and layout.cp_comm == CPComm.A2A:  # the heads split over --tp (checked above)
-        from memo.models.ulysses_attention import ulysses_heads_problem
-
-        heads, groups = n_heads // tp, n_query_groups // tp
-        problem = ulysses_heads_problem(heads, groups, cp)
-        if problem is not None:  # NOTE [Ulysses context parallelism] in memo/models/ulysses_attention.py
-            raise MemoError(
-                f"memo.distributed: --cp-comm a2a: the model has {n_heads} attention heads and "
-                f"{n_query_groups} query groups, {heads} and {groups} per --tp {tp} rank, and {problem}; "
-                f"use a --cp that divides {heads} and divides or is a multiple of {groups}, or "
-                "--cp-comm all_gather")
+    problems = layout_problems(layout, n_heads=n_heads, n_kv_heads=n_query_groups, n_layers=n_layers,
+                               ffn_hidden=ffn_hidden, seq_len=seq_len)
+    if problems:
+        raise MemoError(f"memo.distributed: {problems[0]}")
     padded_vocab_size(vocab_size, tp)
-    # memo's profile of a rank (NOTE [Context-parallel profile]) takes seq_len / (c·t) tokens per
-    # layer input under TP, with or without --sp, and 2c load-balanced chunks under CP.
-    problem = seq_len_problem(seq_len, tp, cp)  # NOTE [Tokens per rank] in memo/token_split.py
-    if problem is not None:
-        raise MemoError(f"memo.distributed: --seq-len: {problem}" + ("" if sp or tp == 1 else
-                        " (memo profiles one rank's share also without --sp)"))
     if micro_batch % dp:
         raise MemoError(
             f"memo.distributed: --micro-batch {micro_batch} (the global batch) cannot be split over --dp "
             f"{dp} data-parallel ranks; give a multiple of {dp}")
 
 
-def _pipeline_problem(layout: ParallelLayout, engine: str, n_layers: int, micro_batches: int) -> str | None:
-    """What keeps ``layout``'s pipeline from running (NOTE [Pipeline stages] in
-    memo/distributed/pipeline.py), or None."""
+def _pipeline_problem(layout: ParallelLayout, engine: str, micro_batches: int) -> str | None:
+    """What keeps ``layout``'s pipeline from running besides its layers (NOTE [Pipeline stages] in
+    memo/distributed/pipeline.py; :func:`layout_problems` checks that the stages share the layers), or
+    None."""
     p, v = layout.pipeline_parallel, layout.virtual_pipeline
     if p == 1:
         return None
     if engine != "megatron":
         return (f"--pp {p}: pipeline stages are megatron-core's (its GPTModel chunks and schedules); use "
                 "--engine megatron")
-    if n_layers % (p * v):
-        chunks = f"--pp {p} x --vpp {v} = {p * v} model chunks" if v > 1 else f"--pp {p} stages"
-        return (f"the model's {n_layers} layers cannot be split evenly over {chunks}; use a --pp"
-                + (" x --vpp" if v > 1 else "") + f" that divides {n_layers}")
     if v > 1 and (micro_batches < p or micro_batches % p):
         return (f"--micro-batches {micro_batches}: megatron's interleaved schedule (--vpp {v}) runs the "
                 f"micro-batches in groups of --pp {p} per model chunk; give a multiple of {p}")

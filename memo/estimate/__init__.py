@@ -29,7 +29,7 @@ from memo.estimate.formula import (
     formula_model_states,
     formula_parameters,
 )
-from memo.estimate.layout import Layout, valid_layouts
+from memo.estimate.layout import Layout, ParallelLayout, valid_layouts
 from memo.estimate.plan_method import (
     DEPTHS,
     PLAN_STRATEGIES,
@@ -60,6 +60,7 @@ __all__ = [
     "FormulaShape",
     "Layout",
     "Machine",
+    "ParallelLayout",
     "RankNumbers",
     "align",
     "analyse_trace",

@@ -32,7 +32,8 @@ import shlex
 from typing import TYPE_CHECKING
 
 from memo.errors import MemoError
-from memo.estimate.layout import Layout
+from memo.estimate.layout import ParallelLayout
+from memo.planner.vocab import Sharding
 
 if TYPE_CHECKING:
     from memo.estimate.core import Estimator
@@ -52,7 +53,7 @@ def nodes(gpus: int, gpus_per_node: int) -> tuple[int, int]:
     return count, gpus // count
 
 
-def launch_argv(estimator: Estimator, layout: Layout, seq_len: int, strategy: str) -> list[str]:
+def launch_argv(estimator: Estimator, layout: ParallelLayout, seq_len: int, strategy: str) -> list[str]:
     """The command that trains ``estimator``'s model on ``layout`` at ``seq_len`` tokens under
     ``strategy``, as an argument list (NOTE [The launch command of an answer])."""
     engine = layout.engine
@@ -69,14 +70,14 @@ def launch_argv(estimator: Estimator, layout: Layout, seq_len: int, strategy: st
     if layout.tp > 1:
         argv += ["--tp", str(layout.tp), "--sp"]
     if layout.cp > 1:
-        argv += ["--cp", str(layout.cp), "--cp-comm", layout.cp_comm]
+        argv += ["--cp", str(layout.cp), "--cp-comm", str(layout.cp_comm)]
     if layout.head_chunks is not None:
         argv += ["--ulysses-head-chunks", str(layout.head_chunks)]
     if layout.pp > 1:
         argv += ["--pp", str(layout.pp), "--micro-batches", str(layout.pp)]
     if layout.dp > 1:
         argv += ["--dp", str(layout.dp)]
-    if layout.sharding == "full-offload":
+    if layout.sharding == Sharding.FULL_OFFLOAD:
         argv.append("--offload-states")
     argv += ["--model", estimator.model, "--seq-len", str(seq_len)]
     if layout.micro_batch * layout.dp > 1:
@@ -89,6 +90,6 @@ def launch_argv(estimator: Estimator, layout: Layout, seq_len: int, strategy: st
     return argv
 
 
-def launch_command(estimator: Estimator, layout: Layout, seq_len: int, strategy: str) -> str:
+def launch_command(estimator: Estimator, layout: ParallelLayout, seq_len: int, strategy: str) -> str:
     """:func:`launch_argv` as one shell line."""
     return shlex.join(launch_argv(estimator, layout, seq_len, strategy))

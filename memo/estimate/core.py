@@ -22,7 +22,7 @@ from memo.estimate.formula import (
     formula_layer_parameters,
     formula_parameters,
 )
-from memo.estimate.layout import Layout
+from memo.estimate.layout import Layout, ParallelLayout
 from memo.estimate.plan_method import (
     PLAN_STRATEGIES,
     Machine,
@@ -33,7 +33,7 @@ from memo.estimate.plan_method import (
     memo_alpha_within,
     rank_layer_ms,
 )
-from memo.planner.vocab import ESTIMATE_METHODS, StrategyName
+from memo.planner.vocab import ESTIMATE_METHODS, CPComm, EstimateMethod, LayerPolicy, Sharding, StrategyName
 from memo.units import GB, GiB
 
 __all__ = ["ESTIMATE_KIND", "ESTIMATE_VERSION", "MEMO_POLICIES", "METHODS", "MODEL_STATES", "Estimate",
@@ -44,7 +44,7 @@ ESTIMATE_VERSION = 1
 METHODS = ESTIMATE_METHODS
 
 #: memo's layer policies an estimate may use (NOTE [Memo's policy in an estimate]).
-MEMO_POLICIES = ("auto", StrategyName.MEMO.value, "input-only")
+MEMO_POLICIES = ("auto", LayerPolicy.MEMO.value, LayerPolicy.INPUT_ONLY.value)
 
 # NOTE [Memo's policy in an estimate]
 # memo's rows run every offloading layer one way: "memo" (input and attention output to the host,
@@ -125,7 +125,7 @@ def limit_rule(strategy: str, given: bool = False) -> str:
     usable budget) and "fraction" for the others."""
     if given:
         return "given"
-    return "plan" if strategy == StrategyName.MEMO.value else "fraction"
+    return "plan" if strategy == StrategyName.MEMO else "fraction"
 
 
 def fit_limit(device_mem_gb: float, fit_fraction: float, rule: str, given_bytes: int | None = None) -> int:
@@ -155,7 +155,7 @@ class Estimate:
 
     model: str
     seq_len: int
-    layout: Layout
+    layout: ParallelLayout
     strategy: str
     method: str
     dtype: str
@@ -222,12 +222,12 @@ class Estimate:
         }
 
 
-def strategy_problem(strategy: str, layout: Layout) -> str | None:
+def strategy_problem(strategy: str, layout: ParallelLayout) -> str | None:
     """Why ``strategy`` cannot run on ``layout`` at all, or None (NOTE [The peer in an estimate])."""
-    if strategy == "offloaded-checkpoint" and layout.tp > 1:
+    if strategy == StrategyName.OFFLOADED_CHECKPOINT and layout.tp > 1:
         return ("offloaded-checkpoint tiles each MLP over the rank's own tokens, which a tensor + sequence "
                 "parallel rank cannot (its MLP gathers the sequence); it runs with TP 1")
-    if strategy == "offloaded-checkpoint" and layout.pp > 1:
+    if strategy == StrategyName.OFFLOADED_CHECKPOINT and layout.pp > 1:
         # NOTE [Layouts memo train launches]: memo train runs pipeline stages by megatron's schedules
         # under none, full-recompute and memo only (PIPELINED_STRATEGIES in memo/train/pipelined.py).
         return ("memo train runs pipeline stages (megatron's schedules) under none, full-recompute or memo, "
@@ -286,15 +286,15 @@ class Estimator:
         return fit_limit(m.device_mem_gb, m.fit_fraction, self.limit_rule(strategy), self.fit_limit_bytes)
 
     def strategies(self) -> tuple[str, ...]:
-        return PLAN_STRATEGIES if self.method == "plan" else FORMULA_STRATEGIES
+        return PLAN_STRATEGIES if self.method == EstimateMethod.PLAN else FORMULA_STRATEGIES
 
-    def states(self, layout: Layout, seq_len: int) -> tuple[int, int]:
+    def states(self, layout: ParallelLayout, seq_len: int) -> tuple[int, int]:
         """(parameters, model-state bytes on the device) of one first-stage GPU (NOTE [Estimate model
         states], [Sharded model states])."""
         params, device, _ = self.state_bytes(layout, seq_len)
         return params, device
 
-    def state_bytes(self, layout: Layout, seq_len: int) -> tuple[int, int, int]:
+    def state_bytes(self, layout: ParallelLayout, seq_len: int) -> tuple[int, int, int]:
         """(parameters, device bytes, host bytes) of one first-stage GPU's model states (NOTE
         [Sharded model states])."""
         if self.model_states == "formula":
@@ -304,18 +304,18 @@ class Estimator:
             params, elem = counted_parameters(self.config, layout, seq_len, self.dtype)
             weight, grad, optim = (elem, elem, 2 * elem) if self.model_states == "same" else (elem, 4, 12)
         shards = layout.dp * layout.cp
-        if layout.sharding == "optimizer":
+        if layout.sharding == Sharding.OPTIMIZER:
             return params, weight * params + grad * params + -(-optim * params // shards), 0
         # NOTE [Sharded model states]: under mixed precision the shard is the optimizer's fp32 master
         shard = grad + optim + (weight if self.model_states == "same" else 0)
         sharded = -(-shard * params // shards)
         gathered = int(round((2 * weight + grad) * formula_layer_parameters(self.shape, layout)))
-        if layout.sharding == "full":
+        if layout.sharding == Sharding.FULL:
             return params, sharded + gathered, 0
         return params, gathered, sharded
 
-    def estimate(self, seq_len: int, layout: Layout, strategy: str = "memo", alpha: float | None = None,
-                 *, least: bool = False) -> Estimate:
+    def estimate(self, seq_len: int, layout: ParallelLayout, strategy: str = "memo",
+                 alpha: float | None = None, *, least: bool = False) -> Estimate:
         """The per-GPU estimate; a MemoError for a layout the job cannot take.
 
         ``least``: memo at its least device need, input-only layers (NOTE [Memo's policy in an
@@ -323,7 +323,7 @@ class Estimator:
         if strategy not in PLAN_STRATEGIES:
             raise MemoError(f"memo estimate: --strategy must be one of {', '.join(PLAN_STRATEGIES)}, "
                             f"got {strategy!r}")
-        if alpha is not None and strategy != "memo":
+        if alpha is not None and strategy != StrategyName.MEMO:
             raise MemoError(f"memo estimate: --alpha is memo's; strategy {strategy} has none")
         layout.check(self.config, seq_len)
         problem = strategy_problem(strategy, layout)
@@ -340,22 +340,22 @@ class Estimator:
             est.host_bytes_per_process = host_states
             est.host_bytes_per_node = host_states * min(m.gpus_per_node, layout.gpus)
             est.notes.append(f"model states in host memory: {host_states / GiB:,.2f} GiB per GPU")
-        if self.method == "formula":
+        if self.method == EstimateMethod.FORMULA:
             est.activations_bytes = int(round(formula_activations(self.shape, layout, seq_len, strategy)))
         else:
             # all-gather's exchange on top of the peak (memo's alpha is lowered with it counted); Ulysses'
             # is recorded where it lives (NOTE [Ulysses in a meta estimate] in meta_ulysses.py)
             est.activations_bytes = self._exchange_on_top(layout, seq_len)
-            if strategy == "memo":
+            if strategy == StrategyName.MEMO:
                 self._memo(est, 0.0 if least else alpha, least or alpha is None, least)
             else:
-                if strategy == "offloaded-checkpoint":
+                if strategy == StrategyName.OFFLOADED_CHECKPOINT:
                     self._peer_host(est)
                 est.activations_bytes += self._activations(strategy, layout, seq_len, None)
         est.notes.extend(self._notes(layout, seq_len))
         return est
 
-    def screen_bytes(self, seq_len: int, layout: Layout) -> tuple[int, int]:
+    def screen_bytes(self, seq_len: int, layout: ParallelLayout) -> tuple[int, int]:
         """(model-state bytes on the device, activation bytes) of full recompute on ``layout`` for the
         layout search's screen (NOTE [Fast longest-sequence search]): the rank's profile on its own
         tokens, shared by both context-parallel communications, with the exchange's closed form on top
@@ -370,15 +370,15 @@ class Estimator:
             activations = n.stage_activations + (layout.pp - 1) * n.held
         return self.state_bytes(layout, seq_len)[1], activations + exchange
 
-    def _exchange_on_top(self, layout: Layout, seq_len: int) -> int:
+    def _exchange_on_top(self, layout: ParallelLayout, seq_len: int) -> int:
         """The context-parallel exchange a recorded peak does not hold: all-gather's (NOTE
         [Context-parallel exchange in an estimate]); Ulysses' is recorded (NOTE [Ulysses in a meta
         estimate])."""
-        if layout.cp_comm == "a2a":
+        if layout.cp_comm == CPComm.A2A:
             return 0
         return attention_exchange_bytes(self.config, layout, seq_len, self.dtype.itemsize)
 
-    def _activations(self, strategy: str, layout: Layout, seq_len: int, alpha: float | None,
+    def _activations(self, strategy: str, layout: ParallelLayout, seq_len: int, alpha: float | None,
                      recomputed: int = 0, pairs: int = 0) -> int:
         """NOTE [Gradients in the peak] and [First stage under 1F1B] in memo/estimate/plan_method.py;
         ``recomputed``, ``pairs``: NOTE [Inputs on the device where the host binds], [Segments where the
@@ -398,13 +398,13 @@ class Estimator:
 
         layout, seq_len = est.layout, est.seq_len
         host = self.machine.host_per_process() // layout.pp - (est.host_bytes_per_process or 0)
-        if self.memo_policy == "input-only" or (least and self.memo_policy == "auto"):
+        if self.memo_policy == LayerPolicy.INPUT_ONLY or (least and self.memo_policy == "auto"):
             self._input_only(est, host, None)
             return
         try:
             solution = self.profiler.alpha(layout, seq_len, alpha, host)
         except MemoError as err:  # the host cannot hold every layer's input and attention output
-            if not may_go_input_only or self.memo_policy == "memo":
+            if not may_go_input_only or self.memo_policy == LayerPolicy.MEMO:
                 raise
             self._input_only(est, host, err)
             return
@@ -489,7 +489,7 @@ class Estimator:
         est.host_bytes_per_process = (est.host_bytes_per_process or 0) + offload_bytes
         est.host_bytes_per_node = est.host_bytes_per_process * min(m.gpus_per_node, est.layout.gpus)
 
-    def _notes(self, layout: Layout, seq_len: int) -> list[str]:
+    def _notes(self, layout: ParallelLayout, seq_len: int) -> list[str]:
         out = []
         if self.model_states == "formula" and self.config.arch == "gpt":
             from memo.models import DEFAULT_MAX_SEQ_LEN
@@ -508,10 +508,10 @@ class Estimator:
             out.append(f"Ulysses over {c} chunks of heads, one at a time (--ulysses-head-chunks {c}): 1/{c} "
                        f"of the head shards during attention, for {c / default:g}x the default's key/value "
                        "traffic (NOTE [Head chunks in an estimate])")
-        if layout.cp > 1 and self.method == "plan":
+        if layout.cp > 1 and self.method == EstimateMethod.PLAN:
             exchange = attention_exchange_bytes(self.config, layout, seq_len, self.dtype.itemsize)
             gib = f"{exchange / GiB:,.2f} GiB"
-            if layout.cp_comm == "a2a":
+            if layout.cp_comm == CPComm.A2A:
                 out.append(f"context parallel (a2a): the head-sharded copies of the all-to-all ({gib} at "
                            "attention's backward) recorded where they live, by memo's Ulysses functions on "
                            "the meta rank (NOTE [Ulysses in a meta estimate])")
@@ -519,7 +519,7 @@ class Estimator:
                 out.append(f"context parallel (all_gather): the gathered K and V and their float32 "
                            f"gradients, {gib}, counted on top of the recorded peak (NOTE [Context-parallel "
                            "exchange in an estimate])")
-        if self.method == "formula" and self.dtype_name not in ("bfloat16", "bf16"):
+        if self.method == EstimateMethod.FORMULA and self.dtype_name not in ("bfloat16", "bf16"):
             out.append("the formula counts bf16 activations and weights whatever --dtype says")
         out.extend(self.profiler.notes)
         return out

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from memo.errors import MemoError
-from memo.estimate.layout import Layout
+from memo.estimate.layout import ParallelLayout
 from memo.planner.vocab import StrategyName
 
 if TYPE_CHECKING:
@@ -110,7 +110,7 @@ class FormulaShape:
         return 8 + 4 * heads * (2 if self.qk_norm else 1) + mlp * self.h_ffn / self.h
 
 
-def formula_layer_parameters(shape: FormulaShape, layout: Layout) -> float:
+def formula_layer_parameters(shape: FormulaShape, layout: ParallelLayout) -> float:
     """Parameters of one transformer layer on one GPU: ``2·h²·((1 + k/a + m/2 · h_ffn/h)/t + 1/h)``,
     the attention's ``2h²(1 + k/a)`` being ``2·h·d·(a + k)`` for a head size d other than h/a, and
     QK-norm's ``2·d`` weights on top (NOTE [Estimator formula])."""
@@ -120,7 +120,7 @@ def formula_layer_parameters(shape: FormulaShape, layout: Layout) -> float:
     return 2 * h * h * (split + 1 / h) + (2 * shape.d if shape.qk_norm else 0)
 
 
-def formula_parameters(shape: FormulaShape, layout: Layout) -> float:
+def formula_parameters(shape: FormulaShape, layout: ParallelLayout) -> float:
     """P_stage: the parameters one GPU of the first pipeline stage holds (NOTE [Estimator formula])."""
     h, t, p = shape.h, layout.tp, layout.pp
     if shape.n_layers % p:
@@ -134,12 +134,13 @@ def formula_parameters(shape: FormulaShape, layout: Layout) -> float:
     return total
 
 
-def formula_model_states(shape: FormulaShape, layout: Layout) -> float:
+def formula_model_states(shape: FormulaShape, layout: ParallelLayout) -> float:
     """Bytes of weights, gradients and optimizer states: ``(6 + 12/(d·c)) · P_stage`` (eq. 10)."""
     return (6 + 12 / (layout.dp * layout.cp)) * formula_parameters(shape, layout)
 
 
-def formula_activations(shape: FormulaShape, layout: Layout, seq_len: int, strategy: str = "none") -> float:
+def formula_activations(shape: FormulaShape, layout: ParallelLayout, seq_len: int,
+                        strategy: str = "none") -> float:
     """Activation bytes of the first stage (eq. 17 for ``none``; NOTE [Estimator formula] for
     ``full-recompute``)."""
     if strategy not in FORMULA_STRATEGIES:
@@ -148,6 +149,6 @@ def formula_activations(shape: FormulaShape, layout: Layout, seq_len: int, strat
     t, c, p = layout.tp, layout.cp, layout.pp
     sbh = seq_len * layout.micro_batch * shape.h / (t * c)
     layer = shape.layer_activation_coefficient
-    layers = layer * shape.n_layers if strategy == "none" else 2 * shape.n_layers + layer
+    layers = layer * shape.n_layers if strategy == StrategyName.NONE else 2 * shape.n_layers + layer
     head = 4 * (1 + shape.v / shape.h) if p == 1 else 0.0
     return sbh * (layers + 8 * p + head)

@@ -68,11 +68,11 @@ from typing import TYPE_CHECKING, Any
 
 from memo.errors import internal_assert
 from memo.estimate.formula import FORMULA_STRATEGIES
-from memo.estimate.layout import Layout
+from memo.estimate.layout import ParallelLayout
 from memo.estimate.meta_ulysses import meta_ulysses
 from memo.estimate.rank_numbers import RankNumbers, analyse_trace
 from memo.machine import Machine
-from memo.planner.vocab import StrategyName
+from memo.planner.vocab import CPComm, LayerPolicy, StrategyName
 from memo.repeated_tiles import repeated_tiles_skipped
 from memo.units import GB
 
@@ -118,7 +118,7 @@ def estimate_machine(machine: Machine | None = None) -> Machine:
     return (machine or Machine()).with_defaults(**ESTIMATE_DEFAULTS)
 
 
-def rank_layer_ms(machine: Machine, config: ModelConfig, layout: Layout, seq_len: int,
+def rank_layer_ms(machine: Machine, config: ModelConfig, layout: ParallelLayout, seq_len: int,
                   dtype: torch.dtype) -> float:
     """T_layer of one rank: the given time scaled by forward FLOPs (length) and by t·c (how many
     ranks share a layer's work), or the FLOP estimate on ``machine.gpu`` split over t·c ranks."""
@@ -132,7 +132,7 @@ def rank_layer_ms(machine: Machine, config: ModelConfig, layout: Layout, seq_len
     return estimate_layer_ms(config, seq_len, b, machine.gpu, dtype, machine.efficiency).value / tc
 
 
-def _rank_model(config: ModelConfig, n_layers: int, layout: Layout, seq_len: int, dtype: torch.dtype,
+def _rank_model(config: ModelConfig, n_layers: int, layout: ParallelLayout, seq_len: int, dtype: torch.dtype,
                 recompute: str) -> TransformerModel:
     from memo.models import DEFAULT_MAX_SEQ_LEN, build_model
 
@@ -140,12 +140,12 @@ def _rank_model(config: ModelConfig, n_layers: int, layout: Layout, seq_len: int
     # GPT's position table as the profiler and training size it (build_profile_model).
     kw = {"max_seq_len": max(seq_len, DEFAULT_MAX_SEQ_LEN)} if config.arch == "gpt" else {}
     model = build_model(cfg, device="meta", dtype=dtype, tensor_parallel=layout.tp, recompute=recompute, **kw)
-    if layout.cp > 1 and layout.cp_comm == "a2a":
+    if layout.ulysses:
         meta_ulysses(model, layout.cp, head_chunks=layout.head_chunks)
     return model
 
 
-def counted_parameters(config: ModelConfig, layout: Layout, seq_len: int,
+def counted_parameters(config: ModelConfig, layout: ParallelLayout, seq_len: int,
                        dtype: torch.dtype) -> tuple[int, int]:
     """(parameters, bytes per parameter) one GPU of the first stage holds in memo's reference rank
     model: its embedding (and GPT's position table), L/p layers and, with p = 1, the final norm and
@@ -173,7 +173,7 @@ def counted_parameters(config: ModelConfig, layout: Layout, seq_len: int,
     return total, elem
 
 
-def record_first_stage(model: TransformerModel, layout: Layout, seq_len: int,
+def record_first_stage(model: TransformerModel, layout: ParallelLayout, seq_len: int,
                        meta: dict[str, Any]) -> dict[str, Any]:
     """NOTE [First stage under 1F1B]: the trace of the first of ``layout.pp`` stages running the 1F1B
     step of ``layout.pp`` micro-batches, on the meta rank model (its head replaced by the send)."""
@@ -236,7 +236,8 @@ def record_first_stage(model: TransformerModel, layout: Layout, seq_len: int,
     return builder.finish()
 
 
-def _record_offloaded_checkpoint(model: TransformerModel, layout: Layout, seq_len: int) -> dict[str, Any]:
+def _record_offloaded_checkpoint(model: TransformerModel, layout: ParallelLayout,
+                                 seq_len: int) -> dict[str, Any]:
     """One iteration of the ``offloaded-checkpoint`` peer on the meta rank model (NOTE [The peer in an
     estimate]): its layers checkpointed with their inputs sent to the host, MLPs tiled; the trace."""
     import torch
@@ -297,18 +298,18 @@ class RankProfiler:
         #: runs, what tests compare with).
         self.kernels: MetaKernelCache | None = MetaKernelCache()
 
-    def _record(self, strategy: str, layout: Layout, seq_len: int, depth: int, alpha: float | None,
+    def _record(self, strategy: str, layout: ParallelLayout, seq_len: int, depth: int, alpha: float | None,
                 stage: bool = True, policy: tuple[str, ...] | None = None) -> tuple[RankNumbers, Any]:
         """The numbers of one recorded iteration (and pass 1's layer statistics), or with ``stage`` and
         p > 1 of the first stage's 1F1B step (NOTE [First stage under 1F1B]; no statistics). memo's
         layers run ``policy`` where given (``depth`` is its length), else ``strategy`` in every layer
         but the kept last ones."""
-        stages = layout.pp if stage and strategy != "offloaded-checkpoint" else 1
-        if policy is None and strategy in ("memo", "input-only"):
+        stages = layout.pp if stage and strategy != StrategyName.OFFLOADED_CHECKPOINT else 1
+        if policy is None and strategy in (LayerPolicy.MEMO, LayerPolicy.INPUT_ONLY):
             kept = min(self.machine.memo_keep_last, depth)
-            policy = (strategy,) * (depth - kept) + ("keep",) * kept
+            policy = (strategy,) * (depth - kept) + (LayerPolicy.KEEP.value,) * kept
         # a Ulysses rank records its exchange (NOTE [Ulysses in a meta estimate] in meta_ulysses.py)
-        ulysses = layout.cp > 1 and layout.cp_comm == "a2a"
+        ulysses = layout.ulysses
         exchange = (layout.cp_comm, layout.head_chunks) if ulysses else None
         key = (strategy, layout.tp, layout.cp, layout.micro_batch, seq_len, depth,
                None if alpha is None else round(alpha, 6), stages, policy, exchange)
@@ -321,14 +322,14 @@ class RankProfiler:
         self.cache[key] = out
         return out
 
-    def _recorded(self, strategy: str, layout: Layout, seq_len: int, depth: int, alpha: float | None,
+    def _recorded(self, strategy: str, layout: ParallelLayout, seq_len: int, depth: int, alpha: float | None,
                   stages: int, policy: tuple[str, ...] | None) -> tuple[RankNumbers, Any]:
         """:meth:`_record`'s recording, not cached."""
         from memo.pipeline import profile
 
-        recompute = "full" if strategy == "full-recompute" else "none"
+        recompute = "full" if strategy == StrategyName.FULL_RECOMPUTE else "none"
         model = _rank_model(self.config, depth, layout, seq_len, self.dtype, recompute)
-        mixed = policy is not None and ("recompute" in policy or "segment" in policy)
+        mixed = policy is not None and (LayerPolicy.RECOMPUTE in policy or LayerPolicy.SEGMENT in policy)
         kind_of = _policy_kinds(policy) if mixed else None
         if stages > 1:
             self.profiles += 1
@@ -339,17 +340,17 @@ class RankProfiler:
             warnings.simplefilter("ignore")  # the planner's notes on layer phases; alpha is checked here
             if policy is not None:  # NOTE [Memo's policy in an estimate] in core.py
                 trace = self._wrapped(model, strategy, layout, seq_len, alpha, policy)
-            elif strategy == "offloaded-checkpoint":
+            elif strategy == StrategyName.OFFLOADED_CHECKPOINT:
                 trace = _record_offloaded_checkpoint(model, layout, seq_len)
             else:
                 result = profile(model, seq_len, layout.micro_batch, self.dtype, "meta", solve=False,
                                  **common)
         self.profiles += 1
-        if policy is not None or strategy == "offloaded-checkpoint":
+        if policy is not None or strategy == StrategyName.OFFLOADED_CHECKPOINT:
             return analyse_trace(trace, kind_of), None
         return analyse_trace(result.trace, kind_of), result.layer_stats
 
-    def _wrapped(self, model: TransformerModel, strategy: str, layout: Layout, seq_len: int,
+    def _wrapped(self, model: TransformerModel, strategy: str, layout: ParallelLayout, seq_len: int,
                  alpha: float | None, policy: tuple[str, ...]) -> dict[str, Any]:
         """One iteration of the rank model wrapped by memo's runtime with ``policy``, recorded: what
         ``memo profile``'s second pass records (memo/pipeline/passes.py's wrapped_pass), with the tiles of
@@ -361,7 +362,7 @@ class RankProfiler:
         from memo.profiler.context_parallel import rank_tokens
         from memo.profiler.record import phase_tracker, record
 
-        runtime.wrap(model, alpha=0.0 if strategy == "input-only" else alpha, policy=list(policy),
+        runtime.wrap(model, alpha=0.0 if strategy == LayerPolicy.INPUT_ONLY else alpha, policy=list(policy),
                      recompute_chunk_tokens=self._tile(model, layout, seq_len))
         tracker = phase_tracker(model)
         ids = torch.zeros(layout.micro_batch, rank_tokens(seq_len, layout.tp, layout.cp), dtype=torch.long,
@@ -373,7 +374,7 @@ class RankProfiler:
             tracker.remove()
             runtime.unwrap(model, force=True)
 
-    def _first_stage(self, model: TransformerModel, strategy: str, layout: Layout, seq_len: int,
+    def _first_stage(self, model: TransformerModel, strategy: str, layout: ParallelLayout, seq_len: int,
                      alpha: float | None, policy: tuple[str, ...] | None) -> dict[str, Any]:
         """NOTE [First stage under 1F1B]: the first stage's step, memo's layers wrapped as the single
         iteration's profile wraps them (its policy, alpha and the tiles of the device the estimate is
@@ -384,7 +385,7 @@ class RankProfiler:
         if policy is None:
             with repeated_tiles_skipped():
                 return record_first_stage(model, layout, seq_len, meta)
-        runtime.wrap(model, alpha=0.0 if strategy == "input-only" else alpha, policy=list(policy),
+        runtime.wrap(model, alpha=0.0 if strategy == LayerPolicy.INPUT_ONLY else alpha, policy=list(policy),
                      recompute_chunk_tokens=self._tile(model, layout, seq_len))
         try:
             with warnings.catch_warnings(), repeated_tiles_skipped():
@@ -393,7 +394,7 @@ class RankProfiler:
         finally:
             runtime.unwrap(model, force=True)
 
-    def _tile(self, model: TransformerModel, layout: Layout, seq_len: int) -> int | None:
+    def _tile(self, model: TransformerModel, layout: ParallelLayout, seq_len: int) -> int | None:
         """The tile memo's runtime runs on the GPU the estimate is for (NOTE [Tiles of the device a plan
         is for] in memo/pipeline/job.py); None on the CPU: the runtime's default where it records."""
         if self.device != "cuda":
@@ -412,7 +413,7 @@ class RankProfiler:
         return default_tile_tokens(rows, batch=layout.micro_batch, hidden=hidden, device_type="cuda",
                                    token_bytes=params_token_bytes(layer_params, hidden, self.dtype.itemsize))
 
-    def numbers(self, strategy: str, layout: Layout, seq_len: int, alpha: float | None = None,
+    def numbers(self, strategy: str, layout: ParallelLayout, seq_len: int, alpha: float | None = None,
                 whole_depth: bool = False, stage: bool = True, recomputed: int = 0,
                 pairs: int = 0) -> RankNumbers:
         """The first stage's :class:`RankNumbers` at its L/p layers (NOTE [Estimate from a meta profile]);
@@ -431,8 +432,8 @@ class RankProfiler:
         b = self._record(strategy, layout, seq_len, hi, alpha, stage)[0]
         return a.extend(b, lo, hi, depth)
 
-    def _mixed(self, strategy: str, layout: Layout, seq_len: int, alpha: float | None, whole_depth: bool,
-               stage: bool, recomputed: int, pairs: int = 0) -> RankNumbers:
+    def _mixed(self, strategy: str, layout: ParallelLayout, seq_len: int, alpha: float | None,
+               whole_depth: bool, stage: bool, recomputed: int, pairs: int = 0) -> RankNumbers:
         """:meth:`numbers` of a stage whose first ``pairs`` pairs of layers run ``strategy`` and
         ``"segment"``, the next ones ``strategy``, the next ``recomputed`` ones ``"recompute"`` (then the
         kept ones). Linear in each count, as the depth extension is (NOTE [Estimate from a meta
@@ -445,8 +446,8 @@ class RankProfiler:
                         "a mixed policy needs layers of two kinds")
 
         def record(n: tuple[int, ...]) -> RankNumbers:
-            policy = ((strategy, "segment") * n[0] + (strategy,) * n[1] + ("recompute",) * n[2]
-                      + ("keep",) * kept)
+            policy = ((strategy, LayerPolicy.SEGMENT.value) * n[0] + (strategy,) * n[1]
+                      + (LayerPolicy.RECOMPUTE.value,) * n[2] + (LayerPolicy.KEEP.value,) * kept)
             return self._record(strategy, layout, seq_len, len(policy), alpha, stage, policy)[0]
 
         if whole_depth or depth <= DEPTHS[-1] + kept:
@@ -468,13 +469,13 @@ class RankProfiler:
             steps.append((record((base[0], base[1], base[2] + 1)), recomputed - base[2]))
         return record(base).along(tuple(steps))
 
-    def layer_sizes(self, layout: Layout, seq_len: int) -> tuple[int, int, int]:
+    def layer_sizes(self, layout: ParallelLayout, seq_len: int) -> tuple[int, int, int]:
         """S_input, S_attn, S_others of one layer of the rank (pass 1 of the plain model)."""
         depth = min(self.config.n_layers // layout.pp, DEPTHS[0])
         stats = self._record("none", layout, seq_len, depth, None, stage=False)[1]
         return (max(s.s_input for s in stats), max(s.s_attn for s in stats), max(s.s_others for s in stats))
 
-    def input_bytes(self, layout: Layout, seq_len: int) -> int:
+    def input_bytes(self, layout: ParallelLayout, seq_len: int) -> int:
         """S_input of one layer of the rank without recording it: its ``[s/(c·t), b, h]`` input in the
         model's dtype (what :meth:`layer_sizes` records first; tests/estimate checks they agree)."""
         from memo.profiler.context_parallel import rank_tokens
@@ -482,12 +483,13 @@ class RankProfiler:
         rows = rank_tokens(seq_len, layout.tp, layout.cp) // layout.tp
         return rows * layout.micro_batch * self.config.hidden * self.dtype.itemsize
 
-    def offloaded_layers(self, layout: Layout) -> int:
+    def offloaded_layers(self, layout: ParallelLayout) -> int:
         """Memo layers of the stage that offload (NOTE [Memo's alpha in an estimate])."""
         depth = self.config.n_layers // layout.pp
         return depth - min(self.machine.memo_keep_last, depth)
 
-    def alpha(self, layout: Layout, seq_len: int, given: float | None, host: int | None = None) -> Any:
+    def alpha(self, layout: ParallelLayout, seq_len: int, given: float | None,
+              host: int | None = None) -> Any:
         """The alpha LP for the stage's L/p layers with ``host`` bytes (default M_CPU / p, NOTE [First
         stage under 1F1B]): an AlphaSolution, or a MemoError when the host cannot hold even alpha = 0."""
         from memo.planner import evaluate_alpha, solve_alpha
@@ -524,7 +526,7 @@ class RankProfiler:
 #   about four times the rank's own q, independent of c.
 
 
-def attention_exchange_bytes(config: ModelConfig, layout: Layout, seq_len: int, elem: int) -> int:
+def attention_exchange_bytes(config: ModelConfig, layout: ParallelLayout, seq_len: int, elem: int) -> int:
     """NOTE [Context-parallel exchange in an estimate]: bytes a rank's attention exchange holds."""
     c, t = layout.cp, layout.tp
     if c == 1:
@@ -532,7 +534,7 @@ def attention_exchange_bytes(config: ModelConfig, layout: Layout, seq_len: int, 
     n, n_kv = config.n_heads // t, config.n_kv_heads // t
     d = config.head_dim
     tokens = seq_len * layout.micro_batch
-    if layout.cp_comm == "a2a":
+    if layout.cp_comm == CPComm.A2A:
         if layout.head_chunks is not None:  # one chunk's heads at a time (NOTE [Head chunks in an estimate])
             n, n_kv = n // layout.head_chunks, max(n_kv // layout.head_chunks, 1)
         return 4 * tokens * d * elem * (n // c + max(n_kv // c, 1))

@@ -9,7 +9,7 @@ from memo.token_split import token_multiple
 from memo.units import GiB
 
 if TYPE_CHECKING:
-    from memo.estimate.layout import Layout
+    from memo.estimate.layout import ParallelLayout
 
 __all__ = ["plot_memory"]
 
@@ -56,7 +56,7 @@ def plot_memory(series: list[dict[str, Any]], device_bytes: int, limit_bytes: in
     plt.close(fig)
 
 
-def lengths_to_plot(top: int, granularity: int | None, layouts: list[Layout]) -> list[int]:
+def lengths_to_plot(top: int, granularity: int | None, layouts: list[ParallelLayout]) -> list[int]:
     """Eight lengths, doubling up to ``top`` (rounded up), each valid for every layout drawn."""
     step = math.lcm(*(token_multiple(lay.tp, lay.cp) for lay in layouts)) if layouts else 1
     if granularity:

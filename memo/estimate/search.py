@@ -86,8 +86,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from memo.errors import MemoError
-from memo.estimate.layout import Layout, valid_layouts
-from memo.planner.vocab import StrategyName
+from memo.estimate.layout import ParallelLayout, valid_layouts
+from memo.planner.vocab import CPComm, EstimateMethod, Sharding, StrategyName
 from memo.units import GiB
 
 if TYPE_CHECKING:
@@ -183,13 +183,14 @@ def first_guess(total: Callable[[int], int | None], limit: int, granularity: int
     return min(max(guess // g * g, g), max_seq // g * g)
 
 
-def host_cap(estimator: Estimator, layout: Layout, strategy: str, first: int, granularity: int) -> int | None:
+def host_cap(estimator: Estimator, layout: ParallelLayout, strategy: str, first: int,
+             granularity: int) -> int | None:
     """The longest multiple of ``granularity`` whose layer inputs the host holds, for a strategy that sends
     them there: memo's (one per pair of layers: NOTE [Segments where the host binds] in core.py) and the
     offloaded-checkpoint peer's (every layer's), from the layer input at ``first`` tokens (inputs grow
     linearly with the length); None for the others, or where nothing is known (NOTE [Host-bound
     guesses])."""
-    if strategy not in (StrategyName.MEMO.value, StrategyName.OFFLOADED_CHECKPOINT.value):
+    if strategy not in (StrategyName.MEMO, StrategyName.OFFLOADED_CHECKPOINT):
         return None
     try:
         host = estimator.machine.host_per_process() // layout.pp - estimator.state_bytes(layout, first)[2]
@@ -197,7 +198,7 @@ def host_cap(estimator: Estimator, layout: Layout, strategy: str, first: int, gr
     except MemoError:
         return None
     layers = estimator.profiler.offloaded_layers(layout)
-    inputs = -(-layers // 2) if strategy == StrategyName.MEMO.value else layers
+    inputs = -(-layers // 2) if strategy == StrategyName.MEMO else layers
     if s_in <= 0 or host <= 0:
         return None
     return max(int(host * first / (inputs * s_in)) // granularity * granularity, granularity)
@@ -214,18 +215,20 @@ def gallop(total: Callable[[int], int | None], limit: int, granularity: int, max
     return longest(fits, guess, granularity, max_seq, step=granularity)
 
 
-def rank_key(layout: Layout, fits: bool, total: int, gpus_per_node: int) -> tuple:
+def rank_key(layout: ParallelLayout, fits: bool, total: int, gpus_per_node: int) -> tuple:
     """NOTE [Layout ranking]: smaller is better; memo train's default chunks of heads before a finer count
     (NOTE [Head chunks in the search])."""
     return (not fits, layout.model_parallel, layout.tp > gpus_per_node, -layout.micro_batch,
             layout.head_chunks is not None, total)
 
 
-def with_head_chunks(estimator: Estimator, layouts: list[Layout], strategy: str) -> list[Layout]:
+def with_head_chunks(estimator: Estimator, layouts: list[ParallelLayout],
+                     strategy: str) -> list[ParallelLayout]:
     """``layouts`` and, for memo by the plan method, each Ulysses layout of the default chunks of heads
     again at the finest count its heads split into, where that is finer and an engine of ``memo train``
     runs it (NOTE [Head chunks in the search])."""
-    if strategy != "memo" or getattr(estimator, "method", "plan") != "plan":
+    method = getattr(estimator, "method", EstimateMethod.PLAN)
+    if strategy != StrategyName.MEMO or method != EstimateMethod.PLAN:
         return layouts
     import dataclasses
 
@@ -233,7 +236,7 @@ def with_head_chunks(estimator: Estimator, layouts: list[Layout], strategy: str)
 
     config, out = estimator.config, list(layouts)
     for lay in layouts:
-        if lay.cp == 1 or lay.cp_comm != "a2a" or lay.head_chunks is not None:
+        if not lay.ulysses or lay.head_chunks is not None:
             continue
         n, n_kv = config.n_heads // lay.tp, config.n_kv_heads // lay.tp
         if ulysses_heads_problem(n, n_kv, lay.cp) is not None:
@@ -246,7 +249,8 @@ def with_head_chunks(estimator: Estimator, layouts: list[Layout], strategy: str)
 
 def search_layouts(estimator: Estimator, seq_len: int, gpus: int, strategy: str,
                    micro_batches: tuple[int, ...] = (1,), log: Callable[[str], None] | None = None,
-                   shardings: tuple[str, ...] = ("optimizer",), cp_comms: tuple[str, ...] = ("all_gather",)
+                   shardings: tuple[str, ...] = (Sharding.OPTIMIZER,),
+                   cp_comms: tuple[str, ...] = (CPComm.ALL_GATHER,)
                    ) -> list[dict[str, Any]]:
     """Every valid layout of ``gpus`` GPUs estimated and ranked (NOTE [Layout ranking]).
 
@@ -299,7 +303,7 @@ def search_layouts(estimator: Estimator, seq_len: int, gpus: int, strategy: str,
 #: its strategy is not searched further (NOTE [Longest sequence search]).
 PRUNE_MARGIN = 0.25
 
-#: Layout families (TP, CP, PP, micro-batch: what a meta profile depends on) the plan method profiles,
+#: ParallelLayout families (TP, CP, PP, micro-batch: what a meta profile depends on) the plan method profiles,
 #: the best by the closed form's screen (NOTE [Fast longest-sequence search]).
 SCREENED_FAMILIES = 3
 
@@ -311,7 +315,7 @@ def strategy_limit(estimator: Estimator, strategy: str) -> int:
 class _Totals:
     """One layout's estimates by length, for one strategy (a MemoError where it cannot run)."""
 
-    def __init__(self, estimator: Estimator, layout: Layout, strategy: str) -> None:
+    def __init__(self, estimator: Estimator, layout: ParallelLayout, strategy: str) -> None:
         self.estimator, self.layout, self.strategy = estimator, layout, strategy
         self.cache: dict[int, Any] = {}
 
@@ -325,7 +329,7 @@ class _Totals:
         return None if isinstance(got, MemoError) else got.total_bytes
 
 
-def longest_sequences(estimator: Estimator, layouts: list[Layout], strategies: tuple[str, ...],
+def longest_sequences(estimator: Estimator, layouts: list[ParallelLayout], strategies: tuple[str, ...],
                       granularity: int, max_seq: int, first: int | None = None,
                       log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """For every strategy, the longest sequence on each layout and the best layout (longest, then
@@ -334,7 +338,7 @@ def longest_sequences(estimator: Estimator, layouts: list[Layout], strategies: t
 
     The formula method searches every layout exactly (NOTE [Longest sequence search]); the plan
     method predicts from lines and confirms (NOTE [Fast longest-sequence search])."""
-    if getattr(estimator, "method", "plan") == "formula":
+    if getattr(estimator, "method", EstimateMethod.PLAN) == EstimateMethod.FORMULA:
         return [_exact_search(estimator, layouts, strategy, granularity, max_seq, first, log)
                 for strategy in strategies]
     out = []
@@ -345,13 +349,13 @@ def longest_sequences(estimator: Estimator, layouts: list[Layout], strategies: t
     return out
 
 
-def _family(layout: Layout) -> tuple[int, int, int, int, str]:
+def _family(layout: ParallelLayout) -> tuple[int, int, int, int, str]:
     return layout.tp, layout.cp, layout.pp, layout.micro_batch, layout.cp_comm if layout.cp > 1 else ""
 
 
-def screen_families(estimator: Estimator, layouts: list[Layout], granularity: int, max_seq: int,
+def screen_families(estimator: Estimator, layouts: list[ParallelLayout], granularity: int, max_seq: int,
                     log: Callable[[str], None] | None = None, first: int | None = None,
-                    strategy: str = "full-recompute") -> set[tuple[int, int, int, int, str]]:
+                    strategy: str = StrategyName.FULL_RECOMPUTE) -> set[tuple[int, int, int, int, str]]:
     """NOTE [Fast longest-sequence search]: the SCREENED_FAMILIES families whose best layout goes
     longest for ``strategy`` by one full-recompute estimate at a short length, extended along its
     bytes per token (the states do not grow with the length). For the strategies that send every
@@ -365,7 +369,7 @@ def screen_families(estimator: Estimator, layouts: list[Layout], granularity: in
         return families
     first = first or 4 * granularity
     limit = strategy_limit(estimator, strategy)
-    offloads_inputs = strategy in ("memo", "offloaded-checkpoint")
+    offloads_inputs = strategy in (StrategyName.MEMO, StrategyName.OFFLOADED_CHECKPOINT)
     best: dict[tuple[int, int, int, int, str], int] = {}
     for lay in layouts:
         try:
@@ -393,8 +397,8 @@ def screen_families(estimator: Estimator, layouts: list[Layout], granularity: in
     return set(kept)
 
 
-def _exact_search(estimator: Estimator, layouts: list[Layout], strategy: str, granularity: int, max_seq: int,
-                  first: int | None, log: Callable[[str], None] | None) -> dict[str, Any]:
+def _exact_search(estimator: Estimator, layouts: list[ParallelLayout], strategy: str, granularity: int,
+                  max_seq: int, first: int | None, log: Callable[[str], None] | None) -> dict[str, Any]:
     """NOTE [Longest sequence search]: every layout galloped from its line's guess, bisected to the
     granularity (layouts whose guess is PRUNE_MARGIN short of the best found are left out)."""
     say = log or (lambda _line: None)
@@ -422,16 +426,16 @@ def _exact_search(estimator: Estimator, layouts: list[Layout], strategy: str, gr
     return _ranked(estimator, strategy, results)
 
 
-def _pruned(layout: Layout, guess: int | None) -> dict[str, Any]:
+def _pruned(layout: ParallelLayout, guess: int | None) -> dict[str, Any]:
     """A layout left out: by its line (``guess``), or by the screen (``guess`` None)."""
     return {"layout": layout, "longest": 0, "first_failure": None, "capped_by_max_seq": False, "tries": [],
             "estimate": None, "guess": guess, "pruned": True}
 
 
-def _result(estimator: Estimator, layout: Layout, strategy: str, found: dict[str, Any], guess: int,
+def _result(estimator: Estimator, layout: ParallelLayout, strategy: str, found: dict[str, Any], guess: int,
             cache: dict[int, Any], solve_alpha: bool = True) -> dict[str, Any]:
     best = cache.get(found["longest"])
-    if solve_alpha and strategy == "memo" and found["longest"] and not isinstance(best, MemoError):
+    if solve_alpha and strategy == StrategyName.MEMO and found["longest"] and not isinstance(best, MemoError):
         best = estimator.estimate(found["longest"], layout, strategy)  # the LP's alpha, lowered
     return {"layout": layout, **found, "guess": guess, "pruned": False,
             "estimate": best if not isinstance(best, MemoError) else None}
@@ -509,8 +513,9 @@ def _secant(total: Callable[[int], int | None], limit: int, lo: int, hi: int | N
     return int(lo + (limit - t_lo) * (hi - lo) / (t_hi - t_lo))
 
 
-def _predicted_search(estimator: Estimator, layouts: list[Layout], kept: set[tuple[int, int, int, int, str]],
-                      strategy: str, granularity: int, max_seq: int, first: int | None,
+def _predicted_search(estimator: Estimator, layouts: list[ParallelLayout],
+                      kept: set[tuple[int, int, int, int, str]], strategy: str, granularity: int,
+                      max_seq: int, first: int | None,
                       log: Callable[[str], None] | None) -> dict[str, Any]:
     """NOTE [Fast longest-sequence search] for one strategy."""
     say = log or (lambda _line: None)

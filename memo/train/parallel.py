@@ -4,6 +4,7 @@ agreement every rank checks before the steps, and the record of every rank's num
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from memo.models import get_config
+from memo.planner.vocab import Sharding
 from memo.train.data import Batch
 
 if TYPE_CHECKING:
@@ -42,6 +44,9 @@ def start_parallel(config: TrainConfig) -> ParallelRun | None:
     if config.engine == "fsdp2":  # a world of one too: FSDP2 needs a process group (distributed/fsdp2.py)
         from memo.distributed.fsdp2 import FSDP2Run
 
+        # NOTE [One layout type] in memo/distributed/parallel_layout.py: FSDP2 shards every state
+        layout = dataclasses.replace(layout, sharding=Sharding.FULL_OFFLOAD if config.offload_states
+                                     else Sharding.FULL)
         heads = _heads(config) if layout.context_parallel > 1 else (1, 1)  # Ulysses shares them out
         check_layout(layout, engine="fsdp2", n_heads=heads[0], n_query_groups=heads[1], vocab_size=1,
                      seq_len=config.seq_len, micro_batch=config.micro_batch)
@@ -60,7 +65,7 @@ def start_parallel(config: TrainConfig) -> ParallelRun | None:
     check_layout(layout, engine=config.engine, n_heads=shapes.n_heads,
                  n_query_groups=shapes.n_kv_heads or shapes.n_heads, vocab_size=shapes.vocab_size,
                  seq_len=config.seq_len, micro_batch=config.micro_batch, n_layers=shapes.n_layers,
-                 micro_batches=config.micro_batches)
+                 micro_batches=config.micro_batches, ffn_hidden=shapes.ffn_hidden or 0)
     return ParallelRun.start(layout, launch, config.device, config.seed)
 
 
