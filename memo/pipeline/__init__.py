@@ -53,7 +53,7 @@ from memo.machine import Machine
 from memo.models.dtypes import DTYPES_AND_ALIASES
 from memo.planner import PolicySolution
 from memo.planner.calibrate import PROBES as PROBES
-from memo.planner.vocab import Recorder
+from memo.planner.vocab import RECORDERS, Recorder
 from memo.profiler.bounds import check_least_memory, least_memory
 from memo.profiler.context_parallel import context_parallel_note, rank_tokens
 from memo.profiler.device import model_states
@@ -195,7 +195,7 @@ def profile_step(step: str | ModelStep, request: ProfileRequest) -> ProfileResul
         # Refuse bad arguments before building or recording anything (a 1M-token pass takes a while).
         if r.solve:
             check_machine(r.machine, resolved.device, resolved.dtype)
-        if recorder == "allocator":
+        if recorder == Recorder.ALLOCATOR:
             check_allocator_device(resolved.device)
         plain, states, layer_params = _pass1(job, net, r.optimizer_states)
         result = ProfileResult(trace=plain.trace, layer_stats=plain.layer_stats, plain_trace=plain.trace,
@@ -301,7 +301,7 @@ def _checked_sizes(seq_len: int | None, micro_batch: int, batch: tuple[torch.Ten
         raise MemoError(f"memo.profiler: micro_batch must be a positive integer, got {micro_batch!r}")
     if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
         raise MemoError(f"memo.profiler: tensor_parallel must be a positive integer, got {tensor_parallel!r}")
-    if recorder not in ("dispatch", "allocator"):
+    if recorder not in RECORDERS:
         raise MemoError(f"memo.profiler: recorder must be 'dispatch' or 'allocator', got {recorder!r}")
     return seq_len, micro_batch
 

@@ -15,6 +15,7 @@ import torch
 from memo.errors import MemoError
 from memo.models import fingerprint, get_config, list_configs
 from memo.models.dtypes import DTYPES
+from memo.planner.vocab import CPComm
 from memo.train.data import ByteFileTokens, SyntheticTokens
 from memo.units import format_mib
 from memo.utils.flops import detect_peak_flops, flops_per_sample
@@ -310,7 +311,7 @@ class TrainConfig:
         """--ulysses-head-chunks runs memo's Ulysses core attention on memo's models under FSDP2, over a
         count of chunks the heads split into; refused by name elsewhere, before any process group."""
         flag = f"--ulysses-head-chunks {self.ulysses_head_chunks}"
-        if self.context_parallel == 1 or self.cp_comm != "a2a":
+        if self.context_parallel == 1 or self.cp_comm != CPComm.A2A:
             raise MemoError(f"memo.train: {flag} chunks Ulysses context parallelism's heads; it needs --cp "
                             f"> 1 and --cp-comm a2a (got --cp {self.context_parallel} --cp-comm "
                             f"{self.cp_comm})")
