@@ -1,7 +1,8 @@
 """Layouts ranked, and the longest sequence per strategy (``memo estimate --search / --max-seq``).
 
 NOTE [Layout ranking]
-Every valid layout that memo train launches (NOTE [Valid layouts], [Layouts memo train launches])
+Every valid layout that memo train launches (NOTE [Valid layouts] in memo/distributed/parallel_layout.py,
+[Layouts memo train launches])
 is estimated and ranked: first those that fit, then by speed, which the estimate does not measure,
 so a proxy is used: the fewest communicating ranks t·c·p (the ranks one sequence is spread over
 exchange activations every micro-batch; data parallelism talks once per step), then tensor
