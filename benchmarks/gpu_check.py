@@ -21,6 +21,7 @@ import datetime as dt
 import json
 import os
 import re
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -173,6 +174,29 @@ def _steady_state(train_check: Check) -> Check:
     return check
 
 
+def _megatron_hf_check(work: Path, logs: Path, seq: str, steps: int) -> Check:
+    """Issue 43: ``--engine megatron --hf-model`` (memo's converter, NOTE [Hugging Face weights in
+    megatron's layout] in memo/adapters/megatron_hf.py) on the GPU under NCCL at world 1, exported back
+    with ``--export`` (the gather and the inverse conversion of device tensors): a 4-layer Llama saved by
+    ``save_pretrained`` here, its export loaded by transformers."""
+    ckpt, out, report = work / "hf-llama-ckpt", work / "hf-llama-export", work / "train-megatron-hf.json"
+    make = ("import sys, transformers as t; c = t.LlamaConfig(num_hidden_layers=4, hidden_size=1024, "
+            "intermediate_size=2816, num_attention_heads=16, num_key_value_heads=4, vocab_size=32000, "
+            "max_position_embeddings=131072); t.LlamaForCausalLM(c).save_pretrained(sys.argv[1])")
+    load = ("import sys, transformers as t; m = t.AutoModelForCausalLM.from_pretrained(sys.argv[1]); "
+            "print('export loads:', sum(p.numel() for p in m.parameters()), 'parameters')")
+    shutil.rmtree(out, ignore_errors=True)
+    train = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+             *_train_cmd("memo", None, seq, steps, report, "--engine", "megatron", "--hf-model", str(ckpt),
+                         "--export", str(out))[1:]]
+    script = " && ".join(shlex.join(cmd) for cmd in ([sys.executable, "-c", make, str(ckpt)], train,
+                                                      [sys.executable, "-c", load, str(out)]))
+    c = Check(f"torchrun memo train --engine megatron --hf-model (4-layer Llama) {seq} bf16 --export (NCCL, "
+              "world 1)", ["bash", "-c", script], 600)
+    _train_numbers(c.run(logs), report)
+    return c
+
+
 def _resume_checks(work: Path, logs: Path, seq: str) -> list[Check]:
     """Issue 43: a bf16 run under NCCL at world 1 (FSDP2), stopped after 2 of 4 steps with a checkpoint and
     resumed, against the 4 uninterrupted steps: the losses of steps 3 and 4 must be equal."""
@@ -320,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
                                    *extra)[1:]], 600)
             _train_numbers(c.run(logs), report)
             checks.append(c)
+
+        checks.append(_megatron_hf_check(work, logs, seq, steps))
 
     if "resume" not in args.skip:
         for check in _resume_checks(work, logs, seq):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -72,3 +73,34 @@ def write_jsonl(path: str | Path, records: list[dict] | None = None) -> Path:
     records = records if records is not None else [{"text": s} for s in SENTENCES]
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
+
+
+def sharpen_attention(model: torch.nn.Module, scale: float = 20.0) -> None:
+    """Scale every layer's query and key weights of an HF causal LM by ``scale``: at the initial 0.02
+    scale attention is near uniform whatever the positions, so a loss would not show the rotary
+    embedding or the head grouping."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(scale)
+            layer.self_attn.k_proj.weight.mul_(scale)
+
+
+def train_catching_export(config: Any, strategy: Any) -> tuple[Any, torch.nn.Module | None]:
+    """``memo.train.train(config)`` with ``strategy``: its result and the trained model, as it reached
+    ``--export`` (None when the run exported nothing)."""
+    from memo.train import export
+    from memo.train.loop import train
+
+    caught: dict[str, torch.nn.Module] = {}
+    real = export.export_trained
+
+    def catch(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        caught["model"] = model
+        return real(model, *args, **kwargs)
+
+    export.export_trained = catch
+    try:
+        result = train(config, progress=False, log=lambda _line: None, strategy=strategy)
+    finally:
+        export.export_trained = real
+    return result, caught.get("model")

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from memo.errors import MemoError
 from tests import dist_harness
+from tests.hf_checkpoint import sharpen_attention, train_catching_export
 
 MODULE = "tests.adapters.test_megatron_hf"
 SEQ = 64
@@ -40,10 +41,7 @@ def make_llama(directory: Path, *, model_type: str = "llama", layers: int = 2, *
         "tie_word_embeddings": False, **fields})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(20.0)
-            layer.self_attn.k_proj.weight.mul_(20.0)
+    sharpen_attention(model)
     model.save_pretrained(directory)
     return directory
 
@@ -81,25 +79,10 @@ def close(got: float, want: float) -> None:
 
 
 def train_caught(config: Any, strategy: Any = None) -> tuple[Any, torch.nn.Module | None]:
-    """``memo.train.train(config)``; its result and the trained model (caught where the export takes it)."""
-    from memo.train import export
-    from memo.train.loop import train
+    """``memo.train.train(config)`` (strategy none unless given); its result and the trained model."""
     from memo.train.strategies import StrategyOptions, make_strategy
 
-    caught: dict[str, torch.nn.Module] = {}
-    real = export.export_trained
-
-    def catch(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        caught["model"] = model
-        return real(model, *args, **kwargs)
-
-    export.export_trained = catch
-    try:
-        result = train(config, progress=False, log=lambda _line: None,
-                       strategy=strategy or make_strategy(StrategyOptions(strategy="none")))
-    finally:
-        export.export_trained = real
-    return result, caught.get("model")
+    return train_catching_export(config, strategy or make_strategy(StrategyOptions(strategy="none")))
 
 
 def assert_reshards_to(out: Path, model: Any, rank: int = 0, tp: int = 1) -> int:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests import dist_harness
+from tests.hf_checkpoint import train_catching_export
 
 MODULE = "tests.distributed.test_hf_model_fsdp2"
 MACHINE = {"alpha": 0.5, "layer_ms": 1.0, "bandwidth_gbps": 10.0, "host_mem_gb": 16.0, "time_limit": 1.0}
@@ -28,8 +29,7 @@ RUNS = [("offload-dp2", {"offload_states": True, "data_parallel": 2, "micro_batc
 
 
 def _run(name: str, fields: dict[str, Any], spec: dict[str, Any], rank: int) -> str:
-    from memo.train import export
-    from memo.train.loop import TrainConfig, train
+    from memo.train.loop import TrainConfig
     from memo.train.strategies import StrategyOptions, make_strategy
     from tests.train.test_hf_model import first_batch, hf_loss
 
@@ -37,26 +37,13 @@ def _run(name: str, fields: dict[str, Any], spec: dict[str, Any], rank: int) -> 
     out = Path(spec["out"]) / name
     config = TrainConfig(engine="fsdp2", hf_model=str(checkpoint), seq_len=SEQ, steps=2, export=str(out),
                          **fields)
-    caught: dict[str, torch.nn.Module] = {}
-    real = export.export_trained
-
-    def catch(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        caught["model"] = model
-        return real(model, *args, **kwargs)
-
-    export.export_trained = catch
-    try:
-        result = train(config, progress=False, log=lambda _line: None,
-                       strategy=make_strategy(StrategyOptions(**MACHINE)))
-    finally:
-        export.export_trained = real
+    result, model = train_catching_export(config, make_strategy(StrategyOptions(**MACHINE)))
     want = hf_loss(checkpoint, *first_batch(config))
     got = result.steps[0].loss
     assert abs(got - want) <= 1e-5 * abs(want), (got, want)
     assert result.steps[1].loss != got
     from transformers import AutoModelForCausalLM
 
-    model = caught["model"]
     exported = AutoModelForCausalLM.from_pretrained(out) if rank == 0 else None
     assert exported is None or exported.config._attn_implementation == "sdpa"
     loaded = {} if exported is None else exported.state_dict()

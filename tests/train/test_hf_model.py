@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from memo.cli.main import main
 from memo.errors import MemoError
-from tests.hf_checkpoint import make_tiny_llama, make_tokenizer
+from tests.hf_checkpoint import make_tiny_llama, make_tokenizer, sharpen_attention
 
 #: The machine given, so that nothing is measured; 4 layers so that memo's wrapper runs on 2 of them
 #: (full-offload: every layer but the last two).
@@ -42,10 +42,7 @@ def make_sharp_checkpoint(directory: Path) -> Path:
     directory = make_tokenizer(directory)
     make_tiny_llama(directory, len(AutoTokenizer.from_pretrained(directory)), layers=4)
     model = AutoModelForCausalLM.from_pretrained(directory)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(20.0)
-            layer.self_attn.k_proj.weight.mul_(20.0)
+    sharpen_attention(model)
     model.save_pretrained(directory)
     return directory
 
