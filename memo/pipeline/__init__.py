@@ -400,7 +400,10 @@ def _pass1(job: ProfileJob, given: nn.Module | None, optimizer_states: str
     try:
         ids, labels = job.inputs() if sizing is given else example_batch(sizing, req.seq_len, req.micro_batch,
                                                                          sized_on)
-        plain = record_pass(sizing, ids, labels, req.progress, "pass 1 (plain model)", st.meta)
+        # NOTE [Meta kernels by their inputs' shapes]: on meta, also where the rest of the profile runs on
+        # the device (each layer repeats the first one's ops on the same shapes)
+        with reused(MetaKernelCache() if sized_on.type == "meta" else None):
+            plain = record_pass(sizing, ids, labels, req.progress, "pass 1 (plain model)", st.meta)
     except (NotImplementedError, RuntimeError) as err:
         if given is None or req.device.type == "meta" or sizing is given:
             raise
