@@ -41,8 +41,9 @@ def _direct_order(groups: list[list[tuple[int, Item]]], order: list[int], best_f
 
 
 def _blocks_and_items(rng: random.Random, zero_sizes: bool) -> list[list[tuple[int, Item]]]:
-    """Layer-like blocks (many short members, a few long ones, packed among themselves) one after
-    another, and single items, some alive through several blocks, as level 2 has them."""
+    """Layer-like blocks (many short members, a few long ones, packed among themselves; empty ones
+    with ``zero_sizes``) one after another, and single items, some alive through several blocks, as
+    level 2 has them."""
     groups = []
     t = 0
     low = 0 if zero_sizes else 1
@@ -56,7 +57,8 @@ def _blocks_and_items(rng: random.Random, zero_sizes: bool) -> list[list[tuple[i
         t += rng.randrange(40, 100)
     for _ in range(rng.randint(1, 25)):
         s = rng.randrange(0, t + 50)
-        groups.append([(0, Item(rng.randint(low, 12), s, s + rng.choice([1, 4, 30, 150, 400])))])
+        # Sized: an empty item's best fit depends on the order of placed items that start together.
+        groups.append([(0, Item(rng.randint(1, 12), s, s + rng.choice([1, 4, 30, 150, 400])))])
     rng.shuffle(groups)
     return groups
 
