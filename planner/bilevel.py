@@ -38,7 +38,9 @@ import warnings
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
+
+import numpy as np
 
 from memo.phase_names import phase_kind
 
@@ -64,41 +66,59 @@ from .trace import Allocation, Trace
 __all__ = ["plan_bilevel"]
 
 
-#: One event of a layer pass's signature (:func:`_phase_events`): a free ("f", request) or a
-#: malloc ("m", size, transient).
-_PassEvent = tuple[Literal["f"], int] | tuple[Literal["m"], int, bool]
-#: A layer pass's signature: its events in order; passes with equal signatures share a solution.
-_Signature = tuple[_PassEvent, ...]
+#: A layer pass's signature (:func:`_signature`): its events in order, as the bytes of an int64 array
+#: of rows (kind, value, transient): a free (0, its request, 0) or a malloc (1, size, transient).
+#: Passes with equal signatures share a level-1 solution.
+_Signature = bytes
 
 
-def _phase_events(t: Trace, allocs: list[Allocation]) -> tuple[_Signature, list[Item]]:
-    """Signature of a layer pass and its level-1 items (transients on the pass's own event order)."""
-    events = []
-    for a in allocs:
-        events.append((a.start, 0, a))
-        if a.transient:
-            events.append((a.end, 1, a))
-    events.sort(key=lambda e: (e[0], e[1]))
-    rank_start: dict[int, int] = {}
-    rank_end: dict[int, int] = {}
-    signature: list[_PassEvent] = []
-    for r, (_, is_free, a) in enumerate(events):
-        if is_free:
-            rank_end[a.request] = r
-            signature.append(("f", a.request))
-        else:
-            rank_start[a.request] = r
-            signature.append(("m", a.size, a.transient))
-    items = [Item(units(a.size), rank_start[a.request], rank_end[a.request]) if a.transient
-             else Item(0, 0, 0) for a in allocs]
-    return tuple(signature), items
+def _event_ranks(allocs: list[Allocation]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The pass's events in order: each allocation's malloc and each transient's free, ranked by
+    event index (a malloc before a free at the same index). Returns the transients' mask, the rank
+    of each malloc and the rank of each transient's free."""
+    n = len(allocs)
+    start = np.fromiter((a.start for a in allocs), dtype=np.int64, count=n)
+    end = np.fromiter((a.end for a in allocs), dtype=np.int64, count=n)
+    transient = np.fromiter((a.transient for a in allocs), dtype=bool, count=n)
+    times = np.concatenate((start, end[transient]))
+    # Stable: at an equal index the mallocs, listed first, come first.
+    rank = np.empty(len(times), dtype=np.int64)
+    rank[np.argsort(times, kind="stable")] = np.arange(len(times))
+    return transient, rank[:n], rank[n:]
+
+
+def _signature(allocs: list[Allocation]) -> _Signature:
+    """The signature of a layer pass (:data:`_Signature`)."""
+    transient, malloc_rank, free_rank = _event_ranks(allocs)
+    rows = np.zeros((len(malloc_rank) + len(free_rank), 3), dtype=np.int64)
+    rows[malloc_rank, 0] = 1
+    rows[malloc_rank, 1] = np.fromiter((a.size for a in allocs), dtype=np.int64, count=len(allocs))
+    rows[malloc_rank, 2] = transient
+    rows[free_rank, 1] = np.fromiter((a.request for a, t in zip(allocs, transient, strict=True) if t),
+                                     dtype=np.int64, count=len(free_rank))
+    return rows.tobytes()
+
+
+def _level1_items(allocs: list[Allocation]) -> list[Item]:
+    """A layer pass's level-1 items: its transients on the pass's own event order (its events'
+    ranks), an empty item for each skeletal allocation."""
+    transient, malloc_rank, free_rank = _event_ranks(allocs)
+    ends = iter(free_rank.tolist())
+    return [Item(units(a.size), s, next(ends)) if t else Item(0, 0, 0)
+            for a, s, t in zip(allocs, malloc_rank.tolist(), transient.tolist(), strict=True)]
 
 
 def _describe_difference(sig: _Signature, ref: _Signature) -> str:
-    for k, (mine, theirs) in enumerate(zip(sig, ref, strict=False)):
-        if mine != theirs:
-            return f"event {k} of the pass is {mine} where the others have {theirs}"
-    return f"the pass has {len(sig)} events where the others have {len(ref)}"
+    def event(row: np.ndarray) -> tuple[str, int] | tuple[str, int, bool]:
+        return ("m", int(row[1]), bool(row[2])) if row[0] else ("f", int(row[1]))
+
+    mine, theirs = (np.frombuffer(x, dtype=np.int64).reshape(-1, 3) for x in (sig, ref))
+    common = min(len(mine), len(theirs))
+    differ = np.nonzero((mine[:common] != theirs[:common]).any(axis=1))[0]
+    if differ.size:
+        k = int(differ[0])
+        return f"event {k} of the pass is {event(mine[k])} where the others have {event(theirs[k])}"
+    return f"the pass has {len(mine)} events where the others have {len(theirs)}"
 
 
 @dataclass
@@ -144,7 +164,7 @@ def _layer_passes(t: Trace, notes: list[str]) -> tuple[dict[str, list[Allocation
     return by_phase, layered
 
 
-def _share_passes(layered: dict[str, list[str]], signatures: dict[str, tuple[_Signature, list[Item]]],
+def _share_passes(layered: dict[str, list[str]], signatures: dict[str, _Signature],
                   notes: list[str]) -> tuple[dict[str, list[str]], list[tuple[str, str, str]]]:
     """Which passes share one level-1 solution (those with their kind's most common signature), and
     the level-1 solves to run as (kind, key, sample phase): key is the kind for the shared solution,
@@ -154,23 +174,23 @@ def _share_passes(layered: dict[str, list[str]], signatures: dict[str, tuple[_Si
     for kind, phases in layered.items():
         if not phases:
             continue
-        counts = Counter(signatures[p][0] for p in phases)
+        counts = Counter(signatures[p] for p in phases)
         ref_sig = counts.most_common(1)[0][0]
-        shared[kind] = [p for p in phases if signatures[p][0] == ref_sig]
+        shared[kind] = [p for p in phases if signatures[p] == ref_sig]
         for p in phases:
-            if signatures[p][0] != ref_sig:
+            if signatures[p] != ref_sig:
                 msg = (f"memo.planner: phase {p} differs from the other {kind} passes "
-                       f"({_describe_difference(signatures[p][0], ref_sig)}); it is planned on its own")
+                       f"({_describe_difference(signatures[p], ref_sig)}); it is planned on its own")
                 # stacklevel 3: the warning points at plan_bilevel's caller.
                 warnings.warn(msg, stacklevel=3)
                 notes.append(msg)
         all_groups += [(kind, kind, shared[kind][0])]
-        all_groups += [(kind, p, p) for p in phases if signatures[p][0] != ref_sig]
+        all_groups += [(kind, p, p) for p in phases if signatures[p] != ref_sig]
     return shared, all_groups
 
 
 def _solve_level1(all_groups: list[tuple[str, str, str]], by_phase: dict[str, list[Allocation]],
-                  signatures: dict[str, tuple[_Signature, list[Item]]], shared: dict[str, list[str]],
+                  shared: dict[str, list[str]],
                   stats: dict[str, Any], bar: ProgressBar, *, deadline: float, use_mip: bool, solver: str,
                   threads: int) -> _Level1:
     """Solve each level-1 group's transients on the pass's own event order; record each solve in
@@ -183,7 +203,7 @@ def _solve_level1(all_groups: list[tuple[str, str, str]], by_phase: dict[str, li
     n_left = len(all_groups) + 1
     for kind, key, sample in all_groups:
         allocs = by_phase[sample]
-        items = signatures[sample][1]
+        items = _level1_items(allocs)
         idx = [k for k, a in enumerate(allocs) if a.transient]
         sub = [items[k] for k in idx]
         bar.set_postfix_str(f"level 1 {key} ({len(sub)} tensors)")
@@ -304,12 +324,12 @@ def plan_bilevel(trace: Trace | Mapping[str, Any], *, time_limit: float = 60.0, 
         plan.warnings.extend(notes)
         return plan
 
-    signatures = {p: _phase_events(t, by_phase[p]) for ps in layered.values() for p in ps}
+    signatures = {p: _signature(by_phase[p]) for ps in layered.values() for p in ps}
     shared, all_groups = _share_passes(layered, signatures, notes)
     stats: dict[str, Any] = {}
     deadline = t0 + time_limit
     bar = progress_bar(len(all_groups) + 1, "memo plan", progress)
-    lv = _solve_level1(all_groups, by_phase, signatures, shared, stats, bar, deadline=deadline,
+    lv = _solve_level1(all_groups, by_phase, shared, stats, bar, deadline=deadline,
                        use_mip=use_mip, solver=solver, threads=threads)
 
     # Level 2 (NOTE [Bi-level plan]): each layer pass is a block, as a rectangle and as its exact

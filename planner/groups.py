@@ -66,6 +66,9 @@ class _Members:
         self.g_hi = np.zeros(n, dtype=np.int64)
         self.long = np.zeros(0, dtype=np.int64)
         self.by_start = np.zeros(0, dtype=np.int64)
+        self.owner = np.zeros(0, dtype=np.int64)
+        self.multi = np.zeros(0, dtype=np.int64)
+        self.footprint: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         if not members:
             return
         at = self.first[:-1][nonempty]
@@ -85,12 +88,67 @@ class _Members:
         sorted_start = self.start[self.by_start]
         self.g_lo = np.searchsorted(sorted_start, self.g_start - cut, side="right")
         self.g_hi = np.searchsorted(sorted_start, self.g_end, side="left")
+        # NOTE [A group seen whole]: what the blocks look like to an item alive through all of them.
+        self.owner = np.repeat(np.arange(n, dtype=np.int64), counts)
+        self.last_start = np.zeros(n, dtype=np.int64)
+        self.first_end = np.zeros(n, dtype=np.int64)
+        self.last_start[nonempty] = np.maximum.reduceat(self.start, at)
+        self.first_end[nonempty] = np.minimum.reduceat(self.end, at)
+        # Footprints stand for groups of more than one member, all of them of some size (the rule of
+        # NOTE [A group seen whole] needs sizes > 0).
+        empty = np.zeros(n, dtype=bool)
+        empty[self.owner[self.size <= 0]] = True
+        self.multi = np.nonzero((counts > 1) & ~empty)[0]
+        self.footprint = {int(g): _union(self.rel[self.first[g]:self.first[g + 1]],
+                                         self.size[self.first[g]:self.first[g + 1]]) for g in self.multi}
 
     def near(self, g: int, placed: np.ndarray) -> np.ndarray:
         """Placed members that may overlap group g in time (a superset; callers test exactly)."""
         cand = np.concatenate((self.by_start[self.g_lo[g]:self.g_hi[g]], self.long))
         near: np.ndarray = cand[placed[cand]]  # a boolean mask's selection (numpy types it Any)
         return near
+
+    def seen_whole(self, near: np.ndarray, start: int, end: int, placed_groups: np.ndarray,
+                   bases: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """NOTE [A group seen whole]: of the placed members ``near``, those of placed groups none of
+        whose members misses ``[start, end)`` in time are replaced by those groups' footprints.
+        Returns the other members and the footprints' occupied intervals ``[lo, hi)`` (absolute)."""
+        whole = self.multi[placed_groups[self.multi] & (self.last_start[self.multi] < end)
+                           & (self.first_end[self.multi] > start)]
+        if not whole.size:
+            return near, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        mask = np.zeros(len(self.height), dtype=bool)
+        mask[whole] = True
+        rest: np.ndarray = near[~mask[self.owner[near]]]
+        lo = np.concatenate([self.footprint[int(g)][0] + bases[g] for g in whole])
+        hi = np.concatenate([self.footprint[int(g)][1] + bases[g] for g in whole])
+        return rest, lo, hi
+
+
+# NOTE [A group seen whole]
+# Placing an item (or a group) against a placed group whose every member overlaps it in time, only
+# the memory the group's members cover matters, not which member covers it: the one-member best fit
+# (_tightest_gap) and the group's lowest base (_lowest_free) both answer from the union of the
+# occupied intervals they are given, not from the intervals themselves. So such a group is given as
+# its footprint, the union of its members' [rel, rel + size) merged into disjoint intervals (a layer
+# block of ~20,000 members covers a few dozen), and the placement is the one the members give,
+# offset for offset. An item alive through a whole layer pass (the pass's input, a saved tensor)
+# meets every member of the block; testing it member by member was most of level 2's time.
+# The rule needs sizes > 0 on both sides: an empty interval at x still splits a free gap at x, and
+# the open intervals of touching members leave out the point where they touch. Level 2's items all
+# have a size; a group or item without one is tested member by member.
+
+
+def _union(rel: np.ndarray, size: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The union of the intervals ``[rel, rel + size)`` as disjoint sorted ``[lo, hi)``."""
+    order = np.argsort(rel, kind="stable")
+    lo, hi = rel[order], rel[order] + size[order]
+    reach = np.maximum.accumulate(hi)
+    # A new interval starts where one begins above everything before it reaches.
+    new = np.concatenate(([True], lo[1:] > reach[:-1]))
+    starts = np.nonzero(new)[0]
+    ends = np.concatenate((starts[1:], [len(lo)])) - 1
+    return lo[starts], reach[ends]
 
 
 def _lowest_free(lo: np.ndarray, hi: np.ndarray) -> int:
@@ -105,10 +163,67 @@ def _lowest_free(lo: np.ndarray, hi: np.ndarray) -> int:
     return int(before[stop[0]]) if stop.size else int(reach[-1])
 
 
+#: Members alive longer than this many events are paired with every placed item (_alive_together).
+_SHORT = 64
+
+
+def _alive_together(start: np.ndarray, end: np.ndarray, p_start: np.ndarray, p_end: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """The pairs (i, j) of intervals ``[start[i], end[i])`` and ``[p_start[j], p_end[j])`` that
+    overlap, as two index arrays. The short ``i`` (at most _SHORT long) sorted by start: those that
+    can meet j start in ``(p_start[j] - _SHORT, p_end[j])``, one slice each, so the work is the pairs
+    and not every i times every j (a layer block has ~20,000 members, mostly a few events long)."""
+    length = end - start
+    long_i = np.nonzero(length > _SHORT)[0]
+    mi, pj = np.nonzero((start[long_i][:, None] < p_end[None, :]) & (p_start[None, :] < end[long_i][:, None]))
+    short = np.nonzero(length <= _SHORT)[0]
+    short = short[np.argsort(start[short], kind="stable")]
+    first = np.searchsorted(start[short], p_start - _SHORT, side="right")
+    last = np.searchsorted(start[short], p_end, side="left")
+    counts = np.maximum(last - first, 0)
+    j = np.repeat(np.arange(len(p_start)), counts)
+    # Position k of the expansion is candidate first[j] + (k - where j's run begins).
+    run_begin = np.repeat(np.cumsum(counts) - counts, counts)
+    i = short[np.repeat(first, counts) + np.arange(int(counts.sum())) - run_begin]
+    hit = end[i] > p_start[j]
+    return np.concatenate((long_i[mi], i[hit])), np.concatenate((pj, j[hit]))
+
+
+def _lowest_base(m: _Members, g: int, a: int, b: int, near: np.ndarray, off: np.ndarray,
+                 placed_groups: np.ndarray, bases: np.ndarray) -> int:
+    """The lowest base of group g (members ``a:b``) at which no member meets a placed one of ``near``:
+    member i and placed j collide for bases in the open interval (off_j - rel_i - size_i,
+    off_j + size_j - rel_i). A placed item alive through all of g's members meets g's footprint
+    (NOTE [A group seen whole]), one interval per footprint piece instead of one per member, and so
+    does a one-member g against a placed group whose members are all alive with it."""
+    rel, size = m.rel[a:b], m.size[a:b]
+    parts_lo, parts_hi = [], []
+    if b - a == 1 and size[0] > 0:
+        near, whole_lo, whole_hi = m.seen_whole(near, int(m.start[a]), int(m.end[a]), placed_groups, bases)
+        parts_lo.append(whole_lo - rel[0] - size[0])
+        parts_hi.append(whole_hi - rel[0])
+    elif g in m.footprint:
+        through = (m.start[near] < m.first_end[g]) & (m.end[near] > m.last_start[g]) & (m.size[near] > 0)
+        j = near[through]
+        near = near[~through]
+        f_lo, f_hi = m.footprint[g]
+        parts_lo.append((off[j][:, None] - f_hi[None, :]).ravel())
+        parts_hi.append((off[j][:, None] + m.size[j][:, None] - f_lo[None, :]).ravel())
+    mi, pj = _alive_together(m.start[a:b], m.end[a:b], m.start[near], m.end[near])
+    pj = near[pj]
+    parts_lo.append(off[pj] - rel[mi] - size[mi])
+    parts_hi.append(off[pj] + m.size[pj] - rel[mi])
+    lo, hi = np.concatenate(parts_lo), np.concatenate(parts_hi)
+    keep = lo < hi
+    return _lowest_free(lo[keep], hi[keep]) if keep.any() else 0
+
+
 def _groups_order(m: _Members, order: Sequence[int], best_fit: bool) -> tuple[list[int], int]:
     """Place the groups in ``order``; one-member groups by best fit when ``best_fit``, all else lowest."""
     off = np.zeros(len(m.size), dtype=np.int64)  # absolute offsets of placed members
     placed = np.zeros(len(m.size), dtype=bool)
+    placed_groups = np.zeros(len(m.height), dtype=bool)
+    bases = np.zeros(len(m.height), dtype=np.int64)
     offsets = [0] * len(m.height)
     peak = 0
     for g in order:
@@ -119,24 +234,22 @@ def _groups_order(m: _Members, order: Sequence[int], best_fit: bool) -> tuple[li
         if b - a == 1 and best_fit:
             # One member: the tightest gap that holds it, as in _greedy_order.
             r, s, s_i, e_i = int(m.rel[a]), int(m.size[a]), m.start[a], m.end[a]
+            whole_lo = whole_hi = np.zeros(0, dtype=np.int64)
+            if s > 0:
+                near, whole_lo, whole_hi = m.seen_whole(near, int(s_i), int(e_i), placed_groups, bases)
             idx = near[(m.start[near] < e_i) & (s_i < m.end[near])]
-            if idx.size:
+            lo = np.concatenate((off[idx], whole_lo))
+            if lo.size:
+                hi = np.concatenate((off[idx] + m.size[idx], whole_hi))
                 # The member may not sit below its own relative offset (the base is >= 0).
-                base = _tightest_gap(off[idx], off[idx] + m.size[idx], s, r) - r
+                base = _tightest_gap(lo, hi, s, r) - r
             else:
                 base = 0
         else:
-            # The lowest base at which no member meets a placed member: member i and placed j
-            # collide for bases in the open interval (off_j - rel_i - size_i, off_j + size_j - rel_i).
-            rel, size = m.rel[a:b], m.size[a:b]
-            mi, pj = np.nonzero((m.start[near][None, :] < m.end[a:b, None])
-                                & (m.start[a:b, None] < m.end[near][None, :]))
-            pj = near[pj]
-            lo = off[pj] - rel[mi] - size[mi]
-            hi = off[pj] + m.size[pj] - rel[mi]
-            keep = lo < hi
-            base = _lowest_free(lo[keep], hi[keep]) if keep.any() else 0
+            base = _lowest_base(m, g, a, b, near, off, placed_groups, bases)
         offsets[g] = base
+        bases[g] = base
+        placed_groups[g] = True
         off[a:b] = base + m.rel[a:b]
         placed[a:b] = True
         peak = max(peak, base + int(m.height[g]))

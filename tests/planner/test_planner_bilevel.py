@@ -37,6 +37,8 @@ def test_a_different_layer_is_planned_on_its_own_with_a_warning():
     assert plan.solver["own_phases"] == ["layer.fwd[3]"]
     assert "layer.fwd[3]" not in plan.level2
     assert any("layer.fwd[3]" in w for w in plan.warnings)
+    assert "(event 11 of the pass is ('m', 81920, True) where the others have ('m', 16384, False))" \
+        in plan.warnings[0]
     assert plan.peak <= 1.05 * plan.lower_bound
 
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
-from memo.planner import Trace, load_trace, save_trace
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from memo.planner import Trace, load_trace, save_trace, without_unphased
 from memo.planner.synthetic import layered_trace
 
 from memo.errors import MemoError
@@ -115,3 +118,41 @@ def test_load_errors(tmp_path):
     ok = tmp_path / "ok.json"
     ok.write_text(json.dumps({"version": 1, "events": [_m(1, 3)]}))
     assert load_trace(ok).allocations[0].size == 3
+
+
+def _random_events(rng: random.Random) -> list[dict]:
+    """Mallocs in a few phases and unphased, freed at random later points or never, with runs that
+    an unphased malloc splits and its removal joins again."""
+    events: list[dict] = []
+    live: list[int] = []
+    next_id = 0
+    for _ in range(rng.randint(1, 60)):
+        if live and rng.random() < 0.45:
+            events.append({"op": "free", "id": live.pop(rng.randrange(len(live)))})
+            continue
+        phase = rng.choice([None, "layer.fwd[0]", "layer.fwd[0]", "layer.bwd[0]", "head.fwd"])
+        ev = {"op": "malloc", "id": next_id, "size": rng.randint(1, 900)}
+        if phase is not None:
+            ev["phase"] = phase
+        events.append(ev)
+        live.append(next_id)
+        next_id += 1
+    if rng.random() < 0.5:
+        events.append({"op": "end"})
+    return events
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 1_000_000))
+def test_without_unphased_is_the_parse_of_the_rest(seed: int):
+    """NOTE [A trace less its unphased allocations] in planner/plan.py: derived from the parse, the
+    same trace as parsing the remaining events."""
+    events = _random_events(random.Random(seed))
+    t = Trace(events=events)
+    derived, count, nbytes = without_unphased(t)
+    gone = {e["id"] for e in events if e["op"] == "malloc" and "phase" not in e}
+    parsed = Trace(events=[e for e in events if e.get("id") not in gone])
+    assert (derived.allocations, derived.runs, derived.end_time, derived.events) == \
+        (parsed.allocations, parsed.runs, parsed.end_time, parsed.events)
+    assert count == len(gone)
+    assert nbytes == sum(e["size"] for e in events if e["op"] == "malloc" and e["id"] in gone)
