@@ -63,7 +63,7 @@ from memo.errors import DeviceBudgetError, MemoError, internal_assert
 from memo.units import format_bytes
 
 from .alpha import AlphaSolution, solve_alpha
-from .vocab import LAYER_POLICIES, OFFLOADING_POLICIES
+from .vocab import LAYER_POLICIES, OFFLOADING_POLICIES, LayerPolicy
 
 __all__ = ["ALPHA_GIVEN_UP", "LAYER_POLICIES", "OFFLOADING_POLICIES", "LayerCosts", "PolicySolution",
            "choose_policy", "describe_policy", "device_need", "full_recompute_need", "given_policy",
@@ -91,7 +91,7 @@ def validate_policy(policy: Any, n_layers: int | None = None) -> list[str]:
         raise MemoError("memo.policy: the offloading layers of a policy ('memo', 'input-only', 'segment') "
                         f"must come first (NOTE [Layer policy]), got {list(policy)}")
     for i, p in enumerate(policy):
-        if p == "segment" and (i == 0 or policy[i - 1] != "input-only"):
+        if p == LayerPolicy.SEGMENT and (i == 0 or policy[i - 1] != LayerPolicy.INPUT_ONLY):
             raise MemoError(f"memo.policy: layer {i} is 'segment' but layer {i - 1} is "
                             f"{policy[i - 1] if i else 'none'!r}: a segment layer recomputes its input from "
                             "the input-only layer right before it (NOTE [Segments of two layers] in "

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from memo.errors import MemoError
+from memo.planner.vocab import Recorder
 from memo.profiler.measure import Quantity, time_layer_forward
 from memo.profiler.record import Recording, layer_inputs, model_parts, phase_tracker, record
 
@@ -96,7 +97,7 @@ def wrapped_pass(job: ProfileJob, model: nn.Module, ids: torch.Tensor, labels: t
 
     runtime.wrap(model, alpha=alpha, policy=policy, recompute_chunk_tokens=job.tile_tokens(tile_tokens))
     try:
-        if req.recorder == "allocator":
+        if req.recorder == Recorder.ALLOCATOR:
             trace = record_allocator(model, ids, labels, _target_meta(plain, ids.device, "allocator"),
                                      warmed=st.warmed)
             st.warmed = True
@@ -157,10 +158,10 @@ def pass2(job: ProfileJob, plain: Recording, chosen: PolicySolution, wrap_pass: 
                 f"pass 2 could not run the wrapped model ({err}); the plan comes from the plain model"
             )
     sized_elsewhere = plain.trace["meta"]["device"] != req.device.type
-    if second is None and plan and (req.recorder == "allocator" or sized_elsewhere):
+    if second is None and plan and (req.recorder == Recorder.ALLOCATOR or sized_elsewhere):
         # The planned trace must come from the device that will run (and, for the allocator
         # recorder, from the allocator's own requests), even when the model cannot be wrapped.
-        if req.recorder == "allocator":
+        if req.recorder == Recorder.ALLOCATOR:
             second = record_allocator(net, ids, labels, _target_meta(plain, req.device, "allocator"),
                                       warmed=st.warmed)
         else:
