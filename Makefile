@@ -15,7 +15,7 @@ WHEELS     ?=
 GPU_CHECK_ARGS ?=
 GPU_BENCH_ARGS ?=
 
-.PHONY: install demo test lint bench clean gpu-check gpu-bench gpu-bench-plans notorch-check typecheck
+.PHONY: install requirements demo test lint bench clean gpu-check gpu-bench gpu-bench-plans notorch-check typecheck
 
 # The install runs again only when something native changed (the stamp is older than a
 # source under csrc/, setup.py or pyproject.toml) or memo cannot be imported: the Python
@@ -25,21 +25,24 @@ NATIVE := setup.py pyproject.toml $(shell find csrc -type f 2>/dev/null)
 
 # Reinstall also when the memo Python imports is another checkout's (one environment, two clones).
 # torch first: memo._C links libtorch, and "import memo" alone no longer loads torch (lazy __init__).
+# One interpreter checks and prints (each start imports torch: seconds of every `make test`).
+INSTALLED := cd / && $(PYTHON) -c "import os, torch, memo, memo._C, memo.planner as p; \
+	assert all(os.path.realpath(m.__file__).startswith('$(CURDIR)/') for m in (memo, p)); \
+	print('memo installed:', memo._C.build_info())"
 install: $(STAMP)
-	@(cd / && $(PYTHON) -c "import os, torch, memo, memo._C, memo.planner as p; \
-		assert all(os.path.realpath(m.__file__).startswith('$(CURDIR)/') for m in (memo, p))") \
-		2>/dev/null || { rm -f $(STAMP); $(MAKE) --no-print-directory $(STAMP); }
-	@$(PYTHON) -c "import torch, memo, memo._C; print('memo installed:', memo._C.build_info())"
+	@($(INSTALLED)) 2>/dev/null || { rm -f $(STAMP); $(MAKE) --no-print-directory $(STAMP) && ($(INSTALLED)); }
 
 # What memo needs and its tests use; pip runs only when one is missing (.ci/have_requirements.py).
 REQUIREMENTS := "setuptools>=64" wheel ninja pybind11 numpy "pulp>=2.8,<4" tqdm matplotlib pytest \
 	pytest-xdist hypothesis ruff "mypy>=1.10" "megatron-core==0.16.1" "transformers==5.23.0" "peft==0.21.2" \
 	"accelerate==1.15.0"
 
-$(STAMP): $(NATIVE)
+requirements:
 	@$(PYTHON) .ci/have_requirements.py $(if $(TORCH_SPEC),"$(TORCH_SPEC)") $(REQUIREMENTS) 2>/dev/null || { \
 		if [ -n "$(TORCH_SPEC)" ]; then $(PIP) install -q "$(TORCH_SPEC)"; fi; \
 		$(PIP) install -q $(REQUIREMENTS); }
+
+$(STAMP): $(NATIVE) | requirements
 	@mkdir -p build
 	@echo "memo: building the extension (compiler progress below; full log in build/install.log)"
 	@set -o pipefail; $(PIP) install -v --no-build-isolation --no-deps -e . 2>&1 | tee build/install.log \
@@ -54,10 +57,16 @@ demo: install
 # One intra-op thread per worker: two workers on two cores, each spinning a second thread at its
 # barriers, run the suite ~15% slower (measured on 4 test files, 2026-11-28). Tests that time threads
 # set their own.
-test: install notorch-check
+# ruff and mypy read sources only: they run beside the install, whose build leaves a core idle half
+# the time.
+test:
+	@$(MAKE) --no-print-directory -j2 install lint
+	@$(MAKE) --no-print-directory notorch-check
+	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q $(PYTEST_ARGS)
+
+lint: requirements
 	$(PYTHON) -m ruff check .
 	@$(MAKE) --no-print-directory typecheck
-	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q $(PYTEST_ARGS)
 
 # mypy --strict on the torch-free planner, as the package memo.planner, and on the memo modules it
 # imports (issue 32); mypy.ini names them. mypy cannot follow memo's __path__ to planner/, so

@@ -32,7 +32,6 @@ from typing import Any
 
 from memo.errors import MemoError
 from memo.phases import layer_phase
-from memo.planner.vocab import LayerPolicy
 from memo.profiler.recorder import Allocation, DispatchRecorder
 
 __all__ = ["LayerStats", "layer_stats", "offloaded_bytes", "summarise_layers"]
@@ -166,6 +165,6 @@ def offloaded_bytes(layers: dict[str, Any], offloaded_tokens: int, seq_len: int,
     With a layer ``policy``, the most any of its offloading layers copies (the runtime sizes its
     buffers by the largest): a memo layer's as above, an input-only layer's S_input alone (NOTE
     [Input-only layers] in memo/runtime/layer.py)."""
-    if policy is not None and LayerPolicy.MEMO not in policy and LayerPolicy.INPUT_ONLY in policy:
+    if policy is not None and "memo" not in policy and "input-only" in policy:  # the planner's LayerPolicy
         return int(layers["S_input"])
     return layers["S_input"] + layers["S_attn"] + offloaded_tokens * layers["S_others"] // seq_len
