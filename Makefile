@@ -60,8 +60,7 @@ demo: install
 # ruff and mypy read sources only: they run beside the install, whose build leaves a core idle half
 # the time.
 test:
-	@$(MAKE) --no-print-directory -j2 install lint
-	@$(MAKE) --no-print-directory notorch-check
+	@$(MAKE) --no-print-directory -j2 install lint notorch-check
 	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q $(PYTEST_ARGS)
 
 lint: requirements
@@ -85,7 +84,7 @@ typecheck:
 # `install` built here: tests/notorch_check.py --make-site makes the folder (kept in
 # build/notorch; made again when this Makefile or the check changes).
 NOTORCH := build/notorch
-$(NOTORCH)/.ready: Makefile tests/notorch_check.py
+$(NOTORCH)/.ready: Makefile tests/notorch_check.py | requirements
 	@rm -rf $(NOTORCH)
 	$(PYTHON) tests/notorch_check.py --make-site $(NOTORCH)/site
 	@touch $@

@@ -607,9 +607,9 @@ def test_a_failing_rank_ends_the_launch() -> None:
 
 def test_a_hanging_launch_is_terminated_at_its_deadline() -> None:
     with pytest.raises(LaunchError, match="deadline") as e:
-        dist_harness.launch(f"{MODULE}:sleeping_worker", 2, {}, timeout_s=5)
+        dist_harness.launch(f"{MODULE}:sleeping_worker", 2, {}, timeout_s=2)
     # What the ranks recorded before the deadline comes back; a rank that had started records nothing
-    # past "started" (it hangs). On a loaded machine a rank may not have started within 5 s: the
+    # past "started" (it hangs). On a loaded machine a rank may not have started within 2 s: the
     # deadline, not the start-up time, is what is checked.
     assert len(e.value.results) == 2
     assert all(not recs or [r["name"] for r in recs] == ["started"] for recs in e.value.results)
