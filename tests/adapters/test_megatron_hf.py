@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from memo.errors import MemoError
 from tests import dist_harness
 from tests.hf_checkpoint import sharpen_attention, train_catching_export
+from tests.megatron_state import megatron_state_restored
 
 MODULE = "tests.adapters.test_megatron_hf"
 SEQ = 64
@@ -187,18 +188,8 @@ def test_megatron_hf_model_under_tp2(launched, name: str) -> None:
 def _one_process_state() -> Any:
     """The world of one these tests set up (process group, megatron's parallel state, the CPU shims of
     memo.engines.init_megatron_world) is left behind for no other test."""
-    from megatron.core import parallel_state
-
-    from memo.distributed import cpu_shims
-
-    had_group, had_shims = torch.distributed.is_initialized(), cpu_shims.cpu_shims_installed()
-    yield
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    if not had_group and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    if not had_shims:
-        cpu_shims.remove_cpu_shims()
+    with megatron_state_restored():
+        yield
 
 
 def test_tied_checkpoint_with_rope_flags_trains_and_exports(tmp_path: Path, one_thread: None) -> None:

@@ -181,6 +181,7 @@ def test_tp2_sequence_parallel_matches_one_process(tmp_path: Path, monkeypatch: 
     """``torchrun --nproc-per-node 2 -m memo train --engine megatron --tp 2 --sp`` (memo's strategy,
     a fixed alpha so that layers offload) gives the single-process losses to 1e-5."""
     from memo.cli.main import main
+    from tests.megatron_state import megatron_state_restored
 
     common = ["--engine", "megatron", "--model", "tiny", "--seq-len", "256", "--steps", "3", "--alpha", "0.5",
               "--layer-ms", "1", "--bandwidth-gbps", "10", "--no-progress"]
@@ -190,7 +191,8 @@ def test_tp2_sequence_parallel_matches_one_process(tmp_path: Path, monkeypatch: 
         monkeypatch.delenv(name, raising=False)
     one, two = tmp_path / "one.json", tmp_path / "tp2.json"
     # the single process in this one (no interpreter to start), torchrun's two ranks in their own
-    assert main(["train", *common, "--report", str(one)]) == 0, capsys.readouterr().err[-3000:]
+    with megatron_state_restored():
+        assert main(["train", *common, "--report", str(one)]) == 0, capsys.readouterr().err[-3000:]
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "memo",
                            "train", *common, "--tp", "2", "--sp", "--report", str(two)],

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import warnings
 
 import pytest
 
@@ -22,18 +21,10 @@ def _steps(out: str) -> list[tuple[float, int, int, int]]:
 @pytest.fixture
 def _megatron_state():
     """memo train sets up megatron's parallel state for its process; leave none behind for other tests."""
-    import torch
+    from tests.megatron_state import megatron_state_restored
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # megatron warns on import that TransformerEngine and Apex are absent
-        from megatron.core import parallel_state
-
-    had_group = torch.distributed.is_initialized()
-    yield
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    if not had_group and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    with megatron_state_restored():
+        yield
 
 
 @pytest.mark.slow
