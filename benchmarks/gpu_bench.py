@@ -1032,14 +1032,12 @@ def _print_plans_ahead(args: argparse.Namespace, plan: list[Stage], gpu: str
 def _gpu_key() -> str | None:
     """This machine's GPU as a key of memo.utils.flops.GPU_PEAK_TFLOPS, from nvidia-smi (the parent never
     touches the device: NOTE [One interpreter for memo, one for the rest])."""
-    from memo.utils.flops import GPU_PEAK_TFLOPS
-
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return None
     name = subprocess.run([smi, "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
                           text=True).stdout.strip().splitlines()
-    return next((k for k in GPU_PEAK_TFLOPS if name and k in name[0]), None)
+    return prep.gpu_key(name[0]) if name else None
 
 
 def _print_prediction(rows: list[dict[str, Any]], gpu: str) -> None:

@@ -88,13 +88,14 @@ def init_megatron_world() -> None:
 
 
 def build_megatron_gpt(config: ModelConfig, seq_len: int, device: torch.device | str, dtype: torch.dtype,
-                       layout: ParallelLayout | None = None) -> nn.Module:
+                       layout: ParallelLayout | None = None, tied: bool = False) -> nn.Module:
     """A megatron-core ``GPTModel`` with memo's layer spec shaped like memo's ``config`` (NOTE [Training
     engines]); its position table (GPT) covers ``seq_len``.
 
     ``layout``: a :class:`memo.distributed.layout.ParallelLayout` whose parallel state is set up
     (``ParallelRun.start``); the model is then this rank's. None: one process. A layout with pipeline
-    stages takes :func:`build_megatron_stages`."""
+    stages takes :func:`build_megatron_stages`. ``tied``: the output layer shares the word embedding
+    (a checkpoint's ``tie_word_embeddings``)."""
     from memo.distributed.layout import ParallelLayout
 
     if layout is None:
@@ -103,7 +104,7 @@ def build_megatron_gpt(config: ModelConfig, seq_len: int, device: torch.device |
     if layout.pipeline_parallel > 1:
         raise MemoError(f"memo.train: this layout has {layout.pipeline_parallel} pipeline stages; a rank "
                         "holds model chunks of its stage: build them with memo.engines.build_megatron_stages")
-    return _megatron_models(config, seq_len, device, dtype, layout)[0]
+    return _megatron_models(config, seq_len, device, dtype, layout, tied)[0]
 
 
 def build_megatron_stages(config: ModelConfig, seq_len: int, device: torch.device | str, dtype: torch.dtype,
@@ -123,18 +124,12 @@ def load_megatron_from_hf(path: str, hf: PretrainedConfig, seq_len: int, device:
     :func:`build_megatron_gpt` builds memo's, then filled with the rank's shards of the checkpoint (NOTE
     [Hugging Face weights in megatron's layout] in memo/adapters/megatron_hf.py)."""
     from memo.adapters.megatron_hf import load_hf_weights, megatron_shapes
-    from memo.distributed.layout import ParallelLayout
 
     where = f"memo.train: --hf-model {path!r}"
     config = megatron_shapes(hf, where)
-    if layout is None:
-        init_megatron_world()
-        layout = ParallelLayout()
-    if layout.pipeline_parallel > 1:  # TrainConfig refuses it first
-        raise MemoError(f"{where}: --engine megatron loads a checkpoint into one GPTModel per rank; run it "
-                        "with --pp 1")
-    model = _megatron_models(config, seq_len, "cpu", dtype, layout,
-                             tied=bool(getattr(hf, "tie_word_embeddings", False)))[0]
+    # pipeline stages are refused by TrainConfig first (one GPTModel per rank holds the checkpoint)
+    model = build_megatron_gpt(config, seq_len, "cpu", dtype, layout,
+                               tied=bool(getattr(hf, "tie_word_embeddings", False)))
     load_hf_weights(model, path, hf, config, where)
     model.hf_config = hf  # --export writes it back under this config (memo/train/export.py)
     return model.to(device=device), config

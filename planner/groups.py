@@ -223,8 +223,7 @@ def _groups_order(m: _Members, order: Sequence[int], best_fit: bool) -> tuple[li
     off = np.zeros(len(m.size), dtype=np.int64)  # absolute offsets of placed members
     placed = np.zeros(len(m.size), dtype=bool)
     placed_groups = np.zeros(len(m.height), dtype=bool)
-    bases = np.zeros(len(m.height), dtype=np.int64)
-    offsets = [0] * len(m.height)
+    bases = np.zeros(len(m.height), dtype=np.int64)  # the placed groups' bases
     peak = 0
     for g in order:
         a, b = int(m.first[g]), int(m.first[g + 1])
@@ -247,13 +246,12 @@ def _groups_order(m: _Members, order: Sequence[int], best_fit: bool) -> tuple[li
                 base = 0
         else:
             base = _lowest_base(m, g, a, b, near, off, placed_groups, bases)
-        offsets[g] = base
         bases[g] = base
         placed_groups[g] = True
         off[a:b] = base + m.rel[a:b]
         placed[a:b] = True
         peak = max(peak, base + int(m.height[g]))
-    return offsets, peak
+    return bases.tolist(), peak
 
 
 def greedy_groups(groups: Sequence[Group]) -> DSAResult:

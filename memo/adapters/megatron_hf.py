@@ -31,6 +31,7 @@ names (memo/train/export.py).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -41,7 +42,7 @@ from torch import nn
 
 from memo.errors import MemoError, internal_assert
 from memo.jsonio import read_json
-from memo.models import ModelConfig
+from memo.models import ModelConfig, hf_shapes
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -49,8 +50,8 @@ if TYPE_CHECKING:
 __all__ = ["CONVERTED_TYPES", "PaddedVocabMask", "gather_full_state", "hf_config_of", "hf_state_dict",
            "load_hf_weights", "megatron_shapes", "rope_inv_freq"]
 
-#: The Hugging Face model types converted, and whether they norm every query and key head (Qwen3).
-CONVERTED_TYPES = {"llama": False, "mistral": False, "qwen3": True}
+#: The Hugging Face model types converted (Qwen3's q/k norms: memo.models.hf_shapes).
+CONVERTED_TYPES = ("llama", "mistral", "qwen3")
 #: Rope types whose frequencies megatron's rotary embedding takes as they are (no attention scaling, no
 #: change with the sequence length).
 _ROPE_TYPES = ("default", "linear", "llama3")
@@ -73,15 +74,9 @@ def megatron_shapes(hf: PretrainedConfig, where: str) -> ModelConfig:
     if differs:
         raise MemoError(f"{where}: its config has {', '.join(differs)}; memo's megatron GPTModel is a Llama "
                         "(SiLU gate, no biases, full attention): use --engine memo or fsdp2 for it")
-    heads = hf.num_attention_heads
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
     rope_inv_freq(hf, where)  # a rope type megatron cannot run is refused before anything is built
-    return ModelConfig(name=f"hf-{kind}", arch="llama", n_layers=hf.num_hidden_layers, hidden=hf.hidden_size,
-                       n_heads=heads, n_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
-                       head_dim=int(head_dim), ffn_hidden=hf.intermediate_size, vocab_size=hf.vocab_size,
-                       norm_eps=float(getattr(hf, "rms_norm_eps", 1e-6)),
-                       rope_theta=float(_rope(hf)["rope_theta"]),
-                       qk_norm=CONVERTED_TYPES[kind])
+    # the shapes every engine reads of an HF config, and the rotary base megatron's GPTModel is built with
+    return dataclasses.replace(hf_shapes(hf), rope_theta=float(_rope(hf)["rope_theta"]))
 
 
 def _rope(hf: PretrainedConfig) -> dict[str, Any]:

@@ -7,11 +7,13 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from memo.errors import MemoError
 from memo.jsonio import read_json
 
-__all__ = ["ModelConfig", "fingerprint", "get_config", "list_configs", "load_config", "register_config"]
+__all__ = ["ModelConfig", "fingerprint", "get_config", "hf_shapes", "list_configs", "load_config",
+           "register_config"]
 
 _ARCHS = ("gpt", "llama")
 
@@ -215,6 +217,22 @@ def load_config(path: str | os.PathLike[str]) -> ModelConfig:
         return ModelConfig(**fields)
     except MemoError as err:
         raise MemoError(f"{err} (in {os.fspath(path)})") from None
+
+
+def hf_shapes(hf: Any) -> ModelConfig:
+    """memo's :class:`ModelConfig` (``arch="llama"``) with a Hugging Face decoder's shapes, from its
+    transformers config (read by attribute: the sizes, ``head_dim`` where it is not hidden / heads,
+    Qwen3's q/k norms, the RMSNorm epsilon)."""
+    heads = hf.num_attention_heads
+    head_dim = getattr(hf, "head_dim", None)
+    return ModelConfig(name=f"hf-{hf.model_type}", arch="llama", n_layers=hf.num_hidden_layers,
+                       hidden=hf.hidden_size, n_heads=heads,
+                       head_dim=None if head_dim is None or head_dim * heads == hf.hidden_size
+                       else int(head_dim),
+                       qk_norm=hf.model_type == "qwen3",
+                       n_kv_heads=getattr(hf, "num_key_value_heads", None),
+                       ffn_hidden=getattr(hf, "intermediate_size", None), vocab_size=hf.vocab_size,
+                       norm_eps=float(getattr(hf, "rms_norm_eps", 1e-5)))
 
 
 def list_configs() -> list[str]:

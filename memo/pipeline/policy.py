@@ -271,6 +271,8 @@ def _calibrated_costs(probe: StepProbe, costs: LayerCosts, wrap_pass: bool | Non
 
 
 def _with_memo(costs: LayerCosts, tile: int | None, total: int) -> LayerCosts:
+    """``costs`` corrected by memo's recorded ``total`` in ``tile``, against the estimate of ``costs`` as
+    they are now: a full-recompute recording made after memo's moved their base, and the estimate with it."""
     calibration = memo_calibration(costs, tile)
     internal_assert(calibration is not None, "a policy recorded for memo_calibration is one")
     return with_recorded_memo(costs, total, cast("tuple[list[str], int]", calibration)[1], tile)

@@ -1,4 +1,4 @@
-"""Meta kernels' outputs reused by what they depend on, in an estimate's recordings (NOTE [Meta kernels
+"""Meta kernels' outputs reused by what they depend on, in recordings on meta (NOTE [Meta kernels
 by their inputs' shapes])."""
 
 from __future__ import annotations

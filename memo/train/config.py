@@ -257,8 +257,9 @@ class TrainConfig:
 
         where = f"memo.train: --export {self.export!r}"
         if self.engine == "megatron" and not self.hugging_face:
-            if get_config(self.model).arch != "llama":
-                raise MemoError(f"{where}: megatron's GPTModel of the {get_config(self.model).arch} model "
+            arch = get_config(self.model).arch
+            if arch != "llama":
+                raise MemoError(f"{where}: megatron's GPTModel of the {arch} model "
                                 f"{self.model!r} has no Hugging Face class to export to; --export writes "
                                 "llama-arch megatron models, and those of --hf-model or --hf-config")
         elif not self.hugging_face:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from memo.errors import MemoError, internal_assert
-from memo.models import DEFAULT_MAX_SEQ_LEN, build_model, get_config, list_configs
+from memo.models import DEFAULT_MAX_SEQ_LEN, build_model, get_config, hf_shapes, list_configs
 from memo.models.dtypes import DTYPES
 from memo.planner.job import JobSpec
 from memo.profiler.bounds import check_least_memory, least_memory
@@ -402,12 +402,12 @@ def _build(config: TrainConfig, device: torch.device, dtype: torch.dtype, budget
         if config.engine == "megatron":
             return engines.load_megatron_from_hf(config.hf_model, hf, config.seq_len, device, dtype,
                                                  None if parallel is None else parallel.layout)
-        return engines.load_hf_causal_lm(config.hf_model, hf, device, dtype), _hf_shapes(hf)
+        return engines.load_hf_causal_lm(config.hf_model, hf, device, dtype), hf_shapes(hf)
     if config.hf_config is not None:
         hf = engines.hf_config(config.hf_config)
         engines.apply_rope(hf, config.rope_theta, config.rope_scaling)  # NOTE [Context extension]
         model = engines.build_hf_causal_lm(hf, device, dtype)
-        return model, _hf_shapes(hf)
+        return model, hf_shapes(hf)
     model_config = get_config(config.model)
     max_seq_len = max(config.seq_len, DEFAULT_MAX_SEQ_LEN) if model_config.arch == "gpt" else None
     # NOTE [Least memory, checked first]: refuse a length the device cannot hold before building the
@@ -437,22 +437,6 @@ def _model_name(config: TrainConfig, model_config: ModelConfig) -> str:
     if config.engine == "fsdp2":
         return f"{config.model} (FSDP2{', states offloaded' if config.offload_states else ''})"
     return config.model if config.engine == "memo" else f"{config.model} (megatron-core GPTModel)"
-
-
-def _hf_shapes(hf: Any) -> Any:
-    """memo's :class:`~memo.models.ModelConfig` with a Hugging Face decoder's shapes."""
-    from memo.models import ModelConfig
-
-    heads = hf.num_attention_heads
-    head_dim = getattr(hf, "head_dim", None)
-    return ModelConfig(name=f"hf-{hf.model_type}", arch="llama", n_layers=hf.num_hidden_layers,
-                       hidden=hf.hidden_size, n_heads=heads,
-                       head_dim=None if head_dim is None or head_dim * heads == hf.hidden_size
-                       else int(head_dim),
-                       qk_norm=hf.model_type == "qwen3",
-                       n_kv_heads=getattr(hf, "num_key_value_heads", None),
-                       ffn_hidden=getattr(hf, "intermediate_size", None), vocab_size=hf.vocab_size,
-                       norm_eps=float(getattr(hf, "rms_norm_eps", 1e-5)))
 
 
 def _run_kind(strategy: Strategy) -> str:

@@ -31,8 +31,8 @@ def test_the_checkpoint_trains_on_the_corpus_from_hf_s_own_loss(files: dict[str,
     step's loss is what the checkpoint, loaded by transformers, gives on the same packed batch."""
     from transformers import AutoModelForCausalLM
 
+    from memo.models import hf_shapes
     from memo.train.config import TrainConfig, token_source
-    from memo.train.loop import _hf_shapes
 
     report = files["root"] / "report.json"
     args = ["train", "--hf-model", str(files["checkpoint"]), "--data", str(files["data"]), "--seq-len", "64",
@@ -45,7 +45,7 @@ def test_the_checkpoint_trains_on_the_corpus_from_hf_s_own_loss(files: dict[str,
     hf = AutoModelForCausalLM.from_pretrained(files["checkpoint"], local_files_only=True)
     config = TrainConfig(hf_model=str(files["checkpoint"]), data=str(files["data"]), seq_len=64,
                          micro_batch=2)
-    ids, labels, positions = next(iter(token_source(config, _hf_shapes(hf.config))))
+    ids, labels, positions = next(iter(token_source(config, hf_shapes(hf.config))))
     assert int((positions[:, 1:] == 0).sum()) >= 2, positions  # several documents in a row
     with torch.no_grad():
         # use_cache=False: with a cache transformers does not look for packed documents in position_ids

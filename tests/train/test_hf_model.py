@@ -62,10 +62,10 @@ def hf_loss(directory: Path, ids: torch.Tensor, labels: torch.Tensor, **config: 
 def first_batch(config: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """The first batch ``memo.train.train`` takes for ``config``."""
     from memo.engines import hf_checkpoint_config
+    from memo.models import hf_shapes
     from memo.train.config import token_source
-    from memo.train.loop import _hf_shapes
 
-    ids, labels = next(iter(token_source(config, _hf_shapes(hf_checkpoint_config(config.hf_model)))))
+    ids, labels = next(iter(token_source(config, hf_shapes(hf_checkpoint_config(config.hf_model)))))
     return ids, labels
 
 

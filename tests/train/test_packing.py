@@ -126,8 +126,9 @@ def test_memo_train_first_step_is_hf_s_own_loss(corpus: dict[str, str], strategy
     causal-LM loss) gives on the same packed batch, with the same initial weights; memo's strategy
     (profile, plan, wrapped layers) too."""
     from memo.engines import hf_config
+    from memo.models import hf_shapes
     from memo.train.config import TrainConfig, token_source
-    from memo.train.loop import _hf_shapes, train
+    from memo.train.loop import train
     from memo.train.strategies import StrategyOptions, make_strategy
 
     config = TrainConfig(hf_config=corpus["hf_config"], tokenizer=corpus["tokenizer"], data=corpus["data"],
@@ -135,7 +136,7 @@ def test_memo_train_first_step_is_hf_s_own_loss(corpus: dict[str, str], strategy
     machine = {"alpha": 0.5, "layer_ms": 1.0, "bandwidth_gbps": 10.0, "host_mem_gb": 64.0, "time_limit": 1.0}
     options = StrategyOptions(strategy=strategy, **(machine if strategy == "memo" else {}))
     result = train(config, progress=False, log=lambda _line: None, strategy=make_strategy(options))
-    ids, labels, positions = next(iter(token_source(config, _hf_shapes(hf_config(corpus["hf_config"])))))
+    ids, labels, positions = next(iter(token_source(config, hf_shapes(hf_config(corpus["hf_config"])))))
     assert int((positions[:, 1:] == 0).sum()) >= 2, positions  # documents start inside the rows
     hf = _hf_model(config.seed)
     with torch.no_grad():
